@@ -1,0 +1,28 @@
+# One-command setup: a virtual environment (created if missing) with the CPU build of torch.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.csattn-installed
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m csattn demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --timeout 900
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check csattn tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

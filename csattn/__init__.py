@@ -1,0 +1,10 @@
+"""csattn: DeepSeek-V4 hybrid attention (sliding window, CSA, HCA) for training on packed sequences."""
+
+from .config import AttentionConfig
+from .layers import HybridAttention
+from .ops.indexer_loss import IndexerLossAutoScaler
+from .ops.rope import YarnScaling
+from .packing import PackedSeqs
+
+__all__ = ["AttentionConfig", "HybridAttention", "IndexerLossAutoScaler", "PackedSeqs", "YarnScaling"]
+__version__ = "0.1.0"

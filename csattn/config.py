@@ -1,0 +1,143 @@
+"""Configuration of one hybrid attention layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .ops.rope import YarnScaling
+
+__all__ = ["AttentionConfig", "LAYER_TYPES"]
+
+LayerType = Literal["sliding", "csa", "hca"]
+LAYER_TYPES: tuple[str, ...] = ("sliding", "csa", "hca")
+
+_HF_LAYER_TYPES = {
+    "sliding_attention": "sliding",
+    "compressed_sparse_attention": "csa",
+    "heavily_compressed_attention": "hca",
+}
+
+
+@dataclass
+class AttentionConfig:
+    """One DeepSeek-V4 attention layer.
+
+    ``layer_type``: ``"sliding"`` (window only, "W"), ``"csa"`` (overlapping compressor of ratio
+    ``compress_ratio`` + lightning indexer + top-k) or ``"hca"`` (non-overlapping compressor, every visible
+    entry attended). Defaults are V4-Flash's attention geometry.
+    """
+
+    hidden_size: int = 4096
+    num_heads: int = 64
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    sliding_window: int = 128
+    layer_type: LayerType = "csa"
+    compress_ratio: int = 4
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    rope_theta: float = 160000.0
+    rope_scaling: YarnScaling | None = field(default_factory=YarnScaling)
+    rms_norm_eps: float = 1e-6
+    # indexer loss (CSA layers)
+    indexer_loss_coeff: float = 0.0
+    indexer_loss_type: Literal["sparse", "dense"] = "sparse"
+    compute_indexer_loss: bool = True  # computed whenever gradients are enabled
+    # execution
+    workspace_bytes: int = 1 << 30  # bound on the indexer scores workspace of one row chunk
+    attn_chunk_rows: int = 1024  # rows per chunk of the reference sparse attention
+    backend: Literal["auto", "reference", "triton"] = "auto"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field on inconsistent settings."""
+        if self.layer_type not in LAYER_TYPES:
+            raise ValueError(f"layer_type must be one of {LAYER_TYPES}, got {self.layer_type!r}")
+        for name in ("hidden_size", "num_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+                     "sliding_window"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.rope_head_dim < 0 or self.rope_head_dim % 2 or self.rope_head_dim > self.head_dim:
+            raise ValueError(
+                f"rope_head_dim must be even and <= head_dim ({self.head_dim}), got {self.rope_head_dim}"
+            )
+        if (self.num_heads * self.head_dim) % self.o_groups:
+            raise ValueError(f"o_groups ({self.o_groups}) must divide num_heads * head_dim")
+        if self.layer_type == "sliding":
+            return
+        if not isinstance(self.compress_ratio, int) or self.compress_ratio < 1:
+            raise ValueError(f"compress_ratio must be a positive int for a {self.layer_type} layer, "
+                             f"got {self.compress_ratio!r}")
+        if self.layer_type == "csa":
+            if self.index_topk < 1:
+                raise ValueError(f"index_topk must be >= 1, got {self.index_topk}")
+            if self.index_n_heads < 1 or self.index_head_dim < self.rope_head_dim:
+                raise ValueError("index_n_heads must be >= 1 and index_head_dim >= rope_head_dim "
+                                 f"(got {self.index_n_heads}, {self.index_head_dim})")
+            if self.indexer_loss_type not in ("sparse", "dense"):
+                raise ValueError(f"indexer_loss_type must be 'sparse' or 'dense', got {self.indexer_loss_type!r}")
+
+    @property
+    def overlap(self) -> bool:
+        """CSA compressors pool overlapping windows of 2r tokens."""
+        return self.layer_type == "csa"
+
+    @property
+    def has_compressor(self) -> bool:
+        return self.layer_type != "sliding"
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, layer_idx: int, **overrides: Any) -> AttentionConfig:
+        """Build from a ``transformers.DeepseekV4Config`` for layer ``layer_idx``."""
+        layer_types = list(hf_config.layer_types)
+        if not 0 <= layer_idx < len(layer_types):
+            raise ValueError(f"layer_idx {layer_idx} is out of range for {len(layer_types)} layers")
+        hf_type = layer_types[layer_idx]
+        if hf_type not in _HF_LAYER_TYPES:
+            raise ValueError(f"unknown layer type {hf_type!r} at layer {layer_idx}")
+        layer_type = _HF_LAYER_TYPES[hf_type]
+        rates = hf_config.compress_rates
+        rope_key = "main" if layer_type == "sliding" else "compress"
+        rope = hf_config.rope_parameters[rope_key]
+        yarn = None
+        if rope.get("rope_type", "default") == "yarn":
+            yarn = YarnScaling(
+                factor=float(rope["factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                beta_fast=float(rope.get("beta_fast") or 32),
+                beta_slow=float(rope.get("beta_slow") or 1),
+                truncate=bool(hf_config.rope_parameters.get("truncate", True)),
+            )
+        elif rope.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope_type {rope.get('rope_type')!r}")
+        kwargs: dict[str, Any] = dict(
+            hidden_size=hf_config.hidden_size,
+            num_heads=hf_config.num_attention_heads,
+            head_dim=hf_config.head_dim,
+            rope_head_dim=int(hf_config.head_dim * rope.get("partial_rotary_factor", 1.0)),
+            q_lora_rank=hf_config.q_lora_rank,
+            o_groups=hf_config.o_groups,
+            o_lora_rank=hf_config.o_lora_rank,
+            sliding_window=hf_config.sliding_window,
+            layer_type=layer_type,
+            compress_ratio=int(rates.get(hf_type, 0)) if layer_type != "sliding" else 0,
+            index_n_heads=hf_config.index_n_heads,
+            index_head_dim=hf_config.index_head_dim,
+            index_topk=hf_config.index_topk,
+            rope_theta=float(rope["rope_theta"]),
+            rope_scaling=yarn,
+            rms_norm_eps=hf_config.rms_norm_eps,
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)

@@ -1,0 +1,265 @@
+"""``HybridAttention``: one DeepSeek-V4 attention layer (sliding window, CSA or HCA) on packed sequences."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..config import AttentionConfig
+from ..ops.indexer import indexer_topk
+from ..ops.indexer_loss import attach_indexer_loss, indexer_kl_loss
+from ..ops.indices import combine_indices, range_indices, window_indices
+from ..ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from ..ops.sparse_attn import sparse_attn
+from ..packing import CompressMeta, PackedSeqs
+from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, _linear, rms_norm_unweighted
+
+__all__ = ["HybridAttention"]
+
+
+class _CSACompressor(Compressor):
+    """The CSA compressor owns the indexer (HF layout: ``compressor.indexer.*``)."""
+
+    def __init__(self, cfg: AttentionConfig) -> None:
+        super().__init__(cfg.hidden_size, cfg.head_dim, cfg.compress_ratio, overlap=True, eps=cfg.rms_norm_eps)
+        self.indexer = Indexer(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
+                               cfg.compress_ratio, cfg.rms_norm_eps)
+
+
+class HybridAttention(nn.Module):
+    """DeepSeek-V4 attention for training on packed sequences.
+
+    Forward takes ``[B, S, D]`` (B documents of length S) or packed ``[T, D]`` with ``packed=`` a
+    :class:`csattn.PackedSeqs` or any object with Megatron ``PackedSeqParams`` fields. It returns the
+    output of the same shape. On CSA layers with gradients enabled the indexer KL loss is computed,
+    attached to the output (its gradient flows during the main backward) and kept, detached, in
+    ``self.last_indexer_loss`` for logging.
+
+    Example:
+        >>> cfg = AttentionConfig(hidden_size=64, num_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=32,
+        ...                       o_groups=2, o_lora_rank=16, sliding_window=8, layer_type="csa",
+        ...                       index_n_heads=2, index_head_dim=16, index_topk=4)
+        >>> attn = HybridAttention(cfg)
+        >>> out = attn(torch.randn(2, 40, 64))
+    """
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = cfg = config
+        hd = cfg.num_heads * cfg.head_dim
+        self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = _linear(cfg.q_lora_rank, hd)
+        self.kv_proj = _linear(cfg.hidden_size, cfg.head_dim)
+        self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
+        self.o_b_proj = _linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads))
+        if cfg.layer_type == "csa":
+            self.compressor: Compressor | None = _CSACompressor(cfg)
+        elif cfg.layer_type == "hca":
+            self.compressor = Compressor(cfg.hidden_size, cfg.head_dim, cfg.compress_ratio, overlap=False,
+                                         eps=cfg.rms_norm_eps)
+        else:
+            self.compressor = None
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
+        )
+        self.last_indexer_loss: Tensor | None = None
+
+    # ------------------------------------------------------------------ public API
+    def forward(self, hidden_states: Tensor, packed: Any = None, cp: Any = None) -> Tensor:
+        """Args:
+            hidden_states: ``[B, S, D]`` or packed ``[T, D]`` (the normalized block input).
+            packed: packed metadata for ``[T, D]`` input (None = one document). Under ``cp`` it describes
+                the global stream and ``hidden_states`` holds this rank's rows.
+            cp: optional ``csattn.ContextParallel``.
+
+        Returns:
+            ``[B, S, D]`` or ``[T, D]``, like the input.
+        """
+        x, packed, batch_shape = self._flatten(hidden_states, packed)
+        if cp is not None:
+            from ..cp import cp_attention_forward  # local import: the CP package depends on this module
+
+            out = cp_attention_forward(self, x, packed, cp)
+        else:
+            packed.validate(x.shape[0], x.device)
+            out = self.forward_packed(x, packed)
+        return out.view(*batch_shape, -1) if batch_shape is not None else out
+
+    def load_hf_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
+        """Load the state dict of a Hugging Face ``DeepseekV4Attention`` (same names).
+
+        Raises ``ValueError`` naming the tensor on a missing, unexpected or misshaped entry.
+        """
+        own = self.state_dict()
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise ValueError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+        for name, tensor in state_dict.items():
+            if name in own and tuple(own[name].shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} does not match the config's "
+                    f"{tuple(own[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                if name in own:
+                    own[name].copy_(tensor)
+
+    # ------------------------------------------------------------------ phases (shared with the CP path)
+    def rope_tables(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return rope_cos_sin(pos, self.inv_freq, torch.promote_types(dtype, torch.float32))
+
+    def queries(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """``q [T, H, d]`` (normed, roped) and the shared latent ``qr [T, q_lora]``."""
+        cfg = self.config
+        qr = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(qr).unflatten(-1, (cfg.num_heads, cfg.head_dim))
+        q = rms_norm_unweighted(q, cfg.rms_norm_eps)
+        return apply_rope(q, cos, sin), qr
+
+    def raw_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The single K = V head of every row, ``[T, d]``."""
+        return apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+
+    def output(self, o: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Inverse RoPE on ``o [T, H, d]`` (values carried absolute rope), then the grouped projection."""
+        o = apply_rope(o, cos, sin, inverse=True)
+        grouped = o.reshape(o.shape[0], self.config.o_groups, -1)
+        return self.o_b_proj(self.o_a_proj(grouped))
+
+    def attend(
+        self,
+        q: Tensor,
+        kv: Tensor,
+        ckv: Tensor | None,
+        window_ids: Tensor,
+        compressed_ids: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        """Sparse attention of ``q`` over window keys (rows of ``kv``) and compressed keys (rows of ``ckv``)."""
+        cfg = self.config
+        if ckv is not None and ckv.shape[0] > 0 and compressed_ids is not None:
+            keys = torch.cat([kv, ckv.to(kv.dtype)], dim=0)
+            ids = combine_indices(window_ids, compressed_ids, kv.shape[0])
+        else:
+            keys, ids = kv, window_ids
+        return sparse_attn(q, keys, ids, self.sinks, cfg.scale, chunk_rows=cfg.attn_chunk_rows)
+
+    def wants_indexer_loss(self) -> bool:
+        return (
+            self.config.layer_type == "csa"
+            and self.config.compute_indexer_loss
+            and torch.is_grad_enabled()
+        )
+
+    # ------------------------------------------------------------------ single-process forward
+    def forward_packed(self, x: Tensor, packed: PackedSeqs) -> Tensor:
+        """Forward over a whole packed stream ``x [T, D]`` (no context parallelism)."""
+        cfg = self.config
+        rows = packed.rows(x.device)
+        cos, sin = self.rope_tables(rows.pos, x.dtype)
+        q, qr = self.queries(x, cos, sin)
+        kv = self.raw_kv(x, cos, sin)
+        window_ids = window_indices(rows.pos, rows.real, cfg.sliding_window)
+
+        ckv = compressed_ids = None
+        loss_inputs = None
+        if self.compressor is not None:
+            meta = packed.compress(cfg.compress_ratio, x.device)
+            ckv = self.compressor.compress(x, meta, self.inv_freq)
+            if cfg.layer_type == "hca":
+                compressed_ids = range_indices(meta.vis_start, meta.vis_end, meta.max_visible)
+            else:
+                keys = self.index_keys(x, meta)
+                compressed_ids, loss_inputs = self.select(x, qr, cos, sin, keys, meta.vis_start, meta.vis_end)
+        o, lse = self.attend(q, kv, ckv, window_ids, compressed_ids)
+
+        self.last_indexer_loss = None
+        if loss_inputs is not None and self.wants_indexer_loss():
+            row_weight = rows.real.to(lse.dtype) / max(rows.num_real, 1)
+            loss = self.indexer_loss(loss_inputs, q, ckv, lse, row_weight, compressed_ids, meta.vis_start,
+                                     meta.vis_end)
+            o = attach_indexer_loss(o, loss)
+        return self.output(o, cos, sin)
+
+    def index_keys(self, x: Tensor, meta: CompressMeta, row_offset: int = 0) -> Tensor:
+        """The indexer's own compressed keys ``[Nc, cI]`` from detached ``x`` (CSA)."""
+        return self.compressor.indexer.compress(x.detach(), meta, self.inv_freq, row_offset=row_offset)
+
+    def select(
+        self,
+        x: Tensor,
+        qr: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        index_keys: Tensor,
+        vis_start: Tensor,
+        vis_end: Tensor,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+        """Lightning-indexer top-k for the rows of ``x`` / ``qr`` (CSA).
+
+        The indexer sees detached inputs: the language-model loss sends it no gradient; only the
+        indexer loss trains it.
+
+        Returns:
+            ``selected [T, k]`` global compressed ids (-1 = none) and ``(q_idx, w, k_idx)`` for the loss.
+        """
+        cfg = self.config
+        indexer: Indexer = self.compressor.indexer
+        q_idx = indexer.queries(qr.detach(), cos, sin)
+        w = indexer.scorer(x.detach())
+        selected = indexer_topk(q_idx, w, index_keys, vis_start, vis_end, cfg.index_topk,
+                                workspace_bytes=cfg.workspace_bytes)
+        return selected, (q_idx, w, index_keys)
+
+    def indexer_loss(
+        self,
+        loss_inputs: tuple[Tensor, Tensor, Tensor],
+        q: Tensor,
+        ckv: Tensor,
+        lse: Tensor,
+        row_weight: Tensor,
+        selected: Tensor,
+        vis_start: Tensor,
+        vis_end: Tensor,
+    ) -> Tensor:
+        """``coeff * sum_t row_weight[t] * KL_t``; logs the value in ``last_indexer_loss``."""
+        cfg = self.config
+        q_idx, w, k_idx = loss_inputs
+        kl = indexer_kl_loss(
+            q_idx, w, k_idx, q, ckv, lse, cfg.scale, row_weight,
+            selected=selected if cfg.indexer_loss_type == "sparse" else None,
+            vis_start=vis_start, vis_end=vis_end, workspace_bytes=cfg.workspace_bytes,
+        )
+        loss = kl * cfg.indexer_loss_coeff
+        self.last_indexer_loss = kl.detach()
+        return loss
+
+    # ------------------------------------------------------------------ input handling
+    def _flatten(self, hidden_states: Tensor, packed: Any) -> tuple[Tensor, PackedSeqs, tuple | None]:
+        cfg = self.config
+        if not isinstance(hidden_states, Tensor):
+            raise ValueError(f"hidden_states must be a tensor, got {type(hidden_states).__name__}")
+        if not hidden_states.is_floating_point():
+            raise ValueError(f"hidden_states must be floating point, got {hidden_states.dtype}")
+        if hidden_states.shape[-1] != cfg.hidden_size:
+            raise ValueError(
+                f"hidden_states has hidden size {hidden_states.shape[-1]} but the config says {cfg.hidden_size}"
+            )
+        if hidden_states.dim() == 3:
+            if packed is not None:
+                raise ValueError("packed= is for [T, D] input; got [B, S, D] hidden_states")
+            b, s, _ = hidden_states.shape
+            return hidden_states.reshape(b * s, -1), PackedSeqs.uniform(b, s, hidden_states.device), (b, s)
+        if hidden_states.dim() != 2:
+            raise ValueError(f"hidden_states must be [B, S, D] or [T, D], got shape {tuple(hidden_states.shape)}")
+        if packed is None:
+            packed = PackedSeqs.uniform(1, hidden_states.shape[0], hidden_states.device)
+        return hidden_states, PackedSeqs.coerce(packed), None

@@ -1,0 +1,124 @@
+"""Building blocks of the attention layer, named like Hugging Face's ``DeepseekV4Attention`` submodules so
+state dicts map one to one."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..ops.compressor import compress_pool
+from ..ops.rope import apply_rope, rope_cos_sin
+from ..packing import CompressMeta
+
+__all__ = ["RMSNorm", "rms_norm_unweighted", "GroupedLinear", "Compressor", "Indexer", "IndexerScorer"]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (fp64 for fp64 inputs), weight applied before casting back."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        compute = torch.promote_types(x.dtype, torch.float32)
+        h = x.to(compute)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(compute) * h).to(x.dtype)
+
+
+def rms_norm_unweighted(x: Tensor, eps: float) -> Tensor:
+    """Per-head RMSNorm without weight (the query norm)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    return x * torch.rsqrt(x.to(compute).pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal projection: ``g`` groups, each ``[out/g, in_per_group]`` (weight ``[out, in_per_group]``)."""
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
+        super().__init__()
+        if out_features % groups:
+            raise ValueError(f"out_features ({out_features}) must be divisible by groups ({groups})")
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x [T, g, in_per_group]`` -> ``[T, g * out/g]``."""
+        w = self.weight.view(self.groups, -1, self.weight.shape[-1])  # [g, out/g, in]
+        return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
+
+
+def _linear(dim_in: int, dim_out: int) -> nn.Linear:
+    layer = nn.Linear(dim_in, dim_out, bias=False)
+    nn.init.normal_(layer.weight, std=0.02)
+    return layer
+
+
+class Compressor(nn.Module):
+    """Gated pooling of ``ratio``-token blocks into entries, then RMSNorm and RoPE at position ``i * ratio``.
+
+    With ``overlap`` (CSA) projections are ``2c`` wide and entry i pools block i-1's first half and block
+    i's second half.
+    """
+
+    def __init__(self, hidden_size: int, dim: int, ratio: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        coff = 2 if overlap else 1
+        self.ratio, self.overlap, self.dim = ratio, overlap, dim
+        self.kv_proj = _linear(hidden_size, coff * dim)
+        self.gate_proj = _linear(hidden_size, coff * dim)
+        self.position_bias = nn.Parameter(torch.zeros(ratio, coff * dim))
+        self.kv_norm = RMSNorm(dim, eps)
+
+    def compress(self, x: Tensor, meta: CompressMeta, inv_freq: Tensor, row_offset: int = 0) -> Tensor:
+        """Entries ``[Nc, dim]`` from rows ``x [T, D]``.
+
+        ``row_offset`` shifts ``meta.entry_row`` into ``x``'s rows (used when ``x`` is a window of a
+        longer stream, e.g. a context-parallel shard with its halo).
+        """
+        kv = self.kv_proj(x)
+        gate = self.gate_proj(x)
+        entry_row = meta.entry_row - row_offset if row_offset else meta.entry_row
+        pooled = compress_pool(kv, gate, self.position_bias, entry_row, meta.entry_first, self.ratio, self.overlap)
+        return self.finish(pooled, meta.entry_pos, inv_freq)
+
+    def finish(self, pooled: Tensor, entry_pos: Tensor, inv_freq: Tensor) -> Tensor:
+        """RMSNorm then RoPE at each entry's first-token position."""
+        normed = self.kv_norm(pooled)
+        if inv_freq.numel() == 0:
+            return normed
+        cos, sin = rope_cos_sin(entry_pos, inv_freq, torch.promote_types(normed.dtype, torch.float32))
+        return apply_rope(normed, cos, sin)
+
+
+class IndexerScorer(nn.Module):
+    """Per-head weights of the lightning indexer, scaled by ``cI^-0.5 * HI^-0.5``."""
+
+    def __init__(self, hidden_size: int, n_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.weights_proj = _linear(hidden_size, n_heads)
+        self.scale = head_dim ** -0.5 * n_heads ** -0.5
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x [T, D]`` -> ``[T, HI]`` in fp32 (fp64 for fp64 inputs)."""
+        compute = torch.promote_types(x.dtype, torch.float32)
+        return self.weights_proj(x).to(compute) * self.scale
+
+
+class Indexer(Compressor):
+    """Lightning indexer: its own overlapping compressor for keys, queries from the shared latent ``qr``."""
+
+    def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, ratio: int,
+                 eps: float) -> None:
+        super().__init__(hidden_size, head_dim, ratio, overlap=True, eps=eps)
+        self.n_heads, self.head_dim = n_heads, head_dim
+        self.q_b_proj = _linear(q_lora_rank, n_heads * head_dim)
+        self.scorer = IndexerScorer(hidden_size, n_heads, head_dim)
+
+    def queries(self, qr: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``qr [T, q_lora]`` -> ``[T, HI, cI]`` with RoPE at each row's position."""
+        q = self.q_b_proj(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        return apply_rope(q, cos, sin) if cos.numel() else q

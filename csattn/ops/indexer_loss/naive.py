@@ -1,0 +1,157 @@
+"""Reference indexer KL loss (sparse over the selected top-k, or dense over every visible entry) and the
+identity autograd function that injects its gradient during the main backward pass."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from ..indexer.naive import indexer_scores_ref, row_chunks
+
+__all__ = ["indexer_kl_loss_ref", "kl_from_logits", "IndexerLossAutoScaler", "attach_indexer_loss"]
+
+
+def kl_from_logits(student: Tensor, teacher_mass: Tensor, valid: Tensor) -> Tensor:
+    """Per-row ``KL(T || softmax(student))`` over the valid candidates.
+
+    Args:
+        student: ``[R, K]`` indexer scores; teacher_mass: ``[R, K]`` non-negative head-summed attention
+        probabilities (detached); valid: ``[R, K]`` bool.
+
+    Returns:
+        ``[R]``; rows without a valid candidate give 0.
+    """
+    has_any = valid.any(dim=1, keepdim=True)
+    logits = student.masked_fill(~valid, float("-inf"))
+    logits = torch.where(has_any, logits, torch.zeros_like(logits))
+    log_p = torch.log_softmax(logits, dim=1)
+    log_p = torch.where(valid, log_p, torch.zeros_like(log_p))
+    mass = teacher_mass.masked_fill(~valid, 0.0)
+    total = mass.sum(dim=1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
+    target = mass / total
+    return (torch.xlogy(target, target) - target * log_p).sum(dim=1)
+
+
+def _teacher_mass(q: Tensor, keys: Tensor, lse: Tensor, scale: float) -> Tensor:
+    """``sum_h exp(scale * q_h . key - lse_h)``; ``keys`` is ``[K, d]`` (shared) or ``[R, K, d]``."""
+    if keys.dim() == 2:
+        logits = torch.einsum("rhd,kd->rhk", q, keys)
+    else:
+        logits = torch.einsum("rhd,rkd->rhk", q, keys)
+    return torch.exp(logits * scale - lse[..., None]).sum(dim=1)
+
+
+def _sparse_chunk(q_idx, w, k_idx, q, ckv, lse, selected, row_weight, scale):
+    compute = torch.promote_types(q_idx.dtype, torch.float32)
+    valid = selected >= 0
+    ids = selected.clamp(min=0)
+    student = indexer_scores_ref(q_idx, w, k_idx[ids])
+    mass = _teacher_mass(q.to(compute), ckv[ids].to(compute), lse.to(compute), scale)
+    return (kl_from_logits(student, mass, valid) * row_weight.to(compute)).sum()
+
+
+def _dense_chunk(q_idx, w, k_slab, q, ckv_slab, lse, ids, vis_start, vis_end, row_weight, scale):
+    compute = torch.promote_types(q_idx.dtype, torch.float32)
+    valid = (ids[None, :] >= vis_start[:, None]) & (ids[None, :] < vis_end[:, None])
+    student = indexer_scores_ref(q_idx, w, k_slab)
+    mass = _teacher_mass(q.to(compute), ckv_slab.to(compute), lse.to(compute), scale)
+    return (kl_from_logits(student, mass, valid) * row_weight.to(compute)).sum()
+
+
+def indexer_kl_loss_ref(
+    q_idx: Tensor,
+    w: Tensor,
+    k_idx: Tensor,
+    q: Tensor,
+    ckv: Tensor,
+    lse: Tensor,
+    scale: float,
+    row_weight: Tensor,
+    selected: Tensor | None = None,
+    vis_start: Tensor | None = None,
+    vis_end: Tensor | None = None,
+    workspace_bytes: int = 1 << 30,
+) -> Tensor:
+    """Weighted sum over rows of ``KL(teacher || softmax(indexer scores))``.
+
+    Student: indexer scores over the candidates (sparse: ``selected`` ids; dense: every id in
+    ``[vis_start, vis_end)``). Teacher: per head ``exp(scale * q_h . ckv_i - lse_h)`` with ``lse`` the
+    attention's full log-denominator (window + sink + attended compressed keys), summed over heads and
+    L1-normalized over the candidates. Teacher inputs are detached, so only the indexer's inputs
+    (``q_idx``, ``w``, ``k_idx``) receive gradients.
+
+    Args:
+        q_idx: ``[T, HI, cI]``; w: ``[T, HI]``; k_idx: ``[Nc, cI]`` indexer queries, weights and keys.
+        q: ``[T, H, d]`` attention queries; ckv: ``[Nc, d]`` compressed kv; lse: ``[T, H]``.
+        scale: attention softmax scale.
+        row_weight: ``[T]`` weight of each row's KL (``1 / num_real_rows`` for real rows, 0 for padding).
+        selected: ``[T, k]`` int64 selected ids (-1 = none) for the sparse loss, or None for dense.
+        vis_start, vis_end: ``[T]`` visible id range per row (needed for the dense loss).
+        workspace_bytes: bound on one chunk's workspace.
+
+    Returns:
+        A scalar (fp32, or fp64 for fp64 inputs).
+    """
+    q, ckv, lse = q.detach(), ckv.detach(), lse.detach()
+    if k_idx.shape[0] == 0 or q_idx.shape[0] == 0:
+        # No compressed entry: the loss is 0, still connected to every input so their grads exist.
+        return (q_idx.sum() + w.sum() + k_idx.sum()).to(torch.promote_types(q_idx.dtype, torch.float32)) * 0
+    compute = torch.promote_types(q_idx.dtype, torch.float32)
+    use_ckpt = torch.is_grad_enabled() and (q_idx.requires_grad or w.requires_grad or k_idx.requires_grad)
+    run = (lambda f, *a: checkpoint(f, *a, use_reentrant=False)) if use_ckpt else (lambda f, *a: f(*a))
+    heads = q.shape[1] + 2 * q_idx.shape[1]
+    total = q_idx.new_zeros((), dtype=compute)
+    num_rows = q_idx.shape[0]
+    if selected is not None:
+        k = selected.shape[1]
+        per_row = k * (heads * compute.itemsize + (q.shape[2] + q_idx.shape[2]) * compute.itemsize)
+        step = max(1, workspace_bytes // max(per_row, 1))
+        for lo in range(0, num_rows, step):
+            hi = min(lo + step, num_rows)
+            total = total + run(
+                _sparse_chunk, q_idx[lo:hi], w[lo:hi], k_idx, q[lo:hi], ckv, lse[lo:hi],
+                selected[lo:hi], row_weight[lo:hi], scale,
+            )
+        return total
+    if vis_start is None or vis_end is None:
+        raise ValueError("the dense indexer loss needs vis_start and vis_end")
+    for lo, hi, key_lo, key_hi in row_chunks(vis_start, vis_end, heads * compute.itemsize, workspace_bytes):
+        if key_hi <= key_lo:
+            continue
+        ids = torch.arange(key_lo, key_hi, device=q_idx.device)
+        total = total + run(
+            _dense_chunk, q_idx[lo:hi], w[lo:hi], k_idx[key_lo:key_hi], q[lo:hi], ckv[key_lo:key_hi],
+            lse[lo:hi], ids, vis_start[lo:hi], vis_end[lo:hi], row_weight[lo:hi], scale,
+        )
+    return total
+
+
+class IndexerLossAutoScaler(torch.autograd.Function):
+    """Identity on the attention output whose backward also sends ``d loss = loss_scale`` into the indexer
+    loss, so one ``backward()`` of the language-model loss trains the indexer without the KL appearing in
+    the reported LM loss. ``set_loss_scale`` sets the main loss's scale (e.g. ``1 / num_microbatches``)."""
+
+    main_loss_backward_scale: Tensor | None = None
+
+    @staticmethod
+    def forward(ctx, output: Tensor, loss: Tensor) -> Tensor:
+        ctx.save_for_backward(loss)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        (loss,) = ctx.saved_tensors
+        scale = IndexerLossAutoScaler.main_loss_backward_scale
+        grad_loss = torch.ones_like(loss) if scale is None else torch.ones_like(loss) * scale.to(loss)
+        return grad_output, grad_loss
+
+    @staticmethod
+    def set_loss_scale(scale: float | Tensor) -> None:
+        """Scale of the gradient injected into every attached indexer loss (default 1)."""
+        IndexerLossAutoScaler.main_loss_backward_scale = torch.as_tensor(scale, dtype=torch.float64)
+
+
+def attach_indexer_loss(output: Tensor, loss: Tensor) -> Tensor:
+    """Return ``output`` unchanged; its backward also back-propagates ``loss`` with the set loss scale."""
+    return IndexerLossAutoScaler.apply(output, loss)

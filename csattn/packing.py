@@ -1,0 +1,232 @@
+"""Packed variable-length sequences (THD layout).
+
+Many documents are packed into one token stream ``[T, ...]``. Two prefix sums describe it:
+
+* ``cu_seqlens_padded`` (physical): document ``b`` occupies rows ``[cu[b], cu[b+1])``. All addressing
+  (positions, windows, compression blocks) uses these.
+* ``cu_seqlens`` (real): document ``b`` has ``cu_real[b+1] - cu_real[b]`` real tokens, stored at the start of
+  its physical span; the remaining rows are padding. Padding rows attend to nothing (their output is
+  zero), make no compressed entry, and are excluded from losses, so they never change a real row.
+
+Everything derived from the prefix sums is computed once and cached on the object, so one ``PackedSeqs``
+per step can be handed to every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["PackedSeqs", "RowMeta", "CompressMeta", "validate_cu_seqlens"]
+
+
+def validate_cu_seqlens(
+    cu: Any, name: str, num_rows: int | None = None, device: torch.device | None = None
+) -> Tensor:
+    """Check a ``cu_seqlens`` tensor and return it as int64.
+
+    Raises ``ValueError`` naming ``name`` when it is not an int32/int64 1-D tensor with at least two
+    entries that starts at 0, never decreases, ends at ``num_rows`` and lives on ``device``.
+    """
+    if not isinstance(cu, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64, got {cu.dtype}")
+    if cu.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [num_docs + 1], got shape {tuple(cu.shape)}")
+    if cu.numel() < 2:
+        raise ValueError(f"{name} must have at least 2 entries (one document), got {cu.numel()}")
+    if device is not None and cu.device != torch.device(device):
+        raise ValueError(f"{name} is on {cu.device} but the hidden states are on {device}")
+    host = cu.detach().to("cpu", torch.int64)
+    if int(host[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(host[0])}")
+    if bool((host[1:] < host[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing, got {host.tolist()[:16]}")
+    if num_rows is not None and int(host[-1]) != num_rows:
+        raise ValueError(f"{name}[-1] = {int(host[-1])} must equal the number of rows ({num_rows})")
+    return cu.to(torch.int64)
+
+
+@dataclass
+class RowMeta:
+    """Per-row facts of a packed stream (all ``[T]`` unless noted)."""
+
+    doc: Tensor  # int64 document id of each row
+    pos: Tensor  # int64 position of the row inside its document (0-based, physical)
+    real: Tensor  # bool, True for real (non-padding) rows
+    doc_start: Tensor  # [N] int64 first physical row of each document
+    real_len: Tensor  # [N] int64 real length of each document
+    num_real: int  # host int: number of real rows
+
+
+@dataclass
+class CompressMeta:
+    """Compressed entries for one ratio ``r``: document ``b`` yields ``real_len[b] // r`` entries."""
+
+    ratio: int
+    cu_comp: Tensor  # [N+1] int64 prefix sum of entries per document
+    entry_row: Tensor  # [Nc] int64 physical row of the first token of each entry's block
+    entry_first: Tensor  # [Nc] bool, True for the first entry of its document (no previous block)
+    entry_pos: Tensor  # [Nc] int64 position of the entry's first token inside its document (= i * r)
+    vis_start: Tensor  # [T] int64 first compressed id a row may see (its document's first entry)
+    vis_end: Tensor  # [T] int64 one past the last visible id: start + min((pos+1)//r, n_comp)
+    num_entries: int  # host int
+    max_visible: int  # host int: the widest visible range of any row
+
+
+@dataclass
+class PackedSeqs:
+    """Packed-sequence metadata.
+
+    Args:
+        cu_seqlens: ``[N+1]`` int32/int64 real lengths prefix sum. Defaults to ``cu_seqlens_padded``.
+        cu_seqlens_padded: ``[N+1]`` physical layout. Defaults to ``cu_seqlens``.
+        max_seqlen: host int, the longest physical document (computed if omitted).
+
+    Example:
+        >>> packed = PackedSeqs.from_lengths([5, 3], padded_lengths=[8, 4])
+    """
+
+    cu_seqlens: Tensor | None = None
+    cu_seqlens_padded: Tensor | None = None
+    max_seqlen: int | None = None
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.cu_seqlens is None and self.cu_seqlens_padded is None:
+            raise ValueError("PackedSeqs needs cu_seqlens or cu_seqlens_padded")
+        if self.cu_seqlens is None:
+            self.cu_seqlens = self.cu_seqlens_padded
+        if self.cu_seqlens_padded is None:
+            self.cu_seqlens_padded = self.cu_seqlens
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_lengths(
+        cls,
+        lengths: list[int],
+        padded_lengths: list[int] | None = None,
+        device: torch.device | str | None = None,
+    ) -> PackedSeqs:
+        """Build from per-document real lengths (and optional physical lengths >= real)."""
+        real = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+        padded = real if padded_lengths is None else torch.tensor([0, *padded_lengths]).cumsum(0)
+        out = cls(
+            cu_seqlens=real.to(torch.int32).to(device),
+            cu_seqlens_padded=padded.to(torch.int32).to(device),
+            max_seqlen=int((padded[1:] - padded[:-1]).max()) if len(lengths) else 0,
+        )
+        return out
+
+    @classmethod
+    def uniform(cls, batch: int, seqlen: int, device: torch.device | str | None = None) -> PackedSeqs:
+        """``batch`` documents of ``seqlen`` tokens each (the ``[B, S, D]`` layout)."""
+        cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
+        return cls(cu_seqlens=cu, cu_seqlens_padded=cu, max_seqlen=seqlen)
+
+    @classmethod
+    def coerce(cls, packed: Any) -> PackedSeqs:
+        """Accept a ``PackedSeqs`` or any object with Megatron ``PackedSeqParams`` fields
+        (``cu_seqlens_q``, ``cu_seqlens_q_padded``, ``max_seqlen_q``; either cu may be None)."""
+        if isinstance(packed, PackedSeqs):
+            return packed
+        cu = getattr(packed, "cu_seqlens_q", None)
+        cu_pad = getattr(packed, "cu_seqlens_q_padded", None)
+        if cu is None and cu_pad is None:
+            raise ValueError(
+                "packed must be a csattn.PackedSeqs or have cu_seqlens_q / cu_seqlens_q_padded, "
+                f"got {type(packed).__name__} with neither"
+            )
+        max_seqlen = getattr(packed, "max_seqlen_q", None)
+        return cls(cu_seqlens=cu, cu_seqlens_padded=cu_pad, max_seqlen=max_seqlen)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, num_rows: int, device: torch.device) -> None:
+        """Check both prefix sums against the stream (``ValueError`` naming the argument)."""
+        key = ("validated", num_rows, str(device))
+        if key in self._cache:
+            return
+        pad = validate_cu_seqlens(self.cu_seqlens_padded, "cu_seqlens_padded", num_rows, device)
+        real = validate_cu_seqlens(self.cu_seqlens, "cu_seqlens", None, device)
+        if real.numel() != pad.numel():
+            raise ValueError(
+                f"cu_seqlens has {real.numel() - 1} documents but cu_seqlens_padded has {pad.numel() - 1}"
+            )
+        real_len = real[1:] - real[:-1]
+        pad_len = pad[1:] - pad[:-1]
+        if bool((pad_len < real_len).any()):
+            raise ValueError(
+                "cu_seqlens_padded describes a document shorter than its real length in cu_seqlens "
+                f"(padded lengths {pad_len.tolist()[:16]}, real lengths {real_len.tolist()[:16]})"
+            )
+        if self.max_seqlen is not None and int(pad_len.max()) > int(self.max_seqlen):
+            raise ValueError(f"max_seqlen = {self.max_seqlen} is below the longest document ({int(pad_len.max())})")
+        self._cache[key] = True
+
+    @property
+    def num_docs(self) -> int:
+        return self.cu_seqlens_padded.numel() - 1
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.cu_seqlens_padded[-1])
+
+    def host_max_seqlen(self) -> int:
+        if self.max_seqlen is None:
+            pad = self.cu_seqlens_padded.to(torch.int64)
+            self.max_seqlen = int((pad[1:] - pad[:-1]).max())
+        return int(self.max_seqlen)
+
+    # ------------------------------------------------------------------ derived metadata
+    def rows(self, device: torch.device | None = None) -> RowMeta:
+        """Per-row document id, position and real flag (cached)."""
+        device = device or self.cu_seqlens_padded.device
+        key = ("rows", str(device))
+        if key not in self._cache:
+            pad = self.cu_seqlens_padded.to(device=device, dtype=torch.int64)
+            real = self.cu_seqlens.to(device=device, dtype=torch.int64)
+            num_rows = int(pad[-1])
+            row = torch.arange(num_rows, device=device)
+            doc = torch.bucketize(row, pad[1:], right=True).clamp_(max=self.num_docs - 1)
+            pos = row - pad[doc]
+            real_len = real[1:] - real[:-1]
+            is_real = pos < real_len[doc]
+            self._cache[key] = RowMeta(doc, pos, is_real, pad[:-1], real_len, int(real_len.sum()))
+        return self._cache[key]
+
+    def compress(self, ratio: int, device: torch.device | None = None) -> CompressMeta:
+        """Compressed-entry layout for ``ratio`` (cached)."""
+        if ratio < 1:
+            raise ValueError(f"compress ratio must be >= 1, got {ratio}")
+        device = device or self.cu_seqlens_padded.device
+        key = ("compress", ratio, str(device))
+        if key not in self._cache:
+            rows = self.rows(device)
+            n_comp = rows.real_len // ratio
+            cu_comp = torch.zeros(self.num_docs + 1, dtype=torch.int64, device=device)
+            cu_comp[1:] = n_comp.cumsum(0)
+            num_entries = int(cu_comp[-1])
+            entry = torch.arange(num_entries, device=device)
+            entry_doc = torch.bucketize(entry, cu_comp[1:], right=True)
+            local = entry - cu_comp[entry_doc]
+            entry_row = rows.doc_start[entry_doc] + local * ratio
+            visible = torch.minimum((rows.pos + 1) // ratio, n_comp[rows.doc])
+            visible = torch.where(rows.real, visible, torch.zeros_like(visible))
+            vis_start = cu_comp[rows.doc]
+            max_visible = int(visible.max()) if visible.numel() else 0
+            self._cache[key] = CompressMeta(
+                ratio=ratio,
+                cu_comp=cu_comp,
+                entry_row=entry_row,
+                entry_first=local == 0,
+                entry_pos=local * ratio,
+                vis_start=vis_start,
+                vis_end=vis_start + visible,
+                num_entries=num_entries,
+                max_visible=max_visible,
+            )
+        return self._cache[key]
