@@ -150,7 +150,15 @@ class HybridAttention(nn.Module):
             ids = combine_indices(window_ids, compressed_ids, kv.shape[0])
         else:
             keys, ids = kv, window_ids
-        return sparse_attn(q, keys, ids, self.sinks, cfg.scale, chunk_rows=cfg.attn_chunk_rows)
+        return sparse_attn(q, keys, ids, self.sinks, cfg.scale, chunk_rows=cfg.attn_chunk_rows,
+                           backend=self.backend_for(q))
+
+    def backend_for(self, t: Tensor) -> str:
+        """``"triton"`` on CUDA by default (``backend="auto"``), the reference elsewhere."""
+        backend = self.config.backend
+        if backend == "auto":
+            return "triton" if t.is_cuda else "reference"
+        return backend
 
     def wants_indexer_loss(self) -> bool:
         return (
@@ -173,7 +181,7 @@ class HybridAttention(nn.Module):
         loss_inputs = None
         if self.compressor is not None:
             meta = packed.compress(cfg.compress_ratio, x.device)
-            ckv = self.compressor.compress(x, meta, self.inv_freq)
+            ckv = self.compressor.compress(x, meta, self.inv_freq, backend=self.backend_for(x))
             if cfg.layer_type == "hca":
                 compressed_ids = range_indices(meta.vis_start, meta.vis_end, meta.max_visible)
             else:
@@ -191,7 +199,8 @@ class HybridAttention(nn.Module):
 
     def index_keys(self, x: Tensor, meta: CompressMeta, row_offset: int = 0) -> Tensor:
         """The indexer's own compressed keys ``[Nc, cI]`` from detached ``x`` (CSA)."""
-        return self.compressor.indexer.compress(x.detach(), meta, self.inv_freq, row_offset=row_offset)
+        return self.compressor.indexer.compress(x.detach(), meta, self.inv_freq, row_offset=row_offset,
+                                               backend=self.backend_for(x))
 
     def select(
         self,
@@ -216,7 +225,7 @@ class HybridAttention(nn.Module):
         q_idx = indexer.queries(qr.detach(), cos, sin)
         w = indexer.scorer(x.detach())
         selected = indexer_topk(q_idx, w, index_keys, vis_start, vis_end, cfg.index_topk,
-                                workspace_bytes=cfg.workspace_bytes)
+                                workspace_bytes=cfg.workspace_bytes, backend=self.backend_for(q_idx))
         return selected, (q_idx, w, index_keys)
 
     def indexer_loss(
@@ -237,6 +246,7 @@ class HybridAttention(nn.Module):
             q_idx, w, k_idx, q, ckv, lse, cfg.scale, row_weight,
             selected=selected if cfg.indexer_loss_type == "sparse" else None,
             vis_start=vis_start, vis_end=vis_end, workspace_bytes=cfg.workspace_bytes,
+            backend=self.backend_for(q_idx),
         )
         loss = kl * cfg.indexer_loss_coeff
         self.last_indexer_loss = kl.detach()

@@ -73,7 +73,8 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(ratio, coff * dim))
         self.kv_norm = RMSNorm(dim, eps)
 
-    def compress(self, x: Tensor, meta: CompressMeta, inv_freq: Tensor, row_offset: int = 0) -> Tensor:
+    def compress(self, x: Tensor, meta: CompressMeta, inv_freq: Tensor, row_offset: int = 0,
+                 backend: str = "reference") -> Tensor:
         """Entries ``[Nc, dim]`` from rows ``x [T, D]``.
 
         ``row_offset`` shifts ``meta.entry_row`` into ``x``'s rows (used when ``x`` is a window of a
@@ -82,7 +83,8 @@ class Compressor(nn.Module):
         kv = self.kv_proj(x)
         gate = self.gate_proj(x)
         entry_row = meta.entry_row - row_offset if row_offset else meta.entry_row
-        pooled = compress_pool(kv, gate, self.position_bias, entry_row, meta.entry_first, self.ratio, self.overlap)
+        pooled = compress_pool(kv, gate, self.position_bias, entry_row, meta.entry_first, self.ratio, self.overlap,
+                               backend=backend)
         return self.finish(pooled, meta.entry_pos, inv_freq)
 
     def finish(self, pooled: Tensor, entry_pos: Tensor, inv_freq: Tensor) -> Tensor:

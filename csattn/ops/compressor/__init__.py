@@ -5,6 +5,8 @@ from .naive import compress_pool_ref
 __all__ = ["compress_pool_ref", "compress_pool"]
 
 
-def compress_pool(*args, **kwargs):
-    """Dispatch point for the compressor pooling (reference implementation on every device)."""
+def compress_pool(*args, backend: str = "reference", **kwargs):
+    """Dispatch point for the compressor pooling .
+
+    ``backend="reference"`` runs the plain-PyTorch reference; ``"triton"`` the fused kernels (once they exist)."""
     return compress_pool_ref(*args, **kwargs)

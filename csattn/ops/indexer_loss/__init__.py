@@ -5,6 +5,8 @@ from .naive import IndexerLossAutoScaler, attach_indexer_loss, indexer_kl_loss_r
 __all__ = ["IndexerLossAutoScaler", "attach_indexer_loss", "indexer_kl_loss", "indexer_kl_loss_ref", "kl_from_logits"]
 
 
-def indexer_kl_loss(*args, **kwargs):
-    """Dispatch point for the indexer KL loss (reference implementation on every device)."""
+def indexer_kl_loss(*args, backend: str = "reference", **kwargs):
+    """Dispatch point for the indexer KL loss .
+
+    ``backend="reference"`` runs the plain-PyTorch reference; ``"triton"`` the fused kernels (once they exist)."""
     return indexer_kl_loss_ref(*args, **kwargs)
