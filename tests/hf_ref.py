@@ -8,7 +8,7 @@ HF_TYPES = {"sliding": "sliding_attention", "csa": "compressed_sparse_attention"
 
 
 def tiny_hf_config(layer_type: str, *, hca_ratio: int = 8, window: int = 8, topk: int = 3, yarn: bool = True,
-                   index_heads: int = 4):
+                   index_heads: int = 8):
     from transformers import DeepseekV4Config
 
     types = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
