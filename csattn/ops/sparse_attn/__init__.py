@@ -1,12 +1,44 @@
 """Sparse attention with a per-head sink over per-row key index lists."""
 
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
 from .naive import sparse_attn_chunk, sparse_attn_ref
 
 __all__ = ["sparse_attn", "sparse_attn_chunk", "sparse_attn_ref"]
 
 
-def sparse_attn(*args, backend: str = "reference", **kwargs):
-    """Dispatch point for sparse attention .
+def _apply_length(indices: Tensor, topk_length: Tensor) -> Tensor:
+    """Turn a per-row valid length into ``-1`` entries, the reference's only way to skip keys."""
+    cols = torch.arange(indices.shape[1], device=indices.device)
+    return torch.where(cols[None, :] < topk_length[:, None].to(cols.dtype), indices, indices.new_full((), -1))
 
-    ``backend="reference"`` runs the plain-PyTorch reference; ``"triton"`` the fused kernels (once they exist)."""
-    return sparse_attn_ref(*args, **kwargs)
+
+def sparse_attn(
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    sink: Tensor,
+    scale: float,
+    chunk_rows: int = 1024,
+    topk_length: Tensor | None = None,
+    backend: str = "reference",
+) -> tuple[Tensor, Tensor]:
+    """Dispatch point for sparse attention: ``(o [T, H, d], lse [T, H])``.
+
+    ``backend="reference"`` runs the plain-PyTorch reference (row chunks of ``chunk_rows``);
+    ``"triton"`` the fused kernels (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``;
+    ``chunk_rows`` is not needed there). ``topk_length [T]`` optionally limits row ``t`` to its first
+    ``topk_length[t]`` index entries. See :func:`sparse_attn_ref` for shapes.
+    """
+    if backend == "triton":
+        from .triton import sparse_attn_triton  # lazy: importing csattn must not need Triton
+
+        return sparse_attn_triton(q, kv, indices, sink, scale, topk_length=topk_length)
+    if backend != "reference":
+        raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
+    if topk_length is not None:
+        indices = _apply_length(indices, topk_length)
+    return sparse_attn_ref(q, kv, indices, sink, scale, chunk_rows=chunk_rows)

@@ -1,0 +1,342 @@
+"""Fused Triton sparse attention with a per-head sink (MQA, one shared K = V head), forward and backward.
+
+Layout contract: ``q [T, H, d]``, ``kv [N, d]`` (last dim contiguous), ``indices [T, K]`` int32/int64 with
+``-1`` = no key, optional ``topk_length [T]`` (only the first ``topk_length[t]`` entries of row ``t`` count),
+``sink [H]`` fp32. One program owns one query row and a block of ``BH`` heads (all of them when H <= 64):
+the row's gathered keys are loaded once and reused by every head, so ``QK^T`` is a real ``[BH, d] x [d, BK]``
+matrix product. Only ``o`` and ``lse`` are saved; the backward recomputes the scores. README.md has the math.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = [
+    "SparseAttnConfig",
+    "sparse_attn_bwd",
+    "sparse_attn_fwd",
+    "sparse_attn_triton",
+]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# ----------------------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def sparse_attn_fwd_kernel(
+    q, kv, idx, topk_len, sink, o, lse,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
+    H, D, K, qk_scale_log2,
+    HAS_LEN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_d = tl.arange(0, BD)
+    mask_h = offs_h < H
+    mask_d = offs_d < D
+    mask_hd = mask_h[:, None] & mask_d[None, :]
+    q_ptrs = q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    q_tile = tl.load(q_ptrs, mask=mask_hd, other=0.0)
+    # The sink is the softmax's starting state: running max = sink, running sum = exp(sink - sink) = 1.
+    # This keeps the max finite (no NaN on empty rows) and folds the sink into lse for free.
+    m_i = tl.load(sink + offs_h, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
+    l_i = tl.full([BH], 1.0, dtype=tl.float32)
+    acc = tl.zeros([BH, BD], dtype=tl.float32)
+    n_keys = K
+    if HAS_LEN:
+        n_keys = tl.minimum(tl.load(topk_len + t).to(tl.int32), K)
+    for start in range(0, n_keys, BK):
+        offs_k = start + tl.arange(0, BK)
+        ids = tl.load(idx + t * stride_it + offs_k, mask=offs_k < n_keys, other=-1)
+        valid = ids >= 0
+        k_tile = tl.load(kv + ids.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :],
+                         mask=valid[:, None] & mask_d[None, :], other=0.0)
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_tile.dtype), k_tile, input_precision=DOT_PREC)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             out.to(o.dtype.element_ty), mask=mask_hd)
+    tl.store(lse + t * stride_lt + offs_h, m_i * 0.6931471805599453 + tl.log(l_i), mask=mask_h)
+
+
+@triton.jit
+def sparse_attn_bwd_kernel(
+    q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
+    H, D, K, scale,
+    HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr,
+    BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # do/o/dq share q's strides (the host makes them so).
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_d = tl.arange(0, BD)
+    mask_h = offs_h < H
+    mask_d = offs_d < D
+    mask_hd = mask_h[:, None] & mask_d[None, :]
+    row_q = t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    row_o = t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+    q_tile = tl.load(q + row_q, mask=mask_hd, other=0.0)
+    do_tile = tl.load(do + row_o, mask=mask_hd, other=0.0)
+    o_tile = tl.load(o + row_o, mask=mask_hd, other=0.0)
+    # delta = do . o - dlse: the common term of dS = P (dP - delta); dlse enters because lse is an output.
+    delta = tl.sum(do_tile.to(tl.float32) * o_tile.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse + t * stride_dlt + offs_h, mask=mask_h, other=0.0)
+    lse_t = tl.load(lse + t * stride_lt + offs_h, mask=mask_h, other=0.0)
+    if DO_DQ:
+        # d lse / d sink = p_sink, and o depends on the sink only through lse: dsink = -p_sink * delta.
+        p_sink = tl.exp(tl.load(sink + offs_h, mask=mask_h, other=0.0).to(tl.float32) - lse_t)
+        tl.store(dsink_rows + t * H + offs_h, -p_sink * delta, mask=mask_h)
+    lse2 = lse_t * 1.4426950408889634
+    qk_scale_log2 = scale * 1.4426950408889634
+    dq_acc = tl.zeros([BH, BD], dtype=tl.float32)
+    n_keys = K
+    if HAS_LEN:
+        n_keys = tl.minimum(tl.load(topk_len + t).to(tl.int32), K)
+    for start in range(0, n_keys, BK):
+        offs_k = start + tl.arange(0, BK)
+        ids = tl.load(idx + t * stride_it + offs_k, mask=offs_k < n_keys, other=-1)
+        valid = ids >= 0
+        kv_ptrs = ids.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :]
+        mask_kd = valid[:, None] & mask_d[None, :]
+        k_tile = tl.load(kv + kv_ptrs, mask=mask_kd, other=0.0)
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do_tile, tl.trans(k_tile), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])  # gradient w.r.t. the scaled score; times `scale` for the raw one
+        if DO_DQ:
+            dq_acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=DOT_PREC)
+        if DO_DKV:
+            # K = V: the value gradient P^T dO and the key gradient dS^T Q land in the same row.
+            dkv_blk = tl.dot(tl.trans(p.to(k_tile.dtype)), do_tile, input_precision=DOT_PREC)
+            dkv_blk += tl.dot(tl.trans((ds * scale).to(k_tile.dtype)), q_tile, input_precision=DOT_PREC)
+            tl.atomic_add(dkv + kv_ptrs, dkv_blk, mask=mask_kd, sem="relaxed")
+    if DO_DQ:
+        tl.store(dq + row_q, (dq_acc * scale).to(dq.dtype.element_ty), mask=mask_hd)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# host functions
+# ----------------------------------------------------------------------------------------------------------
+
+
+class SparseAttnConfig:
+    """Launch parameters: head block ``BH``, key block ``BK``, warps and pipeline stages per kernel.
+
+    ``split_bwd=True`` runs the backward as two launches of the same kernel (dq + dsink, then dkv), which
+    recomputes the scores once more but halves the live registers of each program.
+    """
+
+    def __init__(self, bh: int | None = None, bk_fwd: int = 32, bk_bwd: int = 16, warps_fwd: int = 8,
+                 warps_bwd: int = 8, stages_fwd: int = 2, stages_bwd: int = 1, split_bwd: bool = False):
+        self.bh, self.bk_fwd, self.bk_bwd = bh, bk_fwd, bk_bwd
+        self.warps_fwd, self.warps_bwd = warps_fwd, warps_bwd
+        self.stages_fwd, self.stages_bwd = stages_fwd, stages_bwd
+        self.split_bwd = split_bwd
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+    @classmethod
+    def from_env(cls) -> SparseAttnConfig:
+        """``CSATTN_SPARSE_ATTN_CONFIG="bk_fwd=64,warps_fwd=8"`` overrides the defaults (tuning runs)."""
+        cfg = cls()
+        spec = os.environ.get("CSATTN_SPARSE_ATTN_CONFIG", "")
+        for item in filter(None, spec.split(",")):
+            key, _, value = item.partition("=")
+            if not hasattr(cfg, key):
+                raise ValueError(f"CSATTN_SPARSE_ATTN_CONFIG: unknown key {key!r}")
+            setattr(cfg, key, value.lower() in ("1", "true") if key == "split_bwd" else int(value))
+        return cfg
+
+
+def _head_block(h: int, cfg: SparseAttnConfig) -> int:
+    # tl.dot needs M >= 16; above 64 heads a second head block re-gathers the keys (cheap next to the math).
+    return cfg.bh or min(max(triton.next_power_of_2(h), 16), 64)
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    # fp32 inputs get exact fp32 products (the oracle role); bf16/fp16 ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def sparse_attn_fwd(
+    q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float,
+    topk_length: Tensor | None = None, config: SparseAttnConfig | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Launch the forward kernel. Shapes as in :func:`sparse_attn_triton`; returns ``(o, lse)``."""
+    cfg = config or SparseAttnConfig.from_env()
+    T, H, D = q.shape
+    K = indices.shape[1]
+    o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty(T, H, device=q.device, dtype=torch.float32)
+    if T == 0:
+        return o, lse
+    bh = _head_block(H, cfg)
+    grid = (T, triton.cdiv(H, bh))
+    sparse_attn_fwd_kernel[grid](
+        q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
+        H, D, K, scale * LOG2E,
+        HAS_LEN=topk_length is not None, BH=bh, BD=max(triton.next_power_of_2(D), 16), BK=cfg.bk_fwd,
+        DOT_PREC=_dot_prec(q.dtype), num_warps=cfg.warps_fwd, num_stages=cfg.stages_fwd,
+    )
+    return o, lse
+
+
+def sparse_attn_bwd(
+    q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float, o: Tensor, lse: Tensor,
+    do: Tensor, dlse: Tensor | None = None, topk_length: Tensor | None = None,
+    config: SparseAttnConfig | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Launch the backward. Returns ``(dq [T,H,d] q.dtype, dkv [N,d] kv.dtype, dsink [H] sink.dtype)``.
+
+    ``dkv`` is accumulated with fp32 atomics (``N * d * 4`` bytes of workspace); the summation order
+    of those atomics is not fixed, so ``dkv`` is not bitwise deterministic. ``dsink`` is reduced from
+    per-row partials in a fixed order.
+    """
+    cfg = config or SparseAttnConfig.from_env()
+    T, H, D = q.shape
+    K = indices.shape[1]
+    do = do.contiguous()
+    dlse = dlse.contiguous() if dlse is not None else None
+    if do.stride() != o.stride() or q.stride() != o.stride():
+        raise ValueError("q, o and do must share one [T, H, d] layout (make them contiguous)")
+    dq = torch.empty_like(q)
+    dkv32 = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
+    dsink_rows = torch.empty(T, H, device=q.device, dtype=torch.float32)
+    if T > 0:
+        bh = _head_block(H, cfg)
+        grid = (T, triton.cdiv(H, bh))
+        common = dict(
+            q=q, kv=kv, idx=indices, topk_len=topk_length if topk_length is not None else indices, sink=sink,
+            o=o, do=do, lse=lse, dlse=dlse if dlse is not None else lse, dq=dq, dkv=dkv32,
+            dsink_rows=dsink_rows,
+            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kvn=kv.stride(0),
+            stride_it=indices.stride(0),
+            stride_ot=o.stride(0), stride_oh=o.stride(1), stride_lt=lse.stride(0),
+            stride_dlt=dlse.stride(0) if dlse is not None else 0,
+            H=H, D=D, K=K, scale=scale,
+            HAS_LEN=topk_length is not None, HAS_DLSE=dlse is not None,
+            BH=bh, BD=max(triton.next_power_of_2(D), 16), BK=cfg.bk_bwd, DOT_PREC=_dot_prec(q.dtype),
+            num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
+        )
+        if cfg.split_bwd:
+            sparse_attn_bwd_kernel[grid](DO_DQ=True, DO_DKV=False, **common)
+            sparse_attn_bwd_kernel[grid](DO_DQ=False, DO_DKV=True, **common)
+        else:
+            sparse_attn_bwd_kernel[grid](DO_DQ=True, DO_DKV=True, **common)
+    dsink = dsink_rows.sum(0).to(sink.dtype)
+    return dq, dkv32.to(kv.dtype), dsink
+
+
+# ----------------------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------------------
+
+
+class SparseAttnFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, indices, sink, scale, topk_length):
+        o, lse = sparse_attn_fwd(q, kv, indices, sink, scale, topk_length)
+        ctx.set_materialize_grads(False)  # an unused lse (the usual case) then costs nothing in the backward
+        ctx.save_for_backward(q, kv, indices, sink, o, lse, topk_length)
+        ctx.scale = scale
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, kv, indices, sink, o, lse, topk_length = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dkv, dsink = sparse_attn_bwd(q, kv, indices, sink, ctx.scale, o, lse, do, dlse, topk_length)
+        grads = {"q": dq, "kv": dkv, "indices": None, "sink": dsink, "scale": None, "topk_length": None}
+        return tuple(grads.values())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# public function
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, topk_length: Tensor | None) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, d], got shape {tuple(q.shape)}")
+    T, H, D = q.shape
+    if kv.dim() != 2 or kv.shape[1] != D:
+        raise ValueError(f"kv must be [N, {D}] (one shared K=V head), got shape {tuple(kv.shape)}")
+    if D > 512:
+        raise ValueError(f"q/kv head dim d={D} is above the supported 512")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q must be bf16, fp16 or fp32, got {q.dtype}")
+    if kv.dtype != q.dtype:
+        raise ValueError(f"kv dtype {kv.dtype} must equal q dtype {q.dtype}")
+    if indices.dim() != 2 or indices.shape[0] != T:
+        raise ValueError(f"indices must be [T={T}, K], got shape {tuple(indices.shape)}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"indices must be int32 or int64, got {indices.dtype}")
+    if sink.shape != (H,):
+        raise ValueError(f"sink must be [H={H}], got shape {tuple(sink.shape)}")
+    if topk_length is not None and (
+        topk_length.shape != (T,) or topk_length.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(f"topk_length must be int [{T}], got {tuple(topk_length.shape)} {topk_length.dtype}")
+    for name, t in (("q", q), ("kv", kv), ("indices", indices), ("sink", sink)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: put all inputs on one device")
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+
+
+def sparse_attn_triton(
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    sink: Tensor,
+    scale: float,
+    topk_length: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Fused sparse attention with a per-head sink: ``o[t,h] = sum_j p_j kv[j]``,
+    ``p_j = exp(s_j - lse)``, ``s_j = scale * q[t,h] . kv[indices[t,j]]``,
+    ``lse = log(sum_j exp(s_j) + exp(sink_h))``.
+
+    Same semantics as :func:`~csattn.ops.sparse_attn.naive.sparse_attn_ref`; differentiable in ``q``,
+    ``kv``, ``sink`` (and through ``lse``). Nothing of size ``T x K`` is kept for the backward.
+
+    Args:
+        q: ``[T, H, d]`` bf16/fp16/fp32, ``d <= 512``.
+        kv: ``[N, d]`` same dtype: the one shared key = value head.
+        indices: ``[T, K]`` int32/int64 rows of ``kv``; ``-1`` = no key. Values must be ``< N``.
+        sink: ``[H]`` fp32 sink logits.
+        scale: softmax scale (``d ** -0.5``).
+        topk_length: optional ``[T]`` int; only the first ``topk_length[t]`` entries of row ``t`` are used.
+
+    Returns:
+        ``o [T, H, d]`` in q's dtype (zeros for rows without keys) and ``lse [T, H]`` fp32 (``= sink`` there).
+
+    Example:
+        >>> o, lse = sparse_attn_triton(q, kv, idx, sink, q.shape[-1] ** -0.5)
+    """
+    _check(q, kv, indices, sink, topk_length)
+    q = q.contiguous()  # the backward reuses q's layout for o, do and dq
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+    return SparseAttnFunction.apply(q, kv, indices, sink.contiguous(), float(scale), topk_length)
