@@ -1,0 +1,37 @@
+"""Small shared helpers for the tests."""
+
+from __future__ import annotations
+
+import torch
+
+from csattn import AttentionConfig, HybridAttention
+
+
+def tiny_config(layer_type: str, **overrides) -> AttentionConfig:
+    base = dict(
+        hidden_size=32, num_heads=2, head_dim=16, rope_head_dim=8, q_lora_rank=16, o_groups=2,
+        o_lora_rank=8, sliding_window=6, layer_type=layer_type,
+        compress_ratio={"sliding": 0, "csa": 4, "hca": 8}[layer_type],
+        index_n_heads=8, index_head_dim=8, index_topk=3, indexer_loss_coeff=0.5,
+    )
+    base.update(overrides)
+    return AttentionConfig(**base)
+
+
+def random_layer(cfg: AttentionConfig, dtype=torch.float64, seed: int = 0) -> HybridAttention:
+    torch.manual_seed(seed)
+    layer = HybridAttention(cfg).to(dtype)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("sinks", "position_bias")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return layer
+
+
+def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in module.named_parameters()}
