@@ -25,7 +25,8 @@ def tiny_hf_config(layer_type: str, *, hca_ratio: int = 8, window: int = 8, topk
         index_n_heads=index_heads, index_head_dim=16, index_topk=topk, partial_rotary_factor=8 / 32,
         rope_parameters={"main": {"rope_type": "default", "partial_rotary_factor": 0.25, **rope},
                          "compress": {"partial_rotary_factor": 0.25, **compress}},
-        max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_nextn_predict_layers=0,
+        max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        num_nextn_predict_layers=0,
     )
     cfg._attn_implementation = "eager"
     return cfg, types.index(HF_TYPES[layer_type])

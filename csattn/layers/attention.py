@@ -259,6 +259,8 @@ class HybridAttention(nn.Module):
             raise ValueError(f"hidden_states must be a tensor, got {type(hidden_states).__name__}")
         if not hidden_states.is_floating_point():
             raise ValueError(f"hidden_states must be floating point, got {hidden_states.dtype}")
+        if hidden_states.dim() not in (2, 3):
+            raise ValueError(f"hidden_states must be [B, S, D] or [T, D], got shape {tuple(hidden_states.shape)}")
         if hidden_states.shape[-1] != cfg.hidden_size:
             raise ValueError(
                 f"hidden_states has hidden size {hidden_states.shape[-1]} but the config says {cfg.hidden_size}"
