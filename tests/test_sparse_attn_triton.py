@@ -72,6 +72,7 @@ CPU_CASES = {
     "two_heads": dict(T=12, H=2, d=32, N=12, K=20),  # K > BK: several key blocks
     "head_blocks": dict(T=10, H=20, d=32, N=16, K=12, env="bh=16,bk_fwd=16,bk_bwd=16"),
     "split_bwd": dict(T=14, H=4, d=32, N=20, K=12, env="split_bwd=1"),
+    "dkv_transposed": dict(T=14, H=4, d=32, N=20, K=40, env="dkv_t=1,bk_bwd=32"),
 }
 
 

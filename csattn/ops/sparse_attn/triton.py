@@ -80,7 +80,7 @@ def sparse_attn_bwd_kernel(
     q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
     H, D, K, scale,
-    HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr,
+    HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, DKV_T: tl.constexpr,
     BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # do/o/dq share q's strides (the host makes them so).
@@ -126,9 +126,15 @@ def sparse_attn_bwd_kernel(
             dq_acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=DOT_PREC)
         if DO_DKV:
             # K = V: the value gradient P^T dO and the key gradient dS^T Q land in the same row.
-            dkv_blk = tl.dot(tl.trans(p.to(k_tile.dtype)), do_tile, input_precision=DOT_PREC)
-            dkv_blk += tl.dot(tl.trans((ds * scale).to(k_tile.dtype)), q_tile, input_precision=DOT_PREC)
-            tl.atomic_add(dkv + kv_ptrs, dkv_blk, mask=mask_kd, sem="relaxed")
+            if DKV_T:
+                # [d, BK] orientation: M = d fills the MMA's M even when BK is small.
+                dkv_t = tl.dot(tl.trans(do_tile), p.to(k_tile.dtype), input_precision=DOT_PREC)
+                dkv_t += tl.dot(tl.trans(q_tile), (ds * scale).to(k_tile.dtype), input_precision=DOT_PREC)
+                tl.atomic_add(dkv + tl.trans(kv_ptrs), dkv_t, mask=tl.trans(mask_kd), sem="relaxed")
+            else:
+                dkv_blk = tl.dot(tl.trans(p.to(k_tile.dtype)), do_tile, input_precision=DOT_PREC)
+                dkv_blk += tl.dot(tl.trans((ds * scale).to(k_tile.dtype)), q_tile, input_precision=DOT_PREC)
+                tl.atomic_add(dkv + kv_ptrs, dkv_blk, mask=mask_kd, sem="relaxed")
     if DO_DQ:
         tl.store(dq + row_q, (dq_acc * scale).to(dq.dtype.element_ty), mask=mask_hd)
 
@@ -142,15 +148,17 @@ class SparseAttnConfig:
     """Launch parameters: head block ``BH``, key block ``BK``, warps and pipeline stages per kernel.
 
     ``split_bwd=True`` runs the backward as two launches of the same kernel (dq + dsink, then dkv), which
-    recomputes the scores once more but halves the live registers of each program.
+    recomputes the scores once more but halves the live registers of each program. ``dkv_t=True``
+    computes the dkv tile as ``[d, BK]`` (M = d for the MMA) instead of ``[BK, d]``.
     """
 
     def __init__(self, bh: int | None = None, bk_fwd: int = 32, bk_bwd: int = 16, warps_fwd: int = 8,
-                 warps_bwd: int = 8, stages_fwd: int = 2, stages_bwd: int = 1, split_bwd: bool = False):
+                 warps_bwd: int = 8, stages_fwd: int = 2, stages_bwd: int = 1, split_bwd: bool = False,
+                 dkv_t: bool = False):
         self.bh, self.bk_fwd, self.bk_bwd = bh, bk_fwd, bk_bwd
         self.warps_fwd, self.warps_bwd = warps_fwd, warps_bwd
         self.stages_fwd, self.stages_bwd = stages_fwd, stages_bwd
-        self.split_bwd = split_bwd
+        self.split_bwd, self.dkv_t = split_bwd, dkv_t
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -164,8 +172,24 @@ class SparseAttnConfig:
             key, _, value = item.partition("=")
             if not hasattr(cfg, key):
                 raise ValueError(f"CSATTN_SPARSE_ATTN_CONFIG: unknown key {key!r}")
-            setattr(cfg, key, value.lower() in ("1", "true") if key == "split_bwd" else int(value))
+            setattr(cfg, key, value.lower() in ("1", "true") if key in ("split_bwd", "dkv_t") else int(value))
         return cfg
+
+
+_REPORTED: set = set()
+
+
+def _report(what: str, kernel, cfg: SparseAttnConfig) -> None:
+    """With ``CSATTN_SPARSE_ATTN_VERBOSE=1``, print registers, spills and shared memory once per config."""
+    if not os.environ.get("CSATTN_SPARSE_ATTN_VERBOSE") or kernel is None:
+        return
+    key = (what, tuple(sorted(cfg.as_dict().items())))
+    if key in _REPORTED:
+        return
+    _REPORTED.add(key)
+    shared = getattr(getattr(kernel, "metadata", None), "shared", None)
+    print(f"[sparse_attn {what}] {cfg.as_dict()} regs={getattr(kernel, 'n_regs', '?')} "
+          f"spills={getattr(kernel, 'n_spills', '?')} shared={shared}", flush=True)
 
 
 def _head_block(h: int, cfg: SparseAttnConfig) -> int:
@@ -192,13 +216,14 @@ def sparse_attn_fwd(
         return o, lse
     bh = _head_block(H, cfg)
     grid = (T, triton.cdiv(H, bh))
-    sparse_attn_fwd_kernel[grid](
+    kernel = sparse_attn_fwd_kernel[grid](
         q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
         H, D, K, scale * LOG2E,
         HAS_LEN=topk_length is not None, BH=bh, BD=max(triton.next_power_of_2(D), 16), BK=cfg.bk_fwd,
         DOT_PREC=_dot_prec(q.dtype), num_warps=cfg.warps_fwd, num_stages=cfg.stages_fwd,
     )
+    _report("fwd", kernel, cfg)
     return o, lse
 
 
@@ -237,13 +262,14 @@ def sparse_attn_bwd(
             H=H, D=D, K=K, scale=scale,
             HAS_LEN=topk_length is not None, HAS_DLSE=dlse is not None,
             BH=bh, BD=max(triton.next_power_of_2(D), 16), BK=cfg.bk_bwd, DOT_PREC=_dot_prec(q.dtype),
+            DKV_T=cfg.dkv_t,
             num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
         )
         if cfg.split_bwd:
-            sparse_attn_bwd_kernel[grid](DO_DQ=True, DO_DKV=False, **common)
-            sparse_attn_bwd_kernel[grid](DO_DQ=False, DO_DKV=True, **common)
+            _report("bwd_dq", sparse_attn_bwd_kernel[grid](DO_DQ=True, DO_DKV=False, **common), cfg)
+            _report("bwd_dkv", sparse_attn_bwd_kernel[grid](DO_DQ=False, DO_DKV=True, **common), cfg)
         else:
-            sparse_attn_bwd_kernel[grid](DO_DQ=True, DO_DKV=True, **common)
+            _report("bwd", sparse_attn_bwd_kernel[grid](DO_DQ=True, DO_DKV=True, **common), cfg)
     dsink = dsink_rows.sum(0).to(sink.dtype)
     return dq, dkv32.to(kv.dtype), dsink
 
@@ -256,7 +282,9 @@ def sparse_attn_bwd(
 class SparseAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, indices, sink, scale, topk_length):
-        o, lse = sparse_attn_fwd(q, kv, indices, sink, scale, topk_length)
+        cfg = SparseAttnConfig.from_env()
+        o, lse = sparse_attn_fwd(q, kv, indices, sink, scale, topk_length, cfg)
+        ctx.config = cfg
         ctx.set_materialize_grads(False)  # an unused lse (the usual case) then costs nothing in the backward
         ctx.save_for_backward(q, kv, indices, sink, o, lse, topk_length)
         ctx.scale = scale
@@ -267,7 +295,8 @@ class SparseAttnFunction(torch.autograd.Function):
         q, kv, indices, sink, o, lse, topk_length = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dkv, dsink = sparse_attn_bwd(q, kv, indices, sink, ctx.scale, o, lse, do, dlse, topk_length)
+        dq, dkv, dsink = sparse_attn_bwd(q, kv, indices, sink, ctx.scale, o, lse, do, dlse, topk_length,
+                                         ctx.config)
         grads = {"q": dq, "kv": dkv, "indices": None, "sink": dsink, "scale": None, "topk_length": None}
         return tuple(grads.values())
 

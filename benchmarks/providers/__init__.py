@@ -1,0 +1,1 @@
+"""Benchmark providers: one module per op family; each registers with ``benchmarks.registry.register``."""
