@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +17,15 @@ from ..ops.sparse_attn import sparse_attn
 from ..packing import CompressMeta, PackedSeqs
 from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, _linear, rms_norm_unweighted
 
-__all__ = ["HybridAttention"]
+__all__ = ["HybridAttention", "CompressedRange"]
+
+
+class CompressedRange(NamedTuple):
+    """Every compressed id in ``[start[t], end[t])`` for row t; ``width`` bounds ``end - start``."""
+
+    start: Tensor
+    end: Tensor
+    width: int
 
 
 class _CSACompressor(Compressor):
@@ -141,17 +149,36 @@ class HybridAttention(nn.Module):
         kv: Tensor,
         ckv: Tensor | None,
         window_ids: Tensor,
-        compressed_ids: Tensor | None,
+        compressed_ids: Tensor | CompressedRange | None,
     ) -> tuple[Tensor, Tensor]:
-        """Sparse attention of ``q`` over window keys (rows of ``kv``) and compressed keys (rows of ``ckv``)."""
+        """Sparse attention of ``q`` over window keys (rows of ``kv``) and compressed keys (rows of ``ckv``).
+
+        ``compressed_ids`` is a ``[T, k]`` id matrix (CSA top-k) or a :class:`CompressedRange` (HCA: every
+        visible entry). A range is expanded to ids one row chunk at a time, so the index lists never take
+        ``T * T / r`` memory.
+        """
         cfg = self.config
-        if ckv is not None and ckv.shape[0] > 0 and compressed_ids is not None:
-            keys = torch.cat([kv, ckv.to(kv.dtype)], dim=0)
+        backend = self.backend_for(q)
+        if ckv is None or ckv.shape[0] == 0 or compressed_ids is None:
+            return sparse_attn(q, kv, window_ids, self.sinks, cfg.scale, chunk_rows=cfg.attn_chunk_rows,
+                               backend=backend)
+        keys = torch.cat([kv, ckv.to(kv.dtype)], dim=0)
+        if isinstance(compressed_ids, Tensor):
             ids = combine_indices(window_ids, compressed_ids, kv.shape[0])
-        else:
-            keys, ids = kv, window_ids
-        return sparse_attn(q, keys, ids, self.sinks, cfg.scale, chunk_rows=cfg.attn_chunk_rows,
-                           backend=self.backend_for(q))
+            return sparse_attn(q, keys, ids, self.sinks, cfg.scale, chunk_rows=cfg.attn_chunk_rows,
+                               backend=backend)
+        start, end, width = compressed_ids
+        per_row = window_ids.shape[1] + max(width, 1)
+        step = max(1, (cfg.workspace_bytes // 8) // per_row)
+        outs, lses = [], []
+        for lo in range(0, q.shape[0], step):
+            hi = min(lo + step, q.shape[0])
+            ids = combine_indices(window_ids[lo:hi], range_indices(start[lo:hi], end[lo:hi], width), kv.shape[0])
+            o, lse = sparse_attn(q[lo:hi], keys, ids, self.sinks, cfg.scale, chunk_rows=cfg.attn_chunk_rows,
+                                 backend=backend)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses)
 
     def backend_for(self, t: Tensor) -> str:
         """``"triton"`` on CUDA by default (``backend="auto"``), the reference elsewhere."""
@@ -183,7 +210,7 @@ class HybridAttention(nn.Module):
             meta = packed.compress(cfg.compress_ratio, x.device)
             ckv = self.compressor.compress(x, meta, self.inv_freq, backend=self.backend_for(x))
             if cfg.layer_type == "hca":
-                compressed_ids = range_indices(meta.vis_start, meta.vis_end, meta.max_visible)
+                compressed_ids = CompressedRange(meta.vis_start, meta.vis_end, meta.max_visible)
             else:
                 keys = self.index_keys(x, meta)
                 compressed_ids, loss_inputs = self.select(x, qr, cos, sin, keys, meta.vis_start, meta.vis_end)
