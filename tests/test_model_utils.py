@@ -27,11 +27,15 @@ def tiny_config_dict(pattern: str = "flash", *, vocab: int = 64, hca_ratio: int 
         model_type="deepseek_v4", vocab_size=vocab, hidden_size=32, num_attention_heads=4, head_dim=32,
         q_lora_rank=24, o_groups=2, o_lora_rank=16, sliding_window=window, num_hidden_layers=len(layer_types),
         layer_types=layer_types, mlp_layer_types=mlp_types,
-        compress_rates={C: 4, H: hca_ratio}, index_n_heads=2, index_head_dim=16, index_topk=topk,
+        # 8 indexer heads: with few heads the ReLU scores of several entries are often exactly 0, and a top-k
+        # over exact ties may pick either entry (HF and we both pick validly but differently)
+        # 8 indexer heads: with few heads the ReLU scores of several entries are often exactly 0, and a top-k
+        # over exact ties may validly pick either entry (HF and this library then differ)
+        compress_rates={C: 4, H: hca_ratio}, index_n_heads=8, index_head_dim=16, index_topk=topk,
         partial_rotary_factor=0.25,
         rope_parameters={"main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
                          "compress": compress},
-        max_position_embeddings=256, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         num_nextn_predict_layers=mtp, hc_mult=hc_mult, hc_sinkhorn_iters=20, tie_word_embeddings=tie,
     )
 

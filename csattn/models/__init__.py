@@ -1,0 +1,1 @@
+"""Whole models built around :class:`csattn.HybridAttention`."""

@@ -1,0 +1,191 @@
+"""``DeepseekV4ModelConfig``: the fields of Hugging Face's ``DeepseekV4Config`` that the decoder needs, plus
+training-only settings. Reads and writes the ``config.json`` of an HF-format checkpoint without importing
+``transformers``."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from ...config import AttentionConfig
+
+__all__ = ["DeepseekV4ModelConfig", "HF_LAYER_TYPES", "MLP_LAYER_TYPES"]
+
+HF_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+MLP_LAYER_TYPES = ("hash_moe", "moe")
+_RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+# Settings that only this library reads; they are not written into ``config.json``.
+_TRAINING_FIELDS = ("indexer_loss_coeff", "mtp_loss_coeff", "mtp_layer_types", "attention_backend",
+                    "attn_chunk_rows", "workspace_bytes")
+
+
+@dataclass
+class DeepseekV4ModelConfig:
+    """Decoder geometry with HF's names (so ``AttentionConfig.from_hf(config, i)`` accepts it).
+
+    Defaults are V4-Flash's, except the attention geometry which comes from :class:`AttentionConfig`.
+    Build one from HF with :meth:`from_hf` (a ``DeepseekV4Config`` or a ``config.json`` dict).
+    """
+
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    head_dim: int = 512
+    partial_rotary_factor: float = 64 / 512
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    sliding_window: int = 128
+    layer_types: list[str] | None = None
+    compress_rates: dict[str, int] = field(
+        default_factory=lambda: {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_parameters: dict[str, Any] | None = None
+    max_position_embeddings: int = 1048576
+    # MoE
+    moe_intermediate_size: int = 2048
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 6
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.5
+    mlp_layer_types: list[str] | None = None
+    swiglu_limit: float = 10.0
+    hidden_act: str = "silu"
+    # mHC
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # head / misc
+    num_nextn_predict_layers: int = 0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    pad_token_id: int | None = None
+    # training-only (not in config.json)
+    indexer_loss_coeff: float = 0.0
+    mtp_loss_coeff: float = 0.3
+    mtp_layer_types: list[str] = field(default_factory=lambda: ["sliding_attention"])
+    attention_backend: str = "auto"
+    attn_chunk_rows: int = 1024
+    workspace_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        n = self.num_hidden_layers
+        if self.layer_types is None:  # HF's default: the Pro pattern (2 x HCA, then CSA on odd indices)
+            rest = ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                    for i in range(max(n - 2, 0))]
+            self.layer_types = ["heavily_compressed_attention"] * min(n, 2) + rest
+        if self.mlp_layer_types is None:
+            self.mlp_layer_types = ["hash_moe"] * min(n, 3) + ["moe"] * max(0, n - 3)
+        self.layer_types = list(self.layer_types)[:n]
+        self.mlp_layer_types = list(self.mlp_layer_types)[:n]
+        self.compress_rates = dict(self.compress_rates)
+        if self.rope_parameters is None or not isinstance(self.rope_parameters.get("main"), dict):
+            extra = {k: v for k, v in (self.rope_parameters or {}).items() if k not in ("main", "compress")}
+            compress = {**extra, "rope_theta": self.compress_rope_theta,
+                        "partial_rotary_factor": self.partial_rotary_factor}
+            compress.setdefault("rope_type", "default")
+            if compress["rope_type"] == "yarn":
+                compress.setdefault("attention_factor", 1.0)
+            self.rope_parameters = {
+                "main": {"rope_type": "default", "rope_theta": self.rope_theta,
+                         "partial_rotary_factor": self.partial_rotary_factor},
+                "compress": compress,
+            }
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field on inconsistent settings."""
+        n = self.num_hidden_layers
+        if n < 1:
+            raise ValueError(f"num_hidden_layers must be >= 1, got {n}")
+        for name, types, allowed in (("layer_types", self.layer_types, HF_LAYER_TYPES),
+                                     ("mlp_layer_types", self.mlp_layer_types, MLP_LAYER_TYPES)):
+            if len(types) != n:
+                raise ValueError(f"{name} has {len(types)} entries but num_hidden_layers is {n}")
+            bad = [t for t in types if t not in allowed]
+            if bad:
+                raise ValueError(f"{name} entries must be one of {allowed}, got {bad}")
+        if len(self.mtp_layer_types) < self.num_nextn_predict_layers:
+            raise ValueError(f"mtp_layer_types needs {self.num_nextn_predict_layers} entries, "
+                             f"got {self.mtp_layer_types}")
+        if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, n_routed_experts={self.n_routed_experts}], "
+                             f"got {self.num_experts_per_tok}")
+        if self.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
+            raise ValueError(f"scoring_func must be sqrtsoftplus, sigmoid or softmax, got {self.scoring_func!r}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
+        if self.n_shared_experts != 1:
+            # HF (and the checkpoints) have exactly one shared expert of moe_intermediate_size.
+            raise ValueError(f"n_shared_experts must be 1, got {self.n_shared_experts}")
+        if self.hc_mult < 1 or self.hc_sinkhorn_iters < 1:
+            raise ValueError(f"hc_mult and hc_sinkhorn_iters must be >= 1, got {self.hc_mult}, "
+                             f"{self.hc_sinkhorn_iters}")
+        for i in range(n):
+            self.attention_config(i)  # AttentionConfig checks the attention geometry
+
+    # ------------------------------------------------------------------ per-layer views
+    def attention_config(self, layer_idx: int) -> AttentionConfig:
+        """The :class:`AttentionConfig` of decoder layer ``layer_idx``; ``num_hidden_layers + j`` is MTP block j."""
+        n = self.num_hidden_layers
+        if layer_idx >= n:
+            j = layer_idx - n
+            if j >= len(self.mtp_layer_types):
+                raise ValueError(f"layer_idx {layer_idx} is past the decoder and the MTP blocks")
+            view = replace(self, num_hidden_layers=1, layer_types=[self.mtp_layer_types[j]],
+                           mlp_layer_types=["moe"], num_nextn_predict_layers=0)
+            return view.attention_config(0)
+        return AttentionConfig.from_hf(
+            self, layer_idx, indexer_loss_coeff=self.indexer_loss_coeff, backend=self.attention_backend,
+            attn_chunk_rows=self.attn_chunk_rows, workspace_bytes=self.workspace_bytes,
+        )
+
+    # ------------------------------------------------------------------ HF interchange
+    @classmethod
+    def from_hf(cls, hf_config: Any, **overrides: Any) -> DeepseekV4ModelConfig:
+        """From a ``transformers.DeepseekV4Config`` or a ``config.json`` dict (legacy keys accepted:
+        ``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``, ``n_layers``-style names are not)."""
+        src = dict(hf_config) if isinstance(hf_config, dict) else hf_config.to_dict()
+        src = copy.deepcopy(src)
+        model_type = src.get("model_type", "deepseek_v4")
+        if model_type != "deepseek_v4":
+            raise ValueError(f"config model_type must be 'deepseek_v4', got {model_type!r}")
+        names = {f.name for f in fields(cls)} - set(_TRAINING_FIELDS)
+        kwargs = {k: v for k, v in src.items() if k in names}
+        n = int(src.get("num_hidden_layers", cls.num_hidden_layers))
+        if kwargs.get("layer_types") is None and src.get("compress_ratios") is not None:
+            kwargs["layer_types"] = [_RATIO_TO_TYPE[int(r)] for r in src["compress_ratios"]][:n]
+        if kwargs.get("mlp_layer_types") is None and src.get("num_hash_layers") is not None:
+            h = int(src["num_hash_layers"])
+            kwargs["mlp_layer_types"] = ["hash_moe"] * min(n, h) + ["moe"] * max(0, n - h)
+        if kwargs.get("partial_rotary_factor") is None:
+            rope_dim = src.get("qk_rope_head_dim")
+            head_dim = int(src.get("head_dim", cls.head_dim))
+            kwargs["partial_rotary_factor"] = rope_dim / head_dim if rope_dim is not None else 64 / 512
+        if kwargs.get("compress_rates") is None:
+            kwargs.pop("compress_rates", None)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The ``config.json`` contents (loadable by ``transformers.DeepseekV4Config``)."""
+        out = {k: v for k, v in asdict(self).items() if k not in _TRAINING_FIELDS}
+        out.update(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], num_key_value_heads=1,
+                   qk_rope_head_dim=int(self.head_dim * self.partial_rotary_factor), norm_topk_prob=True,
+                   attention_bias=False, mlp_bias=False)
+        return copy.deepcopy(out)
+
+    def training_dict(self) -> dict[str, Any]:
+        """The training-only settings (kept beside ``config.json`` in training checkpoints)."""
+        return {k: copy.deepcopy(getattr(self, k)) for k in _TRAINING_FIELDS}

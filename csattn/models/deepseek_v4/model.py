@@ -1,0 +1,338 @@
+"""The DeepSeek-V4 decoder for training on packed sequences (``[T]`` token ids, one ``PackedSeqs`` per
+step, optional context parallelism). State-dict names equal Hugging Face's ``DeepseekV4ForCausalLM``
+(``model.embed_tokens``, ``model.layers.{i}.{self_attn,mlp,attn_hc,ffn_hc,...}``, ``model.norm``,
+``model.hc_head``, ``lm_head``); the MTP blocks, which HF does not build, live under ``mtp.{j}``.
+
+Data flow of one step::
+
+    ids [T] -> embed -> streams [T, n, D]
+      per layer: attn_hc -> input_layernorm -> HybridAttention(packed, cp) -> combine
+                 ffn_hc  -> post_attention_layernorm -> MoE -> combine
+    -> hc_head -> norm -> lm_head -> logits [T, V] -> CE over rows with a label
+    MTP block j: e_proj(enorm(embed(token t+j+1))) + h_proj(hnorm(streams)) -> one block -> its own
+                 hc_head and norm -> the shared lm_head -> CE against token t+j+2
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ...layers import HybridAttention
+from ...layers.modules import RMSNorm
+from ...packing import PackedSeqs
+from .config import DeepseekV4ModelConfig
+from .mhc import HyperConnection, HyperHead, expand_streams, hc_combine
+from .moe import MoE
+
+__all__ = ["DeepseekV4ForCausalLM", "DecoderLayer", "MTPBlock", "CausalLMOutput", "IGNORE_INDEX",
+           "future_tokens", "FP32_MODULES"]
+
+IGNORE_INDEX = -100
+# Kept in fp32 whatever the training dtype (HF's ``_keep_in_fp32_modules_strict``); any norm weight too.
+FP32_MODULES = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias")
+
+
+def future_tokens(input_ids: Tensor, packed: PackedSeqs, depth: int) -> Tensor:
+    """Token ``t + j`` of the same document for ``j = 1..depth`` (``IGNORE_INDEX`` past its last real token).
+
+    Row 0 is the next-token label, row ``j`` is MTP block ``j-1``'s label. Compute it on the whole (global)
+    stream, then shard it with the rows under context parallelism.
+
+    Args:
+        input_ids: ``[T]`` int64. packed: the stream's layout.
+    Returns:
+        ``[depth, T]`` int64.
+    """
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be [T], got shape {tuple(input_ids.shape)}")
+    rows = packed.rows(input_ids.device)
+    t = input_ids.shape[0]
+    out = torch.full((depth, t), IGNORE_INDEX, dtype=torch.long, device=input_ids.device)
+    limit = rows.real_len[rows.doc]  # tokens t + j with pos + j < real_len exist
+    for j in range(1, depth + 1):
+        ok = rows.real & (rows.pos + j < limit)
+        src = torch.arange(t, device=input_ids.device) + j
+        out[j - 1] = torch.where(ok, input_ids[src.clamp(max=t - 1)], out[j - 1])
+    return out
+
+
+@dataclass
+class CausalLMOutput:
+    """``loss`` = ``lm_loss + mtp_loss_coeff * mean(mtp_losses)`` (this rank's share under CP; the indexer
+    loss is not in it, its gradient flows through the attention outputs). Logged values are detached."""
+
+    loss: Tensor | None = None
+    lm_loss: Tensor | None = None
+    mtp_losses: list[Tensor] = field(default_factory=list)
+    logits: Tensor | None = None
+    mtp_logits: list[Tensor] = field(default_factory=list)
+    indexer_loss: Tensor | None = None
+    num_label_tokens: Tensor | None = None
+
+
+class DecoderLayer(nn.Module):
+    """One block: mHC -> RMSNorm -> HybridAttention -> mHC -> RMSNorm -> MoE, on streams ``[T, n, D]``."""
+
+    def __init__(self, config: DeepseekV4ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        hashed = layer_idx < c.num_hidden_layers and c.mlp_layer_types[layer_idx] == "hash_moe"
+        self.self_attn = HybridAttention(c.attention_config(layer_idx))
+        self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
+                       c.vocab_size, hashed, c.scoring_func, c.routed_scaling_factor, c.swiglu_limit)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attn_hc = HyperConnection(c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.ffn_hc = HyperConnection(c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+
+    def forward(self, streams: Tensor, input_ids: Tensor, packed: PackedSeqs, cp: Any = None,
+                real: Tensor | None = None) -> Tensor:
+        """``streams [T, n, D]`` (this rank's rows), ``input_ids [T]`` -> ``[T, n, D]``."""
+        post, comb, x = self.attn_hc(streams)
+        y = self.self_attn(self.input_layernorm(x), packed=packed, cp=cp)
+        streams = hc_combine(streams, y, post, comb)
+        post, comb, x = self.ffn_hc(streams)
+        y = self.mlp(self.post_attention_layernorm(x), input_ids=input_ids, real=real)
+        return hc_combine(streams, y, post, comb)
+
+
+class MTPBlock(DecoderLayer):
+    """Multi-token prediction block ``j``: predicts token ``t + j + 2`` from the streams of the previous depth
+    and the embedding of token ``t + j + 1``; shares the embedding and the LM head."""
+
+    def __init__(self, config: DeepseekV4ModelConfig, depth: int) -> None:
+        super().__init__(config, config.num_hidden_layers + depth)
+        c = config
+        self.e_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
+        self.h_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
+        nn.init.normal_(self.e_proj.weight, std=c.initializer_range)
+        nn.init.normal_(self.h_proj.weight, std=c.initializer_range)
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps)
+
+    def forward(self, streams: Tensor, next_embeds: Tensor, input_ids: Tensor, packed: PackedSeqs,
+                cp: Any = None, real: Tensor | None = None) -> Tensor:
+        """``streams [T, n, D]``, ``next_embeds [T, D]`` (embedding of token t+j+1) -> new streams."""
+        mixed = self.e_proj(self.enorm(next_embeds)).unsqueeze(-2) + self.h_proj(self.hnorm(streams))
+        return super().forward(mixed, input_ids, packed, cp, real)
+
+
+class _Backbone(nn.Module):
+    """HF's ``DeepseekV4Model`` (the ``model.`` prefix)."""
+
+    def __init__(self, config: DeepseekV4ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, c.pad_token_id)
+        nn.init.normal_(self.embed_tokens.weight, std=c.initializer_range)
+        self.layers = nn.ModuleList([DecoderLayer(c, i) for i in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """DeepSeek-V4 language model for training on packed batches.
+
+    Example:
+        >>> cfg = DeepseekV4ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, ...)
+        >>> model = DeepseekV4ForCausalLM(cfg)
+        >>> packed = PackedSeqs.from_lengths([7, 9])
+        >>> out = model(ids, packed=packed, labels=future_tokens(ids, packed, 1)[0])
+        >>> out.loss.backward()
+    """
+
+    def __init__(self, config: DeepseekV4ModelConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = c = config
+        self.model = _Backbone(c)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        nn.init.normal_(self.lm_head.weight, std=c.initializer_range)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = nn.ModuleList([MTPBlock(c, j) for j in range(c.num_nextn_predict_layers)])
+        # Hash layers need distinct experts per token; checkpoints ship the real table.
+        seed = int(torch.randint(0, 2**31 - 1, (1,)))
+        gen = torch.Generator().manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.gate.init_hash_table(gen)
+
+    @classmethod
+    def from_pretrained(cls, path: str, **overrides: Any) -> DeepseekV4ForCausalLM:
+        """Load an HF-format directory (``config.json`` + safetensors); see ``checkpoint.load_pretrained``."""
+        from .checkpoint import load_pretrained
+
+        return load_pretrained(path, **overrides)
+
+    def save_pretrained(self, path: str) -> None:
+        """Write ``config.json`` + ``model.safetensors`` (HF names)."""
+        from .checkpoint import save_pretrained
+
+        save_pretrained(self, path)
+
+    def to_training_dtype(self, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
+        """Cast floating parameters to ``dtype`` except the mHC, sinks, position biases, router biases and norm
+        weights, which stay fp32 (as in HF and the released checkpoints)."""
+        for name, p in list(self.named_parameters()) + list(self.named_buffers()):
+            if not p.is_floating_point():
+                continue
+            parts = name.split(".")
+            keep = any(part in FP32_MODULES or part.endswith("norm") for part in parts)
+            p.data = p.data.to(torch.float32 if keep else dtype)
+        return self
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: Tensor,
+        packed: Any = None,
+        cp: Any = None,
+        labels: Tensor | None = None,
+        mtp_labels: Tensor | None = None,
+        label_counts: Tensor | None = None,
+        return_logits: bool = True,
+    ) -> CausalLMOutput:
+        """Args:
+            input_ids: ``[T]`` int64 token ids (this rank's rows under ``cp``).
+            packed: :class:`PackedSeqs` (or Megatron ``PackedSeqParams``) of the **global** stream; None = one
+                document.
+            cp: optional ``csattn.ContextParallel``; rows are split contiguously over its group.
+            labels: ``[T]`` next-token ids (``IGNORE_INDEX`` = no loss), e.g. ``future_tokens(...)[0]``. MTP
+                block 0 embeds these as its "next token" input.
+            mtp_labels: ``[num_mtp, T]`` labels of the MTP blocks (``future_tokens(...)[1:]``); derived from
+                ``labels`` when omitted (single process only).
+            label_counts: ``[1 + num_mtp]`` number of labelled rows over the whole (global) stream, the loss
+                denominators. Defaults to the local counts, summed over the CP group.
+            return_logits: keep the ``[T, V]`` logits in the output.
+        Returns:
+            :class:`CausalLMOutput`.
+        """
+        c = self.config
+        ids = self._check_ids(input_ids)
+        t = ids.shape[0]
+        packed = self._packed(packed, t, cp)
+        real = self._local_real(packed, t, cp, ids.device)
+        embeds = self.model.embed_tokens(ids)
+        streams = expand_streams(embeds, c.hc_mult)
+        for layer in self.model.layers:
+            streams = layer(streams, ids, packed, cp, real)
+        logits = self.lm_head(self.model.norm(self.model.hc_head(streams)))
+
+        out = CausalLMOutput(logits=logits if return_logits else None)
+        losses: list[Tensor] = []
+        if labels is not None:
+            labels = self._check_labels(labels, t, "labels")
+            targets = [labels]
+            if len(self.mtp):
+                if mtp_labels is None:
+                    if cp is not None:
+                        raise ValueError("mtp_labels is required under context parallelism (the shift crosses "
+                                         "rank cuts); pass future_tokens(global_ids, packed, 1 + num_mtp)[1:] "
+                                         "sharded like the rows")
+                    mtp_labels = _shift_labels(labels, len(self.mtp))
+                mtp_labels = self._check_labels(mtp_labels, t, "mtp_labels", rows=len(self.mtp))
+                targets += list(mtp_labels)
+            counts = self._label_counts(targets, label_counts, cp)
+            out.num_label_tokens = counts.detach()
+            losses.append(_ce_sum(logits, labels) / counts[0].clamp_min(1))
+
+            h = streams
+            for j, block in enumerate(self.mtp):
+                next_ids = targets[j].clamp_min(0)  # token t+j+1 (rows without one have no MTP label)
+                h = block(h, self.model.embed_tokens(next_ids), ids, packed, cp, real)
+                mtp_logits = self.lm_head(block.norm(block.hc_head(h)))
+                if return_logits:
+                    out.mtp_logits.append(mtp_logits)
+                losses.append(_ce_sum(mtp_logits, targets[j + 1]) / counts[j + 1].clamp_min(1))
+            out.lm_loss = losses[0].detach()
+            out.mtp_losses = [x.detach() for x in losses[1:]]
+            loss = losses[0]
+            if len(losses) > 1:
+                loss = loss + c.mtp_loss_coeff * torch.stack(losses[1:]).mean()
+            out.loss = loss
+        indexer = [m.last_indexer_loss for m in self.modules()
+                   if isinstance(m, HybridAttention) and m.last_indexer_loss is not None]
+        if indexer:
+            out.indexer_loss = torch.stack([x.float() for x in indexer]).sum()
+        return out
+
+    # ------------------------------------------------------------------ MoE balancing
+    def expert_loads(self) -> list[Tensor]:
+        """``[E]`` real-token counts of every learned-routing MoE layer from the last forward."""
+        return [m.last_load for m in self.modules() if isinstance(m, MoE) and not m.gate.hashed
+                and m.last_load is not None]
+
+    def update_router_biases(self, loads: list[Tensor], rate: float) -> None:
+        """Apply :meth:`Router.update_bias` with ``loads`` from :meth:`expert_loads` (summed over ranks)."""
+        moes = [m for m in self.modules() if isinstance(m, MoE) and not m.gate.hashed]
+        if len(moes) != len(loads):
+            raise ValueError(f"loads has {len(loads)} entries for {len(moes)} learned-routing MoE layers")
+        for moe, load in zip(moes, loads):
+            moe.gate.update_bias(load, rate)
+
+    # ------------------------------------------------------------------ helpers
+    def _check_ids(self, input_ids: Tensor) -> Tensor:
+        if not isinstance(input_ids, Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError("input_ids must be an int32/int64 tensor [T]")
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be packed [T], got shape {tuple(input_ids.shape)}")
+        return input_ids.long()
+
+    def _check_labels(self, labels: Tensor, t: int, name: str, rows: int | None = None) -> Tensor:
+        shape = (t,) if rows is None else (rows, t)
+        if not isinstance(labels, Tensor) or tuple(labels.shape) != shape:
+            got = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+            raise ValueError(f"{name} must have shape {shape}, got {got}")
+        return labels.long()
+
+    def _packed(self, packed: Any, t: int, cp: Any) -> PackedSeqs:
+        if packed is None:
+            if cp is not None:
+                raise ValueError("packed is required under context parallelism (it describes the global stream)")
+            return PackedSeqs.uniform(1, t)
+        return PackedSeqs.coerce(packed)
+
+    def _local_real(self, packed: PackedSeqs, t: int, cp: Any, device: torch.device) -> Tensor:
+        real = packed.rows(device).real
+        if cp is None:
+            return real
+        start = int(cp.rank) * t  # contiguous split: rank r owns rows [r * L, (r + 1) * L)
+        return real[start:start + t]
+
+    def _label_counts(self, targets: list[Tensor], given: Tensor | None, cp: Any) -> Tensor:
+        if given is not None:
+            counts = torch.as_tensor(given, dtype=torch.float32, device=targets[0].device).reshape(-1)
+            if counts.numel() != len(targets):
+                raise ValueError(f"label_counts must have {len(targets)} entries, got {counts.numel()}")
+            return counts
+        counts = torch.stack([(x != IGNORE_INDEX).sum() for x in targets]).float()
+        if cp is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts, group=getattr(cp, "group", None))
+        return counts
+
+
+def _ce_sum(logits: Tensor, labels: Tensor) -> Tensor:
+    """Summed cross entropy in fp32 over rows whose label is not ``IGNORE_INDEX``."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _shift_labels(labels: Tensor, depth: int) -> Tensor:
+    """``[depth, T]``: label of row t+j for j = 1..depth when row t has one (same document), else ignored."""
+    out, prev = [], labels
+    for _ in range(depth):
+        nxt = torch.full_like(prev, IGNORE_INDEX)
+        nxt[:-1] = torch.where(prev[:-1] != IGNORE_INDEX, prev[1:], nxt[:-1])
+        out.append(nxt)
+        prev = nxt
+    return torch.stack(out)

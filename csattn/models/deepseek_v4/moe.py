@@ -1,0 +1,155 @@
+"""DeepSeek-V4 mixture of experts: sqrt-softplus router with a load-balancing correction bias (or a frozen
+token-id -> expert table on the first "hash" layers), routed experts with clamped SwiGLU, and one shared
+expert. Names equal Hugging Face's ``DeepseekV4SparseMoeBlock`` (``gate``, ``experts``, ``shared_experts``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["Router", "Experts", "SharedExpert", "MoE", "clamped_swiglu", "score_fn"]
+
+
+def score_fn(logits: Tensor, kind: str) -> Tensor:
+    """Router affinities from logits: ``sqrt(softplus(.))`` (V4), ``sigmoid`` or ``softmax``."""
+    if kind == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if kind == "sigmoid":
+        return torch.sigmoid(logits)
+    if kind == "softmax":
+        return torch.softmax(logits, dim=-1)
+    raise ValueError(f"unknown scoring_func {kind!r}")
+
+
+def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)``."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Router(nn.Module):
+    """Chooses ``k`` experts per token and their weights.
+
+    Learned routing: ``topk(score + e_score_correction_bias)``; the bias only moves the choice (it is
+    updated outside autograd to balance load, see :meth:`update_bias`). Hash routing: the choice is
+    ``tid2eid[input_ids]``. Either way the weights are the unbiased scores of the chosen experts,
+    normalized to sum 1, times ``routed_scaling_factor``.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, vocab_size: int, hashed: bool,
+                 scoring_func: str, routed_scaling_factor: float) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.hashed = num_experts, top_k, hashed
+        self.scoring_func, self.routed_scaling_factor = scoring_func, routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        nn.init.normal_(self.weight, std=0.02)
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(vocab_size, top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+
+    def forward(self, x: Tensor, input_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``x [T, D]`` (and ``input_ids [T]`` on hash layers) -> ``weights [T, k]``, ``experts [T, k]`` int64."""
+        scores = score_fn(F.linear(x, self.weight), self.scoring_func)
+        if self.hashed:
+            if input_ids is None:
+                raise ValueError("input_ids is required by a hash-routed MoE layer")
+            experts = self.tid2eid[input_ids.reshape(-1)].long()
+        else:
+            biased = scores + self.e_score_correction_bias.to(scores.dtype)
+            experts = torch.topk(biased.detach(), self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, experts
+
+    @torch.no_grad()
+    def init_hash_table(self, generator: torch.Generator) -> None:
+        """``k`` distinct random experts per token id (checkpoints ship the real table)."""
+        if self.hashed:
+            vocab = self.tid2eid.shape[0]
+            rand = torch.rand(vocab, self.num_experts, generator=generator)
+            self.tid2eid.copy_(rand.argsort(dim=-1)[:, : self.top_k])
+
+    @torch.no_grad()
+    def update_bias(self, load: Tensor, rate: float) -> None:
+        """Auxiliary-loss-free balancing: raise the bias of under-loaded experts, lower overloaded ones.
+
+        Args:
+            load: ``[E]`` tokens routed to each expert (summed over every rank).
+        """
+        if self.hashed or rate == 0:
+            return
+        load = load.to(self.e_score_correction_bias.dtype)
+        self.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
+
+
+class Experts(nn.Module):
+    """Routed experts stored as 3-D tensors: ``gate_up_proj [E, 2I, D]`` (gate rows first), ``down_proj [E, D, I]``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float) -> None:
+        super().__init__()
+        self.num_experts, self.limit = num_experts, limit
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+    def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """``x [T, D]``, ``experts [T, k]``, ``weights [T, k]`` -> ``[T, D]`` (weighted sum over the k picks)."""
+        k = experts.shape[-1]
+        flat_expert = experts.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)  # assignments grouped by expert
+        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
+        token = order // k
+        w = weights.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token[start:start + count]
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e])
+            out = out.index_add(0, rows, (y * w[start:start + count, None]).to(out.dtype))
+            start += count
+        return out
+
+
+class SharedExpert(nn.Module):
+    """The always-on expert (clamped SwiGLU, ``moe_intermediate_size`` wide)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(lin.weight, std=0.02)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class MoE(nn.Module):
+    """``routed(x) + shared(x)`` on packed rows ``x [T, D]``.
+
+    After each forward ``last_load [E]`` holds how many real tokens chose each expert (for
+    :meth:`Router.update_bias`).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, vocab_size: int,
+                 hashed: bool, scoring_func: str, routed_scaling_factor: float, swiglu_limit: float) -> None:
+        super().__init__()
+        self.gate = Router(hidden_size, num_experts, top_k, vocab_size, hashed, scoring_func, routed_scaling_factor)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, swiglu_limit)
+        self.shared_experts = SharedExpert(hidden_size, intermediate_size, swiglu_limit)
+        self.last_load: Tensor | None = None
+
+    def forward(self, x: Tensor, input_ids: Tensor | None = None, real: Tensor | None = None) -> Tensor:
+        """``x [T, D]``; ``input_ids [T]`` (hash layers); ``real [T]`` bool marks rows counted in ``last_load``."""
+        weights, experts = self.gate(x, input_ids)
+        with torch.no_grad():
+            picks = experts if real is None else experts[real]
+            self.last_load = torch.bincount(picks.reshape(-1), minlength=self.gate.num_experts)
+        return self.experts(x, experts, weights) + self.shared_experts(x)
