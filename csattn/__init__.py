@@ -1,6 +1,7 @@
 """csattn: DeepSeek-V4 hybrid attention (sliding window, CSA, HCA) for training on packed sequences."""
 
 from .config import AttentionConfig
+from .cp import ContextParallel as ContextParallel  # noqa: F401  (public API)
 from .layers import HybridAttention
 from .ops.indexer_loss import IndexerLossAutoScaler
 from .ops.rope import YarnScaling

@@ -1,0 +1,95 @@
+"""A persistent pool of gloo ranks for the context-parallel tests.
+
+Spawning processes costs seconds on a small CPU, so the tests start ``world`` ranks once (free port, spawn
+context), create one process group per CP size (ranks ``0 .. P-1``), and send them tasks through queues.
+Every task result comes back per rank; a rank that does not answer within the timeout fails the test and
+the pool is torn down, so a hang can never block the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    groups = {p: dist.new_group(list(range(p)), timeout=timedelta(seconds=60)) for p in range(1, world + 1)}
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, size, kwargs = item
+        if rank >= size:
+            results.put((rank, "idle", None))
+            continue
+        try:
+            out = fn(groups[size], **kwargs)
+            results.put((rank, "ok", out))
+        except Exception as err:  # report, keep serving
+            results.put((rank, "error", (type(err).__name__, str(err), traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world`` gloo ranks serving tasks ``fn(group, **kwargs)`` on the first ``size`` of them."""
+
+    def __init__(self, world: int = 4, timeout: float = 120.0) -> None:
+        self.world, self.timeout = world, timeout
+        ctx = mp.get_context("spawn")
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, size: int, **kwargs) -> list:
+        """Run on ranks ``0 .. size-1``; returns per-rank ``("ok", value)`` or ``("error", (type, msg, tb))``."""
+        for q in self.tasks:
+            q.put((fn, size, kwargs))
+        out: list = [None] * self.world
+        for _ in range(self.world):
+            try:
+                rank, status, value = self.results.get(timeout=self.timeout)
+            except queue.Empty:
+                self.close(force=True)
+                raise TimeoutError(f"a CP rank did not answer within {self.timeout:.0f} s (hang?)") from None
+            out[rank] = (status, value)
+        return out[:size]
+
+    def run_ok(self, fn, size: int, **kwargs) -> list:
+        """Like :meth:`run`, raising the first rank error (with its traceback)."""
+        res = self.run(fn, size, **kwargs)
+        for status, value in res:
+            if status == "error":
+                raise AssertionError(f"rank failed: {value[0]}: {value[1]}\n{value[2]}")
+        return [v for _, v in res]
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()

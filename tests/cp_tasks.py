@@ -1,0 +1,130 @@
+"""Work run on every rank of a CP test pool: single-process reference vs the context-parallel run."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from csattn import AttentionConfig, ContextParallel, HybridAttention, PackedSeqs
+
+TYPES = ("sliding", "csa", "hca")
+
+
+def tiny_config(layer_type: str, **over) -> AttentionConfig:
+    """Window 8, CSA ratio 4, HCA ratio 8: halo 7 rows, so short shards still hold several blocks."""
+    kw = dict(
+        hidden_size=32, num_heads=2, head_dim=16, rope_head_dim=4, q_lora_rank=16, o_groups=2, o_lora_rank=8,
+        sliding_window=8, layer_type=layer_type, compress_ratio={"sliding": 0, "csa": 4, "hca": 8}[layer_type],
+        index_n_heads=2, index_head_dim=8, index_topk=3, indexer_loss_coeff=0.3, attn_chunk_rows=24,
+        workspace_bytes=4096, rope_theta=10000.0 if layer_type == "sliding" else 160000.0,
+        rope_scaling=None if layer_type == "sliding" else AttentionConfig().rope_scaling, backend="reference",
+    )
+    kw.update(over)
+    return AttentionConfig(**kw)
+
+
+def build_stack(dtype: torch.dtype, seed: int = 0, types=TYPES, **over) -> torch.nn.ModuleList:
+    torch.manual_seed(seed)
+    layers = torch.nn.ModuleList([HybridAttention(tiny_config(t, **over)) for t in types])
+    with torch.no_grad():
+        for name, p in layers.named_parameters():
+            if name.endswith(("sinks", "position_bias")):
+                p.normal_(0, 0.5)
+            elif name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+    return layers.to(dtype)
+
+
+def padded_pack(lengths, pads, multiple: int) -> PackedSeqs:
+    """Real ``lengths``, physical ``lengths + pads``, the last document padded up to ``multiple`` rows."""
+    phys = [n + p for n, p in zip(lengths, pads)]
+    phys[-1] += (-sum(phys)) % multiple
+    return PackedSeqs.from_lengths(list(lengths), padded_lengths=phys)
+
+
+def _run(layers, x, packed, g, cp=None):
+    h, outs = x, []
+    for layer in layers:
+        y = layer(h, packed=packed, cp=cp)
+        outs.append(y)
+        h = h + y
+    (h * g).sum().backward()
+    losses = [layer.last_indexer_loss for layer in layers]
+    return h, outs, losses
+
+
+def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    if a is None and b is None:
+        return 0.0
+    a = torch.zeros_like(b) if a is None else a
+    b = torch.zeros_like(a) if b is None else b
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300)) if b.norm() > 0 else float(a.norm())
+
+
+def parity(group, lengths, pads=None, partition="contiguous", dtype="float64", seed=0, types=TYPES,
+           chunks_per_rank=4, **over) -> dict:
+    """Relative errors (CP vs single process) of the stack output, each layer's output, the input grad, every
+    parameter grad (summed over ranks) and each indexer loss (summed over ranks). Returns them on rank 0."""
+    dt = getattr(torch, dtype)
+    cp = ContextParallel(group, partition=partition, chunks_per_rank=chunks_per_rank)
+    size = cp.size
+    pads = pads or [0] * len(lengths)
+    mult = size * (chunks_per_rank if partition == "balanced" else 1)
+    packed = padded_pack(lengths, pads, mult)
+    T = packed.num_rows
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(T, 32, generator=gen).to(dt)
+    g = torch.randn(T, 32, generator=gen).to(dt)
+
+    ref_layers = build_stack(dt, seed, types, **over)
+    xr = x.clone().requires_grad_()
+    ref_out, ref_outs, ref_losses = _run(ref_layers, xr, packed, g)
+
+    layers = build_stack(dt, seed, types, **over)
+    packed_cp = padded_pack(lengths, pads, mult)  # a fresh object: nothing cached from the reference run
+    xl = cp.shard(x, packed_cp).requires_grad_()
+    out_l, outs_l, losses_l = _run(layers, xl, packed_cp, cp.shard(g, packed_cp), cp)
+
+    err = {"out": _rel(cp.gather(out_l.detach(), packed_cp), ref_out)}
+    for i, (yl, yr) in enumerate(zip(outs_l, ref_outs)):
+        err[f"out{i}"] = _rel(cp.gather(yl.detach(), packed_cp), yr)
+    err["dx"] = _rel(cp.gather(xl.grad, packed_cp), xr.grad)
+    for (name, p), (_, pr) in zip(layers.named_parameters(), ref_layers.named_parameters()):
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        flag = torch.tensor([0.0 if p.grad is None else 1.0], dtype=torch.float64)
+        dist.all_reduce(grad, group=group)
+        dist.all_reduce(flag, group=group)
+        err[f"grad:{name}"] = _rel(grad if flag.item() > 0 else None, pr.grad)
+    for i, (ll, lr) in enumerate(zip(losses_l, ref_losses)):
+        if lr is None:
+            assert ll is None, f"layer {i}: CP produced an indexer loss the reference did not"
+            continue
+        tot = ll.detach().clone()
+        dist.all_reduce(tot, group=group)
+        err[f"loss{i}"] = _rel(tot, lr)
+    return err
+
+
+def bad_input(group, case: str) -> None:
+    """Each case must raise the same ValueError on every rank."""
+    cp = ContextParallel(group)
+    layer = build_stack(torch.float64, 0, ("csa",))[0]
+    rank, size = cp.rank, cp.size
+    if case == "short_shard":
+        packed = PackedSeqs.from_lengths([4 * size])  # 4 rows per rank < halo 7
+        x = torch.randn(4, 32, dtype=torch.float64)
+    elif case == "not_divisible":
+        packed = PackedSeqs.from_lengths([64 * size + 1])
+        x = torch.randn(64 + (1 if rank == 0 else 0), 32, dtype=torch.float64)
+    elif case == "mismatched":
+        lengths = [40, 24 * size - 40] if rank == 0 else [24 * size - 40, 40]
+        packed = PackedSeqs.from_lengths(lengths)
+        x = torch.randn(24, 32, dtype=torch.float64)
+    elif case == "wrong_rows":
+        packed = PackedSeqs.from_lengths([32 * size])
+        x = torch.randn(32 if rank else 33, 32, dtype=torch.float64)
+    else:
+        raise AssertionError(case)
+    out = layer(x.requires_grad_(), packed=packed, cp=cp)
+    out.sum().backward()
