@@ -96,6 +96,26 @@ def _peak_gib(fn, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**30
 
 
+def _kernel_times(fn, device: torch.device, iters: int = 3) -> dict[str, float] | None:
+    """Per-kernel device time (ms per call) of ``fn`` from the PyTorch profiler, largest first."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize(device)
+    times = {}
+    for ev in prof.key_averages():
+        total = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if total:
+            times[ev.key[:60]] = total / iters / 1e3
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:6])
+
+
 def _meta(device: torch.device, commit: str | None) -> dict:
     if commit is None:
         try:
@@ -128,6 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rep-ms", type=int, default=200)
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--commit", default=None, help="recorded commit (default: git rev-parse)")
+    ap.add_argument("--profile", action="store_true", help="also record per-kernel times (torch.profiler)")
     args = ap.parse_args(argv)
 
     modes = [m for m in args.mode.split(",") if m]
@@ -174,6 +195,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     tf = f"{rec['tflops']:9.1f}" if rec["tflops"] else f"{'-':>9}"
                     gib = f"{rec['peak_gib']:8.2f}" if rec["peak_gib"] is not None else f"{'-':>8}"
                     print(f"{tag:<28} {mode:<7} {label:<40} {ms:10.3f} {tf} {gib}", flush=True)
+                    if args.profile:
+                        rec["kernels_ms"] = _kernel_times(fn, device)
+                        for kname, kms in (rec["kernels_ms"] or {}).items():
+                            print(f"    {kms:9.3f} ms  {kname}")
                 except torch.cuda.OutOfMemoryError:
                     rec["error"] = "out of memory"
                     print(f"{tag:<28} {mode:<7} {label:<40} out of memory", flush=True)

@@ -70,9 +70,9 @@ CPU_CASES = {
     "basic": dict(T=20, H=4, d=64, N=30, K=12),
     "odd_heads_odd_dim": dict(T=17, H=3, d=48, N=25, K=9),
     "two_heads": dict(T=12, H=2, d=32, N=12, K=20),  # K > BK: several key blocks
-    "head_blocks": dict(T=10, H=20, d=32, N=16, K=12, env="bh=16,bk_fwd=16,bk_bwd=16"),
-    "split_bwd": dict(T=14, H=4, d=32, N=20, K=12, env="split_bwd=1"),
-    "dkv_transposed": dict(T=14, H=4, d=32, N=20, K=40, env="dkv_t=1,bk_bwd=32"),
+    "head_blocks": dict(T=10, H=20, d=32, N=16, K=12, env="bh=16,bk_fwd=16,bk_dq=16,bk_dkv=16"),
+    "key_blocks": dict(T=14, H=4, d=32, N=20, K=40, env="bk_fwd=16,bk_dq=16,bk_dkv=16"),
+    "kv_row_stride": dict(T=14, H=4, d=32, N=20, K=12, kv_pad=8),
 }
 
 
@@ -81,6 +81,7 @@ def test_matches_reference(case, assert_close, monkeypatch):
     spec = dict(CPU_CASES[case])
     if "env" in spec:
         monkeypatch.setenv("CSATTN_SPARSE_ATTN_CONFIG", spec.pop("env"))
+    pad = spec.pop("kv_pad", 0)
     gen = torch.Generator().manual_seed(hash(case) % 2**31)
     q, kv, sink, idx = random_case(gen=gen, **spec)
     idx[1] = -1  # an empty row: o = 0, lse = sink
@@ -89,8 +90,13 @@ def test_matches_reference(case, assert_close, monkeypatch):
     dlse = torch.randn(q.shape[:2], generator=gen, dtype=torch.float64)
     scale = spec["d"] ** -0.5
     ref = grads_of(lambda a, b, c: sparse_attn_ref(a, b, idx, c.double(), scale), q, kv, sink, do, dlse)
-    tri = grads_of(lambda a, b, c: sparse_attn(a, b, idx.to(torch.int32), c, scale, backend="triton"),
-                   q.float(), kv.float(), sink, do, dlse)
+
+    def tri_fn(a, b, c):
+        if pad:  # kv as a view with row stride d + pad
+            b = torch.cat([b, b.new_zeros(b.shape[0], pad)], 1)[:, : b.shape[1]]
+        return sparse_attn(a, b, idx.to(torch.int32), c, scale, backend="triton")
+
+    tri = grads_of(tri_fn, q.float(), kv.float(), sink, do, dlse)
     for name, a, b in zip(NAMES, tri, ref):
         assert_close(a, b, 2e-5, f"{case} {name}")
     assert tri[0].dtype == torch.float32 and tri[1].dtype == torch.float32

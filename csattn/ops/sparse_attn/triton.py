@@ -76,34 +76,44 @@ def sparse_attn_fwd_kernel(
 
 
 @triton.jit
-def sparse_attn_bwd_kernel(
-    q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
+def _bwd_row_terms(q, o, do, lse, dlse, t, offs_h, offs_d, mask_h, mask_hd,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_dlt, HAS_DLSE: tl.constexpr):
+    """Per-row tiles of both backward kernels: q, do, lse and delta = rowsum(do * o) - dlse."""
+    row_q = t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    row_o = t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+    q_tile = tl.load(q + row_q, mask=mask_hd, other=0.0)
+    do_tile = tl.load(do + row_o, mask=mask_hd, other=0.0)
+    o_tile = tl.load(o + row_o, mask=mask_hd, other=0.0)
+    # dS = P (dP - delta); dlse enters delta because lse is an output too.
+    delta = tl.sum(do_tile.to(tl.float32) * o_tile.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse + t * stride_dlt + offs_h, mask=mask_h, other=0.0)
+    # Padded heads get lse = +inf, hence P = 0.
+    lse_t = tl.load(lse + t * stride_lt + offs_h, mask=mask_h, other=float("inf"))
+    return q_tile, do_tile, delta, lse_t
+
+
+@triton.jit
+def sparse_attn_bwd_kernel_dq(
+    q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dsink_rows,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
     H, D, K, scale,
-    HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, DKV_T: tl.constexpr,
+    HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr,
     BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # do/o/dq share q's strides (the host makes them so).
+    # Row-major products: q and do are A operands, the key tile the B operand of all three dots.
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
     mask_h = offs_h < H
     mask_d = offs_d < D
     mask_hd = mask_h[:, None] & mask_d[None, :]
-    row_q = t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    row_o = t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
-    q_tile = tl.load(q + row_q, mask=mask_hd, other=0.0)
-    do_tile = tl.load(do + row_o, mask=mask_hd, other=0.0)
-    o_tile = tl.load(o + row_o, mask=mask_hd, other=0.0)
-    # delta = do . o - dlse: the common term of dS = P (dP - delta); dlse enters because lse is an output.
-    delta = tl.sum(do_tile.to(tl.float32) * o_tile.to(tl.float32), 1)
-    if HAS_DLSE:
-        delta -= tl.load(dlse + t * stride_dlt + offs_h, mask=mask_h, other=0.0)
-    lse_t = tl.load(lse + t * stride_lt + offs_h, mask=mask_h, other=0.0)
-    if DO_DQ:
-        # d lse / d sink = p_sink, and o depends on the sink only through lse: dsink = -p_sink * delta.
-        p_sink = tl.exp(tl.load(sink + offs_h, mask=mask_h, other=0.0).to(tl.float32) - lse_t)
-        tl.store(dsink_rows + t * H + offs_h, -p_sink * delta, mask=mask_h)
+    q_tile, do_tile, delta, lse_t = _bwd_row_terms(
+        q, o, do, lse, dlse, t, offs_h, offs_d, mask_h, mask_hd,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_dlt, HAS_DLSE)
+    # o depends on the sink only through lse and d lse / d sink = p_sink: dsink = -p_sink * delta.
+    p_sink = tl.exp(tl.load(sink + offs_h, mask=mask_h, other=0.0).to(tl.float32) - lse_t)
+    tl.store(dsink_rows + t * H + offs_h, -p_sink * delta, mask=mask_h)
     lse2 = lse_t * 1.4426950408889634
     qk_scale_log2 = scale * 1.4426950408889634
     dq_acc = tl.zeros([BH, BD], dtype=tl.float32)
@@ -114,29 +124,59 @@ def sparse_attn_bwd_kernel(
         offs_k = start + tl.arange(0, BK)
         ids = tl.load(idx + t * stride_it + offs_k, mask=offs_k < n_keys, other=-1)
         valid = ids >= 0
-        kv_ptrs = ids.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :]
-        mask_kd = valid[:, None] & mask_d[None, :]
-        k_tile = tl.load(kv + kv_ptrs, mask=mask_kd, other=0.0)
+        k_tile = tl.load(kv + ids.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :],
+                         mask=valid[:, None] & mask_d[None, :], other=0.0)
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do_tile, tl.trans(k_tile), input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])  # gradient w.r.t. the scaled score; times `scale` for the raw one
-        if DO_DQ:
-            dq_acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=DOT_PREC)
-        if DO_DKV:
-            # K = V: the value gradient P^T dO and the key gradient dS^T Q land in the same row.
-            if DKV_T:
-                # [d, BK] orientation: M = d fills the MMA's M even when BK is small.
-                dkv_t = tl.dot(tl.trans(do_tile), p.to(k_tile.dtype), input_precision=DOT_PREC)
-                dkv_t += tl.dot(tl.trans(q_tile), (ds * scale).to(k_tile.dtype), input_precision=DOT_PREC)
-                tl.atomic_add(dkv + tl.trans(kv_ptrs), dkv_t, mask=tl.trans(mask_kd), sem="relaxed")
-            else:
-                dkv_blk = tl.dot(tl.trans(p.to(k_tile.dtype)), do_tile, input_precision=DOT_PREC)
-                dkv_blk += tl.dot(tl.trans((ds * scale).to(k_tile.dtype)), q_tile, input_precision=DOT_PREC)
-                tl.atomic_add(dkv + kv_ptrs, dkv_blk, mask=mask_kd, sem="relaxed")
-    if DO_DQ:
-        tl.store(dq + row_q, (dq_acc * scale).to(dq.dtype.element_ty), mask=mask_hd)
+        ds = p * (dp - delta[:, None])  # gradient w.r.t. the scaled score
+        dq_acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=DOT_PREC)
+    tl.store(dq + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+             (dq_acc * scale).to(dq.dtype.element_ty), mask=mask_hd)
+
+
+@triton.jit
+def sparse_attn_bwd_kernel_dkv(
+    q, kv, idx, topk_len, o, do, lse, dlse, dkv,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
+    H, D, K, scale,
+    HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr,
+    BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # Key-major products (S^T = K Q^T, dP^T = K dO^T, dKV = P^T dO + dS^T Q): q and do are only ever
+    # B operands, so each needs one shared-memory copy, and M = BK fills the MMA.
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_d = tl.arange(0, BD)
+    mask_h = offs_h < H
+    mask_d = offs_d < D
+    mask_hd = mask_h[:, None] & mask_d[None, :]
+    q_tile, do_tile, delta, lse_t = _bwd_row_terms(
+        q, o, do, lse, dlse, t, offs_h, offs_d, mask_h, mask_hd,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_dlt, HAS_DLSE)
+    lse2 = lse_t * 1.4426950408889634
+    qk_scale_log2 = scale * 1.4426950408889634
+    n_keys = K
+    if HAS_LEN:
+        n_keys = tl.minimum(tl.load(topk_len + t).to(tl.int32), K)
+    for start in range(0, n_keys, BK):
+        offs_k = start + tl.arange(0, BK)
+        ids = tl.load(idx + t * stride_it + offs_k, mask=offs_k < n_keys, other=-1)
+        valid = ids >= 0
+        ids64 = ids.to(tl.int64)
+        mask_kd = valid[:, None] & mask_d[None, :]
+        k_tile = tl.load(kv + ids64[:, None] * stride_kvn + offs_d[None, :], mask=mask_kd, other=0.0)
+        st = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PREC) * qk_scale_log2
+        st = tl.where(valid[:, None], st, float("-inf"))
+        pt = tl.exp2(st - lse2[None, :])
+        dpt = tl.dot(k_tile, tl.trans(do_tile), input_precision=DOT_PREC)
+        dst = pt * (dpt - delta[None, :]) * scale  # gradient w.r.t. the raw score q . k
+        # K = V: the value gradient P^T dO and the key gradient dS^T Q land in the same row.
+        dkv_blk = tl.dot(pt.to(k_tile.dtype), do_tile, input_precision=DOT_PREC)
+        dkv_blk = tl.dot(dst.to(k_tile.dtype), q_tile, dkv_blk, input_precision=DOT_PREC)
+        # A kv row is shared by many query rows: fp32 atomics into the contiguous [N, D] buffer.
+        tl.atomic_add(dkv + ids64[:, None] * D + offs_d[None, :], dkv_blk, mask=mask_kd, sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -145,20 +185,19 @@ def sparse_attn_bwd_kernel(
 
 
 class SparseAttnConfig:
-    """Launch parameters: head block ``BH``, key block ``BK``, warps and pipeline stages per kernel.
+    """Launch parameters: head block ``BH``; key block, warps and pipeline stages per kernel.
 
-    ``split_bwd=True`` runs the backward as two launches of the same kernel (dq + dsink, then dkv), which
-    recomputes the scores once more but halves the live registers of each program. ``dkv_t=True``
-    computes the dkv tile as ``[d, BK]`` (M = d for the MMA) instead of ``[BK, d]``.
+    Defaults were tuned on an H200 at H=64, d=512, k+W=640 (BENCHMARKS.md); d=512 tiles fill most of
+    the 227 KB of shared memory, so larger key blocks or more stages can fail to launch.
     """
 
-    def __init__(self, bh: int | None = None, bk_fwd: int = 32, bk_bwd: int = 16, warps_fwd: int = 8,
-                 warps_bwd: int = 8, stages_fwd: int = 2, stages_bwd: int = 1, split_bwd: bool = False,
-                 dkv_t: bool = False):
-        self.bh, self.bk_fwd, self.bk_bwd = bh, bk_fwd, bk_bwd
-        self.warps_fwd, self.warps_bwd = warps_fwd, warps_bwd
-        self.stages_fwd, self.stages_bwd = stages_fwd, stages_bwd
-        self.split_bwd, self.dkv_t = split_bwd, dkv_t
+    def __init__(self, bh: int | None = None, bk_fwd: int = 64, warps_fwd: int = 8, stages_fwd: int = 2,
+                 bk_dq: int = 32, warps_dq: int = 8, stages_dq: int = 1,
+                 bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1):
+        self.bh = bh
+        self.bk_fwd, self.warps_fwd, self.stages_fwd = bk_fwd, warps_fwd, stages_fwd
+        self.bk_dq, self.warps_dq, self.stages_dq = bk_dq, warps_dq, stages_dq
+        self.bk_dkv, self.warps_dkv, self.stages_dkv = bk_dkv, warps_dkv, stages_dkv
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -172,7 +211,7 @@ class SparseAttnConfig:
             key, _, value = item.partition("=")
             if not hasattr(cfg, key):
                 raise ValueError(f"CSATTN_SPARSE_ATTN_CONFIG: unknown key {key!r}")
-            setattr(cfg, key, value.lower() in ("1", "true") if key in ("split_bwd", "dkv_t") else int(value))
+            setattr(cfg, key, int(value))
         return cfg
 
 
@@ -252,24 +291,21 @@ def sparse_attn_bwd(
         bh = _head_block(H, cfg)
         grid = (T, triton.cdiv(H, bh))
         common = dict(
-            q=q, kv=kv, idx=indices, topk_len=topk_length if topk_length is not None else indices, sink=sink,
-            o=o, do=do, lse=lse, dlse=dlse if dlse is not None else lse, dq=dq, dkv=dkv32,
-            dsink_rows=dsink_rows,
+            q=q, kv=kv, idx=indices, topk_len=topk_length if topk_length is not None else indices,
+            o=o, do=do, lse=lse, dlse=dlse if dlse is not None else lse,
             stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kvn=kv.stride(0),
-            stride_it=indices.stride(0),
-            stride_ot=o.stride(0), stride_oh=o.stride(1), stride_lt=lse.stride(0),
+            stride_it=indices.stride(0), stride_ot=o.stride(0), stride_oh=o.stride(1), stride_lt=lse.stride(0),
             stride_dlt=dlse.stride(0) if dlse is not None else 0,
-            H=H, D=D, K=K, scale=scale,
-            HAS_LEN=topk_length is not None, HAS_DLSE=dlse is not None,
-            BH=bh, BD=max(triton.next_power_of_2(D), 16), BK=cfg.bk_bwd, DOT_PREC=_dot_prec(q.dtype),
-            DKV_T=cfg.dkv_t,
-            num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
+            H=H, D=D, K=K, scale=scale, HAS_LEN=topk_length is not None, HAS_DLSE=dlse is not None,
+            BH=bh, BD=max(triton.next_power_of_2(D), 16), DOT_PREC=_dot_prec(q.dtype),
         )
-        if cfg.split_bwd:
-            _report("bwd_dq", sparse_attn_bwd_kernel[grid](DO_DQ=True, DO_DKV=False, **common), cfg)
-            _report("bwd_dkv", sparse_attn_bwd_kernel[grid](DO_DQ=False, DO_DKV=True, **common), cfg)
-        else:
-            _report("bwd", sparse_attn_bwd_kernel[grid](DO_DQ=True, DO_DKV=True, **common), cfg)
+        kernel = sparse_attn_bwd_kernel_dq[grid](
+            sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq, num_warps=cfg.warps_dq,
+            num_stages=cfg.stages_dq, **common)
+        _report("bwd_dq", kernel, cfg)
+        kernel = sparse_attn_bwd_kernel_dkv[grid](
+            dkv=dkv32, BK=cfg.bk_dkv, num_warps=cfg.warps_dkv, num_stages=cfg.stages_dkv, **common)
+        _report("bwd_dkv", kernel, cfg)
     dsink = dsink_rows.sum(0).to(sink.dtype)
     return dq, dkv32.to(kv.dtype), dsink
 
