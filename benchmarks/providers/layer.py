@@ -1,0 +1,157 @@
+"""Providers for ``--op layer``: one whole attention layer (projections, compressor, indexer, sparse
+attention, indexer loss, output projection) on a packed batch of documents.
+
+- ``triton``: ``HybridAttention`` with the fused kernels (``backend="triton"``);
+- ``reference``: ``HybridAttention`` with the plain-PyTorch ops (``backend="reference"``);
+- ``hf``: Hugging Face ``DeepseekV4Attention`` (eager, dense masks) on the same weights. HF cannot pack, so
+  it runs the documents as a batch ``[B, S, D]`` of equal length ``doc_len`` (one document if 0).
+
+Geometry defaults to V4-Flash (D 4096, H 64, d 512, q_lora 1024, indexer 64 x 128, k 512, W 128).
+FLOPs are the layer's matrix-multiply FLOPs (projections, compressors, indexer scores over the visible
+entries, sparse attention over ``W + k`` keys); backward counted as 2x (attention 2.5x).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..registry import Case, Skip, register
+
+DEFAULTS = dict(tokens=32768, layer="csa", doc_len=0, hidden=4096, heads=64, dim=512, rope_dim=64, q_lora=1024, groups=8,
+                o_lora=1024, topk=512, window=128, index_heads=64, index_dim=128, hca_ratio=128, loss_coeff=0.01,
+                seed=0)
+
+
+def attention_config(shape: dict, backend: str):
+    from csattn import AttentionConfig
+
+    layer = shape["layer"]
+    return AttentionConfig(
+        hidden_size=shape["hidden"], num_heads=shape["heads"], head_dim=shape["dim"], rope_head_dim=shape["rope_dim"],
+        q_lora_rank=shape["q_lora"], o_groups=shape["groups"], o_lora_rank=shape["o_lora"],
+        sliding_window=shape["window"], layer_type=layer,
+        compress_ratio={"sliding": 0, "csa": 4, "hca": shape["hca_ratio"]}[layer],
+        index_n_heads=shape["index_heads"], index_head_dim=shape["index_dim"], index_topk=shape["topk"],
+        rope_theta=10000.0 if layer == "sliding" else 160000.0,
+        rope_scaling=None if layer == "sliding" else AttentionConfig().rope_scaling,
+        indexer_loss_coeff=shape["loss_coeff"], backend=backend,
+    )
+
+
+def doc_lengths(tokens: int, doc_len: int) -> list[int]:
+    if not doc_len:
+        return [tokens]
+    lengths = [doc_len] * (tokens // doc_len)
+    if tokens % doc_len:
+        lengths.append(tokens % doc_len)
+    return lengths
+
+
+def layer_flops(shape: dict, lengths: list[int]) -> dict[str, float]:
+    T, D, H, d = shape["tokens"], shape["hidden"], shape["heads"], shape["dim"]
+    ql, ol, g = shape["q_lora"], shape["o_lora"], shape["groups"]
+    proj = 2 * T * (D * ql + ql * H * d + D * d + H * d * ol + g * ol * D)
+    pos = [torch.arange(L, dtype=torch.float64) for L in lengths]
+    attn_keys = sum(float((p + 1).clamp(max=shape["window"]).sum()) for p in pos)
+    extra = 0.0
+    layer = shape["layer"]
+    if layer == "csa":
+        HI, cI, r = shape["index_heads"], shape["index_dim"], 4
+        proj += 2 * T * (2 * D * 2 * d + ql * HI * cI + D * HI + 2 * D * 2 * cI)
+        visible = sum(L * (L // r) / 2 for L in lengths)  # sum over rows of the visible entries
+        extra += 2 * HI * cI * visible
+        attn_keys += sum(float(((p + 1) // r).clamp(max=shape["topk"]).sum()) for p in pos)
+    elif layer == "hca":
+        r = shape["hca_ratio"]
+        proj += 2 * T * 2 * D * d
+        attn_keys += sum(float(((p + 1) // r).sum()) for p in pos)
+    attn = 4 * H * d * attn_keys
+    return {"fwd": proj + extra + attn, "bwd": 2 * proj + 2 * extra + 2.5 * attn}
+
+
+def _inputs(shape: dict, device, dtype):
+    gen = torch.Generator(device=device).manual_seed(shape["seed"])
+    x = torch.randn(shape["tokens"], shape["hidden"], device=device, dtype=dtype, generator=gen)
+    return x.requires_grad_()
+
+
+def _ours(shape, device, dtype, backend: str) -> Case:
+    from csattn import HybridAttention, PackedSeqs
+
+    torch.manual_seed(shape["seed"])
+    layer = HybridAttention(attention_config(shape, backend)).to(device=device, dtype=dtype)
+    lengths = doc_lengths(shape["tokens"], shape["doc_len"])
+    packed = PackedSeqs.from_lengths(lengths, device=device)
+    x = _inputs(shape, device, dtype)
+    return Case(
+        forward=lambda: (layer(x, packed=packed),),
+        leaves=[x, *layer.parameters()],
+        flops=layer_flops(shape, lengths),
+        info={"docs": len(lengths), "backend": backend},
+    )
+
+
+@register("layer", "triton", DEFAULTS)
+def triton_layer(shape, device, dtype, variant=""):
+    if device.type != "cuda":
+        raise Skip("the Triton path is timed on CUDA only")
+    return _ours(shape, device, dtype, "triton")
+
+
+@register("layer", "reference", DEFAULTS)
+def reference_layer(shape, device, dtype, variant=""):
+    return _ours(shape, device, dtype, "reference")
+
+
+@register("layer", "hf", DEFAULTS)
+def hf_layer(shape, device, dtype, variant=""):
+    try:
+        from transformers import DeepseekV4Config
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+            DeepseekV4Attention,
+            DeepseekV4RotaryEmbedding,
+        )
+    except ImportError as e:
+        raise Skip(f"transformers with DeepseekV4 is not installed ({e})") from e
+    lengths = doc_lengths(shape["tokens"], shape["doc_len"])
+    if len(set(lengths)) != 1:
+        raise Skip("HF cannot pack ragged documents: use a doc_len that divides tokens")
+    batch, seqlen = len(lengths), lengths[0]
+    if seqlen > 16384:
+        raise Skip(f"HF eager builds [B, H, S, S + S/r] scores: S = {seqlen} does not fit in memory")
+    layer = shape["layer"]
+    hf_type = {"sliding": "sliding_attention", "csa": "compressed_sparse_attention",
+               "hca": "heavily_compressed_attention"}[layer]
+    cfg = DeepseekV4Config(
+        hidden_size=shape["hidden"], num_attention_heads=shape["heads"], head_dim=shape["dim"],
+        q_lora_rank=shape["q_lora"], o_groups=shape["groups"], o_lora_rank=shape["o_lora"],
+        sliding_window=shape["window"], num_hidden_layers=1, layer_types=[hf_type],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": shape["hca_ratio"]},
+        index_n_heads=shape["index_heads"], index_head_dim=shape["index_dim"], index_topk=shape["topk"],
+        partial_rotary_factor=shape["rope_dim"] / shape["dim"],
+        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32.0, "beta_slow": 1.0},
+        n_routed_experts=4, num_experts_per_tok=2, num_nextn_predict_layers=0,
+    )
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(shape["seed"])
+    attn = DeepseekV4Attention(cfg, 0)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.02)
+    attn = attn.to(device=device, dtype=dtype)
+    rotary = DeepseekV4RotaryEmbedding(cfg).to(device)
+    x = _inputs(shape, device, dtype).detach().view(batch, seqlen, -1).requires_grad_()
+    pos = torch.arange(seqlen, device=device)[None].expand(batch, -1)
+    q_idx = torch.arange(seqlen, device=device)[:, None]
+    k_idx = torch.arange(seqlen, device=device)[None, :]
+    allowed = (k_idx <= q_idx) & (k_idx > q_idx - shape["window"])
+    mask = torch.zeros(seqlen, seqlen, device=device, dtype=dtype).masked_fill(~allowed, float("-inf"))
+    mask = mask[None, None].expand(batch, 1, seqlen, seqlen)
+
+    def forward():
+        emb = {k: rotary(x, pos, layer_type=k) for k in ("main", "compress")}
+        return (attn(x, emb, pos, mask, None)[0],)
+
+    return Case(forward=forward, leaves=[x, *attn.parameters()], flops=layer_flops(shape, lengths),
+                info={"docs": batch, "layout": "batch"})
