@@ -17,9 +17,9 @@ import torch
 
 from ..registry import Case, Skip, register
 
-DEFAULTS = dict(tokens=32768, layer="csa", doc_len=0, hidden=4096, heads=64, dim=512, rope_dim=64, q_lora=1024, groups=8,
-                o_lora=1024, topk=512, window=128, index_heads=64, index_dim=128, hca_ratio=128, loss_coeff=0.01,
-                seed=0)
+DEFAULTS = dict(tokens=32768, layer="csa", doc_len=0, hidden=4096, heads=64, dim=512, rope_dim=64, q_lora=1024,
+                groups=8, o_lora=1024, topk=512, window=128, index_heads=64, index_dim=128, hca_ratio=128,
+                loss_coeff=0.01, seed=0)
 
 
 def attention_config(shape: dict, backend: str):
