@@ -1,0 +1,276 @@
+"""Fused lightning-indexer scores and exact causal top-k (Triton).
+
+Two passes over a bounded workspace, never the whole ``[T, Nc]`` score matrix at once:
+
+1. ``indexer_scores_fwd_kernel``: for a tile of rows and a tile of keys, ``sum_h w[t,h] * relu(q[t,h] . k)``
+   with one ``tl.dot`` per head (the key tile is loaded once and reused by every head), fp32 accumulation,
+   written to a row-chunk workspace. Tiles outside every row's visible range are skipped.
+2. ``indexer_topk_select_kernel``: per row, the exact k-th largest score by bisection over the order-preserving
+   integer image of the fp32 scores, then one compaction pass in id order (scores above the threshold, plus
+   the lowest ids among those equal to it), then a bitonic sort of ``(score, -id)`` keys so the row comes out
+   best first with ties toward the lower id: the same list as ``indexer_topk_ref``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["indexer_scores_fwd", "indexer_topk_triton"]
+
+# Rows of the workspace are at most this many bytes apart from the budget the caller gives; the default keeps
+# the transient scores of one chunk well under the layer's activation memory.
+_MAX_WORKSPACE = 256 << 20
+
+
+@triton.jit
+def indexer_scores_fwd_kernel(
+    q, w, k, vis_start, vis_end, scores,
+    row_lo, num_rows, key_lo, num_keys, stride_s,
+    HI: tl.constexpr, CI: tl.constexpr, CIP: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, ORDERED_KEYS: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    local = pid_t * BT + tl.arange(0, BT)
+    row_mask = local < num_rows
+    rows = row_lo + local
+    starts = tl.load(vis_start + rows, mask=row_mask, other=2**62)
+    ends = tl.load(vis_end + rows, mask=row_mask, other=0)
+    first_key = key_lo + pid_k * BK
+    # Skip key tiles no row of this block may see (the causal triangle and other documents).
+    if (first_key < tl.max(ends, axis=0)) & (first_key + BK > tl.min(starts, axis=0)):
+        keys = first_key + tl.arange(0, BK)
+        key_mask = keys < key_lo + num_keys
+        ch = tl.arange(0, CIP)
+        ch_mask = ch < CI
+        k_t = tl.load(k + keys[None, :].to(tl.int64) * CI + ch[:, None],
+                      mask=key_mask[None, :] & ch_mask[:, None], other=0.0)
+        acc = tl.zeros((BT, BK), dtype=tl.float32)
+        q_ptr = q + rows[:, None].to(tl.int64) * (HI * CI) + ch[None, :]
+        for h in range(HI):
+            q_h = tl.load(q_ptr + h * CI, mask=row_mask[:, None] & ch_mask[None, :], other=0.0)
+            w_h = tl.load(w + rows.to(tl.int64) * HI + h, mask=row_mask, other=0.0)
+            if IEEE:
+                logits = tl.dot(q_h, k_t, input_precision="ieee")
+            else:
+                logits = tl.dot(q_h, k_t)
+            acc += w_h[:, None] * tl.maximum(logits, 0.0)
+        out = scores + local[:, None].to(tl.int64) * stride_s + (keys - key_lo)[None, :]
+        if ORDERED_KEYS:
+            # Order-preserving int32 image of the fp32 score (-0.0 folded into +0.0 so it ties with it, as in
+            # a float sort): the selection pass compares integers only.
+            acc = tl.where(acc == 0.0, 0.0, acc)
+            bits = acc.to(tl.int32, bitcast=True)
+            tl.store(out, bits ^ ((bits >> 31) & 0x7FFFFFFF), mask=row_mask[:, None] & key_mask[None, :])
+        else:
+            tl.store(out, acc, mask=row_mask[:, None] & key_mask[None, :])
+
+
+@triton.jit
+def indexer_topk_select_kernel(
+    scores, vis_start, vis_end, out,
+    row_lo, key_lo, stride_s, topk,
+    BK: tl.constexpr, KP: tl.constexpr, SORT: tl.constexpr,
+):
+    t = tl.program_id(0)
+    row = row_lo + t
+    start = tl.load(vis_start + row) - key_lo
+    end = tl.load(vis_end + row) - key_lo
+    n = tl.maximum(end - start, 0)
+    kk = tl.minimum(n, topk)
+    base = scores + t.to(tl.int64) * stride_s
+    out_row = out + row.to(tl.int64) * topk
+    slots = tl.arange(0, KP)
+    if kk > 0:
+        # Threshold thr = the kk-th largest key; every key above it is taken and need_eq of the keys equal to
+        # it. A row that sees at most topk keys takes them all (thr below every key).
+        thr = tl.full((), -(2**31) - 1, tl.int64)
+        need_eq = tl.zeros((), dtype=tl.int64)
+        if n > topk:
+            # Bisection for the largest thr with count(key >= thr) >= kk, between the row's min and max key
+            # (int64 so the midpoint never overflows).
+            lo = tl.full((), 2**31, tl.int64)
+            hi = tl.full((), -(2**31) - 1, tl.int64)
+            for j in range(start, end, BK):
+                offs = j + tl.arange(0, BK)
+                key = tl.load(base + offs, mask=offs < end, other=0).to(tl.int64)
+                lo = tl.minimum(lo, tl.min(tl.where(offs < end, key, 2**31), axis=0))
+                hi = tl.maximum(hi, tl.max(tl.where(offs < end, key, -(2**31) - 1), axis=0))
+            while lo < hi:
+                mid = lo + (hi - lo + 1) // 2
+                cnt = tl.zeros((), dtype=tl.int64)
+                for j in range(start, end, BK):
+                    offs = j + tl.arange(0, BK)
+                    key = tl.load(base + offs, mask=offs < end, other=0).to(tl.int64)
+                    cnt += tl.sum(((key >= mid) & (offs < end)).to(tl.int64), axis=0)
+                take = cnt >= kk
+                lo = tl.where(take, mid, lo)
+                hi = tl.where(take, hi, mid - 1)
+            thr = lo
+            cnt_gt = tl.zeros((), dtype=tl.int64)
+            for j in range(start, end, BK):
+                offs = j + tl.arange(0, BK)
+                key = tl.load(base + offs, mask=offs < end, other=0).to(tl.int64)
+                cnt_gt += tl.sum(((key > thr) & (offs < end)).to(tl.int64), axis=0)
+            need_eq = kk - cnt_gt
+        # Compaction in id order: ties at the threshold go to the lowest ids. The packed sort key
+        # (ordered score << 31 | (2^31 - 1 - id)) is parked in the output row and sorted below.
+        written = tl.zeros((), dtype=tl.int64)
+        eq_seen = tl.zeros((), dtype=tl.int64)
+        for j in range(start, end, BK):
+            offs = j + tl.arange(0, BK)
+            inside = offs < end
+            key = tl.load(base + offs, mask=inside, other=0).to(tl.int64)
+            eq = (key == thr) & inside
+            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int64), axis=0) - 1
+            sel = ((key > thr) & inside) | (eq & (eq_rank < need_eq))
+            pos = written + tl.cumsum(sel.to(tl.int64), axis=0) - 1
+            gid = (offs + key_lo).to(tl.int64)
+            packed = ((key + 2**31) << 31) | (2**31 - 1 - gid)
+            tl.store(out_row + pos, packed, mask=sel)
+            written += tl.sum(sel.to(tl.int64), axis=0)
+            eq_seen += tl.sum(eq.to(tl.int64), axis=0)
+        tl.debug_barrier()
+        packed = tl.load(out_row + slots, mask=slots < kk, other=-1)
+        if SORT:
+            packed = tl.sort(packed, descending=True)
+            ids = tl.where(slots < kk, (2**31 - 1) - (packed & (2**31 - 1)), -1)
+            tl.debug_barrier()
+            tl.store(out_row + slots, ids, mask=slots < topk)
+        else:
+            # The caller sorts the packed keys (the interpreter's bitonic sort is very slow); -1 marks empty.
+            tl.store(out_row + slots, packed, mask=slots < topk)
+    else:
+        tl.store(out_row + slots, tl.full((KP,), -1, tl.int64), mask=slots < topk)
+
+
+def _compute_dtype(q: Tensor, k: Tensor) -> torch.dtype:
+    dtype = torch.promote_types(q.dtype, k.dtype)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"indexer kernels take fp32/bf16/fp16 inputs, got q {q.dtype} and k {k.dtype}")
+    return dtype
+
+
+def indexer_scores_fwd(
+    q: Tensor, w: Tensor, k: Tensor, vis_start: Tensor, vis_end: Tensor,
+    row_lo: int, row_hi: int, key_lo: int, key_hi: int, out: Tensor | None = None, ordered_keys: bool = False,
+) -> Tensor:
+    """Scores of rows ``[row_lo, row_hi)`` against keys ``[key_lo, key_hi)``.
+
+    Args:
+        q: ``[T, HI, cI]``; w: ``[T, HI]`` fp32; k: ``[Nc, cI]`` (same dtype as ``q``).
+        vis_start, vis_end: ``[T]`` int64 visible id range of each row; tiles nobody sees are left unwritten.
+
+    Returns:
+        ``[row_hi - row_lo, key_hi - key_lo]`` fp32 (entries outside a row's range are undefined), or with
+        ``ordered_keys`` int32 keys that order like the scores (what the selection pass reads).
+    """
+    num_rows, num_keys = row_hi - row_lo, key_hi - key_lo
+    if out is None:
+        dtype = torch.int32 if ordered_keys else torch.float32
+        out = torch.empty((num_rows, num_keys), dtype=dtype, device=q.device)
+    heads, ci = q.shape[1], q.shape[2]
+    bt, bk = 64, 64
+    grid = (triton.cdiv(num_rows, bt), triton.cdiv(num_keys, bk))
+    indexer_scores_fwd_kernel[grid](
+        q, w, k, vis_start, vis_end, out,
+        row_lo, num_rows, key_lo, num_keys, out.stride(0),
+        HI=heads, CI=ci, CIP=max(16, triton.next_power_of_2(ci)), BT=bt, BK=bk,
+        IEEE=q.dtype == torch.float32, ORDERED_KEYS=ordered_keys, num_warps=4, num_stages=2,
+    )
+    return out
+
+
+def _chunks(vis_start: Tensor, vis_end: Tensor, budget: int) -> list[tuple[int, int, int, int]]:
+    """Row chunks of fixed height whose ``rows x slab`` 4-byte workspace fits ``budget`` (one host sync).
+
+    A suffix min of ``vis_start`` and a prefix max of ``vis_end`` bound every row of a chunk, so
+    ``[starts[lo], ends[hi-1])`` covers it (tight for packed documents, whose ranges grow with the rows); the
+    slab is at most the whole key range, which fixes the height.
+    """
+    num_rows = vis_start.shape[0]
+    ends = torch.cummax(vis_end, dim=0).values
+    starts = torch.flip(torch.cummin(torch.flip(vis_start, (0,)), dim=0).values, (0,))
+    los = torch.arange(0, num_rows, device=vis_start.device)
+    width = max(int(ends[-1] - starts[0]), 1)
+    height = max(64, budget // (4 * width) // 64 * 64)
+    los = los[::height]
+    his = torch.clamp(los + height, max=num_rows)
+    bounds = torch.stack([los, his, starts[los], ends[his - 1]], dim=1).tolist()
+    return [(lo, hi, klo, max(khi, klo)) for lo, hi, klo, khi in bounds]
+
+
+@torch.no_grad()
+def indexer_topk_triton(
+    q: Tensor,
+    w: Tensor,
+    k: Tensor,
+    vis_start: Tensor,
+    vis_end: Tensor,
+    topk: int,
+    workspace_bytes: int = 1 << 30,
+) -> Tensor:
+    """Causal top-k of indexer scores per row; same contract and result as ``indexer_topk_ref``.
+
+    Args:
+        q: ``[T, HI, cI]`` fp32/bf16; w: ``[T, HI]`` (fp32 in the model); k: ``[Nc, cI]``.
+        vis_start, vis_end: ``[T]`` int64, row t may pick ids in ``[vis_start[t], vis_end[t])``; ranges are
+            ordered with the rows (packed documents).
+        topk: width of the result (>= 1).
+        workspace_bytes: bound on one chunk's fp32 scores workspace (capped at 256 MiB).
+
+    Returns:
+        ``[T, topk]`` int64 global key ids, best first; ties go to the lower id; unused slots are -1.
+
+    Example:
+        >>> ids = indexer_topk_triton(q, w, k, meta.vis_start, meta.vis_end, 512)
+    """
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    if q.dim() != 3 or w.shape != q.shape[:2] or k.dim() != 2 or k.shape[1] != q.shape[2]:
+        raise ValueError(f"q must be [T, HI, cI], w [T, HI], k [Nc, cI]; got {tuple(q.shape)}, "
+                         f"{tuple(w.shape)}, {tuple(k.shape)}")
+    if vis_start.shape != (q.shape[0],) or vis_end.shape != (q.shape[0],):
+        raise ValueError("vis_start and vis_end must be [T]")
+    interpret = _interpreting()
+    if not q.is_cuda and not interpret:
+        raise ValueError("indexer_topk_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
+    num_rows = q.shape[0]
+    out = torch.full((num_rows, topk), -1, dtype=torch.int64, device=q.device)
+    if num_rows == 0 or k.shape[0] == 0:
+        return out
+    dtype = _compute_dtype(q, k)
+    q = q.to(dtype).contiguous()
+    k = k.to(dtype).contiguous()
+    w = w.float().contiguous()
+    vis_start = vis_start.to(torch.int64).contiguous()
+    vis_end = vis_end.to(torch.int64).contiguous()
+    budget = max(1, min(workspace_bytes, _MAX_WORKSPACE))
+    chunks = _chunks(vis_start, vis_end, budget)
+    workspace = None
+    kp = triton.next_power_of_2(topk)
+    for lo, hi, key_lo, key_hi in chunks:
+        if key_hi <= key_lo:
+            continue
+        need = (hi - lo) * (key_hi - key_lo)
+        if workspace is None or workspace.numel() < need:
+            workspace = torch.empty(need, dtype=torch.int32, device=q.device)
+        scores = workspace[:need].view(hi - lo, key_hi - key_lo)
+        indexer_scores_fwd(q, w, k, vis_start, vis_end, lo, hi, key_lo, key_hi, out=scores, ordered_keys=True)
+        indexer_topk_select_kernel[(hi - lo,)](
+            scores, vis_start, vis_end, out, lo, key_lo, scores.stride(0), topk,
+            BK=1024, KP=kp, SORT=not interpret, num_warps=8,
+        )
+    if interpret:
+        packed = torch.sort(out, dim=1, descending=True).values
+        out = torch.where(packed >= 0, (2**31 - 1) - (packed & (2**31 - 1)), -1)
+    return out
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

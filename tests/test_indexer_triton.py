@@ -1,0 +1,115 @@
+"""Triton indexer top-k against ``indexer_topk_ref``: the same ids in the same order (ties to the lower id,
+-1 padding, per-document causal limits), on the CPU interpreter and, at the real geometry, on a GPU."""
+
+import pytest
+import torch
+
+from csattn.ops.indexer import indexer_scores_ref, indexer_topk, indexer_topk_ref
+from csattn.packing import PackedSeqs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pack(lengths, padded):
+    packed = PackedSeqs.from_lengths(lengths, padded_lengths=padded)
+    return packed, packed.compress(4, device=torch.device(DEVICE))
+
+
+def _int_inputs(T, Nc, HI, CI, gen):
+    # Small integers: every score is exact in fp32 whatever the summation order, and many scores tie
+    # (zero ReLU terms, repeated keys), which exercises the lower-id rule.
+    q = torch.randint(-2, 3, (T, HI, CI), generator=gen).float()
+    w = torch.randint(-2, 3, (T, HI), generator=gen).float()
+    k = torch.randint(-1, 2, (Nc, CI), generator=gen).float()
+    return q.to(DEVICE), w.to(DEVICE), k.to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    "lengths,padded,topk,workspace",
+    [
+        pytest.param([37, 58, 5, 23], [40, 60, 8, 24], 6, 1 << 30, id="ragged_padded_ties"),
+        pytest.param([64, 3], [64, 3], 32, 1 << 30, id="topk_gt_visible"),
+        pytest.param([50, 29], [52, 29], 5, 1, id="tiny_workspace_chunks"),
+    ],
+)
+def test_topk_equals_reference_exact(lengths, padded, topk, workspace):
+    gen = torch.Generator().manual_seed(sum(lengths) + topk)
+    packed, meta = _pack(lengths, padded)
+    q, w, k = _int_inputs(packed.num_rows, meta.num_entries, 3, 16, gen)
+    expected = indexer_topk_ref(q, w, k, meta.vis_start, meta.vis_end, topk)
+    got = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, topk, workspace_bytes=workspace, backend="triton")
+    assert got.dtype == torch.int64 and got.shape == expected.shape
+    assert torch.equal(got, expected)
+
+
+def _assert_same_sets(got, expected, scores, vis_start, tol):
+    """Row by row, the two id sets may differ only in entries whose scores are within ``tol`` of the row's
+    k-th best (rounding of a different accumulation order); the -1 padding must agree exactly."""
+    assert torch.equal(got < 0, expected < 0)
+    mismatched = 0
+    for t in range(got.shape[0]):
+        a = set(got[t][got[t] >= 0].tolist())
+        b = set(expected[t][expected[t] >= 0].tolist())
+        assert len(a) == len(b) == len(got[t][got[t] >= 0])  # no duplicates
+        if a == b:
+            continue
+        mismatched += 1
+        row = scores[t]
+        kth = min(float(row[i - int(vis_start[t])]) for i in b)
+        for i in a ^ b:
+            assert abs(float(row[i - int(vis_start[t])]) - kth) <= tol * max(1.0, abs(kth)), (t, i)
+    return mismatched
+
+
+def test_topk_random_floats_same_sets():
+    gen = torch.Generator().manual_seed(1)
+    packed, meta = _pack([60, 21], [60, 24])
+    T, Nc = packed.num_rows, meta.num_entries
+    q = torch.randn(T, 2, 16, generator=gen).to(DEVICE)
+    w = torch.randn(T, 2, generator=gen).to(DEVICE)
+    k = torch.randn(Nc, 16, generator=gen).to(DEVICE)
+    expected = indexer_topk_ref(q, w, k, meta.vis_start, meta.vis_end, 7)
+    got = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 7, backend="triton")
+    vis_start = meta.vis_start.cpu()
+    scores = [indexer_scores_ref(q[t:t + 1].double(), w[t:t + 1].double(),
+                                 k[int(meta.vis_start[t]):int(meta.vis_end[t])].double())[0] for t in range(T)]
+    _assert_same_sets(got.cpu(), expected.cpu(), scores, vis_start, 1e-5)
+    # Distinct random scores: the best-first order matches as well.
+    assert torch.equal(got, expected)
+
+
+def test_topk_bad_input():
+    q = torch.zeros(4, 2, 16)
+    with pytest.raises(ValueError, match="topk"):
+        indexer_topk(q, torch.zeros(4, 2), torch.zeros(1, 16), torch.zeros(4, dtype=torch.long),
+                     torch.ones(4, dtype=torch.long), 0, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        indexer_topk(q, torch.zeros(4, 2), torch.zeros(1, 16), torch.zeros(4, dtype=torch.long),
+                     torch.ones(4, dtype=torch.long), 2, backend="cuda")
+
+
+@pytest.mark.gpu
+def test_topk_gpu_bf16_real_geometry():
+    """bf16 inputs, HI=64, cI=128, k=512, 32k ragged tokens: both sides accumulate in fp32, so the sets agree
+    except between entries whose fp32 scores are within rounding of each other."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [9000, 127, 5, 12000, 1000, 10636]
+    packed = PackedSeqs.from_lengths(lengths, padded_lengths=[9000, 128, 8, 12000, 1000, 10640])
+    meta = packed.compress(4, device=torch.device("cuda"))
+    T, Nc = packed.num_rows, meta.num_entries
+    q = torch.randn(T, 64, 128, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(T, 64, device="cuda", generator=gen) * 128**-0.5 * 64**-0.5).float()
+    k = torch.randn(Nc, 128, device="cuda", generator=gen).bfloat16()
+    expected = indexer_topk_ref(q, w, k, meta.vis_start, meta.vis_end, 512)
+    got = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton")
+    assert torch.equal(got < 0, expected < 0)
+    same = (torch.sort(got, dim=1).values == torch.sort(expected, dim=1).values).all(dim=1)
+    rows = torch.nonzero(~same).flatten()
+    assert rows.numel() <= T // 100, f"{rows.numel()} rows differ"
+    # Check the differing rows: every swapped id scores within fp32 rounding of the row's k-th score.
+    scores = []
+    for t in rows[:64].tolist():
+        lo, hi = int(meta.vis_start[t]), int(meta.vis_end[t])
+        scores.append(indexer_scores_ref(q[t:t + 1].double(), w[t:t + 1].double(), k[lo:hi].double())[0].cpu())
+    sub = rows[:64].cpu()
+    _assert_same_sets(got.cpu()[sub], expected.cpu()[sub], scores, meta.vis_start.cpu()[sub], 1e-4)
