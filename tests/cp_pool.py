@@ -93,3 +93,17 @@ class RankPool:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
+
+
+_SHARED: RankPool | None = None
+
+
+def shared_pool(world: int = 4) -> RankPool:
+    """One pool per test process, closed at exit."""
+    global _SHARED
+    if _SHARED is None or any(not p.is_alive() for p in _SHARED.procs):
+        import atexit
+
+        _SHARED = RankPool(world)
+        atexit.register(_SHARED.close)
+    return _SHARED

@@ -35,9 +35,11 @@ def build_stack(dtype: torch.dtype, seed: int = 0, types=TYPES, **over) -> torch
     return layers.to(dtype)
 
 
-def padded_pack(lengths, pads, multiple: int) -> PackedSeqs:
-    """Real ``lengths``, physical ``lengths + pads``, the last document padded up to ``multiple`` rows."""
+def padded_pack(lengths, pads, multiple: int, min_rows: int = 0) -> PackedSeqs:
+    """Real ``lengths``, physical ``lengths + pads``, the last document padded up to ``multiple`` rows
+    (and to at least ``min_rows``)."""
     phys = [n + p for n, p in zip(lengths, pads)]
+    phys[-1] += max(0, min_rows - sum(phys))
     phys[-1] += (-sum(phys)) % multiple
     return PackedSeqs.from_lengths(list(lengths), padded_lengths=phys)
 
@@ -63,7 +65,7 @@ def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 
 
 def parity(group, lengths, pads=None, partition="contiguous", dtype="float64", seed=0, types=TYPES,
-           chunks_per_rank=4, **over) -> dict:
+           chunks_per_rank=2, min_rows=None, **over) -> dict:
     """Relative errors (CP vs single process) of the stack output, each layer's output, the input grad, every
     parameter grad (summed over ranks) and each indexer loss (summed over ranks). Returns them on rank 0."""
     dt = getattr(torch, dtype)
@@ -71,7 +73,8 @@ def parity(group, lengths, pads=None, partition="contiguous", dtype="float64", s
     size = cp.size
     pads = pads or [0] * len(lengths)
     mult = size * (chunks_per_rank if partition == "balanced" else 1)
-    packed = padded_pack(lengths, pads, mult)
+    min_rows = 7 * mult if min_rows is None else min_rows  # every chunk at least the 7-row halo
+    packed = padded_pack(lengths, pads, mult, min_rows)
     T = packed.num_rows
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(T, 32, generator=gen).to(dt)
@@ -82,7 +85,7 @@ def parity(group, lengths, pads=None, partition="contiguous", dtype="float64", s
     ref_out, ref_outs, ref_losses = _run(ref_layers, xr, packed, g)
 
     layers = build_stack(dt, seed, types, **over)
-    packed_cp = padded_pack(lengths, pads, mult)  # a fresh object: nothing cached from the reference run
+    packed_cp = padded_pack(lengths, pads, mult, min_rows)  # a fresh object: nothing cached from the reference run
     xl = cp.shard(x, packed_cp).requires_grad_()
     out_l, outs_l, losses_l = _run(layers, xl, packed_cp, cp.shard(g, packed_cp), cp)
 
@@ -103,7 +106,51 @@ def parity(group, lengths, pads=None, partition="contiguous", dtype="float64", s
         tot = ll.detach().clone()
         dist.all_reduce(tot, group=group)
         err[f"loss{i}"] = _rel(tot, lr)
+    # fewest compressed groups any rank owned in any compressed layer (0 = a rank owned none)
+    owned = [v.num_owned for k, v in packed_cp._cache.items() if k[0] == "cp-plan" and v.local_meta is not None]
+    least = torch.tensor([min(owned) if owned else -1])
+    dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
+    err["_min_owned"] = int(least)
     return err
+
+
+def memory_probe(group, num_rows: int) -> dict:
+    """Largest floating tensor created during a CP forward + backward of the W/CSA/HCA stack on one long
+    document, and the bound ``(ext rows + global compressed entries) * widest per-row width``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numel, self.shape, self.op = 0, None, None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > self.numel:
+                    self.numel, self.shape, self.op = t.numel(), tuple(t.shape), str(func)
+            return out
+
+    cp = ContextParallel(group)
+    packed = PackedSeqs.from_lengths([num_rows])
+    chunk = 4  # sparse attention gathers [chunk rows, W + visible entries, d] per step (HCA: all T / r entries)
+    layers = build_stack(torch.float64, 0, attn_chunk_rows=chunk)
+    x = cp.shard(torch.randn(num_rows, 32, dtype=torch.float64), packed).requires_grad_()
+    with Largest() as probe:
+        h = x
+        for layer in layers:
+            h = h + layer(h, packed=packed, cp=cp)
+        h.square().sum().backward()
+    cfg = layers[1].config
+    local = num_rows // cp.size
+    ext = local + 2 * 7  # at most two halos of 7 rows (one segment per rank in the contiguous layout)
+    width = max(cfg.num_heads * cfg.head_dim, cfg.hidden_size, 2 * cfg.head_dim, cfg.q_lora_rank,
+                cfg.index_n_heads * cfg.index_head_dim)
+    hca = layers[2].config
+    attn_chunk = chunk * (hca.sliding_window + num_rows // hca.compress_ratio) * hca.head_dim
+    bound = max((ext + num_rows // cfg.compress_ratio) * width, attn_chunk)
+    return {"numel": probe.numel, "shape": probe.shape, "op": probe.op, "bound": bound, "global": num_rows * width}
 
 
 def bad_input(group, case: str) -> None:
