@@ -15,6 +15,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run a small W/CSA/HCA stack on a packed batch (CPU)")
     add_demo_args(demo)
+    from .report import add_report_args
+
+    report = sub.add_parser("report", help="memory and speed scaling report (GPU): JSON, Markdown, PNG plots",
+                            description="Memory and speed scaling of one CSA and one HCA layer (forward + "
+                            "backward) over packed tokens, CP sizes, partitions and paths.")
+    add_report_args(report)
     return parser
 
 
@@ -24,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         return run_demo(args)
+    if args.command == "report":
+        from .report import run_report
+
+        return run_report(args)
     return 2
 
 

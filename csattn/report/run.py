@@ -1,0 +1,184 @@
+"""``csattn report``: memory and speed scaling of one CSA and one HCA layer over tokens, CP sizes, partitions
+and paths; writes JSON, a Markdown table and PNG plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+import torch.multiprocessing as mp
+from tqdm import tqdm
+
+from .worker import Job, run_group, run_isolated
+
+__all__ = ["add_report_args", "run_report", "plan_groups"]
+
+
+def add_report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072],
+                   help="packed tokens per step (ragged documents)")
+    p.add_argument("--layers", nargs="+", default=["csa", "hca"], choices=["csa", "hca"])
+    p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="context-parallel sizes")
+    p.add_argument("--partitions", nargs="+", default=["contiguous", "balanced"],
+                   choices=["contiguous", "balanced"])
+    p.add_argument("--paths", nargs="+", default=["triton", "reference", "hf"],
+                   choices=["triton", "reference", "hf"], help="fused kernels, PyTorch reference, HF eager")
+    p.add_argument("--reference-max-tokens", type=int, default=32768, help="longest stream for the reference")
+    p.add_argument("--hf-max-tokens", type=int, default=8192, help="longest stream for HF eager (CP=1 only)")
+    p.add_argument("--balance-tokens", type=int, nargs="*", default=None,
+                   help="token counts for the isolated per-rank timing (default: the largest)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per case (after one warm-up)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--geometry", default="real", choices=["real", "tiny"],
+                   help="V4-Flash attention geometry, or a tiny one for CPU smoke runs")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default="docs/report", help="output folder (JSON, Markdown, PNG)")
+    p.add_argument("--group-timeout", type=int, default=1800, help="seconds before a hung group is killed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plan_groups(args) -> list[tuple[int, str, list[Job]]]:
+    """``(cp size, partition, jobs)`` per process group; jobs ascend in tokens within each (path, layer)."""
+    groups = []
+    for size in args.cp:
+        partitions = ["contiguous"] if size == 1 else args.partitions
+        for part in partitions:
+            jobs = []
+            for path in args.paths:
+                if path == "hf" and size > 1:
+                    continue
+                if path == "triton" and args.device != "cuda":
+                    continue
+                cap = {"reference": args.reference_max_tokens, "hf": args.hf_max_tokens}.get(path, 1 << 62)
+                for layer in args.layers:
+                    jobs += [Job(layer, t, path, part) for t in sorted(args.tokens) if t <= cap]
+            if jobs:
+                groups.append((size, part, jobs))
+    return groups
+
+
+def _spawn_group(size: int, jobs: list[Job], opts: dict, out_path: str, timeout: int) -> None:
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=run_group, args=(r, size, port, jobs, opts, out_path)) for r in range(size)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + timeout
+    for p in procs:
+        p.join(max(1.0, deadline - time.time()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _read_lines(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _run_groups(groups, opts, tmp, timeout, bar) -> list[dict]:
+    records = []
+    for size, part, jobs in groups:
+        remaining = list(jobs)
+        attempt = 0
+        while remaining:
+            out = os.path.join(tmp, f"g{size}-{part}-{attempt}")
+            bar.set_description(f"CP={size} {part}: {len(remaining)} cases")
+            _spawn_group(size, remaining, opts, out, timeout)
+            got = [rec for r in range(size) for rec in _read_lines(f"{out}.{r}")]
+            records += got
+            done = {(g["layer"], g["tokens"], g["path"]) for g in got if "error" not in g}
+            bar.update(len({(g["layer"], g["tokens"], g["path"]) for g in got}))
+            failed = next((j for j in remaining if (j.layer, j.tokens, j.path) not in done), None)
+            if failed is None:
+                break
+            # the first case that did not finish ends its (path, layer) series: longer ones cannot fit
+            if not any(g.get("error") for g in got if (g["layer"], g["tokens"], g["path"])
+                       == (failed.layer, failed.tokens, failed.path)):
+                records.append({"layer": failed.layer, "tokens": failed.tokens, "path": failed.path,
+                                "partition": part, "cp": size, "rank": -1, "kind": "group",
+                                "error": "failed (see logs)"})
+            skipped = [j for j in remaining if j.layer == failed.layer and j.path == failed.path
+                       and j.tokens >= failed.tokens]
+            bar.update(len(skipped) - 1)
+            remaining = [j for j in remaining if j not in skipped and (j.layer, j.tokens, j.path) not in done]
+            attempt += 1
+    return records
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from .render import render_report
+
+    opts = {"dtype": args.dtype, "geometry": args.geometry, "device": args.device, "steps": args.steps}
+    groups = plan_groups(args)
+    total = sum(len(j) for _, _, j in groups)
+    balance_tokens = args.balance_tokens if args.balance_tokens is not None else [max(args.tokens)]
+    balance_path = "triton" if args.device == "cuda" else "reference"
+    balance_jobs = [Job(layer, t, balance_path, part) for layer in args.layers for t in balance_tokens
+                    for part in args.partitions]
+    sizes = [s for s in args.cp if s > 1]
+    os.makedirs(args.out, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp, tqdm(total=total + len(balance_jobs) * sum(sizes),
+                                                    desc="report", unit="case") as bar:
+        records = _run_groups(groups, opts, tmp, args.group_timeout, bar)
+        if sizes and balance_jobs:
+            bar.set_description("isolated per-rank timing")
+            out = os.path.join(tmp, "isolated")
+            ctx = mp.get_context("spawn")
+            p = ctx.Process(target=run_isolated, args=(balance_jobs, sizes, opts, out))
+            p.start()
+            p.join(args.group_timeout)
+            if p.is_alive():
+                p.kill()
+            iso = _read_lines(out)
+            records += iso
+            bar.update(len(iso))
+    meta = {"commit": _git_commit(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC",
+            time.gmtime()), "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+            "dtype": args.dtype, "geometry": args.geometry, "steps": args.steps, "args": vars(args)}
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump({"meta": meta, "records": records}, f, indent=1)
+    md = render_report(meta, records, args.out)
+    print(md)
+    return 0
+
+
+def summarize(records: list[dict]) -> dict:
+    """Max over ranks of peak memory and step time per (layer, tokens, path, cp, partition)."""
+    out: dict[tuple, dict] = defaultdict(dict)
+    for r in records:
+        if r.get("kind") != "group":
+            continue
+        key = (r["layer"], r["tokens"], r["path"], r["cp"], r["partition"] if r["cp"] > 1 else "-")
+        cur = out[key]
+        if "error" in r:
+            cur["error"] = r["error"]
+            continue
+        cur["ms"] = max(cur.get("ms", 0.0), r["ms"])
+        if r.get("peak_gib") is not None:
+            cur["peak_gib"] = max(cur.get("peak_gib", 0.0), r["peak_gib"])
+        cur["tflops"] = r["flops_fwdbwd"] / cur["ms"] / 1e9
+    return dict(out)

@@ -1,0 +1,255 @@
+"""What one process of the scaling report does: build a layer, run forward + backward on its rows of a
+ragged packed batch, and record peak memory and step time.
+
+A CP size of P runs P processes (gloo on CPU or when the ranks share one GPU, NCCL when every rank has its
+own GPU). The per-rank *isolated* timing runs one process per rank with torch's fake process group, so a
+rank's compute is timed without the other ranks time-slicing the same GPU: that is the work-balance number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..config import AttentionConfig
+from ..layers import HybridAttention
+from ..packing import PackedSeqs
+from .flops import layer_flops
+
+__all__ = ["Job", "report_config", "ragged_lengths", "run_group", "run_isolated"]
+
+
+@dataclass(frozen=True)
+class Job:
+    layer: str  # "csa" | "hca"
+    tokens: int
+    path: str  # "triton" | "reference" | "hf"
+    partition: str = "contiguous"
+
+
+def report_config(layer: str, geometry: str, backend: str) -> AttentionConfig:
+    """V4-Flash attention geometry (``"real"``) or a tiny one for CPU smoke runs (``"tiny"``)."""
+    if geometry == "real":
+        return AttentionConfig(layer_type=layer, compress_ratio={"csa": 4, "hca": 128}[layer],
+                               indexer_loss_coeff=0.01, backend=backend)
+    return AttentionConfig(
+        hidden_size=64, num_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+        sliding_window=16, layer_type=layer, compress_ratio={"csa": 4, "hca": 16}[layer], index_n_heads=4,
+        index_head_dim=16, index_topk=8, indexer_loss_coeff=0.01, backend=backend,
+    )
+
+
+def ragged_lengths(tokens: int, seed: int = 0) -> list[int]:
+    """Ragged documents (log-uniform lengths between tokens/64 and tokens/2) filling exactly ``tokens``."""
+    g = torch.Generator().manual_seed(seed + tokens)
+    lo, hi = max(16, tokens // 64), max(32, tokens // 2)
+    out, left = [], tokens
+    while left > 0:
+        u = float(torch.rand((), generator=g))
+        n = min(left, int(math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))))
+        out.append(n)
+        left -= n
+    return out
+
+
+def _device(rank: int, world: int, want: str) -> torch.device:
+    if want == "cuda" and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return torch.device("cuda", rank % n if n >= world else 0)
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure(job: Job, opts: dict, device: torch.device, cp) -> dict:
+    """Time ``opts['steps']`` forward + backward steps of ``job`` on this rank; peak memory of one step."""
+    from ..cp import ContextParallel  # noqa: F401  (imported for the type of cp)
+
+    dtype = getattr(torch, opts["dtype"])
+    cfg = report_config(job.layer, opts["geometry"], "triton" if job.path == "triton" else "reference")
+    torch.manual_seed(0)
+    lengths = ragged_lengths(job.tokens)
+    packed_cpu = PackedSeqs.from_lengths(lengths)
+    g = torch.Generator().manual_seed(1)
+    x_global = torch.randn(job.tokens, cfg.hidden_size, generator=g).to(dtype)  # stays on the host
+    if job.path == "hf":
+        return _measure_hf(job, cfg, lengths, x_global, opts, device, dtype)
+    layer = HybridAttention(cfg).to(device=device, dtype=dtype)
+    packed = PackedSeqs.from_lengths(lengths, device=device)
+    x_local = cp.shard(x_global, packed_cpu) if cp is not None else x_global
+    x_local = x_local.to(device).requires_grad_()
+    del x_global
+    dy = torch.randn(x_local.shape, generator=g).to(device=device, dtype=dtype)
+
+    def step():
+        for p in layer.parameters():
+            p.grad = None
+        x_local.grad = None
+        y = layer(x_local, packed=packed, cp=cp)
+        y.backward(dy)
+
+    step()  # warm-up: kernel compilation, metadata caches
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    times = []
+    for _ in range(opts["steps"]):
+        if cp is not None and opts.get("barrier", True):
+            dist.barrier(group=cp.group)
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30 if device.type == "cuda" else None
+    flops = layer_flops(cfg, lengths)
+    local_flops = None
+    if cp is not None:
+        from ..cp import make_layout, partition_flops
+
+        layout = make_layout(packed_cpu, cp.partition, cp.size, cp.chunks_per_rank, cp.cost_config)
+        local_flops = float(partition_flops(layout, packed_cpu, cfg)[cp.rank])
+    ms = statistics.median(times)
+    return {"ms": ms, "peak_gib": peak, "docs": len(lengths), "flops_fwdbwd": flops["fwd"] + flops["bwd"],
+            "tflops": (flops["fwd"] + flops["bwd"]) / (cp.size if cp else 1) / ms / 1e9,
+            "rank_model_flops": local_flops}
+
+
+def _measure_hf(job, cfg, lengths, x_global, opts, device, dtype) -> dict:
+    """HF ``DeepseekV4Attention`` eager, one document at a time (it cannot pack), same total work."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
+
+    hf_type = {"csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention"}[job.layer]
+    yarn = cfg.rope_scaling
+    hf_cfg = DeepseekV4Config(
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads, head_dim=cfg.head_dim,
+        partial_rotary_factor=cfg.rope_head_dim / cfg.head_dim, q_lora_rank=cfg.q_lora_rank,
+        o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank, sliding_window=cfg.sliding_window,
+        num_hidden_layers=1, layer_types=[hf_type],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": cfg.compress_ratio
+                        if job.layer == "hca" else 128},
+        index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk,
+        rope_parameters={"rope_type": "yarn", "factor": yarn.factor,
+                         "original_max_position_embeddings": yarn.original_max_position_embeddings,
+                         "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow},
+        n_routed_experts=4, num_experts_per_tok=2, num_nextn_predict_layers=0,
+    )
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    attn = DeepseekV4Attention(hf_cfg, 0)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.02)
+    attn = attn.to(device=device, dtype=dtype)
+    rotary = DeepseekV4RotaryEmbedding(hf_cfg).to(device)
+    docs = list(torch.split(x_global, lengths))
+
+    def step():
+        for p in attn.parameters():
+            p.grad = None
+        for xd in docs:
+            s = xd.shape[0]
+            x = xd.to(device)[None].requires_grad_()
+            pos = torch.arange(s, device=device)[None]
+            qi, ki = pos[0][:, None], pos[0][None, :]
+            mask = torch.zeros(s, s, device=device, dtype=dtype).masked_fill(
+                ~((ki <= qi) & (ki > qi - cfg.sliding_window)), float("-inf"))[None, None]
+            emb = {k: rotary(x, pos, layer_type=k) for k in ("main", "compress")}
+            attn(x, emb, pos, mask, None)[0].sum().backward()
+
+    step()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    times = []
+    for _ in range(opts["steps"]):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30 if device.type == "cuda" else None
+    flops = layer_flops(cfg, lengths)
+    ms = statistics.median(times)
+    return {"ms": ms, "peak_gib": peak, "docs": len(lengths), "flops_fwdbwd": flops["fwd"] + flops["bwd"],
+            "tflops": (flops["fwd"] + flops["bwd"]) / ms / 1e9, "rank_model_flops": None}
+
+
+def _record(job: Job, world: int, rank: int, opts: dict, result: dict, kind: str) -> dict:
+    return {**asdict(job), "cp": world, "rank": rank, "kind": kind, "dtype": opts["dtype"], **result}
+
+
+def run_group(rank: int, world: int, port: int, jobs: list[Job], opts: dict, out_path: str) -> None:
+    """Entry point of one spawned rank: run ``jobs`` in order and append one JSON line per job.
+
+    A job that fails (out of memory, ...) on any rank ends the group: every rank stops at the next
+    collective, and the parent restarts the remaining jobs in a new group.
+    """
+    device = _device(rank, world, opts["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    cp = None
+    if world > 1:
+        backend = "nccl" if device.type == "cuda" and torch.cuda.device_count() >= world else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=opts.get("timeout_s", 300)))
+    try:
+        for job in jobs:
+            if world > 1:
+                from ..cp import ContextParallel
+
+                cp = ContextParallel(None, partition=job.partition)
+            try:
+                result = _measure(job, opts, device, cp)
+                rec = _record(job, world, rank, opts, result, "group")
+            except torch.cuda.OutOfMemoryError:
+                rec = _record(job, world, rank, opts, {"error": "out of memory"}, "group")
+            with open(f"{out_path}.{rank}", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if "error" in rec:
+                os._exit(3)  # a failed rank cannot rejoin the group's collectives
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_isolated(jobs: list[Job], sizes: list[int], opts: dict, out_path: str) -> None:
+    """Time every rank of every CP size alone, with torch's fake process group (collectives are no-ops that
+    keep shapes), so per-rank compute is measured without other ranks sharing the GPU."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..cp import ContextParallel
+
+    device = _device(0, 1, opts["device"])
+    for job in jobs:
+        for size in sizes:
+            for rank in range(size):
+                dist.init_process_group("fake", rank=rank, world_size=size, store=FakeStore())
+                try:
+                    cp = ContextParallel(None, partition=job.partition)
+                    result = _measure(job, {**opts, "barrier": False}, device, cp)
+                    rec = _record(job, size, rank, opts, result, "isolated")
+                except torch.cuda.OutOfMemoryError:
+                    rec = _record(job, size, rank, opts, {"error": "out of memory"}, "isolated")
+                finally:
+                    dist.destroy_process_group()
+                with open(out_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()

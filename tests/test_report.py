@@ -1,0 +1,54 @@
+"""``csattn report`` end to end on a tiny geometry (CPU, gloo): JSON, Markdown and plots are written."""
+
+import json
+from argparse import Namespace
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from csattn.cli import build_parser  # noqa: E402
+from csattn.report import layer_flops, plan_groups, ragged_lengths, report_config  # noqa: E402
+
+
+def test_ragged_lengths_fill_exactly():
+    for tokens in (128, 4096, 131072):
+        lengths = ragged_lengths(tokens)
+        assert sum(lengths) == tokens and len(lengths) > 1 and min(lengths) >= 1
+
+
+def test_flops_grow_with_visible_entries():
+    cfg = report_config("csa", "real", "reference")
+    short, long = layer_flops(cfg, [4096] * 8), layer_flops(cfg, [32768])
+    assert long["fwd"] > short["fwd"]  # same tokens, more visible entries for the indexer
+    assert short["bwd"] > short["fwd"]
+
+
+def test_plan_groups_caps_paths():
+    args = Namespace(cp=[1, 2], partitions=["contiguous", "balanced"], paths=["triton", "reference", "hf"],
+                     device="cuda", reference_max_tokens=8192, hf_max_tokens=4096, layers=["csa"],
+                     tokens=[4096, 8192, 16384])
+    groups = plan_groups(args)
+    assert [(s, p) for s, p, _ in groups] == [(1, "contiguous"), (2, "contiguous"), (2, "balanced")]
+    cp1 = groups[0][2]
+    assert {j.path for j in cp1} == {"triton", "reference", "hf"}
+    assert max(j.tokens for j in cp1 if j.path == "hf") == 4096
+    assert all(j.path != "hf" for _, _, jobs in groups[1:] for j in jobs)
+
+
+@pytest.mark.timeout(300)
+def test_report_runs_tiny(tmp_path):
+    from csattn.report import run_report
+
+    args = build_parser().parse_args([
+        "report", "--geometry", "tiny", "--dtype", "float32", "--tokens", "128", "--cp", "1", "2",
+        "--layers", "hca", "--paths", "reference", "--partitions", "contiguous", "--steps", "1",
+        "--device", "cpu", "--out", str(tmp_path)])
+    assert run_report(args) == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    kinds = {(r["kind"], r["cp"]) for r in data["records"] if "error" not in r}
+    assert {("group", 1), ("group", 2), ("isolated", 2)} <= kinds
+    md = (tmp_path / "report.md").read_text()
+    assert "| hca | 128 | reference | 2 | contiguous |" in md
+    for png in ("memory.png", "time.png", "balance.png"):
+        assert (tmp_path / png).stat().st_size > 1000
