@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from csattn.report import layer_flops
+
 from ..registry import Case, Skip, register
 
 DEFAULTS = dict(tokens=32768, layer="csa", doc_len=0, hidden=4096, heads=64, dim=512, rope_dim=64, q_lora=1024,
@@ -47,28 +49,6 @@ def doc_lengths(tokens: int, doc_len: int) -> list[int]:
     return lengths
 
 
-def layer_flops(shape: dict, lengths: list[int]) -> dict[str, float]:
-    T, D, H, d = shape["tokens"], shape["hidden"], shape["heads"], shape["dim"]
-    ql, ol, g = shape["q_lora"], shape["o_lora"], shape["groups"]
-    proj = 2 * T * (D * ql + ql * H * d + D * d + H * d * ol + g * ol * D)
-    pos = [torch.arange(L, dtype=torch.float64) for L in lengths]
-    attn_keys = sum(float((p + 1).clamp(max=shape["window"]).sum()) for p in pos)
-    extra = 0.0
-    layer = shape["layer"]
-    if layer == "csa":
-        HI, cI, r = shape["index_heads"], shape["index_dim"], 4
-        proj += 2 * T * (2 * D * 2 * d + ql * HI * cI + D * HI + 2 * D * 2 * cI)
-        visible = sum(L * (L // r) / 2 for L in lengths)  # sum over rows of the visible entries
-        extra += 2 * HI * cI * visible
-        attn_keys += sum(float(((p + 1) // r).clamp(max=shape["topk"]).sum()) for p in pos)
-    elif layer == "hca":
-        r = shape["hca_ratio"]
-        proj += 2 * T * 2 * D * d
-        attn_keys += sum(float(((p + 1) // r).sum()) for p in pos)
-    attn = 4 * H * d * attn_keys
-    return {"fwd": proj + extra + attn, "bwd": 2 * proj + 2 * extra + 2.5 * attn}
-
-
 def _inputs(shape: dict, device, dtype):
     gen = torch.Generator(device=device).manual_seed(shape["seed"])
     x = torch.randn(shape["tokens"], shape["hidden"], device=device, dtype=dtype, generator=gen)
@@ -86,7 +66,7 @@ def _ours(shape, device, dtype, backend: str) -> Case:
     return Case(
         forward=lambda: (layer(x, packed=packed),),
         leaves=[x, *layer.parameters()],
-        flops=layer_flops(shape, lengths),
+        flops=layer_flops(layer.config, lengths),
         info={"docs": len(lengths), "backend": backend},
     )
 
@@ -153,5 +133,6 @@ def hf_layer(shape, device, dtype, variant=""):
         emb = {k: rotary(x, pos, layer_type=k) for k in ("main", "compress")}
         return (attn(x, emb, pos, mask, None)[0],)
 
-    return Case(forward=forward, leaves=[x, *attn.parameters()], flops=layer_flops(shape, lengths),
+    flops = layer_flops(attention_config(shape, "reference"), lengths)
+    return Case(forward=forward, leaves=[x, *attn.parameters()], flops=flops,
                 info={"docs": batch, "layout": "batch"})
