@@ -24,6 +24,9 @@ __all__ = ["indexer_scores_fwd", "indexer_topk_triton"]
 # the transient scores of one chunk well under the layer's activation memory.
 _MAX_WORKSPACE = 256 << 20
 
+# Score-kernel tiles (rows x keys per program, warps, pipeline stages); the benchmark can override them.
+SCORE_TILES = {"bt": 64, "bk": 128, "warps": 8, "stages": 3}
+
 
 @triton.jit
 def indexer_scores_fwd_kernel(
@@ -32,8 +35,9 @@ def indexer_scores_fwd_kernel(
     HI: tl.constexpr, CI: tl.constexpr, CIP: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, ORDERED_KEYS: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    # Key tiles vary fastest so the programs running together share one row block's queries in L2.
+    pid_k = tl.program_id(0)
+    pid_t = tl.program_id(1)
     local = pid_t * BT + tl.arange(0, BT)
     row_mask = local < num_rows
     rows = row_lo + local
@@ -173,13 +177,14 @@ def indexer_scores_fwd(
         dtype = torch.int32 if ordered_keys else torch.float32
         out = torch.empty((num_rows, num_keys), dtype=dtype, device=q.device)
     heads, ci = q.shape[1], q.shape[2]
-    bt, bk = 64, 64
-    grid = (triton.cdiv(num_rows, bt), triton.cdiv(num_keys, bk))
+    bt, bk = SCORE_TILES["bt"], SCORE_TILES["bk"]
+    grid = (triton.cdiv(num_keys, bk), triton.cdiv(num_rows, bt))
     indexer_scores_fwd_kernel[grid](
         q, w, k, vis_start, vis_end, out,
         row_lo, num_rows, key_lo, num_keys, out.stride(0),
         HI=heads, CI=ci, CIP=max(16, triton.next_power_of_2(ci)), BT=bt, BK=bk,
-        IEEE=q.dtype == torch.float32, ORDERED_KEYS=ordered_keys, num_warps=4, num_stages=2,
+        IEEE=q.dtype == torch.float32, ORDERED_KEYS=ordered_keys, num_warps=SCORE_TILES["warps"],
+        num_stages=SCORE_TILES["stages"],
     )
     return out
 

@@ -221,7 +221,7 @@ def indexer_kl_bwd(
     indexer_kl_bwd_kernel[(num_rows,)](
         q_idx, w, k_idx, q, ckv, lse, dummy if dense else selected, vis_start, vis_end, row_weight,
         stats, dummy if dense else mass, grad, dq, dw, dk, scale, topk,
-        BK=32, DENSE=dense, STORE_MASS=not dense, num_warps=4, num_stages=2, **_meta(q_idx, q),
+        BK=32, DENSE=dense, STORE_MASS=not dense, num_warps=8, num_stages=2, **_meta(q_idx, q),
     )
     return dq, dw, dk
 
