@@ -15,6 +15,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run a small W/CSA/HCA stack on a packed batch (CPU)")
     add_demo_args(demo)
+    from .train.demo import add_model_demo_args
+
+    add_model_demo_args(demo)
+    from .train.cli import add_train_args
+
+    train = sub.add_parser("train", help="train the DeepSeek-V4 model on packed documents (torchrun-compatible)",
+                           description="Train DeepSeek-V4 (HF DeepseekV4ForCausalLM layout) on a packed token "
+                           "stream: data parallel x context parallel, AdamW, checkpoints, exact resume.")
+    add_train_args(train)
     from .report import add_report_args
 
     report = sub.add_parser("report", help="memory and speed scaling report (GPU): JSON, Markdown, PNG plots",
@@ -26,6 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "demo" and getattr(args, "model", False):
+        from .train.demo import run_model_demo
+
+        return run_model_demo(args)
+    if args.command == "train":
+        from .train.cli import run_train
+
+        return run_train(args)
     if args.command == "demo":
         from .demo import run_demo
 

@@ -187,7 +187,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                 continue
             parts = name.split(".")
             keep = any(part in FP32_MODULES or part.endswith("norm") for part in parts)
-            p.data = p.data.to(torch.float32 if keep else dtype)
+            # "keep in fp32" means at least fp32: an fp64 model stays fp64 throughout
+            p.data = p.data.to(torch.promote_types(dtype, torch.float32) if keep else dtype)
         return self
 
     # ------------------------------------------------------------------ forward
@@ -205,7 +206,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             input_ids: ``[T]`` int64 token ids (this rank's rows under ``cp``).
             packed: :class:`PackedSeqs` (or Megatron ``PackedSeqParams``) of the **global** stream; None = one
                 document.
-            cp: optional ``csattn.ContextParallel``; rows are split contiguously over its group.
+            cp: optional ``csattn.ContextParallel``; ``input_ids`` and the labels are ``cp.shard(...)`` of the
+                global tensors.
             labels: ``[T]`` next-token ids (``IGNORE_INDEX`` = no loss), e.g. ``future_tokens(...)[0]``. MTP
                 block 0 embeds these as its "next token" input.
             mtp_labels: ``[num_mtp, T]`` labels of the MTP blocks (``future_tokens(...)[1:]``); derived from
@@ -305,8 +307,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         real = packed.rows(device).real
         if cp is None:
             return real
-        start = int(cp.rank) * t  # contiguous split: rank r owns rows [r * L, (r + 1) * L)
-        return real[start:start + t]
+        local = cp.local_rows(packed, device)  # global row of each local row (any partition)
+        if local.shape[0] != t:
+            raise ValueError(f"input_ids has {t} rows but this rank owns {local.shape[0]} rows of the stream")
+        return real[local]
 
     def _label_counts(self, targets: list[Tensor], given: Tensor | None, cp: Any) -> Tensor:
         if given is not None:
@@ -323,8 +327,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
 
 def _ce_sum(logits: Tensor, labels: Tensor) -> Tensor:
-    """Summed cross entropy in fp32 over rows whose label is not ``IGNORE_INDEX``."""
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    """Summed cross entropy in fp32 (fp64 for fp64 logits) over rows whose label is not ``IGNORE_INDEX``."""
+    compute = torch.promote_types(logits.dtype, torch.float32)
+    return F.cross_entropy(logits.to(compute), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _shift_labels(labels: Tensor, depth: int) -> Tensor:

@@ -1,0 +1,109 @@
+"""``csattn train``: train the DeepSeek-V4 model on packed documents (one process, or under torchrun).
+
+Examples::
+
+    csattn train --steps 50                                   # tiny model, synthetic data, one CPU process
+    torchrun --nproc-per-node 4 -m csattn train --cp 2        # 2 data-parallel replicas x CP 2 (gloo on CPU)
+    csattn train --init-from ./hf_ckpt --data pysrc --output runs/a --save-every 100
+    csattn train --output runs/a --resume auto --steps 200    # continue exactly where runs/a stopped
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from .loop import TrainConfig, train
+
+__all__ = ["add_train_args", "config_from_args", "run_train"]
+
+_D = TrainConfig()
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    """Every option of :class:`TrainConfig`, with help."""
+    m = parser.add_argument_group("model")
+    m.add_argument("--init-from", metavar="DIR", default=None,
+                   help="start from an HF-format checkpoint directory (config.json + safetensors); "
+                        "default: a tiny random model (4 layers W/CSA/HCA/CSA, hash + learned MoE, 1 MTP block)")
+    m.add_argument("--config-json", metavar="FILE", default=None,
+                   help="build a random model from this HF config.json instead of the tiny default")
+    m.add_argument("--mtp-layers", type=int, default=None,
+                   help="number of MTP blocks (default: the config's num_nextn_predict_layers; the tiny model has 1)")
+    m.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=_D.dtype,
+                   help="parameter dtype; mHC, sinks, biases and norms stay at least fp32 (default %(default)s)")
+    m.add_argument("--attention-backend", choices=["auto", "reference", "triton"], default=_D.attention_backend,
+                   help="attention kernels: auto = Triton on CUDA, reference on CPU (default %(default)s)")
+    d = parser.add_argument_group("data")
+    d.add_argument("--data", choices=["synthetic", "pysrc", "text"], default=_D.data,
+                   help="synthetic = Markov-chain documents with copy structure (default); pysrc = byte-level "
+                        "Python standard-library sources (ship with Python); text = byte-level --text-path files")
+    d.add_argument("--text-path", nargs="+", default=[], metavar="FILE",
+                   help="text files for --data text (documents are blank-line separated paragraphs)")
+    d.add_argument("--vocab-size", type=int, default=_D.vocab_size,
+                   help="vocabulary of the tiny model and the synthetic data (default %(default)s)")
+    d.add_argument("--doc-min-len", type=int, default=_D.doc_min_len,
+                   help="shortest synthetic document (default %(default)s)")
+    d.add_argument("--doc-max-len", type=int, default=_D.doc_max_len,
+                   help="longest synthetic document (default %(default)s)")
+    d.add_argument("--seq-len", type=int, default=_D.seq_len,
+                   help="rows of one packed batch per data-parallel replica; divisible by --cp (default %(default)s)")
+    d.add_argument("--pad-multiple", type=int, default=_D.pad_multiple,
+                   help="pad every document to a multiple of this many rows (cu_seqlens_padded) (default %(default)s)")
+    d.add_argument("--no-split", action="store_true",
+                   help="do not cut documents at batch ends: close the batch with padding instead")
+    o = parser.add_argument_group("optimization")
+    o.add_argument("--steps", type=int, default=_D.steps, help="total optimizer steps (default %(default)s)")
+    o.add_argument("--lr", type=float, default=_D.lr, help="peak AdamW learning rate (default %(default)s)")
+    o.add_argument("--min-lr", type=float, default=_D.min_lr,
+                   help="learning rate at the end of the cosine decay (default %(default)s)")
+    o.add_argument("--warmup-steps", type=int, default=_D.warmup_steps,
+                   help="linear warmup steps (default %(default)s)")
+    o.add_argument("--weight-decay", type=float, default=_D.weight_decay,
+                   help="AdamW weight decay of matrices (not of norms, biases, mHC) (default %(default)s)")
+    o.add_argument("--beta1", type=float, default=_D.beta1, help="AdamW beta1 (default %(default)s)")
+    o.add_argument("--beta2", type=float, default=_D.beta2, help="AdamW beta2 (default %(default)s)")
+    o.add_argument("--adam-eps", type=float, default=_D.adam_eps, help="AdamW epsilon (default %(default)s)")
+    o.add_argument("--grad-clip", type=float, default=_D.grad_clip,
+                   help="clip the global gradient norm to this (0 = off) (default %(default)s)")
+    o.add_argument("--indexer-loss-coeff", type=float, default=_D.indexer_loss_coeff,
+                   help="weight of the CSA indexer KL loss (trains the lightning indexer) (default %(default)s)")
+    o.add_argument("--mtp-loss-coeff", type=float, default=_D.mtp_loss_coeff,
+                   help="weight of the mean MTP loss (default %(default)s)")
+    o.add_argument("--router-bias-rate", type=float, default=_D.router_bias_rate,
+                   help="step of the load-balancing router bias update per optimizer step (default %(default)s)")
+    p = parser.add_argument_group("parallelism and runtime")
+    p.add_argument("--cp", type=int, default=_D.cp,
+                   help="context-parallel size; the rest of the world is data parallel (default %(default)s)")
+    p.add_argument("--cp-partition", choices=["contiguous", "balanced"], default=_D.cp_partition,
+                   help="row partition of the CP group (default %(default)s)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=_D.device,
+                   help="auto = cuda:LOCAL_RANK with NCCL when available, else CPU with gloo (default %(default)s)")
+    p.add_argument("--seed", type=int, default=_D.seed, help="initial weights and data order (default %(default)s)")
+    c = parser.add_argument_group("checkpoints and logging")
+    c.add_argument("--output", metavar="DIR", default=None, help="directory for checkpoints")
+    c.add_argument("--save-every", type=int, default=_D.save_every,
+                   help="write a checkpoint every N steps and at the end (0 = never) (default %(default)s)")
+    c.add_argument("--resume", metavar="DIR|auto", default=None,
+                   help="resume exactly from a checkpoint directory, or 'auto' = the latest under --output")
+    c.add_argument("--log-every", type=int, default=_D.log_every,
+                   help="print a log line every N steps (default %(default)s)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    values["progress"] = not getattr(args, "no_progress", False)
+    return TrainConfig(**values)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    result = train(config_from_args(args))
+    import torch.distributed as dist
+
+    if (not dist.is_initialized() or dist.get_rank() == 0) and result.losses:
+        print(f"steps {result.start_step + 1}..{result.start_step + len(result.losses)}: loss "
+              f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}, {result.tokens_per_second:.0f} tokens/s")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0

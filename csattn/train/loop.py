@@ -1,0 +1,339 @@
+"""The training loop: packed batches, data parallel x context parallel, AdamW, clipping, checkpoints.
+
+Ranks: ``world = dp * cp``; ranks ``[g*cp, (g+1)*cp)`` form context-parallel group ``g`` (data replica
+``g``). Every rank of a replica packs the same batch and keeps its own rows (``cp.shard``). Each replica's
+loss is its summed cross entropy over the global label count, so the CP ranks' gradients add up to the
+replica gradient; gradients are then all-reduced over the world and divided by ``dp`` (mean over replicas).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
+from ..models.deepseek_v4.checkpoint import read_config
+from .checkpointing import load_checkpoint, resolve_resume, save_checkpoint
+from .data import build_corpus
+from .packer import DocumentPacker, PackedBatch
+
+__all__ = ["TrainConfig", "TrainResult", "train", "tiny_model_config", "Topology"]
+
+
+def tiny_model_config(vocab_size: int = 256, **overrides: Any) -> DeepseekV4ModelConfig:
+    """A CPU-sized model that still has every part: W, CSA and HCA layers, hash and learned MoE, MTP."""
+    w, c, h = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+        partial_rotary_factor=0.25, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=16,
+        layer_types=[w, c, h, c], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        compress_rates={c: 4, h: 16}, index_n_heads=4, index_head_dim=16, index_topk=8,
+        rope_parameters={"main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                         "compress": {"rope_type": "default", "rope_theta": 160000.0,
+                                      "partial_rotary_factor": 0.25}},
+        max_position_embeddings=4096, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        hc_mult=4, hc_sinkhorn_iters=20, num_nextn_predict_layers=1,
+    )
+    kwargs.update(overrides)
+    return DeepseekV4ModelConfig(**kwargs)
+
+
+@dataclass
+class TrainConfig:
+    """Every ``csattn train`` option (see ``csattn train --help`` for their meaning)."""
+
+    # model
+    init_from: str | None = None
+    config_json: str | None = None
+    mtp_layers: int | None = None
+    dtype: str = "float32"
+    attention_backend: str = "auto"
+    # data
+    data: str = "synthetic"
+    text_path: list[str] = field(default_factory=list)
+    vocab_size: int = 256
+    doc_min_len: int = 8
+    doc_max_len: int = 96
+    seq_len: int = 256
+    pad_multiple: int = 1
+    no_split: bool = False
+    # optimization
+    steps: int = 100
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    indexer_loss_coeff: float = 0.01
+    mtp_loss_coeff: float = 0.3
+    router_bias_rate: float = 1e-3
+    # parallelism / runtime
+    cp: int = 1
+    cp_partition: str = "contiguous"
+    device: str = "auto"
+    seed: int = 0
+    # checkpoints / logging
+    output: str | None = None
+    save_every: int = 0
+    resume: str | None = None
+    log_every: int = 10
+    progress: bool = True
+
+    def validate(self) -> None:
+        for name in ("steps", "seq_len", "pad_multiple", "cp", "log_every"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len % self.cp:
+            raise ValueError(f"seq_len ({self.seq_len}) must be divisible by cp ({self.cp})")
+        if self.dtype not in ("float32", "bfloat16", "float64"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float64, got {self.dtype!r}")
+        if self.save_every and not self.output:
+            raise ValueError("save_every needs output")
+        if self.warmup_steps < 0 or self.grad_clip < 0:
+            raise ValueError("warmup_steps and grad_clip must be >= 0")
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]  # total loss (LM + MTP) of each step run here, mean over replicas
+    lm_losses: list[float]
+    indexer_losses: list[float]
+    start_step: int
+    model: DeepseekV4ForCausalLM
+    tokens_per_second: float
+
+
+@dataclass
+class Topology:
+    """Where this rank sits: ``dp_rank`` of ``dp`` replicas, ``cp_rank`` of ``cp`` ranks in its replica."""
+
+    rank: int
+    world: int
+    cp: int
+    cp_group: Any = None
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.cp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp
+
+
+def setup_distributed(cfg: TrainConfig) -> tuple[Topology, torch.device]:
+    """Initialize ``torch.distributed`` from torchrun's environment if needed (NCCL on GPUs, gloo on CPU)
+    and build the CP groups."""
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    if not dist.is_initialized() and world_env > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % cfg.cp:
+        raise ValueError(f"world size {world} is not divisible by cp {cfg.cp}")
+    device = torch.device("cpu")
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1))))
+        torch.cuda.set_device(device)
+    topo = Topology(rank, world, cfg.cp)
+    if cfg.cp > 1:
+        if cfg.cp == world:
+            topo.cp_group = dist.group.WORLD
+        else:  # every rank must create every group
+            for g in range(world // cfg.cp):
+                group = dist.new_group(list(range(g * cfg.cp, (g + 1) * cfg.cp)))
+                if g == topo.dp_rank:
+                    topo.cp_group = group
+    return topo, device
+
+
+def build_model_config(cfg: TrainConfig) -> DeepseekV4ModelConfig:
+    overrides: dict[str, Any] = dict(indexer_loss_coeff=cfg.indexer_loss_coeff, mtp_loss_coeff=cfg.mtp_loss_coeff,
+                                     attention_backend=cfg.attention_backend)
+    if cfg.mtp_layers is not None:
+        overrides["num_nextn_predict_layers"] = cfg.mtp_layers
+    if cfg.init_from:
+        return DeepseekV4ModelConfig.from_hf(read_config(cfg.init_from), **overrides)
+    if cfg.config_json:
+        import json
+
+        with open(cfg.config_json) as f:
+            return DeepseekV4ModelConfig.from_hf(json.load(f), **overrides)
+    return tiny_model_config(cfg.vocab_size, **overrides)
+
+
+def _lr_lambda(cfg: TrainConfig):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        span = max(cfg.steps - cfg.warmup_steps, 1)
+        frac = min((step - cfg.warmup_steps) / span, 1.0)
+        floor = cfg.min_lr / cfg.lr if cfg.lr else 0.0
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+    return f
+
+
+def _all_reduce_grads(params: list[torch.nn.Parameter], topo: Topology) -> None:
+    """Sum partial gradients over the world (CP shards add up, replicas too), then average the replicas."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    if topo.world > 1:
+        dtype = max((torch.promote_types(g.dtype, torch.float32) for g in grads), key=lambda d: d.itemsize)
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
+        dist.all_reduce(flat)
+        flat /= topo.dp
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
+            offset += n
+    else:
+        for p, g in zip(params, grads):
+            p.grad = g
+
+
+def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: Any, topo: Topology,
+               optimizer: torch.optim.Optimizer, cfg: TrainConfig, device: torch.device) -> dict[str, float]:
+    """One optimizer step on one packed batch; returns replica-mean metrics (identical on every rank)."""
+    packed = batch.packed
+    ids, labels = batch.input_ids, batch.labels
+    counts = (labels != -100).sum(dim=1).to(torch.float32)  # global label counts: the loss denominators
+    if cp is not None:
+        packed = type(packed)(cu_seqlens=packed.cu_seqlens.to(device), cu_seqlens_padded=packed.cu_seqlens_padded
+                              .to(device), max_seqlen=packed.max_seqlen)
+        ids = cp.shard(ids.to(device), packed)
+        labels = cp.shard(labels.to(device).t().contiguous(), packed).t()
+    else:
+        packed = type(packed)(cu_seqlens=packed.cu_seqlens.to(device),
+                              cu_seqlens_padded=packed.cu_seqlens_padded.to(device), max_seqlen=packed.max_seqlen)
+        ids, labels = ids.to(device), labels.to(device)
+    optimizer.zero_grad(set_to_none=True)
+    out = model(ids, packed=packed, cp=cp, labels=labels[0], mtp_labels=labels[1:] if len(model.mtp) else None,
+                label_counts=counts.to(device), return_logits=False)
+    out.loss.backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    _all_reduce_grads(params, topo)
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    optimizer.step()
+    # load balancing of the learned routers, from the loads of every rank
+    loads = model.expert_loads()
+    if loads and cfg.router_bias_rate > 0:
+        stacked = torch.stack([x.to(torch.float32) for x in loads])
+        if topo.world > 1:
+            dist.all_reduce(stacked)
+        model.update_router_biases(list(stacked), cfg.router_bias_rate)
+    metrics = torch.stack([
+        out.loss.detach().double(), out.lm_loss.double(),
+        out.indexer_loss.double() if out.indexer_loss is not None else torch.zeros((), device=device).double(),
+    ]).to(device)
+    if topo.world > 1:
+        dist.all_reduce(metrics)
+        metrics /= topo.dp
+    loss, lm, idx = metrics.tolist()
+    return {"loss": loss, "lm_loss": lm, "indexer_loss": idx}
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run ``cfg.steps`` optimizer steps (counting any resumed ones). Works in one process or under torchrun."""
+    cfg.validate()
+    topo, device = setup_distributed(cfg)
+    cp = None
+    if cfg.cp > 1:
+        from ..cp import ContextParallel
+
+        cp = ContextParallel(topo.cp_group, partition=cfg.cp_partition)
+    model_cfg = build_model_config(cfg)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = DeepseekV4ForCausalLM(model_cfg)
+    if cfg.init_from:
+        from ..models.deepseek_v4.checkpoint import load_state_dict_into, read_safetensors
+
+        tensors = read_safetensors(cfg.init_from)
+        has_mtp = any(k.startswith("mtp.") for k in tensors)
+        load_state_dict_into(model, tensors, allow_missing_prefixes=() if has_mtp else ("mtp.",))
+    dtype = getattr(torch, cfg.dtype)
+    if dtype != torch.float32:
+        model.to_training_dtype(dtype)
+    model.to(device)
+    corpus = build_corpus(cfg.data, model_cfg.vocab_size, cfg.seed, cfg.text_path, cfg.doc_min_len, cfg.doc_max_len)
+    packer = DocumentPacker(corpus, cfg.seq_len, cfg.pad_multiple, label_depth=1 + len(model.mtp),
+                            shard=topo.dp_rank, num_shards=topo.dp, split=not cfg.no_split)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "hc" not in n.split(".")[-2:][0]]
+    no_decay = [p for p in model.parameters() if all(p is not q for q in decay)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+
+    start = 0
+    resume = resolve_resume(cfg.resume, cfg.output) if cfg.resume else None
+    if resume is not None:
+        state = load_checkpoint(resume, model)
+        if state["dp"] != topo.dp:
+            raise ValueError(f"checkpoint {resume} was written with {state['dp']} data-parallel replicas; "
+                             f"this run has {topo.dp} (the data order depends on it)")
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        packer.load_state_dict(state["packers"][topo.dp_rank])
+        torch.set_rng_state(state["rng"])
+        start = int(state["step"])
+
+    losses, lm_losses, idx_losses = [], [], []
+    bar = None
+    if cfg.progress and topo.rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
+    tokens, t0 = 0, time.perf_counter()
+    for step in range(start, cfg.steps):
+        batch = next(packer)
+        metrics = train_step(model, batch, cp, topo, optimizer, cfg, device)
+        scheduler.step()
+        losses.append(metrics["loss"])
+        lm_losses.append(metrics["lm_loss"])
+        idx_losses.append(metrics["indexer_loss"])
+        tokens += batch.num_tokens * topo.dp
+        tps = tokens / max(time.perf_counter() - t0, 1e-9)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", idx=f"{metrics['indexer_loss']:.3g}", tok_s=f"{tps:.0f}")
+            if (step + 1) % cfg.log_every == 0:
+                bar.write(f"step {step + 1}: loss {metrics['loss']:.4f} lm {metrics['lm_loss']:.4f} "
+                          f"indexer {metrics['indexer_loss']:.4g} lr {scheduler.get_last_lr()[0]:.3g} "
+                          f"tok/s {tps:.0f}")
+        if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+            _save(cfg, step + 1, model, optimizer, scheduler, packer, topo)
+    if bar is not None:
+        bar.close()
+    return TrainResult(losses, lm_losses, idx_losses, start, model, tokens / max(time.perf_counter() - t0, 1e-9))
+
+
+def _save(cfg: TrainConfig, step: int, model: DeepseekV4ForCausalLM, optimizer: torch.optim.Optimizer,
+          scheduler: Any, packer: DocumentPacker, topo: Topology) -> None:
+    packers = [packer.state_dict()]
+    if topo.world > 1:
+        everyone: list[Any] = [None] * topo.world
+        dist.all_gather_object(everyone, packer.state_dict())
+        packers = [everyone[r * topo.cp] for r in range(topo.dp)]  # one per replica (its CP rank 0)
+    if topo.rank == 0:
+        save_checkpoint(cfg.output, step, model, {
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "packers": packers,
+            "rng": torch.get_rng_state(), "dp": topo.dp, "cp": topo.cp, "train_config": asdict(cfg),
+            "model_training": model.config.training_dict(),
+        })
+    if topo.world > 1:
+        dist.barrier()
