@@ -98,10 +98,12 @@ def sparse_attn_bwd_kernel_dq(
     q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dsink_rows,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
     H, D, K, scale,
-    HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr,
+    HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr, STACK: tl.constexpr,
     BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # Row-major products: q and do are A operands, the key tile the B operand of all three dots.
+    # STACK: S and dP come from one product [Q; dO] K^T with M = 2*BH rows. At BH = 64 that keeps
+    # both warpgroups busy on distinct rows instead of each recomputing the same [64, BK] scores.
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
@@ -117,6 +119,12 @@ def sparse_attn_bwd_kernel_dq(
     lse2 = lse_t * 1.4426950408889634
     qk_scale_log2 = scale * 1.4426950408889634
     dq_acc = tl.zeros([BH, BD], dtype=tl.float32)
+    if STACK:
+        r = tl.arange(0, 2 * BH)
+        h2 = tl.program_id(1) * BH + r % BH
+        off_r = t * stride_qt + h2[:, None] * stride_qh + offs_d[None, :]  # q and do share one layout
+        qd = tl.load(tl.where((r >= BH)[:, None], do + off_r, q + off_r),
+                     mask=(h2 < H)[:, None] & mask_d[None, :], other=0.0)
     n_keys = K
     if HAS_LEN:
         n_keys = tl.minimum(tl.load(topk_len + t).to(tl.int32), K)
@@ -126,14 +134,38 @@ def sparse_attn_bwd_kernel_dq(
         valid = ids >= 0
         k_tile = tl.load(kv + ids.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :],
                          mask=valid[:, None] & mask_d[None, :], other=0.0)
-        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2
+        if STACK:
+            sd = tl.dot(qd, tl.trans(k_tile), input_precision=DOT_PREC)  # rows < BH: q . k, then do . k
+            s, dp = tl.split(tl.permute(tl.reshape(sd, [2, BH, BK]), (1, 2, 0)))
+            s = s * qk_scale_log2
+        else:
+            s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2
+            dp = tl.dot(do_tile, tl.trans(k_tile), input_precision=DOT_PREC)
         s = tl.where(valid[None, :], s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
-        dp = tl.dot(do_tile, tl.trans(k_tile), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])  # gradient w.r.t. the scaled score
         dq_acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=DOT_PREC)
     tl.store(dq + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
              (dq_acc * scale).to(dq.dtype.element_ty), mask=mask_hd)
+
+
+@triton.jit
+def _load_qdo_chunk(q, do, off_r, is_do, mask_r, offs_c, D):
+    """Rows ``2h`` = q[h], ``2h+1`` = do[h] of one column chunk: ``[2*BH, BDC]``."""
+    ptrs = tl.where(is_do[:, None], do + off_r + offs_c[None, :], q + off_r + offs_c[None, :])
+    return tl.load(ptrs, mask=mask_r[:, None] & (offs_c < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_key_chunk(kv, key_off, valid, offs_c, D):
+    return tl.load(kv + key_off + offs_c[None, :], mask=valid[:, None] & (offs_c < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _add_dkv_chunk(dkv, w, qd, ids64, valid, offs_c, D, DOT_PREC: tl.constexpr):
+    blk = tl.dot(w, qd, input_precision=DOT_PREC)
+    tl.atomic_add(dkv + ids64[:, None] * D + offs_c[None, :], blk,
+                  mask=valid[:, None] & (offs_c < D)[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -144,19 +176,37 @@ def sparse_attn_bwd_kernel_dkv(
     HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr,
     BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # Key-major products (S^T = K Q^T, dP^T = K dO^T, dKV = P^T dO + dS^T Q): q and do are only ever
-    # B operands, so each needs one shared-memory copy, and M = BK fills the MMA.
+    # Key-major: [S^T | dP^T] = K [Q; dO]^T and dKV = [dS^T | P^T] [Q; dO], with q and do rows
+    # interleaved in one [2*BH, d] operand. That operand is only ever a B operand (one shared-memory
+    # copy, no A/B duplicate), the score product gets N = 2*BH, and the dkv tile comes from one MMA.
+    # d is cut into four column chunks so each dkv tile (and its layout change before the atomics)
+    # stays at [BK, d/4]: whole-d tiles do not fit in shared memory at d = 512.
     t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hb = tl.program_id(1)
+    offs_h = hb * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
     mask_h = offs_h < H
-    mask_d = offs_d < D
-    mask_hd = mask_h[:, None] & mask_d[None, :]
-    q_tile, do_tile, delta, lse_t = _bwd_row_terms(
-        q, o, do, lse, dlse, t, offs_h, offs_d, mask_h, mask_hd,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_dlt, HAS_DLSE)
-    lse2 = lse_t * 1.4426950408889634
+    mask_hd = mask_h[:, None] & (offs_d < D)[None, :]
+    row_o = t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+    delta = tl.sum(tl.load(do + row_o, mask=mask_hd, other=0.0).to(tl.float32)
+                   * tl.load(o + row_o, mask=mask_hd, other=0.0).to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse + t * stride_dlt + offs_h, mask=mask_h, other=0.0)
+    lse2 = tl.load(lse + t * stride_lt + offs_h, mask=mask_h, other=float("inf")) * 1.4426950408889634
     qk_scale_log2 = scale * 1.4426950408889634
+
+    BDC: tl.constexpr = BD // 4
+    r = tl.arange(0, 2 * BH)
+    h2 = hb * BH + r // 2
+    is_do = (r % 2) == 1
+    mask_r = h2 < H
+    off_r = t * stride_qt + h2[:, None] * stride_qh  # q and do share one layout (the host checks)
+    offs_c = tl.arange(0, BDC)
+    qd0 = _load_qdo_chunk(q, do, off_r, is_do, mask_r, offs_c, D)
+    qd1 = _load_qdo_chunk(q, do, off_r, is_do, mask_r, offs_c + BDC, D)
+    qd2 = _load_qdo_chunk(q, do, off_r, is_do, mask_r, offs_c + 2 * BDC, D)
+    qd3 = _load_qdo_chunk(q, do, off_r, is_do, mask_r, offs_c + 3 * BDC, D)
+
     n_keys = K
     if HAS_LEN:
         n_keys = tl.minimum(tl.load(topk_len + t).to(tl.int32), K)
@@ -165,18 +215,25 @@ def sparse_attn_bwd_kernel_dkv(
         ids = tl.load(idx + t * stride_it + offs_k, mask=offs_k < n_keys, other=-1)
         valid = ids >= 0
         ids64 = ids.to(tl.int64)
-        mask_kd = valid[:, None] & mask_d[None, :]
-        k_tile = tl.load(kv + ids64[:, None] * stride_kvn + offs_d[None, :], mask=mask_kd, other=0.0)
-        st = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PREC) * qk_scale_log2
-        st = tl.where(valid[:, None], st, float("-inf"))
+        key_off = ids64[:, None] * stride_kvn
+        k0 = _load_key_chunk(kv, key_off, valid, offs_c, D)
+        k1 = _load_key_chunk(kv, key_off, valid, offs_c + BDC, D)
+        k2 = _load_key_chunk(kv, key_off, valid, offs_c + 2 * BDC, D)
+        k3 = _load_key_chunk(kv, key_off, valid, offs_c + 3 * BDC, D)
+        sd = tl.dot(k0, tl.trans(qd0), input_precision=DOT_PREC)
+        sd = tl.dot(k1, tl.trans(qd1), sd, input_precision=DOT_PREC)
+        sd = tl.dot(k2, tl.trans(qd2), sd, input_precision=DOT_PREC)
+        sd = tl.dot(k3, tl.trans(qd3), sd, input_precision=DOT_PREC)
+        st, dpt = tl.split(tl.reshape(sd, [BK, BH, 2]))  # columns 2h: q . k, 2h+1: do . k
+        st = tl.where(valid[:, None], st * qk_scale_log2, float("-inf"))
         pt = tl.exp2(st - lse2[None, :])
-        dpt = tl.dot(k_tile, tl.trans(do_tile), input_precision=DOT_PREC)
         dst = pt * (dpt - delta[None, :]) * scale  # gradient w.r.t. the raw score q . k
-        # K = V: the value gradient P^T dO and the key gradient dS^T Q land in the same row.
-        dkv_blk = tl.dot(pt.to(k_tile.dtype), do_tile, input_precision=DOT_PREC)
-        dkv_blk = tl.dot(dst.to(k_tile.dtype), q_tile, dkv_blk, input_precision=DOT_PREC)
-        # A kv row is shared by many query rows: fp32 atomics into the contiguous [N, D] buffer.
-        tl.atomic_add(dkv + ids64[:, None] * D + offs_d[None, :], dkv_blk, mask=mask_kd, sem="relaxed")
+        # K = V: the key gradient dS^T Q and the value gradient P^T dO land in the same kv row.
+        w = tl.reshape(tl.join(dst, pt), [BK, 2 * BH]).to(k0.dtype)
+        _add_dkv_chunk(dkv, w, qd0, ids64, valid, offs_c, D, DOT_PREC)
+        _add_dkv_chunk(dkv, w, qd1, ids64, valid, offs_c + BDC, D, DOT_PREC)
+        _add_dkv_chunk(dkv, w, qd2, ids64, valid, offs_c + 2 * BDC, D, DOT_PREC)
+        _add_dkv_chunk(dkv, w, qd3, ids64, valid, offs_c + 3 * BDC, D, DOT_PREC)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -192,11 +249,11 @@ class SparseAttnConfig:
     """
 
     def __init__(self, bh: int | None = None, bk_fwd: int = 64, warps_fwd: int = 8, stages_fwd: int = 2,
-                 bk_dq: int = 32, warps_dq: int = 8, stages_dq: int = 1,
+                 bk_dq: int = 32, warps_dq: int = 8, stages_dq: int = 1, stack_dq: int = 0,
                  bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1):
         self.bh = bh
         self.bk_fwd, self.warps_fwd, self.stages_fwd = bk_fwd, warps_fwd, stages_fwd
-        self.bk_dq, self.warps_dq, self.stages_dq = bk_dq, warps_dq, stages_dq
+        self.bk_dq, self.warps_dq, self.stages_dq, self.stack_dq = bk_dq, warps_dq, stages_dq, stack_dq
         self.bk_dkv, self.warps_dkv, self.stages_dkv = bk_dkv, warps_dkv, stages_dkv
 
     def as_dict(self) -> dict:
@@ -236,6 +293,20 @@ def _head_block(h: int, cfg: SparseAttnConfig) -> int:
     return cfg.bh or min(max(triton.next_power_of_2(h), 16), 64)
 
 
+def _fit(cfg: SparseAttnConfig, dtype: torch.dtype, d: int) -> SparseAttnConfig:
+    """Shrink the tiles for wider elements: the defaults fill shared memory at bf16/fp16, d = 512."""
+    over = dtype.itemsize * max(triton.next_power_of_2(d), 16) / 1024
+    if over <= 1:
+        return cfg
+    fit = SparseAttnConfig(**cfg.as_dict())
+    while over > 1:
+        fit.bh = max(16, (fit.bh or 64) // 2)
+        fit.bk_fwd, fit.bk_dq, fit.bk_dkv = (max(16, b // 2) for b in (fit.bk_fwd, fit.bk_dq, fit.bk_dkv))
+        over /= 2
+    fit.stages_fwd = fit.stages_dq = fit.stages_dkv = 1
+    return fit
+
+
 def _dot_prec(dtype: torch.dtype) -> str:
     # fp32 inputs get exact fp32 products (the oracle role); bf16/fp16 ignore the setting.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -246,8 +317,8 @@ def sparse_attn_fwd(
     topk_length: Tensor | None = None, config: SparseAttnConfig | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Shapes as in :func:`sparse_attn_triton`; returns ``(o, lse)``."""
-    cfg = config or SparseAttnConfig.from_env()
     T, H, D = q.shape
+    cfg = _fit(config or SparseAttnConfig.from_env(), q.dtype, D)
     K = indices.shape[1]
     o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32)
@@ -277,8 +348,8 @@ def sparse_attn_bwd(
     of those atomics is not fixed, so ``dkv`` is not bitwise deterministic. ``dsink`` is reduced from
     per-row partials in a fixed order.
     """
-    cfg = config or SparseAttnConfig.from_env()
     T, H, D = q.shape
+    cfg = _fit(config or SparseAttnConfig.from_env(), q.dtype, D)
     K = indices.shape[1]
     do = do.contiguous()
     dlse = dlse.contiguous() if dlse is not None else None
@@ -300,9 +371,10 @@ def sparse_attn_bwd(
             BH=bh, BD=max(triton.next_power_of_2(D), 16), DOT_PREC=_dot_prec(q.dtype),
         )
         kernel = sparse_attn_bwd_kernel_dq[grid](
-            sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq, num_warps=cfg.warps_dq,
-            num_stages=cfg.stages_dq, **common)
+            sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq, STACK=bool(cfg.stack_dq),
+            num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common)
         _report("bwd_dq", kernel, cfg)
+        common["BD"] = max(common["BD"], 64)  # four column chunks of >= 16
         kernel = sparse_attn_bwd_kernel_dkv[grid](
             dkv=dkv32, BK=cfg.bk_dkv, num_warps=cfg.warps_dkv, num_stages=cfg.stages_dkv, **common)
         _report("bwd_dkv", kernel, cfg)
