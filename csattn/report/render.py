@@ -95,7 +95,8 @@ def _plots(summary: dict, iso: dict, out_dir: str) -> None:
             ax.set_ylabel(ylabel)
             ax.set_title(f"{layer.upper()} layer")
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
+            if series:
+                ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, fname), dpi=110)
         plt.close(fig)
