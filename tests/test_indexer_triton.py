@@ -32,7 +32,13 @@ def _int_inputs(T, Nc, HI, CI, gen):
         pytest.param([50, 29], [52, 29], 5, 1, id="tiny_workspace_chunks"),
     ],
 )
-def test_topk_equals_reference_exact(lengths, padded, topk, workspace):
+@pytest.mark.parametrize("streamed", [False, True], ids=["row_in_registers", "row_streamed"])
+def test_topk_equals_reference_exact(lengths, padded, topk, workspace, streamed, monkeypatch):
+    if streamed:
+        # Rows longer than REGISTER_ROW keys take the tiled selection path; force it on these small rows.
+        from csattn.ops.indexer import triton as kernels
+
+        monkeypatch.setattr(kernels, "REGISTER_ROW", 8)
     gen = torch.Generator().manual_seed(sum(lengths) + topk)
     packed, meta = _pack(lengths, padded)
     q, w, k = _int_inputs(packed.num_rows, meta.num_entries, 3, 16, gen)

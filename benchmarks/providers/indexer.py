@@ -19,6 +19,7 @@ LOSS_DEFAULTS = dict(tokens=32768, index_heads=64, index_dim=128, heads=64, dim=
                      doc_len=0, dense=0, seed=0)
 POOL_DEFAULTS = dict(tokens=32768, dim=512, ratio=4, doc_len=0, seed=0)
 DEFAULT_TILES: dict = {}
+DEFAULT_LOSS_TILES: dict = {}
 
 
 def _meta(T: int, doc_len: int, ratio: int, device):
@@ -82,8 +83,19 @@ def _loss_case(shape, device, dtype, backend, variant) -> Case:
     from csattn.ops.indexer_loss import indexer_kl_loss
 
     _check(device, backend)
-    if variant:
-        raise Skip(f"no variants, got {variant!r}")
+    if variant and backend != "triton":
+        raise Skip(f"the reference takes no variant, got {variant!r}")
+    if backend == "triton":
+        from csattn.ops.indexer_loss import triton as kernels
+
+        # Variant "bk=64,warps_fwd=8,warps_bwd=8" sets the loss kernels' tiles (defaults otherwise).
+        DEFAULT_LOSS_TILES.update(DEFAULT_LOSS_TILES or kernels.LOSS_TILES)
+        kernels.LOSS_TILES.update(DEFAULT_LOSS_TILES)
+        for item in filter(None, variant.split(",")):
+            key, _, value = item.partition("=")
+            if key not in kernels.LOSS_TILES:
+                raise Skip(f"unknown tile option {key!r}")
+            kernels.LOSS_TILES[key] = int(value)
     T, HI, CI, H, D, K = (shape[k] for k in ("tokens", "index_heads", "index_dim", "heads", "dim", "topk"))
     gen = torch.Generator(device=device).manual_seed(shape["seed"])
     packed, meta = _meta(T, shape["doc_len"], shape["ratio"], device)

@@ -26,6 +26,8 @@ _MAX_WORKSPACE = 256 << 20
 
 # Score-kernel tiles (rows x keys per program, warps, pipeline stages); the benchmark can override them.
 SCORE_TILES = {"bt": 64, "bk": 128, "warps": 8, "stages": 3}
+# Longest visible range kept in registers by the selection pass (16k int32 keys over 16 warps).
+REGISTER_ROW = 16384
 
 
 @triton.jit
@@ -74,10 +76,45 @@ def indexer_scores_fwd_kernel(
 
 
 @triton.jit
+def _threshold_loop(base, start, end, n, kk, topk, BK: tl.constexpr):
+    """``(thr, need_eq)``: the kk-th largest key of the row and how many keys equal to it to take; the row is
+    streamed in ``BK`` tiles for every step (rows too long to keep in registers)."""
+    thr = tl.full((), -(2**31) - 1, tl.int64)  # below every key: a row seeing <= topk keys takes them all
+    need_eq = tl.zeros((), dtype=tl.int64)
+    if n > topk:
+        lo = tl.full((), 2**31, tl.int64)
+        hi = tl.full((), -(2**31) - 1, tl.int64)
+        for j in range(start, end, BK):
+            offs = j + tl.arange(0, BK)
+            key = tl.load(base + offs, mask=offs < end, other=0).to(tl.int64)
+            lo = tl.minimum(lo, tl.min(tl.where(offs < end, key, 2**31), axis=0))
+            hi = tl.maximum(hi, tl.max(tl.where(offs < end, key, -(2**31) - 1), axis=0))
+        # Bisection for the largest thr with count(key >= thr) >= kk (int64: the midpoint never overflows).
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            cnt = tl.zeros((), dtype=tl.int64)
+            for j in range(start, end, BK):
+                offs = j + tl.arange(0, BK)
+                key = tl.load(base + offs, mask=offs < end, other=0).to(tl.int64)
+                cnt += tl.sum(((key >= mid) & (offs < end)).to(tl.int64), axis=0)
+            take = cnt >= kk
+            lo = tl.where(take, mid, lo)
+            hi = tl.where(take, hi, mid - 1)
+        thr = lo
+        cnt_gt = tl.zeros((), dtype=tl.int64)
+        for j in range(start, end, BK):
+            offs = j + tl.arange(0, BK)
+            key = tl.load(base + offs, mask=offs < end, other=0).to(tl.int64)
+            cnt_gt += tl.sum(((key > thr) & (offs < end)).to(tl.int64), axis=0)
+        need_eq = kk - cnt_gt
+    return thr, need_eq
+
+
+@triton.jit
 def indexer_topk_select_kernel(
     scores, vis_start, vis_end, out,
     row_lo, key_lo, stride_s, topk,
-    BK: tl.constexpr, KP: tl.constexpr, SORT: tl.constexpr,
+    BK: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr, IN_REGS: tl.constexpr, SORT: tl.constexpr,
 ):
     t = tl.program_id(0)
     row = row_lo + t
@@ -90,53 +127,49 @@ def indexer_topk_select_kernel(
     slots = tl.arange(0, KP)
     if kk > 0:
         # Threshold thr = the kk-th largest key; every key above it is taken and need_eq of the keys equal to
-        # it. A row that sees at most topk keys takes them all (thr below every key).
-        thr = tl.full((), -(2**31) - 1, tl.int64)
-        need_eq = tl.zeros((), dtype=tl.int64)
-        if n > topk:
-            # Bisection for the largest thr with count(key >= thr) >= kk, between the row's min and max key
-            # (int64 so the midpoint never overflows).
-            lo = tl.full((), 2**31, tl.int64)
-            hi = tl.full((), -(2**31) - 1, tl.int64)
-            for j in range(start, end, BK):
-                offs = j + tl.arange(0, BK)
-                key = tl.load(base + offs, mask=offs < end, other=0).to(tl.int64)
-                lo = tl.minimum(lo, tl.min(tl.where(offs < end, key, 2**31), axis=0))
-                hi = tl.maximum(hi, tl.max(tl.where(offs < end, key, -(2**31) - 1), axis=0))
-            while lo < hi:
-                mid = lo + (hi - lo + 1) // 2
-                cnt = tl.zeros((), dtype=tl.int64)
-                for j in range(start, end, BK):
-                    offs = j + tl.arange(0, BK)
-                    key = tl.load(base + offs, mask=offs < end, other=0).to(tl.int64)
-                    cnt += tl.sum(((key >= mid) & (offs < end)).to(tl.int64), axis=0)
-                take = cnt >= kk
-                lo = tl.where(take, mid, lo)
-                hi = tl.where(take, hi, mid - 1)
-            thr = lo
-            cnt_gt = tl.zeros((), dtype=tl.int64)
-            for j in range(start, end, BK):
-                offs = j + tl.arange(0, BK)
-                key = tl.load(base + offs, mask=offs < end, other=0).to(tl.int64)
-                cnt_gt += tl.sum(((key > thr) & (offs < end)).to(tl.int64), axis=0)
-            need_eq = kk - cnt_gt
-        # Compaction in id order: ties at the threshold go to the lowest ids. The packed sort key
-        # (ordered score << 31 | (2^31 - 1 - id)) is parked in the output row and sorted below.
-        written = tl.zeros((), dtype=tl.int64)
-        eq_seen = tl.zeros((), dtype=tl.int64)
-        for j in range(start, end, BK):
-            offs = j + tl.arange(0, BK)
+        # it, the lowest ids first. The packed sort key (ordered score << 31 | (2^31 - 1 - id)) of each taken
+        # entry is parked in the output row and sorted below.
+        if IN_REGS:
+            # The whole row sits in registers: each bisection step is a compare and one reduction.
+            offs = start + tl.arange(0, RB)
             inside = offs < end
-            key = tl.load(base + offs, mask=inside, other=0).to(tl.int64)
-            eq = (key == thr) & inside
-            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int64), axis=0) - 1
-            sel = ((key > thr) & inside) | (eq & (eq_rank < need_eq))
-            pos = written + tl.cumsum(sel.to(tl.int64), axis=0) - 1
-            gid = (offs + key_lo).to(tl.int64)
-            packed = ((key + 2**31) << 31) | (2**31 - 1 - gid)
+            key = tl.load(base + offs, mask=inside, other=0)
+            thr = tl.full((), -(2**31) - 1, tl.int64)
+            need_eq = tl.zeros((), dtype=tl.int64)
+            if n > topk:
+                lo = tl.min(tl.where(inside, key, 2**31 - 1), axis=0).to(tl.int64)
+                hi = tl.max(tl.where(inside, key, -(2**31)), axis=0).to(tl.int64)
+                while lo < hi:
+                    mid = (lo + (hi - lo + 1) // 2).to(tl.int32)
+                    cnt = tl.sum(((key >= mid) & inside).to(tl.int32), axis=0)
+                    take = cnt >= kk
+                    lo = tl.where(take, mid.to(tl.int64), lo)
+                    hi = tl.where(take, hi, mid.to(tl.int64) - 1)
+                thr = lo
+                need_eq = kk - tl.sum(((key > thr.to(tl.int32)) & inside).to(tl.int64), axis=0)
+            key64 = key.to(tl.int64)
+            eq = (key64 == thr) & inside
+            eq_rank = tl.cumsum(eq.to(tl.int32), axis=0) - 1
+            sel = ((key64 > thr) & inside) | (eq & (eq_rank < need_eq))
+            pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            packed = ((key64 + 2**31) << 31) | (2**31 - 1 - (offs + key_lo).to(tl.int64))
             tl.store(out_row + pos, packed, mask=sel)
-            written += tl.sum(sel.to(tl.int64), axis=0)
-            eq_seen += tl.sum(eq.to(tl.int64), axis=0)
+        else:
+            thr, need_eq = _threshold_loop(base, start, end, n, kk, topk, BK)
+            written = tl.zeros((), dtype=tl.int64)
+            eq_seen = tl.zeros((), dtype=tl.int64)
+            for j in range(start, end, BK):
+                offs = j + tl.arange(0, BK)
+                inside = offs < end
+                key = tl.load(base + offs, mask=inside, other=0).to(tl.int64)
+                eq = (key == thr) & inside
+                eq_rank = eq_seen + tl.cumsum(eq.to(tl.int64), axis=0) - 1
+                sel = ((key > thr) & inside) | (eq & (eq_rank < need_eq))
+                pos = written + tl.cumsum(sel.to(tl.int64), axis=0) - 1
+                packed = ((key + 2**31) << 31) | (2**31 - 1 - (offs + key_lo).to(tl.int64))
+                tl.store(out_row + pos, packed, mask=sel)
+                written += tl.sum(sel.to(tl.int64), axis=0)
+                eq_seen += tl.sum(eq.to(tl.int64), axis=0)
         tl.debug_barrier()
         packed = tl.load(out_row + slots, mask=slots < kk, other=-1)
         if SORT:
@@ -189,8 +222,9 @@ def indexer_scores_fwd(
     return out
 
 
-def _chunks(vis_start: Tensor, vis_end: Tensor, budget: int) -> list[tuple[int, int, int, int]]:
-    """Row chunks of fixed height whose ``rows x slab`` 4-byte workspace fits ``budget`` (one host sync).
+def _chunks(vis_start: Tensor, vis_end: Tensor, budget: int) -> tuple[list[tuple[int, int, int, int]], int]:
+    """Row chunks of fixed height whose ``rows x slab`` 4-byte workspace fits ``budget``, and the widest
+    visible range (one host sync).
 
     A suffix min of ``vis_start`` and a prefix max of ``vis_end`` bound every row of a chunk, so
     ``[starts[lo], ends[hi-1])`` covers it (tight for packed documents, whose ranges grow with the rows); the
@@ -204,8 +238,9 @@ def _chunks(vis_start: Tensor, vis_end: Tensor, budget: int) -> list[tuple[int, 
     height = max(64, budget // (4 * width) // 64 * 64)
     los = los[::height]
     his = torch.clamp(los + height, max=num_rows)
-    bounds = torch.stack([los, his, starts[los], ends[his - 1]], dim=1).tolist()
-    return [(lo, hi, klo, max(khi, klo)) for lo, hi, klo, khi in bounds]
+    widest = (vis_end - vis_start).max().reshape(1).expand(los.shape[0])
+    bounds = torch.stack([los, his, starts[los], ends[his - 1], widest], dim=1).tolist()
+    return [(lo, hi, klo, max(khi, klo)) for lo, hi, klo, khi, _ in bounds], int(bounds[0][4])
 
 
 @torch.no_grad()
@@ -254,7 +289,10 @@ def indexer_topk_triton(
     vis_start = vis_start.to(torch.int64).contiguous()
     vis_end = vis_end.to(torch.int64).contiguous()
     budget = max(1, min(workspace_bytes, _MAX_WORKSPACE))
-    chunks = _chunks(vis_start, vis_end, budget)
+    chunks, widest = _chunks(vis_start, vis_end, budget)
+    # Rows up to REGISTER_ROW keys are selected from registers, longer ones stream their workspace row.
+    rb = max(16, triton.next_power_of_2(max(widest, 1)))
+    in_regs = rb <= REGISTER_ROW
     workspace = None
     kp = triton.next_power_of_2(topk)
     for lo, hi, key_lo, key_hi in chunks:
@@ -267,7 +305,8 @@ def indexer_topk_triton(
         indexer_scores_fwd(q, w, k, vis_start, vis_end, lo, hi, key_lo, key_hi, out=scores, ordered_keys=True)
         indexer_topk_select_kernel[(hi - lo,)](
             scores, vis_start, vis_end, out, lo, key_lo, scores.stride(0), topk,
-            BK=1024, KP=kp, SORT=not interpret, num_warps=8,
+            BK=1024, KP=kp, RB=rb if in_regs else 16, IN_REGS=in_regs, SORT=not interpret,
+            num_warps=16 if in_regs and rb > 8192 else 8,
         )
     if interpret:
         packed = torch.sort(out, dim=1, descending=True).values

@@ -22,6 +22,9 @@ from torch import Tensor
 
 __all__ = ["indexer_kl_loss_triton", "indexer_kl_fwd", "indexer_kl_bwd"]
 
+# Candidates per tile and warps of the forward / backward programs; the benchmark can override them.
+LOSS_TILES = {"bk": 32, "warps_fwd": 4, "warps_bwd": 8}
+
 
 @triton.jit
 def _student_tile(q_idx_t, w_t, k_idx, ids_c, valid, CI: tl.constexpr, CIP: tl.constexpr, IEEE: tl.constexpr):
@@ -170,8 +173,9 @@ def indexer_kl_bwd_kernel(
                 dk_t = tl.dot(gm, tl.trans(q_idx_t))
             tl.atomic_add(dk + ids_c[:, None] * CI + ch[None, :], dk_t,
                           mask=valid[:, None] & (ch[None, :] < CI), sem="relaxed")
-        tl.store(dq_idx + t * HI * CI + heads_i[None, :] * CI + ch[:, None], dq_acc, mask=qi_mask)
-        tl.store(dw + t * HI + heads_i, dw_acc, mask=heads_i < HI)
+        tl.store(dq_idx + t * HI * CI + heads_i[None, :] * CI + ch[:, None], dq_acc.to(dq_idx.dtype.element_ty),
+                 mask=qi_mask)
+        tl.store(dw + t * HI + heads_i, dw_acc.to(dw.dtype.element_ty), mask=heads_i < HI)
 
 
 def _meta(q_idx: Tensor, q: Tensor) -> dict:
@@ -200,7 +204,8 @@ def indexer_kl_fwd(
     indexer_kl_fwd_kernel[(num_rows,)](
         q_idx, w, k_idx, q, ckv, lse, dummy if dense else selected, vis_start, vis_end, row_weight,
         loss_rows, stats, dummy if dense else mass, scale, topk,
-        BK=32, DENSE=dense, STORE_MASS=not dense, num_warps=4, num_stages=2, **_meta(q_idx, q),
+        BK=LOSS_TILES["bk"], DENSE=dense, STORE_MASS=not dense, num_warps=LOSS_TILES["warps_fwd"], num_stages=2,
+        **_meta(q_idx, q),
     )
     return loss_rows, stats, mass
 
@@ -210,18 +215,20 @@ def indexer_kl_bwd(
     row_weight: Tensor, selected: Tensor | None, vis_start: Tensor, vis_end: Tensor, stats: Tensor,
     mass: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq_idx [T, HI, cI], dw [T, HI], dk_idx [Nc, cI])`` in fp32."""
+    """Gradients ``(dq_idx [T, HI, cI], dw [T, HI], dk_idx [Nc, cI])``: dq in ``q_idx.dtype`` and dw in
+    ``w.dtype`` (each row is written by one program), dk in fp32 (rows picked by many queries add up)."""
     num_rows = q_idx.shape[0]
     dense = selected is None
     topk = 0 if dense else selected.shape[1]
-    dq = torch.zeros(q_idx.shape, dtype=torch.float32, device=q_idx.device)
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=q_idx.device)
+    dq = torch.zeros(q_idx.shape, dtype=q_idx.dtype, device=q_idx.device)
+    dw = torch.zeros(w.shape, dtype=w.dtype, device=q_idx.device)
     dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=q_idx.device)
     dummy = stats
     indexer_kl_bwd_kernel[(num_rows,)](
         q_idx, w, k_idx, q, ckv, lse, dummy if dense else selected, vis_start, vis_end, row_weight,
         stats, dummy if dense else mass, grad, dq, dw, dk, scale, topk,
-        BK=32, DENSE=dense, STORE_MASS=not dense, num_warps=8, num_stages=2, **_meta(q_idx, q),
+        BK=LOSS_TILES["bk"], DENSE=dense, STORE_MASS=not dense, num_warps=LOSS_TILES["warps_bwd"], num_stages=2,
+        **_meta(q_idx, q),
     )
     return dq, dw, dk
 
