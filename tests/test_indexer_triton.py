@@ -95,7 +95,7 @@ def test_topk_bad_input():
 
 
 @pytest.mark.gpu
-def test_topk_gpu_bf16_real_geometry():
+def test_topk_gpu_bf16_real_geometry(monkeypatch):
     """bf16 inputs, HI=64, cI=128, k=512, 32k ragged tokens: both sides accumulate in fp32, so the sets agree
     except between entries whose fp32 scores are within rounding of each other."""
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -119,3 +119,8 @@ def test_topk_gpu_bf16_real_geometry():
         scores.append(indexer_scores_ref(q[t:t + 1].double(), w[t:t + 1].double(), k[lo:hi].double())[0].cpu())
     sub = rows[:64].cpu()
     _assert_same_sets(got.cpu()[sub], expected.cpu()[sub], scores, meta.vis_start.cpu()[sub], 1e-4)
+    # The streamed selection (rows longer than REGISTER_ROW) picks exactly what the in-register one picks.
+    from csattn.ops.indexer import triton as kernels
+
+    monkeypatch.setattr(kernels, "REGISTER_ROW", 1024)
+    assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), got)
