@@ -9,7 +9,9 @@ pytest.importorskip("transformers")
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig  # noqa: E402
 from csattn.packing import PackedSeqs  # noqa: E402
 
-from .test_model_utils import hf_model, tiny_config_dict  # noqa: E402
+from .test_model_utils import hf_model, one_thread, tiny_config_dict  # noqa: E402, F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOL = 1e-4  # fp32: HF's MoE kernels refuse fp64
 

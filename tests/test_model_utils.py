@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
@@ -84,3 +85,12 @@ def tiny_model(pattern: str = "flash", seed: int = 0, **kwargs) -> DeepseekV4For
     model = DeepseekV4ForCausalLM(cfg)
     randomize_model_(model, seed + 1)
     return model
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: these tiny shapes run far faster that way on a shared, busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,6 +1,8 @@
 """HF-format checkpoints: ``config.json`` + ``model.safetensors`` (or sharded with
-``model.safetensors.index.json``). Tensor names are Hugging Face's ``DeepseekV4ForCausalLM`` names, which are
-also this model's ``state_dict`` names; MTP blocks (which HF skips on load) are stored under ``mtp.{j}.``."""
+``model.safetensors.index.json``). On disk the tensors carry the DeepSeek reference names that the release
+and ``transformers``' ``save_pretrained`` use; ``names.py`` maps them to this model's ``state_dict`` names
+(equal to ``transformers.DeepseekV4ForCausalLM``'s). MTP blocks, which ``transformers`` skips on load, are
+stored under ``mtp.{j}.``."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch import Tensor
 
 from .config import DeepseekV4ModelConfig
 from .model import DeepseekV4ForCausalLM
+from .names import _disk_name, to_disk, to_internal
 
 __all__ = ["load_pretrained", "save_pretrained", "load_state_dict_into", "read_safetensors", "read_config"]
 
@@ -33,7 +36,7 @@ def read_config(path: str) -> dict[str, Any]:
 
 
 def read_safetensors(path: str) -> dict[str, Tensor]:
-    """All tensors of the directory (single file or sharded via the index)."""
+    """All tensors of the directory (single file or sharded via the index), renamed to ``state_dict`` names."""
     from safetensors.torch import load_file
 
     index = os.path.join(path, INDEX_NAME)
@@ -49,7 +52,7 @@ def read_safetensors(path: str) -> dict[str, Tensor]:
     tensors: dict[str, Tensor] = {}
     for shard in shards:
         tensors.update(load_file(os.path.join(path, shard)))
-    return tensors
+    return to_internal(tensors)
 
 
 def load_state_dict_into(model: DeepseekV4ForCausalLM, tensors: Mapping[str, Tensor],
@@ -65,15 +68,16 @@ def load_state_dict_into(model: DeepseekV4ForCausalLM, tensors: Mapping[str, Ten
                and not (tied and k == "lm_head.weight")]
     unexpected = [k for k in tensors if k not in own]
     if missing:
-        raise ValueError(f"checkpoint is missing tensor {missing[0]!r} ({len(missing)} missing in all: "
-                         f"{missing[:8]})")
+        raise ValueError(f"checkpoint is missing tensor {missing[0]!r} (on disk {_disk_name(missing[0])!r}; "
+                         f"{len(missing)} missing in all: {missing[:8]})")
     if unexpected:
-        raise ValueError(f"checkpoint has unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all: "
-                         f"{unexpected[:8]}); does its config match the model's?")
+        raise ValueError(f"checkpoint has unexpected tensor {unexpected[0]!r} (on disk "
+                         f"{_disk_name(unexpected[0])!r}; {len(unexpected)} in all: {unexpected[:8]}); does its "
+                         "config match the model's?")
     for name, tensor in tensors.items():
         if tuple(own[name].shape) != tuple(tensor.shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint but the config "
-                             f"gives {tuple(own[name].shape)}")
+            raise ValueError(f"tensor {name!r} (on disk {_disk_name(name)!r}) has shape {tuple(tensor.shape)} in "
+                             f"the checkpoint but the config gives {tuple(own[name].shape)}")
     with torch.no_grad():
         for name, tensor in tensors.items():
             own[name].copy_(tensor)
@@ -110,7 +114,8 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
 
 
 def save_pretrained(model: DeepseekV4ForCausalLM, path: str) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (tied LM head stored once, as HF does)."""
+    """Write ``config.json`` and ``model.safetensors`` with the names ``transformers`` writes (tied LM head
+    stored once)."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -119,6 +124,7 @@ def save_pretrained(model: DeepseekV4ForCausalLM, path: str) -> None:
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    state = to_disk(state)
     tmp = os.path.join(path, WEIGHTS_NAME + ".tmp")
     save_file(state, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(path, WEIGHTS_NAME))

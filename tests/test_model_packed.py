@@ -1,0 +1,77 @@
+"""A packed batch through the whole model equals running each document alone (fp64): logits of the LM head
+and the MTP head on every real row, and every parameter gradient (summed over the documents)."""
+
+import pytest
+import torch
+
+from csattn.models.deepseek_v4 import future_tokens
+from csattn.packing import PackedSeqs
+
+from .test_model_utils import one_thread, tiny_model  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("pattern", ["flash", "pro"])
+def test_packed_equals_per_document(pattern, assert_close):
+    model = tiny_model(pattern, seed=1, mtp=1).double()
+    lengths, padded = [5, 37, 1, 23, 12], [8, 40, 4, 24, 12]  # shorter than r and W, cut blocks, padding
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 64, (n,), generator=g) for n in lengths]
+    rows = [torch.cat([d, torch.zeros(p - n, dtype=torch.long)]) for d, n, p in zip(docs, lengths, padded)]
+    packed = PackedSeqs.from_lengths(lengths, padded)
+    ids = torch.cat(rows)
+    labels = future_tokens(ids, packed, 2)
+    ones = torch.ones(2)  # sum losses (not means) so the per-document losses add up to the packed one
+    out = model(ids, packed=packed, labels=labels[0], mtp_labels=labels[1:], label_counts=ones)
+    out.loss.backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad()
+    total = torch.zeros(())
+    starts = packed.cu_seqlens_padded.tolist()
+    for b, doc in enumerate(docs):
+        one = PackedSeqs.from_lengths([len(doc)])
+        lab = future_tokens(doc, one, 2)
+        o = model(doc, packed=one, labels=lab[0], mtp_labels=lab[1:], label_counts=ones)
+        o.loss.backward()
+        total = total + o.loss.detach()
+        rows_b = slice(starts[b], starts[b] + len(doc))
+        assert_close(out.logits[rows_b], o.logits, 1e-10, f"doc {b} logits")
+        assert_close(out.mtp_logits[0][rows_b], o.mtp_logits[0], 1e-10, f"doc {b} MTP logits")
+    assert_close(out.loss.detach(), total, 1e-10, "loss")
+    for name, p in model.named_parameters():
+        if name in packed_grads:
+            assert_close(p.grad, packed_grads[name], 1e-9, f"grad {name}")
+        else:
+            assert p.grad is None or torch.count_nonzero(p.grad) == 0, name
+    assert len(packed_grads) > 40
+
+
+def test_padding_rows_change_nothing(assert_close):
+    """Different padding of the same documents: identical real-row logits, padding rows get no loss."""
+    model = tiny_model("mixed", seed=2).double()
+    g = torch.Generator().manual_seed(1)
+    lengths = [9, 14]
+    docs = [torch.randint(0, 64, (n,), generator=g) for n in lengths]
+    outs = []
+    for padded in ([9, 14], [12, 20]):
+        ids = torch.cat([torch.cat([d, torch.full((p - len(d),), 7)]) for d, p in zip(docs, padded)])
+        packed = PackedSeqs.from_lengths(lengths, padded)
+        labels = future_tokens(ids, packed, 1)[0]
+        out = model(ids, packed=packed, labels=labels)
+        real = packed.rows().real
+        outs.append((out.logits[real], out.loss, int((labels != -100).sum())))
+    assert_close(outs[1][0], outs[0][0], 1e-12, "real-row logits")
+    assert_close(outs[1][1], outs[0][1], 1e-12, "loss")
+    assert outs[0][2] == outs[1][2] == sum(n - 1 for n in lengths)
+
+
+def test_bad_input_names_argument():
+    model = tiny_model("mixed", seed=0)
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels"):
+        model(torch.zeros(5, dtype=torch.long), labels=torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="cu_seqlens_padded"):
+        model(torch.zeros(5, dtype=torch.long), packed=PackedSeqs.from_lengths([3, 3]))
