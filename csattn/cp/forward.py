@@ -70,8 +70,9 @@ def cp_attention_forward(layer: Any, x_local: Tensor, packed_global: Any, cp: An
     if layer.compressor is not None:
         if pending is not None:
             entries = pending.wait()[plan.gathered_order]  # [Nc, d (+ cI)] in global id order
-            ckv = entries[:, : cfg.head_dim]
-            keys = entries[:, cfg.head_dim:]
+            # contiguous copies (T / r rows): the fused kernels take dense row-major operands
+            ckv = entries[:, : cfg.head_dim].contiguous()
+            keys = entries[:, cfg.head_dim:].contiguous()
         else:  # no compressed entry anywhere in the stream (same decision on every rank)
             ckv = x_local.new_zeros(0, cfg.head_dim)
             keys = x_local.new_zeros(0, cfg.index_head_dim)
