@@ -63,6 +63,9 @@ def add_demo_args(parser: argparse.ArgumentParser) -> None:
                         help="document lengths of the packed batch")
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cp", type=int, default=1,
+                        help="also run the stack with context parallelism over N gloo ranks and print its parity")
+    parser.add_argument("--cp-partition", choices=["contiguous", "balanced"], default="contiguous")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -97,6 +100,10 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"FAILED: packed and per-document runs differ by more than {tol:g}")
         return 1
     print("packed run matches per-document runs")
+    if getattr(args, "cp", 1) > 1:
+        from .cp.demo import run_cp_demo
+
+        return run_cp_demo(args)
     return 0
 
 
