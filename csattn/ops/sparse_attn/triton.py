@@ -98,12 +98,10 @@ def sparse_attn_bwd_kernel_dq(
     q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dsink_rows,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
     H, D, K, scale,
-    HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr, STACK: tl.constexpr,
+    HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr,
     BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # Row-major products: q and do are A operands, the key tile the B operand of all three dots.
-    # STACK: S and dP come from one product [Q; dO] K^T with M = 2*BH rows. At BH = 64 that keeps
-    # both warpgroups busy on distinct rows instead of each recomputing the same [64, BK] scores.
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
@@ -119,12 +117,6 @@ def sparse_attn_bwd_kernel_dq(
     lse2 = lse_t * 1.4426950408889634
     qk_scale_log2 = scale * 1.4426950408889634
     dq_acc = tl.zeros([BH, BD], dtype=tl.float32)
-    if STACK:
-        r = tl.arange(0, 2 * BH)
-        h2 = tl.program_id(1) * BH + r % BH
-        off_r = t * stride_qt + h2[:, None] * stride_qh + offs_d[None, :]  # q and do share one layout
-        qd = tl.load(tl.where((r >= BH)[:, None], do + off_r, q + off_r),
-                     mask=(h2 < H)[:, None] & mask_d[None, :], other=0.0)
     n_keys = K
     if HAS_LEN:
         n_keys = tl.minimum(tl.load(topk_len + t).to(tl.int32), K)
@@ -134,15 +126,10 @@ def sparse_attn_bwd_kernel_dq(
         valid = ids >= 0
         k_tile = tl.load(kv + ids.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :],
                          mask=valid[:, None] & mask_d[None, :], other=0.0)
-        if STACK:
-            sd = tl.dot(qd, tl.trans(k_tile), input_precision=DOT_PREC)  # rows < BH: q . k, then do . k
-            s, dp = tl.split(tl.permute(tl.reshape(sd, [2, BH, BK]), (1, 2, 0)))
-            s = s * qk_scale_log2
-        else:
-            s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2
-            dp = tl.dot(do_tile, tl.trans(k_tile), input_precision=DOT_PREC)
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do_tile, tl.trans(k_tile), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])  # gradient w.r.t. the scaled score
         dq_acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=DOT_PREC)
     tl.store(dq + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
@@ -249,11 +236,11 @@ class SparseAttnConfig:
     """
 
     def __init__(self, bh: int | None = None, bk_fwd: int = 64, warps_fwd: int = 8, stages_fwd: int = 2,
-                 bk_dq: int = 32, warps_dq: int = 8, stages_dq: int = 1, stack_dq: int = 0,
+                 bk_dq: int = 64, warps_dq: int = 8, stages_dq: int = 1,
                  bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1):
         self.bh = bh
         self.bk_fwd, self.warps_fwd, self.stages_fwd = bk_fwd, warps_fwd, stages_fwd
-        self.bk_dq, self.warps_dq, self.stages_dq, self.stack_dq = bk_dq, warps_dq, stages_dq, stack_dq
+        self.bk_dq, self.warps_dq, self.stages_dq = bk_dq, warps_dq, stages_dq
         self.bk_dkv, self.warps_dkv, self.stages_dkv = bk_dkv, warps_dkv, stages_dkv
 
     def as_dict(self) -> dict:
@@ -371,8 +358,8 @@ def sparse_attn_bwd(
             BH=bh, BD=max(triton.next_power_of_2(D), 16), DOT_PREC=_dot_prec(q.dtype),
         )
         kernel = sparse_attn_bwd_kernel_dq[grid](
-            sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq, STACK=bool(cfg.stack_dq),
-            num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common)
+            sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq, num_warps=cfg.warps_dq,
+            num_stages=cfg.stages_dq, **common)
         _report("bwd_dq", kernel, cfg)
         common["BD"] = max(common["BD"], 64)  # four column chunks of >= 16
         kernel = sparse_attn_bwd_kernel_dkv[grid](
