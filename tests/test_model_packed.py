@@ -75,3 +75,38 @@ def test_bad_input_names_argument():
         model(torch.zeros(5, dtype=torch.long), labels=torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="cu_seqlens_padded"):
         model(torch.zeros(5, dtype=torch.long), packed=PackedSeqs.from_lengths([3, 3]))
+
+
+def test_packed_and_cp_reach_every_attention_layer(monkeypatch):
+    """The model hands the same packed metadata and CP object to every attention layer, MTP included."""
+    import sys
+    import types
+
+    from csattn.layers import HybridAttention
+
+    seen = []
+
+    def fake_cp_forward(layer, x_local, packed_global, cp):
+        seen.append((layer, packed_global, cp))
+        return layer.forward_packed(x_local, packed_global)
+
+    class FakeCP:  # one rank owning every row
+        rank, size, group = 0, 1, None
+
+        def local_rows(self, packed, device=None):
+            return torch.arange(packed.num_rows, device=device)
+
+    monkeypatch.setitem(sys.modules, "csattn.cp", types.SimpleNamespace(cp_attention_forward=fake_cp_forward))
+    model = tiny_model("flash", seed=3, mtp=1)
+    packed = PackedSeqs.from_lengths([6, 10], [8, 12])
+    ids = torch.randint(0, 64, (20,))
+    labels = future_tokens(ids, packed, 2)
+    cp = FakeCP()
+    out = model(ids, packed=packed, cp=cp, labels=labels[0], mtp_labels=labels[1:], label_counts=torch.ones(2))
+    layers = [m for m in model.modules() if isinstance(m, HybridAttention)]
+    assert len(layers) == 5 and [s[0] for s in seen] == layers
+    assert all(s[1] is packed and s[2] is cp for s in seen)
+    ref = model(ids, packed=packed, labels=labels[0], mtp_labels=labels[1:], label_counts=torch.ones(2))
+    assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+    with pytest.raises(ValueError, match="mtp_labels"):
+        model(ids, packed=packed, cp=cp, labels=labels[0], label_counts=torch.ones(2))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from csattn.cli import build_parser, main
-from csattn.train.loop import TrainConfig, train
+from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
+from csattn.train.loop import TrainConfig, build_model_config, train
 
 from .test_model_utils import one_thread  # noqa: F401
 
@@ -19,11 +20,19 @@ SMALL = dict(seq_len=64, device="cpu", progress=False, warmup_steps=2)
 
 
 def test_loss_goes_down():
-    result = train(TrainConfig(steps=24, lr=1e-2, min_lr=1e-3, **SMALL))
+    cfg = TrainConfig(steps=24, lr=1e-2, min_lr=1e-3, **SMALL)
+    torch.manual_seed(cfg.seed)
+    initial = DeepseekV4ForCausalLM(build_model_config(cfg)).state_dict()
+    result = train(cfg)
     first, last = sum(result.losses[:4]) / 4, sum(result.losses[-4:]) / 4
     assert all(torch.isfinite(torch.tensor(result.losses)))
     assert last < first - 0.4, result.losses
-    assert result.indexer_losses[0] > 0  # CSA layers train their indexer
+    assert result.indexer_losses[0] > 0  # CSA layers train their indexer ...
+    final = result.model.state_dict()
+    key = "model.layers.1.self_attn.compressor.indexer.q_b_proj.weight"
+    assert not torch.equal(final[key], initial[key])  # ... through the indexer loss only
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.count_nonzero(final[bias]) > 0 and torch.count_nonzero(initial[bias]) == 0  # load balancing
 
 
 def test_resume_reproduces_next_steps_exactly(tmp_path):

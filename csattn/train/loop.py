@@ -272,8 +272,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     corpus = build_corpus(cfg.data, model_cfg.vocab_size, cfg.seed, cfg.text_path, cfg.doc_min_len, cfg.doc_max_len)
     packer = DocumentPacker(corpus, cfg.seq_len, cfg.pad_multiple, label_depth=1 + len(model.mtp),
                             shard=topo.dp_rank, num_shards=topo.dp, split=not cfg.no_split)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "hc" not in n.split(".")[-2:][0]]
-    no_decay = [p for p in model.parameters() if all(p is not q for q in decay)]
+    # weight decay on matrices only: not on norms, sinks, position / router biases, nor the mHC weights
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        mhc = any(part in ("attn_hc", "ffn_hc", "hc_head") for part in name.split("."))
+        (decay if p.dim() >= 2 and not mhc else no_decay).append(p)
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
