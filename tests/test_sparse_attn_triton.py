@@ -73,6 +73,7 @@ CPU_CASES = {
     "head_blocks": dict(T=10, H=20, d=32, N=16, K=12, env="bh=16,bk_fwd=16,bk_dq=16,bk_dkv=16"),
     "key_blocks": dict(T=14, H=4, d=32, N=20, K=40, env="bk_fwd=16,bk_dq=16,bk_dkv=16"),
     "odd_key_count": dict(T=12, H=3, d=48, N=20, K=70),  # two key blocks of 64, the second partly masked
+    "wide_fp32": dict(T=5, H=2, d=512, N=9, K=8),  # fp32 at d = 512: the tiles shrink to fit
     "kv_row_stride": dict(T=14, H=4, d=32, N=20, K=12, kv_pad=8),
 }
 
@@ -140,6 +141,15 @@ def test_realistic_index_lists(assert_close):
     for name, a, b in zip(NAMES, tri, ref):
         assert_close(a, b, 2e-5, f"packed {name}")
     assert torch.all(tri[0][-2:] == 0)  # padding rows attend to nothing
+
+
+def test_no_rows():
+    q, kv = torch.zeros(0, 2, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+    sink = torch.zeros(2, requires_grad=True)
+    o, lse = sparse_attn(q, kv, torch.zeros(0, 3, dtype=torch.long), sink, 0.25, backend="triton")
+    assert o.shape == (0, 2, 16) and lse.shape == (0, 2)
+    o.sum().backward()
+    assert torch.all(kv.grad == 0) and torch.all(sink.grad == 0)
 
 
 @pytest.mark.parametrize(

@@ -55,16 +55,27 @@ def _build(shape: dict, device, dtype, backend: str, variant: str) -> Case:
     if backend == "triton":
         from csattn.ops.sparse_attn.triton import SparseAttnConfig
 
-        os.environ["CSATTN_SPARSE_ATTN_CONFIG"] = variant
-        info["config"] = SparseAttnConfig.from_env().as_dict()
+        try:
+            info["config"] = SparseAttnConfig(**{k: int(v) for k, v in
+                                                 (i.split("=") for i in variant.split(",") if i)}).as_dict()
+        except (TypeError, ValueError) as e:
+            raise Skip(f"bad variant {variant!r}: {e}") from e
     elif variant:
         raise Skip(f"reference takes no variant, got {variant!r}")
     else:
         idx = idx.long()
     def forward():
-        if backend == "triton":
-            os.environ["CSATTN_SPARSE_ATTN_CONFIG"] = variant  # the autograd Function keeps it for backward
-        return sparse_attn(q, kv, idx, sink, scale, backend=backend)
+        if backend != "triton":
+            return sparse_attn(q, kv, idx, sink, scale, backend=backend)
+        saved = os.environ.get("CSATTN_SPARSE_ATTN_CONFIG")
+        os.environ["CSATTN_SPARSE_ATTN_CONFIG"] = variant  # the autograd Function keeps it for backward
+        try:
+            return sparse_attn(q, kv, idx, sink, scale, backend=backend)
+        finally:
+            if saved is None:
+                del os.environ["CSATTN_SPARSE_ATTN_CONFIG"]
+            else:
+                os.environ["CSATTN_SPARSE_ATTN_CONFIG"] = saved
 
     fwd = 4.0 * T * H * d * (k + W)
     return Case(

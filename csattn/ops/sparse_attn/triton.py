@@ -340,7 +340,7 @@ def sparse_attn_bwd(
     K = indices.shape[1]
     do = do.contiguous()
     dlse = dlse.contiguous() if dlse is not None else None
-    if do.stride() != o.stride() or q.stride() != o.stride():
+    if T > 0 and (do.stride() != o.stride() or q.stride() != o.stride()):
         raise ValueError("q, o and do must share one [T, H, d] layout (make them contiguous)")
     dq = torch.empty_like(q)
     dkv32 = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
