@@ -89,3 +89,15 @@ def test_model_demo_prints_side_by_side_curves(capsys):
     assert "CP=1" in text and "CP=2" in text and "largest difference" in text
     rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 2 and all(abs(float(r[1]) - float(r[2])) < 1e-4 for r in rows)
+
+
+def test_resume_single_process_checkpoint_under_cp(tmp_path):
+    """A checkpoint written by one process resumes at CP=2 and continues exactly (fp64)."""
+    out = str(tmp_path / "run")
+    ref = train(TrainConfig(**{**BASE, "steps": 2}, dtype="float64", output=out, save_every=1))
+    got = run_spawned(2, TrainConfig(**BASE, cp=2, dtype="float64", output=out,
+                                     resume=f"{out}/checkpoint-000001"))
+    assert len(got["losses"]) == 1 and abs(got["losses"][0] - ref.losses[1]) <= 1e-12 * abs(ref.losses[1])
+    for k, v in ref.model.state_dict().items():
+        if v.is_floating_point():
+            assert _rel(got["state"][k], v) <= 1e-9, k

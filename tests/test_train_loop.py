@@ -87,3 +87,18 @@ def test_cli_runs(tmp_path, capsys):
     assert os.path.isfile(os.path.join(out, "checkpoint-000002", "model.safetensors"))
     with pytest.raises(ValueError, match="divisible by cp"):
         train(TrainConfig(steps=1, seq_len=30, cp=4, device="cpu", progress=False))
+
+
+def test_init_from_hf_format_checkpoint(tmp_path):
+    from .test_model_utils import tiny_model
+
+    start = tiny_model("pro", seed=9, mtp=1)
+    start.save_pretrained(str(tmp_path / "init"))
+    cfg = TrainConfig(steps=1, lr=0.0, min_lr=0.0, weight_decay=0.0, router_bias_rate=0.0,
+                      init_from=str(tmp_path / "init"), **SMALL)
+    result = train(cfg)
+    a, b = start.state_dict(), result.model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:  # lr 0: the weights are the checkpoint's
+        assert torch.equal(a[k], b[k]), k
+    assert len(result.model.mtp) == 1 and torch.isfinite(torch.tensor(result.losses)).all()
