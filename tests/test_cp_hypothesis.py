@@ -22,7 +22,7 @@ def packs(draw):
     return lengths, pads, size, partition
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=10, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(packs())
 def test_cp_random_packs_match_single_process(pack):
