@@ -88,7 +88,7 @@ def _loss_case(shape, device, dtype, backend, variant) -> Case:
     if backend == "triton":
         from csattn.ops.indexer_loss import triton as kernels
 
-        # Variant "bk=64,warps_fwd=8,warps_bwd=8" sets the loss kernels' tiles (defaults otherwise).
+        # Variant "bk_fwd=64,bk_bwd=32,warps_fwd=8,warps_bwd=8" sets the loss kernels' tiles (defaults otherwise).
         DEFAULT_LOSS_TILES.update(DEFAULT_LOSS_TILES or kernels.LOSS_TILES)
         kernels.LOSS_TILES.update(DEFAULT_LOSS_TILES)
         for item in filter(None, variant.split(",")):

