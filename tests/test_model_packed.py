@@ -110,3 +110,21 @@ def test_packed_and_cp_reach_every_attention_layer(monkeypatch):
     assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
     with pytest.raises(ValueError, match="mtp_labels"):
         model(ids, packed=packed, cp=cp, labels=labels[0], label_counts=torch.ones(2))
+
+
+def test_bf16_training_dtype_keeps_fp32_modules(assert_close):
+    """bf16 parameters except mHC, sinks, biases, norms and RoPE tables (HF's fp32 modules); close to fp32."""
+    ref = tiny_model("flash", seed=4)
+    model = tiny_model("flash", seed=4).to_training_dtype(torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in list(model.named_parameters()) + list(model.named_buffers())}
+    assert dtypes["model.layers.2.self_attn.q_b_proj.weight"] == torch.bfloat16
+    assert dtypes["model.layers.2.mlp.experts.gate_up_proj"] == torch.bfloat16
+    for name in ("model.layers.2.attn_hc.fn", "model.hc_head.hc_fn", "model.layers.2.self_attn.sinks",
+                 "model.layers.2.self_attn.compressor.position_bias", "model.layers.3.mlp.gate.e_score_correction_bias",
+                 "model.layers.2.input_layernorm.weight", "model.norm.weight", "model.layers.2.self_attn.inv_freq"):
+        assert dtypes[name] == torch.float32, name
+    ids = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(3))
+    out = model(ids, labels=ids.roll(-1))
+    out.loss.backward()
+    assert_close(out.logits.float(), ref(ids).logits, 0.1, "bf16 logits")
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())

@@ -180,13 +180,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         save_pretrained(self, path)
 
     def to_training_dtype(self, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
-        """Cast floating parameters to ``dtype`` except the mHC, sinks, position biases, router biases and norm
-        weights, which stay fp32 (as in HF and the released checkpoints)."""
+        """Cast floating parameters to ``dtype`` except the mHC, sinks, position biases, router biases, norm
+        weights and RoPE frequencies, which stay fp32 (as in HF and the released checkpoints)."""
         for name, p in list(self.named_parameters()) + list(self.named_buffers()):
             if not p.is_floating_point():
                 continue
             parts = name.split(".")
-            keep = any(part in FP32_MODULES or part.endswith("norm") for part in parts)
+            keep = any(part in FP32_MODULES or part.endswith("norm") for part in parts) or parts[-1] == "inv_freq"
             # "keep in fp32" means at least fp32: an fp64 model stays fp64 throughout
             p.data = p.data.to(torch.promote_types(dtype, torch.float32) if keep else dtype)
         return self
