@@ -20,6 +20,7 @@ PACKS = [
     ("non_multiple", [13, 27, 50, 23], None),
     ("padding", [10, 30, 20, 33], [2, 3, 0, 5]),
     ("rank_without_group", [100] + [3, 2, 1] * 17, None),  # later ranks hold only documents shorter than r
+    ("no_entry_anywhere", [3, 2, 3, 1] * 8, None),  # no compressed entry in the stream: no entry gather
 ]
 SIZES = [2, 3, 4]
 PARTITIONS = ["contiguous", "balanced"]
@@ -43,8 +44,14 @@ def check(err: dict, tol: float) -> None:
 def test_cp_matches_single_process_fp64(pool, name, lengths, pads, size, partition):
     err = pool.run_ok(cp_tasks.parity, size, lengths=lengths, pads=pads, partition=partition)[0]
     check(err, 1e-10)
-    if name == "rank_without_group" and partition == "contiguous":
+    if name in ("rank_without_group", "no_entry_anywhere") and partition == "contiguous":
         assert err["_min_owned"] == 0, "the pack was meant to leave a rank without a compressed group"
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+def test_cp_group_of_one(pool, partition):
+    err = pool.run_ok(cp_tasks.parity, 1, lengths=[5, 37, 1, 30, 19], partition=partition)[0]
+    check(err, 1e-10)
 
 
 @pytest.mark.parametrize("size,partition", [(2, "balanced"), (3, "contiguous"), (4, "balanced")])
