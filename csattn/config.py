@@ -51,6 +51,9 @@ class AttentionConfig:
     # execution
     workspace_bytes: int = 1 << 30  # bound on the indexer scores workspace of one row chunk
     attn_chunk_rows: int = 1024  # rows per chunk of the reference sparse attention
+    # recompute the query-head and output projections block by block in the backward instead of keeping
+    # their [T, H, d] temporaries (about 0.4 MiB per row at H = 64, d = 512)
+    recompute_projections: bool = True
     backend: Literal["auto", "reference", "triton"] = "auto"
 
     def __post_init__(self) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import AttentionConfig
@@ -15,7 +17,8 @@ from ..ops.indices import combine_indices, range_indices, window_indices
 from ..ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..ops.sparse_attn import sparse_attn
 from ..packing import CompressMeta, PackedSeqs
-from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, _linear, rms_norm_unweighted
+from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, _linear, grouped_linear, rms_norm_unweighted
+from .recompute import row_chunked
 
 __all__ = ["HybridAttention", "CompressedRange"]
 
@@ -26,6 +29,19 @@ class CompressedRange(NamedTuple):
     start: Tensor
     end: Tensor
     width: int
+
+
+def _query_heads(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float) -> Tensor:
+    """``qr [T, q_lora]`` -> ``q [T, H, d]``: projection, per-head RMSNorm without weight, RoPE."""
+    q = F.linear(qr, weight).unflatten(-1, (heads, -1))
+    return apply_rope(rms_norm_unweighted(q, eps), cos, sin)
+
+
+def _output_proj(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int) -> Tensor:
+    """``o [T, H, d]`` -> ``[T, D]``: inverse RoPE, grouped ``o_a_proj``, then ``o_b_proj``."""
+    o = apply_rope(o, cos, sin, inverse=True)
+    grouped = o.reshape(o.shape[0], groups, -1)
+    return F.linear(grouped_linear(grouped, w_a, groups), w_b)
 
 
 class _CSACompressor(Compressor):
@@ -129,9 +145,10 @@ class HybridAttention(nn.Module):
         """``q [T, H, d]`` (normed, roped) and the shared latent ``qr [T, q_lora]``."""
         cfg = self.config
         qr = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(qr).unflatten(-1, (cfg.num_heads, cfg.head_dim))
-        q = rms_norm_unweighted(q, cfg.rms_norm_eps)
-        return apply_rope(q, cos, sin), qr
+        if not cfg.recompute_projections:
+            return _query_heads(qr, cos, sin, self.q_b_proj.weight, cfg.num_heads, cfg.rms_norm_eps), qr
+        fn = partial(_query_heads, heads=cfg.num_heads, eps=cfg.rms_norm_eps)
+        return row_chunked(fn, (qr, cos, sin), (self.q_b_proj.weight,), self.recompute_rows()), qr
 
     def raw_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """The single K = V head of every row, ``[T, d]``."""
@@ -139,9 +156,17 @@ class HybridAttention(nn.Module):
 
     def output(self, o: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Inverse RoPE on ``o [T, H, d]`` (values carried absolute rope), then the grouped projection."""
-        o = apply_rope(o, cos, sin, inverse=True)
-        grouped = o.reshape(o.shape[0], self.config.o_groups, -1)
-        return self.o_b_proj(self.o_a_proj(grouped))
+        cfg = self.config
+        weights = (self.o_a_proj.weight, self.o_b_proj.weight)
+        if not cfg.recompute_projections:
+            return _output_proj(o, cos, sin, *weights, groups=cfg.o_groups)
+        fn = partial(_output_proj, groups=cfg.o_groups)
+        return row_chunked(fn, (o, cos, sin), weights, self.recompute_rows())
+
+    def recompute_rows(self) -> int:
+        """Rows per recomputed block: about a quarter of the workspace for ~4 fp32 ``[H, d]`` temporaries."""
+        cfg = self.config
+        return max(16, (cfg.workspace_bytes // 4) // (cfg.num_heads * cfg.head_dim * 16))
 
     def attend(
         self,

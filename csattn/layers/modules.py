@@ -10,7 +10,9 @@ from ..ops.compressor import compress_pool
 from ..ops.rope import apply_rope, rope_cos_sin
 from ..packing import CompressMeta
 
-__all__ = ["RMSNorm", "rms_norm_unweighted", "GroupedLinear", "Compressor", "Indexer", "IndexerScorer"]
+__all__ = [
+    "RMSNorm", "rms_norm_unweighted", "GroupedLinear", "grouped_linear", "Compressor", "Indexer", "IndexerScorer",
+]
 
 
 class RMSNorm(nn.Module):
@@ -47,8 +49,13 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``x [T, g, in_per_group]`` -> ``[T, g * out/g]``."""
-        w = self.weight.view(self.groups, -1, self.weight.shape[-1])  # [g, out/g, in]
-        return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
+        return grouped_linear(x, self.weight, self.groups)
+
+
+def grouped_linear(x: Tensor, weight: Tensor, groups: int) -> Tensor:
+    """Block-diagonal projection of ``x [T, g, in]`` by ``weight [g * out, in]`` -> ``[T, g * out]``."""
+    w = weight.view(groups, -1, weight.shape[-1])  # [g, out, in]
+    return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
 
 
 def _linear(dim_in: int, dim_out: int) -> nn.Linear:
