@@ -128,3 +128,23 @@ def test_bf16_training_dtype_keeps_fp32_modules(assert_close):
     out.loss.backward()
     assert_close(out.logits.float(), ref(ids).logits, 0.1, "bf16 logits")
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_chunked_loss_equals_full_logits_loss(assert_close):
+    """Without returned logits the loss runs over recomputed row chunks: same loss, same gradients."""
+    model = tiny_model("flash", seed=5, mtp=1).double()
+    model.loss_chunk_rows = 7
+    ids = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(4))
+    packed = PackedSeqs.from_lengths([15, 25])
+    labels = future_tokens(ids, packed, 2)
+    full = model(ids, packed=packed, labels=labels[0], mtp_labels=labels[1:])
+    full.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    chunked = model(ids, packed=packed, labels=labels[0], mtp_labels=labels[1:], return_logits=False)
+    chunked.loss.backward()
+    assert chunked.logits is None and chunked.mtp_logits == []
+    assert_close(chunked.loss, full.loss, 1e-13, "loss")
+    for n, p in model.named_parameters():
+        if n in grads:
+            assert_close(p.grad, grads[n], 1e-12, f"grad {n}")

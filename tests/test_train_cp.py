@@ -73,16 +73,14 @@ def test_cp_step_equals_single_process_fp32():
 
 
 def test_data_parallel_times_cp():
-    """4 ranks = 2 replicas x CP 2 equals 2 replicas x CP 1 (fp64)."""
-    dp_only = run_spawned(2, TrainConfig(cp=1, dtype="float64", **BASE))
-    dp_cp = run_spawned(4, TrainConfig(cp=2, dtype="float64", **BASE))
-    for a, b in zip(dp_cp["losses"], dp_only["losses"]):
-        assert abs(a - b) <= 1e-12 * abs(b)
+    """4 ranks = 2 replicas x CP 2 equals 2 replicas x CP 1 (fp64, one step)."""
+    one_step = {**BASE, "steps": 1}
+    dp_only = run_spawned(2, TrainConfig(cp=1, dtype="float64", **one_step))
+    dp_cp = run_spawned(4, TrainConfig(cp=2, dtype="float64", **one_step))
+    assert abs(dp_cp["losses"][0] - dp_only["losses"][0]) <= 1e-12 * abs(dp_only["losses"][0])
     for k, v in dp_only["state"].items():
         if v.is_floating_point():
             assert _rel(dp_cp["state"][k], v) <= 1e-9, k
-    single = _reference(dtype="float64")[0]
-    assert abs(dp_only["losses"][0] - single[0]) > 1e-6  # the second replica saw other documents
 
 
 def test_model_demo_prints_side_by_side_curves(capsys):

@@ -214,7 +214,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                 ``labels`` when omitted (single process only).
             label_counts: ``[1 + num_mtp]`` number of labelled rows over the whole (global) stream, the loss
                 denominators. Defaults to the local counts, summed over the CP group.
-            return_logits: keep the ``[T, V]`` logits in the output.
+            return_logits: keep the ``[T, V]`` logits in the output. Without them the loss runs over row chunks
+                whose logits are recomputed in the backward, so ``[T, V]`` is never stored.
         Returns:
             :class:`CausalLMOutput`.
         """
@@ -227,9 +228,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         streams = expand_streams(embeds, c.hc_mult)
         for layer in self.model.layers:
             streams = layer(streams, ids, packed, cp, real)
-        logits = self.lm_head(self.model.norm(self.model.hc_head(streams)))
+        final = self.model.norm(self.model.hc_head(streams))
+        logits = self.lm_head(final) if return_logits else None
 
-        out = CausalLMOutput(logits=logits if return_logits else None)
+        out = CausalLMOutput(logits=logits)
         losses: list[Tensor] = []
         if labels is not None:
             labels = self._check_labels(labels, t, "labels")
@@ -245,16 +247,17 @@ class DeepseekV4ForCausalLM(nn.Module):
                 targets += list(mtp_labels)
             counts = self._label_counts(targets, label_counts, cp)
             out.num_label_tokens = counts.detach()
-            losses.append(_ce_sum(logits, labels) / counts[0].clamp_min(1))
+            losses.append(self._ce_sum(final, logits, labels) / counts[0].clamp_min(1))
 
             h = streams
             for j, block in enumerate(self.mtp):
                 next_ids = targets[j].clamp_min(0)  # token t+j+1 (rows without one have no MTP label)
                 h = block(h, self.model.embed_tokens(next_ids), ids, packed, cp, real)
-                mtp_logits = self.lm_head(block.norm(block.hc_head(h)))
-                if return_logits:
+                mtp_final = block.norm(block.hc_head(h))
+                mtp_logits = self.lm_head(mtp_final) if return_logits else None
+                if mtp_logits is not None:
                     out.mtp_logits.append(mtp_logits)
-                losses.append(_ce_sum(mtp_logits, targets[j + 1]) / counts[j + 1].clamp_min(1))
+                losses.append(self._ce_sum(mtp_final, mtp_logits, targets[j + 1]) / counts[j + 1].clamp_min(1))
             out.lm_loss = losses[0].detach()
             out.mtp_losses = [x.detach() for x in losses[1:]]
             loss = losses[0]
@@ -282,6 +285,22 @@ class DeepseekV4ForCausalLM(nn.Module):
             moe.gate.update_bias(load, rate)
 
     # ------------------------------------------------------------------ helpers
+    loss_chunk_rows = 4096
+
+    def _ce_sum(self, hidden: Tensor, logits: Tensor | None, labels: Tensor) -> Tensor:
+        """Summed CE of the head on ``hidden [T, D]`` (or of the given ``logits``)."""
+        if logits is not None:
+            return _ce_sum(logits, labels)
+        from torch.utils.checkpoint import checkpoint
+
+        total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+        for start in range(0, hidden.shape[0], self.loss_chunk_rows):
+            rows = slice(start, start + self.loss_chunk_rows)
+            if bool((labels[rows] != IGNORE_INDEX).any()):
+                total = total + checkpoint(_head_ce_sum, hidden[rows], self.lm_head.weight, labels[rows],
+                                           use_reentrant=False)
+        return total
+
     def _check_ids(self, input_ids: Tensor) -> Tensor:
         if not isinstance(input_ids, Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError("input_ids must be an int32/int64 tensor [T]")
@@ -330,6 +349,10 @@ def _ce_sum(logits: Tensor, labels: Tensor) -> Tensor:
     """Summed cross entropy in fp32 (fp64 for fp64 logits) over rows whose label is not ``IGNORE_INDEX``."""
     compute = torch.promote_types(logits.dtype, torch.float32)
     return F.cross_entropy(logits.to(compute), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _head_ce_sum(hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
+    return _ce_sum(F.linear(hidden, weight), labels)
 
 
 def _shift_labels(labels: Tensor, depth: int) -> Tensor:
