@@ -117,12 +117,20 @@ def test_config_roundtrip_and_validation():
     cfg = DeepseekV4ModelConfig.from_hf(tiny_config_dict("pro", mtp=1))
     again = DeepseekV4ModelConfig.from_hf(cfg.to_hf_dict())
     assert again.to_hf_dict() == cfg.to_hf_dict()
-    legacy = DeepseekV4ModelConfig.from_hf({**tiny_config_dict("pro"), "layer_types": None,
-                                            "compress_ratios": [0, 4, 128, 4], "mlp_layer_types": None,
+    legacy = DeepseekV4ModelConfig.from_hf({**tiny_config_dict("pro", mtp=1), "layer_types": None,
+                                            "compress_ratios": [0, 4, 128, 4, 4], "mlp_layer_types": None,
                                             "num_hash_layers": 1})
-    assert legacy.layer_types[:3] == ["sliding_attention", "compressed_sparse_attention",
-                                      "heavily_compressed_attention"]
+    assert legacy.layer_types == ["sliding_attention", "compressed_sparse_attention",
+                                  "heavily_compressed_attention", "compressed_sparse_attention"]
     assert legacy.mlp_layer_types == ["hash_moe", "moe", "moe", "moe"]
+    assert legacy.mtp_layer_types == ["compressed_sparse_attention"]  # the entry past the decoder
+    assert DeepseekV4ForCausalLM(legacy).mtp[0].self_attn.config.layer_type == "csa"
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV4Config
+
+    fields = {k: v for k, v in tiny_config_dict("flash").items() if k != "model_type"}
+    from_object = DeepseekV4ModelConfig.from_hf(DeepseekV4Config(**fields))
+    assert from_object.to_hf_dict() == DeepseekV4ModelConfig.from_hf(tiny_config_dict("flash")).to_hf_dict()
     with pytest.raises(ValueError, match="mlp_layer_types"):
         DeepseekV4ModelConfig.from_hf({**tiny_config_dict("pro"), "mlp_layer_types": ["moe"]})
     with pytest.raises(ValueError, match="model_type"):

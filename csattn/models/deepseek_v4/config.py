@@ -164,8 +164,12 @@ class DeepseekV4ModelConfig:
         names = {f.name for f in fields(cls)} - set(_TRAINING_FIELDS)
         kwargs = {k: v for k, v in src.items() if k in names}
         n = int(src.get("num_hidden_layers", cls.num_hidden_layers))
-        if kwargs.get("layer_types") is None and src.get("compress_ratios") is not None:
-            kwargs["layer_types"] = [_RATIO_TO_TYPE[int(r)] for r in src["compress_ratios"]][:n]
+        ratios = src.get("compress_ratios")
+        if kwargs.get("layer_types") is None and ratios is not None:
+            kwargs["layer_types"] = [_RATIO_TO_TYPE[int(r)] for r in ratios][:n]
+        if ratios is not None and len(ratios) > n and "mtp_layer_types" not in overrides:
+            # the release lists the MTP blocks' attention after the decoder's (sliding for V4)
+            kwargs["mtp_layer_types"] = [_RATIO_TO_TYPE[int(r)] for r in ratios[n:]]
         if kwargs.get("mlp_layer_types") is None and src.get("num_hash_layers") is not None:
             h = int(src["num_hash_layers"])
             kwargs["mlp_layer_types"] = ["hash_moe"] * min(n, h) + ["moe"] * max(0, n - h)
