@@ -71,6 +71,8 @@ def test_bad_input_names_argument():
     model = tiny_model("mixed", seed=0)
     with pytest.raises(ValueError, match="input_ids"):
         model(torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="vocab_size"):
+        model(torch.full((5,), 64, dtype=torch.long))
     with pytest.raises(ValueError, match="labels"):
         model(torch.zeros(5, dtype=torch.long), labels=torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="cu_seqlens_padded"):

@@ -306,6 +306,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError("input_ids must be an int32/int64 tensor [T]")
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be packed [T], got shape {tuple(input_ids.shape)}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids must be in [0, vocab_size={self.config.vocab_size}), got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         return input_ids.long()
 
     def _check_labels(self, labels: Tensor, t: int, name: str, rows: int | None = None) -> Tensor:
