@@ -314,10 +314,13 @@ def train(cfg: TrainConfig) -> TrainResult:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", idx=f"{metrics['indexer_loss']:.3g}", tok_s=f"{tps:.0f}")
-            if (step + 1) % cfg.log_every == 0:
-                bar.write(f"step {step + 1}: loss {metrics['loss']:.4f} lm {metrics['lm_loss']:.4f} "
-                          f"indexer {metrics['indexer_loss']:.4g} lr {scheduler.get_last_lr()[0]:.3g} "
-                          f"tok/s {tps:.0f}")
+        if topo.rank == 0 and (step + 1) % cfg.log_every == 0:
+            line = (f"step {step + 1}: loss {metrics['loss']:.4f} lm {metrics['lm_loss']:.4f} "
+                    f"indexer {metrics['indexer_loss']:.4g} lr {scheduler.get_last_lr()[0]:.3g} tok/s {tps:.0f}")
+            if bar is not None:
+                bar.write(line)
+            else:
+                print(line, flush=True)
         if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
             _save(cfg, step + 1, model, optimizer, scheduler, packer, topo)
     if bar is not None:
