@@ -50,26 +50,34 @@ def test_cp_step_equals_single_process_fp64(cp, partition):
             assert torch.equal(got["state"][k], v), k
 
 
-def test_cp_step_equals_single_process_fp32():
-    """fp32, CP=2: the losses and every updated weight outside the mHC agree to 1e-5.
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_step_equals_single_process_fp32(cp):
+    """fp32, CP=2 and 4: the losses agree to 1e-5, and so do the updated weights outside the mHC taken as one
+    vector (no single tensor worse than 1e-4).
 
-    The mHC parameters (``attn_hc`` / ``ffn_hc`` / ``hc_head``) are held to 1e-2 only: the Sinkhorn-normalized
-    mixing is nearly insensitive to some of its logits, so those gradients are fp32 rounding noise, which
-    Adam's first steps scale up to +-lr whatever the order of summation. The fp64 test above holds them to 1e-9.
+    Adam's first steps turn any gradient into an update of about +-lr, so a tensor whose gradient is tiny
+    (an expert that saw two tokens) or pure rounding noise (parts of the Sinkhorn-normalized mHC mixing,
+    nearly insensitive to their logits) moves by amounts that depend on fp32 summation order. The mHC
+    parameters (``attn_hc`` / ``ffn_hc`` / ``hc_head``) are therefore held to 1e-2 here; the fp64 test above
+    holds every tensor, mHC included, to 1e-9.
     """
     losses, state = _reference()
-    got = run_spawned(2, TrainConfig(cp=2, **BASE))
+    got = run_spawned(cp, TrainConfig(cp=cp, **BASE))
     for a, b in zip(got["losses"], losses):
         assert abs(a - b) <= 1e-5 * abs(b)
-    checked = 0
+    main = []
     for k, v in state.items():
         if not v.is_floating_point():
             assert torch.equal(got["state"][k], v), k
             continue
         mhc = any(part in ("attn_hc", "ffn_hc", "hc_head") for part in k.split("."))
-        assert _rel(got["state"][k], v) <= (1e-2 if mhc else 1e-5), k
-        checked += not mhc
-    assert checked > 80
+        assert _rel(got["state"][k], v) <= (1e-2 if mhc else 1e-4), k
+        if not mhc:
+            main.append(k)
+    assert len(main) > 80
+    ours = torch.cat([got["state"][k].reshape(-1) for k in main])
+    ref = torch.cat([state[k].reshape(-1) for k in main])
+    assert _rel(ours, ref) <= 1e-5
 
 
 def test_data_parallel_times_cp():
