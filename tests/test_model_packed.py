@@ -150,3 +150,23 @@ def test_chunked_loss_equals_full_logits_loss(assert_close):
     for n, p in model.named_parameters():
         if n in grads:
             assert_close(p.grad, grads[n], 1e-12, f"grad {n}")
+
+
+def test_activation_checkpointing_changes_nothing():
+    """Blocks recomputed in the backward: bitwise the same loss and gradients (indexer loss included)."""
+    model = tiny_model("pro", seed=6, mtp=1, indexer_loss_coeff=0.5).double()
+    ids = torch.randint(0, 64, (36,), generator=torch.Generator().manual_seed(5))
+    packed = PackedSeqs.from_lengths([20, 16])
+    labels = future_tokens(ids, packed, 2)
+    runs = []
+    for recompute in (False, True):
+        model.zero_grad()
+        model.config.activation_checkpointing = recompute
+        out = model(ids, packed=packed, labels=labels[0], mtp_labels=labels[1:])
+        out.loss.backward()
+        runs.append((out.loss.detach(), out.indexer_loss, {n: p.grad.clone() for n, p in model.named_parameters()
+                                                           if p.grad is not None}))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert runs[0][2].keys() == runs[1][2].keys()
+    for name, grad in runs[0][2].items():
+        assert torch.equal(grad, runs[1][2][name]), name

@@ -54,6 +54,7 @@ class TrainConfig:
     mtp_layers: int | None = None
     dtype: str = "float32"
     attention_backend: str = "auto"
+    activation_checkpointing: bool = False
     # data
     data: str = "synthetic"
     text_path: list[str] = field(default_factory=list)
@@ -163,7 +164,8 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Topology, torch.device]:
 
 def build_model_config(cfg: TrainConfig) -> DeepseekV4ModelConfig:
     overrides: dict[str, Any] = dict(indexer_loss_coeff=cfg.indexer_loss_coeff, mtp_loss_coeff=cfg.mtp_loss_coeff,
-                                     attention_backend=cfg.attention_backend)
+                                     attention_backend=cfg.attention_backend,
+                                     activation_checkpointing=cfg.activation_checkpointing)
     if cfg.mtp_layers is not None:
         overrides["num_nextn_predict_layers"] = cfg.mtp_layers
     if cfg.init_from:

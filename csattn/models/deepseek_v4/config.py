@@ -17,7 +17,7 @@ MLP_LAYER_TYPES = ("hash_moe", "moe")
 _RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # Settings that only this library reads; they are not written into ``config.json``.
 _TRAINING_FIELDS = ("indexer_loss_coeff", "mtp_loss_coeff", "mtp_layer_types", "attention_backend",
-                    "attn_chunk_rows", "workspace_bytes")
+                    "attn_chunk_rows", "workspace_bytes", "activation_checkpointing")
 
 
 @dataclass
@@ -77,6 +77,7 @@ class DeepseekV4ModelConfig:
     attention_backend: str = "auto"
     attn_chunk_rows: int = 1024
     workspace_bytes: int = 1 << 30
+    activation_checkpointing: bool = False  # keep only each block's input streams; recompute in the backward
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers

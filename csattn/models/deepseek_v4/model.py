@@ -227,7 +227,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         embeds = self.model.embed_tokens(ids)
         streams = expand_streams(embeds, c.hc_mult)
         for layer in self.model.layers:
-            streams = layer(streams, ids, packed, cp, real)
+            streams = self._run_block(layer, streams, ids, packed, cp, real)
         final = self.model.norm(self.model.hc_head(streams))
         logits = self.lm_head(final) if return_logits else None
 
@@ -252,7 +252,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             h = streams
             for j, block in enumerate(self.mtp):
                 next_ids = targets[j].clamp_min(0)  # token t+j+1 (rows without one have no MTP label)
-                h = block(h, self.model.embed_tokens(next_ids), ids, packed, cp, real)
+                h = self._run_block(block, h, self.model.embed_tokens(next_ids), ids, packed, cp, real)
                 mtp_final = block.norm(block.hc_head(h))
                 mtp_logits = self.lm_head(mtp_final) if return_logits else None
                 if mtp_logits is not None:
@@ -286,6 +286,18 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ helpers
     loss_chunk_rows = 4096
+
+    def _run_block(self, block: nn.Module, *args: Any) -> Tensor:
+        """One decoder / MTP block, recomputed in the backward under ``activation_checkpointing``.
+
+        Every rank of a CP group recomputes the same blocks in the same order, so the collectives inside the
+        attention (halo exchange, entry gather) pair up again during the backward.
+        """
+        if self.config.activation_checkpointing and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
 
     def _ce_sum(self, hidden: Tensor, logits: Tensor | None, labels: Tensor) -> Tensor:
         """Summed CE of the head on ``hidden [T, D]`` (or of the given ``logits``)."""
