@@ -13,7 +13,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="csattn", description="DeepSeek-V4 hybrid attention for training")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run a small W/CSA/HCA stack on a packed batch (CPU)")
+    demo = sub.add_parser(
+        "demo", help="the main job on a small default (CPU): attention stack checks, then model training",
+        description="1) a W/CSA/HCA attention stack on a packed batch of ragged documents: per-layer statistics, "
+        "indexer loss, packed vs per-document difference (and CP=N parity with --cp N); 2) a tiny DeepSeek-V4 "
+        "model trained a few steps on packed data at CP=1 and CP=2, loss curves side by side.")
+    demo.add_argument("--only", choices=["stack", "model"], default=None, help="run one of the two parts")
     add_demo_args(demo)
     from .train.demo import add_model_demo_args
 
@@ -35,18 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "demo" and getattr(args, "model", False):
+    if args.command == "demo":
+        from .demo import run_demo
         from .train.demo import run_model_demo
 
-        return run_model_demo(args)
+        only = "model" if args.model else args.only
+        rc = 0 if only == "model" else run_demo(args)
+        if only != "stack" and rc == 0:
+            print()
+            rc = run_model_demo(args)
+        return rc
     if args.command == "train":
         from .train.cli import run_train
 
         return run_train(args)
-    if args.command == "demo":
-        from .demo import run_demo
-
-        return run_demo(args)
     if args.command == "report":
         from .report import run_report
 

@@ -10,7 +10,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_demo_cp_prints_parity_table(capfd):
-    rc = main(["demo", "--cp", "2", "--cp-partition", "balanced", "--lengths", "5", "37", "1", "64", "19", "100"])
+    rc = main(["demo", "--only", "stack", "--cp", "2", "--cp-partition", "balanced",
+               "--lengths", "5", "37", "1", "64", "19", "100"])
     out = capfd.readouterr().out  # the ranks print from their own processes
     assert rc == 0, out
     assert "packed run matches per-document runs" in out  # the CP=1 part is unchanged
@@ -18,3 +19,11 @@ def test_demo_cp_prints_parity_table(capfd):
     for row in ("stack output", "input grad", "grad 1.compressor.indexer.q_b_proj.weight", "indexer loss (layer 1)",
                 "per-rank saved activations"):
         assert row in out
+
+
+def test_default_demo_runs_both_parts(capsys):
+    from csattn.cli import main
+
+    assert main(["demo", "--lengths", "9", "30", "--model-steps", "2", "--model-seq-len", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "packed run matches per-document runs" in out and "CP=2" in out

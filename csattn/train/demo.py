@@ -19,7 +19,7 @@ __all__ = ["add_model_demo_args", "run_model_demo", "run_spawned"]
 
 def add_model_demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", action="store_true",
-                        help="train the tiny DeepSeek-V4 model a few steps at each --model-cp size instead")
+                        help="only the model part (same as --only model)")
     parser.add_argument("--model-steps", type=int, default=8, help="training steps per run (with --model)")
     parser.add_argument("--model-seq-len", type=int, default=128, help="rows per packed batch (with --model)")
     parser.add_argument("--model-cp", type=int, nargs="+", default=[1, 2],
