@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Everything this project measures on the lent H200, in one device call (the device time is scarce):
-# GPU tests, the layer benchmark against HF eager, and the scaling report. Results land in $OUT.
-#   bash benchmarks/gpu_session.sh   (with .whl/ carrying transformers 5.23 when the image's is older)
+# Everything this project measures on the lent H200 (the device time is scarce): GPU tests, the layer
+# benchmark against HF eager, and the scaling report. Results land in $OUT.
+#   CSATTN_COMMIT=<sha> bash benchmarks/gpu_session.sh   (.whl/ carries transformers 5.23 if the image's is older)
+# Stage time limits: TESTS_S, LAYER_S, REPORT_S (seconds). The full report (6 lengths x 2 layers x CP 1/2/4 x
+# both partitions, isolated per-rank timing) needs about 15 minutes: give it a call of its own.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
@@ -24,7 +26,8 @@ echo "pytest rc=$?" >> "$LOG"
 
 stage "layer benchmark: Triton / reference / HF eager"
 timeout "${LAYER_S:-150}" python3 -m benchmarks.run --op layer --mode fwdbwd --providers triton,reference,hf \
-  --shape tokens=8192,32768 --shape layer=csa,hca --warmup-ms 5 --rep-ms 40 --json "$OUT/layer.json" >> "$LOG" 2>&1
+  --shape tokens=8192,32768 --shape layer=csa,hca --warmup-ms 5 --rep-ms 40 --commit "${CSATTN_COMMIT:-unknown}" \
+  --json "$OUT/layer.json" >> "$LOG" 2>&1
 echo "layer rc=$?" >> "$LOG"
 
 stage "scaling report"

@@ -91,7 +91,8 @@ def _read_lines(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _run_groups(groups, opts, tmp, timeout, bar) -> list[dict]:
+def _run_groups(groups, opts, tmp, timeout, bar, flush) -> list[dict]:
+    """Run every group; ``flush(records)`` after each, so a run cut short keeps what it measured."""
     records = []
     for size, part, jobs in groups:
         remaining = list(jobs)
@@ -118,10 +119,13 @@ def _run_groups(groups, opts, tmp, timeout, bar) -> list[dict]:
             bar.update(len(skipped) - 1)
             remaining = [j for j in remaining if j not in skipped and (j.layer, j.tokens, j.path) not in done]
             attempt += 1
+        flush(records)
     return records
 
 
 def _git_commit() -> str:
+    if os.environ.get("CSATTN_COMMIT"):  # the device machine's copy of the tree has no git history
+        return os.environ["CSATTN_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -141,9 +145,18 @@ def run_report(args: argparse.Namespace) -> int:
                     for part in args.partitions]
     sizes = [s for s in args.cp if s > 1]
     os.makedirs(args.out, exist_ok=True)
+    meta = {"commit": _git_commit(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC",
+            time.gmtime()), "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+            "dtype": args.dtype, "geometry": args.geometry, "steps": args.steps, "args": vars(args)}
+
+    def flush(records: list[dict]) -> str:
+        with open(os.path.join(args.out, "report.json"), "w") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+        return render_report(meta, records, args.out)
+
     with tempfile.TemporaryDirectory() as tmp, tqdm(total=total + len(balance_jobs) * sum(sizes),
                                                     desc="report", unit="case") as bar:
-        records = _run_groups(groups, opts, tmp, args.group_timeout, bar)
+        records = _run_groups(groups, opts, tmp, args.group_timeout, bar, flush)
         if sizes and balance_jobs:
             bar.set_description("isolated per-rank timing")
             out = os.path.join(tmp, "isolated")
@@ -156,13 +169,7 @@ def run_report(args: argparse.Namespace) -> int:
             iso = _read_lines(out)
             records += iso
             bar.update(len(iso))
-    meta = {"commit": _git_commit(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC",
-            time.gmtime()), "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-            "dtype": args.dtype, "geometry": args.geometry, "steps": args.steps, "args": vars(args)}
-    with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump({"meta": meta, "records": records}, f, indent=1)
-    md = render_report(meta, records, args.out)
-    print(md)
+    print(flush(records))
     return 0
 
 
