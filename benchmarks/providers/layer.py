@@ -85,54 +85,19 @@ def reference_layer(shape, device, dtype, variant=""):
 
 @register("layer", "hf", DEFAULTS)
 def hf_layer(shape, device, dtype, variant=""):
-    try:
-        from transformers import DeepseekV4Config
-        from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
-            DeepseekV4Attention,
-            DeepseekV4RotaryEmbedding,
-        )
-    except ImportError as e:
-        raise Skip(f"transformers with DeepseekV4 is not installed ({e})") from e
+    from csattn.report.hf import build_hf_attention
+
     lengths = doc_lengths(shape["tokens"], shape["doc_len"])
     if len(set(lengths)) != 1:
         raise Skip("HF cannot pack ragged documents: use a doc_len that divides tokens")
     batch, seqlen = len(lengths), lengths[0]
     if seqlen > 16384:
         raise Skip(f"HF eager builds [B, H, S, S + S/r] scores: S = {seqlen} does not fit in memory")
-    layer = shape["layer"]
-    hf_type = {"sliding": "sliding_attention", "csa": "compressed_sparse_attention",
-               "hca": "heavily_compressed_attention"}[layer]
-    cfg = DeepseekV4Config(
-        hidden_size=shape["hidden"], num_attention_heads=shape["heads"], head_dim=shape["dim"],
-        q_lora_rank=shape["q_lora"], o_groups=shape["groups"], o_lora_rank=shape["o_lora"],
-        sliding_window=shape["window"], num_hidden_layers=1, layer_types=[hf_type],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": shape["hca_ratio"]},
-        index_n_heads=shape["index_heads"], index_head_dim=shape["index_dim"], index_topk=shape["topk"],
-        partial_rotary_factor=shape["rope_dim"] / shape["dim"],
-        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
-                         "beta_fast": 32.0, "beta_slow": 1.0},
-        n_routed_experts=4, num_experts_per_tok=2, num_nextn_predict_layers=0,
-    )
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(shape["seed"])
-    attn = DeepseekV4Attention(cfg, 0)
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.normal_(0, 0.02)
-    attn = attn.to(device=device, dtype=dtype)
-    rotary = DeepseekV4RotaryEmbedding(cfg).to(device)
+    cfg = attention_config(shape, "reference")
+    try:
+        attn, run = build_hf_attention(cfg, device, dtype, seed=shape["seed"])
+    except ImportError as e:
+        raise Skip(f"transformers with DeepseekV4 is not installed ({e})") from e
     x = _inputs(shape, device, dtype).detach().view(batch, seqlen, -1).requires_grad_()
-    pos = torch.arange(seqlen, device=device)[None].expand(batch, -1)
-    q_idx = torch.arange(seqlen, device=device)[:, None]
-    k_idx = torch.arange(seqlen, device=device)[None, :]
-    allowed = (k_idx <= q_idx) & (k_idx > q_idx - shape["window"])
-    mask = torch.zeros(seqlen, seqlen, device=device, dtype=dtype).masked_fill(~allowed, float("-inf"))
-    mask = mask[None, None].expand(batch, 1, seqlen, seqlen)
-
-    def forward():
-        emb = {k: rotary(x, pos, layer_type=k) for k in ("main", "compress")}
-        return (attn(x, emb, pos, mask, None)[0],)
-
-    flops = layer_flops(attention_config(shape, "reference"), lengths)
-    return Case(forward=forward, leaves=[x, *attn.parameters()], flops=flops,
+    return Case(forward=lambda: (run(x),), leaves=[x, *attn.parameters()], flops=layer_flops(cfg, lengths),
                 info={"docs": batch, "layout": "batch"})

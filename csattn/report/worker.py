@@ -99,21 +99,8 @@ def _measure(job: Job, opts: dict, device: torch.device, cp) -> dict:
         y = layer(x_local, packed=packed, cp=cp)
         y.backward(dy)
 
-    step()  # warm-up: kernel compilation, metadata caches
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    times = []
-    for _ in range(opts["steps"]):
-        if cp is not None and opts.get("barrier", True):
-            dist.barrier(group=cp.group)
-        _sync(device)
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30 if device.type == "cuda" else None
+    barrier = (lambda: dist.barrier(group=cp.group)) if cp is not None and opts.get("barrier", True) else None
+    ms, peak = _time_steps(step, device, opts["steps"], before=barrier)
     flops = layer_flops(cfg, lengths)
     local_flops = None
     if cp is not None:
@@ -121,7 +108,6 @@ def _measure(job: Job, opts: dict, device: torch.device, cp) -> dict:
 
         layout = make_layout(packed_cpu, cp.partition, cp.size, cp.chunks_per_rank, cp.cost_config)
         local_flops = float(partition_flops(layout, packed_cpu, cfg)[cp.rank])
-    ms = statistics.median(times)
     return {"ms": ms, "peak_gib": peak, "docs": len(lengths), "flops_fwdbwd": flops["fwd"] + flops["bwd"],
             "tflops": (flops["fwd"] + flops["bwd"]) / (cp.size if cp else 1) / ms / 1e9,
             "rank_model_flops": local_flops}
@@ -129,64 +115,42 @@ def _measure(job: Job, opts: dict, device: torch.device, cp) -> dict:
 
 def _measure_hf(job, cfg, lengths, x_global, opts, device, dtype) -> dict:
     """HF ``DeepseekV4Attention`` eager, one document at a time (it cannot pack), same total work."""
-    from transformers import DeepseekV4Config
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
+    from .hf import build_hf_attention
 
-    hf_type = {"csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention"}[job.layer]
-    yarn = cfg.rope_scaling
-    hf_cfg = DeepseekV4Config(
-        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads, head_dim=cfg.head_dim,
-        partial_rotary_factor=cfg.rope_head_dim / cfg.head_dim, q_lora_rank=cfg.q_lora_rank,
-        o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank, sliding_window=cfg.sliding_window,
-        num_hidden_layers=1, layer_types=[hf_type],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": cfg.compress_ratio
-                        if job.layer == "hca" else 128},
-        index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk,
-        rope_parameters={"rope_type": "yarn", "factor": yarn.factor,
-                         "original_max_position_embeddings": yarn.original_max_position_embeddings,
-                         "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow},
-        n_routed_experts=4, num_experts_per_tok=2, num_nextn_predict_layers=0,
-    )
-    hf_cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    attn = DeepseekV4Attention(hf_cfg, 0)
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.normal_(0, 0.02)
-    attn = attn.to(device=device, dtype=dtype)
-    rotary = DeepseekV4RotaryEmbedding(hf_cfg).to(device)
+    attn, run = build_hf_attention(cfg, device, dtype)
     docs = list(torch.split(x_global, lengths))
 
     def step():
         for p in attn.parameters():
             p.grad = None
         for xd in docs:
-            s = xd.shape[0]
-            x = xd.to(device)[None].requires_grad_()
-            pos = torch.arange(s, device=device)[None]
-            qi, ki = pos[0][:, None], pos[0][None, :]
-            mask = torch.zeros(s, s, device=device, dtype=dtype).masked_fill(
-                ~((ki <= qi) & (ki > qi - cfg.sliding_window)), float("-inf"))[None, None]
-            emb = {k: rotary(x, pos, layer_type=k) for k in ("main", "compress")}
-            attn(x, emb, pos, mask, None)[0].sum().backward()
+            run(xd.to(device)[None].requires_grad_()).sum().backward()
 
+    ms, peak = _time_steps(step, device, opts["steps"])
+    flops = layer_flops(cfg, lengths)
+    return {"ms": ms, "peak_gib": peak, "docs": len(lengths), "flops_fwdbwd": flops["fwd"] + flops["bwd"],
+            "tflops": (flops["fwd"] + flops["bwd"]) / ms / 1e9, "rank_model_flops": None}
+
+
+def _time_steps(step, device: torch.device, steps: int, before=None) -> tuple[float, float | None]:
+    """One warm-up call (compilation, caches), then the median ms of ``steps`` calls and the peak GiB
+    allocated during them beyond what was allocated before (None on CPU)."""
     step()
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     times = []
-    for _ in range(opts["steps"]):
+    for _ in range(steps):
+        if before is not None:
+            before()
         _sync(device)
         t0 = time.perf_counter()
         step()
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30 if device.type == "cuda" else None
-    flops = layer_flops(cfg, lengths)
-    ms = statistics.median(times)
-    return {"ms": ms, "peak_gib": peak, "docs": len(lengths), "flops_fwdbwd": flops["fwd"] + flops["bwd"],
-            "tflops": (flops["fwd"] + flops["bwd"]) / ms / 1e9, "rank_model_flops": None}
+    return statistics.median(times), peak
 
 
 def _record(job: Job, world: int, rank: int, opts: dict, result: dict, kind: str) -> dict:
