@@ -55,6 +55,9 @@ class AttentionConfig:
     # their [T, H, d] temporaries (about 0.4 MiB per row at H = 64, d = 512)
     recompute_projections: bool = True
     backend: Literal["auto", "reference", "triton"] = "auto"
+    # no host sync and no data-dependent shape in the forward/backward (CUDA graphs, torch.compile): static
+    # metadata from device cu_seqlens (csattn.graphs); needs max_seqlen on the host; single-process only
+    capture_safe: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

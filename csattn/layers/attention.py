@@ -106,6 +106,10 @@ class HybridAttention(nn.Module):
         Returns:
             ``[B, S, D]`` or ``[T, D]``, like the input.
         """
+        if self.config.capture_safe or getattr(packed, "capture_safe", False):
+            from ..graphs import capture_safe_forward  # local import: the graphs package depends on this module
+
+            return capture_safe_forward(self, hidden_states, packed, cp)
         x, packed, batch_shape = self._flatten(hidden_states, packed)
         if cp is not None:
             from ..cp import cp_attention_forward  # local import: the CP package depends on this module

@@ -1,0 +1,141 @@
+"""Capture-safe forward of :class:`csattn.layers.attention.HybridAttention` (single process).
+
+The same phases as ``HybridAttention.forward_packed``, with every host decision replaced by a static bound:
+
+* metadata from :class:`StaticPackedSeqs` (device tensors, host ints only for shapes);
+* compressed entries over the static capacity, visible ranges bounded by ``max_seqlen // r``;
+* indexer top-k and the dense indexer loss over row chunks of a fixed height (no ``row_chunks`` slabs);
+* the loss weight ``1 / num_real_rows`` divided on the device.
+
+The ops are called through their ``torch.library`` custom ops, so ``torch.compile`` sees opaque nodes with
+fake implementations; in eager mode they run the same implementations as the default path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ..ops.compressor.custom_ops import compress_pool_op
+from ..ops.indexer.custom_ops import indexer_topk_static_op
+from ..ops.indexer_loss import attach_indexer_loss
+from ..ops.indexer_loss.custom_ops import indexer_kl_loss_op
+from ..ops.indices import combine_indices, range_indices, window_indices
+from ..ops.sparse_attn.custom_ops import sparse_attn_op
+from .static import StaticCompressMeta, StaticPackedSeqs
+
+if TYPE_CHECKING:
+    from ..layers.attention import HybridAttention
+    from ..layers.modules import Compressor
+
+__all__ = ["capture_safe_forward", "capture_safe_forward_packed"]
+
+
+def capture_safe_forward(layer: HybridAttention, hidden_states: Tensor, packed: Any = None, cp: Any = None) -> Tensor:
+    """``HybridAttention.forward`` in capture-safe mode.
+
+    Args:
+        hidden_states: ``[B, S, D]`` or packed ``[T, D]``.
+        packed: a :class:`StaticPackedSeqs`, or a ``PackedSeqs`` / ``PackedSeqParams`` with a host
+            ``max_seqlen`` (turned into one).
+        cp: context parallelism is not capture-safe yet; must be None.
+
+    Returns:
+        ``[B, S, D]`` or ``[T, D]``, like the input.
+    """
+    if cp is not None:
+        raise ValueError("cp= is not supported with capture_safe=True yet (single-process only)")
+    if isinstance(packed, StaticPackedSeqs):
+        x, _, batch_shape = layer._flatten(hidden_states, None)
+        if batch_shape is not None:
+            raise ValueError("packed= is for [T, D] input; got [B, S, D] hidden_states")
+        static = packed
+    else:
+        x, plain, batch_shape = layer._flatten(hidden_states, packed)
+        static = StaticPackedSeqs.from_packed(plain, x.shape[0])
+    if static.num_rows != x.shape[0]:
+        raise ValueError(f"packed.num_rows = {static.num_rows} but hidden_states has {x.shape[0]} rows")
+    if static.cu_seqlens_padded.device != x.device:
+        raise ValueError(f"cu_seqlens_padded is on {static.cu_seqlens_padded.device} but the hidden states "
+                         f"are on {x.device}")
+    out = capture_safe_forward_packed(layer, x, static)
+    return out.view(*batch_shape, -1) if batch_shape is not None else out
+
+
+def _compress(comp: Compressor, x: Tensor, meta: StaticCompressMeta, inv_freq: Tensor, backend: str) -> Tensor:
+    """``Compressor.compress`` through the custom op: ``[capacity, dim]``."""
+    pooled = compress_pool_op(comp.kv_proj(x), comp.gate_proj(x), comp.position_bias, meta.entry_row,
+                              meta.entry_first, comp.ratio, comp.overlap, backend)
+    return comp.finish(pooled, meta.entry_pos, inv_freq)
+
+
+def _attend(layer: HybridAttention, q: Tensor, kv: Tensor, ckv: Tensor | None, window_ids: Tensor,
+            selected: Tensor | None, meta: StaticCompressMeta | None) -> tuple[Tensor, Tensor]:
+    """``HybridAttention.attend`` with the HCA range bounded by the static ``meta.max_visible``."""
+    cfg = layer.config
+    backend = layer.backend_for(q)
+
+    def run(q_, keys, ids):
+        return sparse_attn_op(q_, keys, ids, layer.sinks, cfg.scale, cfg.attn_chunk_rows, backend)
+
+    if ckv is None or ckv.shape[0] == 0:
+        return run(q, kv, window_ids)
+    keys = torch.cat([kv, ckv.to(kv.dtype)], dim=0)
+    if selected is not None:
+        return run(q, keys, combine_indices(window_ids, selected, kv.shape[0]))
+    width = meta.max_visible
+    per_row = window_ids.shape[1] + max(width, 1)
+    step = max(1, (cfg.workspace_bytes // 8) // per_row)
+    outs, lses = [], []
+    for lo in range(0, q.shape[0], step):
+        hi = min(lo + step, q.shape[0])
+        ids = combine_indices(window_ids[lo:hi], range_indices(meta.vis_start[lo:hi], meta.vis_end[lo:hi], width),
+                              kv.shape[0])
+        o, lse = run(q[lo:hi], keys, ids)
+        outs.append(o)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), torch.cat(lses)
+
+
+def capture_safe_forward_packed(layer: HybridAttention, x: Tensor, packed: StaticPackedSeqs) -> Tensor:
+    """Forward over a whole packed stream ``x [T, D]`` with no host sync and no data-dependent shape."""
+    cfg = layer.config
+    backend = layer.backend_for(x)
+    rows = packed.rows(x.device)
+    cos, sin = layer.rope_tables(rows.pos, x.dtype)
+    q, qr = layer.queries(x, cos, sin)
+    kv = layer.raw_kv(x, cos, sin)
+    window_ids = window_indices(rows.pos, rows.real, cfg.sliding_window)
+
+    ckv = selected = meta = None
+    loss_inputs = None
+    if layer.compressor is not None:
+        meta = packed.compress(cfg.compress_ratio, x.device)
+        ckv = _compress(layer.compressor, x, meta, layer.inv_freq, backend)
+        if cfg.layer_type == "csa":
+            indexer = layer.compressor.indexer
+            keys = _compress(indexer, x.detach(), meta, layer.inv_freq, backend)
+            q_idx = indexer.queries(qr.detach(), cos, sin)
+            w = indexer.scorer(x.detach())
+            selected = indexer_topk_static_op(q_idx, w, keys, meta.vis_start, meta.vis_end, cfg.index_topk,
+                                              meta.max_visible, cfg.workspace_bytes, layer.backend_for(q_idx))
+            loss_inputs = (q_idx, w, keys)
+    o, lse = _attend(layer, q, kv, ckv, window_ids, selected, meta)
+
+    layer.last_indexer_loss = None
+    if loss_inputs is not None and layer.wants_indexer_loss():
+        q_idx, w, keys = loss_inputs
+        # the weight 1 / num_real_rows is divided on the device: the count is never read on the host
+        row_weight = rows.real.to(lse.dtype) / rows.num_real.clamp(min=1)
+        kl = indexer_kl_loss_op(
+            q_idx, w, keys, q.detach(), ckv.detach(), lse.detach(), cfg.scale, row_weight,
+            selected if cfg.indexer_loss_type == "sparse" else None, meta.vis_start, meta.vis_end,
+            meta.max_visible, cfg.workspace_bytes, layer.backend_for(q_idx),
+        )
+        layer.last_indexer_loss = kl.detach()
+        o = attach_indexer_loss(o, kl * cfg.indexer_loss_coeff)
+    return layer.output(o, cos, sin)

@@ -1,0 +1,118 @@
+"""Capture-safe indexer top-k and dense indexer loss: row chunks of a static height, candidates read over a
+static window instead of the data-dependent key slabs of ``row_chunks`` (which reads ``vis_start`` on the host).
+
+Row t's candidates are the ``width`` ids ``vis_start[t] + j`` (``width`` = the static bound on the visible
+range, ``max_seqlen // r``); ids at or past ``vis_end[t]`` are masked. Candidates stay in id order, so a
+stable sort breaks ties to the lower id exactly as the reference does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from ..ops.indexer.naive import indexer_scores_ref
+from ..ops.indexer_loss.naive import _teacher_mass, kl_from_logits
+
+__all__ = ["static_row_chunks", "indexer_topk_static", "indexer_kl_loss_dense_static"]
+
+
+def static_row_chunks(num_rows: int, bytes_per_row: int, budget: int) -> list[tuple[int, int]]:
+    """``(lo, hi)`` chunks of one fixed height that keeps ``height * bytes_per_row`` within ``budget``."""
+    step = max(1, budget // max(bytes_per_row, 1))
+    return [(lo, min(lo + step, num_rows)) for lo in range(0, num_rows, step)]
+
+
+def _window(vis_start: Tensor, vis_end: Tensor, width: int, num_keys: int) -> tuple[Tensor, Tensor]:
+    """Candidate ids ``[R, width]`` (clamped into the key table) and their validity."""
+    ids = vis_start[:, None] + torch.arange(width, device=vis_start.device)[None, :]
+    valid = ids < vis_end[:, None]
+    return ids.clamp(max=max(num_keys - 1, 0)), valid
+
+
+@torch.no_grad()
+def indexer_topk_static(
+    q: Tensor,
+    w: Tensor,
+    k: Tensor,
+    vis_start: Tensor,
+    vis_end: Tensor,
+    topk: int,
+    width: int,
+    workspace_bytes: int = 1 << 30,
+    backend: str = "reference",
+) -> Tensor:
+    """Causal top-k of indexer scores without host syncs; same result as ``indexer_topk``.
+
+    Args:
+        q: ``[T, HI, cI]``; w: ``[T, HI]``; k: ``[Nc, cI]`` (``Nc`` may be a static capacity).
+        vis_start, vis_end: ``[T]`` int64 visible ranges, ``vis_end - vis_start <= width``.
+        topk: width of the result. width: static bound on any row's visible range.
+        workspace_bytes: bound on one chunk's workspace.
+        backend: ``"reference"`` or ``"triton"`` (fused kernels over static chunks).
+
+    Returns:
+        ``[T, topk]`` int64 global ids, best first, ties to the lower id, -1 where unused.
+    """
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    if backend == "triton":
+        from .select_triton import indexer_topk_static_triton
+
+        return indexer_topk_static_triton(q, w, k, vis_start, vis_end, topk, width, workspace_bytes)
+    if backend != "reference":
+        raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
+    num_rows = q.shape[0]
+    out = torch.full((num_rows, topk), -1, dtype=torch.int64, device=q.device)
+    if width < 1 or k.shape[0] == 0:
+        return out
+    elsize = torch.promote_types(q.dtype, torch.float32).itemsize
+    per_row = width * (2 * q.shape[1] * elsize + k.shape[1] * k.element_size())
+    for lo, hi in static_row_chunks(num_rows, per_row, workspace_bytes):
+        ids, valid = _window(vis_start[lo:hi], vis_end[lo:hi], width, k.shape[0])
+        scores = indexer_scores_ref(q[lo:hi], w[lo:hi], k[ids]).masked_fill(~valid, float("-inf"))
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :topk]
+        picked = torch.where(scores.gather(1, order) > float("-inf"), ids.gather(1, order), -1)
+        out[lo:hi, : picked.shape[1]] = picked
+    return out
+
+
+def _dense_window_chunk(q_idx, w, k_idx, q, ckv, lse, vis_start, vis_end, row_weight, scale, width):
+    compute = torch.promote_types(q_idx.dtype, torch.float32)
+    ids, valid = _window(vis_start, vis_end, width, k_idx.shape[0])
+    student = indexer_scores_ref(q_idx, w, k_idx[ids])
+    mass = _teacher_mass(q.to(compute), ckv[ids].to(compute), lse.to(compute), scale)
+    return (kl_from_logits(student, mass, valid) * row_weight.to(compute)).sum()
+
+
+def indexer_kl_loss_dense_static(
+    q_idx: Tensor,
+    w: Tensor,
+    k_idx: Tensor,
+    q: Tensor,
+    ckv: Tensor,
+    lse: Tensor,
+    scale: float,
+    row_weight: Tensor,
+    vis_start: Tensor,
+    vis_end: Tensor,
+    width: int,
+    workspace_bytes: int = 1 << 30,
+) -> Tensor:
+    """Dense indexer KL loss (every visible entry) without host syncs; contract of ``indexer_kl_loss_ref``
+    with ``selected=None``, plus the static bound ``width`` on the visible ranges. Reference math only."""
+    q, ckv, lse = q.detach(), ckv.detach(), lse.detach()
+    compute = torch.promote_types(q_idx.dtype, torch.float32)
+    if k_idx.shape[0] == 0 or q_idx.shape[0] == 0 or width < 1:
+        return (q_idx.sum() + w.sum() + k_idx.sum()).to(compute) * 0
+    use_ckpt = torch.is_grad_enabled() and (q_idx.requires_grad or w.requires_grad or k_idx.requires_grad)
+    heads = q.shape[1] + 2 * q_idx.shape[1]
+    per_row = width * (heads * compute.itemsize + (q.shape[2] + q_idx.shape[2]) * compute.itemsize)
+    total = q_idx.new_zeros((), dtype=compute)
+    for lo, hi in static_row_chunks(q_idx.shape[0], per_row, workspace_bytes):
+        args = (q_idx[lo:hi], w[lo:hi], k_idx, q[lo:hi], ckv, lse[lo:hi], vis_start[lo:hi], vis_end[lo:hi],
+                row_weight[lo:hi], scale, width)
+        part = checkpoint(_dense_window_chunk, *args, use_reentrant=False) if use_ckpt else _dense_window_chunk(*args)
+        total = total + part
+    return total

@@ -1,0 +1,187 @@
+"""Capture-safe packed metadata: every per-row and per-entry fact computed on the device from ``cu_seqlens``.
+
+:class:`csattn.PackedSeqs` reads its prefix sums on the host (the number of compressed entries, the widest
+visible range, the number of real rows), which a CUDA graph cannot do. Here every shape comes from host
+ints that stay fixed between replays (``T``, the number of documents, ``max_seqlen``) and every
+data-dependent count stays on the device, so one captured graph replays on a new pack whose document
+boundaries differ (same ``T``, same number of documents, same ``max_seqlen``).
+
+Compressed entries are laid out over a static capacity ``min(T // r, num_docs * (max_seqlen // r))``: the
+real entries first (the same ids as ``PackedSeqs.compress``), then tail slots. A tail slot pools rows
+``[0, r)`` as a harmless first entry; no row's visible range ``[vis_start, vis_end)`` ever reaches it, so
+it never changes a result and receives a zero gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..packing import PackedSeqs, validate_cu_seqlens
+
+__all__ = ["StaticPackedSeqs", "StaticRowMeta", "StaticCompressMeta", "compressed_capacity"]
+
+
+def compressed_capacity(num_rows: int, num_docs: int, max_seqlen: int, ratio: int) -> int:
+    """Static bound on the number of compressed entries: ``min(T // r, num_docs * (max_seqlen // r))``."""
+    if ratio < 1:
+        raise ValueError(f"ratio must be >= 1, got {ratio}")
+    return min(num_rows // ratio, num_docs * (max_seqlen // ratio))
+
+
+@dataclass
+class StaticRowMeta:
+    """Per-row facts (``[T]`` unless noted), all on the device; same values as :class:`csattn.packing.RowMeta`."""
+
+    doc: Tensor  # int64 document id of each row
+    pos: Tensor  # int64 physical position inside the document
+    real: Tensor  # bool, real (non-padding) row
+    doc_start: Tensor  # [N] int64 first physical row of each document
+    real_len: Tensor  # [N] int64 real length of each document
+    num_real: Tensor  # [] int64 number of real rows (device scalar, never read on the host)
+
+
+@dataclass
+class StaticCompressMeta:
+    """Compressed entries of ratio ``r`` over a static ``capacity``; the real count stays on the device.
+
+    Entry ids ``< num_entries`` are exactly those of ``PackedSeqs.compress(r)``; ids in
+    ``[num_entries, capacity)`` are tail slots (``entry_row = 0``, ``entry_first = True``) that no row sees.
+    """
+
+    ratio: int
+    capacity: int  # host int: static number of entry slots
+    max_visible: int  # host int: static bound on vis_end - vis_start (min(max_seqlen // r, capacity))
+    cu_comp: Tensor  # [N+1] int64 prefix sum of real entries per document
+    entry_row: Tensor  # [capacity] int64 first physical row of each entry's block
+    entry_first: Tensor  # [capacity] bool, first entry of its document (tail slots: True)
+    entry_pos: Tensor  # [capacity] int64 position of the entry's first token inside its document
+    entry_valid: Tensor  # [capacity] bool, a real entry (False on tail slots)
+    vis_start: Tensor  # [T] int64
+    vis_end: Tensor  # [T] int64
+    num_entries: Tensor  # [] int64 real number of entries (device scalar)
+
+
+@dataclass
+class StaticPackedSeqs:
+    """Packed-sequence metadata for capture-safe execution (CUDA graphs, ``torch.compile``).
+
+    Args:
+        cu_seqlens: ``[N+1]`` int32/int64 real-length prefix sum (on the device of the hidden states).
+        cu_seqlens_padded: ``[N+1]`` physical layout; defaults to ``cu_seqlens``.
+        num_rows: host int ``T``, the length of the packed stream.
+        max_seqlen: host int bound on the longest physical document (a bound is enough: it only sizes
+            buffers, so the same value can serve every pack a graph replays on).
+
+    Nothing here reads a tensor on the host; :meth:`check` does (call it outside capture when the input is
+    untrusted).
+
+    Example:
+        >>> packed = StaticPackedSeqs(cu, cu_pad, num_rows=4096, max_seqlen=2048)
+        >>> out = attn(x, packed=packed)   # with AttentionConfig(capture_safe=True)
+    """
+
+    capture_safe = True  # class attribute: HybridAttention routes a pack of this type to the capture-safe path
+
+    cu_seqlens: Tensor
+    cu_seqlens_padded: Tensor | None = None
+    num_rows: int = 0
+    max_seqlen: int = 0
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.cu_seqlens_padded is None:
+            self.cu_seqlens_padded = self.cu_seqlens
+        for name in ("cu_seqlens", "cu_seqlens_padded"):
+            cu = getattr(self, name)
+            if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 2:
+                raise ValueError(f"{name} must be a 1-D tensor [num_docs + 1] with at least 2 entries")
+            if cu.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{name} must be int32 or int64, got {cu.dtype}")
+        if self.cu_seqlens.numel() != self.cu_seqlens_padded.numel():
+            raise ValueError(f"cu_seqlens has {self.cu_seqlens.numel() - 1} documents but cu_seqlens_padded has "
+                             f"{self.cu_seqlens_padded.numel() - 1}")
+        if self.cu_seqlens.device != self.cu_seqlens_padded.device:
+            raise ValueError("cu_seqlens and cu_seqlens_padded must be on the same device")
+        if not isinstance(self.num_rows, int) or self.num_rows < 0:
+            raise ValueError(f"num_rows must be a host int >= 0, got {self.num_rows!r}")
+        if not isinstance(self.max_seqlen, int) or self.max_seqlen < 0:
+            raise ValueError(f"max_seqlen must be a host int >= 0, got {self.max_seqlen!r}")
+
+    @classmethod
+    def from_packed(cls, packed: Any, num_rows: int) -> StaticPackedSeqs:
+        """From a :class:`PackedSeqs` (or Megatron ``PackedSeqParams``) whose ``max_seqlen`` is set on the host."""
+        if isinstance(packed, StaticPackedSeqs):
+            return packed
+        packed = PackedSeqs.coerce(packed)
+        if packed.max_seqlen is None:
+            raise ValueError("max_seqlen must be given on the host for capture-safe execution "
+                             "(PackedSeqs(max_seqlen=...) / PackedSeqParams.max_seqlen_q)")
+        return cls(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=num_rows, max_seqlen=int(packed.max_seqlen))
+
+    @property
+    def num_docs(self) -> int:
+        return self.cu_seqlens_padded.numel() - 1
+
+    def capacity(self, ratio: int) -> int:
+        """Static number of compressed entry slots for ``ratio``."""
+        return compressed_capacity(self.num_rows, self.num_docs, self.max_seqlen, ratio)
+
+    def check(self, device: torch.device | None = None) -> None:
+        """Validate the prefix sums against ``num_rows`` and ``max_seqlen`` (host sync; not for capture)."""
+        PackedSeqs(self.cu_seqlens, self.cu_seqlens_padded, self.max_seqlen).validate(
+            self.num_rows, device or self.cu_seqlens_padded.device)
+        validate_cu_seqlens(self.cu_seqlens, "cu_seqlens")
+
+    # ------------------------------------------------------------------ derived metadata (no host sync)
+    def rows(self, device: torch.device | None = None) -> StaticRowMeta:
+        """Per-row document id, position and real flag (cached on this object)."""
+        device = device or self.cu_seqlens_padded.device
+        key = ("rows", str(device))
+        if key not in self._cache:
+            pad = self.cu_seqlens_padded.to(device=device, dtype=torch.int64)
+            real = self.cu_seqlens.to(device=device, dtype=torch.int64)
+            row = torch.arange(self.num_rows, device=device)
+            doc = torch.bucketize(row, pad[1:], right=True).clamp_(max=self.num_docs - 1)
+            pos = row - pad[doc]
+            real_len = real[1:] - real[:-1]
+            is_real = pos < real_len[doc]
+            self._cache[key] = StaticRowMeta(doc, pos, is_real, pad[:-1], real_len, real_len.sum())
+        return self._cache[key]
+
+    def compress(self, ratio: int, device: torch.device | None = None) -> StaticCompressMeta:
+        """Compressed-entry layout for ``ratio`` over the static capacity (cached on this object)."""
+        if ratio < 1:
+            raise ValueError(f"compress ratio must be >= 1, got {ratio}")
+        device = device or self.cu_seqlens_padded.device
+        key = ("compress", ratio, str(device))
+        if key not in self._cache:
+            rows = self.rows(device)
+            capacity = self.capacity(ratio)
+            n_comp = rows.real_len // ratio
+            cu_comp = torch.cat([n_comp.new_zeros(1), n_comp.cumsum(0)])
+            entry = torch.arange(capacity, device=device)
+            entry_doc = torch.bucketize(entry, cu_comp[1:], right=True).clamp_(max=self.num_docs - 1)
+            local = entry - cu_comp[entry_doc]
+            valid = entry < cu_comp[-1]
+            zero = entry.new_zeros(())
+            visible = torch.minimum((rows.pos + 1) // ratio, n_comp[rows.doc])
+            visible = torch.where(rows.real, visible, torch.zeros_like(visible))
+            vis_start = cu_comp[rows.doc]
+            self._cache[key] = StaticCompressMeta(
+                ratio=ratio,
+                capacity=capacity,
+                max_visible=min(self.max_seqlen // ratio, capacity),
+                cu_comp=cu_comp,
+                entry_row=torch.where(valid, rows.doc_start[entry_doc] + local * ratio, zero),
+                entry_first=(local == 0) | ~valid,
+                entry_pos=torch.where(valid, local * ratio, zero),
+                entry_valid=valid,
+                vis_start=vis_start,
+                vis_end=vis_start + visible,
+                num_entries=cu_comp[-1],
+            )
+        return self._cache[key]
