@@ -5,7 +5,9 @@ The same phases as ``HybridAttention.forward_packed``, with every host decision 
 * metadata from :class:`StaticPackedSeqs` (device tensors, host ints only for shapes);
 * compressed entries over the static capacity, visible ranges bounded by ``max_seqlen // r``;
 * indexer top-k and the dense indexer loss over row chunks of a fixed height (no ``row_chunks`` slabs);
-* the loss weight ``1 / num_real_rows`` divided on the device.
+* the loss weight ``1 / num_real_rows`` divided on the device;
+* the indexer loss scale (``IndexerLossAutoScaler.set_loss_scale``) read when the forward runs, so a captured
+  graph or compiled function keeps the scale it was built with.
 
 The ops are called through their ``torch.library`` custom ops, so ``torch.compile`` sees opaque nodes with
 fake implementations; in eager mode they run the same implementations as the default path.
@@ -20,10 +22,11 @@ from torch import Tensor
 
 from ..ops.compressor.custom_ops import compress_pool_op
 from ..ops.indexer.custom_ops import indexer_topk_static_op
-from ..ops.indexer_loss import attach_indexer_loss
+from ..ops.indexer_loss import IndexerLossAutoScaler
 from ..ops.indexer_loss.custom_ops import indexer_kl_loss_op
 from ..ops.indices import combine_indices, range_indices, window_indices
 from ..ops.sparse_attn.custom_ops import sparse_attn_op
+from .projections import output_proj_op, query_heads_op
 from .static import StaticCompressMeta, StaticPackedSeqs
 
 if TYPE_CHECKING:
@@ -31,6 +34,53 @@ if TYPE_CHECKING:
     from ..layers.modules import Compressor
 
 __all__ = ["capture_safe_forward", "capture_safe_forward_packed"]
+
+
+class _AttachLoss(torch.autograd.Function):
+    """``IndexerLossAutoScaler`` with the loss scale read once in the forward (a host float fixed at capture or
+    trace time) instead of a class attribute read in the backward, which ``torch.compile`` cannot trace."""
+
+    @staticmethod
+    def forward(ctx, output: Tensor, loss: Tensor, scale: float | None) -> Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(loss)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        (loss,) = ctx.saved_tensors
+        grad_loss = torch.ones_like(loss) if ctx.scale is None else torch.ones_like(loss) * ctx.scale
+        return grad_output, grad_loss, None
+
+
+@torch.compiler.assume_constant_result
+def _loss_scale() -> float:
+    scale = IndexerLossAutoScaler.main_loss_backward_scale
+    return float("nan") if scale is None else float(scale)
+
+
+def _attach_indexer_loss(output: Tensor, loss: Tensor) -> Tensor:
+    scale = _loss_scale()  # a constant to torch.compile (NaN stands for "not set": gradient 1)
+    return _AttachLoss.apply(output, loss, None if scale != scale else scale)
+
+
+def _queries(layer: HybridAttention, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """``HybridAttention.queries`` with the recomputed head projection as a custom op."""
+    cfg = layer.config
+    if not cfg.recompute_projections:
+        return layer.queries(x, cos, sin)
+    qr = layer.q_a_norm(layer.q_a_proj(x))
+    q = query_heads_op(qr, cos, sin, layer.q_b_proj.weight, cfg.num_heads, cfg.rms_norm_eps, layer.recompute_rows())
+    return q, qr
+
+
+def _output(layer: HybridAttention, o: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``HybridAttention.output`` with the recomputed projection as a custom op."""
+    cfg = layer.config
+    if not cfg.recompute_projections:
+        return layer.output(o, cos, sin)
+    return output_proj_op(o, cos, sin, layer.o_a_proj.weight, layer.o_b_proj.weight, cfg.o_groups,
+                          layer.recompute_rows())
 
 
 def capture_safe_forward(layer: HybridAttention, hidden_states: Tensor, packed: Any = None, cp: Any = None) -> Tensor:
@@ -107,7 +157,7 @@ def capture_safe_forward_packed(layer: HybridAttention, x: Tensor, packed: Stati
     backend = layer.backend_for(x)
     rows = packed.rows(x.device)
     cos, sin = layer.rope_tables(rows.pos, x.dtype)
-    q, qr = layer.queries(x, cos, sin)
+    q, qr = _queries(layer, x, cos, sin)
     kv = layer.raw_kv(x, cos, sin)
     window_ids = window_indices(rows.pos, rows.real, cfg.sliding_window)
 
@@ -137,5 +187,5 @@ def capture_safe_forward_packed(layer: HybridAttention, x: Tensor, packed: Stati
             meta.max_visible, cfg.workspace_bytes, layer.backend_for(q_idx),
         )
         layer.last_indexer_loss = kl.detach()
-        o = attach_indexer_loss(o, kl * cfg.indexer_loss_coeff)
-    return layer.output(o, cos, sin)
+        o = _attach_indexer_loss(o, kl * cfg.indexer_loss_coeff)
+    return _output(layer, o, cos, sin)

@@ -1,0 +1,116 @@
+"""The layer's recomputed projections (query heads, output projection) as ``torch.library`` custom ops.
+
+``HybridAttention`` recomputes them block by block in the backward through an autograd function that calls
+``torch.autograd.grad``, which ``torch.compile`` cannot trace. As custom ops they are opaque nodes with fake
+implementations; the forward and the backward ops run that same row-chunked code, so values and gradients
+equal the default path's.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from ..layers.attention import _output_proj, _query_heads
+from ..layers.recompute import row_chunked
+from ..ops.sparse_attn.custom_ops import autograd_vjp
+
+__all__ = ["query_heads_op", "output_proj_op"]
+
+
+def _query(qr, cos, sin, weight, heads: int, eps: float, chunk_rows: int) -> Tensor:
+    return row_chunked(partial(_query_heads, heads=heads, eps=eps), (qr, cos, sin), (weight,), chunk_rows)
+
+
+def _output(o, cos, sin, w_a, w_b, groups: int, chunk_rows: int) -> Tensor:
+    return row_chunked(partial(_output_proj, groups=groups), (o, cos, sin), (w_a, w_b), chunk_rows)
+
+
+@torch.library.custom_op("csattn::query_heads", mutates_args=())
+def query_heads_op(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float,
+                   chunk_rows: int) -> Tensor:
+    """``qr [T, q_lora]`` -> ``q [T, H, d]`` (projection, per-head RMSNorm, RoPE), row-chunked."""
+    with torch.no_grad():
+        return _query(qr, cos, sin, weight, heads, eps, chunk_rows)
+
+
+@query_heads_op.register_fake
+def _(qr, cos, sin, weight, heads, eps, chunk_rows):
+    return qr.new_empty((qr.shape[0], heads, weight.shape[0] // heads))
+
+
+@torch.library.custom_op("csattn::query_heads_bwd", mutates_args=())
+def query_heads_bwd_op(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float,
+                       chunk_rows: int, grad: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dqr, dweight)`` (cos/sin are position tables without gradient)."""
+    def fwd(qr_, w_):
+        return _query(qr_, cos, sin, w_, heads, eps, chunk_rows)
+
+    dqr, dw = autograd_vjp(fwd, (qr, weight), (True, True), (grad,))
+    return dqr, dw
+
+
+@query_heads_bwd_op.register_fake
+def _(qr, cos, sin, weight, heads, eps, chunk_rows, grad):
+    return torch.empty_like(qr), torch.empty_like(weight)
+
+
+def _query_setup(ctx, inputs, output):
+    qr, cos, sin, weight, heads, eps, chunk_rows = inputs
+    ctx.save_for_backward(qr, cos, sin, weight)
+    ctx.args = (heads, eps, chunk_rows)
+
+
+def _query_backward(ctx, grad):
+    qr, cos, sin, weight = ctx.saved_tensors
+    dqr, dw = query_heads_bwd_op(qr, cos, sin, weight, *ctx.args, grad)
+    return dqr, None, None, dw, None, None, None
+
+
+query_heads_op.register_autograd(_query_backward, setup_context=_query_setup)
+
+
+@torch.library.custom_op("csattn::output_proj", mutates_args=())
+def output_proj_op(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int,
+                   chunk_rows: int) -> Tensor:
+    """``o [T, H, d]`` -> ``[T, D]`` (inverse RoPE, grouped ``o_a_proj``, ``o_b_proj``), row-chunked."""
+    with torch.no_grad():
+        return _output(o, cos, sin, w_a, w_b, groups, chunk_rows)
+
+
+@output_proj_op.register_fake
+def _(o, cos, sin, w_a, w_b, groups, chunk_rows):
+    return o.new_empty((o.shape[0], w_b.shape[0]))
+
+
+@torch.library.custom_op("csattn::output_proj_bwd", mutates_args=())
+def output_proj_bwd_op(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int,
+                       chunk_rows: int, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(do, dw_a, dw_b)``."""
+    def fwd(o_, a_, b_):
+        return _output(o_, cos, sin, a_, b_, groups, chunk_rows)
+
+    do, da, db = autograd_vjp(fwd, (o, w_a, w_b), (True, True, True), (grad,))
+    return do, da, db
+
+
+@output_proj_bwd_op.register_fake
+def _(o, cos, sin, w_a, w_b, groups, chunk_rows, grad):
+    return torch.empty_like(o), torch.empty_like(w_a), torch.empty_like(w_b)
+
+
+def _output_setup(ctx, inputs, output):
+    o, cos, sin, w_a, w_b, groups, chunk_rows = inputs
+    ctx.save_for_backward(o, cos, sin, w_a, w_b)
+    ctx.args = (groups, chunk_rows)
+
+
+def _output_backward(ctx, grad):
+    o, cos, sin, w_a, w_b = ctx.saved_tensors
+    do, da, db = output_proj_bwd_op(o, cos, sin, w_a, w_b, *ctx.args, grad)
+    return do, None, None, da, db, None, None
+
+
+output_proj_op.register_autograd(_output_backward, setup_context=_output_setup)
