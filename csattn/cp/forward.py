@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..layers.attention import CompressedRange
 from ..ops.indexer_loss import attach_indexer_loss
-from ..ops.indices import range_indices
 from ..packing import PackedSeqs
 from .gather import start_gather_rows
 from .halo import finish_halo_exchange, start_halo_exchange
@@ -77,7 +77,8 @@ def cp_attention_forward(layer: Any, x_local: Tensor, packed_global: Any, cp: An
             ckv = x_local.new_zeros(0, cfg.head_dim)
             keys = x_local.new_zeros(0, cfg.index_head_dim)
         if cfg.layer_type == "hca":
-            compressed_ids = range_indices(plan.vis_start, plan.vis_end, plan.max_visible)
+            # expanded one row chunk at a time inside attend: never [T/P, T/r] ids at once
+            compressed_ids = CompressedRange(plan.vis_start, plan.vis_end, plan.max_visible)
         else:
             if pending is None:  # keep the indexer parameters in the graph, as the single-process layer does
                 keys = layer.index_keys(x_ext, plan.local_meta)
