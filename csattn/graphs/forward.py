@@ -116,8 +116,15 @@ def capture_safe_forward(layer: HybridAttention, hidden_states: Tensor, packed: 
 
 def _compress(comp: Compressor, x: Tensor, meta: StaticCompressMeta, inv_freq: Tensor, backend: str) -> Tensor:
     """``Compressor.compress`` through the custom op: ``[capacity, dim]``."""
-    pooled = compress_pool_op(comp.kv_proj(x), comp.gate_proj(x), comp.position_bias, meta.entry_row,
-                              meta.entry_first, comp.ratio, comp.overlap, backend)
+    kv, gate, entry_row = comp.kv_proj(x), comp.gate_proj(x), meta.entry_row
+    if backend == "triton" and meta.capacity:
+        # The fused backward stores (does not accumulate) each row's gradient, so a tail slot pooling rows
+        # [0, r) would overwrite entry 0's. Tail slots there pool a zero scratch block after the stream.
+        kv = torch.nn.functional.pad(kv, (0, 0, 0, comp.ratio))
+        gate = torch.nn.functional.pad(gate, (0, 0, 0, comp.ratio))
+        entry_row = torch.where(meta.entry_valid, entry_row, x.shape[0])
+    pooled = compress_pool_op(kv, gate, comp.position_bias, entry_row, meta.entry_first, comp.ratio, comp.overlap,
+                              backend)
     return comp.finish(pooled, meta.entry_pos, inv_freq)
 
 

@@ -9,7 +9,8 @@ boundaries differ (same ``T``, same number of documents, same ``max_seqlen``).
 Compressed entries are laid out over a static capacity ``min(T // r, num_docs * (max_seqlen // r))``: the
 real entries first (the same ids as ``PackedSeqs.compress``), then tail slots. A tail slot pools rows
 ``[0, r)`` as a harmless first entry; no row's visible range ``[vis_start, vis_end)`` ever reaches it, so
-it never changes a result and receives a zero gradient.
+it never changes a result and receives a zero gradient. (On the fused backend, whose backward stores rather
+than accumulates row gradients, the layer points tail slots at a zero scratch block after the stream instead.)
 """
 
 from __future__ import annotations
