@@ -182,12 +182,23 @@ def test_capture_safe_equals_default(layer_type, extra, pack, assert_close):
             assert_close(loss, ref_loss, 1e-12, "indexer loss")
 
 
-@pytest.mark.parametrize("layer_type", ["sliding", "csa", "hca"])
-def test_capture_safe_has_no_host_sync(layer_type):
-    cfg = tiny_config(layer_type, capture_safe=True, workspace_bytes=4096)
+@pytest.mark.parametrize("layer_type,extra", [("sliding", {}), ("csa", {}), ("csa", {"indexer_loss_type": "dense"}),
+                                              ("hca", {})], ids=["W", "CSA", "CSA_dense", "HCA"])
+def test_capture_safe_has_no_host_sync(layer_type, extra, monkeypatch):
+    cfg = tiny_config(layer_type, capture_safe=True, workspace_bytes=4096, **extra)
     layer = random_layer(cfg)
     _, static = _static(*PACKS["padded"])
     x = torch.randn(static.num_rows, 32, dtype=torch.float64, requires_grad=True)
+
+    def no_checkpoint(*args, **kwargs):
+        raise AssertionError("torch.utils.checkpoint saves the RNG state, which CUDA graph capture forbids")
+
+    import csattn.graphs.select
+    import csattn.ops.indexer_loss.naive
+    import csattn.ops.sparse_attn.naive
+
+    for module in (csattn.graphs.select, csattn.ops.indexer_loss.naive, csattn.ops.sparse_attn.naive):
+        monkeypatch.setattr(module, "checkpoint", no_checkpoint)
     with NoHostSync():
         y = layer(x, packed=static)
         y.square().sum().backward()

@@ -13,9 +13,11 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..ops.indexer.naive import indexer_scores_ref
-from ..ops.indexer_loss.naive import _teacher_mass, kl_from_logits
+from ..ops.indexer_loss.naive import _sparse_chunk, _teacher_mass, kl_from_logits
+from ..ops.sparse_attn.custom_ops import autograd_vjp
 
-__all__ = ["static_row_chunks", "indexer_topk_static", "indexer_kl_loss_dense_static"]
+__all__ = ["static_row_chunks", "indexer_topk_static", "indexer_kl_loss_dense_static",
+           "indexer_kl_loss_static_bwd_ref"]
 
 
 def static_row_chunks(num_rows: int, bytes_per_row: int, budget: int) -> list[tuple[int, int]]:
@@ -116,3 +118,38 @@ def indexer_kl_loss_dense_static(
         part = checkpoint(_dense_window_chunk, *args, use_reentrant=False) if use_ckpt else _dense_window_chunk(*args)
         total = total + part
     return total
+
+
+def indexer_kl_loss_static_bwd_ref(
+    q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor, ckv: Tensor, lse: Tensor, scale: float,
+    row_weight: Tensor, selected: Tensor | None, vis_start: Tensor, vis_end: Tensor, width: int,
+    workspace_bytes: int, grad: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq_idx, dw, dk_idx)`` of the reference loss (sparse: the ``indexer_kl_loss_ref`` chunks; dense: the
+    static window chunks), recomputed and differentiated chunk by chunk; ``grad`` is the loss's gradient."""
+    dq_idx, dw, dk_idx = torch.zeros_like(q_idx), torch.zeros_like(w), torch.zeros_like(k_idx)
+    if k_idx.shape[0] == 0 or q_idx.shape[0] == 0 or (selected is None and width < 1):
+        return dq_idx, dw, dk_idx
+    q, ckv, lse = q.detach(), ckv.detach(), lse.detach()
+    compute = torch.promote_types(q_idx.dtype, torch.float32)
+    heads = q.shape[1] + 2 * q_idx.shape[1]
+    row_bytes = (q.shape[2] + q_idx.shape[2]) * compute.itemsize
+    if selected is not None:  # the row chunks of indexer_kl_loss_ref's sparse loss
+        per_row = selected.shape[1] * (heads * compute.itemsize + row_bytes)
+        step = max(1, workspace_bytes // max(per_row, 1))
+        chunks = [(lo, min(lo + step, q_idx.shape[0])) for lo in range(0, q_idx.shape[0], step)]
+    else:
+        chunks = static_row_chunks(q_idx.shape[0], width * (heads * compute.itemsize + row_bytes), workspace_bytes)
+    for lo, hi in chunks:
+        if selected is not None:
+            def chunk(a, b, k, lo=lo, hi=hi):
+                return _sparse_chunk(a, b, k, q[lo:hi], ckv, lse[lo:hi], selected[lo:hi], row_weight[lo:hi], scale)
+        else:
+            def chunk(a, b, k, lo=lo, hi=hi):
+                return _dense_window_chunk(a, b, k, q[lo:hi], ckv, lse[lo:hi], vis_start[lo:hi], vis_end[lo:hi],
+                                           row_weight[lo:hi], scale, width)
+        g_q, g_w, g_k = autograd_vjp(chunk, (q_idx[lo:hi], w[lo:hi], k_idx), (True, True, True), (grad,))
+        dq_idx[lo:hi] = g_q
+        dw[lo:hi] = g_w
+        dk_idx += g_k
+    return dq_idx, dw, dk_idx

@@ -52,7 +52,14 @@ def indexer_kl_loss_bwd_op(
     row_weight: Tensor, selected: Tensor | None, vis_start: Tensor, vis_end: Tensor, width: int,
     workspace_bytes: int, backend: str, grad: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq_idx, dw, dk_idx)`` by recomputation."""
+    """``(dq_idx, dw, dk_idx)`` by recomputation (the reference one row chunk at a time, without
+    ``torch.utils.checkpoint``, which CUDA graph capture does not allow)."""
+    if backend == "reference":
+        from ...graphs.select import indexer_kl_loss_static_bwd_ref  # lazy: the graphs package imports the ops
+
+        return indexer_kl_loss_static_bwd_ref(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected,
+                                              vis_start, vis_end, width, workspace_bytes, grad)
+
     def fwd(q_idx_, w_, k_idx_):
         return indexer_kl_loss_static(q_idx_, w_, k_idx_, q, ckv, lse, scale, row_weight, selected, vis_start,
                                       vis_end, width, workspace_bytes, backend)

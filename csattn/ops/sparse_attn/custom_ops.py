@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from . import sparse_attn as _sparse_attn
+from .naive import sparse_attn_chunk
 
 __all__ = ["sparse_attn_op", "autograd_vjp", "recording_autograd"]
 
@@ -86,11 +87,28 @@ def sparse_attn_bwd_op(
     q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float, chunk_rows: int, backend: str,
     do: Tensor, dlse: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dkv, dsink)`` of :func:`sparse_attn_op` by recomputation."""
-    def fwd(q_, kv_, sink_):
-        return _sparse_attn(q_, kv_, indices, sink_, scale, chunk_rows=chunk_rows, backend=backend)
+    """``(dq, dkv, dsink)`` of :func:`sparse_attn_op` by recomputation.
 
-    dq, dkv, dsink = autograd_vjp(fwd, (q, kv, sink), (True, True, True), (do, dlse))
+    The reference is recomputed and differentiated one row chunk at a time (what its checkpointed backward
+    does), without ``torch.utils.checkpoint``, whose RNG-state bookkeeping is not allowed in CUDA graph capture.
+    """
+    if backend != "reference":
+        def fwd(q_, kv_, sink_):
+            return _sparse_attn(q_, kv_, indices, sink_, scale, chunk_rows=chunk_rows, backend=backend)
+
+        dq, dkv, dsink = autograd_vjp(fwd, (q, kv, sink), (True, True, True), (do, dlse))
+        return dq, dkv, dsink
+    dq, dkv, dsink = torch.zeros_like(q), torch.zeros_like(kv), torch.zeros_like(sink)
+    for lo in range(0, q.shape[0], max(1, chunk_rows)):
+        hi = min(lo + max(1, chunk_rows), q.shape[0])
+
+        def chunk(q_, kv_, sink_, lo=lo, hi=hi):
+            return sparse_attn_chunk(q_, kv_, indices[lo:hi], sink_, scale)
+
+        g_q, g_kv, g_sink = autograd_vjp(chunk, (q[lo:hi], kv, sink), (True, True, True), (do[lo:hi], dlse[lo:hi]))
+        dq[lo:hi] = g_q
+        dkv += g_kv
+        dsink += g_sink
     return dq, dkv, dsink
 
 
