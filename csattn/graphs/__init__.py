@@ -1,6 +1,7 @@
 """Capture-safe execution (CUDA graphs, ``torch.compile``): static packed metadata built on the device from
 ``cu_seqlens``, a forward of the attention layer without host syncs, and a dispatch mode that checks it."""
 
+from .capture import CapturedLayerStep
 from .forward import capture_safe_forward, capture_safe_forward_packed
 from .nosync import HostSyncError, NoHostSync
 from .select import indexer_kl_loss_dense_static, indexer_topk_static
@@ -10,5 +11,5 @@ __all__ = [
     "StaticPackedSeqs", "StaticRowMeta", "StaticCompressMeta", "compressed_capacity",
     "capture_safe_forward", "capture_safe_forward_packed",
     "indexer_topk_static", "indexer_kl_loss_dense_static",
-    "NoHostSync", "HostSyncError",
+    "NoHostSync", "HostSyncError", "CapturedLayerStep",
 ]
