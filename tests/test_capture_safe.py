@@ -209,3 +209,19 @@ def test_capture_safe_has_no_host_sync(layer_type, extra, monkeypatch):
     if layer_type != "sliding":
         with NoHostSync(), pytest.raises(HostSyncError):
             layer(x, packed=packed)
+
+
+@pytest.mark.parametrize("layer_type", ["csa", "hca"])
+def test_capture_safe_batch_and_single_document_input(layer_type, assert_close):
+    cfg = tiny_config(layer_type)
+    layer = random_layer(cfg)
+    g = torch.Generator().manual_seed(2)
+    for shape in ((2, 19, 32), (23, 32)):  # [B, S, D], and [T, D] without packed= (one document)
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        dy = torch.randn(*shape, generator=g, dtype=torch.float64)
+        layer.config = cfg
+        ref, _ = _run(layer, x, dy, None)
+        layer.config = dataclasses.replace(cfg, capture_safe=True)
+        got, _ = _run(layer, x, dy, None)
+        assert got["y"].shape == x.shape
+        _compare(got, ref, assert_close)
