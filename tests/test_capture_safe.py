@@ -225,3 +225,24 @@ def test_capture_safe_batch_and_single_document_input(layer_type, assert_close):
         got, _ = _run(layer, x, dy, None)
         assert got["y"].shape == x.shape
         _compare(got, ref, assert_close)
+
+
+def test_capture_safe_keeps_the_indexer_loss_scale(assert_close):
+    from csattn import IndexerLossAutoScaler
+
+    cfg = tiny_config("csa")
+    layer = random_layer(cfg)
+    packed, static = _static(*PACKS["padded"])
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(static.num_rows, 32, generator=g, dtype=torch.float64)
+    dy = torch.randn(static.num_rows, 32, generator=g, dtype=torch.float64)
+    IndexerLossAutoScaler.set_loss_scale(0.25)
+    try:
+        ref, _ = _run(layer, x, dy, packed)
+        got, _ = _run(layer, x, dy, static)
+    finally:
+        IndexerLossAutoScaler.main_loss_backward_scale = None
+    unscaled, _ = _run(layer, x, dy, static)
+    _compare(got, ref, assert_close)
+    name = "compressor.indexer.q_b_proj.weight"  # trained by the indexer loss only
+    assert_close(got[name], 0.25 * unscaled[name], 1e-12, name)

@@ -72,8 +72,7 @@ def sparse_attn_op(
 ) -> tuple[Tensor, Tensor]:
     """``(o [T, H, d], lse [T, H])``: :func:`csattn.ops.sparse_attn.sparse_attn` as one op."""
     with torch.no_grad():
-        o, lse = _sparse_attn(q, kv, indices, sink, scale, chunk_rows=chunk_rows, backend=backend)
-    return o.clone() if o is q else o, lse
+        return _sparse_attn(q, kv, indices, sink, scale, chunk_rows=chunk_rows, backend=backend)
 
 
 @sparse_attn_op.register_fake
