@@ -7,7 +7,6 @@ and running each document alone (which must be rounding only).
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 
 import torch
 
@@ -106,6 +105,3 @@ def run_demo(args: argparse.Namespace) -> int:
         return run_cp_demo(args)
     return 0
 
-
-def _config_summary(cfg: AttentionConfig) -> str:
-    return str(replace(cfg))

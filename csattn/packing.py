@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["PackedSeqs", "RowMeta", "CompressMeta", "validate_cu_seqlens"]
+__all__ = [
+    "PackedSeqs", "RowMeta", "CompressMeta", "validate_cu_seqlens", "row_layout", "entry_layout",
+]
 
 
 def validate_cu_seqlens(
@@ -49,6 +51,51 @@ def validate_cu_seqlens(
     if num_rows is not None and int(host[-1]) != num_rows:
         raise ValueError(f"{name}[-1] = {int(host[-1])} must equal the number of rows ({num_rows})")
     return cu.to(torch.int64)
+
+
+def row_layout(cu_padded: Tensor, cu_real: Tensor, num_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per-row document id, position and real flag, plus per-document start row and real length.
+
+    Pure device work (no host read), shared by :class:`PackedSeqs` and the capture-safe metadata.
+
+    Returns:
+        ``doc [T]``, ``pos [T]``, ``real [T]`` (bool), ``doc_start [N]``, ``real_len [N]`` (int64).
+    """
+    pad = cu_padded.to(torch.int64)
+    real = cu_real.to(device=pad.device, dtype=torch.int64)
+    row = torch.arange(num_rows, device=pad.device)
+    doc = torch.bucketize(row, pad[1:], right=True).clamp_(max=pad.numel() - 2)
+    pos = row - pad[doc]
+    real_len = real[1:] - real[:-1]
+    return doc, pos, pos < real_len[doc], pad[:-1], real_len
+
+
+def entry_layout(
+    rows: Any, ratio: int, num_slots: int | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Compressed-entry layout of ratio ``r`` (document ``b`` yields ``real_len[b] // r`` entries).
+
+    Args:
+        rows: a :class:`RowMeta`-like object (``doc``, ``pos``, ``real``, ``doc_start``, ``real_len``).
+        ratio: r.
+        num_slots: entry slots to lay out; None = exactly the real entries (one host read of their count).
+            Slots past the real count belong to no document (their ``local`` is meaningless).
+
+    Returns:
+        ``cu_comp [N+1]``, ``local [slots]`` (entry index inside its document), ``entry_row [slots]`` (first row
+        of the entry's block), ``vis_start [T]``, ``vis_end [T]`` (the ids row t may see).
+    """
+    n_comp = rows.real_len // ratio
+    cu_comp = torch.cat([n_comp.new_zeros(1), n_comp.cumsum(0)])
+    if num_slots is None:
+        num_slots = int(cu_comp[-1])
+    entry = torch.arange(num_slots, device=cu_comp.device)
+    entry_doc = torch.bucketize(entry, cu_comp[1:], right=True).clamp_(max=n_comp.numel() - 1)
+    local = entry - cu_comp[entry_doc]
+    visible = torch.minimum((rows.pos + 1) // ratio, n_comp[rows.doc])
+    visible = torch.where(rows.real, visible, torch.zeros_like(visible))
+    vis_start = cu_comp[rows.doc]
+    return cu_comp, local, rows.doc_start[entry_doc] + local * ratio, vis_start, vis_start + visible
 
 
 @dataclass
@@ -187,15 +234,9 @@ class PackedSeqs:
         device = device or self.cu_seqlens_padded.device
         key = ("rows", str(device))
         if key not in self._cache:
-            pad = self.cu_seqlens_padded.to(device=device, dtype=torch.int64)
-            real = self.cu_seqlens.to(device=device, dtype=torch.int64)
-            num_rows = int(pad[-1])
-            row = torch.arange(num_rows, device=device)
-            doc = torch.bucketize(row, pad[1:], right=True).clamp_(max=self.num_docs - 1)
-            pos = row - pad[doc]
-            real_len = real[1:] - real[:-1]
-            is_real = pos < real_len[doc]
-            self._cache[key] = RowMeta(doc, pos, is_real, pad[:-1], real_len, int(real_len.sum()))
+            pad = self.cu_seqlens_padded.to(device=device)
+            doc, pos, real, doc_start, real_len = row_layout(pad, self.cu_seqlens, int(pad[-1]))
+            self._cache[key] = RowMeta(doc, pos, real, doc_start, real_len, int(real_len.sum()))
         return self._cache[key]
 
     def compress(self, ratio: int, device: torch.device | None = None) -> CompressMeta:
@@ -205,19 +246,8 @@ class PackedSeqs:
         device = device or self.cu_seqlens_padded.device
         key = ("compress", ratio, str(device))
         if key not in self._cache:
-            rows = self.rows(device)
-            n_comp = rows.real_len // ratio
-            cu_comp = torch.zeros(self.num_docs + 1, dtype=torch.int64, device=device)
-            cu_comp[1:] = n_comp.cumsum(0)
-            num_entries = int(cu_comp[-1])
-            entry = torch.arange(num_entries, device=device)
-            entry_doc = torch.bucketize(entry, cu_comp[1:], right=True)
-            local = entry - cu_comp[entry_doc]
-            entry_row = rows.doc_start[entry_doc] + local * ratio
-            visible = torch.minimum((rows.pos + 1) // ratio, n_comp[rows.doc])
-            visible = torch.where(rows.real, visible, torch.zeros_like(visible))
-            vis_start = cu_comp[rows.doc]
-            max_visible = int(visible.max()) if visible.numel() else 0
+            cu_comp, local, entry_row, vis_start, vis_end = entry_layout(self.rows(device), ratio)
+            max_visible = int((vis_end - vis_start).max()) if vis_end.numel() else 0
             self._cache[key] = CompressMeta(
                 ratio=ratio,
                 cu_comp=cu_comp,
@@ -225,8 +255,8 @@ class PackedSeqs:
                 entry_first=local == 0,
                 entry_pos=local * ratio,
                 vis_start=vis_start,
-                vis_end=vis_start + visible,
-                num_entries=num_entries,
+                vis_end=vis_end,
+                num_entries=local.numel(),
                 max_visible=max_visible,
             )
         return self._cache[key]

@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from ..layers.attention import CompressedRange
-from ..ops.indexer_loss import attach_indexer_loss
 from ..packing import PackedSeqs
 from .gather import start_gather_rows
 from .halo import finish_halo_exchange, start_halo_exchange
@@ -85,10 +84,6 @@ def cp_attention_forward(layer: Any, x_local: Tensor, packed_global: Any, cp: An
             compressed_ids, loss_inputs = layer.select(x_local, qr, cos, sin, keys, plan.vis_start, plan.vis_end)
     o, lse = layer.attend(q, kv, ckv, plan.window_ids, compressed_ids)
 
-    layer.last_indexer_loss = None
-    if loss_inputs is not None and layer.wants_indexer_loss():
-        row_weight = plan.real_local.to(lse.dtype) / max(plan.num_real, 1)
-        loss = layer.indexer_loss(loss_inputs, q, ckv, lse, row_weight, compressed_ids, plan.vis_start,
-                                  plan.vis_end)
-        o = attach_indexer_loss(o, loss)
+    o = layer.with_indexer_loss(o, loss_inputs, q, ckv, lse, plan.real_local, plan.num_real, compressed_ids,
+                                plan.vis_start, plan.vis_end)
     return layer.output(o, cos, sin)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..ops.compressor.custom_ops import compress_pool_op
 from ..ops.indexer.custom_ops import indexer_topk_static_op
-from ..ops.indexer_loss import IndexerLossAutoScaler
+from ..ops.indexer_loss import IndexerLossAutoScaler, attach_indexer_loss
 from ..ops.indexer_loss.custom_ops import indexer_kl_loss_op
 from ..ops.indices import combine_indices, range_indices, window_indices
 from ..ops.sparse_attn.custom_ops import sparse_attn_op
@@ -36,32 +36,15 @@ if TYPE_CHECKING:
 __all__ = ["capture_safe_forward", "capture_safe_forward_packed"]
 
 
-class _AttachLoss(torch.autograd.Function):
-    """``IndexerLossAutoScaler`` with the loss scale read once in the forward (a host float fixed at capture or
-    trace time) instead of a class attribute read in the backward, which ``torch.compile`` cannot trace."""
-
-    @staticmethod
-    def forward(ctx, output: Tensor, loss: Tensor, scale: float | None) -> Tensor:
-        ctx.scale = scale
-        ctx.save_for_backward(loss)
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        (loss,) = ctx.saved_tensors
-        grad_loss = torch.ones_like(loss) if ctx.scale is None else torch.ones_like(loss) * ctx.scale
-        return grad_output, grad_loss, None
-
-
 @torch.compiler.assume_constant_result
 def _loss_scale() -> float:
     scale = IndexerLossAutoScaler.main_loss_backward_scale
-    return float("nan") if scale is None else float(scale)
+    return 1.0 if scale is None else float(scale)
 
 
 def _attach_indexer_loss(output: Tensor, loss: Tensor) -> Tensor:
-    scale = _loss_scale()  # a constant to torch.compile (NaN stands for "not set": gradient 1)
-    return _AttachLoss.apply(output, loss, None if scale != scale else scale)
+    # the scale is frozen in the forward: a constant to torch.compile and to a captured graph
+    return attach_indexer_loss(output, loss, _loss_scale())
 
 
 def _queries(layer: HybridAttention, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:

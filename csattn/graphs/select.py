@@ -12,18 +12,20 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ..ops.indexer.naive import indexer_scores_ref
-from ..ops.indexer_loss.naive import _sparse_chunk, _teacher_mass, kl_from_logits
+from ..ops.indexer.naive import fixed_row_chunks, indexer_scores_ref
+from ..ops.indexer_loss.naive import _sparse_chunk, _teacher_mass, kl_from_logits, sparse_loss_chunks
 from ..ops.sparse_attn.custom_ops import autograd_vjp
 
-__all__ = ["static_row_chunks", "indexer_topk_static", "indexer_kl_loss_dense_static",
+__all__ = ["indexer_topk_static", "indexer_kl_loss_dense_static",
            "indexer_kl_loss_static_bwd_ref"]
 
 
-def static_row_chunks(num_rows: int, bytes_per_row: int, budget: int) -> list[tuple[int, int]]:
-    """``(lo, hi)`` chunks of one fixed height that keeps ``height * bytes_per_row`` within ``budget``."""
-    step = max(1, budget // max(bytes_per_row, 1))
-    return [(lo, min(lo + step, num_rows)) for lo in range(0, num_rows, step)]
+def _dense_window_chunks(q_idx: Tensor, q: Tensor, width: int, workspace_bytes: int) -> list[tuple[int, int]]:
+    """Row chunks of the static dense loss: ``width`` candidates per row, each with ``[H + 2 HI]`` logits and a
+    gathered ``d + cI`` row."""
+    itemsize = torch.promote_types(q_idx.dtype, torch.float32).itemsize
+    per_row = width * (q.shape[1] + 2 * q_idx.shape[1] + q.shape[2] + q_idx.shape[2]) * itemsize
+    return fixed_row_chunks(q_idx.shape[0], per_row, workspace_bytes)
 
 
 def _window(vis_start: Tensor, vis_end: Tensor, width: int, num_keys: int) -> tuple[Tensor, Tensor]:
@@ -71,7 +73,7 @@ def indexer_topk_static(
         return out
     elsize = torch.promote_types(q.dtype, torch.float32).itemsize
     per_row = width * (2 * q.shape[1] * elsize + k.shape[1] * k.element_size())
-    for lo, hi in static_row_chunks(num_rows, per_row, workspace_bytes):
+    for lo, hi in fixed_row_chunks(num_rows, per_row, workspace_bytes):
         ids, valid = _window(vis_start[lo:hi], vis_end[lo:hi], width, k.shape[0])
         scores = indexer_scores_ref(q[lo:hi], w[lo:hi], k[ids]).masked_fill(~valid, float("-inf"))
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :topk]
@@ -109,10 +111,8 @@ def indexer_kl_loss_dense_static(
     if k_idx.shape[0] == 0 or q_idx.shape[0] == 0 or width < 1:
         return (q_idx.sum() + w.sum() + k_idx.sum()).to(compute) * 0
     use_ckpt = torch.is_grad_enabled() and (q_idx.requires_grad or w.requires_grad or k_idx.requires_grad)
-    heads = q.shape[1] + 2 * q_idx.shape[1]
-    per_row = width * (heads * compute.itemsize + (q.shape[2] + q_idx.shape[2]) * compute.itemsize)
     total = q_idx.new_zeros((), dtype=compute)
-    for lo, hi in static_row_chunks(q_idx.shape[0], per_row, workspace_bytes):
+    for lo, hi in _dense_window_chunks(q_idx, q, width, workspace_bytes):
         args = (q_idx[lo:hi], w[lo:hi], k_idx, q[lo:hi], ckv, lse[lo:hi], vis_start[lo:hi], vis_end[lo:hi],
                 row_weight[lo:hi], scale, width)
         part = checkpoint(_dense_window_chunk, *args, use_reentrant=False) if use_ckpt else _dense_window_chunk(*args)
@@ -131,15 +131,10 @@ def indexer_kl_loss_static_bwd_ref(
     if k_idx.shape[0] == 0 or q_idx.shape[0] == 0 or (selected is None and width < 1):
         return dq_idx, dw, dk_idx
     q, ckv, lse = q.detach(), ckv.detach(), lse.detach()
-    compute = torch.promote_types(q_idx.dtype, torch.float32)
-    heads = q.shape[1] + 2 * q_idx.shape[1]
-    row_bytes = (q.shape[2] + q_idx.shape[2]) * compute.itemsize
     if selected is not None:  # the row chunks of indexer_kl_loss_ref's sparse loss
-        per_row = selected.shape[1] * (heads * compute.itemsize + row_bytes)
-        step = max(1, workspace_bytes // max(per_row, 1))
-        chunks = [(lo, min(lo + step, q_idx.shape[0])) for lo in range(0, q_idx.shape[0], step)]
+        chunks = sparse_loss_chunks(q_idx, q, selected, workspace_bytes)
     else:
-        chunks = static_row_chunks(q_idx.shape[0], width * (heads * compute.itemsize + row_bytes), workspace_bytes)
+        chunks = _dense_window_chunks(q_idx, q, width, workspace_bytes)
     for lo, hi in chunks:
         if selected is not None:
             def chunk(a, b, k, lo=lo, hi=hi):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..packing import PackedSeqs, validate_cu_seqlens
+from ..packing import PackedSeqs, entry_layout, row_layout, validate_cu_seqlens
 
 __all__ = ["StaticPackedSeqs", "StaticRowMeta", "StaticCompressMeta", "compressed_capacity"]
 
@@ -143,14 +143,9 @@ class StaticPackedSeqs:
         device = device or self.cu_seqlens_padded.device
         key = ("rows", str(device))
         if key not in self._cache:
-            pad = self.cu_seqlens_padded.to(device=device, dtype=torch.int64)
-            real = self.cu_seqlens.to(device=device, dtype=torch.int64)
-            row = torch.arange(self.num_rows, device=device)
-            doc = torch.bucketize(row, pad[1:], right=True).clamp_(max=self.num_docs - 1)
-            pos = row - pad[doc]
-            real_len = real[1:] - real[:-1]
-            is_real = pos < real_len[doc]
-            self._cache[key] = StaticRowMeta(doc, pos, is_real, pad[:-1], real_len, real_len.sum())
+            doc, pos, real, doc_start, real_len = row_layout(
+                self.cu_seqlens_padded.to(device), self.cu_seqlens, self.num_rows)
+            self._cache[key] = StaticRowMeta(doc, pos, real, doc_start, real_len, real_len.sum())
         return self._cache[key]
 
     def compress(self, ratio: int, device: torch.device | None = None) -> StaticCompressMeta:
@@ -160,29 +155,21 @@ class StaticPackedSeqs:
         device = device or self.cu_seqlens_padded.device
         key = ("compress", ratio, str(device))
         if key not in self._cache:
-            rows = self.rows(device)
             capacity = self.capacity(ratio)
-            n_comp = rows.real_len // ratio
-            cu_comp = torch.cat([n_comp.new_zeros(1), n_comp.cumsum(0)])
-            entry = torch.arange(capacity, device=device)
-            entry_doc = torch.bucketize(entry, cu_comp[1:], right=True).clamp_(max=self.num_docs - 1)
-            local = entry - cu_comp[entry_doc]
-            valid = entry < cu_comp[-1]
-            zero = entry.new_zeros(())
-            visible = torch.minimum((rows.pos + 1) // ratio, n_comp[rows.doc])
-            visible = torch.where(rows.real, visible, torch.zeros_like(visible))
-            vis_start = cu_comp[rows.doc]
+            cu_comp, local, entry_row, vis_start, vis_end = entry_layout(self.rows(device), ratio, capacity)
+            valid = torch.arange(capacity, device=cu_comp.device) < cu_comp[-1]
+            zero = local.new_zeros(())
             self._cache[key] = StaticCompressMeta(
                 ratio=ratio,
                 capacity=capacity,
                 max_visible=min(self.max_seqlen // ratio, capacity),
                 cu_comp=cu_comp,
-                entry_row=torch.where(valid, rows.doc_start[entry_doc] + local * ratio, zero),
+                entry_row=torch.where(valid, entry_row, zero),
                 entry_first=(local == 0) | ~valid,
                 entry_pos=torch.where(valid, local * ratio, zero),
                 entry_valid=valid,
                 vis_start=vis_start,
-                vis_end=vis_start + visible,
+                vis_end=vis_end,
                 num_entries=cu_comp[-1],
             )
         return self._cache[key]

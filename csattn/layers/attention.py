@@ -246,11 +246,9 @@ class HybridAttention(nn.Module):
         o, lse = self.attend(q, kv, ckv, window_ids, compressed_ids)
 
         self.last_indexer_loss = None
-        if loss_inputs is not None and self.wants_indexer_loss():
-            row_weight = rows.real.to(lse.dtype) / max(rows.num_real, 1)
-            loss = self.indexer_loss(loss_inputs, q, ckv, lse, row_weight, compressed_ids, meta.vis_start,
-                                     meta.vis_end)
-            o = attach_indexer_loss(o, loss)
+        if loss_inputs is not None:
+            o = self.with_indexer_loss(o, loss_inputs, q, ckv, lse, rows.real, rows.num_real, compressed_ids,
+                                       meta.vis_start, meta.vis_end)
         return self.output(o, cos, sin)
 
     def index_keys(self, x: Tensor, meta: CompressMeta, row_offset: int = 0) -> Tensor:
@@ -284,29 +282,38 @@ class HybridAttention(nn.Module):
                                 workspace_bytes=cfg.workspace_bytes, backend=self.backend_for(q_idx))
         return selected, (q_idx, w, index_keys)
 
-    def indexer_loss(
+    def with_indexer_loss(
         self,
-        loss_inputs: tuple[Tensor, Tensor, Tensor],
+        o: Tensor,
+        loss_inputs: tuple[Tensor, Tensor, Tensor] | None,
         q: Tensor,
         ckv: Tensor,
         lse: Tensor,
-        row_weight: Tensor,
+        real: Tensor,
+        num_real: int,
         selected: Tensor,
         vis_start: Tensor,
         vis_end: Tensor,
     ) -> Tensor:
-        """``coeff * sum_t row_weight[t] * KL_t``; logs the value in ``last_indexer_loss``."""
+        """Attach ``coeff * sum_t KL_t / num_real`` over the real rows to ``o`` (its gradient flows in ``o``'s
+        backward) and log the KL in ``last_indexer_loss``; ``o`` unchanged when no loss is wanted.
+
+        ``num_real`` is the number of real rows of the whole stream (global under context parallelism, so the
+        ranks' losses sum to the single-process loss).
+        """
+        self.last_indexer_loss = None
+        if loss_inputs is None or not self.wants_indexer_loss():
+            return o
         cfg = self.config
         q_idx, w, k_idx = loss_inputs
         kl = indexer_kl_loss(
-            q_idx, w, k_idx, q, ckv, lse, cfg.scale, row_weight,
+            q_idx, w, k_idx, q, ckv, lse, cfg.scale, real.to(lse.dtype) / max(num_real, 1),
             selected=selected if cfg.indexer_loss_type == "sparse" else None,
             vis_start=vis_start, vis_end=vis_end, workspace_bytes=cfg.workspace_bytes,
             backend=self.backend_for(q_idx),
         )
-        loss = kl * cfg.indexer_loss_coeff
         self.last_indexer_loss = kl.detach()
-        return loss
+        return attach_indexer_loss(o, kl * cfg.indexer_loss_coeff)
 
     # ------------------------------------------------------------------ input handling
     def _flatten(self, hidden_states: Tensor, packed: Any) -> tuple[Tensor, PackedSeqs, tuple | None]:

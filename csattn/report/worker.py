@@ -74,8 +74,6 @@ def _sync(device: torch.device) -> None:
 
 def _measure(job: Job, opts: dict, device: torch.device, cp) -> dict:
     """Time ``opts['steps']`` forward + backward steps of ``job`` on this rank; peak memory of one step."""
-    from ..cp import ContextParallel  # noqa: F401  (imported for the type of cp)
-
     dtype = getattr(torch, opts["dtype"])
     cfg = report_config(job.layer, opts["geometry"], "triton" if job.path == "triton" else "reference")
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["indexer_scores_ref", "indexer_topk_ref", "row_chunks"]
+__all__ = ["indexer_scores_ref", "indexer_topk_ref", "row_chunks", "fixed_row_chunks"]
 
 
 def indexer_scores_ref(q: Tensor, w: Tensor, k: Tensor) -> Tensor:
@@ -27,6 +27,12 @@ def indexer_scores_ref(q: Tensor, w: Tensor, k: Tensor) -> Tensor:
     else:
         logits = torch.einsum("rhc,rkc->rhk", q, k)
     return torch.einsum("rhk,rh->rk", logits.relu(), w)
+
+
+def fixed_row_chunks(num_rows: int, bytes_per_row: int, budget: int) -> list[tuple[int, int]]:
+    """``(lo, hi)`` row chunks of one fixed height that keeps ``height * bytes_per_row`` within ``budget``."""
+    step = max(1, budget // max(bytes_per_row, 1))
+    return [(lo, min(lo + step, num_rows)) for lo in range(0, num_rows, step)]
 
 
 def row_chunks(

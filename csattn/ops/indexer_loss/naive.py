@@ -7,9 +7,11 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ..indexer.naive import indexer_scores_ref, row_chunks
+from ..indexer.naive import fixed_row_chunks, indexer_scores_ref, row_chunks
 
-__all__ = ["indexer_kl_loss_ref", "kl_from_logits", "IndexerLossAutoScaler", "attach_indexer_loss"]
+__all__ = [
+    "indexer_kl_loss_ref", "sparse_loss_chunks", "kl_from_logits", "IndexerLossAutoScaler", "attach_indexer_loss",
+]
 
 
 def kl_from_logits(student: Tensor, teacher_mass: Tensor, valid: Tensor) -> Tensor:
@@ -59,6 +61,14 @@ def _dense_chunk(q_idx, w, k_slab, q, ckv_slab, lse, ids, vis_start, vis_end, ro
     return (kl_from_logits(student, mass, valid) * row_weight.to(compute)).sum()
 
 
+def sparse_loss_chunks(q_idx: Tensor, q: Tensor, selected: Tensor, workspace_bytes: int) -> list[tuple[int, int]]:
+    """Row chunks of the sparse loss: ``[H + 2 HI]`` logits and a gathered ``d + cI`` row per candidate."""
+    itemsize = torch.promote_types(q_idx.dtype, torch.float32).itemsize
+    heads = q.shape[1] + 2 * q_idx.shape[1]
+    per_row = selected.shape[1] * (heads + q.shape[2] + q_idx.shape[2]) * itemsize
+    return fixed_row_chunks(q_idx.shape[0], per_row, workspace_bytes)
+
+
 def indexer_kl_loss_ref(
     q_idx: Tensor,
     w: Tensor,
@@ -102,13 +112,8 @@ def indexer_kl_loss_ref(
     run = (lambda f, *a: checkpoint(f, *a, use_reentrant=False)) if use_ckpt else (lambda f, *a: f(*a))
     heads = q.shape[1] + 2 * q_idx.shape[1]
     total = q_idx.new_zeros((), dtype=compute)
-    num_rows = q_idx.shape[0]
     if selected is not None:
-        k = selected.shape[1]
-        per_row = k * (heads * compute.itemsize + (q.shape[2] + q_idx.shape[2]) * compute.itemsize)
-        step = max(1, workspace_bytes // max(per_row, 1))
-        for lo in range(0, num_rows, step):
-            hi = min(lo + step, num_rows)
+        for lo, hi in sparse_loss_chunks(q_idx, q, selected, workspace_bytes):
             total = total + run(
                 _sparse_chunk, q_idx[lo:hi], w[lo:hi], k_idx, q[lo:hi], ckv, lse[lo:hi],
                 selected[lo:hi], row_weight[lo:hi], scale,
@@ -130,21 +135,25 @@ def indexer_kl_loss_ref(
 class IndexerLossAutoScaler(torch.autograd.Function):
     """Identity on the attention output whose backward also sends ``d loss = loss_scale`` into the indexer
     loss, so one ``backward()`` of the language-model loss trains the indexer without the KL appearing in
-    the reported LM loss. ``set_loss_scale`` sets the main loss's scale (e.g. ``1 / num_microbatches``)."""
+    the reported LM loss. ``set_loss_scale`` sets the main loss's scale (e.g. ``1 / num_microbatches``); it is
+    read in the backward unless ``apply`` is given a fixed ``scale`` (captured graphs, ``torch.compile``)."""
 
     main_loss_backward_scale: Tensor | None = None
 
     @staticmethod
-    def forward(ctx, output: Tensor, loss: Tensor) -> Tensor:
+    def forward(ctx, output: Tensor, loss: Tensor, scale: float | None = None) -> Tensor:
+        ctx.scale = scale
         ctx.save_for_backward(loss)
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         (loss,) = ctx.saved_tensors
-        scale = IndexerLossAutoScaler.main_loss_backward_scale
-        grad_loss = torch.ones_like(loss) if scale is None else torch.ones_like(loss) * scale.to(loss)
-        return grad_output, grad_loss
+        scale = ctx.scale if ctx.scale is not None else IndexerLossAutoScaler.main_loss_backward_scale
+        grad_loss = torch.ones_like(loss)
+        if scale is not None:
+            grad_loss = grad_loss * (scale.to(loss) if isinstance(scale, Tensor) else scale)
+        return grad_output, grad_loss, None
 
     @staticmethod
     def set_loss_scale(scale: float | Tensor) -> None:
@@ -152,6 +161,7 @@ class IndexerLossAutoScaler(torch.autograd.Function):
         IndexerLossAutoScaler.main_loss_backward_scale = torch.as_tensor(scale, dtype=torch.float64)
 
 
-def attach_indexer_loss(output: Tensor, loss: Tensor) -> Tensor:
-    """Return ``output`` unchanged; its backward also back-propagates ``loss`` with the set loss scale."""
-    return IndexerLossAutoScaler.apply(output, loss)
+def attach_indexer_loss(output: Tensor, loss: Tensor, scale: float | None = None) -> Tensor:
+    """Return ``output`` unchanged; its backward also back-propagates ``loss`` with the loss scale (the one
+    set by ``IndexerLossAutoScaler.set_loss_scale`` at backward time, or ``scale`` when given)."""
+    return IndexerLossAutoScaler.apply(output, loss, scale)
