@@ -225,7 +225,7 @@ def indexer_scores_fwd(
 
 def _chunks(vis_start: Tensor, vis_end: Tensor, budget: int) -> tuple[list[tuple[int, int, int, int]], int]:
     """Row chunks of fixed height whose ``rows x slab`` 4-byte workspace fits ``budget``, and the widest
-    visible range (one host sync).
+    visible range (two host reads: the sizes, then the chunk bounds that depend on them).
 
     A suffix min of ``vis_start`` and a prefix max of ``vis_end`` bound every row of a chunk, so
     ``[starts[lo], ends[hi-1])`` covers it (tight for packed documents, whose ranges grow with the rows); the
@@ -235,13 +235,12 @@ def _chunks(vis_start: Tensor, vis_end: Tensor, budget: int) -> tuple[list[tuple
     ends = torch.cummax(vis_end, dim=0).values
     starts = torch.flip(torch.cummin(torch.flip(vis_start, (0,)), dim=0).values, (0,))
     los = torch.arange(0, num_rows, device=vis_start.device)
-    width = max(int(ends[-1] - starts[0]), 1)
-    height = max(64, budget // (4 * width) // 64 * 64)
+    width, widest = torch.stack([ends[-1] - starts[0], (vis_end - vis_start).max()]).tolist()
+    height = max(64, budget // (4 * max(width, 1)) // 64 * 64)
     los = los[::height]
     his = torch.clamp(los + height, max=num_rows)
-    widest = (vis_end - vis_start).max().reshape(1).expand(los.shape[0])
-    bounds = torch.stack([los, his, starts[los], ends[his - 1], widest], dim=1).tolist()
-    return [(lo, hi, klo, max(khi, klo)) for lo, hi, klo, khi, _ in bounds], int(bounds[0][4])
+    bounds = torch.stack([los, his, starts[los], ends[his - 1]], dim=1).tolist()
+    return [(lo, hi, klo, max(khi, klo)) for lo, hi, klo, khi in bounds], int(widest)
 
 
 @torch.no_grad()
