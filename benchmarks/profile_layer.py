@@ -1,0 +1,68 @@
+"""Where the time of one layer step goes: ``torch.profiler`` over forward + backward of one ``--op layer`` case.
+
+Prints the CUDA kernels (and the CPU ops that launch them) sorted by total GPU time, the GPU-busy fraction of
+the step (a low fraction means the host, not the GPU, sets the pace), and peak memory.
+
+Example (on the GPU machine):
+    python -m benchmarks.profile_layer --tokens 8192 --layer csa --provider triton --rows 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from .registry import PROVIDERS, SHAPE_DEFAULTS, load_providers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--layer", default="csa", choices=["sliding", "csa", "hca"])
+    parser.add_argument("--provider", default="triton")
+    parser.add_argument("--rows", type=int, default=40, help="rows of the kernel table")
+    parser.add_argument("--trace", default=None, help="write a Chrome trace here")
+    args = parser.parse_args()
+
+    load_providers()
+    device = torch.device("cuda")
+    shape = {**SHAPE_DEFAULTS["layer"], "tokens": args.tokens, "layer": args.layer}
+    case = PROVIDERS["layer"][args.provider](shape, device, torch.bfloat16, "")
+    dy = None
+
+    def step():
+        nonlocal dy
+        for leaf in case.leaves:
+            leaf.grad = None
+        out = case.forward()[0]
+        if dy is None:
+            dy = torch.randn_like(out)
+        out.backward(dy)
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu_total = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"layer={args.layer} tokens={args.tokens} provider={args.provider}: step {wall:.1f} ms wall, "
+          f"{gpu_total:.1f} ms of GPU kernels ({100 * gpu_total / wall:.0f} % busy), peak +{peak:.2f} GiB")
+    print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+
+
+if __name__ == "__main__":
+    main()
