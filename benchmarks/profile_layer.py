@@ -56,7 +56,8 @@ def main() -> None:
         step()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    gpu_total = sum(e.self_device_time_total for e in events) / 1e3
+    # kernel rows only (operator rows repeat their kernels' time)
+    gpu_total = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
     print(f"layer={args.layer} tokens={args.tokens} provider={args.provider}: step {wall:.1f} ms wall, "
           f"{gpu_total:.1f} ms of GPU kernels ({100 * gpu_total / wall:.0f} % busy), peak +{peak:.2f} GiB")
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))

@@ -5,10 +5,10 @@ Steps (per layer), interleaved so each collective overlaps independent work:
 1. launch the halo all-gather of the input tails; meanwhile project this rank's queries;
 2. assemble ext rows (halo + own rows); compress the groups this rank owns (those whose last token it
    holds); launch the all-gather of [compressed KV | indexer keys]; meanwhile project raw KV for ext rows;
-3. put the gathered entries in global order, run the same ``select`` / ``attend`` / ``indexer_loss`` /
-   ``output`` phases as the single-process layer on the local rows, with global compressed ids and global
-   positions. The indexer loss weights rows by ``1 / (global real rows)``, so the ranks' losses sum to the
-   single-process loss.
+3. put the gathered entries in global order, run the same ``select`` and ``heads`` phases (query heads,
+   sparse attention, indexer loss, output projection) as the single-process layer on the local rows, with
+   global compressed ids and global positions. The indexer loss weights rows by ``1 / (global real rows)``,
+   so the ranks' losses sum to the single-process loss.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..layers.attention import CompressedRange
+from ..layers.attention import CompressedRange, IndexerLossInputs
 from ..packing import PackedSeqs
 from .gather import start_gather_rows
 from .halo import finish_halo_exchange, start_halo_exchange
@@ -48,10 +48,10 @@ def cp_attention_forward(layer: Any, x_local: Tensor, packed_global: Any, cp: An
 
     halo = start_halo_exchange(x_local, plan, group)
     cos, sin = layer.rope_tables(plan.pos_local, x_local.dtype)
-    q, qr = layer.queries(x_local, cos, sin)  # overlaps the halo exchange
+    qr = layer.query_latent(x_local)  # overlaps the halo exchange
     x_ext = finish_halo_exchange(x_local, plan, halo)
 
-    ckv = compressed_ids = loss_inputs = None
+    ckv = compressed_ids = loss = None
     pending = None
     if layer.compressor is not None and plan.num_entries > 0:
         meta = plan.local_meta
@@ -81,9 +81,7 @@ def cp_attention_forward(layer: Any, x_local: Tensor, packed_global: Any, cp: An
         else:
             if pending is None:  # keep the indexer parameters in the graph, as the single-process layer does
                 keys = layer.index_keys(x_ext, plan.local_meta)
-            compressed_ids, loss_inputs = layer.select(x_local, qr, cos, sin, keys, plan.vis_start, plan.vis_end)
-    o, lse = layer.attend(q, kv, ckv, plan.window_ids, compressed_ids)
-
-    o = layer.with_indexer_loss(o, loss_inputs, q, ckv, lse, plan.real_local, plan.num_real, compressed_ids,
-                                plan.vis_start, plan.vis_end)
-    return layer.output(o, cos, sin)
+            compressed_ids, (q_idx, w, k_idx) = layer.select(x_local, qr, cos, sin, keys, plan.vis_start,
+                                                             plan.vis_end)
+            loss = IndexerLossInputs(q_idx, w, k_idx, plan.real_local, plan.num_real, plan.vis_start, plan.vis_end)
+    return layer.heads(qr, cos, sin, kv, ckv, plan.window_ids, compressed_ids, loss)

@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import AttentionConfig
 from ..ops.indexer import indexer_topk
-from ..ops.indexer_loss import attach_indexer_loss, indexer_kl_loss
+from ..ops.indexer_loss import (
+    SparseTeacher,
+    attach_indexer_loss,
+    indexer_kl_from_teacher,
+    indexer_kl_loss,
+    sparse_teacher_block,
+)
 from ..ops.indices import combine_indices, range_indices, window_indices
 from ..ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..ops.sparse_attn import sparse_attn
 from ..packing import CompressMeta, PackedSeqs
-from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, _linear, grouped_linear, rms_norm_unweighted
+from .core import CoreGeometry, attention_core, output_projection, query_heads
+from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, _linear
 from .recompute import row_chunked
 
-__all__ = ["HybridAttention", "CompressedRange"]
+__all__ = ["HybridAttention", "CompressedRange", "IndexerLossInputs"]
 
 
 class CompressedRange(NamedTuple):
@@ -31,17 +37,23 @@ class CompressedRange(NamedTuple):
     width: int
 
 
-def _query_heads(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float) -> Tensor:
-    """``qr [T, q_lora]`` -> ``q [T, H, d]``: projection, per-head RMSNorm without weight, RoPE."""
-    q = F.linear(qr, weight).unflatten(-1, (heads, -1))
-    return apply_rope(rms_norm_unweighted(q, eps), cos, sin)
+class IndexerLossInputs(NamedTuple):
+    """What the indexer KL loss needs besides the attention: the indexer's queries, weights and keys, which
+    rows are real (``num_real`` over the whole stream, global under context parallelism) and the visible
+    compressed-id ranges (for the dense loss)."""
+
+    q_idx: Tensor
+    w: Tensor
+    k_idx: Tensor
+    real: Tensor
+    num_real: int
+    vis_start: Tensor
+    vis_end: Tensor
 
 
-def _output_proj(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int) -> Tensor:
-    """``o [T, H, d]`` -> ``[T, D]``: inverse RoPE, grouped ``o_a_proj``, then ``o_b_proj``."""
-    o = apply_rope(o, cos, sin, inverse=True)
-    grouped = o.reshape(o.shape[0], groups, -1)
-    return F.linear(grouped_linear(grouped, w_a, groups), w_b)
+# the per-head functions are shared with the capture-safe path (csattn.graphs)
+_query_heads = query_heads
+_output_proj = output_projection
 
 
 class _CSACompressor(Compressor):
@@ -145,14 +157,22 @@ class HybridAttention(nn.Module):
     def rope_tables(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(pos, self.inv_freq, torch.promote_types(dtype, torch.float32))
 
+    def query_latent(self, x: Tensor) -> Tensor:
+        """The shared query latent ``qr [T, q_lora]`` (``q_a_proj`` then RMSNorm)."""
+        return self.q_a_norm(self.q_a_proj(x))
+
     def queries(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """``q [T, H, d]`` (normed, roped) and the shared latent ``qr [T, q_lora]``."""
+        qr = self.query_latent(x)
+        return self.query_heads(qr, cos, sin), qr
+
+    def query_heads(self, qr: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``q [T, H, d]`` from the latent; block-recomputed in the backward with ``recompute_projections``."""
         cfg = self.config
-        qr = self.q_a_norm(self.q_a_proj(x))
         if not cfg.recompute_projections:
-            return _query_heads(qr, cos, sin, self.q_b_proj.weight, cfg.num_heads, cfg.rms_norm_eps), qr
+            return _query_heads(qr, cos, sin, self.q_b_proj.weight, cfg.num_heads, cfg.rms_norm_eps)
         fn = partial(_query_heads, heads=cfg.num_heads, eps=cfg.rms_norm_eps)
-        return row_chunked(fn, (qr, cos, sin), (self.q_b_proj.weight,), self.recompute_rows()), qr
+        return row_chunked(fn, (qr, cos, sin), (self.q_b_proj.weight,), self.recompute_rows())
 
     def raw_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """The single K = V head of every row, ``[T, d]``."""
@@ -229,12 +249,11 @@ class HybridAttention(nn.Module):
         cfg = self.config
         rows = packed.rows(x.device)
         cos, sin = self.rope_tables(rows.pos, x.dtype)
-        q, qr = self.queries(x, cos, sin)
+        qr = self.query_latent(x)
         kv = self.raw_kv(x, cos, sin)
         window_ids = window_indices(rows.pos, rows.real, cfg.sliding_window)
 
-        ckv = compressed_ids = None
-        loss_inputs = None
+        ckv = compressed_ids = loss = None
         if self.compressor is not None:
             meta = packed.compress(cfg.compress_ratio, x.device)
             ckv = self.compressor.compress(x, meta, self.inv_freq, backend=self.backend_for(x))
@@ -242,14 +261,89 @@ class HybridAttention(nn.Module):
                 compressed_ids = CompressedRange(meta.vis_start, meta.vis_end, meta.max_visible)
             else:
                 keys = self.index_keys(x, meta)
-                compressed_ids, loss_inputs = self.select(x, qr, cos, sin, keys, meta.vis_start, meta.vis_end)
-        o, lse = self.attend(q, kv, ckv, window_ids, compressed_ids)
+                compressed_ids, (q_idx, w, k_idx) = self.select(x, qr, cos, sin, keys, meta.vis_start, meta.vis_end)
+                loss = IndexerLossInputs(q_idx, w, k_idx, rows.real, rows.num_real, meta.vis_start, meta.vis_end)
+        return self.heads(qr, cos, sin, kv, ckv, window_ids, compressed_ids, loss)
 
+    def heads(
+        self,
+        qr: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv: Tensor,
+        ckv: Tensor | None,
+        window_ids: Tensor,
+        compressed_ids: Tensor | CompressedRange | None,
+        loss: IndexerLossInputs | None,
+    ) -> Tensor:
+        """Everything per head, from the query latent to the layer output ``[T, D]``: query heads, sparse
+        attention over window + compressed keys, the indexer loss (attached to the output) and the output
+        projection.
+
+        With ``recompute_projections`` (the default) this runs block by block in :func:`attention_core`, and
+        no ``[T, H, d]`` tensor is ever whole; the dense indexer loss needs all queries at once, so it takes
+        the unblocked path (queries and output projection still recomputed block by block).
+        """
+        cfg = self.config
         self.last_indexer_loss = None
-        if loss_inputs is not None:
-            o = self.with_indexer_loss(o, loss_inputs, q, ckv, lse, rows.real, rows.num_real, compressed_ids,
-                                       meta.vis_start, meta.vis_end)
-        return self.output(o, cos, sin)
+        want_loss = loss is not None and ckv is not None and self.wants_indexer_loss()
+        if not cfg.recompute_projections or (want_loss and cfg.indexer_loss_type == "dense"):
+            q = self.query_heads(qr, cos, sin)
+            o, lse = self.attend(q, kv, ckv, window_ids, compressed_ids)
+            if want_loss:
+                o = self.with_indexer_loss(o, loss, q, ckv, lse, compressed_ids)
+            return self.output(o, cos, sin)
+
+        keys, ids_fn = self.key_ids(kv, ckv, window_ids, compressed_ids)
+        backend = self.backend_for(qr)
+        geo = CoreGeometry(heads=cfg.num_heads, groups=cfg.o_groups, eps=cfg.rms_norm_eps, scale=cfg.scale,
+                           block_rows=self.core_block_rows(window_ids, compressed_ids), backend=backend,
+                           ref_chunk_rows=cfg.attn_chunk_rows)
+        on_block = teacher = None
+        if want_loss:
+            row_weight = loss.real.to(torch.promote_types(qr.dtype, torch.float32)) / max(loss.num_real, 1)
+            teacher = SparseTeacher(qr.shape[0], compressed_ids.shape[1], row_weight.dtype, qr.device,
+                                    fused=backend == "triton")
+
+            def on_block(lo: int, hi: int, q: Tensor, lse: Tensor) -> None:
+                sparse_teacher_block(teacher, lo, loss.q_idx[lo:hi], loss.w[lo:hi], loss.k_idx, q, ckv, lse,
+                                     cfg.scale, row_weight[lo:hi], compressed_ids[lo:hi], backend=backend)
+
+        weights = (self.q_b_proj.weight, self.o_a_proj.weight, self.o_b_proj.weight)
+        out = attention_core(qr, cos, sin, keys, self.sinks, *weights, ids_fn, geo, on_block)
+        if teacher is not None:
+            kl = indexer_kl_from_teacher(loss.q_idx, loss.w, loss.k_idx, teacher, row_weight, compressed_ids,
+                                         workspace_bytes=cfg.workspace_bytes, backend=backend)
+            self.last_indexer_loss = kl.detach()
+            out = attach_indexer_loss(out, kl * cfg.indexer_loss_coeff)
+        return out
+
+    def key_ids(
+        self, kv: Tensor, ckv: Tensor | None, window_ids: Tensor, compressed_ids: Tensor | CompressedRange | None
+    ) -> tuple[Tensor, Callable[[int, int], Tensor]]:
+        """The key rows ``[kv; ckv]`` and ``ids_fn(lo, hi)`` giving rows ``lo..hi``'s ids into them."""
+        if ckv is None or ckv.shape[0] == 0 or compressed_ids is None:
+            return kv, lambda lo, hi: window_ids[lo:hi]
+        keys = torch.cat([kv, ckv.to(kv.dtype)], dim=0)
+        n = kv.shape[0]
+        if isinstance(compressed_ids, Tensor):
+            return keys, lambda lo, hi: combine_indices(window_ids[lo:hi], compressed_ids[lo:hi], n)
+        start, end, width = compressed_ids
+        return keys, lambda lo, hi: combine_indices(window_ids[lo:hi], range_indices(start[lo:hi], end[lo:hi], width),
+                                                    n)
+
+    def core_block_rows(self, window_ids: Tensor, compressed_ids: Tensor | CompressedRange | None) -> int:
+        """Rows per block of the fused core: its per-head temporaries (``q``, ``o``, ``do``, ``dq`` and fp32
+        RMSNorm / RoPE temporaries, ~24 bytes per head channel) and the block's int64 ids within the workspace."""
+        cfg = self.config
+        width = window_ids.shape[1]
+        if isinstance(compressed_ids, CompressedRange):
+            width += compressed_ids.width
+        elif compressed_ids is not None:
+            width += compressed_ids.shape[1]
+        per_row = cfg.num_heads * cfg.head_dim * 24 + width * 8
+        rows = max(16, cfg.workspace_bytes // per_row)
+        return rows if rows < 256 else rows // 128 * 128  # whole waves of row programs on the GPU
 
     def index_keys(self, x: Tensor, meta: CompressMeta, row_offset: int = 0) -> Tensor:
         """The indexer's own compressed keys ``[Nc, cI]`` from detached ``x`` (CSA)."""
@@ -282,35 +376,20 @@ class HybridAttention(nn.Module):
                                 workspace_bytes=cfg.workspace_bytes, backend=self.backend_for(q_idx))
         return selected, (q_idx, w, index_keys)
 
-    def with_indexer_loss(
-        self,
-        o: Tensor,
-        loss_inputs: tuple[Tensor, Tensor, Tensor] | None,
-        q: Tensor,
-        ckv: Tensor,
-        lse: Tensor,
-        real: Tensor,
-        num_real: int,
-        selected: Tensor,
-        vis_start: Tensor,
-        vis_end: Tensor,
-    ) -> Tensor:
+    def with_indexer_loss(self, o: Tensor, loss: IndexerLossInputs, q: Tensor, ckv: Tensor, lse: Tensor,
+                          selected: Tensor) -> Tensor:
         """Attach ``coeff * sum_t KL_t / num_real`` over the real rows to ``o`` (its gradient flows in ``o``'s
-        backward) and log the KL in ``last_indexer_loss``; ``o`` unchanged when no loss is wanted.
+        backward) and log the KL in ``last_indexer_loss``.
 
-        ``num_real`` is the number of real rows of the whole stream (global under context parallelism, so the
-        ranks' losses sum to the single-process loss).
+        ``loss.num_real`` is the number of real rows of the whole stream (global under context parallelism, so
+        the ranks' losses sum to the single-process loss).
         """
-        self.last_indexer_loss = None
-        if loss_inputs is None or not self.wants_indexer_loss():
-            return o
         cfg = self.config
-        q_idx, w, k_idx = loss_inputs
         kl = indexer_kl_loss(
-            q_idx, w, k_idx, q, ckv, lse, cfg.scale, real.to(lse.dtype) / max(num_real, 1),
+            loss.q_idx, loss.w, loss.k_idx, q, ckv, lse, cfg.scale, loss.real.to(lse.dtype) / max(loss.num_real, 1),
             selected=selected if cfg.indexer_loss_type == "sparse" else None,
-            vis_start=vis_start, vis_end=vis_end, workspace_bytes=cfg.workspace_bytes,
-            backend=self.backend_for(q_idx),
+            vis_start=loss.vis_start, vis_end=loss.vis_end, workspace_bytes=cfg.workspace_bytes,
+            backend=self.backend_for(loss.q_idx),
         )
         self.last_indexer_loss = kl.detach()
         return attach_indexer_loss(o, kl * cfg.indexer_loss_coeff)

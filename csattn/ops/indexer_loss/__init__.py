@@ -1,8 +1,21 @@
 """Indexer KL loss (sparse / dense) and its gradient-injecting autograd function."""
 
-from .naive import IndexerLossAutoScaler, attach_indexer_loss, indexer_kl_loss_ref, kl_from_logits
+from torch import Tensor
 
-__all__ = ["IndexerLossAutoScaler", "attach_indexer_loss", "indexer_kl_loss", "indexer_kl_loss_ref", "kl_from_logits"]
+from .naive import (
+    IndexerLossAutoScaler,
+    SparseTeacher,
+    attach_indexer_loss,
+    indexer_kl_from_teacher_ref,
+    indexer_kl_loss_ref,
+    kl_from_logits,
+    sparse_teacher_block_ref,
+)
+
+__all__ = [
+    "IndexerLossAutoScaler", "SparseTeacher", "attach_indexer_loss", "indexer_kl_loss", "indexer_kl_loss_ref",
+    "kl_from_logits", "sparse_teacher_block", "indexer_kl_from_teacher",
+]
 
 
 def indexer_kl_loss(*args, backend: str = "reference", **kwargs):
@@ -18,3 +31,33 @@ def indexer_kl_loss(*args, backend: str = "reference", **kwargs):
     if backend != "reference":
         raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
     return indexer_kl_loss_ref(*args, **kwargs)
+
+
+def sparse_teacher_block(teacher: SparseTeacher, lo: int, q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor,
+                         ckv: Tensor, lse: Tensor, scale: float, row_weight: Tensor, selected: Tensor,
+                         backend: str = "reference") -> None:
+    """Fill rows ``lo .. lo + R`` of ``teacher`` from one block: ``q [R, H, d]`` and ``lse [R, H]`` of the
+    attention, the block's ``selected [R, k]``, ``row_weight [R]`` and indexer ``q_idx [R, HI, cI]``, ``w [R, HI]``
+    (the fused path computes the block's loss rows in the same pass). No autograd."""
+    if ckv.shape[0] == 0:  # no compressed entry: the loss is 0 (``indexer_kl_from_teacher`` returns it)
+        return
+    if backend == "triton":
+        from .triton import sparse_teacher_block_triton
+
+        sparse_teacher_block_triton(teacher, lo, q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected)
+    else:
+        sparse_teacher_block_ref(teacher, lo, q, ckv, lse, selected, scale)
+
+
+def indexer_kl_from_teacher(q_idx: Tensor, w: Tensor, k_idx: Tensor, teacher: SparseTeacher, row_weight: Tensor,
+                            selected: Tensor, workspace_bytes: int = 1 << 30, backend: str = "reference") -> Tensor:
+    """The sparse indexer KL loss (a scalar; gradients to ``q_idx``, ``w``, ``k_idx``) from a filled teacher.
+
+    Equals :func:`indexer_kl_loss` with ``selected``; the teacher was taken block by block from the attention
+    forward, so the attention queries ``q [T, H, d]`` never exist for all rows at once.
+    """
+    if backend == "triton":
+        from .triton import indexer_kl_from_teacher_triton
+
+        return indexer_kl_from_teacher_triton(q_idx, w, k_idx, teacher, row_weight, selected)
+    return indexer_kl_from_teacher_ref(q_idx, w, k_idx, teacher, row_weight, selected, workspace_bytes)

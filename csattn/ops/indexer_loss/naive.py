@@ -11,6 +11,7 @@ from ..indexer.naive import fixed_row_chunks, indexer_scores_ref, row_chunks
 
 __all__ = [
     "indexer_kl_loss_ref", "sparse_loss_chunks", "kl_from_logits", "IndexerLossAutoScaler", "attach_indexer_loss",
+    "SparseTeacher", "sparse_teacher_block_ref", "indexer_kl_from_teacher_ref",
 ]
 
 
@@ -129,6 +130,54 @@ def indexer_kl_loss_ref(
             _dense_chunk, q_idx[lo:hi], w[lo:hi], k_idx[key_lo:key_hi], q[lo:hi], ckv[key_lo:key_hi],
             lse[lo:hi], ids, vis_start[lo:hi], vis_end[lo:hi], row_weight[lo:hi], scale,
         )
+    return total
+
+
+class SparseTeacher:
+    """Per-row teacher results of the sparse loss, filled one block of rows at a time while the attention
+    forward has that block's ``q`` and ``lse`` (see ``csattn.layers.core``), so the loss never needs all of
+    ``q [T, H, d]`` at once.
+
+    ``mass [T, k]``: head-summed teacher masses (fp32, or fp64 for fp64 inputs; 0 where no id). The fused
+    path also fills ``loss_rows [T]`` (the weighted per-row KL, its student computed in the same pass) and
+    ``stats [T, 2]`` (student log-sum-exp and mass total) for its backward kernel.
+    """
+
+    def __init__(self, num_rows: int, topk: int, dtype: torch.dtype, device: torch.device, fused: bool) -> None:
+        self.mass = torch.zeros(num_rows, topk, dtype=dtype, device=device)
+        self.loss_rows = torch.zeros(num_rows, dtype=dtype, device=device) if fused else None
+        self.stats = torch.zeros(num_rows, 2, dtype=dtype, device=device) if fused else None
+        self.geometry: tuple | None = None  # (H, d, dtype) of the attention queries, set by the fused path
+
+
+def sparse_teacher_block_ref(teacher: SparseTeacher, lo: int, q: Tensor, ckv: Tensor, lse: Tensor,
+                             selected: Tensor, scale: float) -> None:
+    """Fill ``teacher.mass[lo:lo+R]`` from a block's ``q [R, H, d]``, ``lse [R, H]`` and ``selected [R, k]``."""
+    compute = teacher.mass.dtype
+    valid = selected >= 0
+    mass = _teacher_mass(q.to(compute), ckv[selected.clamp(min=0)].to(compute), lse.to(compute), scale)
+    teacher.mass[lo:lo + q.shape[0]] = mass.masked_fill(~valid, 0.0)
+
+
+def _student_chunk(q_idx, w, k_idx, mass, selected, row_weight):
+    compute = torch.promote_types(q_idx.dtype, torch.float32)
+    valid = selected >= 0
+    student = indexer_scores_ref(q_idx, w, k_idx[selected.clamp(min=0)])
+    return (kl_from_logits(student, mass.to(compute), valid) * row_weight.to(compute)).sum()
+
+
+def indexer_kl_from_teacher_ref(q_idx: Tensor, w: Tensor, k_idx: Tensor, teacher: SparseTeacher,
+                                row_weight: Tensor, selected: Tensor, workspace_bytes: int = 1 << 30) -> Tensor:
+    """The sparse loss of :func:`indexer_kl_loss_ref` from precomputed teacher masses (same value)."""
+    if k_idx.shape[0] == 0 or q_idx.shape[0] == 0:
+        return (q_idx.sum() + w.sum() + k_idx.sum()).to(torch.promote_types(q_idx.dtype, torch.float32)) * 0
+    use_ckpt = torch.is_grad_enabled() and (q_idx.requires_grad or w.requires_grad or k_idx.requires_grad)
+    run = (lambda f, *a: checkpoint(f, *a, use_reentrant=False)) if use_ckpt else (lambda f, *a: f(*a))
+    per_row = selected.shape[1] * (2 * q_idx.shape[1] + q_idx.shape[2] + 1) * teacher.mass.itemsize
+    total = q_idx.new_zeros((), dtype=torch.promote_types(q_idx.dtype, torch.float32))
+    for lo, hi in fixed_row_chunks(q_idx.shape[0], per_row, workspace_bytes):
+        total = total + run(_student_chunk, q_idx[lo:hi], w[lo:hi], k_idx, teacher.mass[lo:hi], selected[lo:hi],
+                            row_weight[lo:hi])
     return total
 
 

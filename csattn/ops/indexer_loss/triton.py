@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["indexer_kl_loss_triton", "indexer_kl_fwd", "indexer_kl_bwd"]
+__all__ = ["indexer_kl_loss_triton", "indexer_kl_fwd", "indexer_kl_bwd", "sparse_teacher_block_triton",
+           "indexer_kl_from_teacher_triton"]
 
 # Candidates per tile and warps of the forward / backward programs; the benchmark can override them.
 # Measured on the H200 at 32k tokens, k=512: forward 8.7 ms with 32 x 4 warps (12.5 ms with 64 x 8),
@@ -316,3 +317,64 @@ def indexer_kl_loss_triton(
         None if selected is None else selected.to(torch.int64).contiguous(),
         vis_start.to(torch.int64).contiguous(), vis_end.to(torch.int64).contiguous(),
     )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the sparse loss split in two: per-row forward pieces filled block by block, then the loss from them
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _student_operands(q_idx: Tensor, w: Tensor, k_idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    dtype = torch.promote_types(q_idx.dtype, k_idx.dtype)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q_idx/k_idx must be fp32, bf16 or fp16, got {q_idx.dtype}, {k_idx.dtype}")
+    return q_idx.to(dtype).contiguous(), w.float().contiguous(), k_idx.to(dtype).contiguous()
+
+
+def sparse_teacher_block_triton(teacher, lo: int, q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor, ckv: Tensor,
+                                lse: Tensor, scale: float, row_weight: Tensor, selected: Tensor) -> None:
+    """Run the fused loss forward on one block of rows (``q [R, H, d]``, ``lse [R, H]``, ``q_idx [R, HI, cI]``,
+    ...) and store its per-row loss, stats and teacher masses in ``teacher`` (a ``SparseTeacher``) at ``lo``."""
+    hi = lo + q.shape[0]
+    if hi == lo or k_idx.shape[0] == 0:
+        return
+    q_idx, w, k_idx = _student_operands(q_idx.detach(), w.detach(), k_idx.detach())
+    sel = selected.to(torch.int64).contiguous()
+    loss_rows, stats, mass = indexer_kl_fwd(
+        q_idx, w, k_idx, q.detach().contiguous(), ckv.detach().to(q.dtype).contiguous(), lse.float().contiguous(),
+        float(scale), row_weight.float().contiguous(), sel, sel[:, 0], sel[:, 0],
+    )
+    teacher.loss_rows[lo:hi] = loss_rows
+    teacher.stats[lo:hi] = stats
+    teacher.mass[lo:hi] = mass
+    teacher.geometry = (q.shape[1], q.shape[2], q.dtype)
+
+
+class IndexerKLFromTeacher(torch.autograd.Function):
+    """Scalar loss from precomputed per-row pieces; the backward kernel reads the stored teacher masses."""
+
+    @staticmethod
+    def forward(ctx, q_idx, w, k_idx, teacher, row_weight, selected):
+        ctx.save_for_backward(q_idx, w, k_idx, row_weight, selected, teacher.stats, teacher.mass)
+        ctx.geometry = teacher.geometry
+        return teacher.loss_rows.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        q_idx, w, k_idx, row_weight, selected, stats, mass = ctx.saved_tensors
+        heads, head_dim, q_dtype = ctx.geometry
+        # The sparse backward reads the stored masses: q, ckv and lse are not read (only their geometry is).
+        q_shape = torch.empty((1, heads, head_dim), dtype=q_dtype, device=q_idx.device)
+        dq, dw, dk = indexer_kl_bwd(grad.float().reshape(1).contiguous(), q_idx, w, k_idx, q_shape, q_shape,
+                                    stats, 0.0, row_weight, selected, stats, stats, stats, mass)
+        return dq.to(q_idx.dtype), dw.to(w.dtype), dk.to(k_idx.dtype), None, None, None
+
+
+def indexer_kl_from_teacher_triton(q_idx: Tensor, w: Tensor, k_idx: Tensor, teacher, row_weight: Tensor,
+                                   selected: Tensor) -> Tensor:
+    """The sparse loss from a ``SparseTeacher`` filled by :func:`sparse_teacher_block_triton` (fp32 scalar)."""
+    if k_idx.shape[0] == 0 or q_idx.shape[0] == 0 or teacher.geometry is None:
+        return (q_idx.sum() + w.sum() + k_idx.sum()).float() * 0
+    q_idx, w, k_idx = _student_operands(q_idx, w, k_idx)
+    return IndexerKLFromTeacher.apply(q_idx, w, k_idx, teacher, row_weight.float().contiguous(),
+                                      selected.to(torch.int64).contiguous())

@@ -327,13 +327,14 @@ def sparse_attn_fwd(
 def sparse_attn_bwd(
     q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float, o: Tensor, lse: Tensor,
     do: Tensor, dlse: Tensor | None = None, topk_length: Tensor | None = None,
-    config: SparseAttnConfig | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    config: SparseAttnConfig | None = None, dkv_accum: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor]:
     """Launch the backward. Returns ``(dq [T,H,d] q.dtype, dkv [N,d] kv.dtype, dsink [H] sink.dtype)``.
 
     ``dkv`` is accumulated with fp32 atomics (``N * d * 4`` bytes of workspace); the summation order
     of those atomics is not fixed, so ``dkv`` is not bitwise deterministic. ``dsink`` is reduced from
-    per-row partials in a fixed order.
+    per-row partials in a fixed order. With ``dkv_accum`` (fp32 ``[N, d]``) the atomics add into it and
+    ``dkv`` is returned as None: a caller running the backward block by block keeps one fp32 sum.
     """
     T, H, D = q.shape
     cfg = _fit(config or SparseAttnConfig.from_env(), q.dtype, D)
@@ -343,7 +344,11 @@ def sparse_attn_bwd(
     if T > 0 and (do.stride() != o.stride() or q.stride() != o.stride()):
         raise ValueError("q, o and do must share one [T, H, d] layout (make them contiguous)")
     dq = torch.empty_like(q)
-    dkv32 = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
+    if dkv_accum is not None and (dkv_accum.shape != kv.shape or dkv_accum.dtype != torch.float32
+                                  or not dkv_accum.is_contiguous()):
+        raise ValueError(f"dkv_accum must be contiguous fp32 {tuple(kv.shape)}, got {tuple(dkv_accum.shape)} "
+                         f"{dkv_accum.dtype}")
+    dkv32 = dkv_accum if dkv_accum is not None else torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
     dsink_rows = torch.empty(T, H, device=q.device, dtype=torch.float32)
     if T > 0:
         bh = _head_block(H, cfg)
@@ -366,7 +371,7 @@ def sparse_attn_bwd(
             dkv=dkv32, BK=cfg.bk_dkv, num_warps=cfg.warps_dkv, num_stages=cfg.stages_dkv, **common)
         _report("bwd_dkv", kernel, cfg)
     dsink = dsink_rows.sum(0).to(sink.dtype)
-    return dq, dkv32.to(kv.dtype), dsink
+    return dq, None if dkv_accum is not None else dkv32.to(kv.dtype), dsink
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,188 @@
+"""The per-head core of the layer, one block of rows at a time: query heads -> sparse attention -> output.
+
+Why: at H = 64, d = 512 every per-head tensor is 64 KiB per row in bf16. Plain autograd around the fused
+kernels keeps ``q`` and ``o`` for the backward and then creates ``do`` and ``dq`` next to them: four
+``[T, H, d]`` tensors, 8 GiB at 32k tokens, plus the fp32 temporaries of the per-head RMSNorm and RoPE.
+Here nothing of that size is kept:
+
+* forward, per block of rows: ``q = heads(qr)``, ``(o, lse) = attn(q, keys, ids)``, ``y = out(o)``; only the
+  small inputs are saved (``qr [T, q_lora]``, the keys, the weights). An optional hook sees each block's
+  ``q`` and ``lse`` (the indexer loss takes its teacher from them);
+* backward, per block: recompute ``q`` (with autograd, for ``q_b_proj``), recompute ``(o, lse)`` with the
+  attention forward, back-propagate the output projection to get ``do``, run the attention backward (key
+  gradients summed over blocks in one fp32 buffer), then back-propagate ``q``'s projection.
+
+The price is one more attention forward per step (about 1/4.5 of the attention's forward + backward) on top
+of the projections, which were already recomputed. The block index lists come from a callable, so the HCA
+range expansion and the CSA window + top-k concatenation never exist for all rows at once either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..ops.rope import apply_rope
+from ..ops.sparse_attn import sparse_attn_ref
+from .modules import grouped_linear, rms_norm_unweighted
+
+__all__ = ["CoreGeometry", "attention_core", "query_heads", "output_projection"]
+
+# ids_fn(lo, hi) -> [hi - lo, K] int key ids (rows of ``keys``, -1 = none) of rows lo..hi
+IdsFn = Callable[[int, int], Tensor]
+# on_block(lo, hi, q [hi - lo, H, d], lse [hi - lo, H]) runs once per block in the forward, without autograd
+BlockHook = Callable[[int, int, Tensor, Tensor], None]
+
+
+def query_heads(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float) -> Tensor:
+    """``qr [R, q_lora]`` -> ``q [R, H, d]``: projection, per-head RMSNorm without weight, RoPE."""
+    q = F.linear(qr, weight).unflatten(-1, (heads, -1))
+    return apply_rope(rms_norm_unweighted(q, eps), cos, sin)
+
+
+def output_projection(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int) -> Tensor:
+    """``o [R, H, d]`` -> ``[R, D]``: inverse RoPE, grouped ``o_a_proj``, then ``o_b_proj``."""
+    o = apply_rope(o, cos, sin, inverse=True)
+    grouped = o.reshape(o.shape[0], groups, -1)
+    return F.linear(grouped_linear(grouped, w_a, groups), w_b)
+
+
+@dataclass(frozen=True)
+class CoreGeometry:
+    """Static settings of :func:`attention_core`."""
+
+    heads: int
+    groups: int
+    eps: float
+    scale: float
+    block_rows: int
+    backend: str  # "triton" or "reference"
+    ref_chunk_rows: int = 1024  # row chunks of the reference attention inside one block
+
+
+def _attn_forward(q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, geo: CoreGeometry) -> tuple[Tensor, Tensor]:
+    if geo.backend == "triton":
+        from ..ops.sparse_attn.triton import sparse_attn_fwd  # lazy: importing csattn must not need Triton
+
+        return sparse_attn_fwd(q, keys, ids, sinks, geo.scale)
+    return sparse_attn_ref(q, keys, ids, sinks, geo.scale, chunk_rows=geo.ref_chunk_rows)
+
+
+def _attn_backward(q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                   dkeys: Tensor, geo: CoreGeometry) -> tuple[Tensor, Tensor]:
+    """``(dq, dsink)`` of one block; the key gradient is added into ``dkeys`` (fp32 or fp64)."""
+    if geo.backend == "triton":
+        from ..ops.sparse_attn.triton import sparse_attn_bwd
+
+        dq, _, dsink = sparse_attn_bwd(q, keys, ids, sinks, geo.scale, o, lse, do, dkv_accum=dkeys)
+        return dq, dsink
+    with torch.enable_grad():
+        q_, keys_, sinks_ = (t.detach().requires_grad_() for t in (q, keys, sinks))
+        o_, _ = sparse_attn_ref(q_, keys_, ids, sinks_, geo.scale, chunk_rows=geo.ref_chunk_rows)
+        dq, dk, dsink = torch.autograd.grad(o_, (q_, keys_, sinks_), do)
+    dkeys += dk
+    return dq, dsink
+
+
+class _AttentionCore(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, geo: CoreGeometry, ids_fn: IdsFn, on_block: BlockHook | None, qr: Tensor, cos: Tensor,
+                sin: Tensor, keys: Tensor, sinks: Tensor, w_q: Tensor, w_oa: Tensor, w_ob: Tensor) -> Tensor:
+        ctx.geo, ctx.ids_fn = geo, ids_fn
+        ctx.save_for_backward(qr, cos, sin, keys, sinks, w_q, w_oa, w_ob)
+        total = qr.shape[0]
+        out = qr.new_empty(total, w_ob.shape[0])
+        for lo in range(0, total, geo.block_rows):
+            hi = min(lo + geo.block_rows, total)
+            q = query_heads(qr[lo:hi], cos[lo:hi], sin[lo:hi], w_q, geo.heads, geo.eps)
+            o, lse = _attn_forward(q, keys, ids_fn(lo, hi), sinks, geo)
+            if on_block is not None:
+                on_block(lo, hi, q, lse)
+            out[lo:hi] = output_projection(o, cos[lo:hi], sin[lo:hi], w_oa, w_ob, geo.groups)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        qr, cos, sin, keys, sinks, w_q, w_oa, w_ob = ctx.saved_tensors
+        geo = ctx.geo
+        acc = torch.promote_types(keys.dtype, torch.float32)
+        dqr = torch.empty_like(qr)
+        dkeys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
+        dsinks = torch.zeros(sinks.shape, dtype=acc, device=sinks.device)
+        dw = [torch.zeros(w.shape, dtype=acc, device=w.device) for w in (w_q, w_oa, w_ob)]
+        total = qr.shape[0]
+        for lo in range(0, total, geo.block_rows):
+            hi = min(lo + geo.block_rows, total)
+            ids = ctx.ids_fn(lo, hi)
+            c, s = cos[lo:hi], sin[lo:hi]
+            with torch.enable_grad():
+                qr_b = qr[lo:hi].detach().requires_grad_()
+                w_q_b = w_q.detach().requires_grad_()
+                q = query_heads(qr_b, c, s, w_q_b, geo.heads, geo.eps)
+            q_d = q.detach().contiguous()
+            o, lse = _attn_forward(q_d, keys, ids, sinks, geo)
+            with torch.enable_grad():
+                o_b = o.requires_grad_()
+                w_oa_b, w_ob_b = w_oa.detach().requires_grad_(), w_ob.detach().requires_grad_()
+                y = output_projection(o_b, c, s, w_oa_b, w_ob_b, geo.groups)
+                do, g_oa, g_ob = torch.autograd.grad(y, (o_b, w_oa_b, w_ob_b), dy[lo:hi])
+            del y, o_b
+            dq, dsink = _attn_backward(q_d, keys, ids, sinks, o.detach(), lse, do, dkeys, geo)
+            del do, o
+            g_qr, g_q = torch.autograd.grad(q, (qr_b, w_q_b), dq)
+            dqr[lo:hi] = g_qr
+            dsinks += dsink
+            for acc_w, g in zip(dw, (g_q, g_oa, g_ob)):
+                acc_w += g
+        grads = (dqr, None, None, dkeys.to(keys.dtype), dsinks.to(sinks.dtype),
+                 *(g.to(w.dtype) for g, w in zip(dw, (w_q, w_oa, w_ob))))
+        return (None, None, None, *grads)
+
+
+def attention_core(
+    qr: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    keys: Tensor,
+    sinks: Tensor,
+    w_q: Tensor,
+    w_oa: Tensor,
+    w_ob: Tensor,
+    ids_fn: IdsFn,
+    geo: CoreGeometry,
+    on_block: BlockHook | None = None,
+) -> Tensor:
+    """``out_proj(attn(query_heads(qr), keys, ids))`` block by block, recomputed block by block in the backward.
+
+    Args:
+        qr: ``[T, q_lora]`` normalized query latent. cos, sin: ``[T, rope/2]`` RoPE tables of the rows.
+        keys: ``[N, d]`` the shared K = V rows (raw window rows, then compressed entries).
+        sinks: ``[H]`` attention sink logits. w_q: ``q_b_proj.weight [H d, q_lora]``; w_oa: ``o_a_proj`` weight
+            ``[G, o_lora, H d / G]``; w_ob: ``o_b_proj.weight [D, G o_lora]``.
+        ids_fn: ``ids_fn(lo, hi)`` gives rows ``lo..hi``'s ``[hi - lo, K]`` key ids (-1 = none); called once per
+            block in the forward and again in the backward.
+        geo: heads, groups, eps, scale, rows per block and backend.
+        on_block: optional forward hook ``(lo, hi, q, lse)`` per block (no autograd).
+
+    Returns:
+        ``[T, D]``. Gradients flow to ``qr``, ``keys``, ``sinks`` and the three weights.
+    """
+    keys = keys.contiguous()
+    if not torch.is_grad_enabled() or not any(
+        t.requires_grad for t in (qr, keys, sinks, w_q, w_oa, w_ob)
+    ):
+        with torch.no_grad():
+            return _AttentionCore.forward(_NoCtx(), geo, ids_fn, on_block, qr, cos, sin, keys, sinks, w_q, w_oa,
+                                          w_ob)
+    return _AttentionCore.apply(geo, ids_fn, on_block, qr, cos, sin, keys, sinks, w_q, w_oa, w_ob)
+
+
+class _NoCtx:
+    """Stand-in context for a forward without autograd."""
+
+    def save_for_backward(self, *tensors: Tensor) -> None:
+        pass
