@@ -38,15 +38,28 @@ IdsFn = Callable[[int, int], Tensor]
 BlockHook = Callable[[int, int, Tensor, Tensor], None]
 
 
-def query_heads(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float) -> Tensor:
-    """``qr [R, q_lora]`` -> ``q [R, H, d]``: projection, per-head RMSNorm without weight, RoPE."""
+def query_heads(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float,
+                fused: bool = False) -> Tensor:
+    """``qr [R, q_lora]`` -> ``q [R, H, d]``: projection, per-head RMSNorm without weight, RoPE (one Triton
+    pass with ``fused``)."""
     q = F.linear(qr, weight).unflatten(-1, (heads, -1))
+    if fused:
+        from ..ops.rope.triton import head_norm_rope_triton  # lazy: importing csattn must not need Triton
+
+        return head_norm_rope_triton(q, cos, sin, eps)
     return apply_rope(rms_norm_unweighted(q, eps), cos, sin)
 
 
-def output_projection(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int) -> Tensor:
-    """``o [R, H, d]`` -> ``[R, D]``: inverse RoPE, grouped ``o_a_proj``, then ``o_b_proj``."""
-    o = apply_rope(o, cos, sin, inverse=True)
+def output_projection(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int,
+                      fused: bool = False) -> Tensor:
+    """``o [R, H, d]`` -> ``[R, D]``: inverse RoPE (one Triton pass with ``fused``), grouped ``o_a_proj``, then
+    ``o_b_proj``."""
+    if fused:
+        from ..ops.rope.triton import rope_heads_triton
+
+        o = rope_heads_triton(o, cos, sin, inverse=True)
+    else:
+        o = apply_rope(o, cos, sin, inverse=True)
     grouped = o.reshape(o.shape[0], groups, -1)
     return F.linear(grouped_linear(grouped, w_a, groups), w_b)
 
@@ -62,6 +75,11 @@ class CoreGeometry:
     block_rows: int
     backend: str  # "triton" or "reference"
     ref_chunk_rows: int = 1024  # row chunks of the reference attention inside one block
+
+    @property
+    def fused_elementwise(self) -> bool:
+        """The per-head RMSNorm / RoPE passes run as Triton kernels on the Triton backend."""
+        return self.backend == "triton"
 
 
 def _attn_forward(q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, geo: CoreGeometry) -> tuple[Tensor, Tensor]:
@@ -98,11 +116,11 @@ class _AttentionCore(torch.autograd.Function):
         out = qr.new_empty(total, w_ob.shape[0])
         for lo in range(0, total, geo.block_rows):
             hi = min(lo + geo.block_rows, total)
-            q = query_heads(qr[lo:hi], cos[lo:hi], sin[lo:hi], w_q, geo.heads, geo.eps)
+            q = query_heads(qr[lo:hi], cos[lo:hi], sin[lo:hi], w_q, geo.heads, geo.eps, geo.fused_elementwise)
             o, lse = _attn_forward(q, keys, ids_fn(lo, hi), sinks, geo)
             if on_block is not None:
                 on_block(lo, hi, q, lse)
-            out[lo:hi] = output_projection(o, cos[lo:hi], sin[lo:hi], w_oa, w_ob, geo.groups)
+            out[lo:hi] = output_projection(o, cos[lo:hi], sin[lo:hi], w_oa, w_ob, geo.groups, geo.fused_elementwise)
         return out
 
     @staticmethod
@@ -122,13 +140,13 @@ class _AttentionCore(torch.autograd.Function):
             with torch.enable_grad():
                 qr_b = qr[lo:hi].detach().requires_grad_()
                 w_q_b = w_q.detach().requires_grad_()
-                q = query_heads(qr_b, c, s, w_q_b, geo.heads, geo.eps)
+                q = query_heads(qr_b, c, s, w_q_b, geo.heads, geo.eps, geo.fused_elementwise)
             q_d = q.detach().contiguous()
             o, lse = _attn_forward(q_d, keys, ids, sinks, geo)
             with torch.enable_grad():
                 o_b = o.requires_grad_()
                 w_oa_b, w_ob_b = w_oa.detach().requires_grad_(), w_ob.detach().requires_grad_()
-                y = output_projection(o_b, c, s, w_oa_b, w_ob_b, geo.groups)
+                y = output_projection(o_b, c, s, w_oa_b, w_ob_b, geo.groups, geo.fused_elementwise)
                 do, g_oa, g_ob = torch.autograd.grad(y, (o_b, w_oa_b, w_ob_b), dy[lo:hi])
             del y, o_b
             dq, dsink = _attn_backward(q_d, keys, ids, sinks, o.detach(), lse, do, dkeys, geo)
