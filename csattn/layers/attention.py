@@ -333,15 +333,18 @@ class HybridAttention(nn.Module):
                                                     n)
 
     def core_block_rows(self, window_ids: Tensor, compressed_ids: Tensor | CompressedRange | None) -> int:
-        """Rows per block of the fused core: its per-head temporaries (``q``, ``o``, ``do``, ``dq`` and fp32
-        RMSNorm / RoPE temporaries, ~24 bytes per head channel) and the block's int64 ids within the workspace."""
+        """Rows per block of the fused core: its per-head temporaries (``q``, ``o``, ``do``, ``dq``, the
+        projection outputs around them and, on the reference backend, fp32 RMSNorm / RoPE temporaries: about
+        16 bytes per head channel with the Triton kernels, 24 without) and the block's int64 ids within the
+        workspace."""
         cfg = self.config
+        per_channel = 16 if self.backend_for(window_ids) == "triton" else 24
         width = window_ids.shape[1]
         if isinstance(compressed_ids, CompressedRange):
             width += compressed_ids.width
         elif compressed_ids is not None:
             width += compressed_ids.shape[1]
-        per_row = cfg.num_heads * cfg.head_dim * 24 + width * 8
+        per_row = cfg.num_heads * cfg.head_dim * per_channel + width * 8
         rows = max(16, cfg.workspace_bytes // per_row)
         return rows if rows < 256 else rows // 128 * 128  # whole waves of row programs on the GPU
 
