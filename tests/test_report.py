@@ -34,6 +34,11 @@ def test_plan_groups_caps_paths():
     assert {j.path for j in cp1} == {"triton", "reference", "hf"}
     assert max(j.tokens for j in cp1 if j.path == "hf") == 4096
     assert all(j.path != "hf" for _, _, jobs in groups[1:] for j in jobs)
+    assert max(j.tokens for j in groups[1][2] if j.path == "reference") == 8192
+    args.reference_cp_max_tokens = 4096  # the reference's longest stream at CP > 1 only
+    groups = plan_groups(args)
+    assert max(j.tokens for j in groups[0][2] if j.path == "reference") == 8192
+    assert max(j.tokens for j in groups[1][2] if j.path == "reference") == 4096
 
 
 @pytest.mark.timeout(300)

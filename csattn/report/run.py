@@ -31,6 +31,8 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paths", nargs="+", default=["triton", "reference", "hf"],
                    choices=["triton", "reference", "hf"], help="fused kernels, PyTorch reference, HF eager")
     p.add_argument("--reference-max-tokens", type=int, default=32768, help="longest stream for the reference")
+    p.add_argument("--reference-cp-max-tokens", type=int, default=None,
+                   help="longest stream for the reference at CP > 1 (default: --reference-max-tokens)")
     p.add_argument("--hf-max-tokens", type=int, default=8192, help="longest stream for HF eager (CP=1 only)")
     p.add_argument("--balance-tokens", type=int, nargs="*", default=None,
                    help="token counts for the isolated per-rank timing (default: the largest)")
@@ -61,7 +63,10 @@ def plan_groups(args) -> list[tuple[int, str, list[Job]]]:
                     continue
                 if path == "triton" and args.device != "cuda":
                     continue
-                cap = {"reference": args.reference_max_tokens, "hf": args.hf_max_tokens}.get(path, 1 << 62)
+                ref_cap = args.reference_max_tokens
+                if size > 1 and getattr(args, "reference_cp_max_tokens", None) is not None:
+                    ref_cap = args.reference_cp_max_tokens
+                cap = {"reference": ref_cap, "hf": args.hf_max_tokens}.get(path, 1 << 62)
                 for layer in args.layers:
                     jobs += [Job(layer, t, path, part) for t in sorted(args.tokens) if t <= cap]
             if jobs:
