@@ -147,7 +147,16 @@ def capture_safe_forward_packed(layer: HybridAttention, x: Tensor, packed: Stati
     backend = layer.backend_for(x)
     rows = packed.rows(x.device)
     cos, sin = layer.rope_tables(rows.pos, x.dtype)
-    q, qr = _queries(layer, x, cos, sin)
+    # Eager and CUDA-graph capture run the block-recomputed core (HybridAttention.heads); under torch.compile the
+    # same phases go through the custom ops, which the compiler sees as opaque nodes with fake implementations,
+    # and so does the dense indexer loss (its static-bound custom op).
+    dense_loss = cfg.layer_type == "csa" and cfg.indexer_loss_type == "dense"
+    core = cfg.recompute_projections and not dense_loss and not torch.compiler.is_compiling()
+    if core:
+        qr = layer.query_latent(x)
+        q = None
+    else:
+        q, qr = _queries(layer, x, cos, sin)
     kv = layer.raw_kv(x, cos, sin)
     window_ids = window_indices(rows.pos, rows.real, cfg.sliding_window)
 
@@ -164,8 +173,19 @@ def capture_safe_forward_packed(layer: HybridAttention, x: Tensor, packed: Stati
             selected = indexer_topk_static_op(q_idx, w, keys, meta.vis_start, meta.vis_end, cfg.index_topk,
                                               meta.max_visible, cfg.workspace_bytes, layer.backend_for(q_idx))
             loss_inputs = (q_idx, w, keys)
-    o, lse = _attend(layer, q, kv, ckv, window_ids, selected, meta)
 
+    if core:
+        from ..layers.attention import CompressedRange, IndexerLossInputs
+
+        compressed_ids = selected
+        if cfg.layer_type == "hca":
+            compressed_ids = CompressedRange(meta.vis_start, meta.vis_end, meta.max_visible)
+        loss = None
+        if loss_inputs is not None:
+            loss = IndexerLossInputs(*loss_inputs, rows.real, rows.num_real, meta.vis_start, meta.vis_end)
+        return layer.heads(qr, cos, sin, kv, ckv, window_ids, compressed_ids, loss, loss_scale=_loss_scale())
+
+    o, lse = _attend(layer, q, kv, ckv, window_ids, selected, meta)
     layer.last_indexer_loss = None
     if loss_inputs is not None and layer.wants_indexer_loss():
         q_idx, w, keys = loss_inputs

@@ -46,9 +46,15 @@ class IndexerLossInputs(NamedTuple):
     w: Tensor
     k_idx: Tensor
     real: Tensor
-    num_real: int
+    num_real: int | Tensor  # a host int, or a device scalar on the capture-safe path
     vis_start: Tensor
     vis_end: Tensor
+
+    def row_weight(self, dtype: torch.dtype) -> Tensor:
+        """``1 / num_real`` for real rows, 0 for padding (divided on the device for a device count)."""
+        if isinstance(self.num_real, Tensor):
+            return self.real.to(dtype) / self.num_real.clamp(min=1)
+        return self.real.to(dtype) / max(self.num_real, 1)
 
 
 # the per-head functions are shared with the capture-safe path (csattn.graphs)
@@ -275,6 +281,7 @@ class HybridAttention(nn.Module):
         window_ids: Tensor,
         compressed_ids: Tensor | CompressedRange | None,
         loss: IndexerLossInputs | None,
+        loss_scale: float | None = None,
     ) -> Tensor:
         """Everything per head, from the query latent to the layer output ``[T, D]``: query heads, sparse
         attention over window + compressed keys, the indexer loss (attached to the output) and the output
@@ -282,7 +289,9 @@ class HybridAttention(nn.Module):
 
         With ``recompute_projections`` (the default) this runs block by block in :func:`attention_core`, and
         no ``[T, H, d]`` tensor is ever whole; the dense indexer loss needs all queries at once, so it takes
-        the unblocked path (queries and output projection still recomputed block by block).
+        the unblocked path (queries and output projection still recomputed block by block). ``loss_scale``
+        fixes the indexer loss's gradient scale (captured graphs); None reads the global one in the backward.
+        Nothing here reads device values on the host, so it is also the capture-safe path's core.
         """
         cfg = self.config
         self.last_indexer_loss = None
@@ -291,7 +300,7 @@ class HybridAttention(nn.Module):
             q = self.query_heads(qr, cos, sin)
             o, lse = self.attend(q, kv, ckv, window_ids, compressed_ids)
             if want_loss:
-                o = self.with_indexer_loss(o, loss, q, ckv, lse, compressed_ids)
+                o = self.with_indexer_loss(o, loss, q, ckv, lse, compressed_ids, loss_scale)
             return self.output(o, cos, sin)
 
         keys, ids_fn = self.key_ids(kv, ckv, window_ids, compressed_ids)
@@ -301,7 +310,7 @@ class HybridAttention(nn.Module):
                            ref_chunk_rows=cfg.attn_chunk_rows)
         on_block = teacher = None
         if want_loss:
-            row_weight = loss.real.to(torch.promote_types(qr.dtype, torch.float32)) / max(loss.num_real, 1)
+            row_weight = loss.row_weight(torch.promote_types(qr.dtype, torch.float32))
             teacher = SparseTeacher(qr.shape[0], compressed_ids.shape[1], row_weight.dtype, qr.device,
                                     fused=backend == "triton")
 
@@ -315,7 +324,7 @@ class HybridAttention(nn.Module):
             kl = indexer_kl_from_teacher(loss.q_idx, loss.w, loss.k_idx, teacher, row_weight, compressed_ids,
                                          workspace_bytes=cfg.workspace_bytes, backend=backend)
             self.last_indexer_loss = kl.detach()
-            out = attach_indexer_loss(out, kl * cfg.indexer_loss_coeff)
+            out = attach_indexer_loss(out, kl * cfg.indexer_loss_coeff, loss_scale)
         return out
 
     def key_ids(
@@ -380,7 +389,7 @@ class HybridAttention(nn.Module):
         return selected, (q_idx, w, index_keys)
 
     def with_indexer_loss(self, o: Tensor, loss: IndexerLossInputs, q: Tensor, ckv: Tensor, lse: Tensor,
-                          selected: Tensor) -> Tensor:
+                          selected: Tensor, loss_scale: float | None = None) -> Tensor:
         """Attach ``coeff * sum_t KL_t / num_real`` over the real rows to ``o`` (its gradient flows in ``o``'s
         backward) and log the KL in ``last_indexer_loss``.
 
@@ -389,13 +398,13 @@ class HybridAttention(nn.Module):
         """
         cfg = self.config
         kl = indexer_kl_loss(
-            loss.q_idx, loss.w, loss.k_idx, q, ckv, lse, cfg.scale, loss.real.to(lse.dtype) / max(loss.num_real, 1),
+            loss.q_idx, loss.w, loss.k_idx, q, ckv, lse, cfg.scale, loss.row_weight(lse.dtype),
             selected=selected if cfg.indexer_loss_type == "sparse" else None,
             vis_start=loss.vis_start, vis_end=loss.vis_end, workspace_bytes=cfg.workspace_bytes,
             backend=self.backend_for(loss.q_idx),
         )
         self.last_indexer_loss = kl.detach()
-        return attach_indexer_loss(o, kl * cfg.indexer_loss_coeff)
+        return attach_indexer_loss(o, kl * cfg.indexer_loss_coeff, loss_scale)
 
     # ------------------------------------------------------------------ input handling
     def _flatten(self, hidden_states: Tensor, packed: Any) -> tuple[Tensor, PackedSeqs, tuple | None]:

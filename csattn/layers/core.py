@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops.rope import apply_rope
-from ..ops.sparse_attn import sparse_attn_ref
+from ..ops.sparse_attn import sparse_attn_chunk, sparse_attn_ref
 from .modules import grouped_linear, rms_norm_unweighted
 
 __all__ = ["CoreGeometry", "attention_core", "query_heads", "output_projection"]
@@ -98,11 +98,21 @@ def _attn_backward(q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, o: Tenso
 
         dq, _, dsink = sparse_attn_bwd(q, keys, ids, sinks, geo.scale, o, lse, do, dkv_accum=dkeys)
         return dq, dsink
-    with torch.enable_grad():
-        q_, keys_, sinks_ = (t.detach().requires_grad_() for t in (q, keys, sinks))
-        o_, _ = sparse_attn_ref(q_, keys_, ids, sinks_, geo.scale, chunk_rows=geo.ref_chunk_rows)
-        dq, dk, dsink = torch.autograd.grad(o_, (q_, keys_, sinks_), do)
-    dkeys += dk
+    # Reference: differentiate one row chunk at a time (no torch.utils.checkpoint: its RNG bookkeeping is not
+    # allowed under CUDA graph capture, and the chunk is recomputed here anyway).
+    dq = torch.empty_like(q)
+    dsink = torch.zeros_like(sinks)
+    keys_ = keys.detach().requires_grad_()
+    sinks_ = sinks.detach().requires_grad_()
+    for lo in range(0, q.shape[0], geo.ref_chunk_rows):
+        hi = min(lo + geo.ref_chunk_rows, q.shape[0])
+        with torch.enable_grad():
+            q_ = q[lo:hi].detach().requires_grad_()
+            o_, _ = sparse_attn_chunk(q_, keys_, ids[lo:hi], sinks_, geo.scale)
+            g_q, g_k, g_s = torch.autograd.grad(o_, (q_, keys_, sinks_), do[lo:hi])
+        dq[lo:hi] = g_q
+        dkeys += g_k
+        dsink += g_s
     return dq, dsink
 
 

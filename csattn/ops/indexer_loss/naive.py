@@ -166,19 +166,45 @@ def _student_chunk(q_idx, w, k_idx, mass, selected, row_weight):
     return (kl_from_logits(student, mass.to(compute), valid) * row_weight.to(compute)).sum()
 
 
+class _StudentKL(torch.autograd.Function):
+    """Sum over row chunks of the student's KL against fixed teacher masses; the backward recomputes each chunk
+    (the memory of ``torch.utils.checkpoint`` without its RNG bookkeeping, which CUDA graph capture forbids)."""
+
+    @staticmethod
+    def forward(ctx, chunks, q_idx, w, k_idx, mass, selected, row_weight):
+        ctx.chunks = chunks
+        ctx.save_for_backward(q_idx, w, k_idx, mass, selected, row_weight)
+        total = q_idx.new_zeros((), dtype=torch.promote_types(q_idx.dtype, torch.float32))
+        for lo, hi in chunks:
+            total = total + _student_chunk(q_idx[lo:hi], w[lo:hi], k_idx, mass[lo:hi], selected[lo:hi],
+                                           row_weight[lo:hi])
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        q_idx, w, k_idx, mass, selected, row_weight = ctx.saved_tensors
+        dq, dw = torch.zeros_like(q_idx), torch.zeros_like(w)
+        dk = torch.zeros_like(k_idx, dtype=torch.promote_types(k_idx.dtype, torch.float32))
+        k_ = k_idx.detach().requires_grad_()
+        for lo, hi in ctx.chunks:
+            with torch.enable_grad():
+                q_, w_ = q_idx[lo:hi].detach().requires_grad_(), w[lo:hi].detach().requires_grad_()
+                value = _student_chunk(q_, w_, k_, mass[lo:hi], selected[lo:hi], row_weight[lo:hi])
+                g_q, g_w, g_k = torch.autograd.grad(value, (q_, w_, k_), grad)
+            dq[lo:hi] = g_q
+            dw[lo:hi] = g_w
+            dk += g_k
+        return None, dq, dw, dk.to(k_idx.dtype), None, None, None
+
+
 def indexer_kl_from_teacher_ref(q_idx: Tensor, w: Tensor, k_idx: Tensor, teacher: SparseTeacher,
                                 row_weight: Tensor, selected: Tensor, workspace_bytes: int = 1 << 30) -> Tensor:
     """The sparse loss of :func:`indexer_kl_loss_ref` from precomputed teacher masses (same value)."""
     if k_idx.shape[0] == 0 or q_idx.shape[0] == 0:
         return (q_idx.sum() + w.sum() + k_idx.sum()).to(torch.promote_types(q_idx.dtype, torch.float32)) * 0
-    use_ckpt = torch.is_grad_enabled() and (q_idx.requires_grad or w.requires_grad or k_idx.requires_grad)
-    run = (lambda f, *a: checkpoint(f, *a, use_reentrant=False)) if use_ckpt else (lambda f, *a: f(*a))
     per_row = selected.shape[1] * (2 * q_idx.shape[1] + q_idx.shape[2] + 1) * teacher.mass.itemsize
-    total = q_idx.new_zeros((), dtype=torch.promote_types(q_idx.dtype, torch.float32))
-    for lo, hi in fixed_row_chunks(q_idx.shape[0], per_row, workspace_bytes):
-        total = total + run(_student_chunk, q_idx[lo:hi], w[lo:hi], k_idx, teacher.mass[lo:hi], selected[lo:hi],
-                            row_weight[lo:hi])
-    return total
+    chunks = fixed_row_chunks(q_idx.shape[0], per_row, workspace_bytes)
+    return _StudentKL.apply(chunks, q_idx, w, k_idx, teacher.mass, selected, row_weight)
 
 
 class IndexerLossAutoScaler(torch.autograd.Function):
