@@ -35,22 +35,27 @@ def render_report(meta: dict, records: list[dict], out_dir: str) -> str:
     lines = [
         f"Device: {meta['device']}, dtype {meta['dtype']}, geometry {meta['geometry']}, commit {meta['commit']}, "
         f"{meta['date']}; median of {meta['steps']} steps after one warm-up; one layer forward + backward on a "
-        "ragged packed batch; memory = per-rank peak allocated during a step above what was allocated before "
-        "it (activations, gradients, workspaces), max over ranks.",
+        "ragged packed batch; peak = per-rank peak allocated during a step above what was allocated before "
+        "it (activations, gradients, workspaces), max over ranks; act. = per-rank memory the forward keeps for "
+        "the backward (allocated after the forward minus before it, the output included), max over ranks.",
         "",
-        "| layer | tokens | path | CP | partition | peak GiB/rank | CP1/CPn memory | ms/step | TFLOP/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| layer | tokens | path | CP | partition | peak GiB/rank | CP1/CPn peak | act. GiB/rank | CP1/CPn act. "
+        "| ms/step | TFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in sorted(summary, key=lambda k: (k[0], k[2], k[1], k[3], k[4])):
         layer, tokens, path, cp, part = key
         s = summary[key]
         if "error" in s and "ms" not in s:
-            lines.append(f"| {layer} | {tokens} | {path} | {cp} | {part} | {s['error']} | | | |")
+            lines.append(f"| {layer} | {tokens} | {path} | {cp} | {part} | {s['error']} | | | | | |")
             continue
         base = summary.get((layer, tokens, path, 1, "-"), {})
-        ratio = base.get("peak_gib") / s["peak_gib"] if base.get("peak_gib") and s.get("peak_gib") else None
+        ratios = [base.get(m) / s[m] if base.get(m) and s.get(m) and cp > 1 else None
+                  for m in ("peak_gib", "act_gib")]
         lines.append(f"| {layer} | {tokens} | {path} | {cp} | {part} | {_fmt(s.get('peak_gib'))} | "
-                     f"{_fmt(ratio) if cp > 1 else ''} | {_fmt(s.get('ms'), '.1f')} | {_fmt(s.get('tflops'), '.1f')} |")
+                     f"{_fmt(ratios[0]) if cp > 1 else ''} | {_fmt(s.get('act_gib'))} | "
+                     f"{_fmt(ratios[1]) if cp > 1 else ''} | {_fmt(s.get('ms'), '.1f')} | "
+                     f"{_fmt(s.get('tflops'), '.1f')} |")
     iso = _isolated(records)
     if iso:
         lines += ["", "Per-rank work balance (each rank timed alone, fake process group; model FLOPs of its rows):",

@@ -192,7 +192,8 @@ def summarize(records: list[dict]) -> dict:
             cur["error"] = r["error"]
             continue
         cur["ms"] = max(cur.get("ms", 0.0), r["ms"])
-        if r.get("peak_gib") is not None:
-            cur["peak_gib"] = max(cur.get("peak_gib", 0.0), r["peak_gib"])
+        for metric in ("peak_gib", "act_gib"):
+            if r.get(metric) is not None:
+                cur[metric] = max(cur.get(metric, 0.0), r[metric])
         cur["tflops"] = r["flops_fwdbwd"] / cur["ms"] / 1e9
     return dict(out)

@@ -90,15 +90,21 @@ def _measure(job: Job, opts: dict, device: torch.device, cp) -> dict:
     del x_global
     dy = torch.randn(x_local.shape, generator=g).to(device=device, dtype=dtype)
 
+    acts: list[float] = []
+
     def step():
         for p in layer.parameters():
             p.grad = None
         x_local.grad = None
+        start = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         y = layer(x_local, packed=packed, cp=cp)
+        if device.type == "cuda":  # what the forward keeps for the backward (its output included)
+            acts.append((torch.cuda.memory_allocated(device) - start) / 2**30)
         y.backward(dy)
 
     barrier = (lambda: dist.barrier(group=cp.group)) if cp is not None and opts.get("barrier", True) else None
     ms, peak = _time_steps(step, device, opts["steps"], before=barrier)
+    act = max(acts) if acts else None
     flops = layer_flops(cfg, lengths)
     local_flops = None
     if cp is not None:
@@ -106,7 +112,8 @@ def _measure(job: Job, opts: dict, device: torch.device, cp) -> dict:
 
         layout = make_layout(packed_cpu, cp.partition, cp.size, cp.chunks_per_rank, cp.cost_config)
         local_flops = float(partition_flops(layout, packed_cpu, cfg)[cp.rank])
-    return {"ms": ms, "peak_gib": peak, "docs": len(lengths), "flops_fwdbwd": flops["fwd"] + flops["bwd"],
+    return {"ms": ms, "peak_gib": peak, "act_gib": act, "docs": len(lengths),
+            "flops_fwdbwd": flops["fwd"] + flops["bwd"],
             "tflops": (flops["fwd"] + flops["bwd"]) / (cp.size if cp else 1) / ms / 1e9,
             "rank_model_flops": local_flops}
 
