@@ -57,3 +57,29 @@ def test_report_runs_tiny(tmp_path):
     assert "| hca | 128 | reference | 2 | contiguous |" in md
     for png in ("memory.png", "time.png", "balance.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_merge_reports_later_cases_replace_earlier(tmp_path):
+    import json
+
+    from csattn.report.run import merge_reports
+
+    def rec(cp, tokens, peak, rank=0, part="contiguous"):
+        return {"kind": "group", "layer": "csa", "tokens": tokens, "path": "triton", "cp": cp, "partition": part,
+                "rank": rank, "ms": 1.0, "peak_gib": peak, "act_gib": peak / 2, "flops_fwdbwd": 1e12}
+
+    meta = {"device": "gpu", "dtype": "bfloat16", "geometry": "real", "date": "d", "steps": 1}
+    first = {"meta": {**meta, "commit": "aaa"}, "records": [rec(1, 4096, 8.0), rec(2, 4096, 5.0),
+                                                           rec(2, 4096, 5.5, rank=1)]}
+    second = {"meta": {**meta, "commit": "bbb"}, "records": [rec(1, 4096, 4.0), rec(4, 4096, 1.0)]}
+    paths = []
+    for i, data in enumerate((first, second)):
+        paths.append(str(tmp_path / f"r{i}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(data, f)
+    md = merge_reports(paths, str(tmp_path / "out"))
+    merged = json.loads((tmp_path / "out" / "report.json").read_text())
+    peaks = sorted((r["cp"], r["rank"], r["peak_gib"]) for r in merged["records"])
+    assert peaks == [(1, 0, 4.0), (2, 0, 5.0), (2, 1, 5.5), (4, 0, 1.0)]
+    assert merged["meta"]["commit"] == "aaa + bbb"
+    assert "| 4.00 |" in md  # CP1/CP4 peak ratio from the replaced CP=1 case: 4.0 / 1.0

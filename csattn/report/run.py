@@ -43,6 +43,9 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="docs/report", help="output folder (JSON, Markdown, PNG)")
     p.add_argument("--group-timeout", type=int, default=1800, help="seconds before a hung group is killed")
+    p.add_argument("--merge", nargs="+", default=None, metavar="REPORT_JSON",
+                   help="measure nothing: combine these report.json files (a later file's cases replace an "
+                        "earlier one's) and write the report into --out")
 
 
 def _free_port() -> int:
@@ -138,8 +141,43 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _case_key(r: dict) -> tuple:
+    return (r.get("kind"), r["layer"], r["tokens"], r["path"], r["cp"], r.get("partition"), r.get("rank"))
+
+
+def merge_reports(paths: list[str], out_dir: str) -> str:
+    """Combine report JSON files (one report split over several device sessions) and render the result.
+
+    A case (layer, tokens, path, CP, partition) present in a later file replaces all of its records from the
+    earlier files. The metadata is the last file's, with every file's commit listed.
+    """
+    from .render import render_report
+
+    records: dict[tuple, dict] = {}
+    metas = []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        metas.append(data["meta"])
+        new = data["records"]
+        cases = {_case_key(r)[:6] for r in new}
+        records = {k: v for k, v in records.items() if k[:6] not in cases}
+        records.update({_case_key(r): r for r in new})
+    meta = dict(metas[-1])
+    meta["commit"] = " + ".join(dict.fromkeys(m["commit"] for m in metas))
+    merged = list(records.values())
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "report.json"), "w") as f:
+        json.dump({"meta": meta, "records": merged, "merged_from": metas}, f, indent=1)
+    return render_report(meta, merged, out_dir)
+
+
 def run_report(args: argparse.Namespace) -> int:
     from .render import render_report
+
+    if getattr(args, "merge", None):
+        print(merge_reports(args.merge, args.out))
+        return 0
 
     opts = {"dtype": args.dtype, "geometry": args.geometry, "device": args.device, "steps": args.steps}
     groups = plan_groups(args)
