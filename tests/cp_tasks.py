@@ -175,3 +175,25 @@ def bad_input(group, case: str) -> None:
         raise AssertionError(case)
     out = layer(x.requires_grad_(), packed=packed, cp=cp)
     out.sum().backward()
+
+
+def saved_input_copies(group, num_rows: int, partition: str) -> list[tuple]:
+    """Shapes of the ``D``-wide tensors with more than a halo's rows that a CP forward saves for the backward
+    and that are not views of the rank's own input (W, CSA and HCA layers); a rank should save none: its
+    halo-extended rows are projected piece by piece instead of being copied into one tensor."""
+    cp = ContextParallel(group, partition=partition)
+    packed = PackedSeqs.from_lengths([num_rows // 3, num_rows - num_rows // 3])
+    copies = []
+    for layer in build_stack(torch.float64, 0):
+        x = cp.shard(torch.randn(num_rows, 32, dtype=torch.float64), packed).requires_grad_()
+        own = {x.untyped_storage().data_ptr()} | {p.untyped_storage().data_ptr() for p in layer.parameters()}
+
+        def pack(t, own=own, kind=layer.config.layer_type):
+            if t.dim() == 2 and t.shape[1] == 32 and t.shape[0] > 16 and t.untyped_storage().data_ptr() not in own:
+                copies.append((kind, tuple(t.shape)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer(x, packed=packed, cp=cp)
+        y.square().sum().backward()
+    return copies

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from ..layers.modules import RowPieces
 from .gather import PendingGather, start_gather_rows
 from .plan import LayerPlan
 
@@ -27,8 +27,10 @@ def start_halo_exchange(x_local: Tensor, plan: LayerPlan, group: Any) -> Pending
     return start_gather_rows(x_local[plan.tail_index], group)
 
 
-def finish_halo_exchange(x_local: Tensor, plan: LayerPlan, pending: PendingGather | None) -> Tensor:
-    """Wait for the tails and assemble the ext rows ``[n_ext, D]`` (per segment: halo, then own rows)."""
+def finish_halo_exchange(x_local: Tensor, plan: LayerPlan, pending: PendingGather | None) -> Tensor | RowPieces:
+    """Wait for the tails and return the ext rows ``[n_ext, D]`` (per segment: halo, then own rows) as
+    :class:`RowPieces`: views of the received tails and of ``x_local``, never concatenated, so the input
+    projections save no copy of this rank's rows."""
     if pending is None:
         return x_local
     tails = pending.wait()  # [P * S * Hh, D]
@@ -37,4 +39,4 @@ def finish_halo_exchange(x_local: Tensor, plan: LayerPlan, pending: PendingGathe
         # This rank needs no halo but must still run the exchange's backward collective, in the same
         # place of the backward order as every other rank: keep the received tails in the graph.
         parts.insert(0, tails[:0])
-    return torch.cat(parts, dim=0)
+    return RowPieces(tuple(parts))

@@ -23,7 +23,7 @@ from ..ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..ops.sparse_attn import sparse_attn
 from ..packing import CompressMeta, PackedSeqs
 from .core import CoreGeometry, attention_core, output_projection, query_heads
-from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, _linear
+from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, RowPieces, _linear, map_rows
 from .recompute import row_chunked
 
 __all__ = ["HybridAttention", "CompressedRange", "IndexerLossInputs"]
@@ -180,9 +180,9 @@ class HybridAttention(nn.Module):
         fn = partial(_query_heads, heads=cfg.num_heads, eps=cfg.rms_norm_eps)
         return row_chunked(fn, (qr, cos, sin), (self.q_b_proj.weight,), self.recompute_rows())
 
-    def raw_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def raw_kv(self, x: Tensor | RowPieces, cos: Tensor, sin: Tensor) -> Tensor:
         """The single K = V head of every row, ``[T, d]``."""
-        return apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        return apply_rope(self.kv_norm(map_rows(self.kv_proj, x)), cos, sin)
 
     def output(self, o: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Inverse RoPE on ``o [T, H, d]`` (values carried absolute rope), then the grouped projection."""
@@ -235,11 +235,12 @@ class HybridAttention(nn.Module):
             lses.append(lse)
         return torch.cat(outs), torch.cat(lses)
 
-    def backend_for(self, t: Tensor) -> str:
+    def backend_for(self, t: Tensor | RowPieces) -> str:
         """``"triton"`` on CUDA by default (``backend="auto"``), the reference elsewhere."""
         backend = self.config.backend
         if backend == "auto":
-            return "triton" if t.is_cuda else "reference"
+            device = t.pieces[-1].device if isinstance(t, RowPieces) else t.device
+            return "triton" if device.type == "cuda" else "reference"
         return backend
 
     def wants_indexer_loss(self) -> bool:
@@ -357,7 +358,7 @@ class HybridAttention(nn.Module):
         rows = max(16, cfg.workspace_bytes // per_row)
         return rows if rows < 256 else rows // 128 * 128  # whole waves of row programs on the GPU
 
-    def index_keys(self, x: Tensor, meta: CompressMeta, row_offset: int = 0) -> Tensor:
+    def index_keys(self, x: Tensor | RowPieces, meta: CompressMeta, row_offset: int = 0) -> Tensor:
         """The indexer's own compressed keys ``[Nc, cI]`` from detached ``x`` (CSA)."""
         return self.compressor.indexer.compress(x.detach(), meta, self.inv_freq, row_offset=row_offset,
                                                backend=self.backend_for(x))

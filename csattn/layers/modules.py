@@ -3,6 +3,9 @@ state dicts map one to one."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 
@@ -11,7 +14,8 @@ from ..ops.rope import apply_rope, rope_cos_sin
 from ..packing import CompressMeta
 
 __all__ = [
-    "RMSNorm", "rms_norm_unweighted", "GroupedLinear", "grouped_linear", "Compressor", "Indexer", "IndexerScorer",
+    "RowPieces", "map_rows", "RMSNorm", "rms_norm_unweighted", "GroupedLinear", "grouped_linear", "Compressor",
+    "Indexer", "IndexerScorer",
 ]
 
 
@@ -28,6 +32,31 @@ class RMSNorm(nn.Module):
         h = x.to(compute)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.to(compute) * h).to(x.dtype)
+
+
+class RowPieces(NamedTuple):
+    """Rows given as consecutive pieces that are never concatenated, e.g. a context-parallel rank's halo rows
+    and its own rows. Row-wise maps (the input projections) run piece by piece and their outputs are
+    concatenated, so what autograd saves are the pieces, views of existing tensors: a rank never copies its
+    ``[T / P, D]`` input into a halo-extended one."""
+
+    pieces: tuple[Tensor, ...]
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        """``fn(cat(pieces))`` for a row-wise ``fn``, computed as ``cat(fn(piece) ...)``."""
+        return torch.cat([fn(p) for p in self.pieces], dim=0)
+
+    def detach(self) -> RowPieces:
+        return RowPieces(tuple(p.detach() for p in self.pieces))
+
+    @property
+    def num_rows(self) -> int:
+        return sum(p.shape[0] for p in self.pieces)
+
+
+def map_rows(fn: Callable[[Tensor], Tensor], x: Tensor | RowPieces) -> Tensor:
+    """``fn(x)`` for a tensor, piece by piece for :class:`RowPieces` (``fn`` must be row-wise)."""
+    return x.map(fn) if isinstance(x, RowPieces) else fn(x)
 
 
 def rms_norm_unweighted(x: Tensor, eps: float) -> Tensor:
@@ -80,15 +109,15 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(ratio, coff * dim))
         self.kv_norm = RMSNorm(dim, eps)
 
-    def compress(self, x: Tensor, meta: CompressMeta, inv_freq: Tensor, row_offset: int = 0,
+    def compress(self, x: Tensor | RowPieces, meta: CompressMeta, inv_freq: Tensor, row_offset: int = 0,
                  backend: str = "reference") -> Tensor:
         """Entries ``[Nc, dim]`` from rows ``x [T, D]``.
 
         ``row_offset`` shifts ``meta.entry_row`` into ``x``'s rows (used when ``x`` is a window of a
         longer stream, e.g. a context-parallel shard with its halo).
         """
-        kv = self.kv_proj(x)
-        gate = self.gate_proj(x)
+        kv = map_rows(self.kv_proj, x)
+        gate = map_rows(self.gate_proj, x)
         entry_row = meta.entry_row - row_offset if row_offset else meta.entry_row
         pooled = compress_pool(kv, gate, self.position_bias, entry_row, meta.entry_first, self.ratio, self.overlap,
                                backend=backend)
