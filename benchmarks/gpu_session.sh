@@ -1,38 +1,62 @@
 #!/usr/bin/env bash
-# Everything this project measures on the lent H200 (the device time is scarce): GPU tests, the layer
-# benchmark against HF eager, and the scaling report. Results land in $OUT.
-#   CSATTN_COMMIT=<sha> bash benchmarks/gpu_session.sh   (.whl/ carries transformers 5.23 if the image's is older)
-# Stage time limits: TESTS_S, LAYER_S, REPORT_S (seconds). The full report (6 lengths x 2 layers x CP 1/2/4 x
-# both partitions, isolated per-rank timing) needs about 15 minutes: give it a call of its own.
+# Everything this project measures on a lent H200, in stages that each fit one 10-minute device call; results
+# land in $OUT. .whl/ carries transformers >= 5.23 when the image's is older (HF eager baseline and parity tests).
+#
+#   CSATTN_COMMIT=<sha> STAGES="tests layer profile" bash benchmarks/gpu_session.sh     # ~6 min
+#   CSATTN_COMMIT=<sha> STAGES="report-a" bash benchmarks/gpu_session.sh                # ~9 min
+#   CSATTN_COMMIT=<sha> STAGES="report-b" bash benchmarks/gpu_session.sh                # ~5 min
+#   python -m csattn report --merge a/report.json b/report.json --out docs/report       # then, anywhere
+#
+# report-a: CP = 1 (fused, reference up to 32k, HF eager up to 8k) and CP = 2, both partitions (reference up to
+# 8k); report-b: the isolated per-rank timing at 128k and CP = 4, both partitions.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
+C=${CSATTN_COMMIT:-unknown}
 export PYTHONPATH="$PWD"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="/tmp/site:$PWD"
 fi
-stage() { echo "=== $1 ($(date -u +%T))" | tee -a "$LOG"; }
-stage env
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$LOG" 2>&1
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" >> "$LOG" 2>&1
-git rev-parse --short HEAD >> "$LOG" 2>&1 || true
-
-stage "gpu tests"
-timeout "${TESTS_S:-110}" python3 -m pytest -q -m gpu tests -p no:cacheprovider >> "$LOG" 2>&1
-echo "pytest rc=$?" >> "$LOG"
-
-stage "layer benchmark: Triton / reference / HF eager"
-timeout "${LAYER_S:-150}" python3 -m benchmarks.run --op layer --mode fwdbwd --providers triton,reference,hf \
-  --shape tokens=8192,32768 --shape layer=csa,hca --warmup-ms 5 --rep-ms 40 --commit "${CSATTN_COMMIT:-unknown}" \
-  --json "$OUT/layer.json" >> "$LOG" 2>&1
-echo "layer rc=$?" >> "$LOG"
-
-stage "scaling report"
-timeout "${REPORT_S:-300}" python3 -m csattn report --tokens 4096 8192 16384 32768 65536 131072 \
-  --reference-max-tokens "${REF_MAX:-8192}" --hf-max-tokens 8192 --steps "${STEPS:-2}" --group-timeout 240 \
-  --out "$OUT/report" >> "$LOG" 2>&1
-echo "report rc=$?" >> "$LOG"
+stage() { echo "=== $1 ($(date -u +%T)) commit $C" | tee -a "$LOG"; }
+TOKENS="4096 8192 16384 32768 65536 131072"
+for s in ${STAGES:-tests layer profile}; do
+  case $s in
+    tests)
+      stage "gpu tests"
+      timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider >> "$LOG" 2>&1
+      echo "pytest rc=$?" >> "$LOG" ;;
+    layer)
+      stage "layer benchmark: Triton / reference / HF eager"
+      timeout 180 python3 -m benchmarks.run --op layer --mode fwdbwd --providers triton,reference,hf \
+        --shape tokens=8192,32768 --shape layer=csa,hca --warmup-ms 5 --rep-ms 40 --commit "$C" \
+        --json "$OUT/layer.json" >> "$LOG" 2>&1
+      echo "layer rc=$?" >> "$LOG" ;;
+    profile)
+      stage "per-kernel profile"
+      for t in 8192 32768; do
+        timeout 60 python3 -m benchmarks.profile_layer --tokens $t --layer csa > "$OUT/profile_csa_$t.txt" 2>&1
+      done ;;
+    graphs)
+      stage "CUDA graph step: eager vs replay"
+      timeout 150 python3 -m benchmarks.run --op layer_step --mode fwd --providers eager,capture_safe,graph \
+        --shape tokens=4096,32768 --shape layer=csa --warmup-ms 5 --rep-ms 40 --commit "$C" \
+        --json "$OUT/layer_step.json" >> "$LOG" 2>&1
+      echo "layer_step rc=$?" >> "$LOG" ;;
+    report-a)
+      stage "scaling report, part a"
+      CSATTN_COMMIT=$C timeout 560 python3 -m csattn report --tokens $TOKENS --cp 1 2 --reference-max-tokens 32768 \
+        --reference-cp-max-tokens 8192 --hf-max-tokens 8192 --balance-tokens --steps 2 --group-timeout 300 \
+        --out "$OUT/report-a" >> "$LOG" 2>&1
+      echo "report-a rc=$?" >> "$LOG" ;;
+    report-b)
+      stage "scaling report, part b"
+      CSATTN_COMMIT=$C timeout 560 python3 -m csattn report --tokens $TOKENS --cp 4 --reference-max-tokens 8192 \
+        --steps 2 --group-timeout 300 --out "$OUT/report-b" >> "$LOG" 2>&1
+      echo "report-b rc=$?" >> "$LOG" ;;
+    *) echo "unknown stage $s" >> "$LOG" ;;
+  esac
+done
 stage done
