@@ -148,7 +148,10 @@ def indexer_kl_bwd_kernel(
         q_idx_t = tl.load(q_idx + t * HI * CI + heads_i[None, :] * CI + ch[:, None], mask=qi_mask, other=0.0)
         w_t = tl.load(w + t * HI + heads_i, mask=heads_i < HI, other=0.0)
         heads = tl.arange(0, HP)
-        lse_t = tl.load(lse + t * H + heads, mask=heads < H, other=0.0)
+        if STORE_MASS:  # the stored masses replace the teacher: q, ckv and lse are not read
+            lse_t = tl.zeros((HP,), dtype=tl.float32)
+        else:
+            lse_t = tl.load(lse + t * H + heads, mask=heads < H, other=0.0)
         dq_acc = tl.zeros((CIP, HIP), dtype=tl.float32)
         dw_acc = tl.zeros((HIP,), dtype=tl.float32)
         for j in range(0, n, BK):
@@ -363,7 +366,8 @@ class IndexerKLFromTeacher(torch.autograd.Function):
     def backward(ctx, grad):
         q_idx, w, k_idx, row_weight, selected, stats, mass = ctx.saved_tensors
         heads, head_dim, q_dtype = ctx.geometry
-        # The sparse backward reads the stored masses: q, ckv and lse are not read (only their geometry is).
+        # The sparse backward kernel reads the stored masses, never q, ckv or lse (only q's geometry and dtype
+        # pick the compiled variant), so one-element placeholders stand in for them.
         q_shape = torch.empty((1, heads, head_dim), dtype=q_dtype, device=q_idx.device)
         dq, dw, dk = indexer_kl_bwd(grad.float().reshape(1).contiguous(), q_idx, w, k_idx, q_shape, q_shape,
                                     stats, 0.0, row_weight, selected, stats, stats, stats, mass)
