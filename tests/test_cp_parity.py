@@ -83,3 +83,13 @@ def test_cp_memory_no_global_sized_activation(pool):
     the gathered compressed entries (T / r rows), or by one sparse-attention chunk over all T / r HCA entries."""
     for res in pool.run_ok(cp_tasks.memory_probe, 4, num_rows=512):
         assert res["numel"] <= res["bound"] < res["global"], res
+
+
+@pytest.mark.parametrize("size,partition", [(2, "contiguous"), (2, "balanced")])
+def test_cp_triton_backend(pool, size, partition):
+    """The fused path under CP (Triton interpreter on the CPU, CUDA on a GPU machine): halo rows projected
+    piece by piece, Triton compressor / top-k / core kernels on each rank, against the single-process run."""
+    pytest.importorskip("triton")
+    err = pool.run_ok(cp_tasks.parity, size, lengths=[5, 37, 1, 30], partition=partition, dtype="float32",
+                      types=("csa", "hca"), backend="triton")[0]
+    check(err, 1e-5)
