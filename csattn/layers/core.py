@@ -9,8 +9,9 @@ Here nothing of that size is kept:
   small inputs are saved (``qr [T, q_lora]``, the keys, the weights). An optional hook sees each block's
   ``q`` and ``lse`` (the indexer loss takes its teacher from them);
 * backward, per block: recompute ``q`` (with autograd, for ``q_b_proj``), recompute ``(o, lse)`` with the
-  attention forward, back-propagate the output projection to get ``do``, run the attention backward (key
-  gradients summed over blocks in one fp32 buffer), then back-propagate ``q``'s projection.
+  attention forward, back-propagate the output projection to get ``do`` (recomputing only ``o_b_proj``'s
+  input, not the block's output), run the attention backward (key gradients summed over blocks in one fp32
+  buffer), then back-propagate ``q``'s projection.
 
 The price is one more attention forward per step (about 1/4.5 of the attention's forward + backward) on top
 of the projections, which were already recomputed. The block index lists come from a callable, so the HCA
@@ -30,7 +31,7 @@ from ..ops.rope import apply_rope
 from ..ops.sparse_attn import sparse_attn_chunk, sparse_attn_ref
 from .modules import grouped_linear, rms_norm_unweighted
 
-__all__ = ["CoreGeometry", "attention_core", "query_heads", "output_projection"]
+__all__ = ["CoreGeometry", "attention_core", "query_heads", "grouped_output", "output_projection"]
 
 # ids_fn(lo, hi) -> [hi - lo, K] int key ids (rows of ``keys``, -1 = none) of rows lo..hi
 IdsFn = Callable[[int, int], Tensor]
@@ -50,18 +51,21 @@ def query_heads(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int
     return apply_rope(rms_norm_unweighted(q, eps), cos, sin)
 
 
-def output_projection(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int,
-                      fused: bool = False) -> Tensor:
-    """``o [R, H, d]`` -> ``[R, D]``: inverse RoPE (one Triton pass with ``fused``), grouped ``o_a_proj``, then
-    ``o_b_proj``."""
+def grouped_output(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, groups: int, fused: bool = False) -> Tensor:
+    """``o [R, H, d]`` -> ``[R, G o_lora]``: inverse RoPE (one Triton pass with ``fused``), grouped ``o_a_proj``."""
     if fused:
         from ..ops.rope.triton import rope_heads_triton
 
         o = rope_heads_triton(o, cos, sin, inverse=True)
     else:
         o = apply_rope(o, cos, sin, inverse=True)
-    grouped = o.reshape(o.shape[0], groups, -1)
-    return F.linear(grouped_linear(grouped, w_a, groups), w_b)
+    return grouped_linear(o.reshape(o.shape[0], groups, -1), w_a, groups)
+
+
+def output_projection(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int,
+                      fused: bool = False) -> Tensor:
+    """``o [R, H, d]`` -> ``[R, D]``: inverse RoPE, grouped ``o_a_proj``, then ``o_b_proj``."""
+    return F.linear(grouped_output(o, cos, sin, w_a, groups, fused), w_b)
 
 
 @dataclass(frozen=True)
@@ -153,12 +157,15 @@ class _AttentionCore(torch.autograd.Function):
                 q = query_heads(qr_b, c, s, w_q_b, geo.heads, geo.eps, geo.fused_elementwise)
             q_d = q.detach().contiguous()
             o, lse = _attn_forward(q_d, keys, ids, sinks, geo)
+            dy_b = dy[lo:hi]
             with torch.enable_grad():
                 o_b = o.requires_grad_()
-                w_oa_b, w_ob_b = w_oa.detach().requires_grad_(), w_ob.detach().requires_grad_()
-                y = output_projection(o_b, c, s, w_oa_b, w_ob_b, geo.groups, geo.fused_elementwise)
-                do, g_oa, g_ob = torch.autograd.grad(y, (o_b, w_oa_b, w_ob_b), dy[lo:hi])
-            del y, o_b
+                w_oa_b = w_oa.detach().requires_grad_()
+                z = grouped_output(o_b, c, s, w_oa_b, geo.groups, geo.fused_elementwise)
+            # o_b_proj by hand: its input z is all the backward needs, so the block's output is not recomputed
+            g_ob = dy_b.t() @ z.detach()
+            do, g_oa = torch.autograd.grad(z, (o_b, w_oa_b), dy_b @ w_ob)
+            del z, o_b
             dq, dsink = _attn_backward(q_d, keys, ids, sinks, o.detach(), lse, do, dkeys, geo)
             del do, o
             g_qr, g_q = torch.autograd.grad(q, (qr_b, w_q_b), dq)
