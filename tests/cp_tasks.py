@@ -65,9 +65,12 @@ def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 
 
 def parity(group, lengths, pads=None, partition="contiguous", dtype="float64", seed=0, types=TYPES,
-           chunks_per_rank=2, min_rows=None, **over) -> dict:
+           chunks_per_rank=2, min_rows=None, capture_safe=False, **over) -> dict:
     """Relative errors (CP vs single process) of the stack output, each layer's output, the input grad, every
-    parameter grad (summed over ranks) and each indexer loss (summed over ranks). Returns them on rank 0."""
+    parameter grad (summed over ranks) and each indexer loss (summed over ranks). Returns them on rank 0.
+
+    ``capture_safe``: the CP run takes the capture-safe path (a ``StaticPackedSeqs`` of the same pack), and a
+    second forward + backward under ``NoHostSync`` must not read a device value on the host."""
     dt = getattr(torch, dtype)
     cp = ContextParallel(group, partition=partition, chunks_per_rank=chunks_per_rank)
     size = cp.size
@@ -87,7 +90,19 @@ def parity(group, lengths, pads=None, partition="contiguous", dtype="float64", s
     layers = build_stack(dt, seed, types, **over)
     packed_cp = padded_pack(lengths, pads, mult, min_rows)  # a fresh object: nothing cached from the reference run
     xl = cp.shard(x, packed_cp).requires_grad_()
-    out_l, outs_l, losses_l = _run(layers, xl, packed_cp, cp.shard(g, packed_cp), cp)
+    packed_run = packed_cp
+    if capture_safe:
+        from csattn.graphs import NoHostSync, StaticPackedSeqs
+
+        phys = (packed_cp.cu_seqlens_padded[1:] - packed_cp.cu_seqlens_padded[:-1]).max().item()
+        packed_run = StaticPackedSeqs(packed_cp.cu_seqlens, packed_cp.cu_seqlens_padded, num_rows=T,
+                                      max_seqlen=int(phys))
+    out_l, outs_l, losses_l = _run(layers, xl, packed_run, cp.shard(g, packed_cp), cp)
+    if capture_safe:  # the agreement check ran on the first call; now nothing may read the device
+        xl2 = xl.detach().clone().requires_grad_()
+        again, g_local = build_stack(dt, seed, types, **over), cp.shard(g, packed_cp)
+        with NoHostSync():
+            _run(again, xl2, packed_run, g_local, cp)
 
     err = {"out": _rel(cp.gather(out_l.detach(), packed_cp), ref_out)}
     for i, (yl, yr) in enumerate(zip(outs_l, ref_outs)):
@@ -197,3 +212,16 @@ def saved_input_copies(group, num_rows: int, partition: str) -> list[tuple]:
             y = layer(x, packed=packed, cp=cp)
         y.square().sum().backward()
     return copies
+
+
+def capture_safe_rejects(group, partition: str) -> None:
+    """The capture-safe CP path must raise the same ValueError on every rank (here: the balanced partition)."""
+    from csattn.graphs import StaticPackedSeqs
+
+    cp = ContextParallel(group, partition=partition)
+    layer = build_stack(torch.float64, 0, ("csa",))[0]
+    packed = PackedSeqs.from_lengths([40 * cp.size])
+    static = StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=40 * cp.size,
+                              max_seqlen=40 * cp.size)
+    x = torch.randn(40, 32, dtype=torch.float64, requires_grad=True)
+    layer(x, packed=static, cp=cp).sum().backward()

@@ -3,7 +3,8 @@
 One graph, captured on one pack, is replayed on three packs with different padded document boundaries
 (same T, number of documents and max_seqlen): output, input gradient and every parameter gradient equal
 the eager capture-safe run bitwise on the reference backend (deterministic algorithms), and match the
-default eager path within fp32 / bf16 rounding. Context parallelism (cp=) is not capture-safe yet.
+default eager path within fp32 / bf16 rounding. Context parallelism under capture: tests/test_graphs_cp_gpu.py
+(NCCL, two GPUs or more).
 """
 
 from __future__ import annotations

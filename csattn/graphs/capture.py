@@ -7,6 +7,8 @@ device prefix sums. Every pack must keep the captured ``T``, number of documents
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -25,6 +27,11 @@ class CapturedLayerStep:
         cu_seqlens, cu_seqlens_padded: ``[N+1]`` example pack (copied into static buffers).
         max_seqlen: host bound on the longest physical document of every pack to be replayed.
         warmup: eager steps on a side stream before capture (Triton compiles its kernels there).
+        cp: optional ``csattn.ContextParallel`` (contiguous partition): ``x`` / ``dy`` are this rank's rows and
+            the pack is the global stream (``T = P * x.shape[0]`` rows). Every rank captures its own graph and
+            all ranks replay together. The collectives are captured too, which needs a backend that supports
+            CUDA-graph capture (NCCL across GPUs); gloo (several ranks on one GPU) copies through host memory
+            and cannot be captured.
 
     After :meth:`replay`, ``self.y`` holds the output, ``self.x_grad`` and ``self.grads`` (by parameter name,
     also bound to each parameter's ``.grad``) the gradients of that step; the next replay overwrites them, so
@@ -36,12 +43,14 @@ class CapturedLayerStep:
     """
 
     def __init__(self, layer: nn.Module, x: Tensor, dy: Tensor, cu_seqlens: Tensor, cu_seqlens_padded: Tensor,
-                 max_seqlen: int, warmup: int = 3) -> None:
+                 max_seqlen: int, warmup: int = 3, cp: Any = None) -> None:
         if not x.is_cuda:
             raise ValueError("CapturedLayerStep needs CUDA tensors (x is on the CPU)")
         if dy.shape != x.shape:
             raise ValueError(f"dy must have the shape of x {tuple(x.shape)}, got {tuple(dy.shape)}")
         self.layer = layer
+        self.cp = cp
+        self.num_rows = x.shape[0] * (cp.size if cp is not None else 1)
         self.max_seqlen = int(max_seqlen)
         self.x = x.detach().clone().requires_grad_()
         self.dy = dy.detach().clone()
@@ -69,8 +78,8 @@ class CapturedLayerStep:
             p.grad = None
 
     def _step(self) -> Tensor:
-        packed = StaticPackedSeqs(self.cu, self.cu_pad, num_rows=self.x.shape[0], max_seqlen=self.max_seqlen)
-        y = self.layer(self.x, packed=packed)
+        packed = StaticPackedSeqs(self.cu, self.cu_pad, num_rows=self.num_rows, max_seqlen=self.max_seqlen)
+        y = self.layer(self.x, packed=packed, cp=self.cp)
         y.backward(self.dy)
         return y.detach()
 

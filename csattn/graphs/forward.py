@@ -73,13 +73,25 @@ def capture_safe_forward(layer: HybridAttention, hidden_states: Tensor, packed: 
         hidden_states: ``[B, S, D]`` or packed ``[T, D]``.
         packed: a :class:`StaticPackedSeqs`, or a ``PackedSeqs`` / ``PackedSeqParams`` with a host
             ``max_seqlen`` (turned into one).
-        cp: context parallelism is not capture-safe yet; must be None.
+        cp: optional ``csattn.ContextParallel`` with the contiguous partition (``hidden_states`` = this rank's
+            rows, ``packed`` = the global stream); see :mod:`csattn.graphs.cp_forward`.
 
     Returns:
         ``[B, S, D]`` or ``[T, D]``, like the input.
     """
     if cp is not None:
-        raise ValueError("cp= is not supported with capture_safe=True yet (single-process only)")
+        from ..cp import ContextParallel
+        from .cp_forward import capture_safe_cp_forward
+
+        if not isinstance(cp, ContextParallel):
+            raise ValueError(f"cp= must be a csattn.ContextParallel, got {type(cp).__name__}")
+
+        x_local, _, batch_shape = layer._flatten(hidden_states, None)
+        if batch_shape is not None:
+            raise ValueError("under cp= hidden_states must be this rank's packed rows [T / P, D]")
+        static = packed if isinstance(packed, StaticPackedSeqs) else StaticPackedSeqs.from_packed(
+            packed, x_local.shape[0] * cp.size)
+        return capture_safe_cp_forward(layer, x_local, static, cp)
     if isinstance(packed, StaticPackedSeqs):
         x, _, batch_shape = layer._flatten(hidden_states, None)
         if batch_shape is not None:

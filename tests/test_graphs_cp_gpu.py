@@ -1,0 +1,84 @@
+"""CUDA-graph capture of a context-parallel layer step: NCCL, one GPU per rank (skipped with fewer than two
+GPUs: NCCL refuses two ranks on one GPU, and gloo's collectives copy through host memory, which capture forbids).
+
+Each of two ranks captures ``CapturedLayerStep(..., cp=cp)`` once and replays it on three packs with different
+document boundaries; the output rows, input gradient and every parameter gradient of each rank match the eager
+capture-safe CP step on the same pack, for W, CSA and HCA layers.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from .cp_pool import free_port
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
+
+PACKS = [([100, 50, 60], [128, 64, 64]), ([128, 3, 90], [128, 32, 96]), ([0, 120, 61], [64, 128, 64])]
+MAX_SEQLEN = 128
+
+
+def _worker(rank: int, world: int, port: int, layer_type: str, backend: str, out) -> None:
+    import torch.distributed as dist
+
+    from csattn import ContextParallel, PackedSeqs
+    from csattn.graphs import CapturedLayerStep, StaticPackedSeqs
+
+    from .conftest import rel_err
+    from .helpers import grads, random_layer, tiny_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        dtype = torch.float32 if backend == "reference" else torch.bfloat16
+        cfg = tiny_config(layer_type, backend=backend, hidden_size=64, num_heads=4, head_dim=64, rope_head_dim=16,
+                          q_lora_rank=32, index_head_dim=32, sliding_window=16, index_topk=8)
+        layer = random_layer(cfg, dtype=torch.float32).to("cuda", dtype)
+        cp = ContextParallel(dist.group.WORLD)
+        t = sum(PACKS[0][1])
+        gen = torch.Generator().manual_seed(0)
+        inputs = [tuple(torch.randn(t, 64, generator=gen).to("cuda", dtype) for _ in range(2)) for _ in PACKS]
+        packs = [PackedSeqs.from_lengths(real, padded, device="cuda") for real, padded in PACKS]
+        local = [(cp.shard(x, p), cp.shard(dy, p)) for (x, dy), p in zip(inputs, packs)]
+        step = CapturedLayerStep(layer, *local[0], packs[0].cu_seqlens, packs[0].cu_seqlens_padded, MAX_SEQLEN, cp=cp)
+        worst = 0.0
+        for (xl, dyl), packed in zip(local, packs):
+            step.replay(xl, dyl, packed.cu_seqlens, packed.cu_seqlens_padded)
+            got = {"y": step.y.clone(), "x": step.x_grad.clone(), **{n: g.clone() for n, g in step.grads.items()}}
+            layer.zero_grad(set_to_none=True)
+            x = xl.detach().clone().requires_grad_()
+            static = StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=t, max_seqlen=MAX_SEQLEN)
+            y = layer(x, packed=static, cp=cp)
+            y.backward(dyl)
+            eager = {"y": y.detach(), "x": x.grad, **{n: g for n, g in grads(layer).items() if g is not None}}
+            assert got.keys() == eager.keys(), (sorted(got), sorted(eager))
+            worst = max(worst, *(rel_err(got[n], eager[n]) for n in eager))
+        out.put((rank, "ok", worst))
+    except Exception:  # report, do not hang the other rank's queue read
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("layer_type", ["sliding", "csa", "hca"], ids=["W", "CSA", "HCA"])
+def test_cp_graph_replay_equals_eager(layer_type, backend):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, layer_type, backend, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+    tol = 1e-5 if backend == "reference" else 2e-2
+    for rank, status, value in results:
+        assert status == "ok", f"rank {rank}:\n{value}"
+        assert value <= tol, f"rank {rank}: replay differs from eager by {value:.2e}"
