@@ -2,6 +2,7 @@
 ``cu_seqlens``, a forward of the attention layer without host syncs, and a dispatch mode that checks it."""
 
 from .capture import CapturedLayerStep
+from .cp_forward import capture_safe_cp_forward
 from .forward import capture_safe_forward, capture_safe_forward_packed
 from .nosync import HostSyncError, NoHostSync
 from .select import indexer_kl_loss_dense_static, indexer_topk_static
@@ -9,7 +10,7 @@ from .static import StaticCompressMeta, StaticPackedSeqs, StaticRowMeta, compres
 
 __all__ = [
     "StaticPackedSeqs", "StaticRowMeta", "StaticCompressMeta", "compressed_capacity",
-    "capture_safe_forward", "capture_safe_forward_packed",
+    "capture_safe_forward", "capture_safe_forward_packed", "capture_safe_cp_forward",
     "indexer_topk_static", "indexer_kl_loss_dense_static",
     "NoHostSync", "HostSyncError", "CapturedLayerStep",
 ]
