@@ -49,14 +49,18 @@ class AttentionConfig:
     indexer_loss_type: Literal["sparse", "dense"] = "sparse"
     compute_indexer_loss: bool = True  # computed whenever gradients are enabled
     # execution
-    workspace_bytes: int = 1 << 30  # bound on the indexer scores workspace of one row chunk
+    # bound on the workspace of one row chunk / block: indexer scores, and the per-head temporaries of one
+    # block of the layer core (which sets the core's block height)
+    workspace_bytes: int = 1 << 30
     attn_chunk_rows: int = 1024  # rows per chunk of the reference sparse attention
-    # recompute the query-head and output projections block by block in the backward instead of keeping
-    # their [T, H, d] temporaries (about 0.4 MiB per row at H = 64, d = 512)
+    # run the per-head core (query heads -> sparse attention -> output projection) block by block and
+    # recompute each block in the backward (csattn/layers/core.py), so no [T, H, d] tensor is kept; False keeps
+    # q and o whole (plain autograd around the ops)
     recompute_projections: bool = True
     backend: Literal["auto", "reference", "triton"] = "auto"
     # no host sync and no data-dependent shape in the forward/backward (CUDA graphs, torch.compile): static
-    # metadata from device cu_seqlens (csattn.graphs); needs max_seqlen on the host; single-process only
+    # metadata from device cu_seqlens (csattn.graphs); needs max_seqlen on the host; with cp=, the contiguous
+    # partition only
     capture_safe: bool = False
 
     def __post_init__(self) -> None:
