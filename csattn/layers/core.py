@@ -196,8 +196,8 @@ def attention_core(
     Args:
         qr: ``[T, q_lora]`` normalized query latent. cos, sin: ``[T, rope/2]`` RoPE tables of the rows.
         keys: ``[N, d]`` the shared K = V rows (raw window rows, then compressed entries).
-        sinks: ``[H]`` attention sink logits. w_q: ``q_b_proj.weight [H d, q_lora]``; w_oa: ``o_a_proj`` weight
-            ``[G, o_lora, H d / G]``; w_ob: ``o_b_proj.weight [D, G o_lora]``.
+        sinks: ``[H]`` attention sink logits. w_q: ``q_b_proj.weight [H d, q_lora]``; w_oa: ``o_a_proj.weight
+            [G o_lora, H d / G]`` (block-diagonal, one block per group); w_ob: ``o_b_proj.weight [D, G o_lora]``.
         ids_fn: ``ids_fn(lo, hi)`` gives rows ``lo..hi``'s ``[hi - lo, K]`` key ids (-1 = none); called once per
             block in the forward and again in the backward.
         geo: heads, groups, eps, scale, rows per block and backend.
