@@ -82,7 +82,10 @@ def _plots(summary: dict, iso: dict, out_dir: str) -> None:
 
     layers = sorted({k[0] for k in summary})
     for metric, ylabel, fname in (("peak_gib", "peak GiB per rank", "memory.png"),
+                                  ("act_gib", "activation GiB per rank (kept for the backward)", "activations.png"),
                                   ("ms", "ms per step (fwd + bwd)", "time.png")):
+        if metric == "act_gib" and not any(s.get(metric) is not None for s in summary.values()):
+            continue  # measured on CUDA only
         fig, axes = plt.subplots(1, max(1, len(layers)), figsize=(6 * max(1, len(layers)), 4.5), squeeze=False)
         for ax, layer in zip(axes[0], layers):
             series = defaultdict(list)
