@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from csattn import PackedSeqs
-from csattn.layers.recompute import row_chunked
+from csattn.ops.recompute import row_chunked
 
 from .helpers import grads, random_layer, tiny_config
 

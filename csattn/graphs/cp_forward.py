@@ -8,7 +8,7 @@ fixed by ``T``, ``P``, the number of documents and ``max_seqlen``, and the rest 
   all-gather of every rank's last ``Hh`` rows, reduce-scatter backward); the halo rows and the rank's rows are
   projected piece by piece (``RowPieces``);
 * every rank pools the entries it owns (last token among its rows) over the **global** static entry capacity,
-  with the other slots pointed at a zero scratch block and masked to zero, and one all-reduce (sum) of
+  with the other slots pooling a zero scratch block (so they are exactly zero), and one all-reduce (sum) of
   ``[capacity, d + cI]`` assembles all entries in global id order on every rank (each slot has one nonzero
   term, so the sum is exact);
 * window ids, visible ranges, the top-k and the loss weight (global real-row count on the device) come from the
@@ -27,22 +27,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.nn.functional import all_reduce as all_reduce_with_grad
 
 from ..cp.gather import start_gather_rows
 from ..cp.partition import halo_rows
 from ..layers.attention import CompressedRange, IndexerLossInputs
-from ..layers.modules import RowPieces, map_rows
-from ..ops.compressor.custom_ops import compress_pool_op
+from ..layers.modules import RowPieces
 from ..ops.indexer.custom_ops import indexer_topk_static_op
 from ..ops.indices import window_indices
-from .static import StaticCompressMeta, StaticPackedSeqs
+from .forward import _compress, _loss_scale
+from .static import StaticPackedSeqs
 
 if TYPE_CHECKING:
     from ..layers.attention import HybridAttention
-    from ..layers.modules import Compressor
 
 __all__ = ["capture_safe_cp_forward"]
 
@@ -80,19 +78,6 @@ def _check(layer: HybridAttention, x_local: Tensor, static: StaticPackedSeqs, cp
     return rows, halo
 
 
-def _owned_entries(comp: Compressor, x_ext: Tensor | RowPieces, n_ext: int, meta: StaticCompressMeta,
-                   owned: Tensor, shift: int, inv_freq: Tensor, backend: str) -> Tensor:
-    """Entries ``[capacity, dim]`` pooled from the ext rows where ``owned``, zero elsewhere."""
-    kv = F.pad(map_rows(comp.kv_proj, x_ext), (0, 0, 0, comp.ratio))
-    gate = F.pad(map_rows(comp.gate_proj, x_ext), (0, 0, 0, comp.ratio))
-    # slots this rank does not own pool the zero scratch block after the ext rows, with no previous block
-    entry_row = torch.where(owned, meta.entry_row - shift, n_ext)
-    entry_first = meta.entry_first | ~owned
-    pooled = compress_pool_op(kv, gate, comp.position_bias, entry_row, entry_first, comp.ratio, comp.overlap, backend)
-    out = comp.finish(pooled, meta.entry_pos, inv_freq)
-    return torch.where(owned[:, None], out, out.new_zeros(()))
-
-
 def capture_safe_cp_forward(layer: HybridAttention, x_local: Tensor, static: StaticPackedSeqs, cp: Any) -> Tensor:
     """This rank's output rows ``[T / P, D]`` for its input rows ``x_local [T / P, D]``.
 
@@ -105,8 +90,6 @@ def capture_safe_cp_forward(layer: HybridAttention, x_local: Tensor, static: Sta
     Returns:
         ``[T / P, D]``; equal to the default CP path and to the single-process layer's rows.
     """
-    from .forward import _loss_scale
-
     cfg = layer.config
     rows_per_rank, halo = _check(layer, x_local, static, cp)
     device = x_local.device
@@ -138,11 +121,12 @@ def capture_safe_cp_forward(layer: HybridAttention, x_local: Tensor, static: Sta
         last_row = meta.entry_row + cfg.compress_ratio - 1
         owned = meta.entry_valid & (last_row >= lo) & (last_row < hi)
         shift = lo - h
-        parts = [_owned_entries(layer.compressor, x_ext, n_ext, meta, owned, shift, layer.inv_freq, backend)]
+        # slots another rank owns come out exactly zero (see _compress)
+        parts = [_compress(layer.compressor, x_ext, n_ext, meta, layer.inv_freq, backend, keep=owned, shift=shift)]
         if cfg.layer_type == "csa":
             x_det = x_ext.detach()  # the indexer learns from its loss only
-            parts.append(_owned_entries(layer.compressor.indexer, x_det, n_ext, meta, owned, shift, layer.inv_freq,
-                                        backend).to(parts[0].dtype))
+            parts.append(_compress(layer.compressor.indexer, x_det, n_ext, meta, layer.inv_freq, backend, keep=owned,
+                                   shift=shift).to(parts[0].dtype))
         entries = torch.cat(parts, dim=1)
         if cp.size > 1:
             entries = all_reduce_with_grad(entries, group=cp.group)  # one nonzero term per slot

@@ -18,13 +18,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from ..layers.attention import CompressedRange, IndexerLossInputs
+from ..layers.modules import RowPieces, map_rows
 from ..ops.compressor.custom_ops import compress_pool_op
 from ..ops.indexer.custom_ops import indexer_topk_static_op
 from ..ops.indexer_loss import IndexerLossAutoScaler, attach_indexer_loss
 from ..ops.indexer_loss.custom_ops import indexer_kl_loss_op
-from ..ops.indices import combine_indices, range_indices, window_indices
+from ..ops.indices import window_indices
 from ..ops.sparse_attn.custom_ops import sparse_attn_op
 from .projections import output_proj_op, query_heads_op
 from .static import StaticCompressMeta, StaticPackedSeqs
@@ -109,48 +112,22 @@ def capture_safe_forward(layer: HybridAttention, hidden_states: Tensor, packed: 
     return out.view(*batch_shape, -1) if batch_shape is not None else out
 
 
-def _compress(comp: Compressor, x: Tensor, meta: StaticCompressMeta, inv_freq: Tensor, backend: str) -> Tensor:
-    """``Compressor.compress`` through the custom op: ``[capacity, dim]``."""
-    kv, gate, entry_row = comp.kv_proj(x), comp.gate_proj(x), meta.entry_row
-    if backend == "triton" and meta.capacity:
-        # The fused backward stores (does not accumulate) each row's gradient, so a tail slot pooling rows
-        # [0, r) would overwrite entry 0's. Tail slots there pool a zero scratch block after the stream.
-        kv = torch.nn.functional.pad(kv, (0, 0, 0, comp.ratio))
-        gate = torch.nn.functional.pad(gate, (0, 0, 0, comp.ratio))
-        entry_row = torch.where(meta.entry_valid, entry_row, x.shape[0])
-    pooled = compress_pool_op(kv, gate, comp.position_bias, entry_row, meta.entry_first, comp.ratio, comp.overlap,
-                              backend)
+def _compress(comp: Compressor, x: Tensor | RowPieces, num_rows: int, meta: StaticCompressMeta, inv_freq: Tensor,
+              backend: str, keep: Tensor | None = None, shift: int = 0) -> Tensor:
+    """``Compressor.compress`` over the static capacity through the custom op: ``[capacity, dim]``.
+
+    ``x`` has ``num_rows`` rows; entry ``e`` pools from row ``meta.entry_row[e] - shift``. Slots not in ``keep``
+    (default: the tail slots past the real count; under context parallelism also the entries another rank owns)
+    pool a zero scratch block appended after the rows, with no previous block, so they come out exactly zero
+    and send no gradient to real rows (the fused backward stores, not adds, each row's gradient).
+    """
+    keep = meta.entry_valid if keep is None else keep
+    kv = F.pad(map_rows(comp.kv_proj, x), (0, 0, 0, comp.ratio))
+    gate = F.pad(map_rows(comp.gate_proj, x), (0, 0, 0, comp.ratio))
+    entry_row = torch.where(keep, meta.entry_row - shift, num_rows)
+    entry_first = meta.entry_first | ~keep
+    pooled = compress_pool_op(kv, gate, comp.position_bias, entry_row, entry_first, comp.ratio, comp.overlap, backend)
     return comp.finish(pooled, meta.entry_pos, inv_freq)
-
-
-def _attend(layer: HybridAttention, q: Tensor, kv: Tensor, ckv: Tensor | None, window_ids: Tensor,
-            selected: Tensor | None, meta: StaticCompressMeta | None) -> tuple[Tensor, Tensor]:
-    """``HybridAttention.attend`` with the HCA range bounded by the static ``meta.max_visible``."""
-    cfg = layer.config
-    backend = layer.backend_for(q)
-
-    def run(q_, keys, ids):
-        return sparse_attn_op(q_, keys, ids, layer.sinks, cfg.scale, cfg.attn_chunk_rows, backend)
-
-    if ckv is None or ckv.shape[0] == 0:
-        return run(q, kv, window_ids)
-    keys = torch.cat([kv, ckv.to(kv.dtype)], dim=0)
-    if selected is not None:
-        return run(q, keys, combine_indices(window_ids, selected, kv.shape[0]))
-    width = meta.max_visible
-    per_row = window_ids.shape[1] + max(width, 1)
-    step = max(1, (cfg.workspace_bytes // 8) // per_row)
-    outs, lses = [], []
-    for lo in range(0, q.shape[0], step):
-        hi = min(lo + step, q.shape[0])
-        ids = combine_indices(window_ids[lo:hi], range_indices(meta.vis_start[lo:hi], meta.vis_end[lo:hi], width),
-                              kv.shape[0])
-        o, lse = run(q[lo:hi], keys, ids)
-        outs.append(o)
-        lses.append(lse)
-    if len(outs) == 1:
-        return outs[0], lses[0]
-    return torch.cat(outs), torch.cat(lses)
 
 
 def capture_safe_forward_packed(layer: HybridAttention, x: Tensor, packed: StaticPackedSeqs) -> Tensor:
@@ -172,41 +149,35 @@ def capture_safe_forward_packed(layer: HybridAttention, x: Tensor, packed: Stati
     kv = layer.raw_kv(x, cos, sin)
     window_ids = window_indices(rows.pos, rows.real, cfg.sliding_window)
 
-    ckv = selected = meta = None
-    loss_inputs = None
+    ckv = selected = compressed_ids = loss = meta = None
     if layer.compressor is not None:
         meta = packed.compress(cfg.compress_ratio, x.device)
-        ckv = _compress(layer.compressor, x, meta, layer.inv_freq, backend)
-        if cfg.layer_type == "csa":
-            indexer = layer.compressor.indexer
-            keys = _compress(indexer, x.detach(), meta, layer.inv_freq, backend)
-            q_idx = indexer.queries(qr.detach(), cos, sin)
-            w = indexer.scorer(x.detach())
-            selected = indexer_topk_static_op(q_idx, w, keys, meta.vis_start, meta.vis_end, cfg.index_topk,
-                                              meta.max_visible, cfg.workspace_bytes, layer.backend_for(q_idx))
-            loss_inputs = (q_idx, w, keys)
-
-    if core:
-        from ..layers.attention import CompressedRange, IndexerLossInputs
-
-        compressed_ids = selected
+        ckv = _compress(layer.compressor, x, x.shape[0], meta, layer.inv_freq, backend)
         if cfg.layer_type == "hca":
             compressed_ids = CompressedRange(meta.vis_start, meta.vis_end, meta.max_visible)
-        loss = None
-        if loss_inputs is not None:
-            loss = IndexerLossInputs(*loss_inputs, rows.real, rows.num_real, meta.vis_start, meta.vis_end)
+        else:
+            indexer = layer.compressor.indexer
+            keys = _compress(indexer, x.detach(), x.shape[0], meta, layer.inv_freq, backend)
+            q_idx = indexer.queries(qr.detach(), cos, sin)
+            w = indexer.scorer(x.detach())
+            selected = compressed_ids = indexer_topk_static_op(
+                q_idx, w, keys, meta.vis_start, meta.vis_end, cfg.index_topk, meta.max_visible, cfg.workspace_bytes,
+                layer.backend_for(q_idx))
+            # the loss weight's count of real rows stays on the device
+            loss = IndexerLossInputs(q_idx, w, keys, rows.real, rows.num_real, meta.vis_start, meta.vis_end)
+    if core:
         return layer.heads(qr, cos, sin, kv, ckv, window_ids, compressed_ids, loss, loss_scale=_loss_scale())
 
-    o, lse = _attend(layer, q, kv, ckv, window_ids, selected, meta)
+    def run(q_: Tensor, keys_: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        return sparse_attn_op(q_, keys_, ids, layer.sinks, cfg.scale, cfg.attn_chunk_rows, backend)
+
+    o, lse = layer.attend(q, kv, ckv, window_ids, compressed_ids, run=run)
     layer.last_indexer_loss = None
-    if loss_inputs is not None and layer.wants_indexer_loss():
-        q_idx, w, keys = loss_inputs
-        # the weight 1 / num_real_rows is divided on the device: the count is never read on the host
-        row_weight = rows.real.to(lse.dtype) / rows.num_real.clamp(min=1)
+    if loss is not None and layer.wants_indexer_loss():
         kl = indexer_kl_loss_op(
-            q_idx, w, keys, q.detach(), ckv.detach(), lse.detach(), cfg.scale, row_weight,
-            selected if cfg.indexer_loss_type == "sparse" else None, meta.vis_start, meta.vis_end,
-            meta.max_visible, cfg.workspace_bytes, layer.backend_for(q_idx),
+            loss.q_idx, loss.w, loss.k_idx, q.detach(), ckv.detach(), lse.detach(), cfg.scale,
+            loss.row_weight(lse.dtype), selected if cfg.indexer_loss_type == "sparse" else None, meta.vis_start,
+            meta.vis_end, meta.max_visible, cfg.workspace_bytes, layer.backend_for(loss.q_idx),
         )
         layer.last_indexer_loss = kl.detach()
         o = _attach_indexer_loss(o, kl * cfg.indexer_loss_coeff)

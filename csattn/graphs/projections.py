@@ -13,19 +13,19 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from ..layers.attention import _output_proj, _query_heads
-from ..layers.recompute import row_chunked
+from ..layers.core import output_projection, query_heads
+from ..ops.recompute import row_chunked
 from ..ops.sparse_attn.custom_ops import autograd_vjp
 
 __all__ = ["query_heads_op", "output_proj_op"]
 
 
 def _query(qr, cos, sin, weight, heads: int, eps: float, chunk_rows: int) -> Tensor:
-    return row_chunked(partial(_query_heads, heads=heads, eps=eps), (qr, cos, sin), (weight,), chunk_rows)
+    return row_chunked(partial(query_heads, heads=heads, eps=eps), (qr, cos, sin), (weight,), chunk_rows)
 
 
 def _output(o, cos, sin, w_a, w_b, groups: int, chunk_rows: int) -> Tensor:
-    return row_chunked(partial(_output_proj, groups=groups), (o, cos, sin), (w_a, w_b), chunk_rows)
+    return row_chunked(partial(output_projection, groups=groups), (o, cos, sin), (w_a, w_b), chunk_rows)
 
 
 @torch.library.custom_op("csattn::query_heads", mutates_args=())

@@ -19,12 +19,12 @@ from ..ops.indexer_loss import (
     sparse_teacher_block,
 )
 from ..ops.indices import combine_indices, range_indices, window_indices
+from ..ops.recompute import row_chunked
 from ..ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..ops.sparse_attn import sparse_attn
 from ..packing import CompressMeta, PackedSeqs
 from .core import CoreGeometry, attention_core, output_projection, query_heads
 from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, RowPieces, _linear, map_rows
-from .recompute import row_chunked
 
 __all__ = ["HybridAttention", "CompressedRange", "IndexerLossInputs"]
 
@@ -55,11 +55,6 @@ class IndexerLossInputs(NamedTuple):
         if isinstance(self.num_real, Tensor):
             return self.real.to(dtype) / self.num_real.clamp(min=1)
         return self.real.to(dtype) / max(self.num_real, 1)
-
-
-# the per-head functions are shared with the capture-safe path (csattn.graphs)
-_query_heads = query_heads
-_output_proj = output_projection
 
 
 class _CSACompressor(Compressor):
@@ -176,8 +171,8 @@ class HybridAttention(nn.Module):
         """``q [T, H, d]`` from the latent; block-recomputed in the backward with ``recompute_projections``."""
         cfg = self.config
         if not cfg.recompute_projections:
-            return _query_heads(qr, cos, sin, self.q_b_proj.weight, cfg.num_heads, cfg.rms_norm_eps)
-        fn = partial(_query_heads, heads=cfg.num_heads, eps=cfg.rms_norm_eps)
+            return query_heads(qr, cos, sin, self.q_b_proj.weight, cfg.num_heads, cfg.rms_norm_eps)
+        fn = partial(query_heads, heads=cfg.num_heads, eps=cfg.rms_norm_eps)
         return row_chunked(fn, (qr, cos, sin), (self.q_b_proj.weight,), self.recompute_rows())
 
     def raw_kv(self, x: Tensor | RowPieces, cos: Tensor, sin: Tensor) -> Tensor:
@@ -189,8 +184,8 @@ class HybridAttention(nn.Module):
         cfg = self.config
         weights = (self.o_a_proj.weight, self.o_b_proj.weight)
         if not cfg.recompute_projections:
-            return _output_proj(o, cos, sin, *weights, groups=cfg.o_groups)
-        fn = partial(_output_proj, groups=cfg.o_groups)
+            return output_projection(o, cos, sin, *weights, groups=cfg.o_groups)
+        fn = partial(output_projection, groups=cfg.o_groups)
         return row_chunked(fn, (o, cos, sin), weights, self.recompute_rows())
 
     def recompute_rows(self) -> int:
@@ -205,35 +200,32 @@ class HybridAttention(nn.Module):
         ckv: Tensor | None,
         window_ids: Tensor,
         compressed_ids: Tensor | CompressedRange | None,
+        run: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Sparse attention of ``q`` over window keys (rows of ``kv``) and compressed keys (rows of ``ckv``).
 
         ``compressed_ids`` is a ``[T, k]`` id matrix (CSA top-k) or a :class:`CompressedRange` (HCA: every
         visible entry). A range is expanded to ids one row chunk at a time, so the index lists never take
-        ``T * T / r`` memory.
+        ``T * T / r`` memory. ``run(q, keys, ids)`` replaces the sparse-attention call (the capture-safe path
+        passes its custom op).
         """
         cfg = self.config
-        backend = self.backend_for(q)
-        if ckv is None or ckv.shape[0] == 0 or compressed_ids is None:
-            return sparse_attn(q, kv, window_ids, self.sinks, cfg.scale, chunk_rows=cfg.attn_chunk_rows,
-                               backend=backend)
-        keys = torch.cat([kv, ckv.to(kv.dtype)], dim=0)
-        if isinstance(compressed_ids, Tensor):
-            ids = combine_indices(window_ids, compressed_ids, kv.shape[0])
-            return sparse_attn(q, keys, ids, self.sinks, cfg.scale, chunk_rows=cfg.attn_chunk_rows,
-                               backend=backend)
-        start, end, width = compressed_ids
-        per_row = window_ids.shape[1] + max(width, 1)
-        step = max(1, (cfg.workspace_bytes // 8) // per_row)
-        outs, lses = [], []
-        for lo in range(0, q.shape[0], step):
-            hi = min(lo + step, q.shape[0])
-            ids = combine_indices(window_ids[lo:hi], range_indices(start[lo:hi], end[lo:hi], width), kv.shape[0])
-            o, lse = sparse_attn(q[lo:hi], keys, ids, self.sinks, cfg.scale, chunk_rows=cfg.attn_chunk_rows,
-                                 backend=backend)
-            outs.append(o)
-            lses.append(lse)
-        return torch.cat(outs), torch.cat(lses)
+        if run is None:
+            backend = self.backend_for(q)
+
+            def run(q_: Tensor, keys: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+                return sparse_attn(q_, keys, ids, self.sinks, cfg.scale, chunk_rows=cfg.attn_chunk_rows,
+                                   backend=backend)
+
+        keys, ids_fn = self.key_ids(kv, ckv, window_ids, compressed_ids)
+        total = q.shape[0]
+        if not isinstance(compressed_ids, CompressedRange):
+            return run(q, keys, ids_fn(0, total))
+        step = max(1, (cfg.workspace_bytes // 8) // (window_ids.shape[1] + max(compressed_ids.width, 1)))
+        if step >= total:
+            return run(q, keys, ids_fn(0, total))
+        parts = [run(q[lo:lo + step], keys, ids_fn(lo, min(lo + step, total))) for lo in range(0, total, step)]
+        return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
 
     def backend_for(self, t: Tensor | RowPieces) -> str:
         """``"triton"`` on CUDA by default (``backend="auto"``), the reference elsewhere."""

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops.recompute import NoCtx
 from ..ops.rope import apply_rope
 from ..ops.sparse_attn import sparse_attn_chunk, sparse_attn_ref
 from .modules import grouped_linear, rms_norm_unweighted
@@ -211,13 +212,6 @@ def attention_core(
         t.requires_grad for t in (qr, keys, sinks, w_q, w_oa, w_ob)
     ):
         with torch.no_grad():
-            return _AttentionCore.forward(_NoCtx(), geo, ids_fn, on_block, qr, cos, sin, keys, sinks, w_q, w_oa,
+            return _AttentionCore.forward(NoCtx(), geo, ids_fn, on_block, qr, cos, sin, keys, sinks, w_q, w_oa,
                                           w_ob)
     return _AttentionCore.apply(geo, ids_fn, on_block, qr, cos, sin, keys, sinks, w_q, w_oa, w_ob)
-
-
-class _NoCtx:
-    """Stand-in context for a forward without autograd."""
-
-    def save_for_backward(self, *tensors: Tensor) -> None:
-        pass

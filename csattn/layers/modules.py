@@ -49,10 +49,6 @@ class RowPieces(NamedTuple):
     def detach(self) -> RowPieces:
         return RowPieces(tuple(p.detach() for p in self.pieces))
 
-    @property
-    def num_rows(self) -> int:
-        return sum(p.shape[0] for p in self.pieces)
-
 
 def map_rows(fn: Callable[[Tensor], Tensor], x: Tensor | RowPieces) -> Tensor:
     """``fn(x)`` for a tensor, piece by piece for :class:`RowPieces` (``fn`` must be row-wise)."""

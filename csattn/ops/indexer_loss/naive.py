@@ -8,6 +8,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..indexer.naive import fixed_row_chunks, indexer_scores_ref, row_chunks
+from ..recompute import row_chunked
 
 __all__ = [
     "indexer_kl_loss_ref", "sparse_loss_chunks", "kl_from_logits", "IndexerLossAutoScaler", "attach_indexer_loss",
@@ -159,52 +160,26 @@ def sparse_teacher_block_ref(teacher: SparseTeacher, lo: int, q: Tensor, ckv: Te
     teacher.mass[lo:lo + q.shape[0]] = mass.masked_fill(~valid, 0.0)
 
 
-def _student_chunk(q_idx, w, k_idx, mass, selected, row_weight):
+def _student_rows(q_idx, w, mass, selected, row_weight, k_idx):
+    """Per-row weighted KL of the student against fixed teacher masses, ``[R]``."""
     compute = torch.promote_types(q_idx.dtype, torch.float32)
     valid = selected >= 0
     student = indexer_scores_ref(q_idx, w, k_idx[selected.clamp(min=0)])
-    return (kl_from_logits(student, mass.to(compute), valid) * row_weight.to(compute)).sum()
-
-
-class _StudentKL(torch.autograd.Function):
-    """Sum over row chunks of the student's KL against fixed teacher masses; the backward recomputes each chunk
-    (the memory of ``torch.utils.checkpoint`` without its RNG bookkeeping, which CUDA graph capture forbids)."""
-
-    @staticmethod
-    def forward(ctx, chunks, q_idx, w, k_idx, mass, selected, row_weight):
-        ctx.chunks = chunks
-        ctx.save_for_backward(q_idx, w, k_idx, mass, selected, row_weight)
-        total = q_idx.new_zeros((), dtype=torch.promote_types(q_idx.dtype, torch.float32))
-        for lo, hi in chunks:
-            total = total + _student_chunk(q_idx[lo:hi], w[lo:hi], k_idx, mass[lo:hi], selected[lo:hi],
-                                           row_weight[lo:hi])
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        q_idx, w, k_idx, mass, selected, row_weight = ctx.saved_tensors
-        dq, dw = torch.zeros_like(q_idx), torch.zeros_like(w)
-        dk = torch.zeros_like(k_idx, dtype=torch.promote_types(k_idx.dtype, torch.float32))
-        k_ = k_idx.detach().requires_grad_()
-        for lo, hi in ctx.chunks:
-            with torch.enable_grad():
-                q_, w_ = q_idx[lo:hi].detach().requires_grad_(), w[lo:hi].detach().requires_grad_()
-                value = _student_chunk(q_, w_, k_, mass[lo:hi], selected[lo:hi], row_weight[lo:hi])
-                g_q, g_w, g_k = torch.autograd.grad(value, (q_, w_, k_), grad)
-            dq[lo:hi] = g_q
-            dw[lo:hi] = g_w
-            dk += g_k
-        return None, dq, dw, dk.to(k_idx.dtype), None, None, None
+    return kl_from_logits(student, mass.to(compute), valid) * row_weight.to(compute)
 
 
 def indexer_kl_from_teacher_ref(q_idx: Tensor, w: Tensor, k_idx: Tensor, teacher: SparseTeacher,
                                 row_weight: Tensor, selected: Tensor, workspace_bytes: int = 1 << 30) -> Tensor:
-    """The sparse loss of :func:`indexer_kl_loss_ref` from precomputed teacher masses (same value)."""
+    """The sparse loss of :func:`indexer_kl_loss_ref` from precomputed teacher masses (same value).
+
+    Row chunks within ``workspace_bytes``, recomputed in the backward (``row_chunked``: no
+    ``torch.utils.checkpoint``, so the capture-safe path can use it).
+    """
     if k_idx.shape[0] == 0 or q_idx.shape[0] == 0:
         return (q_idx.sum() + w.sum() + k_idx.sum()).to(torch.promote_types(q_idx.dtype, torch.float32)) * 0
     per_row = selected.shape[1] * (2 * q_idx.shape[1] + q_idx.shape[2] + 1) * teacher.mass.itemsize
-    chunks = fixed_row_chunks(q_idx.shape[0], per_row, workspace_bytes)
-    return _StudentKL.apply(chunks, q_idx, w, k_idx, teacher.mass, selected, row_weight)
+    rows = fixed_row_chunks(q_idx.shape[0], per_row, workspace_bytes)[0][1]
+    return row_chunked(_student_rows, (q_idx, w, teacher.mass, selected, row_weight), (k_idx,), rows).sum()
 
 
 class IndexerLossAutoScaler(torch.autograd.Function):

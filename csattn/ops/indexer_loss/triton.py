@@ -197,15 +197,22 @@ def _meta(q_idx: Tensor, q: Tensor) -> dict:
 def indexer_kl_fwd(
     q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor, ckv: Tensor, lse: Tensor, scale: float,
     row_weight: Tensor, selected: Tensor | None, vis_start: Tensor, vis_end: Tensor,
+    out: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Per-row weighted KL ``[T]`` fp32, per-row ``(lse(s), M)`` stats ``[T, 2]`` and (sparse) masses ``[T, k]``."""
+    """Per-row weighted KL ``[T]`` fp32, per-row ``(lse(s), M)`` stats ``[T, 2]`` and (sparse) masses ``[T, k]``.
+
+    ``out``: contiguous fp32 ``(loss_rows, stats, mass)`` to write into (sparse only; ``mass`` zero-filled).
+    """
     num_rows = q_idx.shape[0]
     dense = selected is None
     topk = 0 if dense else selected.shape[1]
     dev = q_idx.device
-    loss_rows = torch.empty(num_rows, dtype=torch.float32, device=dev)
-    stats = torch.empty((num_rows, 2), dtype=torch.float32, device=dev)
-    mass = None if dense else torch.zeros((num_rows, topk), dtype=torch.float32, device=dev)
+    if out is not None:
+        loss_rows, stats, mass = out
+    else:
+        loss_rows = torch.empty(num_rows, dtype=torch.float32, device=dev)
+        stats = torch.empty((num_rows, 2), dtype=torch.float32, device=dev)
+        mass = None if dense else torch.zeros((num_rows, topk), dtype=torch.float32, device=dev)
     dummy = loss_rows
     indexer_kl_fwd_kernel[(num_rows,)](
         q_idx, w, k_idx, q, ckv, lse, dummy if dense else selected, vis_start, vis_end, row_weight,
@@ -302,9 +309,7 @@ def indexer_kl_loss_triton(
         raise ValueError("the dense indexer loss needs vis_start and vis_end")
     if k_idx.shape[0] == 0 or q_idx.shape[0] == 0:
         return (q_idx.sum() + w.sum() + k_idx.sum()).float() * 0
-    dtype = torch.promote_types(q_idx.dtype, k_idx.dtype)
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"q_idx/k_idx must be fp32, bf16 or fp16, got {q_idx.dtype}, {k_idx.dtype}")
+    q_idx, w, k_idx = _student_operands(q_idx, w, k_idx)
     num_rows = q_idx.shape[0]
     dev = q_idx.device
     if vis_start is None:
@@ -314,7 +319,7 @@ def indexer_kl_loss_triton(
     if tdtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"q/ckv must be fp32, bf16 or fp16, got {q.dtype}, {ckv.dtype}")
     return IndexerKLLossFunction.apply(
-        q_idx.to(dtype).contiguous(), w.float().contiguous(), k_idx.to(dtype).contiguous(),
+        q_idx, w, k_idx,
         q.detach().to(tdtype).contiguous(), ckv.detach().to(tdtype).contiguous(), lse.detach().float().contiguous(),
         float(scale), row_weight.float().contiguous(),
         None if selected is None else selected.to(torch.int64).contiguous(),
@@ -343,13 +348,11 @@ def sparse_teacher_block_triton(teacher, lo: int, q_idx: Tensor, w: Tensor, k_id
         return
     q_idx, w, k_idx = _student_operands(q_idx.detach(), w.detach(), k_idx.detach())
     sel = selected.to(torch.int64).contiguous()
-    loss_rows, stats, mass = indexer_kl_fwd(
+    indexer_kl_fwd(
         q_idx, w, k_idx, q.detach().contiguous(), ckv.detach().to(q.dtype).contiguous(), lse.float().contiguous(),
         float(scale), row_weight.float().contiguous(), sel, sel[:, 0], sel[:, 0],
+        out=(teacher.loss_rows[lo:hi], teacher.stats[lo:hi], teacher.mass[lo:hi]),
     )
-    teacher.loss_rows[lo:hi] = loss_rows
-    teacher.stats[lo:hi] = stats
-    teacher.mass[lo:hi] = mass
     teacher.geometry = (q.shape[1], q.shape[2], q.dtype)
 
 

@@ -1,4 +1,6 @@
-"""Row-chunked recomputation for the per-head projections of the layer.
+"""Row-chunked recomputation: a row-wise function computed block by block and recomputed block by block in
+the backward (the memory of ``torch.utils.checkpoint`` per block, without its RNG bookkeeping, which CUDA-graph
+capture forbids). Used for the layer's per-head projections and the indexer loss's student.
 
 The query head path (``q_b_proj`` -> per-head RMSNorm -> RoPE) and the output path (inverse RoPE -> grouped
 ``o_a_proj`` -> ``o_b_proj``) create several ``[T, H, d]`` temporaries, some in fp32, that plain autograd
@@ -15,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["row_chunked"]
+__all__ = ["row_chunked", "NoCtx"]
 
 
 class _RowChunked(torch.autograd.Function):
@@ -77,12 +79,12 @@ def row_chunked(fn: Callable[..., Tensor], rows: Sequence[Tensor], params: Seque
         The output of ``fn`` on all rows, ``[T, ...]``.
     """
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*rows, *params)):
-        return _RowChunked.forward(_NoCtx(), fn, max(1, chunk_rows), len(rows), *rows, *params)
+        return _RowChunked.forward(NoCtx(), fn, max(1, chunk_rows), len(rows), *rows, *params)
     return _RowChunked.apply(fn, max(1, chunk_rows), len(rows), *rows, *params)
 
 
-class _NoCtx:
-    """Stand-in context for a forward without autograd."""
+class NoCtx:
+    """Stand-in context for calling an autograd function's forward without autograd."""
 
     def save_for_backward(self, *tensors: Tensor) -> None:
         pass
