@@ -26,7 +26,7 @@ for s in ${STAGES:-tests layer profile}; do
   case $s in
     tests)
       stage "gpu tests"
-      timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider >> "$LOG" 2>&1
+      timeout 420 python3 -m pytest -q -m gpu tests -rs -p no:cacheprovider >> "$LOG" 2>&1
       echo "pytest rc=$?" >> "$LOG" ;;
     layer)
       stage "layer benchmark: Triton / reference / HF eager"
@@ -34,6 +34,12 @@ for s in ${STAGES:-tests layer profile}; do
         --shape tokens=8192,32768 --shape layer=csa,hca --warmup-ms 5 --rep-ms 40 --commit "$C" \
         --json "$OUT/layer.json" >> "$LOG" 2>&1
       echo "layer rc=$?" >> "$LOG" ;;
+    hfprobe)
+      stage "largest length HF eager fits: Triton vs HF eager, one document"
+      timeout 240 python3 -m benchmarks.run --op layer --mode fwdbwd --providers triton,hf \
+        --shape tokens=10240,12288,14336,15360 --shape layer=csa,hca --warmup-ms 5 --rep-ms 40 --commit "$C" \
+        --json "$OUT/hfprobe.json" >> "$LOG" 2>&1
+      echo "hfprobe rc=$?" >> "$LOG" ;;
     profile)
       stage "per-kernel profile"
       for t in 8192 32768; do
