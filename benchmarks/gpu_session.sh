@@ -2,13 +2,16 @@
 # Everything this project measures on a lent H200, in stages that each fit one 10-minute device call; results
 # land in $OUT. .whl/ carries transformers >= 5.23 when the image's is older (HF eager baseline and parity tests).
 #
-#   CSATTN_COMMIT=<sha> STAGES="tests layer profile" bash benchmarks/gpu_session.sh     # ~6 min
-#   CSATTN_COMMIT=<sha> STAGES="report-a" bash benchmarks/gpu_session.sh                # ~9 min
-#   CSATTN_COMMIT=<sha> STAGES="report-b" bash benchmarks/gpu_session.sh                # ~5 min
-#   python -m csattn report --merge a/report.json b/report.json --out docs/report       # then, anywhere
+#   CSATTN_COMMIT=<sha> STAGES="tests graphs" bash benchmarks/gpu_session.sh            # ~7 min
+#   CSATTN_COMMIT=<sha> STAGES="layer profile" bash benchmarks/gpu_session.sh           # ~5 min
+#   CSATTN_COMMIT=<sha> STAGES="report-a" bash benchmarks/gpu_session.sh                # ~8 min
+#   CSATTN_COMMIT=<sha> STAGES="report-b" bash benchmarks/gpu_session.sh                # ~7 min
+#   CSATTN_COMMIT=<sha> STAGES="hfprobe report-long" bash benchmarks/gpu_session.sh     # ~7 min
+#   python -m csattn report --merge a/report.json b/report.json c/report.json --out docs/report   # anywhere
 #
-# report-a: CP = 1 (fused, reference up to 32k, HF eager up to 8k) and CP = 2, both partitions (reference up to
-# 8k); report-b: the isolated per-rank timing at 128k and CP = 4, both partitions.
+# report-a: CP = 1, every path (reference and unfused up to 32k, HF eager up to 8k); report-b: CP = 2 and 4,
+# both partitions, and the isolated per-rank timing at 128k; report-long: 256k to 1M at CP = 1 and 4. On a
+# machine with two GPUs CP = 2 runs on NCCL, CP = 4 as two gloo ranks per GPU.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
@@ -52,16 +55,22 @@ for s in ${STAGES:-tests layer profile}; do
         --json "$OUT/layer_step.json" >> "$LOG" 2>&1
       echo "layer_step rc=$?" >> "$LOG" ;;
     report-a)
-      stage "scaling report, part a"
-      CSATTN_COMMIT=$C timeout 560 python3 -m csattn report --tokens $TOKENS --cp 1 2 --reference-max-tokens 32768 \
-        --reference-cp-max-tokens 8192 --hf-max-tokens 8192 --balance-tokens --steps 2 --group-timeout 300 \
-        --out "$OUT/report-a" >> "$LOG" 2>&1
+      stage "scaling report, part a: CP = 1, every path"
+      CSATTN_COMMIT=$C timeout 570 python3 -m csattn report --tokens $TOKENS --cp 1 \
+        --paths triton reference unfused hf --reference-max-tokens 32768 --hf-max-tokens 8192 --balance-tokens \
+        --steps 2 --group-timeout 400 --out "$OUT/report-a" >> "$LOG" 2>&1
       echo "report-a rc=$?" >> "$LOG" ;;
     report-b)
-      stage "scaling report, part b"
-      CSATTN_COMMIT=$C timeout 560 python3 -m csattn report --tokens $TOKENS --cp 4 --reference-max-tokens 8192 \
-        --steps 2 --group-timeout 300 --out "$OUT/report-b" >> "$LOG" 2>&1
+      stage "scaling report, part b: CP = 2 and 4, both partitions, per-rank balance at the longest length"
+      CSATTN_COMMIT=$C timeout 570 python3 -m csattn report --tokens $TOKENS --cp 2 4 --paths triton reference \
+        --reference-max-tokens 4096 --steps 2 --group-timeout 300 --out "$OUT/report-b" >> "$LOG" 2>&1
       echo "report-b rc=$?" >> "$LOG" ;;
+    report-long)
+      stage "scaling report, part c: the longest streams at CP = 1 and 4"
+      CSATTN_COMMIT=$C timeout 400 python3 -m csattn report --tokens 262144 524288 1048576 --cp 1 4 \
+        --partitions contiguous --paths triton --balance-tokens --steps 1 --group-timeout 200 \
+        --out "$OUT/report-c" >> "$LOG" 2>&1
+      echo "report-long rc=$?" >> "$LOG" ;;
     *) echo "unknown stage $s" >> "$LOG" ;;
   esac
 done

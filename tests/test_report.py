@@ -47,7 +47,7 @@ def test_report_runs_tiny(tmp_path):
 
     args = build_parser().parse_args([
         "report", "--geometry", "tiny", "--dtype", "float32", "--tokens", "128", "--cp", "1", "2",
-        "--layers", "hca", "--paths", "reference", "--partitions", "contiguous", "--steps", "1",
+        "--layers", "hca", "--paths", "reference", "unfused", "--partitions", "contiguous", "--steps", "1",
         "--device", "cpu", "--out", str(tmp_path)])
     assert run_report(args) == 0
     data = json.loads((tmp_path / "report.json").read_text())
@@ -55,6 +55,8 @@ def test_report_runs_tiny(tmp_path):
     assert {("group", 1), ("group", 2), ("isolated", 2)} <= kinds
     md = (tmp_path / "report.md").read_text()
     assert "| hca | 128 | reference | 2 | contiguous |" in md
+    assert "| hca | 128 | unfused | 1 | - |" in md
+    assert "- HCA unfused, CP=1: longest stream run 128 tokens" in md
     for png in ("memory.png", "time.png", "balance.png"):
         assert (tmp_path / png).stat().st_size > 1000
 

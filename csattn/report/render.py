@@ -57,6 +57,7 @@ def render_report(meta: dict, records: list[dict], out_dir: str) -> str:
                      f"{_fmt(ratios[1]) if cp > 1 else ''} | {_fmt(s.get('ms'), '.1f')} | "
                      f"{_fmt(s.get('tflops'), '.1f')} |")
     iso = _isolated(records)
+    lines += headline(summary, iso)
     if iso:
         lines += ["", "Per-rank work balance (each rank timed alone, fake process group; model FLOPs of its rows):",
                   "", "| layer | tokens | CP | partition | per-rank ms | max/min time | max/min FLOPs |",
@@ -72,6 +73,60 @@ def render_report(meta: dict, records: list[dict], out_dir: str) -> str:
         f.write(md)
     _plots(summary, iso, out_dir)
     return md
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def headline(summary: dict, iso: dict) -> list[str]:
+    """The figures users size their runs by, read off the table: CP memory scaling (at 32k and the longest
+    length), the fused path against the PyTorch paths, the longest stream each path and CP size ran, and the
+    balanced partition's per-rank time spread at the longest isolated length."""
+    out = []
+    for layer in sorted({k[0] for k in summary}):
+        cp_tokens = sorted({k[1] for k in summary if k[0] == layer and k[2] == "triton" and k[3] > 1})
+        for tokens in [t for t in cp_tokens if t == 32768 or t == cp_tokens[-1]]:
+            base = summary.get((layer, tokens, "triton", 1, "-"), {})
+            parts = []
+            for (ly, t, path, cp, part), s in sorted(summary.items()):
+                if (ly, t, path) != (layer, tokens, "triton") or cp == 1:
+                    continue
+                vals = [(_ratio(base.get(m), s.get(m)), name) for m, name in (("act_gib", "act."), ("peak_gib", "peak"))]
+                if any(v for v, _ in vals):
+                    parts.append(f"CP={cp} {part} " + " / ".join(f"{v:.2f}x {name}" for v, name in vals if v))
+            if parts:
+                out.append(f"- {layer.upper()} {_tokens(tokens)}, CP1/CPn per rank: " + "; ".join(parts))
+        ref_tokens = [k[1] for k in summary if k[0] == layer and k[2] in ("reference", "unfused") and k[3] == 1
+                      and "ms" in summary[k]]
+        fused = summary.get((layer, max(ref_tokens, default=0), "triton", 1, "-"), {})
+        if ref_tokens and fused.get("peak_gib"):
+            parts = []
+            for path in ("reference", "unfused"):
+                s = summary.get((layer, max(ref_tokens), path, 1, "-"), {})
+                if s.get("peak_gib"):
+                    text = f"{path} {s['peak_gib']:.2f} GiB peak ({s['peak_gib'] / fused['peak_gib']:.2f}x)"
+                    if s.get("act_gib") and fused.get("act_gib"):
+                        text += f", {s['act_gib']:.2f} GiB act. ({s['act_gib'] / fused['act_gib']:.2f}x)"
+                    parts.append(text)
+            out.append(f"- {layer.upper()} {_tokens(max(ref_tokens))} CP=1, fused path {fused['peak_gib']:.2f} GiB "
+                       f"peak, {_fmt(fused.get('act_gib'))} GiB act.; " + "; ".join(parts))
+        for path in ("triton", "reference", "unfused"):
+            for cp in sorted({k[3] for k in summary if k[0] == layer and k[2] == path}):
+                cases = {k[1]: s for k, s in summary.items() if (k[0], k[2], k[3]) == (layer, path, cp)}
+                ok = [t for t, s in cases.items() if "ms" in s]
+                failed = sorted(t for t, s in cases.items() if "ms" not in s)
+                if ok:
+                    s = cases[max(ok)]
+                    out.append(f"- {layer.upper()} {path}, CP={cp}: longest stream run {_tokens(max(ok))} tokens, "
+                               f"{_fmt(s.get('peak_gib'))} GiB peak per rank, {s['ms']:.0f} ms/step"
+                               + (f"; {_tokens(failed[0])}: {cases[failed[0]]['error']}" if failed else ""))
+    for (layer, tokens, cp, part), v in sorted(iso.items()):
+        ms = list(v["ms"].values())
+        if part == "balanced" and tokens == max(k[1] for k in iso if k[0] == layer) and len(ms) > 1:
+            out.append(f"- {layer.upper()} {_tokens(tokens)} CP={cp} balanced partition: per-rank time max/min "
+                       f"{max(ms) / min(ms):.3f}")
+    return ["", "Headline figures:", ""] + out if out else []
 
 
 def _plots(summary: dict, iso: dict, out_dir: str) -> None:

@@ -28,9 +28,12 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="context-parallel sizes")
     p.add_argument("--partitions", nargs="+", default=["contiguous", "balanced"],
                    choices=["contiguous", "balanced"])
-    p.add_argument("--paths", nargs="+", default=["triton", "reference", "hf"],
-                   choices=["triton", "reference", "hf"], help="fused kernels, PyTorch reference, HF eager")
-    p.add_argument("--reference-max-tokens", type=int, default=32768, help="longest stream for the reference")
+    p.add_argument("--paths", nargs="+", default=["triton", "reference", "unfused", "hf"],
+                   choices=["triton", "reference", "unfused", "hf"],
+                   help="fused kernels, PyTorch reference (block-recomputed core), the reference with every "
+                        "per-head tensor kept (unfused), HF eager")
+    p.add_argument("--reference-max-tokens", type=int, default=32768,
+                   help="longest stream for the reference and unfused paths")
     p.add_argument("--reference-cp-max-tokens", type=int, default=None,
                    help="longest stream for the reference at CP > 1 (default: --reference-max-tokens)")
     p.add_argument("--hf-max-tokens", type=int, default=8192, help="longest stream for HF eager (CP=1 only)")
@@ -69,7 +72,7 @@ def plan_groups(args) -> list[tuple[int, str, list[Job]]]:
                 ref_cap = args.reference_max_tokens
                 if size > 1 and getattr(args, "reference_cp_max_tokens", None) is not None:
                     ref_cap = args.reference_cp_max_tokens
-                cap = {"reference": ref_cap, "hf": args.hf_max_tokens}.get(path, 1 << 62)
+                cap = {"reference": ref_cap, "unfused": ref_cap, "hf": args.hf_max_tokens}.get(path, 1 << 62)
                 for layer in args.layers:
                     jobs += [Job(layer, t, path, part) for t in sorted(args.tokens) if t <= cap]
             if jobs:

@@ -31,19 +31,28 @@ __all__ = ["Job", "report_config", "ragged_lengths", "run_group", "run_isolated"
 class Job:
     layer: str  # "csa" | "hca"
     tokens: int
-    path: str  # "triton" | "reference" | "hf"
+    path: str  # "triton" | "reference" | "unfused" | "hf"
     partition: str = "contiguous"
 
 
-def report_config(layer: str, geometry: str, backend: str) -> AttentionConfig:
-    """V4-Flash attention geometry (``"real"``) or a tiny one for CPU smoke runs (``"tiny"``)."""
+PATHS = {  # report path -> (backend, recompute_projections)
+    "triton": ("triton", True),  # the fused kernels and the block-recomputed core: the default on CUDA
+    "reference": ("reference", True),  # the PyTorch reference ops inside the same block-recomputed core
+    "unfused": ("reference", False),  # the reference ops with every [T, H, d] tensor kept for the backward
+}
+
+
+def report_config(layer: str, geometry: str, path: str) -> AttentionConfig:
+    """V4-Flash attention geometry (``"real"``) or a tiny one for CPU smoke runs (``"tiny"``), set up for one of
+    the report's ``PATHS`` (HF eager takes the reference's config)."""
+    backend, recompute = PATHS.get(path, PATHS["reference"])
     if geometry == "real":
         return AttentionConfig(layer_type=layer, compress_ratio={"csa": 4, "hca": 128}[layer],
-                               indexer_loss_coeff=0.01, backend=backend)
+                               indexer_loss_coeff=0.01, backend=backend, recompute_projections=recompute)
     return AttentionConfig(
         hidden_size=64, num_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16,
         sliding_window=16, layer_type=layer, compress_ratio={"csa": 4, "hca": 16}[layer], index_n_heads=4,
-        index_head_dim=16, index_topk=8, indexer_loss_coeff=0.01, backend=backend,
+        index_head_dim=16, index_topk=8, indexer_loss_coeff=0.01, backend=backend, recompute_projections=recompute,
     )
 
 
@@ -62,8 +71,8 @@ def ragged_lengths(tokens: int, seed: int = 0) -> list[int]:
 
 def _device(rank: int, world: int, want: str) -> torch.device:
     if want == "cuda" and torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        return torch.device("cuda", rank % n if n >= world else 0)
+        # ranks spread over the GPUs, several to a GPU (gloo) when there are more ranks than GPUs
+        return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 
@@ -75,7 +84,7 @@ def _sync(device: torch.device) -> None:
 def _measure(job: Job, opts: dict, device: torch.device, cp) -> dict:
     """Time ``opts['steps']`` forward + backward steps of ``job`` on this rank; peak memory of one step."""
     dtype = getattr(torch, opts["dtype"])
-    cfg = report_config(job.layer, opts["geometry"], "triton" if job.path == "triton" else "reference")
+    cfg = report_config(job.layer, opts["geometry"], job.path)
     torch.manual_seed(0)
     lengths = ragged_lengths(job.tokens)
     packed_cpu = PackedSeqs.from_lengths(lengths)
