@@ -9,7 +9,9 @@ algorithms, fp32), within bf16 rounding on the Triton backend.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import queue
 import traceback
 
 import pytest
@@ -22,9 +24,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
 
 PACKS = [([100, 50, 60], [128, 64, 64]), ([128, 3, 90], [128, 32, 96]), ([0, 120, 61], [64, 128, 64])]
 MAX_SEQLEN = 128
+HANG_S = float(os.environ.get("CSATTN_TEST_HANG_S", 150))  # a rank still running after this dumps its stacks and exits, so a hang fails with a traceback
 
 
-def _worker(rank: int, world: int, port: int, layer_type: str, backend: str, out) -> None:
+def _worker(rank: int, world: int, port: int, layer_type: str, backend: str, out, log_path: str) -> None:
     import torch.distributed as dist
 
     from csattn import ContextParallel, PackedSeqs
@@ -33,6 +36,8 @@ def _worker(rank: int, world: int, port: int, layer_type: str, backend: str, out
     from .conftest import rel_err
     from .helpers import grads, random_layer, tiny_config
 
+    log = open(log_path, "w", buffering=1)
+    faulthandler.dump_traceback_later(HANG_S, exit=True, file=log)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
@@ -49,10 +54,14 @@ def _worker(rank: int, world: int, port: int, layer_type: str, backend: str, out
         inputs = [tuple(torch.randn(t, 64, generator=gen).to("cuda", dtype) for _ in range(2)) for _ in PACKS]
         packs = [PackedSeqs.from_lengths(real, padded, device="cuda") for real, padded in PACKS]
         local = [(cp.shard(x, p), cp.shard(dy, p)) for (x, dy), p in zip(inputs, packs)]
+        log.write("capturing\n")
         step = CapturedLayerStep(layer, *local[0], packs[0].cu_seqlens, packs[0].cu_seqlens_padded, MAX_SEQLEN, cp=cp)
         worst, bitwise = 0.0, True
-        for (xl, dyl), packed in zip(local, packs):
+        for i, ((xl, dyl), packed) in enumerate(zip(local, packs)):
+            log.write(f"replay {i}\n")
             step.replay(xl, dyl, packed.cu_seqlens, packed.cu_seqlens_padded)
+            torch.cuda.synchronize()
+            log.write(f"eager {i}\n")
             got = {"y": step.y.clone(), "x": step.x_grad.clone(), **{n: g.clone() for n, g in step.grads.items()}}
             layer.zero_grad(set_to_none=True)
             x = xl.detach().clone().requires_grad_()
@@ -64,25 +73,38 @@ def _worker(rank: int, world: int, port: int, layer_type: str, backend: str, out
             worst = max(worst, *(rel_err(got[n], eager[n]) for n in eager))
             bitwise &= all(torch.equal(got[n], eager[n]) for n in eager)
         out.put((rank, "ok", (worst, bitwise)))
-    except Exception:  # report, do not hang the other rank's queue read
-        out.put((rank, "error", traceback.format_exc()))
-    finally:
         dist.destroy_process_group()
+    except Exception:  # report and leave at once: the other rank may be waiting in a collective
+        out.put((rank, "error", traceback.format_exc()))
+        log.flush()
+        os._exit(1)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("layer_type", ["sliding", "csa", "hca"], ids=["W", "CSA", "HCA"])
-def test_cp_graph_replay_equals_eager(layer_type, backend):
+def test_cp_graph_replay_equals_eager(layer_type, backend, tmp_path):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, layer_type, backend, out)) for r in range(2)]
+    logs = [str(tmp_path / f"rank{r}.log") for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, layer_type, backend, out, logs[r])) for r in range(2)]
     for p in procs:
         p.start()
-    results = sorted(out.get(timeout=300) for _ in procs)
+    results = []
+    try:
+        for _ in procs:
+            results.append(out.get(timeout=HANG_S + 60))
+    except queue.Empty:
+        pass
     for p in procs:
-        p.join(60)
-    for rank, status, value in results:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    if len(results) < len(procs):
+        dumps = "\n".join(f"--- rank {r} ---\n" + open(path).read() for r, path in enumerate(logs)
+                          if os.path.exists(path))
+        pytest.fail(f"only {len(results)} of {len(procs)} ranks reported: {results}\n{dumps}")
+    for rank, status, value in sorted(results):
         assert status == "ok", f"rank {rank}:\n{value}"
         worst, bitwise = value
         if backend == "reference":
