@@ -11,7 +11,10 @@
 #
 # report-a: CP = 1, every path (reference and unfused up to 32k, HF eager up to 8k); report-b: CP = 2 and 4,
 # both partitions, and the isolated per-rank timing at 128k; report-long: 256k to 1M at CP = 1 and 4. On a
-# machine with two GPUs CP = 2 runs on NCCL, CP = 4 as two gloo ranks per GPU.
+# machine with two GPUs CP = 2 runs on NCCL, CP = 4 as two gloo ranks per GPU. report-cp1 / report-cp4: only the
+# lengths the report's targets name (32k, 128k); on two GPUs run them side by side, one GPU each:
+#   (CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 STAGES="report-cp1 report-long" bash benchmarks/gpu_session.sh) &
+#   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 STAGES="report-cp4 hfprobe" bash benchmarks/gpu_session.sh) & wait
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
@@ -71,6 +74,17 @@ for s in ${STAGES:-tests layer profile}; do
         --partitions contiguous --paths triton --balance-tokens --steps 1 --group-timeout 200 \
         --out "$OUT/report-c" >> "$LOG" 2>&1
       echo "report-long rc=$?" >> "$LOG" ;;
+    report-cp1)
+      stage "scaling targets, CP = 1: fused, reference and unfused at 32k, fused at 128k"
+      CSATTN_COMMIT=$C timeout 300 python3 -m csattn report --tokens 32768 131072 --cp 1 \
+        --paths triton reference unfused --reference-max-tokens 32768 --steps 2 --group-timeout 280 \
+        --out "$OUT/report-cp1" >> "$LOG" 2>&1
+      echo "report-cp1 rc=$?" >> "$LOG" ;;
+    report-cp4)
+      stage "scaling targets, CP = 4: both partitions at 32k and 128k, per-rank balance at 128k"
+      CSATTN_COMMIT=$C timeout 400 python3 -m csattn report --tokens 32768 131072 --cp 4 --paths triton \
+        --steps 2 --group-timeout 200 --out "$OUT/report-cp4" >> "$LOG" 2>&1
+      echo "report-cp4 rc=$?" >> "$LOG" ;;
     *) echo "unknown stage $s" >> "$LOG" ;;
   esac
 done
