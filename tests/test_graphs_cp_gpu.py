@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
 
 PACKS = [([100, 50, 60], [128, 64, 64]), ([128, 3, 90], [128, 32, 96]), ([0, 120, 61], [64, 128, 64])]
 MAX_SEQLEN = 128
-HANG_S = float(os.environ.get("CSATTN_TEST_HANG_S", 150))  # a rank still running after this dumps its stacks and exits, so a hang fails with a traceback
+# a rank still running after HANG_S seconds dumps its stacks and exits, so a hang fails with a traceback
+HANG_S = float(os.environ.get("CSATTN_TEST_HANG_S", 150))
 
 
 def _worker(rank: int, world: int, port: int, layer_type: str, backend: str, out, log_path: str) -> None:

@@ -92,7 +92,8 @@ def headline(summary: dict, iso: dict) -> list[str]:
             for (ly, t, path, cp, part), s in sorted(summary.items()):
                 if (ly, t, path) != (layer, tokens, "triton") or cp == 1:
                     continue
-                vals = [(_ratio(base.get(m), s.get(m)), name) for m, name in (("act_gib", "act."), ("peak_gib", "peak"))]
+                vals = [(_ratio(base.get(m), s.get(m)), name)
+                        for m, name in (("act_gib", "act."), ("peak_gib", "peak"))]
                 if any(v for v, _ in vals):
                     parts.append(f"CP={cp} {part} " + " / ".join(f"{v:.2f}x {name}" for v, name in vals if v))
             if parts:
