@@ -168,8 +168,9 @@ def merge_reports(paths: list[str], out_dir: str) -> str:
         records.update({_case_key(r): r for r in new})
     meta = dict(metas[-1])
     meta["commit"] = " + ".join(dict.fromkeys(m["commit"] for m in metas))
-    if len({m["steps"] for m in metas}) > 1:
-        meta["steps"] = " / ".join(f"{m['steps']} ({m['commit']})" for m in metas)
+    if len({m["steps"] for m in metas}) > 1:  # an already merged file's steps text is kept as it is
+        meta["steps"] = " / ".join(dict.fromkeys(m["steps"] if isinstance(m["steps"], str)
+                                                 else f"{m['steps']} ({m['commit']})" for m in metas))
     merged = list(records.values())
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "report.json"), "w") as f:
