@@ -194,8 +194,9 @@ def bad_input(group, case: str) -> None:
 
 def saved_input_copies(group, num_rows: int, partition: str) -> list[tuple]:
     """Shapes of the ``D``-wide tensors with more than a halo's rows that a CP forward saves for the backward
-    and that are not views of the rank's own input (W, CSA and HCA layers); a rank should save none: its
-    halo-extended rows are projected piece by piece instead of being copied into one tensor."""
+    and that are not views of the rank's own input, and of saved halo-sized views into a larger buffer (W, CSA
+    and HCA layers); a rank should save none: its halo-extended rows are projected piece by piece instead of
+    being copied into one tensor, and its halo rows are copied out of the gathered tails."""
     cp = ContextParallel(group, partition=partition)
     packed = PackedSeqs.from_lengths([num_rows // 3, num_rows - num_rows // 3])
     copies = []
@@ -204,8 +205,12 @@ def saved_input_copies(group, num_rows: int, partition: str) -> list[tuple]:
         own = {x.untyped_storage().data_ptr()} | {p.untyped_storage().data_ptr() for p in layer.parameters()}
 
         def pack(t, own=own, kind=layer.config.layer_type):
-            if t.dim() == 2 and t.shape[1] == 32 and t.shape[0] > 16 and t.untyped_storage().data_ptr() not in own:
-                copies.append((kind, tuple(t.shape)))
+            if t.dim() == 2 and t.shape[1] == 32 and t.untyped_storage().data_ptr() not in own:
+                if t.shape[0] > 16:
+                    copies.append((kind, tuple(t.shape)))
+                elif t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                    # a halo view into the gathered tails would keep every rank's tails alive
+                    copies.append((kind, tuple(t.shape), "view of", t.untyped_storage().nbytes() // t.element_size()))
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -34,9 +34,11 @@ def finish_halo_exchange(x_local: Tensor, plan: LayerPlan, pending: PendingGathe
     if pending is None:
         return x_local
     tails = pending.wait()  # [P * S * Hh, D]
-    parts = [tails[s:s + n] if kind == "halo" else x_local[s:s + n] for kind, s, n in plan.pieces]
+    # Halo rows are copied out of the gathered buffer: the projections save their inputs, and a saved view
+    # would keep every rank's tails ([P * S * Hh, D]) alive until the backward, not just this rank's halo.
+    parts = [tails[s:s + n].clone() if kind == "halo" else x_local[s:s + n] for kind, s, n in plan.pieces]
     if all(kind == "local" for kind, _, _ in plan.pieces):
         # This rank needs no halo but must still run the exchange's backward collective, in the same
         # place of the backward order as every other rank: keep the received tails in the graph.
-        parts.insert(0, tails[:0])
+        parts.insert(0, tails[:0].clone())
     return RowPieces(tuple(parts))

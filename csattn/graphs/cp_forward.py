@@ -106,8 +106,10 @@ def capture_safe_cp_forward(layer: HybridAttention, x_local: Tensor, static: Sta
         x_ext: Tensor | RowPieces = x_local
     else:
         received = tails.wait()  # [P * Hh, D]; rank p's halo is rank p - 1's tail
-        # rank 0 keeps an empty slice so it joins the exchange's backward collective like every other rank
-        x_ext = RowPieces((received[(cp.rank - 1) * halo:cp.rank * halo] if h else received[:0], x_local))
+        # rank 0 keeps an empty slice so it joins the exchange's backward collective like every other rank;
+        # copied out so that the saved halo does not keep every rank's tails alive (see cp/halo.py)
+        mine = received[(cp.rank - 1) * halo:cp.rank * halo] if h else received[:0]
+        x_ext = RowPieces((mine.clone(), x_local))
     n_ext = rows_per_rank + h
     pos_ext, real_ext = rows.pos[lo - h:hi], rows.real[lo - h:hi]
     # window ids in ext rows; every local row reaches at most W - 1 <= Hh rows back, so its ids stay >= 0
