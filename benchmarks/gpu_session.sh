@@ -7,7 +7,7 @@
 #   CSATTN_COMMIT=<sha> STAGES="report-a" bash benchmarks/gpu_session.sh                # ~8 min
 #   CSATTN_COMMIT=<sha> STAGES="report-b" bash benchmarks/gpu_session.sh                # ~7 min
 #   CSATTN_COMMIT=<sha> STAGES="hfprobe report-long" bash benchmarks/gpu_session.sh     # ~7 min
-#   python -m csattn report --merge a/report.json b/report.json c/report.json --out docs/report   # anywhere
+#   python -m csattn report --merge report-a.json report-b.json report-c.json --out docs/report   # anywhere
 #
 # report-a: CP = 1, every path (reference and unfused up to 32k, HF eager up to 8k); report-b: CP = 2 and 4,
 # both partitions, and the isolated per-rank timing at 128k; report-long: 256k to 1M at CP = 1 and 4. On a
@@ -15,6 +15,8 @@
 # lengths the report's targets name (32k, 128k); on two GPUs run them side by side, one GPU each:
 #   (CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 STAGES="report-cp1 report-long" bash benchmarks/gpu_session.sh) &
 #   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 STAGES="report-cp4 hfprobe" bash benchmarks/gpu_session.sh) & wait
+# A device call brings back at most 8 files from $OUT: reports render into /tmp and only their report.json comes
+# back (as $OUT/<stage>.json); re-render anywhere with `python -m csattn report --merge <json...> --out DIR`.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
@@ -61,30 +63,30 @@ for s in ${STAGES:-tests layer profile}; do
       stage "scaling report, part a: CP = 1, every path"
       CSATTN_COMMIT=$C timeout 570 python3 -m csattn report --tokens $TOKENS --cp 1 \
         --paths triton reference unfused hf --reference-max-tokens 32768 --hf-max-tokens 8192 --balance-tokens \
-        --steps 2 --group-timeout 400 --out "$OUT/report-a" >> "$LOG" 2>&1
-      echo "report-a rc=$?" >> "$LOG" ;;
+        --steps 2 --group-timeout 400 --out "/tmp/report-a" >> "$LOG" 2>&1
+      echo "report-a rc=$?" >> "$LOG"; cp /tmp/report-a/report.json "$OUT/report-a.json" ;;
     report-b)
       stage "scaling report, part b: CP = 2 and 4, both partitions, per-rank balance at the longest length"
       CSATTN_COMMIT=$C timeout 570 python3 -m csattn report --tokens $TOKENS --cp 2 4 --paths triton reference \
-        --reference-max-tokens 4096 --steps 2 --group-timeout 300 --out "$OUT/report-b" >> "$LOG" 2>&1
-      echo "report-b rc=$?" >> "$LOG" ;;
+        --reference-max-tokens 4096 --steps 2 --group-timeout 300 --out "/tmp/report-b" >> "$LOG" 2>&1
+      echo "report-b rc=$?" >> "$LOG"; cp /tmp/report-b/report.json "$OUT/report-b.json" ;;
     report-long)
       stage "scaling report, part c: the longest streams at CP = 1 and 4"
       CSATTN_COMMIT=$C timeout 400 python3 -m csattn report --tokens 262144 524288 1048576 --cp 1 4 \
         --partitions contiguous --paths triton --balance-tokens --steps 1 --group-timeout 200 \
-        --out "$OUT/report-c" >> "$LOG" 2>&1
-      echo "report-long rc=$?" >> "$LOG" ;;
+        --out "/tmp/report-c" >> "$LOG" 2>&1
+      echo "report-long rc=$?" >> "$LOG"; cp /tmp/report-c/report.json "$OUT/report-c.json" ;;
     report-cp1)
       stage "scaling targets, CP = 1: fused, reference and unfused at 32k, fused at 128k"
       CSATTN_COMMIT=$C timeout 300 python3 -m csattn report --tokens 32768 131072 --cp 1 \
         --paths triton reference unfused --reference-max-tokens 32768 --steps 2 --group-timeout 280 \
-        --out "$OUT/report-cp1" >> "$LOG" 2>&1
-      echo "report-cp1 rc=$?" >> "$LOG" ;;
+        --out "/tmp/report-cp1" >> "$LOG" 2>&1
+      echo "report-cp1 rc=$?" >> "$LOG"; cp /tmp/report-cp1/report.json "$OUT/report-cp1.json" ;;
     report-cp4)
       stage "scaling targets, CP = 4: both partitions at 32k and 128k, per-rank balance at 128k"
       CSATTN_COMMIT=$C timeout 400 python3 -m csattn report --tokens 32768 131072 --cp 4 --paths triton \
-        --steps 2 --group-timeout 200 --out "$OUT/report-cp4" >> "$LOG" 2>&1
-      echo "report-cp4 rc=$?" >> "$LOG" ;;
+        --steps 2 --group-timeout 200 --out "/tmp/report-cp4" >> "$LOG" 2>&1
+      echo "report-cp4 rc=$?" >> "$LOG"; cp /tmp/report-cp4/report.json "$OUT/report-cp4.json" ;;
     *) echo "unknown stage $s" >> "$LOG" ;;
   esac
 done
