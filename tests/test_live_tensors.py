@@ -1,0 +1,24 @@
+"""``benchmarks.live_tensors``: the storages a forward leaves alive are listed, the freed ones are not."""
+
+import torch
+
+from benchmarks.live_tensors import LiveStorages
+
+
+def test_lists_what_the_forward_keeps_and_nothing_it_freed():
+    w = torch.randn(64, 32, requires_grad=True)
+    x = torch.randn(128, 64)
+    with LiveStorages() as live:
+        h = x @ w  # [128, 32]: not saved (mm saves its inputs, tanh its output)
+        y = torch.tanh(h)  # [128, 32]: saved by tanh's backward and returned
+        del h
+        tmp = torch.ones(1000) * 2  # freed below
+        del tmp
+        z = (y * 3).sum()
+    rows = live.alive({w.untyped_storage().data_ptr(), x.untyped_storage().data_ptr()})
+    shapes = sorted(shape for _, shape, _, _ in rows)
+    assert (1000,) not in shapes
+    assert shapes.count((128, 32)) == 1  # tanh's output, kept for its backward and returned; mm's output freed
+    assert () in shapes  # the loss
+    assert all(nb > 0 for nb, _, _, _ in rows)
+    z.backward()
