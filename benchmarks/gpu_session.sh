@@ -4,6 +4,7 @@
 #
 #   CSATTN_COMMIT=<sha> STAGES="tests graphs" bash benchmarks/gpu_session.sh            # ~8 min (2 GPUs)
 #   CSATTN_COMMIT=<sha> STAGES="layer profile" bash benchmarks/gpu_session.sh           # ~5 min
+#   CSATTN_COMMIT=<sha> STAGES="attn-variants" bash benchmarks/gpu_session.sh           # ~1 min
 #   CSATTN_COMMIT=<sha> STAGES="report-a" bash benchmarks/gpu_session.sh                # ~8 min
 #   CSATTN_COMMIT=<sha> STAGES="report-b" bash benchmarks/gpu_session.sh                # ~7 min
 #   CSATTN_COMMIT=<sha> STAGES="hfprobe report-long" bash benchmarks/gpu_session.sh     # ~7 min
@@ -52,6 +53,12 @@ for s in ${STAGES:-tests layer profile}; do
         --shape tokens=8192,32768 --shape layer=csa,hca --warmup-ms 5 --rep-ms 40 --commit "$C" \
         --json "$OUT/layer.json" >> "$LOG" 2>&1
       echo "layer rc=$?" >> "$LOG" ;;
+    attn-variants)
+      stage "sparse attention forward: row-major vs key-major kernel"
+      timeout 120 python3 -m benchmarks.run --op sparse_attn --mode fwd,fwdbwd \
+        --providers "triton,triton[fwd_keymajor=1]" --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 \
+        --commit "$C" --json "$OUT/attn_variants.json" >> "$LOG" 2>&1
+      echo "attn-variants rc=$?" >> "$LOG" ;;
     hfprobe)
       stage "largest length HF eager fits: Triton vs HF eager, one document"
       timeout 240 python3 -m benchmarks.run --op layer --mode fwdbwd --providers triton,hf \

@@ -76,6 +76,53 @@ def sparse_attn_fwd_kernel(
 
 
 @triton.jit
+def sparse_attn_fwd_kernel_keymajor(
+    q, kv, idx, topk_len, sink, o, lse,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
+    H, D, K, qk_scale_log2,
+    HAS_LEN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # Same math as sparse_attn_fwd_kernel with the score product taken key-major, S^T = K Q^T ([BK, BH]).
+    # Row-major, the [BH = 64, BK] score tile feeds the P V product straight from registers, and Triton
+    # lays it out on both warpgroups, each computing all of it (3 MMA units issued per 2 counted). Key-major,
+    # P reaches the second product through a transpose (shared memory), so the score product need not be
+    # replicated; the softmax reduces over axis 0 instead. An opt-in variant (``SparseAttnConfig.fwd_keymajor``)
+    # until measured against the row-major kernel on the GPU.
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_d = tl.arange(0, BD)
+    mask_h = offs_h < H
+    mask_d = offs_d < D
+    mask_hd = mask_h[:, None] & mask_d[None, :]
+    q_tile = tl.load(q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0)
+    q_t = tl.trans(q_tile)  # [BD, BH]
+    m_i = tl.load(sink + offs_h, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
+    l_i = tl.full([BH], 1.0, dtype=tl.float32)
+    acc = tl.zeros([BH, BD], dtype=tl.float32)
+    n_keys = K
+    if HAS_LEN:
+        n_keys = tl.minimum(tl.load(topk_len + t).to(tl.int32), K)
+    for start in range(0, n_keys, BK):
+        offs_k = start + tl.arange(0, BK)
+        ids = tl.load(idx + t * stride_it + offs_k, mask=offs_k < n_keys, other=-1)
+        valid = ids >= 0
+        k_tile = tl.load(kv + ids.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :],
+                         mask=valid[:, None] & mask_d[None, :], other=0.0)
+        s_t = tl.dot(k_tile, q_t, input_precision=DOT_PREC) * qk_scale_log2  # [BK, BH]
+        s_t = tl.where(valid[:, None], s_t, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_t, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p_t = tl.exp2(s_t - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p_t, 0)
+        acc = acc * alpha[:, None] + tl.dot(tl.trans(p_t.to(k_tile.dtype)), k_tile, input_precision=DOT_PREC)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             out.to(o.dtype.element_ty), mask=mask_hd)
+    tl.store(lse + t * stride_lt + offs_h, m_i * 0.6931471805599453 + tl.log(l_i), mask=mask_h)
+
+
+@triton.jit
 def _bwd_row_terms(q, o, do, lse, dlse, t, offs_h, offs_d, mask_h, mask_hd,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_dlt, HAS_DLSE: tl.constexpr):
     """Per-row tiles of both backward kernels: q, do, lse and delta = rowsum(do * o) - dlse."""
@@ -237,9 +284,10 @@ class SparseAttnConfig:
 
     def __init__(self, bh: int | None = None, bk_fwd: int = 64, warps_fwd: int = 8, stages_fwd: int = 2,
                  bk_dq: int = 64, warps_dq: int = 8, stages_dq: int = 1,
-                 bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1):
+                 bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1, fwd_keymajor: int = 0):
         self.bh = bh
         self.bk_fwd, self.warps_fwd, self.stages_fwd = bk_fwd, warps_fwd, stages_fwd
+        self.fwd_keymajor = fwd_keymajor  # 1: sparse_attn_fwd_kernel_keymajor (opt-in, see its comment)
         self.bk_dq, self.warps_dq, self.stages_dq = bk_dq, warps_dq, stages_dq
         self.bk_dkv, self.warps_dkv, self.stages_dkv = bk_dkv, warps_dkv, stages_dkv
 
@@ -313,7 +361,8 @@ def sparse_attn_fwd(
         return o, lse
     bh = _head_block(H, cfg)
     grid = (T, triton.cdiv(H, bh))
-    kernel = sparse_attn_fwd_kernel[grid](
+    fwd_kernel = sparse_attn_fwd_kernel_keymajor if cfg.fwd_keymajor else sparse_attn_fwd_kernel
+    kernel = fwd_kernel[grid](
         q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
         H, D, K, scale * LOG2E,
