@@ -56,7 +56,7 @@ for s in ${STAGES:-tests layer profile}; do
     attn-variants)
       stage "sparse attention forward: row-major vs key-major kernel"
       timeout 120 python3 -m benchmarks.run --op sparse_attn --mode fwd,fwdbwd \
-        --providers "triton,triton[fwd_keymajor=1]" --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 \
+        --providers "triton,triton[fwd_keymajor=1],triton[fwd_keymajor=1,bk_fwd=128,stages_fwd=1]" --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 \
         --commit "$C" --json "$OUT/attn_variants.json" >> "$LOG" 2>&1
       echo "attn-variants rc=$?" >> "$LOG" ;;
     hfprobe)
