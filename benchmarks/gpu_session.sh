@@ -54,10 +54,11 @@ for s in ${STAGES:-tests layer profile}; do
         --json "$OUT/layer.json" >> "$LOG" 2>&1
       echo "layer rc=$?" >> "$LOG" ;;
     attn-variants)
-      stage "sparse attention forward: row-major vs key-major kernel"
-      timeout 120 python3 -m benchmarks.run --op sparse_attn --mode fwd,fwdbwd \
-        --providers "triton,triton[fwd_keymajor=1],triton[fwd_keymajor=1,bk_fwd=128,stages_fwd=1]" --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 \
-        --commit "$C" --json "$OUT/attn_variants.json" >> "$LOG" 2>&1
+      stage "sparse attention: row-major vs key-major kernels"
+      timeout 150 python3 -m benchmarks.run --op sparse_attn --mode fwd,bwd \
+        --providers "triton,triton[fwd_keymajor=1,dq_keymajor=1],triton[fwd_keymajor=1,bk_fwd=128,stages_fwd=1]" \
+        --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/attn_variants.json" \
+        >> "$LOG" 2>&1
       echo "attn-variants rc=$?" >> "$LOG" ;;
     hfprobe)
       stage "largest length HF eager fits: Triton vs HF eager, one document"

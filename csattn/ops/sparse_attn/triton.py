@@ -184,6 +184,52 @@ def sparse_attn_bwd_kernel_dq(
 
 
 @triton.jit
+def sparse_attn_bwd_kernel_dq_keymajor(
+    q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dsink_rows,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
+    H, D, K, scale,
+    HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr,
+    BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # sparse_attn_bwd_kernel_dq with the score products key-major: S^T = K Q^T and dP^T = K dO^T
+    # ([BK, BH], the key tile the A operand of both), dS reaching the dq product through a transpose, as in
+    # sparse_attn_fwd_kernel_keymajor. Opt-in (``SparseAttnConfig.dq_keymajor``) until measured on the GPU.
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_d = tl.arange(0, BD)
+    mask_h = offs_h < H
+    mask_d = offs_d < D
+    mask_hd = mask_h[:, None] & mask_d[None, :]
+    q_tile, do_tile, delta, lse_t = _bwd_row_terms(
+        q, o, do, lse, dlse, t, offs_h, offs_d, mask_h, mask_hd,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_dlt, HAS_DLSE)
+    p_sink = tl.exp(tl.load(sink + offs_h, mask=mask_h, other=0.0).to(tl.float32) - lse_t)
+    tl.store(dsink_rows + t * H + offs_h, -p_sink * delta, mask=mask_h)
+    lse2 = lse_t * 1.4426950408889634
+    qk_scale_log2 = scale * 1.4426950408889634
+    q_t = tl.trans(q_tile)  # [BD, BH]
+    do_t = tl.trans(do_tile)
+    dq_acc = tl.zeros([BH, BD], dtype=tl.float32)
+    n_keys = K
+    if HAS_LEN:
+        n_keys = tl.minimum(tl.load(topk_len + t).to(tl.int32), K)
+    for start in range(0, n_keys, BK):
+        offs_k = start + tl.arange(0, BK)
+        ids = tl.load(idx + t * stride_it + offs_k, mask=offs_k < n_keys, other=-1)
+        valid = ids >= 0
+        k_tile = tl.load(kv + ids.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :],
+                         mask=valid[:, None] & mask_d[None, :], other=0.0)
+        s_t = tl.dot(k_tile, q_t, input_precision=DOT_PREC) * qk_scale_log2  # [BK, BH]
+        s_t = tl.where(valid[:, None], s_t, float("-inf"))
+        p_t = tl.exp2(s_t - lse2[None, :])
+        dp_t = tl.dot(k_tile, do_t, input_precision=DOT_PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dq_acc += tl.dot(tl.trans(ds_t.to(k_tile.dtype)), k_tile, input_precision=DOT_PREC)
+    tl.store(dq + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+             (dq_acc * scale).to(dq.dtype.element_ty), mask=mask_hd)
+
+
+@triton.jit
 def _load_qdo_chunk(q, do, off_r, is_do, mask_r, offs_c, D):
     """Rows ``2h`` = q[h], ``2h+1`` = do[h] of one column chunk: ``[2*BH, BDC]``."""
     ptrs = tl.where(is_do[:, None], do + off_r + offs_c[None, :], q + off_r + offs_c[None, :])
@@ -284,10 +330,12 @@ class SparseAttnConfig:
 
     def __init__(self, bh: int | None = None, bk_fwd: int = 64, warps_fwd: int = 8, stages_fwd: int = 2,
                  bk_dq: int = 64, warps_dq: int = 8, stages_dq: int = 1,
-                 bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1, fwd_keymajor: int = 0):
+                 bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1, fwd_keymajor: int = 0,
+                 dq_keymajor: int = 0):
         self.bh = bh
         self.bk_fwd, self.warps_fwd, self.stages_fwd = bk_fwd, warps_fwd, stages_fwd
         self.fwd_keymajor = fwd_keymajor  # 1: sparse_attn_fwd_kernel_keymajor (opt-in, see its comment)
+        self.dq_keymajor = dq_keymajor  # 1: sparse_attn_bwd_kernel_dq_keymajor (opt-in)
         self.bk_dq, self.warps_dq, self.stages_dq = bk_dq, warps_dq, stages_dq
         self.bk_dkv, self.warps_dkv, self.stages_dkv = bk_dkv, warps_dkv, stages_dkv
 
@@ -411,7 +459,8 @@ def sparse_attn_bwd(
             H=H, D=D, K=K, scale=scale, HAS_LEN=topk_length is not None, HAS_DLSE=dlse is not None,
             BH=bh, BD=max(triton.next_power_of_2(D), 16), DOT_PREC=_dot_prec(q.dtype),
         )
-        kernel = sparse_attn_bwd_kernel_dq[grid](
+        dq_kernel = sparse_attn_bwd_kernel_dq_keymajor if cfg.dq_keymajor else sparse_attn_bwd_kernel_dq
+        kernel = dq_kernel[grid](
             sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq, num_warps=cfg.warps_dq,
             num_stages=cfg.stages_dq, **common)
         _report("bwd_dq", kernel, cfg)
