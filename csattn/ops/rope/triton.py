@@ -39,16 +39,29 @@ def _rope_tables(cos, sin, row, stride_c, ch, D: tl.constexpr, P: tl.constexpr):
 
 
 @triton.jit
-def head_rope_fwd_kernel(x, cos, sin, y, stride_xr, stride_c, eps, H,
-                         D: tl.constexpr, P: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
-                         NORM: tl.constexpr, INVERSE: tl.constexpr):
+def _head_tile(stride_xr, H, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+    """This program's row, the offsets of its ``[BH, BD]`` block of heads x channels, channels, and mask."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     ch = tl.arange(0, BD)
     mask = (heads[:, None] < H) & (ch[None, :] < D)
-    base = row * stride_xr + heads[:, None] * D
+    return row, row * stride_xr + heads[:, None] * D, ch, mask
+
+
+@triton.jit
+def _load_with_pair(x, base, ch, mask):
+    """The tile in fp32 and the same tile with each channel swapped for its rotation partner (``ch ^ 1``)."""
     v = tl.load(x + base + ch[None, :], mask=mask, other=0.0).to(tl.float32)
     pv = tl.load(x + base + (ch ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return v, pv
+
+
+@triton.jit
+def head_rope_fwd_kernel(x, cos, sin, y, stride_xr, stride_c, eps, H,
+                         D: tl.constexpr, P: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
+                         NORM: tl.constexpr, INVERSE: tl.constexpr):
+    row, base, ch, mask = _head_tile(stride_xr, H, D, BH, BD)
+    v, pv = _load_with_pair(x, base, ch, mask)
     if NORM:
         rs = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
         v = v * rs[:, None]
@@ -63,13 +76,8 @@ def head_rope_fwd_kernel(x, cos, sin, y, stride_xr, stride_c, eps, H,
 @triton.jit
 def head_norm_rope_bwd_kernel(x, dy, cos, sin, dx, stride_xr, stride_c, eps, H,
                               D: tl.constexpr, P: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BH + tl.arange(0, BH)
-    ch = tl.arange(0, BD)
-    mask = (heads[:, None] < H) & (ch[None, :] < D)
-    base = row * stride_xr + heads[:, None] * D
-    g = tl.load(dy + base + ch[None, :], mask=mask, other=0.0).to(tl.float32)
-    pg = tl.load(dy + base + (ch ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)
+    row, base, ch, mask = _head_tile(stride_xr, H, D, BH, BD)
+    g, pg = _load_with_pair(dy, base, ch, mask)
     c, s, sign = _rope_tables(cos, sin, row, stride_c, ch, D, P)
     gn = g * c[None, :] - (sign * s)[None, :] * pg  # the inverse rotation of the gradient
     v = tl.load(x + base + ch[None, :], mask=mask, other=0.0).to(tl.float32)

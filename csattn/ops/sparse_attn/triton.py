@@ -38,7 +38,12 @@ def sparse_attn_fwd_kernel(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
     H, D, K, qk_scale_log2,
     HAS_LEN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+    KEY_MAJOR: tl.constexpr,
 ):
+    # KEY_MAJOR (opt-in, ``SparseAttnConfig.fwd_keymajor``, not yet measured on the GPU): the score product is
+    # taken key-major, S^T = K Q^T ([BK, BH]), and P reaches the P V product through a transpose. Row-major, the
+    # [BH = 64, BK] score tile feeds P V straight from registers and Triton lays it out on both warpgroups, each
+    # computing all of it (3 MMA units issued per 2 counted); key-major it need not be replicated.
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
@@ -61,60 +66,23 @@ def sparse_attn_fwd_kernel(
         valid = ids >= 0
         k_tile = tl.load(kv + ids.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :],
                          mask=valid[:, None] & mask_d[None, :], other=0.0)
-        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if KEY_MAJOR:
+            s_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PREC) * qk_scale_log2  # [BK, BH]
+            s_t = tl.where(valid[:, None], s_t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s_t, 0))
+            p_t = tl.exp2(s_t - m_new[None, :])
+            p_sum = tl.sum(p_t, 0)
+            p = tl.trans(p_t.to(k_tile.dtype))
+        else:
+            s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2  # [BH, BK]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            p_sum = tl.sum(p, 1)
+            p = p.to(k_tile.dtype)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k_tile.dtype), k_tile, input_precision=DOT_PREC)
-        m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(o + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-             out.to(o.dtype.element_ty), mask=mask_hd)
-    tl.store(lse + t * stride_lt + offs_h, m_i * 0.6931471805599453 + tl.log(l_i), mask=mask_h)
-
-
-@triton.jit
-def sparse_attn_fwd_kernel_keymajor(
-    q, kv, idx, topk_len, sink, o, lse,
-    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
-    H, D, K, qk_scale_log2,
-    HAS_LEN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    # Same math as sparse_attn_fwd_kernel with the score product taken key-major, S^T = K Q^T ([BK, BH]).
-    # Row-major, the [BH = 64, BK] score tile feeds the P V product straight from registers, and Triton
-    # lays it out on both warpgroups, each computing all of it (3 MMA units issued per 2 counted). Key-major,
-    # P reaches the second product through a transpose (shared memory), so the score product need not be
-    # replicated; the softmax reduces over axis 0 instead. An opt-in variant (``SparseAttnConfig.fwd_keymajor``)
-    # until measured against the row-major kernel on the GPU.
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
-    offs_d = tl.arange(0, BD)
-    mask_h = offs_h < H
-    mask_d = offs_d < D
-    mask_hd = mask_h[:, None] & mask_d[None, :]
-    q_tile = tl.load(q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0)
-    q_t = tl.trans(q_tile)  # [BD, BH]
-    m_i = tl.load(sink + offs_h, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
-    l_i = tl.full([BH], 1.0, dtype=tl.float32)
-    acc = tl.zeros([BH, BD], dtype=tl.float32)
-    n_keys = K
-    if HAS_LEN:
-        n_keys = tl.minimum(tl.load(topk_len + t).to(tl.int32), K)
-    for start in range(0, n_keys, BK):
-        offs_k = start + tl.arange(0, BK)
-        ids = tl.load(idx + t * stride_it + offs_k, mask=offs_k < n_keys, other=-1)
-        valid = ids >= 0
-        k_tile = tl.load(kv + ids.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :],
-                         mask=valid[:, None] & mask_d[None, :], other=0.0)
-        s_t = tl.dot(k_tile, q_t, input_precision=DOT_PREC) * qk_scale_log2  # [BK, BH]
-        s_t = tl.where(valid[:, None], s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p_t = tl.exp2(s_t - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p_t, 0)
-        acc = acc * alpha[:, None] + tl.dot(tl.trans(p_t.to(k_tile.dtype)), k_tile, input_precision=DOT_PREC)
+        l_i = l_i * alpha + p_sum
+        acc = acc * alpha[:, None] + tl.dot(p, k_tile, input_precision=DOT_PREC)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(o + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
@@ -146,9 +114,11 @@ def sparse_attn_bwd_kernel_dq(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
     H, D, K, scale,
     HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr,
-    BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+    BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr, KEY_MAJOR: tl.constexpr,
 ):
-    # Row-major products: q and do are A operands, the key tile the B operand of all three dots.
+    # Row-major products: q and do are A operands, the key tile the B operand of all three dots. KEY_MAJOR
+    # (opt-in, ``SparseAttnConfig.dq_keymajor``, not yet measured on the GPU): S^T = K Q^T and dP^T = K dO^T with
+    # the key tile the shared A operand, dS reaching the dq product through a transpose (as in the forward).
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
@@ -173,58 +143,20 @@ def sparse_attn_bwd_kernel_dq(
         valid = ids >= 0
         k_tile = tl.load(kv + ids.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :],
                          mask=valid[:, None] & mask_d[None, :], other=0.0)
-        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        p = tl.exp2(s - lse2[:, None])
-        dp = tl.dot(do_tile, tl.trans(k_tile), input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])  # gradient w.r.t. the scaled score
-        dq_acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=DOT_PREC)
-    tl.store(dq + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-             (dq_acc * scale).to(dq.dtype.element_ty), mask=mask_hd)
-
-
-@triton.jit
-def sparse_attn_bwd_kernel_dq_keymajor(
-    q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dsink_rows,
-    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
-    H, D, K, scale,
-    HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr,
-    BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    # sparse_attn_bwd_kernel_dq with the score products key-major: S^T = K Q^T and dP^T = K dO^T
-    # ([BK, BH], the key tile the A operand of both), dS reaching the dq product through a transpose, as in
-    # sparse_attn_fwd_kernel_keymajor. Opt-in (``SparseAttnConfig.dq_keymajor``) until measured on the GPU.
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
-    offs_d = tl.arange(0, BD)
-    mask_h = offs_h < H
-    mask_d = offs_d < D
-    mask_hd = mask_h[:, None] & mask_d[None, :]
-    q_tile, do_tile, delta, lse_t = _bwd_row_terms(
-        q, o, do, lse, dlse, t, offs_h, offs_d, mask_h, mask_hd,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_dlt, HAS_DLSE)
-    p_sink = tl.exp(tl.load(sink + offs_h, mask=mask_h, other=0.0).to(tl.float32) - lse_t)
-    tl.store(dsink_rows + t * H + offs_h, -p_sink * delta, mask=mask_h)
-    lse2 = lse_t * 1.4426950408889634
-    qk_scale_log2 = scale * 1.4426950408889634
-    q_t = tl.trans(q_tile)  # [BD, BH]
-    do_t = tl.trans(do_tile)
-    dq_acc = tl.zeros([BH, BD], dtype=tl.float32)
-    n_keys = K
-    if HAS_LEN:
-        n_keys = tl.minimum(tl.load(topk_len + t).to(tl.int32), K)
-    for start in range(0, n_keys, BK):
-        offs_k = start + tl.arange(0, BK)
-        ids = tl.load(idx + t * stride_it + offs_k, mask=offs_k < n_keys, other=-1)
-        valid = ids >= 0
-        k_tile = tl.load(kv + ids.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :],
-                         mask=valid[:, None] & mask_d[None, :], other=0.0)
-        s_t = tl.dot(k_tile, q_t, input_precision=DOT_PREC) * qk_scale_log2  # [BK, BH]
-        s_t = tl.where(valid[:, None], s_t, float("-inf"))
-        p_t = tl.exp2(s_t - lse2[None, :])
-        dp_t = tl.dot(k_tile, do_t, input_precision=DOT_PREC)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dq_acc += tl.dot(tl.trans(ds_t.to(k_tile.dtype)), k_tile, input_precision=DOT_PREC)
+        # ds: gradient w.r.t. the scaled score, [BH, BK]
+        if KEY_MAJOR:
+            s_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PREC) * qk_scale_log2  # [BK, BH]
+            s_t = tl.where(valid[:, None], s_t, float("-inf"))
+            p_t = tl.exp2(s_t - lse2[None, :])
+            dp_t = tl.dot(k_tile, tl.trans(do_tile), input_precision=DOT_PREC)
+            ds = tl.trans((p_t * (dp_t - delta[None, :])).to(k_tile.dtype))
+        else:
+            s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            p = tl.exp2(s - lse2[:, None])
+            dp = tl.dot(do_tile, tl.trans(k_tile), input_precision=DOT_PREC)
+            ds = (p * (dp - delta[:, None])).to(k_tile.dtype)
+        dq_acc += tl.dot(ds, k_tile, input_precision=DOT_PREC)
     tl.store(dq + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
              (dq_acc * scale).to(dq.dtype.element_ty), mask=mask_hd)
 
@@ -334,8 +266,8 @@ class SparseAttnConfig:
                  dq_keymajor: int = 0):
         self.bh = bh
         self.bk_fwd, self.warps_fwd, self.stages_fwd = bk_fwd, warps_fwd, stages_fwd
-        self.fwd_keymajor = fwd_keymajor  # 1: sparse_attn_fwd_kernel_keymajor (opt-in, see its comment)
-        self.dq_keymajor = dq_keymajor  # 1: sparse_attn_bwd_kernel_dq_keymajor (opt-in)
+        # 1: key-major score products (opt-in; see KEY_MAJOR in the forward and dq kernels)
+        self.fwd_keymajor, self.dq_keymajor = fwd_keymajor, dq_keymajor
         self.bk_dq, self.warps_dq, self.stages_dq = bk_dq, warps_dq, stages_dq
         self.bk_dkv, self.warps_dkv, self.stages_dkv = bk_dkv, warps_dkv, stages_dkv
 
@@ -409,13 +341,13 @@ def sparse_attn_fwd(
         return o, lse
     bh = _head_block(H, cfg)
     grid = (T, triton.cdiv(H, bh))
-    fwd_kernel = sparse_attn_fwd_kernel_keymajor if cfg.fwd_keymajor else sparse_attn_fwd_kernel
-    kernel = fwd_kernel[grid](
+    kernel = sparse_attn_fwd_kernel[grid](
         q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
         H, D, K, scale * LOG2E,
         HAS_LEN=topk_length is not None, BH=bh, BD=max(triton.next_power_of_2(D), 16), BK=cfg.bk_fwd,
-        DOT_PREC=_dot_prec(q.dtype), num_warps=cfg.warps_fwd, num_stages=cfg.stages_fwd,
+        DOT_PREC=_dot_prec(q.dtype), KEY_MAJOR=bool(cfg.fwd_keymajor), num_warps=cfg.warps_fwd,
+        num_stages=cfg.stages_fwd,
     )
     _report("fwd", kernel, cfg)
     return o, lse
@@ -459,10 +391,9 @@ def sparse_attn_bwd(
             H=H, D=D, K=K, scale=scale, HAS_LEN=topk_length is not None, HAS_DLSE=dlse is not None,
             BH=bh, BD=max(triton.next_power_of_2(D), 16), DOT_PREC=_dot_prec(q.dtype),
         )
-        dq_kernel = sparse_attn_bwd_kernel_dq_keymajor if cfg.dq_keymajor else sparse_attn_bwd_kernel_dq
-        kernel = dq_kernel[grid](
-            sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq, num_warps=cfg.warps_dq,
-            num_stages=cfg.stages_dq, **common)
+        kernel = sparse_attn_bwd_kernel_dq[grid](
+            sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq, KEY_MAJOR=bool(cfg.dq_keymajor),
+            num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common)
         _report("bwd_dq", kernel, cfg)
         common["BD"] = max(common["BD"], 64)  # four column chunks of >= 16
         kernel = sparse_attn_bwd_kernel_dkv[grid](
