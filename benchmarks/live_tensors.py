@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 import weakref
 from collections import defaultdict
 
@@ -56,27 +55,14 @@ class LiveStorages(TorchDispatchMode):
 
 
 def _run(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    from csattn import ContextParallel, HybridAttention, PackedSeqs
-    from csattn.report.worker import ragged_lengths, report_config
+    from csattn import ContextParallel
+    from csattn.report.worker import Job, build_case, init_rank
 
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1:
-        backend = "nccl" if device.type == "cuda" and torch.cuda.device_count() >= world else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    dtype = getattr(torch, args.dtype)
+    device = init_rank(rank, world, port, args.device)
     path = args.path or ("triton" if device.type == "cuda" else "reference")
-    cfg = report_config(args.layer, args.geometry, path)
-    torch.manual_seed(0)
-    layer = HybridAttention(cfg).to(device=device, dtype=dtype)
-    lengths = ragged_lengths(args.tokens)
-    packed_cpu = PackedSeqs.from_lengths(lengths)
-    packed = PackedSeqs.from_lengths(lengths, device=device)
-    x = torch.randn(args.tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
     cp = ContextParallel(None, partition=args.partition) if world > 1 else None
-    x_local = (cp.shard(x, packed_cpu) if cp is not None else x).to(device).requires_grad_()
+    job = Job(args.layer, args.tokens, path, args.partition)
+    _, layer, packed, x_local, _ = build_case(job, {"dtype": args.dtype, "geometry": args.geometry}, device, cp)
     layer(x_local, packed=packed, cp=cp).float().sum().backward()  # warm-up: caches, compiled kernels
     gc.collect()
     with LiveStorages() as live:
@@ -116,11 +102,10 @@ def main() -> None:
     if args.cp == 1:
         _run(0, 1, 0, args)
         return
+    from csattn.report.run import free_port
+
     os.environ.setdefault("OMP_NUM_THREADS", "4")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_run, args=(args.cp, port, args), nprocs=args.cp)
+    mp.spawn(_run, args=(args.cp, free_port(), args), nprocs=args.cp)
 
 
 if __name__ == "__main__":

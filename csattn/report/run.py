@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from .worker import Job, run_group, run_isolated
 
-__all__ = ["add_report_args", "run_report", "plan_groups"]
+__all__ = ["add_report_args", "run_report", "plan_groups", "free_port"]
 
 
 def add_report_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +51,7 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
                         "earlier one's) and write the report into --out")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -82,7 +82,7 @@ def plan_groups(args) -> list[tuple[int, str, list[Job]]]:
 
 def _spawn_group(size: int, jobs: list[Job], opts: dict, out_path: str, timeout: int) -> None:
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=run_group, args=(r, size, port, jobs, opts, out_path)) for r in range(size)]
     for p in procs:
         p.start()

@@ -18,13 +18,14 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ..config import AttentionConfig
 from ..layers import HybridAttention
 from ..packing import PackedSeqs
 from .flops import layer_flops
 
-__all__ = ["Job", "report_config", "ragged_lengths", "run_group", "run_isolated"]
+__all__ = ["Job", "report_config", "ragged_lengths", "init_rank", "build_case", "run_group", "run_isolated"]
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,44 @@ def ragged_lengths(tokens: int, seed: int = 0) -> list[int]:
     return out
 
 
-def _device(rank: int, world: int, want: str) -> torch.device:
+def _device(rank: int, want: str) -> torch.device:
     if want == "cuda" and torch.cuda.is_available():
         # ranks spread over the GPUs, several to a GPU (gloo) when there are more ranks than GPUs
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def init_rank(rank: int, world: int, port: int, want: str, timeout_s: int = 300) -> torch.device:
+    """This rank's device (set as current) and, for ``world > 1``, its process group: NCCL with one GPU per
+    rank, gloo when ranks share GPUs or run on the CPU."""
+    device = _device(rank, want)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1:
+        backend = "nccl" if device.type == "cuda" and torch.cuda.device_count() >= world else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def _case_inputs(job: Job, opts: dict) -> tuple[AttentionConfig, list[int], Tensor, torch.Generator]:
+    """Config, document lengths and the whole stream's input ``[T, D]`` (on the host) of ``job``."""
+    cfg = report_config(job.layer, opts["geometry"], job.path)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x_global = torch.randn(job.tokens, cfg.hidden_size, generator=g).to(getattr(torch, opts["dtype"]))
+    return cfg, ragged_lengths(job.tokens), x_global, g
+
+
+def build_case(job: Job, opts: dict, device: torch.device, cp) -> tuple[AttentionConfig, HybridAttention,
+                                                                          PackedSeqs, Tensor, torch.Generator]:
+    """The layer of ``job`` on ``device`` and this rank's input rows ``[T / P, D]`` (requires grad) of the
+    ragged pack; the generator continues the input's stream (for the output gradient)."""
+    cfg, lengths, x_global, g = _case_inputs(job, opts)
+    layer = HybridAttention(cfg).to(device=device, dtype=x_global.dtype)
+    packed = PackedSeqs.from_lengths(lengths, device=device)
+    x_local = cp.shard(x_global, PackedSeqs.from_lengths(lengths)) if cp is not None else x_global
+    return cfg, layer, packed, x_local.to(device).requires_grad_(), g
 
 
 def _sync(device: torch.device) -> None:
@@ -83,21 +117,12 @@ def _sync(device: torch.device) -> None:
 
 def _measure(job: Job, opts: dict, device: torch.device, cp) -> dict:
     """Time ``opts['steps']`` forward + backward steps of ``job`` on this rank; peak memory of one step."""
-    dtype = getattr(torch, opts["dtype"])
-    cfg = report_config(job.layer, opts["geometry"], job.path)
-    torch.manual_seed(0)
+    if job.path == "hf":
+        return _measure_hf(job, opts, device)
+    cfg, layer, packed, x_local, g = build_case(job, opts, device, cp)
     lengths = ragged_lengths(job.tokens)
     packed_cpu = PackedSeqs.from_lengths(lengths)
-    g = torch.Generator().manual_seed(1)
-    x_global = torch.randn(job.tokens, cfg.hidden_size, generator=g).to(dtype)  # stays on the host
-    if job.path == "hf":
-        return _measure_hf(job, cfg, lengths, x_global, opts, device, dtype)
-    layer = HybridAttention(cfg).to(device=device, dtype=dtype)
-    packed = PackedSeqs.from_lengths(lengths, device=device)
-    x_local = cp.shard(x_global, packed_cpu) if cp is not None else x_global
-    x_local = x_local.to(device).requires_grad_()
-    del x_global
-    dy = torch.randn(x_local.shape, generator=g).to(device=device, dtype=dtype)
+    dy = torch.randn(x_local.shape, generator=g).to(device=device, dtype=x_local.dtype)
 
     acts: list[float] = []
 
@@ -127,11 +152,12 @@ def _measure(job: Job, opts: dict, device: torch.device, cp) -> dict:
             "rank_model_flops": local_flops}
 
 
-def _measure_hf(job, cfg, lengths, x_global, opts, device, dtype) -> dict:
+def _measure_hf(job: Job, opts: dict, device: torch.device) -> dict:
     """HF ``DeepseekV4Attention`` eager, one document at a time (it cannot pack), same total work."""
     from .hf import build_hf_attention
 
-    attn, run = build_hf_attention(cfg, device, dtype)
+    cfg, lengths, x_global, _ = _case_inputs(job, opts)
+    attn, run = build_hf_attention(cfg, device, x_global.dtype)
     docs = list(torch.split(x_global, lengths))
 
     def step():
@@ -177,14 +203,8 @@ def run_group(rank: int, world: int, port: int, jobs: list[Job], opts: dict, out
     A job that fails (out of memory, ...) on any rank ends the group: every rank stops at the next
     collective, and the parent restarts the remaining jobs in a new group.
     """
-    device = _device(rank, world, opts["device"])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = init_rank(rank, world, port, opts["device"], opts.get("timeout_s", 300))
     cp = None
-    if world > 1:
-        backend = "nccl" if device.type == "cuda" and torch.cuda.device_count() >= world else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=opts.get("timeout_s", 300)))
     try:
         for job in jobs:
             if world > 1:
@@ -214,7 +234,7 @@ def run_isolated(jobs: list[Job], sizes: list[int], opts: dict, out_path: str) -
 
     from ..cp import ContextParallel
 
-    device = _device(0, 1, opts["device"])
+    device = _device(0, opts["device"])
     for job in jobs:
         for size in sizes:
             for rank in range(size):
