@@ -30,6 +30,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH="/tmp/site:$PWD"
 fi
 stage() { echo "=== $1 ($(date -u +%T)) commit $C" | tee -a "$LOG"; }
+# report NAME TIMEOUT ARGS...: `csattn report ARGS` rendered into /tmp/NAME, its JSON brought back as $OUT/NAME.json
+report() {
+  local name=$1 limit=$2; shift 2
+  CSATTN_COMMIT=$C timeout "$limit" python3 -m csattn report "$@" --out "/tmp/$name" >> "$LOG" 2>&1
+  echo "$name rc=$?" >> "$LOG"
+  cp "/tmp/$name/report.json" "$OUT/$name.json"
+}
 TOKENS="4096 8192 16384 32768 65536 131072"
 for s in ${STAGES:-tests layer profile}; do
   case $s in
@@ -79,32 +86,23 @@ for s in ${STAGES:-tests layer profile}; do
       echo "layer_step rc=$?" >> "$LOG" ;;
     report-a)
       stage "scaling report, part a: CP = 1, every path"
-      CSATTN_COMMIT=$C timeout 570 python3 -m csattn report --tokens $TOKENS --cp 1 \
-        --paths triton reference unfused hf --reference-max-tokens 32768 --hf-max-tokens 8192 --balance-tokens \
-        --steps 2 --group-timeout 400 --out "/tmp/report-a" >> "$LOG" 2>&1
-      echo "report-a rc=$?" >> "$LOG"; cp /tmp/report-a/report.json "$OUT/report-a.json" ;;
+      report report-a 570 --tokens $TOKENS --cp 1 --paths triton reference unfused hf --reference-max-tokens 32768 \
+        --hf-max-tokens 8192 --balance-tokens --steps 2 --group-timeout 400 ;;
     report-b)
       stage "scaling report, part b: CP = 2 and 4, both partitions, per-rank balance at the longest length"
-      CSATTN_COMMIT=$C timeout 570 python3 -m csattn report --tokens $TOKENS --cp 2 4 --paths triton reference \
-        --reference-max-tokens 4096 --steps 2 --group-timeout 300 --out "/tmp/report-b" >> "$LOG" 2>&1
-      echo "report-b rc=$?" >> "$LOG"; cp /tmp/report-b/report.json "$OUT/report-b.json" ;;
+      report report-b 570 --tokens $TOKENS --cp 2 4 --paths triton reference --reference-max-tokens 4096 --steps 2 \
+        --group-timeout 300 ;;
     report-long)
       stage "scaling report, part c: the longest streams at CP = 1 and 4"
-      CSATTN_COMMIT=$C timeout 400 python3 -m csattn report --tokens 262144 524288 1048576 --cp 1 4 \
-        --partitions contiguous --paths triton --balance-tokens --steps 1 --group-timeout 200 \
-        --out "/tmp/report-c" >> "$LOG" 2>&1
-      echo "report-long rc=$?" >> "$LOG"; cp /tmp/report-c/report.json "$OUT/report-c.json" ;;
+      report report-c 400 --tokens 262144 524288 1048576 --cp 1 4 --partitions contiguous --paths triton \
+        --balance-tokens --steps 1 --group-timeout 200 ;;
     report-cp1)
       stage "scaling targets, CP = 1: fused, reference and unfused at 32k, fused at 128k"
-      CSATTN_COMMIT=$C timeout 300 python3 -m csattn report --tokens 32768 131072 --cp 1 \
-        --paths triton reference unfused --reference-max-tokens 32768 --steps 2 --group-timeout 280 \
-        --out "/tmp/report-cp1" >> "$LOG" 2>&1
-      echo "report-cp1 rc=$?" >> "$LOG"; cp /tmp/report-cp1/report.json "$OUT/report-cp1.json" ;;
+      report report-cp1 300 --tokens 32768 131072 --cp 1 --paths triton reference unfused \
+        --reference-max-tokens 32768 --steps 2 --group-timeout 280 ;;
     report-cp4)
       stage "scaling targets, CP = 4: both partitions at 32k and 128k, per-rank balance at 128k"
-      CSATTN_COMMIT=$C timeout 400 python3 -m csattn report --tokens 32768 131072 --cp 4 --paths triton \
-        --steps 2 --group-timeout 200 --out "/tmp/report-cp4" >> "$LOG" 2>&1
-      echo "report-cp4 rc=$?" >> "$LOG"; cp /tmp/report-cp4/report.json "$OUT/report-cp4.json" ;;
+      report report-cp4 400 --tokens 32768 131072 --cp 4 --paths triton --steps 2 --group-timeout 200 ;;
     *) echo "unknown stage $s" >> "$LOG" ;;
   esac
 done
