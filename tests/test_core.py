@@ -10,11 +10,20 @@ the block-wise teacher of the sparse indexer loss.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from csattn import PackedSeqs
-from csattn.ops.indexer_loss import SparseTeacher, indexer_kl_from_teacher, indexer_kl_loss, sparse_teacher_block
+from csattn.layers.modules import indexer_queries
+from csattn.ops.indexer_loss import (
+    SparseTeacher,
+    StudentQueries,
+    indexer_kl_from_teacher,
+    indexer_kl_loss,
+    sparse_teacher_block,
+)
 
 from .conftest import rel_err
 from .helpers import grads, random_layer, tiny_config
@@ -76,32 +85,44 @@ def test_fused_core_matches_reference(layer_type):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_loss_from_block_teacher_equals_one_call(backend):
+    """The block-filled teacher plus the loss whose backward recomputes the indexer queries from their latent
+    equal one call of the sparse loss on the whole ``q_idx``: value and the gradients of the query weight, the
+    latent, ``w`` and ``k_idx``."""
     if backend == "triton":
         pytest.importorskip("triton")
     dtype = torch.float64 if backend == "reference" else torch.float32
     device = DEVICE if backend == "triton" else "cpu"
     g = torch.Generator().manual_seed(3)
-    t, nc, h, d, hi, ci, k = 19, 7, 3, 16, 2, 8, 4
-    q_idx = torch.randn(t, hi, ci, dtype=dtype, generator=g, requires_grad=True)
-    w = torch.randn(t, hi, dtype=dtype, generator=g, requires_grad=True)
-    k_idx = torch.randn(nc, ci, dtype=dtype, generator=g, requires_grad=True)
+    t, nc, h, d, hi, ci, k, lora = 19, 7, 3, 16, 2, 8, 4, 12
+    qr = torch.randn(t, lora, dtype=dtype, generator=g)
+    weight = torch.randn(hi * ci, lora, dtype=dtype, generator=g) / lora**0.5
+    angle = torch.rand(t, 2, dtype=dtype, generator=g) * 6
+    w = torch.randn(t, hi, dtype=dtype, generator=g)
+    k_idx = torch.randn(nc, ci, dtype=dtype, generator=g)
     q = torch.randn(t, h, d, dtype=dtype, generator=g)
     ckv = torch.randn(nc, d, dtype=dtype, generator=g)
     lse = torch.randn(t, h, dtype=dtype, generator=g).abs() + 3
     selected = torch.randint(-1, nc, (t, k), generator=g)
     row_weight = (torch.rand(t, generator=g) > 0.2).to(dtype) / t
-    q_idx, w, k_idx = (a.detach().to(device).requires_grad_() for a in (q_idx, w, k_idx))
+    qr, weight, w, k_idx = (a.to(device).requires_grad_() for a in (qr, weight, w, k_idx))
     q, ckv, lse, selected, row_weight = (a.to(device) for a in (q, ckv, lse, selected, row_weight))
+    cos, sin = angle.cos().to(device), angle.sin().to(device)
+    fn = partial(indexer_queries, heads=hi)
     scale = d**-0.5
+    leaves = (qr, weight, w, k_idx)
+    q_idx = fn(qr, cos, sin, weight)
     ref = indexer_kl_loss(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected=selected, backend=backend)
-    ref_grads = torch.autograd.grad(ref, (q_idx, w, k_idx))
+    ref_grads = torch.autograd.grad(ref, leaves)
     teacher = SparseTeacher(t, k, torch.promote_types(dtype, torch.float32), q.device, fused=backend == "triton")
+    q_idx = q_idx.detach()
     for lo, hi_ in ((0, 8), (8, 16), (16, t)):
         sparse_teacher_block(teacher, lo, q_idx[lo:hi_], w[lo:hi_], k_idx, q[lo:hi_], ckv, lse[lo:hi_], scale,
                              row_weight[lo:hi_], selected[lo:hi_], backend=backend)
-    got = indexer_kl_from_teacher(q_idx, w, k_idx, teacher, row_weight, selected, backend=backend)
-    got_grads = torch.autograd.grad(got, (q_idx, w, k_idx))
+    # a small workspace: the backward recomputes the queries in several blocks
+    got = indexer_kl_from_teacher(StudentQueries(fn, qr, cos, sin, weight), w, k_idx, teacher, row_weight, selected,
+                                  workspace_bytes=4096, backend=backend)
+    got_grads = torch.autograd.grad(got, leaves)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     assert abs(got.item() - ref.item()) <= tol * abs(ref.item()) and ref.item() > 0
-    for a, b in zip(got_grads, ref_grads):
-        assert rel_err(a, b) <= tol * 10, rel_err(a, b)
+    for name, a, b in zip(("qr", "weight", "w", "k_idx"), got_grads, ref_grads):
+        assert rel_err(a, b) <= tol * 10, (name, rel_err(a, b))

@@ -10,17 +10,19 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.compressor import compress_pool
+from ..ops.rms_norm import rms_norm
 from ..ops.rope import apply_rope, rope_cos_sin
 from ..packing import CompressMeta
 
 __all__ = [
     "RowPieces", "map_rows", "RMSNorm", "rms_norm_unweighted", "GroupedLinear", "grouped_linear", "Compressor",
-    "Indexer", "IndexerScorer",
+    "Indexer", "IndexerScorer", "indexer_queries",
 ]
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 (fp64 for fp64 inputs), weight applied before casting back."""
+    """RMSNorm computed in fp32 (fp64 for fp64 inputs), weight applied before casting back; its backward keeps
+    only the input and one scale per row (:func:`csattn.ops.rms_norm.rms_norm`)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -28,10 +30,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        compute = torch.promote_types(x.dtype, torch.float32)
-        h = x.to(compute)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.to(compute) * h).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RowPieces(NamedTuple):
@@ -154,5 +153,11 @@ class Indexer(Compressor):
 
     def queries(self, qr: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """``qr [T, q_lora]`` -> ``[T, HI, cI]`` with RoPE at each row's position."""
-        q = self.q_b_proj(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        return apply_rope(q, cos, sin) if cos.numel() else q
+        return indexer_queries(qr, cos, sin, self.q_b_proj.weight, self.n_heads)
+
+
+def indexer_queries(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int) -> Tensor:
+    """The lightning indexer's queries: ``qr [T, q_lora]`` -> ``[T, HI, cI]`` (``q_b_proj`` with ``weight
+    [HI cI, q_lora]``, then RoPE at each row's position)."""
+    q = torch.nn.functional.linear(qr, weight).unflatten(-1, (heads, -1))
+    return apply_rope(q, cos, sin) if cos.numel() else q

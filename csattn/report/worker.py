@@ -138,7 +138,9 @@ def _measure(job: Job, opts: dict, device: torch.device, cp) -> dict:
 
     barrier = (lambda: dist.barrier(group=cp.group)) if cp is not None and opts.get("barrier", True) else None
     ms, peak = _time_steps(step, device, opts["steps"], before=barrier)
-    act = max(acts) if acts else None
+    # acts[0] is the warm-up step's, which also holds what the process allocates once and keeps (cuBLAS
+    # workspaces, 32 MiB on Hopper): not activations. The timed steps see those already allocated.
+    act = max(acts[1:]) if len(acts) > 1 else None
     flops = layer_flops(cfg, lengths)
     local_flops = None
     if cp is not None:

@@ -5,6 +5,7 @@ from torch import Tensor
 from .naive import (
     IndexerLossAutoScaler,
     SparseTeacher,
+    StudentQueries,
     attach_indexer_loss,
     indexer_kl_from_teacher_ref,
     indexer_kl_loss_ref,
@@ -13,8 +14,8 @@ from .naive import (
 )
 
 __all__ = [
-    "IndexerLossAutoScaler", "SparseTeacher", "attach_indexer_loss", "indexer_kl_loss", "indexer_kl_loss_ref",
-    "kl_from_logits", "sparse_teacher_block", "indexer_kl_from_teacher",
+    "IndexerLossAutoScaler", "SparseTeacher", "StudentQueries", "attach_indexer_loss", "indexer_kl_loss",
+    "indexer_kl_loss_ref", "kl_from_logits", "sparse_teacher_block", "indexer_kl_from_teacher",
 ]
 
 
@@ -49,15 +50,19 @@ def sparse_teacher_block(teacher: SparseTeacher, lo: int, q_idx: Tensor, w: Tens
         sparse_teacher_block_ref(teacher, lo, q, ckv, lse, selected, scale)
 
 
-def indexer_kl_from_teacher(q_idx: Tensor, w: Tensor, k_idx: Tensor, teacher: SparseTeacher, row_weight: Tensor,
-                            selected: Tensor, workspace_bytes: int = 1 << 30, backend: str = "reference") -> Tensor:
-    """The sparse indexer KL loss (a scalar; gradients to ``q_idx``, ``w``, ``k_idx``) from a filled teacher.
+def indexer_kl_from_teacher(queries: StudentQueries, w: Tensor, k_idx: Tensor, teacher: SparseTeacher,
+                            row_weight: Tensor, selected: Tensor, workspace_bytes: int = 1 << 30,
+                            backend: str = "reference") -> Tensor:
+    """The sparse indexer KL loss (a scalar; gradients to the query weight, ``w`` and ``k_idx``) from a filled
+    teacher.
 
-    Equals :func:`indexer_kl_loss` with ``selected``; the teacher was taken block by block from the attention
-    forward, so the attention queries ``q [T, H, d]`` never exist for all rows at once.
+    Equals :func:`indexer_kl_loss` with ``selected`` and ``q_idx = queries.all_rows()``. The teacher was taken
+    block by block from the attention forward, so the attention queries ``q [T, H, d]`` never exist for all rows
+    at once; the backward recomputes the indexer queries block by block from ``queries``, so neither does
+    ``q_idx [T, HI, cI]`` after the forward.
     """
     if backend == "triton":
         from .triton import indexer_kl_from_teacher_triton
 
-        return indexer_kl_from_teacher_triton(q_idx, w, k_idx, teacher, row_weight, selected)
-    return indexer_kl_from_teacher_ref(q_idx, w, k_idx, teacher, row_weight, selected, workspace_bytes)
+        return indexer_kl_from_teacher_triton(queries, w, k_idx, teacher, row_weight, selected, workspace_bytes)
+    return indexer_kl_from_teacher_ref(queries, w, k_idx, teacher, row_weight, selected, workspace_bytes)

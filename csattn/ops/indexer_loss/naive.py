@@ -3,6 +3,10 @@ identity autograd function that injects its gradient during the main backward pa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
@@ -12,7 +16,7 @@ from ..recompute import row_chunked
 
 __all__ = [
     "indexer_kl_loss_ref", "sparse_loss_chunks", "kl_from_logits", "IndexerLossAutoScaler", "attach_indexer_loss",
-    "SparseTeacher", "sparse_teacher_block_ref", "indexer_kl_from_teacher_ref",
+    "SparseTeacher", "StudentQueries", "sparse_teacher_block_ref", "indexer_kl_from_teacher_ref",
 ]
 
 
@@ -160,6 +164,22 @@ def sparse_teacher_block_ref(teacher: SparseTeacher, lo: int, q: Tensor, ckv: Te
     teacher.mass[lo:lo + q.shape[0]] = mass.masked_fill(~valid, 0.0)
 
 
+class StudentQueries(NamedTuple):
+    """The indexer queries as a recipe, so the loss can recompute them block by block in its backward instead of
+    keeping ``q_idx [T, HI, cI]`` alive from the forward (512 MiB at 32k tokens for HI = 64, cI = 128, a third
+    of a CSA layer's activations). ``fn(qr[lo:hi], cos[lo:hi], sin[lo:hi], weight)`` gives rows lo..hi of
+    ``q_idx``; gradients reach ``weight`` (and ``qr`` if it requires them)."""
+
+    fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+    qr: Tensor  # [T, q_lora]
+    cos: Tensor  # [T, rope / 2]
+    sin: Tensor  # [T, rope / 2]
+    weight: Tensor  # the indexer's q_b_proj.weight [HI cI, q_lora]
+
+    def all_rows(self) -> Tensor:
+        return self.fn(self.qr, self.cos, self.sin, self.weight)
+
+
 def _student_rows(q_idx, w, mass, selected, row_weight, k_idx):
     """Per-row weighted KL of the student against fixed teacher masses, ``[R]``."""
     compute = torch.promote_types(q_idx.dtype, torch.float32)
@@ -168,18 +188,27 @@ def _student_rows(q_idx, w, mass, selected, row_weight, k_idx):
     return kl_from_logits(student, mass.to(compute), valid) * row_weight.to(compute)
 
 
-def indexer_kl_from_teacher_ref(q_idx: Tensor, w: Tensor, k_idx: Tensor, teacher: SparseTeacher,
+def _student_rows_from_latent(query_fn, qr, cos, sin, w, mass, selected, row_weight, weight, k_idx):
+    return _student_rows(query_fn(qr, cos, sin, weight), w, mass, selected, row_weight, k_idx)
+
+
+def indexer_kl_from_teacher_ref(queries: StudentQueries, w: Tensor, k_idx: Tensor, teacher: SparseTeacher,
                                 row_weight: Tensor, selected: Tensor, workspace_bytes: int = 1 << 30) -> Tensor:
     """The sparse loss of :func:`indexer_kl_loss_ref` from precomputed teacher masses (same value).
 
-    Row chunks within ``workspace_bytes``, recomputed in the backward (``row_chunked``: no
-    ``torch.utils.checkpoint``, so the capture-safe path can use it).
+    Row chunks within ``workspace_bytes``; the queries and the student are recomputed chunk by chunk in the
+    backward (``row_chunked``: no ``torch.utils.checkpoint``, so the capture-safe path can use it).
     """
-    if k_idx.shape[0] == 0 or q_idx.shape[0] == 0:
-        return (q_idx.sum() + w.sum() + k_idx.sum()).to(torch.promote_types(q_idx.dtype, torch.float32)) * 0
-    per_row = selected.shape[1] * (2 * q_idx.shape[1] + q_idx.shape[2] + 1) * teacher.mass.itemsize
-    rows = fixed_row_chunks(q_idx.shape[0], per_row, workspace_bytes)[0][1]
-    return row_chunked(_student_rows, (q_idx, w, teacher.mass, selected, row_weight), (k_idx,), rows).sum()
+    qr, cos, sin, weight = queries.qr, queries.cos, queries.sin, queries.weight
+    if k_idx.shape[0] == 0 or qr.shape[0] == 0:
+        zero = qr.sum() + weight.sum() + w.sum() + k_idx.sum()
+        return zero.to(torch.promote_types(weight.dtype, torch.float32)) * 0
+    heads = w.shape[1]
+    per_row = (selected.shape[1] * (2 * heads + weight.shape[0] // heads + 1) + 3 * weight.shape[0]) \
+        * teacher.mass.itemsize
+    rows = fixed_row_chunks(qr.shape[0], per_row, workspace_bytes)[0][1]
+    fn = partial(_student_rows_from_latent, queries.fn)
+    return row_chunked(fn, (qr, cos, sin, w, teacher.mass, selected, row_weight), (weight, k_idx), rows).sum()
 
 
 class IndexerLossAutoScaler(torch.autograd.Function):

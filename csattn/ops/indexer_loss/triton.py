@@ -226,16 +226,17 @@ def indexer_kl_fwd(
 def indexer_kl_bwd(
     grad: Tensor, q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor, ckv: Tensor, lse: Tensor, scale: float,
     row_weight: Tensor, selected: Tensor | None, vis_start: Tensor, vis_end: Tensor, stats: Tensor,
-    mass: Tensor | None,
+    mass: Tensor | None, dk_accum: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq_idx [T, HI, cI], dw [T, HI], dk_idx [Nc, cI])``: dq in ``q_idx.dtype`` and dw in
-    ``w.dtype`` (each row is written by one program), dk in fp32 (rows picked by many queries add up)."""
+    ``w.dtype`` (each row is written by one program), dk in fp32 (rows picked by many queries add up), added
+    into ``dk_accum`` when given (blocks of rows in turn)."""
     num_rows = q_idx.shape[0]
     dense = selected is None
     topk = 0 if dense else selected.shape[1]
     dq = torch.zeros(q_idx.shape, dtype=q_idx.dtype, device=q_idx.device)
     dw = torch.zeros(w.shape, dtype=w.dtype, device=q_idx.device)
-    dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=q_idx.device)
+    dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=q_idx.device) if dk_accum is None else dk_accum
     dummy = stats
     indexer_kl_bwd_kernel[(num_rows,)](
         q_idx, w, k_idx, q, ckv, lse, dummy if dense else selected, vis_start, vis_end, row_weight,
@@ -357,31 +358,64 @@ def sparse_teacher_block_triton(teacher, lo: int, q_idx: Tensor, w: Tensor, k_id
 
 
 class IndexerKLFromTeacher(torch.autograd.Function):
-    """Scalar loss from precomputed per-row pieces; the backward kernel reads the stored teacher masses."""
+    """Scalar loss from precomputed per-row pieces. The backward recomputes the indexer queries one block of rows
+    at a time (:class:`StudentQueries`) and runs the backward kernel on the block, reading the stored teacher
+    masses; neither ``q_idx`` nor its gradient ever exists for all rows."""
 
     @staticmethod
-    def forward(ctx, q_idx, w, k_idx, teacher, row_weight, selected):
-        ctx.save_for_backward(q_idx, w, k_idx, row_weight, selected, teacher.stats, teacher.mass)
-        ctx.geometry = teacher.geometry
-        return teacher.loss_rows.sum()
+    def forward(ctx, query_fn, block_rows, geometry, qr, cos, sin, weight, w, k_idx, loss_rows, row_weight, selected,
+                stats, mass):
+        ctx.query_fn, ctx.block_rows, ctx.geometry = query_fn, block_rows, geometry
+        ctx.save_for_backward(qr, cos, sin, weight, w, k_idx, row_weight, selected, stats, mass)
+        return loss_rows.sum()
 
     @staticmethod
     def backward(ctx, grad):
-        q_idx, w, k_idx, row_weight, selected, stats, mass = ctx.saved_tensors
+        qr, cos, sin, weight, w, k_idx, row_weight, selected, stats, mass = ctx.saved_tensors
         heads, head_dim, q_dtype = ctx.geometry
+        need_qr, need_weight, need_w, need_k = (ctx.needs_input_grad[i] for i in (3, 6, 7, 8))
+        grad = grad.float().reshape(1).contiguous()
         # The sparse backward kernel reads the stored masses, never q, ckv or lse (only q's geometry and dtype
         # pick the compiled variant), so one-element placeholders stand in for them.
-        q_shape = torch.empty((1, heads, head_dim), dtype=q_dtype, device=q_idx.device)
-        dq, dw, dk = indexer_kl_bwd(grad.float().reshape(1).contiguous(), q_idx, w, k_idx, q_shape, q_shape,
-                                    stats, 0.0, row_weight, selected, stats, stats, stats, mass)
-        return dq.to(q_idx.dtype), dw.to(w.dtype), dk.to(k_idx.dtype), None, None, None
+        q_shape = torch.empty((1, heads, head_dim), dtype=q_dtype, device=w.device)
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        dqr = torch.empty_like(qr) if need_qr else None
+        dweight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+        dw = torch.empty_like(w) if need_w else None
+        dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=k_idx.device)
+        k_op = k_idx.to(torch.promote_types(torch.promote_types(qr.dtype, weight.dtype), k_idx.dtype)).contiguous()
+        for lo in range(0, qr.shape[0], ctx.block_rows):
+            hi = min(lo + ctx.block_rows, qr.shape[0])
+            with torch.enable_grad():
+                qr_b = qr[lo:hi].detach().requires_grad_(need_qr)
+                weight_b = weight.detach().requires_grad_(need_weight)
+                q_idx = ctx.query_fn(qr_b, cos[lo:hi], sin[lo:hi], weight_b)
+            dq, dw_b, _ = indexer_kl_bwd(grad, q_idx.detach().to(k_op.dtype).contiguous(), w[lo:hi], k_op, q_shape,
+                                         q_shape, stats, 0.0, row_weight[lo:hi], selected[lo:hi], stats, stats,
+                                         stats[lo:hi], mass[lo:hi], dk_accum=dk)
+            if need_w:
+                dw[lo:hi] = dw_b
+            wrt = [t for t in (qr_b, weight_b) if t.requires_grad]
+            if wrt:
+                got = iter(torch.autograd.grad(q_idx, wrt, dq.to(q_idx.dtype)))
+                if need_qr:
+                    dqr[lo:hi] = next(got)
+                if need_weight:
+                    dweight += next(got)
+        return (None, None, None, dqr, None, None, None if dweight is None else dweight.to(weight.dtype), dw,
+                dk.to(k_idx.dtype) if need_k else None, None, None, None, None, None)
 
 
-def indexer_kl_from_teacher_triton(q_idx: Tensor, w: Tensor, k_idx: Tensor, teacher, row_weight: Tensor,
-                                   selected: Tensor) -> Tensor:
-    """The sparse loss from a ``SparseTeacher`` filled by :func:`sparse_teacher_block_triton` (fp32 scalar)."""
-    if k_idx.shape[0] == 0 or q_idx.shape[0] == 0 or teacher.geometry is None:
-        return (q_idx.sum() + w.sum() + k_idx.sum()).float() * 0
-    q_idx, w, k_idx = _student_operands(q_idx, w, k_idx)
-    return IndexerKLFromTeacher.apply(q_idx, w, k_idx, teacher, row_weight.float().contiguous(),
-                                      selected.to(torch.int64).contiguous())
+def indexer_kl_from_teacher_triton(queries, w: Tensor, k_idx: Tensor, teacher, row_weight: Tensor,
+                                   selected: Tensor, workspace_bytes: int = 1 << 30) -> Tensor:
+    """The sparse loss from a ``SparseTeacher`` filled by :func:`sparse_teacher_block_triton` (fp32 scalar), its
+    backward recomputing the queries from ``queries`` (a ``StudentQueries``) block by block."""
+    qr, weight = queries.qr, queries.weight
+    if k_idx.shape[0] == 0 or qr.shape[0] == 0 or teacher.geometry is None:
+        return (qr.sum() + weight.sum() + w.sum() + k_idx.sum()).float() * 0
+    _student_operands(qr.new_empty(0).to(torch.promote_types(qr.dtype, weight.dtype)), w, k_idx)  # dtype check
+    # rows per backward block: the block's queries, their gradient and the fp32 RoPE temporaries (~16 B/channel)
+    block = max(16, workspace_bytes // (16 * weight.shape[0]))
+    return IndexerKLFromTeacher.apply(queries.fn, block, teacher.geometry, qr, queries.cos, queries.sin, weight,
+                                      w.float().contiguous(), k_idx, teacher.loss_rows, row_weight.float().contiguous(),
+                                      selected.to(torch.int64).contiguous(), teacher.stats, teacher.mass)

@@ -1,0 +1,57 @@
+"""The lean RMSNorm: same forward as the plain autograd form, same gradients, and only the input and one fp32
+scale per row saved for the backward."""
+
+import pytest
+import torch
+
+from csattn.ops.rms_norm import rms_norm
+
+from .conftest import rel_err
+
+
+def plain_rms_norm(x, w, eps):
+    compute = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(compute)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (w.to(compute) * h).to(x.dtype)
+
+
+def test_gradcheck_fp64():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(7, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-6), (x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_plain_autograd(dtype, assert_close):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(64, 96, generator=g) * 3).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).requires_grad_()
+    dy = torch.randn(64, 96, generator=g).to(dtype)
+    y = rms_norm(x, w, 1e-6)
+    ref = plain_rms_norm(x, w, 1e-6)
+    assert torch.equal(y, ref)  # the forward is the same computation
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    # oracle: fp64 gradients of the plain form; the lean backward must be as close as the plain one in `dtype`
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ex, ew = torch.autograd.grad(plain_rms_norm(x64, w64, 1e-6), (x64, w64), dy.double())
+    px, pw = torch.autograd.grad(ref, (x, w), dy)
+    floor = 1e-6 if dtype == torch.float32 else 1e-2
+    for got, plain, exact, what in ((gx, px, ex, "dx"), (gw, pw, ew, "dw")):
+        assert_close(got, exact, max(2 * rel_err(plain, exact), floor), what)
+
+
+def test_saves_only_input_and_row_scales():
+    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(128, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        rms_norm(x, w, 1e-6)
+    extra = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() not in (x.data_ptr(), w.data_ptr()))
+    assert extra == 32 * 4  # one fp32 scale per row; the plain form keeps two fp32 copies of x (32 KiB)
