@@ -61,9 +61,9 @@ for s in ${STAGES:-tests layer profile}; do
         --json "$OUT/layer.json" >> "$LOG" 2>&1
       echo "layer rc=$?" >> "$LOG" ;;
     attn-variants)
-      stage "sparse attention: row-major vs key-major kernels"
+      stage "sparse attention: tile variants"
       timeout 150 python3 -m benchmarks.run --op sparse_attn --mode fwd,bwd \
-        --providers "triton,triton[fwd_keymajor=1,dq_keymajor=1],triton[fwd_keymajor=1,bk_fwd=128,stages_fwd=1]" \
+        --providers "${ATTN_VARIANTS:-triton,triton[bk_fwd=32]}" \
         --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/attn_variants.json" \
         >> "$LOG" 2>&1
       echo "attn-variants rc=$?" >> "$LOG" ;;

@@ -75,10 +75,6 @@ CPU_CASES = {
     "odd_key_count": dict(T=12, H=3, d=48, N=20, K=70),  # two key blocks of 64, the second partly masked
     "wide_fp32": dict(T=5, H=2, d=512, N=9, K=8),  # fp32 at d = 512: the tiles shrink to fit
     "kv_row_stride": dict(T=14, H=4, d=32, N=20, K=12, kv_pad=8),
-    # the opt-in key-major forward and dq kernels (S^T = K Q^T)
-    "keymajor": dict(T=20, H=4, d=64, N=30, K=12, env="fwd_keymajor=1,dq_keymajor=1"),
-    "keymajor_blocks": dict(T=10, H=20, d=48, N=16, K=40,
-                            env="fwd_keymajor=1,dq_keymajor=1,bh=16,bk_fwd=16,bk_dq=16"),
 }
 
 
@@ -220,11 +216,9 @@ def lowp_attn(q, kv, idx, sink, scale):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,env", [(torch.bfloat16, ""), (torch.float16, ""),
-                                       (torch.bfloat16, "fwd_keymajor=1,dq_keymajor=1")],
-                         ids=["bf16", "fp16", "bf16-keymajor"])
-def test_gpu_real_geometry(dtype, env, monkeypatch):
-    monkeypatch.setenv("CSATTN_SPARSE_ATTN_CONFIG", env)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_real_geometry(dtype, monkeypatch):
+    monkeypatch.setenv("CSATTN_SPARSE_ATTN_CONFIG", "")
     gen = torch.Generator().manual_seed(11)
     idx, N = packed_indices([700, 37, 1500, 1800], window=128, topk=512, ratio=4, pad_rows=60, gen=gen)
     T, H, d = idx.shape[0], 64, 512

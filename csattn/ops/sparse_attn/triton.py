@@ -38,12 +38,10 @@ def sparse_attn_fwd_kernel(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
     H, D, K, qk_scale_log2,
     HAS_LEN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
-    KEY_MAJOR: tl.constexpr,
 ):
-    # KEY_MAJOR (opt-in, ``SparseAttnConfig.fwd_keymajor``, not yet measured on the GPU): the score product is
-    # taken key-major, S^T = K Q^T ([BK, BH]), and P reaches the P V product through a transpose. Row-major, the
-    # [BH = 64, BK] score tile feeds P V straight from registers and Triton lays it out on both warpgroups, each
-    # computing all of it (3 MMA units issued per 2 counted); key-major it need not be replicated.
+    # The [BH = 64, BK] score tile feeds P V straight from registers; Triton lays it out on both warpgroups, each
+    # computing all of it (3 MMA units issued per 2 counted). Taking it key-major (S^T = K Q^T, P through a
+    # transpose) avoids that but measured slower on the H200 (178 vs 244 TFLOP/s at 32k tokens): README.
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
@@ -66,20 +64,12 @@ def sparse_attn_fwd_kernel(
         valid = ids >= 0
         k_tile = tl.load(kv + ids.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :],
                          mask=valid[:, None] & mask_d[None, :], other=0.0)
-        if KEY_MAJOR:
-            s_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PREC) * qk_scale_log2  # [BK, BH]
-            s_t = tl.where(valid[:, None], s_t, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s_t, 0))
-            p_t = tl.exp2(s_t - m_new[None, :])
-            p_sum = tl.sum(p_t, 0)
-            p = tl.trans(p_t.to(k_tile.dtype))
-        else:
-            s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2  # [BH, BK]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            p_sum = tl.sum(p, 1)
-            p = p.to(k_tile.dtype)
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2  # [BH, BK]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        p_sum = tl.sum(p, 1)
+        p = p.to(k_tile.dtype)
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + p_sum
         acc = acc * alpha[:, None] + tl.dot(p, k_tile, input_precision=DOT_PREC)
@@ -114,11 +104,10 @@ def sparse_attn_bwd_kernel_dq(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
     H, D, K, scale,
     HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr,
-    BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr, KEY_MAJOR: tl.constexpr,
+    BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # Row-major products: q and do are A operands, the key tile the B operand of all three dots. KEY_MAJOR
-    # (opt-in, ``SparseAttnConfig.dq_keymajor``, not yet measured on the GPU): S^T = K Q^T and dP^T = K dO^T with
-    # the key tile the shared A operand, dS reaching the dq product through a transpose (as in the forward).
+    # Row-major products: q and do are A operands, the key tile the B operand of all three dots (the key-major
+    # form, S^T and dP^T with the key tile as shared A operand, measured slower: README).
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
@@ -144,18 +133,11 @@ def sparse_attn_bwd_kernel_dq(
         k_tile = tl.load(kv + ids.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :],
                          mask=valid[:, None] & mask_d[None, :], other=0.0)
         # ds: gradient w.r.t. the scaled score, [BH, BK]
-        if KEY_MAJOR:
-            s_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=DOT_PREC) * qk_scale_log2  # [BK, BH]
-            s_t = tl.where(valid[:, None], s_t, float("-inf"))
-            p_t = tl.exp2(s_t - lse2[None, :])
-            dp_t = tl.dot(k_tile, tl.trans(do_tile), input_precision=DOT_PREC)
-            ds = tl.trans((p_t * (dp_t - delta[None, :])).to(k_tile.dtype))
-        else:
-            s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
-            p = tl.exp2(s - lse2[:, None])
-            dp = tl.dot(do_tile, tl.trans(k_tile), input_precision=DOT_PREC)
-            ds = (p * (dp - delta[:, None])).to(k_tile.dtype)
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC) * qk_scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do_tile, tl.trans(k_tile), input_precision=DOT_PREC)
+        ds = (p * (dp - delta[:, None])).to(k_tile.dtype)
         dq_acc += tl.dot(ds, k_tile, input_precision=DOT_PREC)
     tl.store(dq + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
              (dq_acc * scale).to(dq.dtype.element_ty), mask=mask_hd)
@@ -262,12 +244,9 @@ class SparseAttnConfig:
 
     def __init__(self, bh: int | None = None, bk_fwd: int = 64, warps_fwd: int = 8, stages_fwd: int = 2,
                  bk_dq: int = 64, warps_dq: int = 8, stages_dq: int = 1,
-                 bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1, fwd_keymajor: int = 0,
-                 dq_keymajor: int = 0):
+                 bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1):
         self.bh = bh
         self.bk_fwd, self.warps_fwd, self.stages_fwd = bk_fwd, warps_fwd, stages_fwd
-        # 1: key-major score products (opt-in; see KEY_MAJOR in the forward and dq kernels)
-        self.fwd_keymajor, self.dq_keymajor = fwd_keymajor, dq_keymajor
         self.bk_dq, self.warps_dq, self.stages_dq = bk_dq, warps_dq, stages_dq
         self.bk_dkv, self.warps_dkv, self.stages_dkv = bk_dkv, warps_dkv, stages_dkv
 
@@ -346,7 +325,7 @@ def sparse_attn_fwd(
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
         H, D, K, scale * LOG2E,
         HAS_LEN=topk_length is not None, BH=bh, BD=max(triton.next_power_of_2(D), 16), BK=cfg.bk_fwd,
-        DOT_PREC=_dot_prec(q.dtype), KEY_MAJOR=bool(cfg.fwd_keymajor), num_warps=cfg.warps_fwd,
+        DOT_PREC=_dot_prec(q.dtype), num_warps=cfg.warps_fwd,
         num_stages=cfg.stages_fwd,
     )
     _report("fwd", kernel, cfg)
@@ -392,7 +371,7 @@ def sparse_attn_bwd(
             BH=bh, BD=max(triton.next_power_of_2(D), 16), DOT_PREC=_dot_prec(q.dtype),
         )
         kernel = sparse_attn_bwd_kernel_dq[grid](
-            sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq, KEY_MAJOR=bool(cfg.dq_keymajor),
+            sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq,
             num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common)
         _report("bwd_dq", kernel, cfg)
         common["BD"] = max(common["BD"], 64)  # four column chunks of >= 16
