@@ -80,13 +80,13 @@ def _ratio(a, b):
 
 
 def headline(summary: dict, iso: dict) -> list[str]:
-    """The figures users size their runs by, read off the table: CP memory scaling (at 32k and the longest
+    """The figures users size their runs by, read off the table: CP memory scaling (at 32k, 128k and the longest
     length), the fused path against the PyTorch paths, the longest stream each path and CP size ran, and the
     balanced partition's per-rank time spread at the longest isolated length."""
     out = []
     for layer in sorted({k[0] for k in summary}):
         cp_tokens = sorted({k[1] for k in summary if k[0] == layer and k[2] == "triton" and k[3] > 1})
-        for tokens in [t for t in cp_tokens if t == 32768 or t == cp_tokens[-1]]:
+        for tokens in [t for t in cp_tokens if t in (32768, 131072) or t == cp_tokens[-1]]:
             base = summary.get((layer, tokens, "triton", 1, "-"), {})
             parts = []
             for (ly, t, path, cp, part), s in sorted(summary.items()):
