@@ -29,11 +29,21 @@ from torch.utils._pytree import tree_flatten
 
 
 class LiveStorages(TorchDispatchMode):
-    """Records every storage an op outputs (weakly), so the ones still alive later can be listed."""
+    """Records every storage an op outputs (weakly), so the ones still alive later can be listed.
 
-    def __init__(self) -> None:
+    With ``track_peak``, after every op it also sums the bytes of the recorded storages still alive (leaving out
+    the storages in ``exclude``) and keeps the list of them at the largest sum seen: what is alive at the peak of
+    a forward + backward, tensor by tensor, on any device.
+    """
+
+    def __init__(self, track_peak: bool = False, exclude: set[int] | None = None) -> None:
         super().__init__()
         self.made: dict[int, tuple] = {}
+        self.track_peak = track_peak
+        self.exclude = exclude or set()
+        self.peak_bytes = 0
+        self.peak_rows: list[tuple[int, tuple, str, str]] = []
+        self.peak_op = ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -45,6 +55,12 @@ class LiveStorages(TorchDispatchMode):
                 if s.nbytes() > 0 and (old is None or old[0]() is None):
                     self.made[s.data_ptr()] = (weakref.ref(s), tuple(t.shape), str(t.dtype).removeprefix("torch."),
                                                s.nbytes(), str(func).removeprefix("aten."))
+        if self.track_peak:
+            self.made = {ptr: v for ptr, v in self.made.items() if v[0]() is not None}
+            total = sum(v[3] for ptr, v in self.made.items() if ptr not in self.exclude)
+            if total > self.peak_bytes:
+                self.peak_bytes, self.peak_op = total, str(func).removeprefix("aten.")
+                self.peak_rows = self.alive(self.exclude)
         return out
 
     def alive(self, exclude: set[int]) -> list[tuple[int, tuple, str, str]]:
@@ -52,6 +68,15 @@ class LiveStorages(TorchDispatchMode):
         rows = [(nb, shape, dt, op) for ptr, (ref, shape, dt, nb, op) in self.made.items()
                 if ptr not in exclude and ref() is not None]
         return sorted(rows, key=lambda r: -r[0])
+
+
+def print_rows(rows: list[tuple[int, tuple, str, str]], limit: int) -> None:
+    """The rows grouped by shape, dtype and op, largest group first."""
+    grouped: dict[tuple, list[int]] = defaultdict(list)
+    for nb, shape, dt, op in rows:
+        grouped[(shape, dt, op)].append(nb)
+    for (shape, dt, op), sizes in sorted(grouped.items(), key=lambda kv: -sum(kv[1]))[:limit]:
+        print(f"{sum(sizes) / 2**20:10.3f} MiB  {len(sizes):3d} x {str(list(shape)):<22} {dt:<9} {op}")
 
 
 def _run(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -64,23 +89,41 @@ def _run(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     job = Job(args.layer, args.tokens, path, args.partition)
     _, layer, packed, x_local, _ = build_case(job, {"dtype": args.dtype, "geometry": args.geometry}, device, cp)
     layer(x_local, packed=packed, cp=cp).float().sum().backward()  # warm-up: caches, compiled kernels
-    gc.collect()
-    with LiveStorages() as live:
-        y = layer(x_local, packed=packed, cp=cp)
+    for p in layer.parameters():
+        p.grad = None
+    x_local.grad = None
     gc.collect()
     own = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {x_local.untyped_storage().data_ptr()}
-    rows = live.alive(own)
-    if rank == 0:
-        total = sum(r[0] for r in rows)
-        print(f"# {args.layer} {args.tokens} tokens, CP {world} {args.partition if world > 1 else ''}, rank 0 of "
-              f"{world}: {x_local.shape[0]} rows, path {path}, {args.dtype} on {device.type}")
-        print(f"# alive after the forward: {total / 2**20:.2f} MiB in {len(rows)} storages "
-              f"({total / 2**20 * world:.2f} MiB x CP size)")
-        grouped: dict[tuple, list[int]] = defaultdict(list)
-        for nb, shape, dt, op in rows:
-            grouped[(shape, dt, op)].append(nb)
-        for (shape, dt, op), sizes in sorted(grouped.items(), key=lambda kv: -sum(kv[1]))[: args.rows]:
-            print(f"{sum(sizes) / 2**20:10.3f} MiB  {len(sizes):3d} x {str(list(shape)):<22} {dt:<9} {op}")
+    head = (f"# {args.layer} {args.tokens} tokens, CP {world} {args.partition if world > 1 else ''}, rank 0 of "
+            f"{world}: {x_local.shape[0]} rows, path {path}, {args.dtype} on {device.type}")
+    if args.peak:
+        dy = torch.randn_like(x_local)
+        own.add(dy.untyped_storage().data_ptr())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        with LiveStorages(track_peak=True, exclude=own) as live:
+            y = layer(x_local, packed=packed, cp=cp)
+            y.backward(dy)
+        if rank == 0:
+            print(head)
+            print(f"# peak of forward + backward: {live.peak_bytes / 2**20:.2f} MiB alive after {live.peak_op}"
+                  + (f" (allocator peak above the start: {(torch.cuda.max_memory_allocated(device) - base) / 2**20:.2f}"
+                     " MiB)" if device.type == "cuda" else ""))
+            print_rows(live.peak_rows, args.rows)
+    else:
+        gc.collect()
+        with LiveStorages() as live:
+            y = layer(x_local, packed=packed, cp=cp)
+        gc.collect()
+        rows = live.alive(own)
+        if rank == 0:
+            total = sum(r[0] for r in rows)
+            print(head)
+            print(f"# alive after the forward: {total / 2**20:.2f} MiB in {len(rows)} storages "
+                  f"({total / 2**20 * world:.2f} MiB x CP size)")
+            print_rows(rows, args.rows)
     del y
     if world > 1:
         dist.destroy_process_group()
@@ -98,6 +141,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rows", type=int, default=30, help="rows of the table (grouped by shape, dtype and op)")
+    p.add_argument("--peak", action="store_true",
+                   help="list what is alive at the peak of forward + backward instead of after the forward")
     args = p.parse_args()
     if args.cp == 1:
         _run(0, 1, 0, args)

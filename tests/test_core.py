@@ -56,6 +56,26 @@ def test_core_keeps_no_per_head_tensor(layer_type):
     assert max(_saved_numels(fused, x, packed)) < per_head
 
 
+@pytest.mark.parametrize("loss_type,kept", [("sparse", False), ("dense", True)])
+def test_sparse_loss_keeps_no_indexer_queries(loss_type, kept):
+    """The sparse indexer loss recomputes ``q_idx [T, HI, cI]`` in its backward; the dense one keeps it (in row
+    chunks), so the check can fail."""
+    packed = PackedSeqs.from_lengths([23, 5, 40])
+    t = 68
+    x = torch.randn(t, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    layer = random_layer(tiny_config("csa", workspace_bytes=1 << 12, indexer_loss_type=loss_type, **WIDE))
+    shapes = []
+
+    def pack(tensor):
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        layer(x, packed=packed)
+    # rows of the indexer queries [.., HI, cI] (the dense loss keeps them in row chunks)
+    assert any(shape[-2:] == (WIDE["index_n_heads"], WIDE["index_head_dim"]) for shape in shapes) == kept
+
+
 @pytest.mark.parametrize("layer_type", ["csa", "hca"])
 def test_fused_core_matches_reference(layer_type):
     pytest.importorskip("triton")

@@ -46,3 +46,21 @@ def test_layer_recompute_equals_plain(layer_type):
             assert g1[n] is None or torch.count_nonzero(g1[n]) == 0, n
         else:
             torch.testing.assert_close(g1[n], g0[n], rtol=1e-11, atol=1e-13, msg=n)
+
+
+def test_indexer_queries_in_chunks_equal_one_call():
+    """``Indexer.queries(chunk_rows=...)`` (chunks written into the output, recomputed in the backward) gives the
+    same queries and gradients as one call."""
+    layer = random_layer(tiny_config("csa", index_n_heads=4, index_head_dim=8))
+    indexer = layer.compressor.indexer
+    g = torch.Generator().manual_seed(5)
+    qr = torch.randn(70, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    angle = torch.rand(70, 4, dtype=torch.float64, generator=g) * 6
+    cos, sin = angle.cos(), angle.sin()
+    dy = torch.randn(70, 4, 8, dtype=torch.float64, generator=g)
+    results = []
+    for chunk in (None, 16):
+        q = indexer.queries(qr, cos, sin, chunk_rows=chunk)
+        results.append((q.detach(), *torch.autograd.grad(q, (qr, indexer.q_b_proj.weight), dy)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)

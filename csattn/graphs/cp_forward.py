@@ -139,7 +139,7 @@ def capture_safe_cp_forward(layer: HybridAttention, x_local: Tensor, static: Sta
         else:
             keys = entries[:, cfg.head_dim:].contiguous()
             indexer = layer.compressor.indexer
-            q_idx = indexer.queries(qr.detach(), cos, sin)
+            q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=layer.indexer_query_rows())
             w = indexer.scorer(x_local.detach())
             compressed_ids = indexer_topk_static_op(q_idx, w, keys, vis_start, vis_end, cfg.index_topk,
                                                     meta.max_visible, cfg.workspace_bytes, layer.backend_for(q_idx))

@@ -158,7 +158,7 @@ def capture_safe_forward_packed(layer: HybridAttention, x: Tensor, packed: Stati
         else:
             indexer = layer.compressor.indexer
             keys = _compress(indexer, x.detach(), x.shape[0], meta, layer.inv_freq, backend)
-            q_idx = indexer.queries(qr.detach(), cos, sin)
+            q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=layer.indexer_query_rows())
             w = indexer.scorer(x.detach())
             selected = compressed_ids = indexer_topk_static_op(
                 q_idx, w, keys, meta.vis_start, meta.vis_end, cfg.index_topk, meta.max_visible, cfg.workspace_bytes,

@@ -236,6 +236,12 @@ class HybridAttention(nn.Module):
             return "triton" if device.type == "cuda" else "reference"
         return backend
 
+    def indexer_query_rows(self) -> int:
+        """Rows per chunk of the indexer queries: their projection and fp32 RoPE temporaries (~16 bytes per
+        channel) within the workspace."""
+        cfg = self.config
+        return max(64, cfg.workspace_bytes // (16 * cfg.index_n_heads * cfg.index_head_dim))
+
     def wants_indexer_loss(self) -> bool:
         return (
             self.config.layer_type == "csa"
@@ -380,7 +386,7 @@ class HybridAttention(nn.Module):
         """
         cfg = self.config
         indexer: Indexer = self.compressor.indexer
-        q_idx = indexer.queries(qr.detach(), cos, sin)
+        q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=self.indexer_query_rows())
         w = indexer.scorer(x.detach())
         selected = indexer_topk(q_idx, w, index_keys, vis_start, vis_end, cfg.index_topk,
                                 workspace_bytes=cfg.workspace_bytes, backend=self.backend_for(q_idx))

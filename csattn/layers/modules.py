@@ -4,12 +4,14 @@ state dicts map one to one."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from ..ops.compressor import compress_pool
+from ..ops.recompute import row_chunked
 from ..ops.rms_norm import rms_norm
 from ..ops.rope import apply_rope, rope_cos_sin
 from ..packing import CompressMeta
@@ -151,9 +153,18 @@ class Indexer(Compressor):
         self.q_b_proj = _linear(q_lora_rank, n_heads * head_dim)
         self.scorer = IndexerScorer(hidden_size, n_heads, head_dim)
 
-    def queries(self, qr: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """``qr [T, q_lora]`` -> ``[T, HI, cI]`` with RoPE at each row's position."""
-        return indexer_queries(qr, cos, sin, self.q_b_proj.weight, self.n_heads)
+    def queries(self, qr: Tensor, cos: Tensor, sin: Tensor, chunk_rows: int | None = None) -> Tensor:
+        """``qr [T, q_lora]`` -> ``[T, HI, cI]`` with RoPE at each row's position.
+
+        With ``chunk_rows`` the rows are computed ``chunk_rows`` at a time into the output and recomputed that
+        way in the backward (``row_chunked``): the projection's output and the fp32 RoPE temporaries, about
+        4.5x the size of the queries when made for all rows at once (9 GiB at 128k tokens for HI = 64,
+        cI = 128), never exceed one chunk.
+        """
+        fn = partial(indexer_queries, heads=self.n_heads)
+        if chunk_rows is None or qr.shape[0] <= chunk_rows or torch.compiler.is_compiling():
+            return fn(qr, cos, sin, self.q_b_proj.weight)
+        return row_chunked(fn, (qr, cos, sin), (self.q_b_proj.weight,), chunk_rows)
 
 
 def indexer_queries(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int) -> Tensor:

@@ -28,8 +28,16 @@ class _RowChunked(torch.autograd.Function):
         ctx.save_for_backward(*tensors)
         total = rows[0].shape[0]
         with torch.no_grad():
-            outs = [fn(*(r[lo:lo + chunk_rows] for r in rows), *params) for lo in range(0, total, chunk_rows)]
-        return torch.cat(outs) if outs else fn(*rows, *params)
+            if total <= chunk_rows:
+                return fn(*rows, *params)
+            # each block is written into the output as it is made: never the blocks and their concatenation
+            first = fn(*(r[:chunk_rows] for r in rows), *params)
+            out = first.new_empty((total, *first.shape[1:]))
+            out[:chunk_rows] = first
+            del first
+            for lo in range(chunk_rows, total, chunk_rows):
+                out[lo:lo + chunk_rows] = fn(*(r[lo:lo + chunk_rows] for r in rows), *params)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
