@@ -55,3 +55,21 @@ def test_saves_only_input_and_row_scales():
         rms_norm(x, w, 1e-6)
     extra = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() not in (x.data_ptr(), w.data_ptr()))
     assert extra == 32 * 4  # one fp32 scale per row; the plain form keeps two fp32 copies of x (32 KiB)
+
+
+def test_row_chunks_change_nothing_per_row(monkeypatch):
+    """Several row chunks give the same output and input gradient bit for bit, and the same weight gradient."""
+    import csattn.ops.rms_norm as mod
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(37, 2, 24, generator=g).requires_grad_()
+    w = (1 + 0.1 * torch.randn(24, generator=g)).requires_grad_()
+    dy = torch.randn(37, 2, 24, generator=g)
+    results = []
+    for chunk_bytes in (mod.CHUNK_BYTES, 4 * 24 * 5):  # one chunk; chunks of 5 rows
+        monkeypatch.setattr(mod, "CHUNK_BYTES", chunk_bytes)
+        y = rms_norm(x, w, 1e-6)
+        results.append((y, *torch.autograd.grad(y, (x, w), dy)))
+    (y0, gx0, gw0), (y1, gx1, gw1) = results
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
+    assert rel_err(gw1, gw0) < 1e-6  # the sum over rows is taken chunk by chunk

@@ -4,7 +4,11 @@ Why: written as plain autograd (``x.float() * rsqrt(mean(x^2) + eps) * w``), the
 its input and the fp32 normalized rows for the backward: 8 bytes per channel, four times a bf16 input. At
 32k tokens that is 256 MiB for the query latent (1024 channels) and 128 MiB for the raw K = V rows (512)
 of every layer. Here the backward recomputes the normalized rows from the saved input and ``1 / rms``.
-The forward computes exactly what the plain form computes (fp32 math, weight applied before the cast back).
+
+Both directions run over row chunks of at most ``CHUNK_BYTES`` of fp32 per temporary: the fp32 temporaries of
+the whole input (four or five of them in the backward, 2.5 GiB at 128k tokens and 1024 channels) were the peak
+of a CSA layer's backward. Every row is computed exactly as the plain form computes it (fp32 math, the weight
+applied before the cast back); only the weight gradient's sum over rows is taken chunk by chunk.
 """
 
 from __future__ import annotations
@@ -14,31 +18,53 @@ from torch import Tensor
 
 __all__ = ["rms_norm"]
 
+CHUNK_BYTES = 64 << 20  # fp32 bytes per temporary per chunk
+
+
+def _chunk_rows(channels: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * channels))
+
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         compute = torch.promote_types(x.dtype, torch.float32)
-        h = x.to(compute)
-        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty_like(rows)
+        rstd = torch.empty((rows.shape[0], 1), dtype=compute, device=x.device)
+        w = weight.to(compute)
+        step = _chunk_rows(x.shape[-1])
+        for lo in range(0, rows.shape[0], step):
+            h = rows[lo:lo + step].to(compute)
+            r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            rstd[lo:lo + step] = r
+            out[lo:lo + step] = (w * (h * r)).to(x.dtype)
         ctx.save_for_backward(x, weight, rstd)
-        return (weight.to(compute) * (h * rstd)).to(x.dtype)
+        return out.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, weight, rstd = ctx.saved_tensors
         compute = rstd.dtype
-        h = x.to(compute)
-        g = dy.to(compute)
-        dw = (g * (h * rstd)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        dx = None
-        if ctx.needs_input_grad[0]:
-            gw = g * weight.to(compute)
-            # d/dx of w * x * rstd(x) = gw * rstd - x * rstd^3 * mean(gw * x), in the order plain autograd takes:
-            # the sum below nearly cancels against the first term along x, and an upstream gradient that sums
-            # over the normalized rows (a scale-invariant consumer) sees that residue
-            dx = (gw * rstd + h * ((gw * h).sum(-1, keepdim=True) * (-rstd.pow(3) / x.shape[-1]))).to(x.dtype)
-        return dx, dw, None
+        rows, g_rows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
+        need_x, need_w = ctx.needs_input_grad[:2]
+        dx = torch.empty_like(rows) if need_x else None
+        dw = torch.zeros(weight.shape, dtype=compute, device=weight.device) if need_w else None
+        w = weight.to(compute)
+        step = _chunk_rows(x.shape[-1])
+        for lo in range(0, rows.shape[0], step):
+            h = rows[lo:lo + step].to(compute)
+            r = rstd[lo:lo + step]
+            g = g_rows[lo:lo + step].to(compute)
+            if need_w:
+                dw += (g * (h * r)).sum(0)
+            if need_x:
+                gw = g * w
+                # d/dx of w * x * rstd(x) = gw * rstd - x * rstd^3 * mean(gw * x), in the order plain autograd
+                # takes: the sum nearly cancels against the first term along x, and an upstream gradient that
+                # sums over the normalized rows (a scale-invariant consumer) sees that residue
+                dx[lo:lo + step] = (gw * r + h * ((gw * h).sum(-1, keepdim=True) * (-r.pow(3) / x.shape[-1])))
+        return (None if dx is None else dx.view(x.shape), None if dw is None else dw.to(weight.dtype), None)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -48,6 +74,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         x: ``[..., C]``. weight: ``[C]``. eps: added to the mean square.
 
     Returns:
-        ``[..., C]`` in ``x.dtype``. Saves ``x`` and ``[..., 1]`` fp32 scales for the backward.
+        ``[..., C]`` in ``x.dtype``. Saves ``x`` and one fp32 scale per row for the backward.
     """
     return _RMSNorm.apply(x, weight, eps)
