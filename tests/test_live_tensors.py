@@ -22,3 +22,15 @@ def test_lists_what_the_forward_keeps_and_nothing_it_freed():
     assert () in shapes  # the loss
     assert all(nb > 0 for nb, _, _, _ in rows)
     z.backward()
+
+
+def test_peak_lists_what_was_alive_at_the_largest_point():
+    x = torch.randn(64, 64)
+    with LiveStorages(track_peak=True, exclude={x.untyped_storage().data_ptr()}) as live:
+        big = torch.ones(8192)  # 32 KiB
+        small = x + 1  # 16 KiB: the peak, 48 KiB with `big`
+        del big
+        after = small * 3  # 16 KiB: 32 KiB alive now
+    assert live.peak_bytes == 8192 * 4 + 64 * 64 * 4
+    assert sorted(shape for _, shape, _, _ in live.peak_rows) == [(64, 64), (8192,)]
+    assert after.shape == (64, 64)
