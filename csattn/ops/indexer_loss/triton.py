@@ -363,9 +363,9 @@ class IndexerKLFromTeacher(torch.autograd.Function):
     masses; neither ``q_idx`` nor its gradient ever exists for all rows."""
 
     @staticmethod
-    def forward(ctx, query_fn, block_rows, geometry, qr, cos, sin, weight, w, k_idx, loss_rows, row_weight, selected,
-                stats, mass):
-        ctx.query_fn, ctx.block_rows, ctx.geometry = query_fn, block_rows, geometry
+    def forward(ctx, query_fn, block_rows, geometry, student_dtype, qr, cos, sin, weight, w, k_idx, loss_rows,
+                row_weight, selected, stats, mass):
+        ctx.query_fn, ctx.block_rows, ctx.geometry, ctx.student_dtype = query_fn, block_rows, geometry, student_dtype
         ctx.save_for_backward(qr, cos, sin, weight, w, k_idx, row_weight, selected, stats, mass)
         return loss_rows.sum()
 
@@ -373,7 +373,7 @@ class IndexerKLFromTeacher(torch.autograd.Function):
     def backward(ctx, grad):
         qr, cos, sin, weight, w, k_idx, row_weight, selected, stats, mass = ctx.saved_tensors
         heads, head_dim, q_dtype = ctx.geometry
-        need_qr, need_weight, need_w, need_k = (ctx.needs_input_grad[i] for i in (3, 6, 7, 8))
+        need_qr, need_weight, need_w, need_k = (ctx.needs_input_grad[i] for i in (4, 7, 8, 9))
         grad = grad.float().reshape(1).contiguous()
         # The sparse backward kernel reads the stored masses, never q, ckv or lse (only q's geometry and dtype
         # pick the compiled variant), so one-element placeholders stand in for them.
@@ -383,7 +383,7 @@ class IndexerKLFromTeacher(torch.autograd.Function):
         dweight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
         dw = torch.empty_like(w) if need_w else None
         dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=k_idx.device)
-        k_op = k_idx.to(torch.promote_types(torch.promote_types(qr.dtype, weight.dtype), k_idx.dtype)).contiguous()
+        k_op = k_idx.to(ctx.student_dtype).contiguous()
         for lo in range(0, qr.shape[0], ctx.block_rows):
             hi = min(lo + ctx.block_rows, qr.shape[0])
             with torch.enable_grad():
@@ -402,7 +402,7 @@ class IndexerKLFromTeacher(torch.autograd.Function):
                     dqr[lo:hi] = next(got)
                 if need_weight:
                     dweight += next(got)
-        return (None, None, None, dqr, None, None, None if dweight is None else dweight.to(weight.dtype), dw,
+        return (None, None, None, None, dqr, None, None, None if dweight is None else dweight.to(weight.dtype), dw,
                 dk.to(k_idx.dtype) if need_k else None, None, None, None, None, None)
 
 
@@ -413,9 +413,12 @@ def indexer_kl_from_teacher_triton(queries, w: Tensor, k_idx: Tensor, teacher, r
     qr, weight = queries.qr, queries.weight
     if k_idx.shape[0] == 0 or qr.shape[0] == 0 or teacher.geometry is None:
         return (qr.sum() + weight.sum() + w.sum() + k_idx.sum()).float() * 0
-    _student_operands(qr.new_empty(0).to(torch.promote_types(qr.dtype, weight.dtype)), w, k_idx)  # dtype check
+    # the dtype the kernels see the queries and keys in (that of the forward's student)
+    dtype = torch.promote_types(torch.promote_types(qr.dtype, weight.dtype), k_idx.dtype)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"indexer queries / keys must be fp32, bf16 or fp16, got {dtype}")
     # rows per backward block: the block's queries, their gradient and the fp32 RoPE temporaries (~16 B/channel)
     block = max(16, workspace_bytes // (16 * weight.shape[0]))
-    return IndexerKLFromTeacher.apply(queries.fn, block, teacher.geometry, qr, queries.cos, queries.sin, weight,
+    return IndexerKLFromTeacher.apply(queries.fn, block, teacher.geometry, dtype, qr, queries.cos, queries.sin, weight,
                                       w.float().contiguous(), k_idx, teacher.loss_rows, row_weight.float().contiguous(),
                                       selected.to(torch.int64).contiguous(), teacher.stats, teacher.mass)
