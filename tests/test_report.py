@@ -85,3 +85,9 @@ def test_merge_reports_later_cases_replace_earlier(tmp_path):
     assert peaks == [(1, 0, 4.0), (2, 0, 5.0), (2, 1, 5.5), (4, 0, 1.0)]
     assert merged["meta"]["commit"] == "aaa + bbb"
     assert "| 4.00 |" in md  # CP1/CP4 peak ratio from the replaced CP=1 case: 4.0 / 1.0
+    # rows from two commits: each row names its own
+    commits = {(r["cp"], r["commit"]) for r in merged["records"]}
+    assert commits == {(1, "bbb"), (2, "aaa"), (4, "bbb")}
+    assert "| commit |" in md and "| 2 | contiguous |" in md
+    row_cp2 = next(line for line in md.splitlines() if "| 2 | contiguous |" in line)
+    assert row_cp2.endswith(" aaa |")

@@ -32,6 +32,8 @@ def render_report(meta: dict, records: list[dict], out_dir: str) -> str:
     from .run import summarize
 
     summary = summarize(records)
+    # a merged report names each row's commit when its rows come from several
+    by_commit = len({s.get("commit") for s in summary.values()} - {None}) > 1
     lines = [
         f"Device: {meta['device']}, dtype {meta['dtype']}, geometry {meta['geometry']}, commit {meta['commit']}, "
         f"{meta['date']}; median of {meta['steps']} steps after one warm-up; one layer forward + backward on a "
@@ -40,14 +42,15 @@ def render_report(meta: dict, records: list[dict], out_dir: str) -> str:
         "the backward (allocated after the forward minus before it, the output included), max over ranks.",
         "",
         "| layer | tokens | path | CP | partition | peak GiB/rank | CP1/CPn peak | act. GiB/rank | CP1/CPn act. "
-        "| ms/step | TFLOP/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ms/step | TFLOP/s |" + (" commit |" if by_commit else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if by_commit else ""),
     ]
     for key in sorted(summary, key=lambda k: (k[0], k[2], k[1], k[3], k[4])):
         layer, tokens, path, cp, part = key
         s = summary[key]
         if "error" in s and "ms" not in s:
-            lines.append(f"| {layer} | {tokens} | {path} | {cp} | {part} | {s['error']} | | | | | |")
+            lines.append(f"| {layer} | {tokens} | {path} | {cp} | {part} | {s['error']} | | | | | |"
+                         + (f" {s.get('commit', '-')} |" if by_commit else ""))
             continue
         base = summary.get((layer, tokens, path, 1, "-"), {})
         ratios = [base.get(m) / s[m] if base.get(m) and s.get(m) and cp > 1 else None
@@ -55,7 +58,7 @@ def render_report(meta: dict, records: list[dict], out_dir: str) -> str:
         lines.append(f"| {layer} | {tokens} | {path} | {cp} | {part} | {_fmt(s.get('peak_gib'))} | "
                      f"{_fmt(ratios[0]) if cp > 1 else ''} | {_fmt(s.get('act_gib'))} | "
                      f"{_fmt(ratios[1]) if cp > 1 else ''} | {_fmt(s.get('ms'), '.1f')} | "
-                     f"{_fmt(s.get('tflops'), '.1f')} |")
+                     f"{_fmt(s.get('tflops'), '.1f')} |" + (f" {s.get('commit', '-')} |" if by_commit else ""))
     iso = _isolated(records)
     lines += headline(summary, iso)
     if iso:

@@ -163,6 +163,8 @@ def merge_reports(paths: list[str], out_dir: str) -> str:
             data = json.load(f)
         metas.append(data["meta"])
         new = data["records"]
+        for r in new:  # each row remembers the commit it was measured at (a merged file's rows already do)
+            r.setdefault("commit", data["meta"]["commit"])
         cases = {_case_key(r)[:6] for r in new}
         records = {k: v for k, v in records.items() if k[:6] not in cases}
         records.update({_case_key(r): r for r in new})
@@ -235,6 +237,8 @@ def summarize(records: list[dict]) -> dict:
         if "error" in r:
             cur["error"] = r["error"]
             continue
+        if "commit" in r:
+            cur["commit"] = r["commit"]
         cur["ms"] = max(cur.get("ms", 0.0), r["ms"])
         for metric in ("peak_gib", "act_gib"):
             if r.get(metric) is not None:
