@@ -76,6 +76,35 @@ def test_sparse_loss_keeps_no_indexer_queries(loss_type, kept):
     assert any(shape[-2:] == (WIDE["index_n_heads"], WIDE["index_head_dim"]) for shape in shapes) == kept
 
 
+@pytest.mark.parametrize("layer_type", ["sliding", "csa"])
+def test_block_ids_freed_after_the_core_backward(layer_type):
+    """While the layer's output is alive (its graph nodes too), the int64 index lists of every row (top-k and
+    window ids) must not outlive the core's backward."""
+    import gc
+
+    from benchmarks.live_tensors import LiveStorages
+
+    packed = PackedSeqs.from_lengths([23, 5, 40])
+    t = 68
+    x = torch.randn(t, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    layer = random_layer(tiny_config(layer_type, workspace_bytes=1 << 12, **WIDE))
+    with LiveStorages() as live:
+        y = layer(x, packed=packed)
+
+    def row_ids():
+        gc.collect()
+        return [shape for _, shape, dt, _ in live.alive(set()) if dt == "int64" and len(shape) == 2 and shape[0] == t]
+
+    assert row_ids()  # kept for the backward, so the check can fail
+    y.square().sum().backward(retain_graph=True)  # a retained graph keeps them for another backward
+    first = x.grad.clone()
+    assert row_ids()
+    x.grad = None
+    y.square().sum().backward()
+    torch.testing.assert_close(x.grad, first, rtol=1e-13, atol=1e-13)
+    assert row_ids() == [] and y.requires_grad
+
+
 @pytest.mark.parametrize("layer_type", ["csa", "hca"])
 def test_fused_core_matches_reference(layer_type):
     pytest.importorskip("triton")

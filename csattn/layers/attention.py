@@ -24,7 +24,7 @@ from ..ops.recompute import row_chunked
 from ..ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..ops.sparse_attn import sparse_attn
 from ..packing import CompressMeta, PackedSeqs
-from .core import CoreGeometry, attention_core, output_projection, query_heads
+from .core import BlockIds, CoreGeometry, attention_core, output_projection, query_heads
 from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, RowPieces, _linear, indexer_queries, map_rows
 
 __all__ = ["HybridAttention", "CompressedRange", "IndexerLossInputs"]
@@ -65,6 +65,19 @@ class _CSACompressor(Compressor):
         super().__init__(cfg.hidden_size, cfg.head_dim, cfg.compress_ratio, overlap=True, eps=cfg.rms_norm_eps)
         self.indexer = Indexer(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
                                cfg.compress_ratio, cfg.rms_norm_eps)
+
+
+def _window_block(window_ids: Tensor, lo: int, hi: int) -> Tensor:
+    return window_ids[lo:hi]
+
+
+def _selected_block(window_ids: Tensor, selected: Tensor, lo: int, hi: int, raw_rows: int) -> Tensor:
+    return combine_indices(window_ids[lo:hi], selected[lo:hi], raw_rows)
+
+
+def _range_block(window_ids: Tensor, start: Tensor, end: Tensor, lo: int, hi: int, raw_rows: int,
+                 width: int) -> Tensor:
+    return combine_indices(window_ids[lo:hi], range_indices(start[lo:hi], end[lo:hi], width), raw_rows)
 
 
 class HybridAttention(nn.Module):
@@ -333,17 +346,16 @@ class HybridAttention(nn.Module):
 
     def key_ids(
         self, kv: Tensor, ckv: Tensor | None, window_ids: Tensor, compressed_ids: Tensor | CompressedRange | None
-    ) -> tuple[Tensor, Callable[[int, int], Tensor]]:
+    ) -> tuple[Tensor, BlockIds]:
         """The key rows ``[kv; ckv]`` and ``ids_fn(lo, hi)`` giving rows ``lo..hi``'s ids into them."""
         if ckv is None or ckv.shape[0] == 0 or compressed_ids is None:
-            return kv, lambda lo, hi: window_ids[lo:hi]
+            return kv, BlockIds(_window_block, (window_ids,))
         keys = torch.cat([kv, ckv.to(kv.dtype)], dim=0)
         n = kv.shape[0]
         if isinstance(compressed_ids, Tensor):
-            return keys, lambda lo, hi: combine_indices(window_ids[lo:hi], compressed_ids[lo:hi], n)
+            return keys, BlockIds(partial(_selected_block, raw_rows=n), (window_ids, compressed_ids))
         start, end, width = compressed_ids
-        return keys, lambda lo, hi: combine_indices(window_ids[lo:hi], range_indices(start[lo:hi], end[lo:hi], width),
-                                                    n)
+        return keys, BlockIds(partial(_range_block, raw_rows=n, width=width), (window_ids, start, end))
 
     def core_block_rows(self, window_ids: Tensor, compressed_ids: Tensor | CompressedRange | None) -> int:
         """Rows per block of the fused core: its per-head temporaries (``q``, ``o``, ``do``, ``dq``, the

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +33,23 @@ from ..ops.rope import apply_rope
 from ..ops.sparse_attn import sparse_attn_chunk, sparse_attn_ref
 from .modules import grouped_linear, rms_norm_unweighted
 
-__all__ = ["CoreGeometry", "attention_core", "query_heads", "grouped_output", "output_projection"]
+__all__ = ["BlockIds", "CoreGeometry", "attention_core", "query_heads", "grouped_output", "output_projection"]
 
-# ids_fn(lo, hi) -> [hi - lo, K] int key ids (rows of ``keys``, -1 = none) of rows lo..hi
-IdsFn = Callable[[int, int], Tensor]
+
+class BlockIds(NamedTuple):
+    """Rows ``lo..hi``'s ``[hi - lo, K]`` key ids (rows of ``keys``, -1 = none) as ``make(*tensors, lo, hi)``.
+
+    The index tensors are handed over, not closed over: the core saves them for its backward like any input,
+    so autograd frees them once the backward has run (or keeps them with ``retain_graph``). A closure kept on
+    the autograd node would hold them (the CSA top-k and window ids, int64: 640 MiB at 128k tokens) until the
+    layer's output is freed, under the rest of the backward's peak.
+    """
+
+    make: Callable[..., Tensor]
+    tensors: tuple[Tensor, ...]
+
+    def __call__(self, lo: int, hi: int) -> Tensor:
+        return self.make(*self.tensors, lo, hi)
 # on_block(lo, hi, q [hi - lo, H, d], lse [hi - lo, H]) runs once per block in the forward, without autograd
 BlockHook = Callable[[int, int, Tensor, Tensor], None]
 
@@ -123,10 +137,10 @@ def _attn_backward(q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, o: Tenso
 
 class _AttentionCore(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, geo: CoreGeometry, ids_fn: IdsFn, on_block: BlockHook | None, qr: Tensor, cos: Tensor,
+    def forward(ctx, geo: CoreGeometry, ids_fn: BlockIds, on_block: BlockHook | None, qr: Tensor, cos: Tensor,
                 sin: Tensor, keys: Tensor, sinks: Tensor, w_q: Tensor, w_oa: Tensor, w_ob: Tensor) -> Tensor:
-        ctx.geo, ctx.ids_fn = geo, ids_fn
-        ctx.save_for_backward(qr, cos, sin, keys, sinks, w_q, w_oa, w_ob)
+        ctx.geo, ctx.make_ids = geo, ids_fn.make
+        ctx.save_for_backward(qr, cos, sin, keys, sinks, w_q, w_oa, w_ob, *ids_fn.tensors)
         total = qr.shape[0]
         out = qr.new_empty(total, w_ob.shape[0])
         for lo in range(0, total, geo.block_rows):
@@ -140,7 +154,8 @@ class _AttentionCore(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        qr, cos, sin, keys, sinks, w_q, w_oa, w_ob = ctx.saved_tensors
+        qr, cos, sin, keys, sinks, w_q, w_oa, w_ob, *id_tensors = ctx.saved_tensors
+        ids_fn = BlockIds(ctx.make_ids, tuple(id_tensors))
         geo = ctx.geo
         acc = torch.promote_types(keys.dtype, torch.float32)
         dqr = torch.empty_like(qr)
@@ -150,7 +165,7 @@ class _AttentionCore(torch.autograd.Function):
         total = qr.shape[0]
         for lo in range(0, total, geo.block_rows):
             hi = min(lo + geo.block_rows, total)
-            ids = ctx.ids_fn(lo, hi)
+            ids = ids_fn(lo, hi)
             c, s = cos[lo:hi], sin[lo:hi]
             with torch.enable_grad():
                 qr_b = qr[lo:hi].detach().requires_grad_()
@@ -188,7 +203,7 @@ def attention_core(
     w_q: Tensor,
     w_oa: Tensor,
     w_ob: Tensor,
-    ids_fn: IdsFn,
+    ids_fn: BlockIds,
     geo: CoreGeometry,
     on_block: BlockHook | None = None,
 ) -> Tensor:
