@@ -29,9 +29,11 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    # Generous limits: they catch hangs, not slowness. A Triton-interpreter task takes about a minute alone and
+    # twice that on a 2-core machine running another test worker beside it.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    groups = {p: dist.new_group(list(range(p)), timeout=timedelta(seconds=60)) for p in range(1, world + 1)}
+                            timeout=timedelta(seconds=240))
+    groups = {p: dist.new_group(list(range(p)), timeout=timedelta(seconds=240)) for p in range(1, world + 1)}
     while True:
         item = tasks.get()
         if item is None:
@@ -51,7 +53,7 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 class RankPool:
     """``world`` gloo ranks serving tasks ``fn(group, **kwargs)`` on the first ``size`` of them."""
 
-    def __init__(self, world: int = 4, timeout: float = 120.0) -> None:
+    def __init__(self, world: int = 4, timeout: float = 360.0) -> None:
         self.world, self.timeout = world, timeout
         ctx = mp.get_context("spawn")
         self.tasks = [ctx.Queue() for _ in range(world)]
