@@ -14,8 +14,9 @@ Here nothing of that size is kept:
   buffer), then back-propagate ``q``'s projection.
 
 The price is one more attention forward per step (about 1/4.5 of the attention's forward + backward) on top
-of the projections, which were already recomputed. The block index lists come from a callable, so the HCA
-range expansion and the CSA window + top-k concatenation never exist for all rows at once either.
+of the projections, which were already recomputed. The block index lists are made per block (``BlockIds``:
+a function of saved index tensors), so the HCA range expansion and the CSA window + top-k concatenation never
+exist for all rows at once either.
 """
 
 from __future__ import annotations
@@ -214,8 +215,8 @@ def attention_core(
         keys: ``[N, d]`` the shared K = V rows (raw window rows, then compressed entries).
         sinks: ``[H]`` attention sink logits. w_q: ``q_b_proj.weight [H d, q_lora]``; w_oa: ``o_a_proj.weight
             [G o_lora, H d / G]`` (block-diagonal, one block per group); w_ob: ``o_b_proj.weight [D, G o_lora]``.
-        ids_fn: ``ids_fn(lo, hi)`` gives rows ``lo..hi``'s ``[hi - lo, K]`` key ids (-1 = none); called once per
-            block in the forward and again in the backward.
+        ids_fn: a :class:`BlockIds`; ``ids_fn(lo, hi)`` gives rows ``lo..hi``'s ``[hi - lo, K]`` key ids (-1 =
+            none); called once per block in the forward and again in the backward, its tensors saved for it.
         geo: heads, groups, eps, scale, rows per block and backend.
         on_block: optional forward hook ``(lo, hi, q, lse)`` per block (no autograd).
 
