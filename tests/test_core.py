@@ -167,9 +167,9 @@ def test_loss_from_block_teacher_equals_one_call(backend):
     for lo, hi_ in ((0, 8), (8, 16), (16, t)):
         sparse_teacher_block(teacher, lo, q_idx[lo:hi_], w[lo:hi_], k_idx, q[lo:hi_], ckv, lse[lo:hi_], scale,
                              row_weight[lo:hi_], selected[lo:hi_], backend=backend)
-    # a small workspace: the backward recomputes the queries in several blocks
-    got = indexer_kl_from_teacher(StudentQueries(fn, qr, cos, sin, weight), w, k_idx, teacher, row_weight, selected,
-                                  workspace_bytes=4096, backend=backend)
+    # small blocks / workspace: the backward recomputes the queries in several blocks
+    got = indexer_kl_from_teacher(StudentQueries(fn, qr, cos, sin, weight, chunk_rows=8), w, k_idx, teacher,
+                                  row_weight, selected, workspace_bytes=4096, backend=backend)
     got_grads = torch.autograd.grad(got, leaves)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     assert abs(got.item() - ref.item()) <= tol * abs(ref.item()) and ref.item() > 0

@@ -13,7 +13,6 @@ from ..config import AttentionConfig
 from ..ops.indexer import indexer_topk
 from ..ops.indexer_loss import (
     SparseTeacher,
-    StudentQueries,
     attach_indexer_loss,
     indexer_kl_from_teacher,
     indexer_kl_loss,
@@ -25,7 +24,7 @@ from ..ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..ops.sparse_attn import sparse_attn
 from ..packing import CompressMeta, PackedSeqs
 from .core import BlockIds, CoreGeometry, attention_core, output_projection, query_heads
-from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, RowPieces, _linear, indexer_queries, map_rows
+from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, RowPieces, _linear, map_rows
 
 __all__ = ["HybridAttention", "CompressedRange", "IndexerLossInputs"]
 
@@ -335,9 +334,7 @@ class HybridAttention(nn.Module):
         out = attention_core(qr, cos, sin, keys, self.sinks, *weights, ids_fn, geo, on_block)
         if teacher is not None:
             # the backward recomputes the indexer queries block by block instead of keeping q_idx [T, HI, cI]
-            indexer = self.compressor.indexer
-            queries = StudentQueries(partial(indexer_queries, heads=indexer.n_heads), qr.detach(), cos, sin,
-                                     indexer.q_b_proj.weight)
+            queries = self.compressor.indexer.student_queries(qr.detach(), cos, sin, self.indexer_query_rows())
             kl = indexer_kl_from_teacher(queries, loss.w, loss.k_idx, teacher, row_weight, compressed_ids,
                                          workspace_bytes=cfg.workspace_bytes, backend=backend)
             self.last_indexer_loss = kl.detach()

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.compressor import compress_pool
+from ..ops.indexer_loss import StudentQueries
 from ..ops.recompute import row_chunked
 from ..ops.rms_norm import rms_norm
 from ..ops.rope import apply_rope, rope_cos_sin
@@ -161,10 +162,18 @@ class Indexer(Compressor):
         4.5x the size of the queries when made for all rows at once (9 GiB at 128k tokens for HI = 64,
         cI = 128), never exceed one chunk.
         """
-        fn = partial(indexer_queries, heads=self.n_heads)
+        fn = self._query_fn()
         if chunk_rows is None or qr.shape[0] <= chunk_rows or torch.compiler.is_compiling():
             return fn(qr, cos, sin, self.q_b_proj.weight)
         return row_chunked(fn, (qr, cos, sin), (self.q_b_proj.weight,), chunk_rows)
+
+    def student_queries(self, qr: Tensor, cos: Tensor, sin: Tensor, chunk_rows: int) -> StudentQueries:
+        """The same queries as a recipe for the sparse indexer loss, which recomputes them ``chunk_rows`` at a
+        time in its backward instead of keeping them."""
+        return StudentQueries(self._query_fn(), qr, cos, sin, self.q_b_proj.weight, chunk_rows)
+
+    def _query_fn(self) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+        return partial(indexer_queries, heads=self.n_heads)
 
 
 def indexer_queries(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int) -> Tensor:

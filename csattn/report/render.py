@@ -48,9 +48,9 @@ def render_report(meta: dict, records: list[dict], out_dir: str) -> str:
     for key in sorted(summary, key=lambda k: (k[0], k[2], k[1], k[3], k[4])):
         layer, tokens, path, cp, part = key
         s = summary[key]
+        commit = f" {s.get('commit', '-')} |" if by_commit else ""
         if "error" in s and "ms" not in s:
-            lines.append(f"| {layer} | {tokens} | {path} | {cp} | {part} | {s['error']} | | | | | |"
-                         + (f" {s.get('commit', '-')} |" if by_commit else ""))
+            lines.append(f"| {layer} | {tokens} | {path} | {cp} | {part} | {s['error']} | | | | | |{commit}")
             continue
         base = summary.get((layer, tokens, path, 1, "-"), {})
         ratios = [base.get(m) / s[m] if base.get(m) and s.get(m) and cp > 1 else None
@@ -58,7 +58,7 @@ def render_report(meta: dict, records: list[dict], out_dir: str) -> str:
         lines.append(f"| {layer} | {tokens} | {path} | {cp} | {part} | {_fmt(s.get('peak_gib'))} | "
                      f"{_fmt(ratios[0]) if cp > 1 else ''} | {_fmt(s.get('act_gib'))} | "
                      f"{_fmt(ratios[1]) if cp > 1 else ''} | {_fmt(s.get('ms'), '.1f')} | "
-                     f"{_fmt(s.get('tflops'), '.1f')} |" + (f" {s.get('commit', '-')} |" if by_commit else ""))
+                     f"{_fmt(s.get('tflops'), '.1f')} |{commit}")
     iso = _isolated(records)
     lines += headline(summary, iso)
     if iso:

@@ -234,11 +234,11 @@ def summarize(records: list[dict]) -> dict:
             continue
         key = (r["layer"], r["tokens"], r["path"], r["cp"], r["partition"] if r["cp"] > 1 else "-")
         cur = out[key]
+        if "commit" in r:
+            cur["commit"] = r["commit"]
         if "error" in r:
             cur["error"] = r["error"]
             continue
-        if "commit" in r:
-            cur["commit"] = r["commit"]
         cur["ms"] = max(cur.get("ms", 0.0), r["ms"])
         for metric in ("peak_gib", "act_gib"):
             if r.get(metric) is not None:

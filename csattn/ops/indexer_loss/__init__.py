@@ -56,7 +56,8 @@ def indexer_kl_from_teacher(queries: StudentQueries, w: Tensor, k_idx: Tensor, t
     """The sparse indexer KL loss (a scalar; gradients to the query weight, ``w`` and ``k_idx``) from a filled
     teacher.
 
-    Equals :func:`indexer_kl_loss` with ``selected`` and ``q_idx = queries.all_rows()``. The teacher was taken
+    Equals :func:`indexer_kl_loss` with ``selected`` and ``q_idx = queries.fn(qr, cos, sin, weight)``. The
+    teacher was taken
     block by block from the attention forward, so the attention queries ``q [T, H, d]`` never exist for all rows
     at once; the backward recomputes the indexer queries block by block from ``queries``, so neither does
     ``q_idx [T, HI, cI]`` after the forward.
@@ -64,5 +65,5 @@ def indexer_kl_from_teacher(queries: StudentQueries, w: Tensor, k_idx: Tensor, t
     if backend == "triton":
         from .triton import indexer_kl_from_teacher_triton
 
-        return indexer_kl_from_teacher_triton(queries, w, k_idx, teacher, row_weight, selected, workspace_bytes)
+        return indexer_kl_from_teacher_triton(queries, w, k_idx, teacher, row_weight, selected)
     return indexer_kl_from_teacher_ref(queries, w, k_idx, teacher, row_weight, selected, workspace_bytes)

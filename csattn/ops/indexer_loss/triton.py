@@ -333,10 +333,16 @@ def indexer_kl_loss_triton(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _student_operands(q_idx: Tensor, w: Tensor, k_idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    dtype = torch.promote_types(q_idx.dtype, k_idx.dtype)
+def _student_dtype(q_dtype: torch.dtype, k_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels take the indexer queries and keys in."""
+    dtype = torch.promote_types(q_dtype, k_dtype)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"q_idx/k_idx must be fp32, bf16 or fp16, got {q_idx.dtype}, {k_idx.dtype}")
+        raise ValueError(f"q_idx/k_idx must be fp32, bf16 or fp16, got {q_dtype}, {k_dtype}")
+    return dtype
+
+
+def _student_operands(q_idx: Tensor, w: Tensor, k_idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    dtype = _student_dtype(q_idx.dtype, k_idx.dtype)
     return q_idx.to(dtype).contiguous(), w.float().contiguous(), k_idx.to(dtype).contiguous()
 
 
@@ -407,18 +413,14 @@ class IndexerKLFromTeacher(torch.autograd.Function):
 
 
 def indexer_kl_from_teacher_triton(queries, w: Tensor, k_idx: Tensor, teacher, row_weight: Tensor,
-                                   selected: Tensor, workspace_bytes: int = 1 << 30) -> Tensor:
+                                   selected: Tensor) -> Tensor:
     """The sparse loss from a ``SparseTeacher`` filled by :func:`sparse_teacher_block_triton` (fp32 scalar), its
     backward recomputing the queries from ``queries`` (a ``StudentQueries``) block by block."""
     qr, weight = queries.qr, queries.weight
     if k_idx.shape[0] == 0 or qr.shape[0] == 0 or teacher.geometry is None:
         return (qr.sum() + weight.sum() + w.sum() + k_idx.sum()).float() * 0
-    # the dtype the kernels see the queries and keys in (that of the forward's student)
-    dtype = torch.promote_types(torch.promote_types(qr.dtype, weight.dtype), k_idx.dtype)
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"indexer queries / keys must be fp32, bf16 or fp16, got {dtype}")
-    # rows per backward block: the block's queries, their gradient and the fp32 RoPE temporaries (~16 B/channel)
-    block = max(16, workspace_bytes // (16 * weight.shape[0]))
-    return IndexerKLFromTeacher.apply(queries.fn, block, teacher.geometry, dtype, qr, queries.cos, queries.sin, weight,
+    dtype = _student_dtype(torch.promote_types(qr.dtype, weight.dtype), k_idx.dtype)  # that of the forward's student
+    return IndexerKLFromTeacher.apply(queries.fn, max(1, queries.chunk_rows), teacher.geometry, dtype, qr,
+                                      queries.cos, queries.sin, weight,
                                       w.float().contiguous(), k_idx, teacher.loss_rows, row_weight.float().contiguous(),
                                       selected.to(torch.int64).contiguous(), teacher.stats, teacher.mass)
