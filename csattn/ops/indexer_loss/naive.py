@@ -216,7 +216,7 @@ class IndexerLossAutoScaler(torch.autograd.Function):
     the reported LM loss. ``set_loss_scale`` sets the main loss's scale (e.g. ``1 / num_microbatches``); it is
     read in the backward unless ``apply`` is given a fixed ``scale`` (captured graphs, ``torch.compile``)."""
 
-    main_loss_backward_scale: Tensor | None = None
+    main_loss_backward_scale: float | Tensor | None = None
 
     @staticmethod
     def forward(ctx, output: Tensor, loss: Tensor, scale: float | None = None) -> Tensor:
@@ -235,8 +235,9 @@ class IndexerLossAutoScaler(torch.autograd.Function):
 
     @staticmethod
     def set_loss_scale(scale: float | Tensor) -> None:
-        """Scale of the gradient injected into every attached indexer loss (default 1)."""
-        IndexerLossAutoScaler.main_loss_backward_scale = torch.as_tensor(scale, dtype=torch.float64)
+        """Scale of the gradient injected into every attached indexer loss (default 1). A number is kept as a
+        number, so the capture-safe forward, which reads the scale on the host, never reads a tensor for it."""
+        IndexerLossAutoScaler.main_loss_backward_scale = scale if isinstance(scale, Tensor) else float(scale)
 
 
 def attach_indexer_loss(output: Tensor, loss: Tensor, scale: float | None = None) -> Tensor:
