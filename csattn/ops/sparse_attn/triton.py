@@ -21,6 +21,7 @@ __all__ = [
     "sparse_attn_bwd",
     "sparse_attn_fwd",
     "sparse_attn_triton",
+    "uses_gluon_fwd",
 ]
 
 LOG2E = 1.4426950408889634
@@ -244,8 +245,11 @@ class SparseAttnConfig:
 
     def __init__(self, bh: int | None = None, bk_fwd: int = 64, warps_fwd: int = 8, stages_fwd: int = 2,
                  bk_dq: int = 64, warps_dq: int = 8, stages_dq: int = 1,
-                 bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1):
+                 bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1, fwd_gluon: int = 1):
         self.bh = bh
+        # 1: the forward runs the Gluon kernel (gluon_fwd.py) where it applies (sm_90, bf16/fp16, 64-head
+        # blocks, d in 64..512 a power of two); 0: the Triton kernel below everywhere.
+        self.fwd_gluon = fwd_gluon
         self.bk_fwd, self.warps_fwd, self.stages_fwd = bk_fwd, warps_fwd, stages_fwd
         self.bk_dq, self.warps_dq, self.stages_dq = bk_dq, warps_dq, stages_dq
         self.bk_dkv, self.warps_dkv, self.stages_dkv = bk_dkv, warps_dkv, stages_dkv
@@ -306,6 +310,33 @@ def _dot_prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _gluon_fwd_kernel():
+    """The Gluon forward kernel, or None where this Triton has no Gluon (it is experimental API)."""
+    try:
+        from .gluon_fwd import sparse_attn_fwd_gluon_kernel
+    except (ImportError, AttributeError):
+        return None
+    return sparse_attn_fwd_gluon_kernel
+
+
+def uses_gluon_fwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
+    """Whether :func:`sparse_attn_fwd` runs the Gluon kernel for these inputs (else the Triton kernel).
+
+    The Gluon kernel is written for Hopper's warpgroup MMA: sm_90, bf16/fp16, whole 64-head blocks, d a power
+    of two in 64..512, key tiles of 32 or 64, 16-byte aligned rows for its cp.async gathers.
+    """
+    if not cfg.fwd_gluon or q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    T, H, D = q.shape
+    if (q.dtype not in (torch.bfloat16, torch.float16) or H % 64 or cfg.bh not in (None, 64)
+            or D not in (64, 128, 256, 512) or cfg.bk_fwd not in (32, 64)):
+        return False
+    if (q.stride(2) != 1 or q.stride(1) % 8 or q.stride(0) % 8 or kv.stride(1) != 1 or kv.stride(0) % 8
+            or q.data_ptr() % 16 or kv.data_ptr() % 16):
+        return False
+    return torch.cuda.get_device_capability(q.device) == (9, 0) and _gluon_fwd_kernel() is not None
+
+
 def sparse_attn_fwd(
     q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float,
     topk_length: Tensor | None = None, config: SparseAttnConfig | None = None,
@@ -317,6 +348,16 @@ def sparse_attn_fwd(
     o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32)
     if T == 0:
+        return o, lse
+    if uses_gluon_fwd(q, kv, cfg):
+        kernel = _gluon_fwd_kernel()[(T, H // 64)](
+            q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
+            H, K, scale * LOG2E,
+            HAS_LEN=topk_length is not None, BH=64, BD=D, BK=cfg.bk_fwd, STAGES=max(2, cfg.stages_fwd),
+            num_warps=8,
+        )
+        _report("fwd_gluon", kernel, cfg)
         return o, lse
     bh = _head_block(H, cfg)
     grid = (T, triton.cdiv(H, bh))
