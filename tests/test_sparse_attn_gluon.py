@@ -1,9 +1,9 @@
-"""The Hopper Gluon forward (``csattn/ops/sparse_attn/gluon_fwd.py``).
+"""The Hopper Gluon kernels: the forward (``gluon_fwd.py``) and the dq part of the backward (``gluon_dq.py``).
 
-CPU: the kernel compiles for sm_90 with this Triton (no GPU needed) and issues the score product once, split
-between the two warpgroups (its reason to exist), and the dispatch never picks it off sm_90 / for fp32.
-GPU (sm_90): outputs and lse against fp64 at the real geometry and at other head counts / widths / lengths,
-within 2x the error of a same-dtype PyTorch computation, and equal in distribution to the Triton kernel.
+CPU: the kernels compile for sm_90 with this Triton (no GPU needed) and issue each score product once, split
+between the two warpgroups (their reason to exist); the dispatch never picks them off sm_90 / for fp32.
+GPU (sm_90): outputs, lse and every gradient against fp64 at the real geometry and at other head counts,
+widths and lengths, within 2x the error of a same-dtype PyTorch computation and 1.5x the Triton kernels'.
 """
 
 from __future__ import annotations
@@ -16,22 +16,31 @@ import sys
 import pytest
 import torch
 
-from csattn.ops.sparse_attn import sparse_attn_ref
+from csattn.ops.sparse_attn import sparse_attn, sparse_attn_ref
 from tests.conftest import rel_err
-from tests.test_sparse_attn_triton import lowp_attn, packed_indices
+from tests.test_sparse_attn_triton import NAMES, grads_of, lowp_attn, packed_indices
 
 _COMPILE_SM90 = r"""
 import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from csattn.ops.sparse_attn.gluon_fwd import sparse_attn_fwd_gluon_kernel as fn
+from csattn.ops.sparse_attn.gluon_dq import sparse_attn_bwd_dq_gluon_kernel
+from csattn.ops.sparse_attn.gluon_fwd import sparse_attn_fwd_gluon_kernel
 
-bk, d, has_len = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
-sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
-       "lse": "*fp32", **{f"stride_{n}": "i64" for n in ("qt", "qh", "kvn", "it", "ot", "oh", "lt")},
-       "H": "i32", "K": "i32", "qk_scale_log2": "fp32"}
-consts = {"HAS_LEN": has_len, "BH": 64, "BD": d, "BK": bk, "STAGES": 2}
+which, bk, stages, d, has_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+strides = ("qt", "qh", "kvn", "it", "ot", "oh", "lt")
+if which == "fwd":
+    fn = sparse_attn_fwd_gluon_kernel
+    sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
+           "lse": "*fp32", **{f"stride_{n}": "i64" for n in strides}, "H": "i32", "K": "i32", "qk_scale_log2": "fp32"}
+    consts = {"HAS_LEN": has_len, "BH": 64, "BD": d, "BK": bk, "STAGES": stages}
+else:
+    fn = sparse_attn_bwd_dq_gluon_kernel
+    sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
+           "do": "*bf16", "lse": "*fp32", "dlse": "*fp32", "dq": "*bf16", "dsink_rows": "*fp32",
+           **{f"stride_{n}": "i64" for n in strides + ("dlt",)}, "H": "i32", "K": "i32", "scale": "fp32"}
+    consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "BH": 64, "BD": d, "BK": bk, "STAGES": stages}
 sig.update({k: "constexpr" for k in consts})
 # what the launcher's specialization sees at run time: 16-aligned pointers and strides
 attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
@@ -45,12 +54,13 @@ print(json.dumps({"wgmma_n": re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(
 """
 
 
-def _compile_sm90(bk: int, d: int, has_len: bool) -> dict:
+def _compile_sm90(which: str, bk: int, stages: int, d: int, has_len: bool) -> dict:
     """Compile the kernel for sm_90 in a fresh process: the suite runs under TRITON_INTERPRET=1, which turns
     the Gluon library's own jit helpers into interpreter objects that the Gluon compiler refuses."""
     pytest.importorskip("triton.experimental.gluon")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, str(bk), str(d), "1" if has_len else "0"],
+    args = [which, str(bk), str(stages), str(d), "1" if has_len else "0"]
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, *args],
                          capture_output=True, text=True, env=env, timeout=300)
     if "has no attribute" in run.stderr and "gluon" in run.stderr:
         pytest.skip(f"this Triton's Gluon lacks an API the kernel uses: {run.stderr.splitlines()[-1]}")
@@ -58,32 +68,36 @@ def _compile_sm90(bk: int, d: int, has_len: bool) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("bk,d,has_len", [(64, 512, False), (32, 128, True)])
-def test_compiles_for_sm90_with_split_score_product(bk, d, has_len):
-    info = _compile_sm90(bk, d, has_len)
+@pytest.mark.parametrize("which,bk,stages,d,has_len",
+                         [("fwd", 64, 2, 512, False), ("fwd", 32, 2, 128, True), ("dq", 64, 1, 512, True),
+                          ("dq", 32, 2, 256, False)])
+def test_compiles_for_sm90_with_split_score_product(which, bk, stages, d, has_len):
+    info = _compile_sm90(which, bk, stages, d, has_len)
     wgmma = info["wgmma_n"]
-    # Per key tile and warpgroup: the score product over d in k16 steps at N = BK / 2 (half of the keys),
-    # and P V over BK in k16 steps at N = d / 2 (half of the columns). The Triton kernel issues the score
-    # product at full width on both warpgroups; here nothing is issued twice.
-    assert wgmma.count(str(bk // 2)) == d // 16, wgmma
+    # Per key tile and warpgroup: each score-like product over d in k16 steps at N = BK / 2 (half of the keys:
+    # S in the forward, S and dP in dq), and the output product over BK in k16 steps at N = d / 2 (half of the
+    # columns: P V, dS K). The Triton kernels issue the score products at full width on both warpgroups.
+    n_score = 1 if which == "fwd" else 2
+    assert wgmma.count(str(bk // 2)) == n_score * d // 16, wgmma
     assert wgmma.count(str(d // 2)) == bk // 16, wgmma
     assert info["shared"] <= 227 * 1024
     assert info["cp_async"]
 
 
 def test_dispatch_off_hopper_and_for_fp32():
-    from csattn.ops.sparse_attn.triton import SparseAttnConfig, uses_gluon_fwd
+    from csattn.ops.sparse_attn.triton import SparseAttnConfig, uses_gluon_dq, uses_gluon_fwd
 
     q = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
     kv = torch.zeros(8, 512, dtype=torch.bfloat16)
-    assert not uses_gluon_fwd(q, kv, SparseAttnConfig())  # CPU tensors
-    if torch.cuda.is_available():
-        cfg = SparseAttnConfig()
-        cap = torch.cuda.get_device_capability()
-        assert uses_gluon_fwd(q.cuda(), kv.cuda(), cfg) == (cap == (9, 0))
-        assert not uses_gluon_fwd(q.cuda().float(), kv.cuda().float(), cfg)
-        assert not uses_gluon_fwd(q.cuda()[:, :48], kv.cuda(), cfg)  # not a whole 64-head block
-        assert not uses_gluon_fwd(q.cuda(), kv.cuda(), SparseAttnConfig(fwd_gluon=0))
+    for uses in (uses_gluon_fwd, uses_gluon_dq):
+        assert not uses(q, kv, SparseAttnConfig())  # CPU tensors
+        if torch.cuda.is_available():
+            cfg = SparseAttnConfig()
+            cap = torch.cuda.get_device_capability()
+            assert uses(q.cuda(), kv.cuda(), cfg) == (cap == (9, 0))
+            assert not uses(q.cuda().float(), kv.cuda().float(), cfg)
+            assert not uses(q.cuda()[:, :48], kv.cuda(), cfg)  # not a whole 64-head block
+            assert not uses(q.cuda(), kv.cuda(), SparseAttnConfig(fwd_gluon=0, dq_gluon=0))
 
 
 def _hopper() -> bool:
@@ -100,10 +114,11 @@ GPU_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
-def test_gpu_gluon_forward(case, dtype):
+def test_gpu_gluon_kernels(case, dtype, monkeypatch):
+    """Forward and backward with the Gluon kernels (forward, dq) against fp64 and against the Triton kernels."""
     if not _hopper():
-        pytest.skip("the Gluon forward is built for sm_90")
-    from csattn.ops.sparse_attn.triton import SparseAttnConfig, sparse_attn_fwd, uses_gluon_fwd
+        pytest.skip("the Gluon kernels are built for sm_90")
+    from csattn.ops.sparse_attn.triton import SparseAttnConfig, uses_gluon_dq, uses_gluon_fwd
 
     c = GPU_CASES[case]
     gen = torch.Generator().manual_seed(3)
@@ -112,6 +127,8 @@ def test_gpu_gluon_forward(case, dtype):
     q = torch.randn(T, H, d, generator=gen).cuda()
     kv = torch.randn(N, d, generator=gen).cuda()
     sink = torch.randn(H, generator=gen).cuda()
+    do = torch.randn(T, H, d, generator=gen).cuda()
+    dlse = torch.randn(T, H, generator=gen).cuda() * 0.1
     idx = idx.cuda()
     length = None
     ref_idx = idx
@@ -121,15 +138,21 @@ def test_gpu_gluon_forward(case, dtype):
         ref_idx = torch.where(cols[None, :] < length[:, None], idx, -1)
     scale = d**-0.5
     assert uses_gluon_fwd(q.to(dtype), kv.to(dtype), SparseAttnConfig())
-    gl_o, gl_lse = sparse_attn_fwd(q.to(dtype), kv.to(dtype), idx, sink, scale, length, SparseAttnConfig())
-    tr_o, tr_lse = sparse_attn_fwd(q.to(dtype), kv.to(dtype), idx, sink, scale, length,
-                                   SparseAttnConfig(fwd_gluon=0))
-    ref_o, ref_lse = sparse_attn_ref(q.double(), kv.double(), ref_idx, sink.double(), scale, chunk_rows=512)
-    base_o, base_lse = lowp_attn(q.to(dtype), kv.to(dtype), ref_idx, sink, scale)
-    for name, a, tr, base, ref in (("o", gl_o, tr_o, base_o, ref_o), ("lse", gl_lse, tr_lse, base_lse, ref_lse)):
+    assert uses_gluon_dq(q.to(dtype), kv.to(dtype), SparseAttnConfig())
+
+    def fused(env):
+        monkeypatch.setenv("CSATTN_SPARSE_ATTN_CONFIG", env)
+        return grads_of(lambda a, b, s: sparse_attn(a, b, idx, s, scale, topk_length=length, backend="triton"),
+                        q.to(dtype), kv.to(dtype), sink, do, dlse)
+
+    gluon, tri = fused(""), fused("fwd_gluon=0,dq_gluon=0")
+    ref = grads_of(lambda a, b, s: sparse_attn_ref(a, b, ref_idx, s, scale, chunk_rows=512),
+                   q.double(), kv.double(), sink.double(), do.double(), dlse.double())
+    base = grads_of(lambda a, b, s: lowp_attn(a, b, ref_idx, s, scale), q.to(dtype), kv.to(dtype), sink, do, dlse)
+    for name, a, t, b, r in zip(NAMES, gluon, tri, base, ref):
         assert torch.isfinite(a).all(), name
-        err, bound, tr_err = rel_err(a, ref), rel_err(base, ref), rel_err(tr, ref)
+        err, bound, tri_err = rel_err(a, r), rel_err(b, r), rel_err(t, r)
         assert err <= 2 * bound + 1e-5, f"{name}: gluon {err:.2e} vs same-dtype torch {bound:.2e}"
-        assert err <= 1.5 * tr_err + 1e-5, f"{name}: gluon {err:.2e} vs triton kernel {tr_err:.2e}"
-    assert torch.all(gl_o[-c["pad"]:] == 0)
-    torch.testing.assert_close(gl_lse[-c["pad"]:], sink.expand(c["pad"], H), rtol=0, atol=1e-6)
+        assert err <= 1.5 * tri_err + 1e-5, f"{name}: gluon {err:.2e} vs triton kernels {tri_err:.2e}"
+    assert torch.all(gluon[0][-c["pad"]:] == 0) and torch.all(gluon[2][-c["pad"]:] == 0)
+    torch.testing.assert_close(gluon[1][-c["pad"]:], sink.expand(c["pad"], H), rtol=0, atol=1e-6)

@@ -21,6 +21,7 @@ __all__ = [
     "sparse_attn_bwd",
     "sparse_attn_fwd",
     "sparse_attn_triton",
+    "uses_gluon_dq",
     "uses_gluon_fwd",
 ]
 
@@ -245,11 +246,12 @@ class SparseAttnConfig:
 
     def __init__(self, bh: int | None = None, bk_fwd: int = 64, warps_fwd: int = 8, stages_fwd: int = 2,
                  bk_dq: int = 64, warps_dq: int = 8, stages_dq: int = 1,
-                 bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1, fwd_gluon: int = 1):
+                 bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1, fwd_gluon: int = 1, dq_gluon: int = 1):
         self.bh = bh
-        # 1: the forward runs the Gluon kernel (gluon_fwd.py) where it applies (sm_90, bf16/fp16, 64-head
-        # blocks, d in 64..512 a power of two); 0: the Triton kernel below everywhere.
+        # 1: the forward / the dq part of the backward run the Gluon kernels (gluon_fwd.py, gluon_dq.py) where
+        # they apply (sm_90, bf16/fp16, 64-head blocks, d in 64..512 a power of two); 0: the Triton kernels.
         self.fwd_gluon = fwd_gluon
+        self.dq_gluon = dq_gluon
         self.bk_fwd, self.warps_fwd, self.stages_fwd = bk_fwd, warps_fwd, stages_fwd
         self.bk_dq, self.warps_dq, self.stages_dq = bk_dq, warps_dq, stages_dq
         self.bk_dkv, self.warps_dkv, self.stages_dkv = bk_dkv, warps_dkv, stages_dkv
@@ -310,31 +312,41 @@ def _dot_prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _gluon_fwd_kernel():
-    """The Gluon forward kernel, or None where this Triton has no Gluon (it is experimental API)."""
+def _gluon_kernel(name: str):
+    """A Gluon kernel (``"fwd"`` or ``"dq"``), or None where this Triton has no Gluon (it is experimental API)."""
     try:
-        from .gluon_fwd import sparse_attn_fwd_gluon_kernel
+        if name == "fwd":
+            from .gluon_fwd import sparse_attn_fwd_gluon_kernel as kernel
+        else:
+            from .gluon_dq import sparse_attn_bwd_dq_gluon_kernel as kernel
     except (ImportError, AttributeError):
         return None
-    return sparse_attn_fwd_gluon_kernel
+    return kernel
 
 
-def uses_gluon_fwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
-    """Whether :func:`sparse_attn_fwd` runs the Gluon kernel for these inputs (else the Triton kernel).
-
-    The Gluon kernel is written for Hopper's warpgroup MMA: sm_90, bf16/fp16, whole 64-head blocks, d a power
-    of two in 64..512, key tiles of 32 or 64, 16-byte aligned rows for its cp.async gathers.
-    """
-    if not cfg.fwd_gluon or q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+def _gluon_applies(q: Tensor, kv: Tensor, cfg: SparseAttnConfig, bk: int) -> bool:
+    """The Gluon kernels are written for Hopper's warpgroup MMA: sm_90, bf16/fp16, whole 64-head blocks, d a
+    power of two in 64..512, key tiles of 32 or 64, 16-byte aligned rows for their cp.async gathers."""
+    if q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
     T, H, D = q.shape
     if (q.dtype not in (torch.bfloat16, torch.float16) or H % 64 or cfg.bh not in (None, 64)
-            or D not in (64, 128, 256, 512) or cfg.bk_fwd not in (32, 64)):
+            or D not in (64, 128, 256, 512) or bk not in (32, 64)):
         return False
     if (q.stride(2) != 1 or q.stride(1) % 8 or q.stride(0) % 8 or kv.stride(1) != 1 or kv.stride(0) % 8
             or q.data_ptr() % 16 or kv.data_ptr() % 16):
         return False
-    return torch.cuda.get_device_capability(q.device) == (9, 0) and _gluon_fwd_kernel() is not None
+    return torch.cuda.get_device_capability(q.device) == (9, 0)
+
+
+def uses_gluon_fwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
+    """Whether :func:`sparse_attn_fwd` runs the Gluon kernel for these inputs (else the Triton kernel)."""
+    return bool(cfg.fwd_gluon) and _gluon_applies(q, kv, cfg, cfg.bk_fwd) and _gluon_kernel("fwd") is not None
+
+
+def uses_gluon_dq(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
+    """Whether :func:`sparse_attn_bwd` computes ``dq`` (and ``dsink``) with the Gluon kernel (else Triton)."""
+    return bool(cfg.dq_gluon) and _gluon_applies(q, kv, cfg, cfg.bk_dq) and _gluon_kernel("dq") is not None
 
 
 def sparse_attn_fwd(
@@ -350,7 +362,7 @@ def sparse_attn_fwd(
     if T == 0:
         return o, lse
     if uses_gluon_fwd(q, kv, cfg):
-        kernel = _gluon_fwd_kernel()[(T, H // 64)](
+        kernel = _gluon_kernel("fwd")[(T, H // 64)](
             q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
             H, K, scale * LOG2E,
@@ -411,10 +423,17 @@ def sparse_attn_bwd(
             H=H, D=D, K=K, scale=scale, HAS_LEN=topk_length is not None, HAS_DLSE=dlse is not None,
             BH=bh, BD=max(triton.next_power_of_2(D), 16), DOT_PREC=_dot_prec(q.dtype),
         )
-        kernel = sparse_attn_bwd_kernel_dq[grid](
-            sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq,
-            num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common)
-        _report("bwd_dq", kernel, cfg)
+        if uses_gluon_dq(q, kv, cfg):
+            gluon_args = {k: v for k, v in common.items() if k not in ("D", "BH", "BD", "DOT_PREC")}
+            kernel = _gluon_kernel("dq")[(T, H // 64)](
+                sink=sink, dq=dq, dsink_rows=dsink_rows, BH=64, BD=D, BK=cfg.bk_dq, STAGES=cfg.stages_dq,
+                num_warps=8, **gluon_args)
+            _report("bwd_dq_gluon", kernel, cfg)
+        else:
+            kernel = sparse_attn_bwd_kernel_dq[grid](
+                sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq,
+                num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common)
+            _report("bwd_dq", kernel, cfg)
         common["BD"] = max(common["BD"], 64)  # four column chunks of >= 16
         kernel = sparse_attn_bwd_kernel_dkv[grid](
             dkv=dkv32, BK=cfg.bk_dkv, num_warps=cfg.warps_dkv, num_stages=cfg.stages_dkv, **common)
