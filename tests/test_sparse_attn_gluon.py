@@ -1,4 +1,4 @@
-"""The Hopper Gluon kernels: the forward (``gluon_fwd.py``) and the dq part of the backward (``gluon_dq.py``).
+"""The Hopper Gluon kernels: the forward (``gluon_fwd.py``) and the backward (``gluon_bwd.py``).
 
 CPU: the kernels compile for sm_90 with this Triton (no GPU needed) and issue each score product once, split
 between the two warpgroups (their reason to exist); the dispatch never picks them off sm_90 / for fp32.
@@ -25,10 +25,11 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from csattn.ops.sparse_attn.gluon_dq import sparse_attn_bwd_dq_gluon_kernel
+from csattn.ops.sparse_attn.gluon_bwd import sparse_attn_bwd_gluon_kernel
 from csattn.ops.sparse_attn.gluon_fwd import sparse_attn_fwd_gluon_kernel
 
 which, bk, stages, d, has_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+dc = min(128, d)
 strides = ("qt", "qh", "kvn", "it", "ot", "oh", "lt")
 if which == "fwd":
     fn = sparse_attn_fwd_gluon_kernel
@@ -36,11 +37,11 @@ if which == "fwd":
            "lse": "*fp32", **{f"stride_{n}": "i64" for n in strides}, "H": "i32", "K": "i32", "qk_scale_log2": "fp32"}
     consts = {"HAS_LEN": has_len, "BH": 64, "BD": d, "BK": bk, "STAGES": stages}
 else:
-    fn = sparse_attn_bwd_dq_gluon_kernel
+    fn = sparse_attn_bwd_gluon_kernel
     sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
-           "do": "*bf16", "lse": "*fp32", "dlse": "*fp32", "dq": "*bf16", "dsink_rows": "*fp32",
+           "do": "*bf16", "lse": "*fp32", "dlse": "*fp32", "dq": "*bf16", "dkv": "*fp32", "dsink_rows": "*fp32",
            **{f"stride_{n}": "i64" for n in strides + ("dlt",)}, "H": "i32", "K": "i32", "scale": "fp32"}
-    consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "BH": 64, "BD": d, "BK": bk, "STAGES": stages}
+    consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "BH": 64, "BD": d, "BK": bk, "DC": dc}
 sig.update({k: "constexpr" for k in consts})
 # what the launcher's specialization sees at run time: 16-aligned pointers and strides
 attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
@@ -50,7 +51,8 @@ src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 ptx = kernel.asm["ptx"]
 print(json.dumps({"wgmma_n": re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx),
-                  "shared": kernel.metadata.shared, "cp_async": "cp.async" in ptx}))
+                  "shared": kernel.metadata.shared, "cp_async": "cp.async" in ptx,
+                  "atomics": len(re.findall(r"(?:atom|red)\.global[.a-z]*\.add", ptx))}))
 """
 
 
@@ -69,27 +71,33 @@ def _compile_sm90(which: str, bk: int, stages: int, d: int, has_len: bool) -> di
 
 
 @pytest.mark.parametrize("which,bk,stages,d,has_len",
-                         [("fwd", 64, 2, 512, False), ("fwd", 32, 2, 128, True), ("dq", 64, 1, 512, True),
-                          ("dq", 32, 2, 256, False)])
+                         [("fwd", 64, 2, 512, False), ("fwd", 32, 2, 128, True), ("bwd", 64, 1, 512, True),
+                          ("bwd", 64, 1, 256, False)])
 def test_compiles_for_sm90_with_split_score_product(which, bk, stages, d, has_len):
     info = _compile_sm90(which, bk, stages, d, has_len)
     wgmma = info["wgmma_n"]
     # Per key tile and warpgroup: each score-like product over d in k16 steps at N = BK / 2 (half of the keys:
-    # S in the forward, S and dP in dq), and the output product over BK in k16 steps at N = d / 2 (half of the
-    # columns: P V, dS K). The Triton kernels issue the score products at full width on both warpgroups.
+    # S in the forward, S and dP in the backward), and the row-side output product over BK in k16 steps at
+    # N = d / 2 (half of the columns: P V, dS K). The Triton kernels issue the score products at full width on
+    # both warpgroups (and the Triton backward a second time in its dkv kernel).
     n_score = 1 if which == "fwd" else 2
     assert wgmma.count(str(bk // 2)) == n_score * d // 16, wgmma
     assert wgmma.count(str(d // 2)) == bk // 16, wgmma
+    if which == "bwd":
+        # dkv = P^T dO + dS^T Q in column chunks of 128: per chunk two products over the 64 heads (4 k16 steps)
+        # at N = 64 per warpgroup, then fp32 atomics into the [N, d] buffer.
+        assert wgmma.count("64") == (d // 128) * 2 * 4, wgmma
+        assert info["atomics"] > 0
     assert info["shared"] <= 227 * 1024
     assert info["cp_async"]
 
 
 def test_dispatch_off_hopper_and_for_fp32():
-    from csattn.ops.sparse_attn.triton import SparseAttnConfig, uses_gluon_dq, uses_gluon_fwd
+    from csattn.ops.sparse_attn.triton import SparseAttnConfig, uses_gluon_bwd, uses_gluon_fwd
 
     q = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
     kv = torch.zeros(8, 512, dtype=torch.bfloat16)
-    for uses in (uses_gluon_fwd, uses_gluon_dq):
+    for uses in (uses_gluon_fwd, uses_gluon_bwd):
         assert not uses(q, kv, SparseAttnConfig())  # CPU tensors
         if torch.cuda.is_available():
             cfg = SparseAttnConfig()
@@ -97,7 +105,7 @@ def test_dispatch_off_hopper_and_for_fp32():
             assert uses(q.cuda(), kv.cuda(), cfg) == (cap == (9, 0))
             assert not uses(q.cuda().float(), kv.cuda().float(), cfg)
             assert not uses(q.cuda()[:, :48], kv.cuda(), cfg)  # not a whole 64-head block
-            assert not uses(q.cuda(), kv.cuda(), SparseAttnConfig(fwd_gluon=0, dq_gluon=0))
+            assert not uses(q.cuda(), kv.cuda(), SparseAttnConfig(fwd_gluon=0, bwd_gluon=0))
 
 
 def _hopper() -> bool:
@@ -112,13 +120,14 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("env", ["", "bwd_gluon=0"], ids=["gluon", "gluon_fwd_only"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
-def test_gpu_gluon_kernels(case, dtype, monkeypatch):
-    """Forward and backward with the Gluon kernels (forward, dq) against fp64 and against the Triton kernels."""
+def test_gpu_gluon_kernels(case, dtype, env, monkeypatch):
+    """Forward and backward with the Gluon kernels against fp64 and against the Triton kernels."""
     if not _hopper():
         pytest.skip("the Gluon kernels are built for sm_90")
-    from csattn.ops.sparse_attn.triton import SparseAttnConfig, uses_gluon_dq, uses_gluon_fwd
+    from csattn.ops.sparse_attn.triton import SparseAttnConfig, uses_gluon_bwd, uses_gluon_fwd
 
     c = GPU_CASES[case]
     gen = torch.Generator().manual_seed(3)
@@ -138,14 +147,14 @@ def test_gpu_gluon_kernels(case, dtype, monkeypatch):
         ref_idx = torch.where(cols[None, :] < length[:, None], idx, -1)
     scale = d**-0.5
     assert uses_gluon_fwd(q.to(dtype), kv.to(dtype), SparseAttnConfig())
-    assert uses_gluon_dq(q.to(dtype), kv.to(dtype), SparseAttnConfig())
+    assert uses_gluon_bwd(q.to(dtype), kv.to(dtype), SparseAttnConfig())
 
     def fused(env):
         monkeypatch.setenv("CSATTN_SPARSE_ATTN_CONFIG", env)
         return grads_of(lambda a, b, s: sparse_attn(a, b, idx, s, scale, topk_length=length, backend="triton"),
                         q.to(dtype), kv.to(dtype), sink, do, dlse)
 
-    gluon, tri = fused(""), fused("fwd_gluon=0,dq_gluon=0")
+    gluon, tri = fused(env), fused("fwd_gluon=0,bwd_gluon=0")
     ref = grads_of(lambda a, b, s: sparse_attn_ref(a, b, ref_idx, s, scale, chunk_rows=512),
                    q.double(), kv.double(), sink.double(), do.double(), dlse.double())
     base = grads_of(lambda a, b, s: lowp_attn(a, b, ref_idx, s, scale), q.to(dtype), kv.to(dtype), sink, do, dlse)

@@ -21,7 +21,7 @@ __all__ = [
     "sparse_attn_bwd",
     "sparse_attn_fwd",
     "sparse_attn_triton",
-    "uses_gluon_dq",
+    "uses_gluon_bwd",
     "uses_gluon_fwd",
 ]
 
@@ -246,12 +246,12 @@ class SparseAttnConfig:
 
     def __init__(self, bh: int | None = None, bk_fwd: int = 64, warps_fwd: int = 8, stages_fwd: int = 2,
                  bk_dq: int = 64, warps_dq: int = 8, stages_dq: int = 1,
-                 bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1, fwd_gluon: int = 1, dq_gluon: int = 1):
+                 bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1, fwd_gluon: int = 1, bwd_gluon: int = 1):
         self.bh = bh
-        # 1: the forward / the dq part of the backward run the Gluon kernels (gluon_fwd.py, gluon_dq.py) where
-        # they apply (sm_90, bf16/fp16, 64-head blocks, d in 64..512 a power of two); 0: the Triton kernels.
+        # 1: the forward / the backward run the Gluon kernels (gluon_fwd.py, gluon_bwd.py) where they apply
+        # (sm_90, bf16/fp16, 64-head blocks, d in 64..512 a power of two); 0: the Triton kernels below.
         self.fwd_gluon = fwd_gluon
-        self.dq_gluon = dq_gluon
+        self.bwd_gluon = bwd_gluon
         self.bk_fwd, self.warps_fwd, self.stages_fwd = bk_fwd, warps_fwd, stages_fwd
         self.bk_dq, self.warps_dq, self.stages_dq = bk_dq, warps_dq, stages_dq
         self.bk_dkv, self.warps_dkv, self.stages_dkv = bk_dkv, warps_dkv, stages_dkv
@@ -313,12 +313,12 @@ def _dot_prec(dtype: torch.dtype) -> str:
 
 
 def _gluon_kernel(name: str):
-    """A Gluon kernel (``"fwd"`` or ``"dq"``), or None where this Triton has no Gluon (it is experimental API)."""
+    """A Gluon kernel (``"fwd"`` or ``"bwd"``), or None where this Triton has no Gluon (it is experimental API)."""
     try:
         if name == "fwd":
             from .gluon_fwd import sparse_attn_fwd_gluon_kernel as kernel
         else:
-            from .gluon_dq import sparse_attn_bwd_dq_gluon_kernel as kernel
+            from .gluon_bwd import sparse_attn_bwd_gluon_kernel as kernel
     except (ImportError, AttributeError):
         return None
     return kernel
@@ -344,9 +344,9 @@ def uses_gluon_fwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
     return bool(cfg.fwd_gluon) and _gluon_applies(q, kv, cfg, cfg.bk_fwd) and _gluon_kernel("fwd") is not None
 
 
-def uses_gluon_dq(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
-    """Whether :func:`sparse_attn_bwd` computes ``dq`` (and ``dsink``) with the Gluon kernel (else Triton)."""
-    return bool(cfg.dq_gluon) and _gluon_applies(q, kv, cfg, cfg.bk_dq) and _gluon_kernel("dq") is not None
+def uses_gluon_bwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
+    """Whether :func:`sparse_attn_bwd` runs the one Gluon kernel (dq, dkv, dsink) instead of the Triton pair."""
+    return bool(cfg.bwd_gluon) and _gluon_applies(q, kv, cfg, 64) and _gluon_kernel("bwd") is not None
 
 
 def sparse_attn_fwd(
@@ -423,17 +423,19 @@ def sparse_attn_bwd(
             H=H, D=D, K=K, scale=scale, HAS_LEN=topk_length is not None, HAS_DLSE=dlse is not None,
             BH=bh, BD=max(triton.next_power_of_2(D), 16), DOT_PREC=_dot_prec(q.dtype),
         )
-        if uses_gluon_dq(q, kv, cfg):
+        if uses_gluon_bwd(q, kv, cfg):
+            # One kernel for dq, dkv and dsink; dkv chunks of 128 columns measured best (64: +1.5 %, 256: +6 %).
             gluon_args = {k: v for k, v in common.items() if k not in ("D", "BH", "BD", "DOT_PREC")}
-            kernel = _gluon_kernel("dq")[(T, H // 64)](
-                sink=sink, dq=dq, dsink_rows=dsink_rows, BH=64, BD=D, BK=cfg.bk_dq, STAGES=cfg.stages_dq,
+            kernel = _gluon_kernel("bwd")[(T, H // 64)](
+                sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, BH=64, BD=D, BK=64, DC=min(128, D),
                 num_warps=8, **gluon_args)
-            _report("bwd_dq_gluon", kernel, cfg)
-        else:
-            kernel = sparse_attn_bwd_kernel_dq[grid](
-                sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq,
-                num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common)
-            _report("bwd_dq", kernel, cfg)
+            _report("bwd_gluon", kernel, cfg)
+            dsink = dsink_rows.sum(0).to(sink.dtype)
+            return dq, None if dkv_accum is not None else dkv32.to(kv.dtype), dsink
+        kernel = sparse_attn_bwd_kernel_dq[grid](
+            sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq,
+            num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common)
+        _report("bwd_dq", kernel, cfg)
         common["BD"] = max(common["BD"], 64)  # four column chunks of >= 16
         kernel = sparse_attn_bwd_kernel_dkv[grid](
             dkv=dkv32, BK=cfg.bk_dkv, num_warps=cfg.warps_dkv, num_stages=cfg.stages_dkv, **common)

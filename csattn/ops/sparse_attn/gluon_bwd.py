@@ -1,12 +1,19 @@
-"""Hopper sparse attention backward, query side (``dq`` and the per-row ``dsink`` terms), written in Gluon.
+"""Hopper sparse attention backward in one Gluon kernel: ``dq``, ``dkv`` and the per-row ``dsink`` terms.
 
-Same contract and math as ``sparse_attn_bwd_kernel_dq`` in ``triton.py`` (README.md): per row and 64-head
-block, ``S = Q K^T``, ``P = exp(scale S - lse)``, ``dP = dO K^T``, ``dS = P (dP - delta)``, ``dq += dS K``.
-The Triton kernel computes ``S`` and ``dP`` on both warpgroups (each all of them, as in its forward); here,
-as in ``gluon_fwd.py``, both are split by keys between the warpgroups, so ``P``, ``dP`` and ``dS`` of a key
-sit in the same thread and nothing crosses warpgroups before ``dS`` is written to shared memory as the A
-operand of ``dS K`` (accumulator split by columns). q and dO stay in shared memory (128 KB at d = 512), which
-leaves room for one 64-key tile or two 32-key tiles of gathered keys.
+Same contract and math as the Triton pair ``sparse_attn_bwd_kernel_dq`` + ``sparse_attn_bwd_kernel_dkv`` in
+``triton.py`` (README.md). Per row and 64-head block, for each tile of ``BK`` gathered keys:
+
+- ``S = Q K^T`` and ``dP = dO K^T`` split by keys between the two warpgroups (as in ``gluon_fwd.py``), so
+  ``P``, ``dP`` and ``dS = P (dP - delta)`` of a key sit in the same thread;
+- ``P`` and ``scale * dS`` go to shared memory once (bf16); from there they are the A operand of
+  ``dq += (scale dS) K`` (accumulator split by columns) and, transposed, of the key-side product
+  ``dkv_tile = P^T dO + (scale dS)^T Q`` (``[BK, d]``), computed in column chunks of ``DC`` and added into the
+  fp32 ``[N, d]`` buffer with relaxed fp32 atomics, as the Triton dkv kernel does;
+- the next tile's gather is issued as soon as ``dS K`` is done with the key tile, under the dkv chunks.
+
+The Triton pair computes ``S`` and ``dP`` twice (once per kernel, each on both warpgroups) and gathers every key
+tile twice; here they are computed and gathered once. q and dO stay in shared memory (128 KB at d = 512), which
+leaves one 64-key slot. ``dkv`` is not bitwise reproducible run to run (atomics); dq and dsink are.
 """
 
 from __future__ import annotations
@@ -18,27 +25,25 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .gluon_fwd import _cta_barrier, _issue_gather, _tile_ids
 
-__all__ = ["sparse_attn_bwd_dq_gluon_kernel"]
+__all__ = ["sparse_attn_bwd_gluon_kernel"]
 
 
 @gluon.jit
-def sparse_attn_bwd_dq_gluon_kernel(
-    q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dsink_rows,
+def sparse_attn_bwd_gluon_kernel(
+    q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
     H, K, scale,
     HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr,
-    BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+    BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, DC: gl.constexpr,
 ):
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BK // 2, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BD // 2, 16])
+    C_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, DC // 2, 16])
     ROWS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1],
                                           order=[1, 0])
     KV_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    DS_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BK * 2, 128), element_bitwidth=16, rank=2)
+    P_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BK * 2, 128), element_bitwidth=16, rank=2)
     dtype: gl.constexpr = q.dtype.element_ty
-    # tiles gathered ahead of the loop, and cp.async groups left in flight when tile i is needed
-    AHEAD: gl.constexpr = STAGES - 1 if STAGES > 1 else 1
-    IN_FLIGHT: gl.constexpr = STAGES - 2 if STAGES > 1 else 0
 
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BH
@@ -48,12 +53,12 @@ def sparse_attn_bwd_dq_gluon_kernel(
         n_keys = gl.minimum(gl.load(topk_len + t).to(gl.int32), K)
     n_tiles = gl.cdiv(n_keys, BK)
 
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BD], KV_SL)
-    ds_smem = gl.allocate_shared_memory(dtype, [BH, BK], DS_SL)
+    k_smem = gl.allocate_shared_memory(dtype, [BK, BD], KV_SL)
+    p_smem = gl.allocate_shared_memory(dtype, [BH, BK], P_SL)
+    ds_smem = gl.allocate_shared_memory(dtype, [BH, BK], P_SL)
     ids_g = _tile_ids(idx_row, 0, n_keys, BK, gl.SliceLayout(1, ROWS))
-    for s in gl.static_range(AHEAD):
-        _issue_gather(kv, ids_g, stride_kvn, k_bufs.index(s), BD, ROWS)
-        ids_g = _tile_ids(idx_row, (s + 1) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
+    _issue_gather(kv, ids_g, stride_kvn, k_smem, BD, ROWS)
+    ids_g = _tile_ids(idx_row, BK, n_keys, BK, gl.SliceLayout(1, ROWS))
 
     # Row terms: q and dO into shared memory, delta = rowsum(dO * O) - dlse, the sink's share of the gradient.
     offs_hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ROWS))
@@ -76,37 +81,46 @@ def sparse_attn_bwd_dq_gluon_kernel(
     delta2 = gl.expand_dims(delta, 1)
     qk_scale_log2 = scale * 1.4426950408889634
 
+    offs_c = gl.arange(0, DC, layout=gl.SliceLayout(0, C_L))
     dq_acc = gl.zeros([BH, BD], gl.float32, layout=O_L)
     s_zero = gl.zeros([BH, BK], gl.float32, layout=S_L)
+    c_zero = gl.zeros([BK, DC], gl.float32, layout=C_L)
+    p_t = p_smem.permute((1, 0))
+    ds_t = ds_smem.permute((1, 0))
     for i in range(n_tiles):
-        slot = i % STAGES
-        async_copy.wait_group(IN_FLIGHT)
+        # Tile i has landed; every warpgroup is done with the P / dS buffers of tile i - 1.
+        async_copy.wait_group(0)
         fence_async_shared()
         _cta_barrier()
-        k_tile = k_bufs.index(slot)
-        k_t = k_tile.permute((1, 0))
+        k_t = k_smem.permute((1, 0))
         s_tok = warpgroup_mma(q_smem, k_t, s_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(do_smem, k_t, s_zero, use_acc=False, is_async=True)
-        if STAGES > 1:  # refill the slot of tile i - 1 (free after the barrier) under the two MMAs
-            _issue_gather(kv, ids_g, stride_kvn, k_bufs.index((i + STAGES - 1) % STAGES), BD, ROWS)
-            ids_g = _tile_ids(idx_row, (i + STAGES) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
         ids_s = _tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(0, S_L))
+        ids_c = _tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(1, C_L))
         s_tile = warpgroup_mma_wait(1, deps=[s_tok])
         bias = gl.expand_dims(gl.where(ids_s >= 0, 0.0, float("-inf")), 0)
         p = gl.exp2(s_tile * qk_scale_log2 + bias - lse2)
         dp = warpgroup_mma_wait(0, deps=[dp_tok])
-        ds = p * (dp - delta2)
+        ds = p * (dp - delta2) * scale
+        p_smem.store(p.to(dtype))
         ds_smem.store(ds.to(dtype))
         fence_async_shared()
         _cta_barrier()
-        dq_acc = warpgroup_mma(ds_smem, k_tile, dq_acc)
-        if STAGES == 1:  # one slot: the next tile's gather waits until both warpgroups are done with this one
-            _cta_barrier()
-            _issue_gather(kv, ids_g, stride_kvn, k_bufs.index(0), BD, ROWS)
-            ids_g = _tile_ids(idx_row, (i + 2) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
+        dq_acc = warpgroup_mma(ds_smem, k_smem, dq_acc)
+        # Both warpgroups are done with the key tile: gather the next one under the key-side products.
+        _cta_barrier()
+        _issue_gather(kv, ids_g, stride_kvn, k_smem, BD, ROWS)
+        ids_g = _tile_ids(idx_row, (i + 2) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
+        rows = gl.expand_dims(dkv + ids_c.to(gl.int64) * BD, 1)
+        valid = gl.expand_dims(ids_c >= 0, 1)
+        for c in gl.static_range(BD // DC):
+            acc_c = warpgroup_mma(p_t, do_smem.slice(c * DC, DC, dim=1), c_zero, use_acc=False)
+            acc_c = warpgroup_mma(ds_t, q_smem.slice(c * DC, DC, dim=1), acc_c)
+            cols = gl.expand_dims(c * DC + offs_c, 0)
+            gl.atomic_add(rows + cols, acc_c, mask=valid & (cols < BD), sem="relaxed")
     async_copy.wait_group(0)
 
     offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
     offs_do = gl.arange(0, BD, layout=gl.SliceLayout(0, O_L))
     gl.store(dq + t * stride_qt + gl.expand_dims(offs_ho, 1) * stride_qh + gl.expand_dims(offs_do, 0),
-             (dq_acc * scale).to(dtype))
+             dq_acc.to(dtype))
