@@ -13,8 +13,8 @@ of it, because its result feeds the second product from registers. Here the layo
   while the score product of the current tile runs (asynchronous warpgroup MMA), and the index list of the tile
   after that is read one iteration early, so neither latency sits on the critical path.
 
-Measured on the H200 (bf16, H = 64, d = 512, k + W = 640, 32k tokens): 8.1 ms, 340 TFLOP/s, against 11.2 ms
-(245 TFLOP/s) for the Triton kernel (BENCHMARKS.md).
+Measured on the H200 (bf16, H = 64, d = 512, k + W = 640, 32k tokens): 8.1 ms, 338 TFLOP/s, against 11.3 ms
+(244 TFLOP/s) for the Triton kernel (BENCHMARKS.md).
 """
 
 from __future__ import annotations
