@@ -313,7 +313,13 @@ def _dot_prec(dtype: torch.dtype) -> str:
 
 
 def _gluon_kernel(name: str):
-    """A Gluon kernel (``"fwd"`` or ``"bwd"``), or None where this Triton has no Gluon (it is experimental API)."""
+    """A Gluon kernel (``"fwd"`` or ``"bwd"``), or None where this Triton's Gluon may not take it.
+
+    Gluon is experimental API that changes between releases: the kernels were measured on Triton 3.6 and compile
+    on 3.9 (a CPU test compiles them for sm_90); older releases run the Triton kernels.
+    """
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 6):
+        return None
     try:
         if name == "fwd":
             from .gluon_fwd import sparse_attn_fwd_gluon_kernel as kernel
