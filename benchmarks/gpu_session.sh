@@ -5,6 +5,7 @@
 #   CSATTN_COMMIT=<sha> STAGES="tests graphs" bash benchmarks/gpu_session.sh            # ~8 min (2 GPUs)
 #   CSATTN_COMMIT=<sha> STAGES="layer profile" bash benchmarks/gpu_session.sh           # ~5 min
 #   CSATTN_COMMIT=<sha> STAGES="attn-variants" bash benchmarks/gpu_session.sh           # ~1 min
+#   CSATTN_COMMIT=<sha> STAGES="topk-vs-fwd" bash benchmarks/gpu_session.sh             # ~1 min
 #   CSATTN_COMMIT=<sha> STAGES="report-a" bash benchmarks/gpu_session.sh                # ~8 min
 #   CSATTN_COMMIT=<sha> STAGES="report-b" bash benchmarks/gpu_session.sh                # ~7 min
 #   CSATTN_COMMIT=<sha> STAGES="hfprobe report-long" bash benchmarks/gpu_session.sh     # ~7 min
@@ -67,6 +68,13 @@ for s in ${STAGES:-tests layer profile}; do
         --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/attn_variants.json" \
         >> "$LOG" 2>&1
       echo "attn-variants rc=$?" >> "$LOG" ;;
+    topk-vs-fwd)
+      stage "indexer scores + top-k against the sparse attention forward, one call, 32k"
+      timeout 120 python3 -m benchmarks.run --op indexer_topk --mode fwd --providers "${TOPK_VARIANTS:-triton}" \
+        --shape tokens=32768 --warmup-ms 10 --rep-ms 100 --profile --commit "$C" --json "$OUT/indexer_topk.json" >> "$LOG" 2>&1
+      timeout 60 python3 -m benchmarks.run --op sparse_attn --mode fwd --providers triton \
+        --shape tokens=32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/sparse_attn_fwd.json" >> "$LOG" 2>&1
+      echo "topk-vs-fwd rc=$?" >> "$LOG" ;;
     hfprobe)
       stage "largest length HF eager fits: Triton vs HF eager, one document"
       timeout 240 python3 -m benchmarks.run --op layer --mode fwdbwd --providers triton,hf \
