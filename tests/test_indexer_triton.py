@@ -48,6 +48,20 @@ def test_topk_equals_reference_exact(lengths, padded, topk, workspace, streamed,
     assert torch.equal(got, expected)
 
 
+def test_topk_sort_kernel_equals_reference_exact(monkeypatch):
+    """The opt-in one-warp sort kernel orders the selected rows exactly as the reference (ties, -1 padding)."""
+    from csattn.ops.indexer import triton as kernels
+
+    monkeypatch.setitem(kernels.SCORE_TILES, "sort_kernel", 1)
+    gen = torch.Generator().manual_seed(5)
+    packed, meta = _pack([37, 58, 5, 23], [40, 60, 8, 24])
+    q, w, k = _int_inputs(packed.num_rows, meta.num_entries, 3, 16, gen)
+    for topk in (6, 32):
+        expected = indexer_topk_ref(q, w, k, meta.vis_start, meta.vis_end, topk)
+        got = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, topk, backend="triton")
+        assert torch.equal(got, expected)
+
+
 def _assert_same_sets(got, expected, scores, vis_start, tol):
     """Row by row, the two id sets may differ only in entries whose scores are within ``tol`` of the row's
     k-th best (rounding of a different accumulation order); the -1 padding must agree exactly."""
@@ -123,4 +137,7 @@ def test_topk_gpu_bf16_real_geometry(monkeypatch):
     from csattn.ops.indexer import triton as kernels
 
     monkeypatch.setattr(kernels, "REGISTER_ROW", 1024)
+    assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), got)
+    # So does the opt-in one-warp sort kernel, in the same order.
+    monkeypatch.setitem(kernels.SCORE_TILES, "sort_kernel", 1)
     assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), got)

@@ -24,9 +24,10 @@ __all__ = ["indexer_scores_fwd", "indexer_topk_triton"]
 # the transient scores of one chunk well under the layer's activation memory.
 _MAX_WORKSPACE = 256 << 20
 
-# Score-kernel tiles (rows x keys per program, warps, pipeline stages); the benchmark can override them.
+# Score-kernel tiles (rows x keys per program, warps, pipeline stages), and whether the rows are sorted by a
+# one-warp kernel of their own instead of inside the selection program; the benchmark can override them.
 # 128 x 128 measured best on the H200 (3.78 ms vs 4.18 ms for 64 x 128 at 32k tokens, HI=64, cI=128).
-SCORE_TILES = {"bt": 128, "bk": 128, "warps": 8, "stages": 3}
+SCORE_TILES = {"bt": 128, "bk": 128, "warps": 8, "stages": 3, "sort_kernel": 0}
 # Longest visible range kept in registers by the selection pass (16k int32 keys over 16 warps).
 REGISTER_ROW = 16384
 
@@ -185,10 +186,27 @@ def indexer_topk_select_kernel(
             tl.debug_barrier()
             tl.store(out_row + slots, ids, mask=slots < topk)
         else:
-            # The caller sorts the packed keys (the interpreter's bitonic sort is very slow); -1 marks empty.
+            # The caller sorts the packed keys (indexer_topk_sort_kernel, or the host under the interpreter,
+            # whose bitonic sort is very slow at k = 512); -1 marks empty.
             tl.store(out_row + slots, packed, mask=slots < topk)
     else:
         tl.store(out_row + slots, tl.full((KP,), -1, tl.int64), mask=slots < topk)
+
+
+@triton.jit
+def indexer_topk_sort_kernel(out, topk, KP: tl.constexpr):
+    """Order one row of packed sort keys best first (ties to the lower id) and unpack the ids; -1 stays -1.
+
+    The selection's own sort runs in its 8-warp program, where most of a 512-key bitonic sort's exchanges cross
+    warps (27 CTA barriers and shared-memory round trips, compiled for sm_90); in a one-warp program they are
+    in-thread or warp shuffles (no shared memory, no barriers). Opt-in (``SCORE_TILES["sort_kernel"] = 1``)
+    until measured on a GPU.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, KP)
+    ptr = out + row * topk + slots
+    packed = tl.sort(tl.load(ptr, mask=slots < topk, other=-1), descending=True)
+    tl.store(ptr, tl.where(packed >= 0, (2**31 - 1) - (packed & (2**31 - 1)), -1), mask=slots < topk)
 
 
 def _compute_dtype(q: Tensor, k: Tensor) -> torch.dtype:
@@ -314,11 +332,14 @@ def indexer_topk_triton(
         indexer_scores_fwd(q, w, k, vis_start, vis_end, lo, hi, key_lo, key_hi, out=scores, ordered_keys=True)
         indexer_topk_select_kernel[(hi - lo,)](
             scores, vis_start, vis_end, out, lo, key_lo, scores.stride(0), topk,
-            BK=1024, KP=kp, RB=rb if in_regs else 16, IN_REGS=in_regs, SORT=not interpret,
+            BK=1024, KP=kp, RB=rb if in_regs else 16, IN_REGS=in_regs,
+            SORT=not (interpret or SCORE_TILES["sort_kernel"]),
             # 8 warps up to 8192 keys a row (measured at 32k: 4.27 ms against 4.66 with 16 warps), 16 above.
             num_warps=16 if in_regs and rb > 8192 else 8,
         )
-    if interpret:
+    if SCORE_TILES["sort_kernel"]:
+        indexer_topk_sort_kernel[(num_rows,)](out, topk, KP=kp, num_warps=1)
+    elif interpret:
         packed = torch.sort(out, dim=1, descending=True).values
         out = torch.where(packed >= 0, (2**31 - 1) - (packed & (2**31 - 1)), -1)
     return out
