@@ -10,6 +10,7 @@ matrix product. Only ``o`` and ``lse`` are saved; the backward recomputes the sc
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 import triton
@@ -318,7 +319,7 @@ def _gluon_kernel(name: str):
     Gluon is experimental API that changes between releases: the kernels were measured on Triton 3.6 and compile
     on 3.9 (a CPU test compiles them for sm_90); older releases run the Triton kernels.
     """
-    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 6):
+    if tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2]) < (3, 6):
         return None
     try:
         if name == "fwd":
