@@ -34,7 +34,7 @@ strides = ("qt", "qh", "kvn", "it", "ot", "oh", "lt")
 if which == "fwd":
     fn = sparse_attn_fwd_gluon_kernel
     sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
-           "lse": "*fp32", **{f"stride_{n}": "i64" for n in strides}, "H": "i32", "K": "i32", "qk_scale_log2": "fp32"}
+           "lse": "*fp32", **{f"stride_{n}": "i64" for n in strides}, "K": "i32", "qk_scale_log2": "fp32"}
     consts = {"HAS_LEN": has_len, "BH": 64, "BD": d, "BK": bk, "STAGES": stages}
 else:
     fn = sparse_attn_bwd_gluon_kernel
@@ -98,9 +98,11 @@ def test_dispatch_off_hopper_for_fp32_and_old_triton(monkeypatch):
     from csattn.ops.sparse_attn import triton as kernels
     from csattn.ops.sparse_attn.triton import SparseAttnConfig, uses_gluon_bwd, uses_gluon_fwd
 
+    kernels._gluon_kernel.cache_clear()  # the lookup is cached per process
     with monkeypatch.context() as m:  # an older Gluon API: the Triton kernels run
         m.setattr(triton, "__version__", "3.5.1")
         assert kernels._gluon_kernel("fwd") is None and kernels._gluon_kernel("bwd") is None
+    kernels._gluon_kernel.cache_clear()
 
     q = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
     kv = torch.zeros(8, 512, dtype=torch.bfloat16)

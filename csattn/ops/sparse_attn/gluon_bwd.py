@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_fwd import _cta_barrier, _issue_gather, _tile_ids
+from .gluon_fwd import _cta_barrier, issue_gather, mma_smem, row_keys, row_layout, split_mma, tile_ids
 
 __all__ = ["sparse_attn_bwd_gluon_kernel"]
 
@@ -39,29 +39,25 @@ def sparse_attn_bwd_gluon_kernel(
     HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr,
     BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, DC: gl.constexpr,
 ):
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BK // 2, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BD // 2, 16])
-    C_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, DC // 2, 16])
-    ROWS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1],
-                                          order=[1, 0])
-    KV_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    P_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BK * 2, 128), element_bitwidth=16, rank=2)
+    # S and dP split by keys, the dq accumulator and the dkv chunks by columns, between the two warpgroups.
+    S_L: gl.constexpr = split_mma(BK // 2)
+    O_L: gl.constexpr = split_mma(BD // 2)
+    C_L: gl.constexpr = split_mma(DC // 2)
+    ROWS: gl.constexpr = row_layout()
+    KV_SL: gl.constexpr = mma_smem(BD * 2)
+    P_SL: gl.constexpr = mma_smem(BK * 2)
     dtype: gl.constexpr = q.dtype.element_ty
 
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BH
-    idx_row = idx + t * stride_it
-    n_keys = K
-    if HAS_LEN:
-        n_keys = gl.minimum(gl.load(topk_len + t).to(gl.int32), K)
-    n_tiles = gl.cdiv(n_keys, BK)
+    idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
 
     k_smem = gl.allocate_shared_memory(dtype, [BK, BD], KV_SL)
     p_smem = gl.allocate_shared_memory(dtype, [BH, BK], P_SL)
     ds_smem = gl.allocate_shared_memory(dtype, [BH, BK], P_SL)
-    ids_g = _tile_ids(idx_row, 0, n_keys, BK, gl.SliceLayout(1, ROWS))
-    _issue_gather(kv, ids_g, stride_kvn, k_smem, BD, ROWS)
-    ids_g = _tile_ids(idx_row, BK, n_keys, BK, gl.SliceLayout(1, ROWS))
+    ids_g = tile_ids(idx_row, 0, n_keys, BK, gl.SliceLayout(1, ROWS))
+    issue_gather(kv, ids_g, stride_kvn, k_smem, BD)
+    ids_g = tile_ids(idx_row, BK, n_keys, BK, gl.SliceLayout(1, ROWS))
 
     # Row terms: q and dO into shared memory, delta = rowsum(dO * O) - dlse, the sink's share of the gradient.
     offs_hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ROWS))
@@ -98,8 +94,8 @@ def sparse_attn_bwd_gluon_kernel(
         k_t = k_smem.permute((1, 0))
         s_tok = warpgroup_mma(q_smem, k_t, s_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(do_smem, k_t, s_zero, use_acc=False, is_async=True)
-        ids_s = _tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(0, S_L))
-        ids_c = _tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(1, C_L))
+        ids_s = tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(0, S_L))
+        ids_c = tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(1, C_L))
         s_tile = warpgroup_mma_wait(1, deps=[s_tok])
         bias = gl.expand_dims(gl.where(ids_s >= 0, 0.0, float("-inf")), 0)
         p = gl.exp2(s_tile * qk_scale_log2 + bias - lse2)
@@ -112,15 +108,14 @@ def sparse_attn_bwd_gluon_kernel(
         dq_acc = warpgroup_mma(ds_smem, k_smem, dq_acc)
         # Both warpgroups are done with the key tile: gather the next one under the key-side products.
         _cta_barrier()
-        _issue_gather(kv, ids_g, stride_kvn, k_smem, BD, ROWS)
-        ids_g = _tile_ids(idx_row, (i + 2) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
+        issue_gather(kv, ids_g, stride_kvn, k_smem, BD)
+        ids_g = tile_ids(idx_row, (i + 2) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
         rows = gl.expand_dims(dkv + ids_c.to(gl.int64) * BD, 1)
         valid = gl.expand_dims(ids_c >= 0, 1)
         for c in gl.static_range(BD // DC):
             acc_c = warpgroup_mma(p_t, do_smem.slice(c * DC, DC, dim=1), c_zero, use_acc=False)
             acc_c = warpgroup_mma(ds_t, q_smem.slice(c * DC, DC, dim=1), acc_c)
-            cols = gl.expand_dims(c * DC + offs_c, 0)
-            gl.atomic_add(rows + cols, acc_c, mask=valid & (cols < BD), sem="relaxed")
+            gl.atomic_add(rows + gl.expand_dims(c * DC + offs_c, 0), acc_c, mask=valid, sem="relaxed")
     async_copy.wait_group(0)
 
     offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))

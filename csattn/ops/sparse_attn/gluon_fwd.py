@@ -32,19 +32,45 @@ _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_glo
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
+@gluon.constexpr_function
+def split_mma(n):
+    """Warpgroup-MMA register layout of a ``[64, 2 n]`` tile split by columns between the two warpgroups."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def row_layout():
+    """Row tiles (key gathers, the q / dO loads): 16 bytes per thread along d, one cp.async each, 8 warps."""
+    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1], order=[1, 0])
+
+
+@gluon.constexpr_function
+def mma_smem(row_bytes):
+    """Shared-memory layout of a 16-bit MMA operand whose rows are ``row_bytes`` long."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(row_bytes, 128), element_bitwidth=16, rank=2)
+
+
 @gluon.jit
-def _issue_gather(kv, ids, stride_kvn, buf, BD: gl.constexpr, ROWS: gl.constexpr):
-    """cp.async the key rows ``ids`` ([BK] in the gather layout; -1 = none, zero-filled) into ``buf``."""
-    offs_d = gl.arange(0, BD, layout=gl.SliceLayout(0, ROWS))
-    rows = kv + ids.to(gl.int64) * stride_kvn
-    ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(offs_d, 0)
-    mask = gl.expand_dims(ids >= 0, 1) & gl.expand_dims(offs_d < BD, 0)
-    _cp_async(buf, ptrs, mask=mask)
+def row_keys(idx, topk_len, t, stride_it, K, BK: gl.constexpr, HAS_LEN: gl.constexpr):
+    """Row ``t``'s index list, its key count (``topk_len`` limits it when given) and its number of key tiles."""
+    idx_row = idx + t * stride_it
+    n_keys = K
+    if HAS_LEN:
+        n_keys = gl.minimum(gl.load(topk_len + t).to(gl.int32), K)
+    return idx_row, n_keys, gl.cdiv(n_keys, BK)
+
+
+@gluon.jit
+def issue_gather(kv, ids, stride_kvn, buf, BD: gl.constexpr):
+    """cp.async the key rows ``ids`` ([BK] in the row layout; -1 = none, zero-filled) into ``buf``."""
+    offs_d = gl.arange(0, BD, layout=gl.SliceLayout(0, row_layout()))
+    ptrs = gl.expand_dims(kv + ids.to(gl.int64) * stride_kvn, 1) + gl.expand_dims(offs_d, 0)
+    _cp_async(buf, ptrs, mask=gl.expand_dims(ids >= 0, 1))
     async_copy.commit_group()
 
 
 @gluon.jit
-def _tile_ids(idx_row, start, n_keys, BK: gl.constexpr, layout: gl.constexpr):
+def tile_ids(idx_row, start, n_keys, BK: gl.constexpr, layout: gl.constexpr):
     offs = start + gl.arange(0, BK, layout=layout)
     return gl.load(idx_row + offs, mask=offs < n_keys, other=-1)
 
@@ -53,39 +79,31 @@ def _tile_ids(idx_row, start, n_keys, BK: gl.constexpr, layout: gl.constexpr):
 def sparse_attn_fwd_gluon_kernel(
     q, kv, idx, topk_len, sink, o, lse,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
-    H, K, qk_scale_log2,
+    K, qk_scale_log2,
     HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
 ):
-    # Register layouts: the score tile split by keys, the accumulator by columns, both over 2 warpgroups.
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BK // 2, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BD // 2, 16])
-    # Row tiles (key gathers, the q load): 16 bytes per thread along d, one cp.async each.
-    ROWS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1],
-                                          order=[1, 0])
-    KV_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    P_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BK * 2, 128), element_bitwidth=16, rank=2)
+    # The score tile split by keys, the accumulator by columns, both between the two warpgroups.
+    S_L: gl.constexpr = split_mma(BK // 2)
+    O_L: gl.constexpr = split_mma(BD // 2)
+    ROWS: gl.constexpr = row_layout()
     dtype: gl.constexpr = q.dtype.element_ty
 
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BH
-    idx_row = idx + t * stride_it
-    n_keys = K
-    if HAS_LEN:
-        n_keys = gl.minimum(gl.load(topk_len + t).to(gl.int32), K)
-    n_tiles = gl.cdiv(n_keys, BK)
+    idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
 
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BD], KV_SL)
-    p_smem = gl.allocate_shared_memory(dtype, [BH, BK], P_SL)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BD], mma_smem(BD * 2))
+    p_smem = gl.allocate_shared_memory(dtype, [BH, BK], mma_smem(BK * 2))
     # Start the first gathers before anything else so they overlap the q load.
-    ids_g = _tile_ids(idx_row, 0, n_keys, BK, gl.SliceLayout(1, ROWS))
+    ids_g = tile_ids(idx_row, 0, n_keys, BK, gl.SliceLayout(1, ROWS))
     for s in gl.static_range(STAGES - 1):
-        _issue_gather(kv, ids_g, stride_kvn, k_bufs.index(s), BD, ROWS)
-        ids_g = _tile_ids(idx_row, (s + 1) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
+        issue_gather(kv, ids_g, stride_kvn, k_bufs.index(s), BD)
+        ids_g = tile_ids(idx_row, (s + 1) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
 
     offs_hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ROWS))
     offs_dr = gl.arange(0, BD, layout=gl.SliceLayout(0, ROWS))
     q_regs = gl.load(q + t * stride_qt + gl.expand_dims(offs_hr, 1) * stride_qh + gl.expand_dims(offs_dr, 0))
-    q_smem = gl.allocate_shared_memory(dtype, [BH, BD], KV_SL, q_regs)
+    q_smem = gl.allocate_shared_memory(dtype, [BH, BD], mma_smem(BD * 2), q_regs)
 
     # The sink is the softmax's starting state (max = sink, sum = 1), as in the Triton kernel.
     offs_hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, S_L))
@@ -105,9 +123,9 @@ def sparse_attn_fwd_gluon_kernel(
         k_tile = k_bufs.index(slot)
         # The score product runs on the tensor cores while the threads issue the next gather.
         s_tok = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        _issue_gather(kv, ids_g, stride_kvn, k_bufs.index((i + STAGES - 1) % STAGES), BD, ROWS)
-        ids_g = _tile_ids(idx_row, (i + STAGES) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
-        ids_s = _tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(0, S_L))
+        issue_gather(kv, ids_g, stride_kvn, k_bufs.index((i + STAGES - 1) % STAGES), BD)
+        ids_g = tile_ids(idx_row, (i + STAGES) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
+        ids_s = tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(0, S_L))
         s_tile = warpgroup_mma_wait(0, deps=[s_tok])
         bias = gl.where(ids_s >= 0, 0.0, float("-inf"))
         s_tile = s_tile * qk_scale_log2 + gl.expand_dims(bias, 0)

@@ -9,6 +9,7 @@ matrix product. Only ``o`` and ``lse`` are saved; the backward recomputes the sc
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -313,6 +314,7 @@ def _dot_prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@functools.cache
 def _gluon_kernel(name: str):
     """A Gluon kernel (``"fwd"`` or ``"bwd"``), or None where this Triton's Gluon may not take it.
 
@@ -331,14 +333,14 @@ def _gluon_kernel(name: str):
     return kernel
 
 
-def _gluon_applies(q: Tensor, kv: Tensor, cfg: SparseAttnConfig, bk: int) -> bool:
+def _gluon_applies(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
     """The Gluon kernels are written for Hopper's warpgroup MMA: sm_90, bf16/fp16, whole 64-head blocks, d a
-    power of two in 64..512, key tiles of 32 or 64, 16-byte aligned rows for their cp.async gathers."""
+    power of two in 64..512, 16-byte aligned rows for their cp.async gathers."""
     if q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
     T, H, D = q.shape
     if (q.dtype not in (torch.bfloat16, torch.float16) or H % 64 or cfg.bh not in (None, 64)
-            or D not in (64, 128, 256, 512) or bk not in (32, 64)):
+            or D not in (64, 128, 256, 512)):
         return False
     if (q.stride(2) != 1 or q.stride(1) % 8 or q.stride(0) % 8 or kv.stride(1) != 1 or kv.stride(0) % 8
             or q.data_ptr() % 16 or kv.data_ptr() % 16):
@@ -348,12 +350,13 @@ def _gluon_applies(q: Tensor, kv: Tensor, cfg: SparseAttnConfig, bk: int) -> boo
 
 def uses_gluon_fwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
     """Whether :func:`sparse_attn_fwd` runs the Gluon kernel for these inputs (else the Triton kernel)."""
-    return bool(cfg.fwd_gluon) and _gluon_applies(q, kv, cfg, cfg.bk_fwd) and _gluon_kernel("fwd") is not None
+    return (bool(cfg.fwd_gluon) and cfg.bk_fwd in (32, 64) and _gluon_applies(q, kv, cfg)
+            and _gluon_kernel("fwd") is not None)
 
 
 def uses_gluon_bwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
     """Whether :func:`sparse_attn_bwd` runs the one Gluon kernel (dq, dkv, dsink) instead of the Triton pair."""
-    return bool(cfg.bwd_gluon) and _gluon_applies(q, kv, cfg, 64) and _gluon_kernel("bwd") is not None
+    return bool(cfg.bwd_gluon) and _gluon_applies(q, kv, cfg) and _gluon_kernel("bwd") is not None
 
 
 def sparse_attn_fwd(
@@ -372,7 +375,7 @@ def sparse_attn_fwd(
         kernel = _gluon_kernel("fwd")[(T, H // 64)](
             q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
-            H, K, scale * LOG2E,
+            K, scale * LOG2E,
             HAS_LEN=topk_length is not None, BH=64, BD=D, BK=cfg.bk_fwd, STAGES=max(2, cfg.stages_fwd),
             num_warps=8,
         )
@@ -431,22 +434,22 @@ def sparse_attn_bwd(
             BH=bh, BD=max(triton.next_power_of_2(D), 16), DOT_PREC=_dot_prec(q.dtype),
         )
         if uses_gluon_bwd(q, kv, cfg):
-            # One kernel for dq, dkv and dsink; dkv chunks of 128 columns measured best (64: +1.5 %, 256: +6 %).
-            gluon_args = {k: v for k, v in common.items() if k not in ("D", "BH", "BD", "DOT_PREC")}
+            # One kernel for dq, dkv and dsink (64-head blocks, d = BD); dkv chunks of 128 columns measured best
+            # (64: +1.5 %, 256: +6 %).
+            del common["D"], common["BH"], common["BD"], common["DOT_PREC"]
             kernel = _gluon_kernel("bwd")[(T, H // 64)](
                 sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, BH=64, BD=D, BK=64, DC=min(128, D),
-                num_warps=8, **gluon_args)
+                num_warps=8, **common)
             _report("bwd_gluon", kernel, cfg)
-            dsink = dsink_rows.sum(0).to(sink.dtype)
-            return dq, None if dkv_accum is not None else dkv32.to(kv.dtype), dsink
-        kernel = sparse_attn_bwd_kernel_dq[grid](
-            sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq,
-            num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common)
-        _report("bwd_dq", kernel, cfg)
-        common["BD"] = max(common["BD"], 64)  # four column chunks of >= 16
-        kernel = sparse_attn_bwd_kernel_dkv[grid](
-            dkv=dkv32, BK=cfg.bk_dkv, num_warps=cfg.warps_dkv, num_stages=cfg.stages_dkv, **common)
-        _report("bwd_dkv", kernel, cfg)
+        else:
+            kernel = sparse_attn_bwd_kernel_dq[grid](
+                sink=sink, dq=dq, dsink_rows=dsink_rows, BK=cfg.bk_dq,
+                num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **common)
+            _report("bwd_dq", kernel, cfg)
+            common["BD"] = max(common["BD"], 64)  # four column chunks of >= 16
+            kernel = sparse_attn_bwd_kernel_dkv[grid](
+                dkv=dkv32, BK=cfg.bk_dkv, num_warps=cfg.warps_dkv, num_stages=cfg.stages_dkv, **common)
+            _report("bwd_dkv", kernel, cfg)
     dsink = dsink_rows.sum(0).to(sink.dtype)
     return dq, None if dkv_accum is not None else dkv32.to(kv.dtype), dsink
 
