@@ -28,9 +28,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("streamed", [False, True], ids=["row_in_registers", "row_streamed"])
 def test_static_topk_triton_equals_reference(lengths, padded, topk, workspace, streamed, monkeypatch):
     if streamed:
-        from csattn.graphs import select_triton
+        from csattn.ops.indexer import triton as kernels
 
-        monkeypatch.setattr(select_triton, "REGISTER_ROW", 8)
+        monkeypatch.setattr(kernels, "REGISTER_ROW", 8)
     packed = PackedSeqs.from_lengths(lengths, padded_lengths=padded, device=DEVICE)
     t = packed.num_rows
     static = StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=t, max_seqlen=max(padded))

@@ -33,12 +33,16 @@ def _int_inputs(T, Nc, HI, CI, gen):
     ],
 )
 @pytest.mark.parametrize("streamed", [False, True], ids=["row_in_registers", "row_streamed"])
-def test_topk_equals_reference_exact(lengths, padded, topk, workspace, streamed, monkeypatch):
+@pytest.mark.parametrize("search", [{}, {"ways": 3, "seg": 16}], ids=["bisect_one_tile", "three_way_16_key_tiles"])
+def test_topk_equals_reference_exact(lengths, padded, topk, workspace, streamed, search, monkeypatch):
+    from csattn.ops.indexer import triton as kernels
+
     if streamed:
         # Rows longer than REGISTER_ROW keys take the tiled selection path; force it on these small rows.
-        from csattn.ops.indexer import triton as kernels
-
         monkeypatch.setattr(kernels, "REGISTER_ROW", 8)
+    # Two thresholds a step, and rows compacted in several tiles (the ranks carried from tile to tile).
+    for key, value in search.items():
+        monkeypatch.setitem(kernels.SCORE_TILES, key, value)
     gen = torch.Generator().manual_seed(sum(lengths) + topk)
     packed, meta = _pack(lengths, padded)
     q, w, k = _int_inputs(packed.num_rows, meta.num_entries, 3, 16, gen)
@@ -60,6 +64,27 @@ def test_topk_sort_kernel_equals_reference_exact(monkeypatch):
         expected = indexer_topk_ref(q, w, k, meta.vis_start, meta.vis_end, topk)
         got = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, topk, backend="triton")
         assert torch.equal(got, expected)
+
+
+def test_topk_chunk_plan_kept_per_pack_and_redone_on_change():
+    """The row-chunk plan (host reads) is made once for a pair of range tensors and reused by later calls; an
+    in-place edit of the ranges or another ``vis_start`` makes a new one, and the ids follow the new ranges."""
+    from csattn.ops.indexer import triton as kernels
+
+    gen = torch.Generator().manual_seed(3)
+    packed, meta = _pack([37, 58, 23], [40, 60, 24])
+    q, w, k = _int_inputs(packed.num_rows, meta.num_entries, 3, 16, gen)
+    vis_start, vis_end = meta.vis_start.clone(), meta.vis_end.clone()
+    plan = kernels._chunks(vis_start, vis_end, 1 << 20)
+    assert kernels._chunks(vis_start, vis_end, 1 << 20) is plan
+    assert kernels._chunks(vis_start.clone(), vis_end, 1 << 20) is not plan
+    assert kernels._chunks(vis_start, vis_end, 1 << 10) is not plan
+    first = indexer_topk(q, w, k, vis_start, vis_end, 6, backend="triton")
+    assert torch.equal(first, indexer_topk_ref(q, w, k, vis_start, vis_end, 6))
+    vis_end.copy_(torch.minimum(vis_end, vis_start + 3))  # every row now sees at most 3 entries
+    got = indexer_topk(q, w, k, vis_start, vis_end, 6, backend="triton")
+    assert torch.equal(got, indexer_topk_ref(q, w, k, vis_start, vis_end, 6))
+    assert not torch.equal(got, first)
 
 
 def _assert_same_sets(got, expected, scores, vis_start, tol):
@@ -138,6 +163,8 @@ def test_topk_gpu_bf16_real_geometry(monkeypatch):
 
     monkeypatch.setattr(kernels, "REGISTER_ROW", 1024)
     assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), got)
-    # So does the opt-in one-warp sort kernel, in the same order.
-    monkeypatch.setitem(kernels.SCORE_TILES, "sort_kernel", 1)
-    assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), got)
+    monkeypatch.undo()
+    # So do the other search and sort settings the benchmark compares, in the same order.
+    for key, value in (("sort_kernel", 1), ("ways", 3), ("seg", 512), ("seg", 1024), ("select_warps", 4)):
+        monkeypatch.setitem(kernels.SCORE_TILES, key, value)
+        assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), got), key

@@ -5,16 +5,15 @@ on the visible range), so the launch sequence is the same on every replay."""
 from __future__ import annotations
 
 import torch
-import triton
 from torch import Tensor
 
 from ..ops.indexer.triton import (
     _MAX_WORKSPACE,
-    REGISTER_ROW,
     _compute_dtype,
     _interpreting,
+    finish_topk,
     indexer_scores_fwd,
-    indexer_topk_select_kernel,
+    select_topk,
 )
 
 __all__ = ["indexer_topk_static_triton"]
@@ -41,20 +40,10 @@ def indexer_topk_static_triton(
     budget = max(1, min(workspace_bytes, _MAX_WORKSPACE))
     # the slab is the whole key table (the score kernel skips tiles no row of the chunk sees)
     height = max(64, budget // (4 * num_keys) // 64 * 64)
-    rb = max(16, triton.next_power_of_2(width))
-    in_regs = rb <= REGISTER_ROW
     workspace = torch.empty(min(height, num_rows) * num_keys, dtype=torch.int32, device=q.device)
-    kp = triton.next_power_of_2(topk)
     for lo in range(0, num_rows, height):
         hi = min(lo + height, num_rows)
         scores = workspace[: (hi - lo) * num_keys].view(hi - lo, num_keys)
         indexer_scores_fwd(q, w, k, vis_start, vis_end, lo, hi, 0, num_keys, out=scores, ordered_keys=True)
-        indexer_topk_select_kernel[(hi - lo,)](
-            scores, vis_start, vis_end, out, lo, 0, scores.stride(0), topk,
-            BK=1024, KP=kp, RB=rb if in_regs else 16, IN_REGS=in_regs, SORT=not interpret,
-            num_warps=16 if in_regs and rb > 8192 else 8,
-        )
-    if interpret:
-        packed = torch.sort(out, dim=1, descending=True).values
-        out = torch.where(packed >= 0, (2**31 - 1) - (packed & (2**31 - 1)), -1)
-    return out
+        select_topk(scores, vis_start, vis_end, out, lo, 0, width)
+    return finish_topk(out)
