@@ -4,11 +4,13 @@ Two passes over a bounded workspace, never the whole ``[T, Nc]`` score matrix at
 
 1. ``indexer_scores_fwd_kernel``: for a tile of rows and a tile of keys, ``sum_h w[t,h] * relu(q[t,h] . k)``
    with one ``tl.dot`` per head (the key tile is loaded once and reused by every head), fp32 accumulation,
-   written to a row-chunk workspace. Tiles outside every row's visible range are skipped.
-2. ``indexer_topk_select_kernel``: per row, the exact k-th largest score by bisection over the order-preserving
-   integer image of the fp32 scores, then one compaction pass in id order (scores above the threshold, plus
-   the lowest ids among those equal to it), then a bitonic sort of ``(score, -id)`` keys so the row comes out
-   best first with ties toward the lower id: the same list as ``indexer_topk_ref``.
+   written to a row-chunk workspace as int32 keys that order like the scores. Tiles outside every row's
+   visible range are skipped.
+2. ``indexer_topk_select_kernel``: per row, the exact k-th largest key by bisection with the row alone in
+   registers (one block-wide count a step), then one pass over the row in tiles that parks the taken entries
+   (keys above the threshold, plus the lowest ids among those equal to it) as packed ``(score, -id)`` sort keys.
+3. ``indexer_topk_sort_kernel``: one warp a row sorts them best first, ties toward the lower id: the same list
+   as ``indexer_topk_ref``.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ __all__ = ["indexer_scores_fwd", "indexer_topk_triton", "select_topk", "finish_t
 # the transient scores of one chunk well under the layer's activation memory.
 _MAX_WORKSPACE = 256 << 20
 
-# Score-kernel tiles (rows x keys per program, warps, pipeline stages), and whether the rows are sorted by a
-# one-warp kernel of their own instead of inside the selection program; the benchmark can override them.
-# 128 x 128 measured best on the H200 (3.78 ms vs 4.18 ms for 64 x 128 at 32k tokens, HI=64, cI=128).
-SCORE_TILES = {"bt": 128, "bk": 128, "warps": 8, "stages": 3, "sort_kernel": 0, "ways": 2, "seg": 2048,
-               "select_warps": 8}
+# Score-kernel tiles (rows x keys per program, warps, pipeline stages; 128 x 128 measured best on the H200: 3.78
+# ms vs 4.18 for 64 x 128 at 32k tokens, HI = 64, cI = 128) and the selection's settings: thresholds tried a
+# search step (``ways``), compaction tile (``seg``), warps for rows up to 8192 keys and above, and whether rows
+# are sorted by a one-warp kernel of their own. Measured at 32k on the H200 (benchmarks/results, 2ab5ea5): 4 warps
+# and 1024-key tiles 1.96 ms, 8 warps 2.20, 2048-key tiles 2.62, three-way search 2.06; the sort apart 1.58 + 0.29
+# (its in-program sort needs 27 block barriers). The benchmark's variants override these.
+SCORE_TILES = {"bt": 128, "bk": 128, "warps": 8, "stages": 3, "ways": 2, "seg": 1024, "select_warps": 4,
+               "select_warps_wide": 16, "sort_kernel": 1}
 # Longest visible range kept in registers by the selection pass (16k int32 keys over 16 warps).
 REGISTER_ROW = 16384
 
@@ -179,6 +184,7 @@ def indexer_topk_select_kernel(
     BK: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr, IN_REGS: tl.constexpr, SORT: tl.constexpr,
     WAYS: tl.constexpr, SEG: tl.constexpr,
 ):
+    tl.static_assert(RB <= 2**15 and SEG <= 2**15, "16-bit counts: rows in registers and tiles up to 2^15 keys")
     t = tl.program_id(0)
     row = row_lo + t
     start = (tl.load(vis_start + row) - key_lo).to(tl.int32)
@@ -222,10 +228,9 @@ def indexer_topk_select_kernel(
 def indexer_topk_sort_kernel(out, topk, KP: tl.constexpr):
     """Order one row of packed sort keys best first (ties to the lower id) and unpack the ids; -1 stays -1.
 
-    The selection's own sort runs in its 8-warp program, where most of a 512-key bitonic sort's exchanges cross
-    warps (27 CTA barriers and shared-memory round trips, compiled for sm_90); in a one-warp program they are
-    in-thread or warp shuffles (no shared memory, no barriers). Opt-in (``SCORE_TILES["sort_kernel"] = 1``)
-    until measured on a GPU.
+    In the 8-warp selection program most of a 512-key bitonic sort's exchanges cross warps (27 block barriers and
+    shared-memory round trips, compiled for sm_90); in a one-warp program they are in-thread or warp shuffles (no
+    shared memory, no barriers). Measured at 32k: selection 1.58 ms + this 0.29 against 1.96 with the sort inside.
     """
     row = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, KP)
@@ -367,8 +372,8 @@ def indexer_topk_triton(
 
 
 def _sorts_apart() -> bool:
-    """Whether rows are sorted by ``indexer_topk_sort_kernel`` (or on the host under the interpreter, whose
-    bitonic sort is very slow at k = 512) instead of inside the selection program."""
+    """Whether rows are sorted after the selection (``indexer_topk_sort_kernel``, the default) instead of inside
+    its program; always under the interpreter, which runs the in-program sort far too slowly."""
     return _interpreting() or bool(SCORE_TILES["sort_kernel"])
 
 
@@ -385,7 +390,7 @@ def select_topk(scores: Tensor, vis_start: Tensor, vis_end: Tensor, out: Tensor,
         scores, vis_start, vis_end, out, row_lo, key_lo, scores.stride(0), topk,
         BK=1024, KP=triton.next_power_of_2(topk), RB=rb if in_regs else 16, IN_REGS=in_regs, SORT=not _sorts_apart(),
         WAYS=SCORE_TILES["ways"], SEG=SCORE_TILES["seg"],
-        num_warps=SCORE_TILES["select_warps"] if in_regs and rb <= 8192 else 16,
+        num_warps=SCORE_TILES["select_warps"] if in_regs and rb <= 8192 else SCORE_TILES["select_warps_wide"],
     )
 
 
@@ -394,11 +399,12 @@ def finish_topk(out: Tensor) -> Tensor:
     if the selection left them unsorted)."""
     if not _sorts_apart():
         return out
-    if _interpreting():
+    kp = triton.next_power_of_2(out.shape[1])
+    if _interpreting() and kp > 64:
+        # the interpreter's bitonic sort is very slow at k = 512; the host sort gives the same order
         packed = torch.sort(out, dim=1, descending=True).values
         return torch.where(packed >= 0, (2**31 - 1) - (packed & (2**31 - 1)), -1)
-    indexer_topk_sort_kernel[(out.shape[0],)](out, out.shape[1], KP=triton.next_power_of_2(out.shape[1]),
-                                              num_warps=1)
+    indexer_topk_sort_kernel[(out.shape[0],)](out, out.shape[1], KP=kp, num_warps=1)
     return out
 
 
