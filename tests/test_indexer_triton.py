@@ -166,7 +166,6 @@ def test_topk_gpu_bf16_real_geometry(monkeypatch):
     assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), got)
     monkeypatch.undo()
     # So do the other search and sort settings the benchmark compares, in the same order.
-    for key, value in (("sort_kernel", 0), ("ways", 3), ("seg", 512), ("seg", 2048), ("select_warps", 8),
-                       ("select_warps_wide", 8)):
+    for key, value in (("sort_kernel", 0), ("ways", 3), ("seg", 512), ("seg", 2048), ("select_warps", 8)):
         monkeypatch.setitem(kernels.SCORE_TILES, key, value)
         assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), got), key

@@ -30,13 +30,15 @@ _MAX_WORKSPACE = 256 << 20
 
 # Score-kernel tiles (rows x keys per program, warps, pipeline stages; 128 x 128 measured best on the H200: 3.78
 # ms vs 4.18 for 64 x 128 at 32k tokens, HI = 64, cI = 128) and the selection's settings: thresholds tried a
-# search step (``ways``), compaction tile (``seg``), warps for rows up to 8192 keys and above, and whether rows
-# are sorted by a one-warp kernel of their own. Measured at 32k on the H200 (benchmarks/results, 2ab5ea5): 4 warps
-# and 1024-key tiles 1.96 ms, 8 warps 2.20, 2048-key tiles 2.62, three-way search 2.06; the sort apart 1.58 + 0.29
-# (its in-program sort needs 27 block barriers). The benchmark's variants override these.
+# search step (``ways``), compaction tile (``seg``), warps for rows searched in registers, and whether rows are
+# sorted by a one-warp kernel of their own. Measured on the H200 (benchmarks/results/indexer_topk_h200_2ab5ea5.json
+# and _7a4fd54.json): at 32k, 4 warps and 1024-key tiles 1.96 ms, 8 warps 2.20, 2048-key tiles 2.62, three-way
+# search 2.06, the sort apart 1.58 + 0.29 (its in-program sort needs 27 block barriers); at 64k (rows of 16k keys)
+# 4 warps 6.68 ms, 8 warps 6.89, 16 warps 7.71. The benchmark's variants override these.
 SCORE_TILES = {"bt": 128, "bk": 128, "warps": 8, "stages": 3, "ways": 2, "seg": 1024, "select_warps": 4,
-               "select_warps_wide": 16, "sort_kernel": 1}
-# Longest visible range kept in registers by the selection pass (16k int32 keys over 16 warps).
+               "sort_kernel": 1}
+# Longest visible range whose threshold is searched in registers (16k int32 keys: 128 registers a thread on 4
+# warps); longer rows stream their workspace row every search step.
 REGISTER_ROW = 16384
 
 
@@ -390,7 +392,7 @@ def select_topk(scores: Tensor, vis_start: Tensor, vis_end: Tensor, out: Tensor,
         scores, vis_start, vis_end, out, row_lo, key_lo, scores.stride(0), topk,
         BK=1024, KP=triton.next_power_of_2(topk), RB=rb if in_regs else 16, IN_REGS=in_regs, SORT=not _sorts_apart(),
         WAYS=SCORE_TILES["ways"], SEG=SCORE_TILES["seg"],
-        num_warps=SCORE_TILES["select_warps"] if in_regs and rb <= 8192 else SCORE_TILES["select_warps_wide"],
+        num_warps=SCORE_TILES["select_warps"] if in_regs else 16,
     )
 
 
