@@ -30,7 +30,7 @@ def test_static_topk_triton_equals_reference(lengths, padded, topk, workspace, s
     if streamed:
         from csattn.ops.indexer import triton as kernels
 
-        monkeypatch.setattr(kernels, "REGISTER_ROW", 8)
+        monkeypatch.setitem(kernels.SCORE_TILES, "register_row", 8)
     packed = PackedSeqs.from_lengths(lengths, padded_lengths=padded, device=DEVICE)
     t = packed.num_rows
     static = StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=t, max_seqlen=max(padded))

@@ -38,8 +38,8 @@ def test_topk_equals_reference_exact(lengths, padded, topk, workspace, streamed,
     from csattn.ops.indexer import triton as kernels
 
     if streamed:
-        # Rows longer than REGISTER_ROW keys take the tiled selection path; force it on these small rows.
-        monkeypatch.setattr(kernels, "REGISTER_ROW", 8)
+        # Rows longer than register_row keys take the tiled selection path; force it on these small rows.
+        monkeypatch.setitem(kernels.SCORE_TILES, "register_row", 8)
     # Two thresholds a step, and rows compacted in several tiles (the ranks carried from tile to tile).
     for key, value in search.items():
         monkeypatch.setitem(kernels.SCORE_TILES, key, value)
@@ -159,10 +159,10 @@ def test_topk_gpu_bf16_real_geometry(monkeypatch):
         scores.append(indexer_scores_ref(q[t:t + 1].double(), w[t:t + 1].double(), k[lo:hi].double())[0].cpu())
     sub = rows[:64].cpu()
     _assert_same_sets(got.cpu()[sub], expected.cpu()[sub], scores, meta.vis_start.cpu()[sub], 1e-4)
-    # The streamed selection (rows longer than REGISTER_ROW) picks exactly what the in-register one picks.
+    # The streamed selection (rows longer than register_row) picks exactly what the in-register one picks.
     from csattn.ops.indexer import triton as kernels
 
-    monkeypatch.setattr(kernels, "REGISTER_ROW", 1024)
+    monkeypatch.setitem(kernels.SCORE_TILES, "register_row", 1024)
     assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), got)
     monkeypatch.undo()
     # So do the other search and sort settings the benchmark compares, in the same order.

@@ -35,11 +35,10 @@ _MAX_WORKSPACE = 256 << 20
 # and _7a4fd54.json): at 32k, 4 warps and 1024-key tiles 1.96 ms, 8 warps 2.20, 2048-key tiles 2.62, three-way
 # search 2.06, the sort apart 1.58 + 0.29 (its in-program sort needs 27 block barriers); at 64k (rows of 16k keys)
 # 4 warps 6.68 ms, 8 warps 6.89, 16 warps 7.71. The benchmark's variants override these.
+# ``register_row``: the longest visible range whose threshold is searched in registers (a row of 4096 keys a warp
+# is 128 registers a thread); longer rows stream their workspace row every search step.
 SCORE_TILES = {"bt": 128, "bk": 128, "warps": 8, "stages": 3, "ways": 2, "seg": 1024, "select_warps": 4,
-               "sort_kernel": 1}
-# Longest visible range whose threshold is searched in registers (16k int32 keys: 128 registers a thread on 4
-# warps); longer rows stream their workspace row every search step.
-REGISTER_ROW = 16384
+               "sort_kernel": 1, "register_row": 16384}
 
 
 @triton.jit
@@ -96,7 +95,7 @@ def _bisect_regs(key, kk, WAYS: tl.constexpr):
     reduction a step. A step that lowers ``hi`` to ``mid - 1`` has just counted the keys ``>= mid``, which are the
     keys above the final threshold if ``hi`` moves no more, so ``above`` needs no pass of its own. ``WAYS = 3``
     tries two thresholds a step, their counts packed in the two 16-bit halves of one int32 sum (rows up to
-    ``REGISTER_ROW`` keys): about 20 steps instead of 32, for twice the compares.
+    ``2^14`` keys): about 20 steps instead of 32, for twice the compares.
     """
     lo = tl.full((), -(2**31), tl.int64)
     hi = tl.max(key, axis=0).to(tl.int64)
@@ -157,7 +156,7 @@ def _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, SEG: tl.conste
 
     The row is read again in ``SEG`` tiles (from L2: the threshold search has just read it), so only one tile's
     ranks, keys and addresses are live at a time and the search keeps the row alone in registers. One scan a
-    tile ranks both kinds: keys above in the low 16 bits, keys equal in the high 16 (``SEG <= 2^15``).
+    tile ranks both kinds: keys above in the low 16 bits, keys equal in the high 16 (``SEG <= 2^14``).
     """
     gt_base = tl.zeros((), dtype=tl.int32)
     eq_base = tl.zeros((), dtype=tl.int32)
@@ -186,7 +185,8 @@ def indexer_topk_select_kernel(
     BK: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr, IN_REGS: tl.constexpr, SORT: tl.constexpr,
     WAYS: tl.constexpr, SEG: tl.constexpr,
 ):
-    tl.static_assert(RB <= 2**15 and SEG <= 2**15, "16-bit counts: rows in registers and tiles up to 2^15 keys")
+    # counts packed in 16-bit halves of an int32 (the compaction's ranks; the three-way search's counts)
+    tl.static_assert(SEG <= 2**14 and (WAYS == 2 or RB <= 2**14), "tiles (and three-way rows) up to 2^14 keys")
     t = tl.program_id(0)
     row = row_lo + t
     start = (tl.load(vis_start + row) - key_lo).to(tl.int32)
@@ -385,14 +385,15 @@ def select_topk(scores: Tensor, vis_start: Tensor, vis_end: Tensor, out: Tensor,
     ``out[row_lo : row_lo + R]``; ``widest`` bounds the rows' visible ranges. Once every row is selected,
     :func:`finish_topk` turns ``out`` into ids."""
     topk = out.shape[1]
-    # Rows up to REGISTER_ROW keys search their threshold in registers, longer ones stream their workspace row.
+    # Rows up to register_row keys search their threshold in registers (at least one warp per 4096 keys), longer
+    # ones stream their workspace row.
     rb = max(16, triton.next_power_of_2(max(widest, 1)))
-    in_regs = rb <= REGISTER_ROW
+    in_regs = rb <= SCORE_TILES["register_row"]
     indexer_topk_select_kernel[(scores.shape[0],)](
         scores, vis_start, vis_end, out, row_lo, key_lo, scores.stride(0), topk,
         BK=1024, KP=triton.next_power_of_2(topk), RB=rb if in_regs else 16, IN_REGS=in_regs, SORT=not _sorts_apart(),
         WAYS=SCORE_TILES["ways"], SEG=SCORE_TILES["seg"],
-        num_warps=SCORE_TILES["select_warps"] if in_regs else 16,
+        num_warps=max(SCORE_TILES["select_warps"], rb // 4096) if in_regs else 16,
     )
 
 
