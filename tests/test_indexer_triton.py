@@ -169,3 +169,20 @@ def test_topk_gpu_bf16_real_geometry(monkeypatch):
     for key, value in (("sort_kernel", 0), ("ways", 3), ("seg", 512), ("seg", 2048), ("select_warps", 8)):
         monkeypatch.setitem(kernels.SCORE_TILES, key, value)
         assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), got), key
+
+
+@pytest.mark.gpu
+def test_topk_gpu_rows_of_32k_keys_exact(monkeypatch):
+    """A 128k-token document: its last rows see 32768 entries, searched in registers on 8 warps (the widest row
+    the in-register search takes); integer inputs make every score exact, so ids and order equal the
+    reference's, and the streamed search picks the same."""
+    from csattn.ops.indexer import triton as kernels
+
+    gen = torch.Generator().manual_seed(7)
+    packed, meta = _pack([131072], [131072])
+    q, w, k = _int_inputs(packed.num_rows, meta.num_entries, 2, 16, gen)
+    expected = indexer_topk_ref(q, w, k, meta.vis_start, meta.vis_end, 512)
+    got = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton")
+    assert torch.equal(got, expected)
+    monkeypatch.setitem(kernels.SCORE_TILES, "register_row", 16384)
+    assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), expected)
