@@ -33,16 +33,15 @@ def _int_inputs(T, Nc, HI, CI, gen):
     ],
 )
 @pytest.mark.parametrize("streamed", [False, True], ids=["row_in_registers", "row_streamed"])
-@pytest.mark.parametrize("search", [{}, {"ways": 3, "seg": 16}], ids=["bisect_one_tile", "three_way_16_key_tiles"])
-def test_topk_equals_reference_exact(lengths, padded, topk, workspace, streamed, search, monkeypatch):
+@pytest.mark.parametrize("seg", [1024, 16], ids=["one_tile", "16_key_tiles"])
+def test_topk_equals_reference_exact(lengths, padded, topk, workspace, streamed, seg, monkeypatch):
     from csattn.ops.indexer import triton as kernels
 
     if streamed:
         # Rows longer than register_row keys take the tiled selection path; force it on these small rows.
         monkeypatch.setitem(kernels.SCORE_TILES, "register_row", 8)
-    # Two thresholds a step, and rows compacted in several tiles (the ranks carried from tile to tile).
-    for key, value in search.items():
-        monkeypatch.setitem(kernels.SCORE_TILES, key, value)
+    # Rows compacted in one tile, or in several (the ranks carried from tile to tile).
+    monkeypatch.setitem(kernels.SCORE_TILES, "seg", seg)
     gen = torch.Generator().manual_seed(sum(lengths) + topk)
     packed, meta = _pack(lengths, padded)
     q, w, k = _int_inputs(packed.num_rows, meta.num_entries, 3, 16, gen)
@@ -52,12 +51,9 @@ def test_topk_equals_reference_exact(lengths, padded, topk, workspace, streamed,
     assert torch.equal(got, expected)
 
 
-def test_topk_sort_kernel_equals_reference_exact(monkeypatch):
-    """The one-warp sort kernel orders the selected rows exactly as the reference (ties, -1 padding); the suite's
-    other cases may sort on the host (the interpreter sorts wide rows there)."""
-    from csattn.ops.indexer import triton as kernels
-
-    monkeypatch.setitem(kernels.SCORE_TILES, "sort_kernel", 1)
+def test_topk_sort_kernel_equals_reference_exact():
+    """The one-warp sort kernel orders the selected rows exactly as the reference (ties, -1 padding); the
+    interpreter runs it up to k = 64 and sorts wider rows on the host."""
     gen = torch.Generator().manual_seed(5)
     packed, meta = _pack([37, 58, 5, 23], [40, 60, 8, 24])
     q, w, k = _int_inputs(packed.num_rows, meta.num_entries, 3, 16, gen)
@@ -166,7 +162,7 @@ def test_topk_gpu_bf16_real_geometry(monkeypatch):
     assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), got)
     monkeypatch.undo()
     # So do the other search and sort settings the benchmark compares, in the same order.
-    for key, value in (("sort_kernel", 0), ("ways", 3), ("seg", 512), ("seg", 2048), ("select_warps", 8)):
+    for key, value in (("seg", 512), ("seg", 2048), ("select_warps", 8)):
         monkeypatch.setitem(kernels.SCORE_TILES, key, value)
         assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), got), key
 

@@ -29,17 +29,16 @@ __all__ = ["indexer_scores_fwd", "indexer_topk_triton", "select_topk", "finish_t
 _MAX_WORKSPACE = 256 << 20
 
 # Score-kernel tiles (rows x keys per program, warps, pipeline stages; 128 x 128 measured best on the H200: 3.78
-# ms vs 4.18 for 64 x 128 at 32k tokens, HI = 64, cI = 128) and the selection's settings: thresholds tried a
-# search step (``ways``), compaction tile (``seg``), warps for rows searched in registers, and whether rows are
-# sorted by a one-warp kernel of their own. Measured on the H200 (benchmarks/results/indexer_topk_h200_2ab5ea5.json
-# and _7a4fd54.json): at 32k, 4 warps and 1024-key tiles 1.96 ms, 8 warps 2.20, 2048-key tiles 2.62, three-way
-# search 2.06, the sort apart 1.58 + 0.29 (its in-program sort needs 27 block barriers); at 64k (rows of 16k keys)
-# 4 warps 6.68 ms, 8 warps 6.89, 16 warps 7.71. The benchmark's variants override these.
+# ms vs 4.18 for 64 x 128 at 32k tokens, HI = 64, cI = 128) and the selection's compaction tile (``seg``) and
+# warps for rows searched in registers. Measured on the H200 (benchmarks/results/indexer_topk_h200_2ab5ea5.json
+# and _7a4fd54.json): at 32k, 4 warps and 1024-key tiles 1.96 ms, 8 warps 2.20, 2048-key tiles 2.62 (each with
+# the sort inside the selection program, now a kernel of its own); at 64k (rows of 16k keys) 4 warps 6.68 ms,
+# 8 warps 6.89, 16 warps 7.71. A three-way search (two thresholds a step) measured slower (2.31 ms against 2.20
+# on 8 warps). The benchmark's variants override these.
 # ``register_row``: the longest visible range whose threshold is searched in registers (a row of 4096 keys a warp
 # is 128 registers a thread); longer rows stream their workspace row every search step. At 128k (rows of 32k keys)
 # 32768 measured 32.2 ms for the selection against 75.3 with 16384 (streamed), 36.2 on 16 warps instead of 8.
-SCORE_TILES = {"bt": 128, "bk": 128, "warps": 8, "stages": 3, "ways": 2, "seg": 1024, "select_warps": 4,
-               "sort_kernel": 1, "register_row": 32768}
+SCORE_TILES = {"bt": 128, "bk": 128, "warps": 8, "stages": 3, "seg": 1024, "select_warps": 4, "register_row": 32768}
 
 
 @triton.jit
@@ -88,41 +87,26 @@ def indexer_scores_fwd_kernel(
 
 
 @triton.jit
-def _bisect_regs(key, kk, WAYS: tl.constexpr):
-    """``(thr, above)``: the kk-th largest of the in-register int32 row ``key`` (padded with INT32_MIN; kk at
-    most the number of real keys) and how many keys are above it.
+def _bisect_step(lo, hi, above, mid, cnt, kk):
+    """One bisection step for the largest ``thr`` with ``count(key >= thr) >= kk``, given ``cnt = count(key >=
+    mid)``. A step that lowers ``hi`` to ``mid - 1`` has just counted the keys ``>= mid``, which are the keys
+    above the final threshold if ``hi`` moves no more, so ``above`` needs no pass of its own."""
+    take = cnt >= kk
+    return tl.where(take, mid, lo), tl.where(take, hi, mid - 1), tl.where(take, above, cnt)
 
-    Search for the largest ``thr`` with ``count(key >= thr) >= kk`` over ``[INT32_MIN, max]``, one block-wide
-    reduction a step. A step that lowers ``hi`` to ``mid - 1`` has just counted the keys ``>= mid``, which are the
-    keys above the final threshold if ``hi`` moves no more, so ``above`` needs no pass of its own. ``WAYS = 3``
-    tries two thresholds a step, their counts packed in the two 16-bit halves of one int32 sum (rows up to
-    ``2^14`` keys): about 20 steps instead of 32, for twice the compares.
-    """
+
+@triton.jit
+def _bisect_regs(key, kk):
+    """``(thr, above)``: the kk-th largest of the in-register int32 row ``key`` (padded with INT32_MIN; kk at
+    most the number of real keys) and how many keys are above it; one block-wide count a step over
+    ``[INT32_MIN, max]``."""
     lo = tl.full((), -(2**31), tl.int64)
     hi = tl.max(key, axis=0).to(tl.int64)
     above = tl.zeros((), dtype=tl.int32)
     while lo < hi:
-        if WAYS == 3:
-            step = (hi - lo + 2) // 3
-            m1 = lo + step
-            m2 = tl.minimum(lo + 2 * step, hi)
-            both = tl.sum(tl.where(key >= m1.to(tl.int32), 1, 0) + tl.where(key >= m2.to(tl.int32), 1 << 16, 0),
-                          axis=0)
-            c1 = both & 0xFFFF
-            c2 = both >> 16
-            take2 = c2 >= kk
-            take1 = c1 >= kk
-            above = tl.where(take2, above, tl.where(take1, c2, c1))
-            new_lo = tl.where(take2, m2, tl.where(take1, m1, lo))
-            hi = tl.where(take2, hi, tl.where(take1, m2 - 1, m1 - 1))
-            lo = new_lo
-        else:
-            mid = lo + (hi - lo + 1) // 2
-            cnt = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
-            take = cnt >= kk
-            above = tl.where(take, above, cnt)
-            lo = tl.where(take, mid, lo)
-            hi = tl.where(take, hi, mid - 1)
+        mid = lo + (hi - lo + 1) // 2
+        cnt = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+        lo, hi, above = _bisect_step(lo, hi, above, mid, cnt, kk)
     return lo.to(tl.int32), above
 
 
@@ -142,10 +126,7 @@ def _bisect_stream(base, start, end, kk, BK: tl.constexpr):
             offs = j + tl.arange(0, BK)
             key = tl.load(base + offs, mask=offs < end, other=-(2**31))
             cnt += tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
-        take = cnt >= kk
-        above = tl.where(take, above, cnt)
-        lo = tl.where(take, mid, lo)
-        hi = tl.where(take, hi, mid - 1)
+        lo, hi, above = _bisect_step(lo, hi, above, mid, cnt, kk)
     return lo.to(tl.int32), above
 
 
@@ -183,11 +164,11 @@ def _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, SEG: tl.conste
 def indexer_topk_select_kernel(
     scores, vis_start, vis_end, out,
     row_lo, key_lo, stride_s, topk,
-    BK: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr, IN_REGS: tl.constexpr, SORT: tl.constexpr,
-    WAYS: tl.constexpr, SEG: tl.constexpr,
+    BK: tl.constexpr, RB: tl.constexpr, IN_REGS: tl.constexpr, SEG: tl.constexpr,
 ):
-    # counts packed in 16-bit halves of an int32 (the compaction's ranks; the three-way search's counts)
-    tl.static_assert(SEG <= 2**14 and (WAYS == 2 or RB <= 2**14), "tiles (and three-way rows) up to 2^14 keys")
+    """Row ``row_lo + program`` of ``out`` (filled with -1 beforehand) gets the packed sort keys of its taken
+    entries in slots ``[0, min(visible, topk))``; ``indexer_topk_sort_kernel`` orders and unpacks them."""
+    tl.static_assert(SEG <= 2**14, "the compaction packs two ranks into the 16-bit halves of an int32")
     t = tl.program_id(0)
     row = row_lo + t
     start = (tl.load(vis_start + row) - key_lo).to(tl.int32)
@@ -195,8 +176,6 @@ def indexer_topk_select_kernel(
     n = tl.maximum(end - start, 0)
     kk = tl.minimum(n, topk)
     base = scores + t.to(tl.int64) * stride_s
-    out_row = out + row.to(tl.int64) * topk
-    slots = tl.arange(0, KP)
     if kk > 0:
         # thr = the kk-th largest key: every key above it is taken and need_eq of the keys equal to it, the
         # lowest ids first; a row with at most topk keys takes them all (every key is >= INT32_MIN).
@@ -207,33 +186,20 @@ def indexer_topk_select_kernel(
                 # Keys past the row read as INT32_MIN: every threshold tried is above it, so counts need no mask.
                 rel = tl.arange(0, RB)
                 key = tl.load(base + start + rel, mask=rel < n, other=-(2**31))
-                thr, above = _bisect_regs(key, kk, WAYS)
+                thr, above = _bisect_regs(key, kk)
             else:
                 thr, above = _bisect_stream(base, start, end, kk, BK)
             need_eq = kk - above
-        _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, SEG)
-        tl.debug_barrier()
-        packed = tl.load(out_row + slots, mask=slots < kk, other=-1)
-        if SORT:
-            packed = tl.sort(packed, descending=True)
-            ids = tl.where(slots < kk, (2**31 - 1) - (packed & (2**31 - 1)), -1)
-            tl.debug_barrier()
-            tl.store(out_row + slots, ids, mask=slots < topk)
-        else:
-            # The caller sorts the packed keys (indexer_topk_sort_kernel, or the host under the interpreter,
-            # whose bitonic sort is very slow at k = 512); -1 marks empty.
-            tl.store(out_row + slots, packed, mask=slots < topk)
-    else:
-        tl.store(out_row + slots, tl.full((KP,), -1, tl.int64), mask=slots < topk)
+        _compact(base, start, end, thr, need_eq, kk, key_lo, out + row.to(tl.int64) * topk, SEG)
 
 
 @triton.jit
 def indexer_topk_sort_kernel(out, topk, KP: tl.constexpr):
     """Order one row of packed sort keys best first (ties to the lower id) and unpack the ids; -1 stays -1.
 
-    In the 8-warp selection program most of a 512-key bitonic sort's exchanges cross warps (27 block barriers and
-    shared-memory round trips, compiled for sm_90); in a one-warp program they are in-thread or warp shuffles (no
-    shared memory, no barriers). Measured at 32k: selection 1.58 ms + this 0.29 against 1.96 with the sort inside.
+    A program of its own, one warp wide: the exchanges of a 512-key bitonic sort are in-thread or warp shuffles
+    (no shared memory, no barriers); inside the 4-8-warp selection program most of them cross warps (27 block
+    barriers compiled for sm_90). Measured at 32k: selection 1.58 ms + this 0.29 against 1.96 with the sort inside.
     """
     row = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, KP)
@@ -295,7 +261,7 @@ def _chunks(vis_start: Tensor, vis_end: Tensor, budget: int) -> list[tuple[int, 
     """
     memo_key = None
     if not (vis_start.is_inference() or vis_end.is_inference()):
-        memo_key = (budget, id(vis_start), vis_start._version, vis_end._version)
+        memo_key = (budget, vis_start._version, vis_end._version)
         memo = getattr(vis_end, "_csattn_topk_chunks", None)
         if memo is not None and memo[0] == memo_key and memo[1]() is vis_start:
             return memo[2]
@@ -374,35 +340,25 @@ def indexer_topk_triton(
     return finish_topk(out)
 
 
-def _sorts_apart() -> bool:
-    """Whether rows are sorted after the selection (``indexer_topk_sort_kernel``, the default) instead of inside
-    its program; always under the interpreter, which runs the in-program sort far too slowly."""
-    return _interpreting() or bool(SCORE_TILES["sort_kernel"])
-
-
 def select_topk(scores: Tensor, vis_start: Tensor, vis_end: Tensor, out: Tensor, row_lo: int, key_lo: int,
                 widest: int) -> None:
     """Exact top-k of the workspace rows ``scores [R, K]`` (ordered int32 keys of ids ``key_lo..``) into
-    ``out[row_lo : row_lo + R]``; ``widest`` bounds the rows' visible ranges. Once every row is selected,
-    :func:`finish_topk` turns ``out`` into ids."""
+    ``out[row_lo : row_lo + R]`` (filled with -1 beforehand); ``widest`` bounds the rows' visible ranges. Once
+    every row is selected, :func:`finish_topk` turns ``out`` into ids."""
     topk = out.shape[1]
     # Rows up to register_row keys search their threshold in registers (at least one warp per 4096 keys), longer
     # ones stream their workspace row.
     rb = max(16, triton.next_power_of_2(max(widest, 1)))
-    in_regs = rb <= SCORE_TILES["register_row"] and (SCORE_TILES["ways"] == 2 or rb <= 2**14)
+    in_regs = rb <= SCORE_TILES["register_row"]
     indexer_topk_select_kernel[(scores.shape[0],)](
         scores, vis_start, vis_end, out, row_lo, key_lo, scores.stride(0), topk,
-        BK=1024, KP=triton.next_power_of_2(topk), RB=rb if in_regs else 16, IN_REGS=in_regs, SORT=not _sorts_apart(),
-        WAYS=SCORE_TILES["ways"], SEG=SCORE_TILES["seg"],
+        BK=1024, RB=rb if in_regs else 16, IN_REGS=in_regs, SEG=SCORE_TILES["seg"],
         num_warps=max(SCORE_TILES["select_warps"], rb // 4096) if in_regs else 16,
     )
 
 
 def finish_topk(out: Tensor) -> Tensor:
-    """``out`` after :func:`select_topk` as ids best first, ties to the lower id, -1 pad (sorts the packed keys
-    if the selection left them unsorted)."""
-    if not _sorts_apart():
-        return out
+    """``out`` after :func:`select_topk` as ids best first, ties to the lower id, -1 pad."""
     kp = triton.next_power_of_2(out.shape[1])
     if _interpreting() and kp > 64:
         # the interpreter's bitonic sort is very slow at k = 512; the host sort gives the same order
