@@ -1,25 +1,40 @@
-"""Training checkpoints: an HF-format model directory plus ``trainer_state.pt`` (optimizer, LR schedule,
-step, every data-parallel packer position, RNG state), so a resumed run reproduces the next step exactly.
+"""Training checkpoints: an HF-format model directory plus ``trainer_state.safetensors`` (optimizer, LR
+schedule, step, every data-parallel packer position, RNG state, the run's options), so a resumed run
+reproduces the next step exactly.
 
-Layout: ``<output>/checkpoint-<step>/{config.json, model.safetensors, trainer_state.pt}`` and
+Layout: ``<output>/checkpoint-<step>/{config.json, model.safetensors, trainer_state.safetensors}`` and
 ``<output>/latest`` naming the newest complete checkpoint (written last, so a crash mid-save leaves the
 previous one in place).
+
+The trainer state is tensors (safetensors) plus JSON (:mod:`.safe_state`): opening a checkpoint from
+elsewhere runs no code. Checkpoints of earlier versions hold a pickled ``trainer_state.pt`` instead, which
+can run arbitrary code when loaded; they load only with ``trust_checkpoint=True`` (``--trust-checkpoint``).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
 
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM
 from ..models.deepseek_v4.checkpoint import load_state_dict_into, read_safetensors, save_pretrained
+from .safe_state import load_state, save_state
 
-__all__ = ["save_checkpoint", "load_checkpoint", "resolve_resume", "checkpoint_dir"]
+__all__ = ["save_checkpoint", "load_checkpoint", "resolve_resume", "checkpoint_dir", "compare_resume_config"]
 
-STATE_NAME = "trainer_state.pt"
+STATE_NAME = "trainer_state.safetensors"
+LEGACY_STATE_NAME = "trainer_state.pt"  # pickle: loaded only when the caller trusts the checkpoint
 LATEST = "latest"
+
+# options that decide which documents the saved packer position points into (the corpus and its order):
+# resuming with another value would continue from a position in a different stream
+DATA_OPTIONS = ("data", "seed", "text_path", "doc_min_len", "doc_max_len")
+_DATA_ONLY_FOR = {"text_path": "text", "doc_min_len": "synthetic", "doc_max_len": "synthetic"}
+# options that shape the LR schedule: resuming with another value gives a different LR from the next step on
+SCHEDULE_OPTIONS = ("steps", "warmup_steps", "lr", "min_lr")
 
 
 def checkpoint_dir(output: str, step: int) -> str:
@@ -30,9 +45,7 @@ def save_checkpoint(output: str, step: int, model: DeepseekV4ForCausalLM, state:
     """Write checkpoint ``step`` (call on one rank) and point ``latest`` at it. Returns its directory."""
     path = checkpoint_dir(output, step)
     save_pretrained(model, path)
-    tmp = os.path.join(path, STATE_NAME + ".tmp")
-    torch.save({**state, "step": step}, tmp)
-    os.replace(tmp, os.path.join(path, STATE_NAME))
+    save_state(os.path.join(path, STATE_NAME), {**state, "step": step})
     latest_tmp = os.path.join(output, LATEST + ".tmp")
     with open(latest_tmp, "w") as f:
         f.write(os.path.basename(path) + "\n")
@@ -43,11 +56,12 @@ def save_checkpoint(output: str, step: int, model: DeepseekV4ForCausalLM, state:
 def resolve_resume(resume: str, output: str | None) -> str | None:
     """``"auto"`` -> the newest checkpoint under ``output`` (None if there is none); else the path itself."""
     if resume != "auto":
-        if not os.path.isfile(os.path.join(resume, STATE_NAME)):
-            raise ValueError(f"resume path {resume!r} has no {STATE_NAME}")
+        if not any(os.path.isfile(os.path.join(resume, n)) for n in (STATE_NAME, LEGACY_STATE_NAME)):
+            raise ValueError(f"--resume {resume!r} has no {STATE_NAME}: pass a checkpoint-<step> directory "
+                             "written by csattn train, or --resume auto with --output")
         return resume
     if output is None:
-        raise ValueError("--resume auto needs --output")
+        raise ValueError("--resume auto needs --output (the run directory whose latest checkpoint to resume)")
     latest = os.path.join(output, LATEST)
     if not os.path.isfile(latest):
         return None
@@ -55,8 +69,61 @@ def resolve_resume(resume: str, output: str | None) -> str | None:
         return os.path.join(output, f.read().strip())
 
 
-def load_checkpoint(path: str, model: DeepseekV4ForCausalLM) -> dict[str, Any]:
+def load_checkpoint(path: str, model: DeepseekV4ForCausalLM, trust_checkpoint: bool = False) -> dict[str, Any]:
     """Load the weights into ``model`` (errors name any missing / unexpected / misshaped tensor) and return
-    the trainer state."""
+    the trainer state.
+
+    ``trust_checkpoint``: also accept an old-format pickled ``trainer_state.pt``. Unpickling can run any code
+    the file names, so only do this for checkpoints from a source you trust.
+    """
+    safe = os.path.join(path, STATE_NAME)
+    legacy = os.path.join(path, LEGACY_STATE_NAME)
+    if not os.path.isfile(safe) and os.path.isfile(legacy) and not trust_checkpoint:
+        # refuse before touching anything else of the checkpoint
+        raise ValueError(
+            f"checkpoint {path} holds its trainer state as {LEGACY_STATE_NAME}, a pickle (written by an older "
+            "csattn), and loading a pickle can run arbitrary code. If you trust where this checkpoint came from, "
+            "pass --trust-checkpoint (train(TrainConfig(..., trust_checkpoint=True)) / load_checkpoint(..., "
+            f"trust_checkpoint=True)); the next checkpoint this run saves is written as {STATE_NAME}, which "
+            "loads without running code.")
     load_state_dict_into(model, read_safetensors(path))
-    return torch.load(os.path.join(path, STATE_NAME), map_location="cpu", weights_only=False)
+    if os.path.isfile(safe):
+        return load_state(safe)
+    warnings.warn(f"loading the pickled {legacy} because trust_checkpoint=True", stacklevel=2)
+    return torch.load(legacy, map_location="cpu", weights_only=False)
+
+
+def compare_resume_config(path: str, saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
+    """Check this run's options against the resumed checkpoint's ``train_config``.
+
+    Raises ``ValueError`` naming the option when a data option differs (the saved packer position would
+    point into another document stream). Returns warnings for LR-schedule options that differ: the schedule
+    is this run's (a longer ``--steps`` stretches the cosine decay from the resumed step on), except that the
+    peak LR stays the checkpoint's (the scheduler state restores it).
+    """
+    if not saved:
+        return []
+    changed = [k for k in DATA_OPTIONS if k in saved and k in current and _norm(saved[k]) != _norm(current[k])
+               and _DATA_ONLY_FOR.get(k, current.get("data")) == current.get("data")]
+    if changed:
+        what = ", ".join(f"--{k.replace('_', '-')} {current[k]!r} (checkpoint: {saved[k]!r})" for k in changed)
+        raise ValueError(
+            f"resuming {path} with other data options than it was trained with: {what}. The saved data position "
+            "belongs to the checkpoint's stream: pass the checkpoint's values to continue it, or start a new "
+            "run from its weights with --init-from " + path + " (fresh optimizer and data position).")
+    notes = []
+    for k in SCHEDULE_OPTIONS:
+        if k in saved and k in current and saved[k] != current[k]:
+            flag = f"--{k.replace('_', '-')}"
+            if k == "lr":
+                notes.append(f"{flag} {current[k]} differs from the checkpoint's {saved[k]}: the resumed run keeps "
+                             f"the checkpoint's peak LR {saved[k]} (restored with the scheduler state)")
+            else:
+                notes.append(f"{flag} {current[k]} differs from the checkpoint's {saved[k]}: the LR schedule from "
+                             f"the resumed step on follows {flag} {current[k]}, so the LR differs from what the "
+                             "original run would have used")
+    return notes
+
+
+def _norm(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value

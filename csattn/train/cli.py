@@ -83,11 +83,17 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="auto = cuda:LOCAL_RANK with NCCL when available, else CPU with gloo (default %(default)s)")
     p.add_argument("--seed", type=int, default=_D.seed, help="initial weights and data order (default %(default)s)")
     c = parser.add_argument_group("checkpoints and logging")
-    c.add_argument("--output", metavar="DIR", default=None, help="directory for checkpoints")
+    c.add_argument("--output", metavar="DIR", default=None,
+                   help="directory for checkpoints: the final step is always saved there (DIR/checkpoint-<step>)")
     c.add_argument("--save-every", type=int, default=_D.save_every,
-                   help="write a checkpoint every N steps and at the end (0 = never) (default %(default)s)")
+                   help="also write a checkpoint every N steps (needs --output; 0 = only the final one) "
+                        "(default %(default)s)")
     c.add_argument("--resume", metavar="DIR|auto", default=None,
-                   help="resume exactly from a checkpoint directory, or 'auto' = the latest under --output")
+                   help="resume exactly from a checkpoint directory, or 'auto' = the latest under --output; "
+                        "refuses other data options than the checkpoint's, warns on other LR-schedule options")
+    c.add_argument("--trust-checkpoint", action="store_true",
+                   help="also resume from checkpoints of older csattn versions, whose trainer_state.pt is a "
+                        "pickle that can run arbitrary code when loaded: only for checkpoints you trust")
     c.add_argument("--log-every", type=int, default=_D.log_every,
                    help="print a log line every N steps (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .loop import TrainConfig, train
+from .safe_state import load_state, save_state
 
 __all__ = ["add_model_demo_args", "run_model_demo", "run_spawned"]
 
@@ -41,8 +42,8 @@ def _worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str) -> Non
     try:
         result = train(cfg)
         if rank == 0:
-            torch.save({"losses": result.losses, "lm_losses": result.lm_losses,
-                        "indexer_losses": result.indexer_losses, "state": result.model.state_dict()}, out)
+            save_state(out, {"losses": result.losses, "lm_losses": result.lm_losses,
+                             "indexer_losses": result.indexer_losses, "state": result.model.state_dict()})
     finally:
         dist.destroy_process_group()
 
@@ -52,9 +53,10 @@ def run_spawned(world: int, cfg: TrainConfig) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.pt")
+        out = os.path.join(tmp, "result.safetensors")
         mp.start_processes(_worker, args=(world, _free_port(), cfg, out), nprocs=world, start_method="spawn")
-        return torch.load(out, weights_only=False)
+        # a safe format even for our own temp file: the directory is shared, and loading must run no code
+        return load_state(out)
 
 
 def run_model_demo(args: argparse.Namespace) -> int:

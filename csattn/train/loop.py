@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from ..models.deepseek_v4.checkpoint import read_config
-from .checkpointing import load_checkpoint, resolve_resume, save_checkpoint
+from .checkpointing import compare_resume_config, load_checkpoint, resolve_resume, save_checkpoint
 from .data import build_corpus
 from .packer import DocumentPacker, PackedBatch
 
@@ -86,6 +87,7 @@ class TrainConfig:
     output: str | None = None
     save_every: int = 0
     resume: str | None = None
+    trust_checkpoint: bool = False  # also load old pickled trainer_state.pt files (they can run code)
     log_every: int = 10
     progress: bool = True
 
@@ -98,7 +100,7 @@ class TrainConfig:
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"dtype must be float32, bfloat16 or float64, got {self.dtype!r}")
         if self.save_every and not self.output:
-            raise ValueError("save_every needs output")
+            raise ValueError("--save-every (save_every) needs --output DIR: the directory the checkpoints go to")
         if self.warmup_steps < 0 or self.grad_clip < 0:
             raise ValueError("warmup_steps and grad_clip must be >= 0")
 
@@ -138,6 +140,11 @@ class Topology:
 def setup_distributed(cfg: TrainConfig) -> tuple[Topology, torch.device]:
     """Initialize ``torch.distributed`` from torchrun's environment if needed (NCCL on GPUs, gloo on CPU)
     and build the CP groups."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        # checked here: torch would fail later with an AttributeError deep in torch.cuda.set_device
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ValueError(f"--device cuda: {why} (torch {torch.__version__}); install the CUDA build of torch on "
+                         "a GPU machine, or pass --device cpu (or --device auto)")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     if not dist.is_initialized() and world_env > 1:
@@ -145,7 +152,12 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Topology, torch.device]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world % cfg.cp:
-        raise ValueError(f"world size {world} is not divisible by cp {cfg.cp}")
+        if world == 1:  # the usual mistake: CP needs one process per rank, started by torchrun
+            raise ValueError(f"--cp {cfg.cp} needs {cfg.cp} processes (one per context-parallel rank) but this is "
+                             f"a single process: run `torchrun --nproc-per-node {cfg.cp} -m csattn train --cp "
+                             f"{cfg.cp} ...` (or --cp 1 here)")
+        raise ValueError(f"world size {world} is not divisible by --cp {cfg.cp}: start a multiple of {cfg.cp} "
+                         "processes (torchrun --nproc-per-node) or pick a --cp that divides the world size")
     device = torch.device("cpu")
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1))))
@@ -266,6 +278,9 @@ def train(cfg: TrainConfig) -> TrainResult:
 
         tensors = read_safetensors(cfg.init_from)
         has_mtp = any(k.startswith("mtp.") for k in tensors)
+        if not has_mtp and len(model.mtp) and topo.rank == 0:  # the same warning load_pretrained gives
+            warnings.warn(f"--init-from {cfg.init_from}: no mtp.* tensors; the {len(model.mtp)} MTP block(s) start "
+                          "from fresh weights (pass --mtp-layers 0 to train without MTP)", stacklevel=2)
         load_state_dict_into(model, tensors, allow_missing_prefixes=() if has_mtp else ("mtp.",))
     dtype = getattr(torch, cfg.dtype)
     if dtype != torch.float32:
@@ -287,7 +302,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     start = 0
     resume = resolve_resume(cfg.resume, cfg.output) if cfg.resume else None
     if resume is not None:
-        state = load_checkpoint(resume, model)
+        state = load_checkpoint(resume, model, trust_checkpoint=cfg.trust_checkpoint)
+        notes = compare_resume_config(resume, state.get("train_config"), asdict(cfg))  # raises on other data
+        if topo.rank == 0:
+            for note in notes:
+                warnings.warn(note, stacklevel=2)
+            print(f"resuming from {resume} at step {int(state['step'])}", flush=True)
         if state["dp"] != topo.dp:
             raise ValueError(f"checkpoint {resume} was written with {state['dp']} data-parallel replicas; "
                              f"this run has {topo.dp} (the data order depends on it)")
@@ -323,7 +343,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                 bar.write(line)
             else:
                 print(line, flush=True)
-        if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+        # with --output the final step is always saved; --save-every adds the intermediate checkpoints
+        if cfg.output and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps):
             _save(cfg, step + 1, model, optimizer, scheduler, packer, topo)
     if bar is not None:
         bar.close()
@@ -338,10 +359,13 @@ def _save(cfg: TrainConfig, step: int, model: DeepseekV4ForCausalLM, optimizer: 
         dist.all_gather_object(everyone, packer.state_dict())
         packers = [everyone[r * topo.cp] for r in range(topo.dp)]  # one per replica (its CP rank 0)
     if topo.rank == 0:
-        save_checkpoint(cfg.output, step, model, {
+        path = save_checkpoint(cfg.output, step, model, {
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "packers": packers,
             "rng": torch.get_rng_state(), "dp": topo.dp, "cp": topo.cp, "train_config": asdict(cfg),
             "model_training": model.config.training_dict(),
         })
+        from tqdm import tqdm
+
+        tqdm.write(f"saved checkpoint {path}")  # above any progress bar
     if topo.world > 1:
         dist.barrier()
