@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops.indexer.naive import fixed_row_chunks, indexer_scores_ref
 from ..ops.indexer_loss.naive import _sparse_chunk, _teacher_mass, kl_from_logits, sparse_loss_chunks
+from ..ops.indices.naive import gather_rows_masked
 from ..ops.sparse_attn.custom_ops import autograd_vjp
 
 __all__ = ["indexer_topk_static", "indexer_kl_loss_dense_static",
@@ -85,8 +86,10 @@ def indexer_topk_static(
 def _dense_window_chunk(q_idx, w, k_idx, q, ckv, lse, vis_start, vis_end, row_weight, scale, width):
     compute = torch.promote_types(q_idx.dtype, torch.float32)
     ids, valid = _window(vis_start, vis_end, width, k_idx.shape[0])
-    student = indexer_scores_ref(q_idx, w, k_idx[ids])
-    mass = _teacher_mass(q.to(compute), ckv[ids].to(compute), lse.to(compute), scale)
+    # ids past a row's range name other documents' entries: gather zeros there (no 0 * NaN gradient to them)
+    ids = torch.where(valid, ids, -1)
+    student = indexer_scores_ref(q_idx, w, gather_rows_masked(k_idx, ids))
+    mass = _teacher_mass(q.to(compute), gather_rows_masked(ckv, ids).to(compute), lse.to(compute), scale)
     return (kl_from_logits(student, mass, valid) * row_weight.to(compute)).sum()
 
 

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..indexer.naive import fixed_row_chunks, indexer_scores_ref, row_chunks
+from ..indices.naive import gather_rows_masked
 from ..recompute import row_chunked
 
 __all__ = [
@@ -53,9 +54,9 @@ def _teacher_mass(q: Tensor, keys: Tensor, lse: Tensor, scale: float) -> Tensor:
 def _sparse_chunk(q_idx, w, k_idx, q, ckv, lse, selected, row_weight, scale):
     compute = torch.promote_types(q_idx.dtype, torch.float32)
     valid = selected >= 0
-    ids = selected.clamp(min=0)
-    student = indexer_scores_ref(q_idx, w, k_idx[ids])
-    mass = _teacher_mass(q.to(compute), ckv[ids].to(compute), lse.to(compute), scale)
+    # empty slots gather zeros, never another document's entry 0 (whose gradient would get 0 * NaN)
+    student = indexer_scores_ref(q_idx, w, gather_rows_masked(k_idx, selected))
+    mass = _teacher_mass(q.to(compute), gather_rows_masked(ckv, selected).to(compute), lse.to(compute), scale)
     return (kl_from_logits(student, mass, valid) * row_weight.to(compute)).sum()
 
 
@@ -160,7 +161,7 @@ def sparse_teacher_block_ref(teacher: SparseTeacher, lo: int, q: Tensor, ckv: Te
     """Fill ``teacher.mass[lo:lo+R]`` from a block's ``q [R, H, d]``, ``lse [R, H]`` and ``selected [R, k]``."""
     compute = teacher.mass.dtype
     valid = selected >= 0
-    mass = _teacher_mass(q.to(compute), ckv[selected.clamp(min=0)].to(compute), lse.to(compute), scale)
+    mass = _teacher_mass(q.to(compute), gather_rows_masked(ckv, selected).to(compute), lse.to(compute), scale)
     teacher.mass[lo:lo + q.shape[0]] = mass.masked_fill(~valid, 0.0)
 
 
@@ -183,7 +184,7 @@ def _student_rows(q_idx, w, mass, selected, row_weight, k_idx):
     """Per-row weighted KL of the student against fixed teacher masses, ``[R]``."""
     compute = torch.promote_types(q_idx.dtype, torch.float32)
     valid = selected >= 0
-    student = indexer_scores_ref(q_idx, w, k_idx[selected.clamp(min=0)])
+    student = indexer_scores_ref(q_idx, w, gather_rows_masked(k_idx, selected))
     return kl_from_logits(student, mass.to(compute), valid) * row_weight.to(compute)
 
 

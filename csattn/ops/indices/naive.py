@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["window_indices", "range_indices", "combine_indices"]
+__all__ = ["window_indices", "range_indices", "combine_indices", "gather_rows_masked"]
 
 
 def window_indices(pos: Tensor, real: Tensor, window: int) -> Tensor:
@@ -45,3 +45,18 @@ def combine_indices(window_ids: Tensor, compressed_ids: Tensor | None, num_rows:
         return window_ids
     shifted = torch.where(compressed_ids >= 0, compressed_ids + num_rows, -1)
     return torch.cat([window_ids, shifted], dim=1)
+
+
+def gather_rows_masked(table: Tensor, ids: Tensor) -> Tensor:
+    """``table[ids]`` with zero rows where ``ids < 0`` (``[*ids.shape, *table.shape[1:]]``).
+
+    Why not ``table[ids.clamp(min=0)]`` and a zero weight: the clamped slots read row 0, which belongs to some
+    other document, and its backward adds ``0 * g`` into row 0's gradient; a NaN or Inf in ``g`` (from a
+    poisoned row of another document) then makes row 0's gradient NaN. ``torch.where`` selects instead of
+    multiplying, in the forward (a NaN in row 0 never shows) and in the backward (no gradient reaches row 0
+    from an empty slot), so each row's results depend only on the rows it names.
+    """
+    valid = ids >= 0
+    rows = table[ids.clamp(min=0)]
+    mask = valid.reshape(*valid.shape, *([1] * (rows.dim() - valid.dim())))
+    return torch.where(mask, rows, rows.new_zeros(()))

@@ -6,6 +6,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from ..indices.naive import gather_rows_masked
+
 __all__ = ["sparse_attn_ref", "sparse_attn_chunk"]
 
 
@@ -20,7 +22,8 @@ def sparse_attn_chunk(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scal
     """
     compute = torch.promote_types(q.dtype, torch.float32)
     valid = indices >= 0
-    keys = kv[indices.clamp(min=0)].to(compute)  # [R, K, d]
+    # empty slots read zeros, not row 0 (another document's row: see gather_rows_masked)
+    keys = gather_rows_masked(kv, indices).to(compute)  # [R, K, d]
     scores = torch.einsum("rhd,rkd->rhk", q.to(compute), keys) * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     sink_logit = sink.to(compute)[None, :, None].expand(scores.shape[0], -1, 1)
