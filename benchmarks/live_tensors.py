@@ -11,6 +11,8 @@ Examples (on the GPU machine; several gloo ranks share one GPU, or NCCL with one
     python -m benchmarks.live_tensors --layer csa --tokens 32768 --cp 4 --partition balanced
 CPU (reference backend, float32, a few thousand tokens):
     python -m benchmarks.live_tensors --layer csa --tokens 2048 --cp 4 --device cpu --dtype float32
+The whole model (the 4-layer V4-Flash proxy), per component, KiB per token per layer:
+    python -m benchmarks.live_tensors --model --tokens 16384 --recompute none
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import gc
 import os
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,9 +40,12 @@ class LiveStorages(TorchDispatchMode):
     a forward + backward, tensor by tensor, on any device.
     """
 
-    def __init__(self, track_peak: bool = False, exclude: set[int] | None = None) -> None:
+    def __init__(self, track_peak: bool = False, exclude: set[int] | None = None,
+                 where: Callable[[], str] | None = None) -> None:
         super().__init__()
         self.made: dict[int, tuple] = {}
+        self.where = where  # names the component that made each storage (see ModuleScope)
+        self.origin: dict[int, str] = {}
         self.track_peak = track_peak
         self.exclude = exclude or set()
         self.peak_bytes = 0
@@ -55,6 +62,8 @@ class LiveStorages(TorchDispatchMode):
                 if s.nbytes() > 0 and (old is None or old[0]() is None):
                     self.made[s.data_ptr()] = (weakref.ref(s), tuple(t.shape), str(t.dtype).removeprefix("torch."),
                                                s.nbytes(), str(func).removeprefix("aten."))
+                    if self.where is not None:
+                        self.origin[s.data_ptr()] = self.where()
         if self.track_peak:
             self.made = {ptr: v for ptr, v in self.made.items() if v[0]() is not None}
             total = sum(v[3] for ptr, v in self.made.items() if ptr not in self.exclude)
@@ -68,6 +77,65 @@ class LiveStorages(TorchDispatchMode):
         rows = [(nb, shape, dt, op) for ptr, (ref, shape, dt, nb, op) in self.made.items()
                 if ptr not in exclude and ref() is not None]
         return sorted(rows, key=lambda r: -r[0])
+
+
+    def alive_by_origin(self, exclude: set[int]) -> dict[str, int]:
+        """Bytes of the storages still alive, summed per component (needs ``where``)."""
+        out: dict[str, int] = defaultdict(int)
+        for ptr, (ref, _, _, nb, _) in self.made.items():
+            if ptr not in exclude and ref() is not None:
+                out[self.origin.get(ptr, "")] += nb
+        return dict(out)
+
+
+class ModuleScope:
+    """Which submodule of ``model`` is running now: forward pre / post hooks keep a stack of module names.
+
+    ``current()`` is the innermost running module's name cut to ``depth`` parts after a ``layers.{i}`` /
+    ``mtp.{j}`` prefix (``model.layers.1.mlp.experts`` -> ``model.layers.1.mlp`` at depth 1), so what a block's
+    own forward makes (the mHC combine) is named by the block, what its children make by the child.
+    """
+
+    def __init__(self, model: torch.nn.Module, depth: int = 1) -> None:
+        self.model, self.depth, self.stack, self.handles = model, depth, [""], []
+
+    def current(self) -> str:
+        return self.stack[-1]
+
+    def _short(self, name: str) -> str:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in ("layers", "mtp") and i + 1 < len(parts):
+                return ".".join(parts[: i + 2 + self.depth])
+        return ".".join(parts[:2])
+
+    def __enter__(self) -> ModuleScope:
+        def pop(module: torch.nn.Module, args: Any, output: Any) -> None:  # a hook's return value replaces output
+            self.stack.pop()
+
+        for name, module in self.model.named_modules():
+            if not name:
+                continue
+            short = self._short(name)
+            self.handles.append(module.register_forward_pre_hook(lambda m, a, s=short: self.stack.append(s)))
+            self.handles.append(module.register_forward_hook(pop))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def model_kept(model: torch.nn.Module, forward: Callable[[], Any], depth: int = 1) -> tuple[dict[str, int], Any]:
+    """Bytes that ``forward()`` (a model forward returning the loss) leaves alive for the backward, per component
+    (:class:`ModuleScope` names), parameters and buffers left out. Returns them and ``forward()``'s result."""
+    own = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    gc.collect()
+    with ModuleScope(model, depth) as scope, LiveStorages(where=scope.current) as live:
+        out = forward()
+    gc.collect()
+    return live.alive_by_origin(own), out
 
 
 def print_rows(rows: list[tuple[int, tuple, str, str]], limit: int) -> None:
@@ -129,8 +197,49 @@ def _run(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+def _run_model(args: argparse.Namespace) -> None:
+    """What one training forward of the model proxy keeps, per component and per token per layer."""
+    import json
+
+    from .providers.model import DEFAULTS, _batch, _model, proxy_config
+
+    device = torch.device(args.device)
+    shape = {**DEFAULTS, "tokens": args.tokens, "experts": args.experts, "topk_experts": args.topk_experts,
+             "layers": args.layers, "recompute": args.recompute}
+    cfg = proxy_config(shape, "auto")
+    model = _model(cfg, device, getattr(torch, args.dtype), 0)
+    lengths, ids, packed, labels = _batch(shape, cfg.vocab_size, device)
+
+    def step():
+        return model(ids, packed=packed, labels=labels, return_logits=False).loss
+
+    step().backward()  # warm-up: caches, compiled kernels
+    model.zero_grad(set_to_none=True)
+    kept, loss = model_kept(model, step)
+    T, n = sum(lengths), cfg.num_hidden_layers
+    total = sum(kept.values())
+    print(f"# model proxy, {n} layers, {cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}, recompute "
+          f"{cfg.recompute}, {T} tokens, {args.dtype} on {device.type}: kept for the backward {total / 2**30:.2f} GiB"
+          f" = {total / T / n / 1024:.1f} KiB per token per layer")
+    for name, nb in sorted(kept.items(), key=lambda kv: -kv[1])[: args.rows]:
+        print(f"{nb / 2**20:12.1f} MiB  {nb / T / 1024:8.2f} KiB/token  {name or '(outside any module)'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tokens": T, "layers": n, "recompute": cfg.recompute, "experts": cfg.n_routed_experts,
+                       "topk": cfg.num_experts_per_tok, "dtype": args.dtype, "total_bytes": total,
+                       "kib_per_token_per_layer": total / T / n / 1024, "by_component": kept}, f, indent=1)
+    loss.backward()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="store_true",
+                   help="the whole DeepSeek-V4 proxy (benchmarks/configs/v4_flash_proxy.json) instead of one layer")
+    p.add_argument("--experts", type=int, default=8, help="with --model: routed experts")
+    p.add_argument("--topk-experts", type=int, default=2, help="with --model: experts per token")
+    p.add_argument("--layers", type=int, default=4, help="with --model: decoder layers")
+    p.add_argument("--recompute", default="none", choices=["none", "mhc", "moe", "block"], help="with --model")
+    p.add_argument("--json", default=None, help="with --model: write the per-component bytes here")
     p.add_argument("--layer", default="csa", choices=["csa", "hca"])
     p.add_argument("--tokens", type=int, default=32768, help="packed tokens (ragged documents, as in the report)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (rank 0 is listed)")
@@ -144,6 +253,9 @@ def main() -> None:
     p.add_argument("--peak", action="store_true",
                    help="list what is alive at the peak of forward + backward instead of after the forward")
     args = p.parse_args()
+    if args.model:
+        _run_model(args)
+        return
     if args.cp == 1:
         _run(0, 1, 0, args)
         return

@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--commit", default=None, help="recorded commit (default: git rev-parse)")
     ap.add_argument("--profile", action="store_true", help="also record per-kernel times (torch.profiler)")
+    ap.add_argument("--peak-tflops", type=float, default=790.0,
+                    help="the GPU's dense bf16 matmul rate for MFU (default: 790, measured on the H200)")
     args = ap.parse_args(argv)
 
     modes = [m for m in args.mode.split(",") if m]
@@ -192,9 +194,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     ms = bench(fn, case.leaves)
                     flops = case.flops.get(mode, case.flops.get("fwd", 0) + case.flops.get("bwd", 0))
                     rec.update(ms=ms, tflops=flops / ms / 1e9 if flops else None, peak_gib=_peak_gib(fn, device))
+                    if device.type == "cuda":  # weights, gradients and activations together
+                        rec["peak_total_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                    if "tokens" in case.info:  # whole-model cases: throughput and utilization of the peak
+                        rec["tokens_per_s"] = case.info["tokens"] / ms * 1e3
+                        if rec["tflops"] and args.peak_tflops:
+                            rec["mfu"] = rec["tflops"] / args.peak_tflops
                     tf = f"{rec['tflops']:9.1f}" if rec["tflops"] else f"{'-':>9}"
                     gib = f"{rec['peak_gib']:8.2f}" if rec["peak_gib"] is not None else f"{'-':>8}"
-                    print(f"{tag:<28} {mode:<7} {label:<40} {ms:10.3f} {tf} {gib}", flush=True)
+                    extra = f"  {rec['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in rec else ""
+                    extra += f"  MFU {rec['mfu']:.1%}" if "mfu" in rec else ""
+                    print(f"{tag:<28} {mode:<7} {label:<40} {ms:10.3f} {tf} {gib}{extra}", flush=True)
                     if args.profile:
                         rec["kernels_ms"] = _kernel_times(fn, device)
                         for kname, kms in (rec["kernels_ms"] or {}).items():

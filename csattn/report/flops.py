@@ -1,12 +1,15 @@
-"""Matrix-multiply FLOPs of one attention layer on a packed batch (the numerator of reported TFLOP/s)."""
+"""Matrix-multiply FLOPs of one attention layer, or one model step, on a packed batch (the numerator of reported
+TFLOP/s and MFU)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from ..config import AttentionConfig
 
-__all__ = ["layer_flops"]
+__all__ = ["layer_flops", "model_flops"]
 
 
 def layer_flops(cfg: AttentionConfig, lengths: list[int]) -> dict[str, float]:
@@ -34,3 +37,45 @@ def layer_flops(cfg: AttentionConfig, lengths: list[int]) -> dict[str, float]:
         keys += sum(float(((p + 1) // cfg.compress_ratio).sum()) for p in pos)
     attn = 4.0 * H * d * keys
     return {"fwd": proj + scores + attn, "bwd": 2 * proj + 2 * scores + 2.5 * attn}
+
+
+def model_flops(config: Any, cu_seqlens: Any) -> dict[str, float]:
+    """Matrix-multiply FLOPs of one training step of a DeepSeek-V4 model (``DeepseekV4ModelConfig``) on a
+    packed stream whose documents hold ``cu_seqlens`` real tokens (the numerator of the model's MFU).
+
+    Counted, on real tokens only (padding rows are work, not useful work):
+
+    - every attention layer (decoder and MTP blocks) as :func:`layer_flops`: projections, compressors, the
+      indexer scores over every visible entry, sparse attention over the keys each row really sees;
+    - each mHC site's mixing projection ``[T, n*D] x [n*D, (2+n)*n]``, the final hyper-heads ``[n*D] x [n]``;
+    - the MoE: router ``D x E``, ``k`` routed experts and the shared expert (``3 * D * I`` each);
+    - the LM head ``D x V`` once per head (the decoder's and each MTP block's), MTP's ``e_proj`` on ``[T, D]``
+      and ``h_proj`` on every stream ``[T, n, D]``.
+
+    Not counted: elementwise work (norms, SwiGLU, Sinkhorn, softmax), the indexer loss, embeddings, and any
+    recomputation (``recompute`` choices cost time, not useful FLOPs). Backward = 2x the matrix products
+    (attention 2.5x, see :func:`layer_flops`).
+
+    Args:
+        config: a ``DeepseekV4ModelConfig``.
+        cu_seqlens: ``[B + 1]`` cumulative real lengths (tensor or list).
+    Returns:
+        ``{"fwd": ..., "bwd": ...}``.
+    """
+    cu = [int(v) for v in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:]) if b > a]
+    T = float(sum(lengths))
+    c = config
+    D, n, E, k, I = c.hidden_size, c.hc_mult, c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size
+    fwd = bwd = 0.0
+    blocks = list(range(c.num_hidden_layers)) + [c.num_hidden_layers + j for j in range(c.num_nextn_predict_layers)]
+    dense = 0.0
+    for i in blocks:
+        attn = layer_flops(c.attention_config(i), lengths) if lengths else {"fwd": 0.0, "bwd": 0.0}
+        fwd, bwd = fwd + attn["fwd"], bwd + attn["bwd"]
+        dense += 2 * 2.0 * T * n * D * (2 + n) * n  # two mHC sites
+        dense += 2.0 * T * D * E + 2.0 * T * (k + 1) * 3 * D * I  # router, routed + shared experts
+    heads = 1 + c.num_nextn_predict_layers
+    dense += heads * (2.0 * T * n * D * n + 2.0 * T * D * c.vocab_size)  # hyper-heads and LM heads
+    dense += c.num_nextn_predict_layers * (2.0 * T * D * D + 2.0 * T * n * D * D)  # e_proj, h_proj
+    return {"fwd": fwd + dense, "bwd": bwd + 2 * dense}

@@ -34,8 +34,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="parameter dtype; mHC, sinks, biases and norms stay at least fp32 (default %(default)s)")
     m.add_argument("--attention-backend", choices=["auto", "reference", "triton"], default=_D.attention_backend,
                    help="attention kernels: auto = Triton on CUDA, reference on CPU (default %(default)s)")
+    m.add_argument("--recompute", choices=["none", "mhc", "moe", "block"], default=_D.recompute,
+                   help="what the backward recomputes instead of keeping: none; mhc = the mHC pre-mapping and "
+                        "norm of each sub-block; moe = each MoE; block = each whole block from its input streams "
+                        "(measured memory and time: BENCHMARKS.md, 'Model step') (default %(default)s)")
     m.add_argument("--activation-checkpointing", action="store_true",
-                   help="keep only each block's input streams and recompute the block in the backward")
+                   help="the same as --recompute block")
     d = parser.add_argument_group("data")
     d.add_argument("--data", choices=["synthetic", "pysrc", "text"], default=_D.data,
                    help="synthetic = Markov-chain documents with copy structure (default); pysrc = byte-level "

@@ -55,7 +55,8 @@ class TrainConfig:
     mtp_layers: int | None = None
     dtype: str = "float32"
     attention_backend: str = "auto"
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # the same as recompute="block"
+    recompute: str = "none"
     # data
     data: str = "synthetic"
     text_path: list[str] = field(default_factory=list)
@@ -177,7 +178,7 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Topology, torch.device]:
 def build_model_config(cfg: TrainConfig) -> DeepseekV4ModelConfig:
     overrides: dict[str, Any] = dict(indexer_loss_coeff=cfg.indexer_loss_coeff, mtp_loss_coeff=cfg.mtp_loss_coeff,
                                      attention_backend=cfg.attention_backend,
-                                     activation_checkpointing=cfg.activation_checkpointing)
+                                     recompute="block" if cfg.activation_checkpointing else cfg.recompute)
     if cfg.mtp_layers is not None:
         overrides["num_nextn_predict_layers"] = cfg.mtp_layers
     if cfg.init_from:

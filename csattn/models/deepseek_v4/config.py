@@ -10,14 +10,21 @@ from typing import Any
 
 from ...config import AttentionConfig
 
-__all__ = ["DeepseekV4ModelConfig", "HF_LAYER_TYPES", "MLP_LAYER_TYPES"]
+__all__ = ["DeepseekV4ModelConfig", "HF_LAYER_TYPES", "MLP_LAYER_TYPES", "RECOMPUTE_CHOICES"]
 
 HF_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 _RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # Settings that only this library reads; they are not written into ``config.json``.
 _TRAINING_FIELDS = ("indexer_loss_coeff", "mtp_loss_coeff", "mtp_layer_types", "attention_backend",
-                    "attn_chunk_rows", "workspace_bytes", "activation_checkpointing")
+                    "attn_chunk_rows", "workspace_bytes", "activation_checkpointing", "recompute")
+# What the backward recomputes instead of keeping (``DeepseekV4ModelConfig.recompute``):
+#   none  - each fused op keeps only what its own backward needs (the mHC and MoE kernels recompute their
+#           elementwise parts by design);
+#   mhc   - also the mHC pre-mapping + RMSNorm before each sub-block (keeps the streams, not the block input);
+#   moe   - also the whole MoE (router, experts, shared expert): only its input is kept;
+#   block - each decoder / MTP block from its input streams (the most memory saved, about one extra forward).
+RECOMPUTE_CHOICES = ("none", "mhc", "moe", "block")
 
 
 @dataclass
@@ -77,10 +84,14 @@ class DeepseekV4ModelConfig:
     attention_backend: str = "auto"
     attn_chunk_rows: int = 1024
     workspace_bytes: int = 1 << 30
-    activation_checkpointing: bool = False  # keep only each block's input streams; recompute in the backward
+    activation_checkpointing: bool = False  # the older spelling of recompute="block"
+    recompute: str = "none"  # one of RECOMPUTE_CHOICES (see there)
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
+        if self.activation_checkpointing and self.recompute == "none":
+            self.recompute = "block"
+        self.activation_checkpointing = self.recompute == "block"
         if self.layer_types is None:  # HF's default: the Pro pattern (2 x HCA, then CSA on odd indices)
             rest = ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
                     for i in range(max(n - 2, 0))]
@@ -130,6 +141,8 @@ class DeepseekV4ModelConfig:
         if self.n_shared_experts != 1:
             # HF (and the checkpoints) have exactly one shared expert of moe_intermediate_size.
             raise ValueError(f"n_shared_experts must be 1, got {self.n_shared_experts}")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {self.recompute!r}")
         if self.hc_mult < 1 or self.hc_sinkhorn_iters < 1:
             raise ValueError(f"hc_mult and hc_sinkhorn_iters must be >= 1, got {self.hc_mult}, "
                              f"{self.hc_sinkhorn_iters}")
@@ -162,7 +175,9 @@ class DeepseekV4ModelConfig:
         model_type = src.get("model_type", "deepseek_v4")
         if model_type != "deepseek_v4":
             raise ValueError(f"config model_type must be 'deepseek_v4', got {model_type!r}")
-        names = {f.name for f in fields(cls)} - set(_TRAINING_FIELDS)
+        # Training fields found in the dict (a config.json written with training_dict() merged in, or a dict
+        # built by hand) are taken, not dropped; overrides still win over them.
+        names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in src.items() if k in names}
         n = int(src.get("num_hidden_layers", cls.num_hidden_layers))
         ratios = src.get("compress_ratios")

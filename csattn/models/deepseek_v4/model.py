@@ -82,6 +82,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         self.layer_idx = layer_idx
+        self.recompute = c.recompute
         hashed = layer_idx < c.num_hidden_layers and c.mlp_layer_types[layer_idx] == "hash_moe"
         self.self_attn = HybridAttention(c.attention_config(layer_idx))
         self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
@@ -94,12 +95,27 @@ class DecoderLayer(nn.Module):
     def forward(self, streams: Tensor, input_ids: Tensor, packed: PackedSeqs, cp: Any = None,
                 real: Tensor | None = None) -> Tensor:
         """``streams [T, n, D]`` (this rank's rows), ``input_ids [T]`` -> ``[T, n, D]``."""
-        post, comb, x = self.attn_hc(streams)
-        y = self.self_attn(self.input_layernorm(x), packed=packed, cp=cp)
+        post, comb, x = self._site(self.attn_hc, self.input_layernorm, streams)
+        y = self.self_attn(x, packed=packed, cp=cp)
         streams = hc_combine(streams, y, post, comb)
-        post, comb, x = self.ffn_hc(streams)
-        y = self.mlp(self.post_attention_layernorm(x), input_ids=input_ids, real=real)
+        post, comb, x = self._site(self.ffn_hc, self.post_attention_layernorm, streams)
+        if self.recompute == "moe" and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            # the MoE holds no collective, so recomputing it never pairs with another rank's call
+            y = checkpoint(self.mlp, x, input_ids, real, use_reentrant=False)
+        else:
+            y = self.mlp(x, input_ids=input_ids, real=real)
         return hc_combine(streams, y, post, comb)
+
+    def _site(self, hc: HyperConnection, norm: RMSNorm, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The mHC pre-mapping and the RMSNorm before a sub-block: ``post``, ``comb`` and the normed input;
+        under ``recompute="mhc"`` only the streams are kept and both are redone in the backward."""
+        if self.recompute == "mhc" and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(_pre_and_norm, hc, norm, streams, use_reentrant=False)
+        return _pre_and_norm(hc, norm, streams)
 
 
 class MTPBlock(DecoderLayer):
@@ -288,12 +304,12 @@ class DeepseekV4ForCausalLM(nn.Module):
     loss_chunk_rows = 4096
 
     def _run_block(self, block: nn.Module, *args: Any) -> Tensor:
-        """One decoder / MTP block, recomputed in the backward under ``activation_checkpointing``.
+        """One decoder / MTP block, recomputed in the backward under ``recompute="block"``.
 
         Every rank of a CP group recomputes the same blocks in the same order, so the collectives inside the
         attention (halo exchange, entry gather) pair up again during the backward.
         """
-        if self.config.activation_checkpointing and torch.is_grad_enabled():
+        if self.config.recompute == "block" and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
             return checkpoint(block, *args, use_reentrant=False)
@@ -358,6 +374,11 @@ class DeepseekV4ForCausalLM(nn.Module):
 
             dist.all_reduce(counts, group=getattr(cp, "group", None))
         return counts
+
+
+def _pre_and_norm(hc: nn.Module, norm: nn.Module, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    post, comb, x = hc(streams)
+    return post, comb, norm(x)
 
 
 def _ce_sum(logits: Tensor, labels: Tensor) -> Tensor:

@@ -1,0 +1,131 @@
+"""Providers for ``--op model``: one training step (forward + backward) of a DeepSeek-V4 model on a packed batch.
+
+- ``csattn``: ``DeepseekV4ForCausalLM`` (fused attention, mHC and MoE kernels on CUDA; ``recompute`` as the
+  shape option says), bf16 weights with the mHC, norms and biases in fp32, loss without ``[T, V]`` logits;
+- ``hf``: Hugging Face ``transformers.DeepseekV4ForCausalLM`` (eager attention and experts) with the same
+  weights and tokens. HF cannot pack: it runs the stream as one sequence ``[1, T]`` (use ``docs=one`` for
+  the side-by-side row, so both see one document).
+
+The model defaults to the 4-layer V4-Flash proxy of ``benchmarks/configs/v4_flash_proxy.json`` (hidden 4096,
+H 64, d 512, layers W / CSA / HCA / CSA, first MoE layer hash-routed, 8 experts top-2, intermediate 2048,
+hc_mult 4, vocab 32000); ``experts`` / ``topk_experts`` / ``layers`` change it. Documents: ``docs=ragged``
+is ``T/4 - 100, T/4 + 100, T/2``; ``docs=one`` is one document of ``T``.
+
+FLOPs are :func:`csattn.report.model_flops` (every matrix product on real tokens, attention over the keys each
+row sees; recomputation not counted), so TFLOP/s / 790 is the H200's model FLOPs utilization (MFU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from csattn.report import model_flops
+
+from ..registry import Case, Skip, register
+
+DEFAULTS = dict(tokens=16384, docs="ragged", experts=8, topk_experts=2, layers=4, recompute="none", seed=0)
+PROXY_JSON = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "v4_flash_proxy.json")
+W, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def proxy_config(shape: dict, backend: str = "auto"):
+    """The model of ``shape``: the proxy's config.json with the expert count, top-k and depth overridden."""
+    from csattn.models.deepseek_v4 import DeepseekV4ModelConfig
+
+    with open(PROXY_JSON) as f:
+        hf = json.load(f)
+    n = int(shape["layers"])
+    pattern = [W, C, H, C]
+    hf.update(num_hidden_layers=n, layer_types=[pattern[i % 4] for i in range(n)],
+              mlp_layer_types=["hash_moe"] + ["moe"] * (n - 1), n_routed_experts=int(shape["experts"]),
+              num_experts_per_tok=int(shape["topk_experts"]))
+    return DeepseekV4ModelConfig.from_hf(hf, attention_backend=backend, recompute=shape["recompute"],
+                                         indexer_loss_coeff=0.01)
+
+
+def doc_lengths(tokens: int, docs: str) -> list[int]:
+    if docs == "one":
+        return [tokens]
+    if docs != "ragged":
+        raise Skip(f"docs must be 'ragged' or 'one', got {docs!r}")
+    quarter = tokens // 4
+    return [quarter - 100, quarter + 100, tokens - 2 * quarter]
+
+
+def _batch(shape: dict, vocab: int, device):
+    from csattn import PackedSeqs
+    from csattn.models.deepseek_v4.model import future_tokens
+
+    lengths = doc_lengths(int(shape["tokens"]), shape["docs"])
+    gen = torch.Generator().manual_seed(int(shape["seed"]))
+    ids = torch.randint(0, vocab, (sum(lengths),), generator=gen).to(device)
+    packed = PackedSeqs.from_lengths(lengths, device=device)
+    return lengths, ids, packed, future_tokens(ids, packed, 1)[0]
+
+
+def _model(cfg, device, dtype, seed: int):
+    from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg)  # on the CPU: the hash tables come from a CPU generator
+    return model.to_training_dtype(dtype).to(device)
+
+
+def _info(cfg, lengths: list[int], model) -> dict:
+    return {"tokens": sum(lengths), "docs": lengths, "params": sum(p.numel() for p in model.parameters()),
+            "layers": cfg.num_hidden_layers, "experts": cfg.n_routed_experts, "topk": cfg.num_experts_per_tok,
+            "recompute": cfg.recompute}
+
+
+@register("model", "csattn", DEFAULTS)
+def csattn_model(shape, device, dtype, variant=""):
+    if device.type != "cuda":
+        raise Skip("the model step is timed on CUDA only")
+    cfg = proxy_config(shape)
+    model = _model(cfg, device, dtype, int(shape["seed"]))
+    lengths, ids, packed, labels = _batch(shape, cfg.vocab_size, device)
+    cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
+
+    def step():
+        return (model(ids, packed=packed, labels=labels, return_logits=False).loss,)
+
+    return Case(forward=step, leaves=[p for p in model.parameters() if p.requires_grad],
+                flops=model_flops(cfg, cu), info=_info(cfg, lengths, model))
+
+
+@register("model", "hf", DEFAULTS)
+def hf_model(shape, device, dtype, variant=""):
+    if device.type != "cuda":
+        raise Skip("the model step is timed on CUDA only")
+    if shape["recompute"] != "none":
+        raise Skip("HF eager has no recompute choice")
+    try:
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    except ImportError as e:
+        raise Skip(f"transformers with DeepseekV4 is not installed ({e})") from e
+    cfg = proxy_config(shape)
+    ours = _model(cfg, "cpu", torch.float32, int(shape["seed"]))  # the same weights, then handed to HF
+    hf_cfg = DeepseekV4Config(**{k: v for k, v in cfg.to_hf_dict().items() if k != "model_type"})
+    hf_cfg._attn_implementation = "eager"
+    hf_cfg._experts_implementation = "eager"
+    with torch.device(device):  # HF's RoPE buffers are not in the state dict: build it for real
+        hf = DeepseekV4ForCausalLM(hf_cfg)
+    hf.load_state_dict(ours.state_dict(), strict=True)
+    del ours
+    hf = hf.to(dtype=dtype)
+    for name, p in hf.named_parameters():  # HF's own fp32 modules (_keep_in_fp32_modules_strict)
+        if any(part in ("attn_hc", "ffn_hc", "hc_head", "sinks") for part in name.split(".")) or "norm" in name:
+            p.data = p.data.float()
+    lengths, ids, _, _ = _batch(shape, cfg.vocab_size, device)
+    if len(lengths) > 1:
+        raise Skip("HF cannot pack documents: use docs=one for the side-by-side row")
+    ids = ids[None]
+
+    def step():
+        return (hf(input_ids=ids, labels=ids, logits_to_keep=0).loss,)
+
+    return Case(forward=step, leaves=[p for p in hf.parameters() if p.requires_grad],
+                flops=model_flops(cfg, [0, sum(lengths)]), info=_info(cfg, lengths, hf))
