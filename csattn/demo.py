@@ -57,9 +57,20 @@ def run_stack(layers, x: torch.Tensor, packed: PackedSeqs, cp=None) -> tuple[tor
     return h, outs
 
 
+def _document_length(text: str) -> int:
+    """argparse type of ``--lengths``: the demo prints per-document statistics, so every document has a token."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a document length must be an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"every document length must be >= 1, got {n} (drop it from --lengths)")
+    return n
+
+
 def add_demo_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", type=int, nargs="+", default=[5, 37, 1, 64, 19, 100, 3, 40],
-                        help="document lengths of the packed batch")
+    parser.add_argument("--lengths", type=_document_length, nargs="+", default=[5, 37, 1, 64, 19, 100, 3, 40],
+                        help="document lengths of the packed batch (each >= 1)")
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cp", type=int, default=1,

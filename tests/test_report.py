@@ -42,7 +42,7 @@ def test_plan_groups_caps_paths():
 
 
 @pytest.mark.timeout(300)
-def test_report_runs_tiny(tmp_path):
+def test_report_runs_tiny(tmp_path, capsys):
     from csattn.report import run_report
 
     args = build_parser().parse_args([
@@ -50,6 +50,7 @@ def test_report_runs_tiny(tmp_path):
         "--layers", "hca", "--paths", "reference", "unfused", "--partitions", "contiguous", "--steps", "1",
         "--device", "cpu", "--out", str(tmp_path)])
     assert run_report(args) == 0
+    assert f"wrote report.json, report.md and PNG plots to {tmp_path}" in capsys.readouterr().out
     data = json.loads((tmp_path / "report.json").read_text())
     kinds = {(r["kind"], r["cp"]) for r in data["records"] if "error" not in r}
     assert {("group", 1), ("group", 2), ("isolated", 2)} <= kinds
@@ -59,6 +60,22 @@ def test_report_runs_tiny(tmp_path):
     assert "- HCA unfused, CP=1: longest stream run 128 tokens" in md
     for png in ("memory.png", "time.png", "balance.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_default_output_is_a_new_directory_not_the_committed_report():
+    args = build_parser().parse_args(["report"])
+    assert args.out == "csattn-report"
+    assert build_parser().parse_args(["report", "--output", "x"]).out == "x"
+
+
+def test_gpu_sized_report_on_cpu_is_refused_without_force(tmp_path):
+    from csattn.report import run_report
+
+    out = tmp_path / "r"
+    args = build_parser().parse_args(["report", "--device", "cpu", "--out", str(out)])
+    with pytest.raises(ValueError, match=r"--device cpu: \d+ cases of the V4-Flash .*--geometry tiny.*--force"):
+        run_report(args)
+    assert not out.exists()  # refused before writing anything
 
 
 def test_merge_reports_later_cases_replace_earlier(tmp_path):

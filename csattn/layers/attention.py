@@ -130,8 +130,11 @@ class HybridAttention(nn.Module):
             cp: optional ``csattn.ContextParallel``.
 
         Returns:
-            ``[B, S, D]`` or ``[T, D]``, like the input.
+            ``[B, S, D]`` or ``[T, D]``, like the input. Input without rows (``T = 0``, ``B = 0`` or ``S = 0``:
+            an empty pack) gives an output without rows.
         """
+        if isinstance(hidden_states, Tensor) and hidden_states.dim() in (2, 3) and not hidden_states.shape[:-1].numel():
+            return self._empty_forward(hidden_states, packed, cp)
         if self.config.capture_safe or getattr(packed, "capture_safe", False):
             from ..graphs import capture_safe_forward  # local import: the graphs package depends on this module
 
@@ -420,7 +423,28 @@ class HybridAttention(nn.Module):
         return attach_indexer_loss(o, kl * cfg.indexer_loss_coeff, loss_scale)
 
     # ------------------------------------------------------------------ input handling
-    def _flatten(self, hidden_states: Tensor, packed: Any) -> tuple[Tensor, PackedSeqs, tuple | None]:
+    def _empty_forward(self, hidden_states: Tensor, packed: Any, cp: Any) -> Tensor:
+        """No rows in, no rows out (an empty pack, e.g. a data loader's last batch): every position-dependent
+        step would divide by or index into zero documents, so nothing is computed. The output is still a
+        function of ``hidden_states`` so that a backward through it runs (and gives empty gradients)."""
+        self._check_input(hidden_states)
+        if packed is not None and hidden_states.dim() == 3:
+            raise ValueError("packed= is for [T, D] input; got [B, S, D] hidden_states")
+        if packed is not None:
+            if getattr(packed, "capture_safe", False):
+                rows = int(packed.num_rows)
+            else:
+                cu = PackedSeqs.coerce(packed).cu_seqlens_padded
+                rows = int(cu[-1]) if isinstance(cu, Tensor) and cu.numel() else 0
+            if rows:
+                local = " (this rank's rows)" if cp is not None else ""
+                raise ValueError(f"hidden_states{local} has no rows but packed describes {rows} "
+                                 "(cu_seqlens_padded[-1]): pass the rows it describes, or an empty pack")
+        self.last_indexer_loss = None
+        return hidden_states.clone()
+
+    def _check_input(self, hidden_states: Tensor) -> None:
+        """Type, rank, hidden size and dtype of ``hidden_states`` (``ValueError`` saying what to change)."""
         cfg = self.config
         if not isinstance(hidden_states, Tensor):
             raise ValueError(f"hidden_states must be a tensor, got {type(hidden_states).__name__}")
@@ -432,6 +456,16 @@ class HybridAttention(nn.Module):
             raise ValueError(
                 f"hidden_states has hidden size {hidden_states.shape[-1]} but the config says {cfg.hidden_size}"
             )
+        # the projections' dtype: the layer's matmuls (autocast or not) would fail on mixed dtypes deep inside
+        weight = self.q_a_proj.weight.dtype
+        if hidden_states.dtype != weight:
+            raise ValueError(
+                f"hidden_states is {hidden_states.dtype} but the layer's weights are {weight}: cast the input "
+                f"(hidden_states.to({weight})) or the layer (layer.to({hidden_states.dtype}))"
+            )
+
+    def _flatten(self, hidden_states: Tensor, packed: Any) -> tuple[Tensor, PackedSeqs, tuple | None]:
+        self._check_input(hidden_states)
         if hidden_states.dim() == 3:
             if packed is not None:
                 raise ValueError("packed= is for [T, D] input; got [B, S, D] hidden_states")

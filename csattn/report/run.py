@@ -10,6 +10,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 
 import torch
@@ -43,8 +44,13 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--geometry", default="real", choices=["real", "tiny"],
                    help="V4-Flash attention geometry, or a tiny one for CPU smoke runs")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default="docs/report", help="output folder (JSON, Markdown, PNG)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda (default when available) or cpu; on a CPU the real geometry needs --force")
+    p.add_argument("--force", action="store_true",
+                   help="run the GPU-sized cases (--geometry real) on a CPU anyway (hours or more)")
+    # a fresh directory by default: the committed report (docs/report) is only written when asked for
+    p.add_argument("--out", "--output", dest="out", default="csattn-report",
+                   help="output folder (JSON, Markdown, PNG), created if missing (default %(default)s)")
     p.add_argument("--group-timeout", type=int, default=1800, help="seconds before a hung group is killed")
     p.add_argument("--merge", nargs="+", default=None, metavar="REPORT_JSON",
                    help="measure nothing: combine these report.json files (a later file's cases replace an "
@@ -185,6 +191,7 @@ def run_report(args: argparse.Namespace) -> int:
 
     if getattr(args, "merge", None):
         print(merge_reports(args.merge, args.out))
+        print(f"wrote the merged report (report.json, report.md, PNG plots) to {os.path.abspath(args.out)}")
         return 0
 
     opts = {"dtype": args.dtype, "geometry": args.geometry, "device": args.device, "steps": args.steps}
@@ -195,6 +202,15 @@ def run_report(args: argparse.Namespace) -> int:
     balance_jobs = [Job(layer, t, balance_path, part) for layer in args.layers for t in balance_tokens
                     for part in args.partitions]
     sizes = [s for s in args.cp if s > 1]
+    if args.device != "cuda" and args.geometry == "real":
+        # the defaults are sized for a GPU: on a CPU they would run for hours to days before writing a table
+        what = (f"csattn report --device {args.device}: {total + len(balance_jobs) * sum(sizes)} cases of the "
+                f"V4-Flash geometry (--geometry real) at up to {max(args.tokens)} tokens, sized for a GPU")
+        if not getattr(args, "force", False):
+            raise ValueError(f"{what}. Run it on a GPU (--device cuda), pass --geometry tiny for a CPU smoke "
+                             "run, or add --force to run these cases on the CPU anyway")
+        warnings.warn(f"{what}: running them on the CPU because of --force (expect hours or more)", stacklevel=2)
+    print(f"writing the report to {os.path.abspath(args.out)}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     meta = {"commit": _git_commit(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC",
             time.gmtime()), "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
@@ -223,6 +239,7 @@ def run_report(args: argparse.Namespace) -> int:
             flush(iso)
         records = iso + _run_groups(groups, opts, tmp, args.group_timeout, bar, lambda recs: flush(iso + recs))
     print(flush(records))
+    print(f"wrote report.json, report.md and PNG plots to {os.path.abspath(args.out)}")
     return 0
 
 
