@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from csattn.ops.moe import clamped_swiglu, expert_load, moe_experts
+
 __all__ = ["Router", "Experts", "SharedExpert", "MoE", "clamped_swiglu", "score_fn"]
 
 
@@ -20,11 +22,6 @@ def score_fn(logits: Tensor, kind: str) -> Tensor:
     if kind == "softmax":
         return torch.softmax(logits, dim=-1)
     raise ValueError(f"unknown scoring_func {kind!r}")
-
-
-def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
-    """``silu(min(gate, limit)) * clamp(up, -limit, limit)``."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 class Router(nn.Module):
@@ -84,11 +81,16 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stored as 3-D tensors: ``gate_up_proj [E, 2I, D]`` (gate rows first), ``down_proj [E, D, I]``."""
+    """Routed experts stored as 3-D tensors: ``gate_up_proj [E, 2I, D]`` (gate rows first), ``down_proj [E, D, I]``.
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float) -> None:
+    ``backend`` picks the path of :func:`csattn.ops.moe.moe_experts`: ``"auto"`` (grouped GEMMs, Triton
+    SwiGLU on CUDA), ``"reference"`` (the per-expert loop), ``"grouped"`` or ``"triton"``.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float,
+                 backend: str = "auto") -> None:
         super().__init__()
-        self.num_experts, self.limit = num_experts, limit
+        self.num_experts, self.limit, self.backend = num_experts, limit, backend
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         nn.init.normal_(self.gate_up_proj, std=0.02)
@@ -96,23 +98,7 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         """``x [T, D]``, ``experts [T, k]``, ``weights [T, k]`` -> ``[T, D]`` (weighted sum over the k picks)."""
-        k = experts.shape[-1]
-        flat_expert = experts.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)  # assignments grouped by expert
-        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
-        token = order // k
-        w = weights.reshape(-1)[order]
-        out = torch.zeros_like(x)
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token[start:start + count]
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e])
-            out = out.index_add(0, rows, (y * w[start:start + count, None]).to(out.dtype))
-            start += count
-        return out
+        return moe_experts(x, experts, weights, self.gate_up_proj, self.down_proj, self.limit, self.backend)
 
 
 class SharedExpert(nn.Module):
@@ -134,22 +120,22 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """``routed(x) + shared(x)`` on packed rows ``x [T, D]``.
 
-    After each forward ``last_load [E]`` holds how many real tokens chose each expert (for
-    :meth:`Router.update_bias`).
+    After each forward ``last_load [E]`` (int64) holds how many real tokens chose each expert (for
+    :meth:`Router.update_bias`). ``backend`` is the routed experts' path (see :class:`Experts`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, vocab_size: int,
-                 hashed: bool, scoring_func: str, routed_scaling_factor: float, swiglu_limit: float) -> None:
+                 hashed: bool, scoring_func: str, routed_scaling_factor: float, swiglu_limit: float,
+                 backend: str = "auto") -> None:
         super().__init__()
         self.gate = Router(hidden_size, num_experts, top_k, vocab_size, hashed, scoring_func, routed_scaling_factor)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, swiglu_limit)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, swiglu_limit, backend)
         self.shared_experts = SharedExpert(hidden_size, intermediate_size, swiglu_limit)
         self.last_load: Tensor | None = None
 
     def forward(self, x: Tensor, input_ids: Tensor | None = None, real: Tensor | None = None) -> Tensor:
         """``x [T, D]``; ``input_ids [T]`` (hash layers); ``real [T]`` bool marks rows counted in ``last_load``."""
         weights, experts = self.gate(x, input_ids)
-        with torch.no_grad():
-            picks = experts if real is None else experts[real]
-            self.last_load = torch.bincount(picks.reshape(-1), minlength=self.gate.num_experts)
+        with torch.no_grad():  # a scatter-add on the device: no boolean indexing, no bincount (both read the host)
+            self.last_load = expert_load(experts, self.gate.num_experts, real)
         return self.experts(x, experts, weights) + self.shared_experts(x)

@@ -1,0 +1,66 @@
+"""Routed experts of a mixture of experts: tokens permuted once by expert, two grouped GEMMs, a fused clamped
+SwiGLU, no host read of device data. See ``README.md``."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .grouped import RoutePlan, grouped_experts, grouped_mm_supported, route_plan
+from .naive import clamped_swiglu, experts_ref, gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
+
+__all__ = ["BACKENDS", "RoutePlan", "clamped_swiglu", "expert_load", "experts_ref", "gather_sum_ref",
+           "grouped_experts", "grouped_mm_supported", "moe_experts", "resolve_backend", "route_plan",
+           "swiglu_bwd_ref", "swiglu_fwd_ref"]
+
+BACKENDS = ("auto", "reference", "grouped", "triton")
+
+
+def resolve_backend(backend: str, x: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> str:
+    """The path :func:`moe_experts` takes: ``"reference"``, ``"grouped"`` or ``"triton"``.
+
+    - ``"reference"``: the per-expert loop (:func:`experts_ref`).
+    - ``"grouped"``: grouped GEMMs with the SwiGLU and un-permute in PyTorch.
+    - ``"triton"``: grouped GEMMs with the SwiGLU and un-permute as Triton kernels.
+    - ``"auto"``: ``"triton"`` on CUDA, ``"grouped"`` elsewhere.
+
+    Where ``grouped_mm`` cannot take the operands (fp64 or fp16, D or I not a multiple of 16 bytes, mixed
+    dtypes, non-contiguous weights) every backend runs the reference: it is the exact same math, and the model
+    runs in fp64 in the tests.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference" or not grouped_mm_supported(x, gate_up_proj, down_proj):
+        return "reference"
+    if backend == "auto":
+        return "triton" if x.device.type == "cuda" else "grouped"
+    return backend
+
+
+def moe_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
+                limit: float, backend: str = "auto") -> Tensor:
+    """Weighted sum of each token's ``k`` routed experts, clamped-SwiGLU MLPs.
+
+    Args:
+        x: ``[T, D]`` token rows. experts: ``[T, k]`` int64 expert ids in ``[0, E)``.
+        weights: ``[T, k]`` routing weights (differentiable).
+        gate_up_proj: ``[E, 2I, D]``, the gate rows first. down_proj: ``[E, D, I]``.
+        limit: ``silu(min(gate, limit)) * clamp(up, -limit, limit)``.
+        backend: ``"auto"``, ``"reference"``, ``"grouped"`` or ``"triton"`` (see :func:`resolve_backend`).
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``: ``sum_j weights[t, j] * down[e_j] @ swiglu(gate_up[e_j] @ x[t])``.
+        Gradients flow to ``x``, ``weights``, ``gate_up_proj`` and ``down_proj``.
+    """
+    path = resolve_backend(backend, x, gate_up_proj, down_proj)
+    if path == "reference":
+        return experts_ref(x, experts, weights, gate_up_proj, down_proj, limit)
+    return grouped_experts(x, experts, weights, gate_up_proj, down_proj, limit, use_triton=path == "triton")
+
+
+def expert_load(experts: Tensor, num_experts: int, real: Tensor | None = None) -> Tensor:
+    """``[E]`` int64: how many assignments of ``experts [T, k]`` (of the rows with ``real [T]`` True, if given)
+    went to each expert; a ``scatter_add_`` on the device, no host read (``bincount`` reads the maximum id on
+    CUDA, boolean indexing the count of True rows)."""
+    flat = experts.reshape(-1).long()
+    ones = flat.new_ones(flat.shape) if real is None else real[:, None].expand(experts.shape).reshape(-1).long()
+    return flat.new_zeros(num_experts).scatter_add_(0, flat, ones)

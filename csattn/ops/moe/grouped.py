@@ -1,0 +1,171 @@
+"""Routed experts with the tokens permuted once by expert and two grouped GEMMs, forward and backward, with no
+host read of device data.
+
+Forward (``N = T * k`` assignments, ``offs`` the int32 cumulative end of each expert's rows):
+
+1. ``order = argsort(experts.flatten(), stable)``; ``token = order // k``; ``inv[order] = arange(N)``;
+   ``offs[e] = #{assignments with expert <= e}`` by ``searchsorted`` on the sorted ids (on the device: no
+   ``bincount``, whose CUDA kernel reads the maximum id on the host, no ``.tolist()``);
+2. ``gu = grouped_mm(x[token], gate_up_proj^T, offs)`` ``[N, 2I]``;
+3. ``h = swiglu(gu) * w`` ``[N, I]``, ``w`` the routing weight of each sorted assignment;
+4. ``y = grouped_mm(h, down_proj^T, offs)`` ``[N, D]``;
+5. ``out[t] = sum_j y[inv[t k + j]]`` (fp32 sum, one rounding).
+
+The routing weight is folded into ``h`` rather than applied to ``y`` in the un-permute: the SwiGLU pass writes
+``h`` anyway, so the product is free there, while on ``y`` it would be another pass over ``[N, D]`` (D > I);
+and its gradient ``dw = sum_i dh * swiglu(gu)`` then comes from tensors the backward has in hand, whereas on
+``y`` it would need ``y`` itself ``[N, D]`` saved or recomputed by a third GEMM.
+
+Saved for the backward: ``x`` (the caller keeps it anyway: the router and shared expert save it), ``gu``, the
+sorted weights and the index tensors; ``x[token]`` and the activation are recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .naive import gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
+
+__all__ = ["RoutePlan", "route_plan", "grouped_mm_supported", "grouped_experts"]
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+GROUPED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """Expert-major order of the ``N = T * k`` assignments, all on the device.
+
+    Attributes:
+        order: ``[N]`` int64, flat assignment index (``t * k + j``) of each sorted row.
+        token: ``[N]`` int64, token row of each sorted row (``order // k``).
+        inv: ``[N]`` int64, sorted row of each flat assignment (the inverse permutation of ``order``).
+        offs: ``[E]`` int32, cumulative end of each expert's rows (``offs[-1] == N``).
+    """
+
+    order: Tensor
+    token: Tensor
+    inv: Tensor
+    offs: Tensor
+
+
+def route_plan(experts: Tensor, num_experts: int) -> RoutePlan:
+    """Sort the assignments ``experts [T, k]`` (ids in ``[0, E)``) by expert, stably, without a host read."""
+    k = experts.shape[-1]
+    flat = experts.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    ids = torch.arange(num_experts, device=flat.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, ids, right=True, out_int32=True)
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return RoutePlan(order=order, token=torch.div(order, k, rounding_mode="floor"), inv=inv, offs=offs)
+
+
+def grouped_mm_supported(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> bool:
+    """Whether ``grouped_mm`` takes these operands: fp32 / bf16, one dtype and device, contiguous weights, and
+    rows of D and I elements a multiple of 16 bytes (the kernels' stride alignment)."""
+    if _grouped_mm is None or x.dim() != 2 or gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+        return False
+    if x.dtype not in GROUPED_DTYPES or not (x.dtype == gate_up_proj.dtype == down_proj.dtype):
+        return False
+    if not (x.device == gate_up_proj.device == down_proj.device):
+        return False
+    if not (gate_up_proj.is_contiguous() and down_proj.is_contiguous()):
+        return False
+    align = 16 // x.element_size()
+    d, inter = down_proj.shape[1], down_proj.shape[2]
+    if d % align or inter % align:
+        return False
+    return all(t.data_ptr() % 16 == 0 for t in (gate_up_proj, down_proj))
+
+
+def _zero_empty_groups(grad: Tensor, offs: Tensor) -> Tensor:
+    """Zero the weight gradients of experts without rows where the grouped kernel may leave them unwritten.
+
+    On CPU and on sm90 the K-grouped GEMM writes zeros for an empty group; on sm100 it has been reported not
+    to (pytorch/pytorch#172439). A ``where`` over the whole weight gradient costs a pass over it, so only there.
+    """
+    if grad.device.type == "cuda" and torch.cuda.get_device_capability(grad.device)[0] >= 10:
+        counts = torch.diff(offs, prepend=offs.new_zeros(1))
+        grad = grad.masked_fill((counts == 0)[:, None, None], 0)
+    return grad
+
+
+class _GroupedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor, experts: Tensor,
+                limit: float, use_triton: bool) -> Tensor:
+        t, d = x.shape
+        k = experts.shape[-1]
+        ctx.limit, ctx.use_triton, ctx.k = limit, use_triton, k
+        ctx.weights_dtype = weights.dtype
+        if t * k == 0:  # static shape: nothing routed (grouped_mm is not asked to take empty operands)
+            ctx.empty = True
+            ctx.save_for_backward(gate_up_proj, down_proj)
+            return x.new_zeros((t, d))
+        ctx.empty = False
+        swiglu_fwd, gather_sum = _elementwise(use_triton)[:2]
+        plan = route_plan(experts, gate_up_proj.shape[0])
+        w = weights.reshape(-1).index_select(0, plan.order)
+        gu = _grouped_mm(x.index_select(0, plan.token), gate_up_proj.transpose(-2, -1), offs=plan.offs)
+        h = swiglu_fwd(gu, w, limit)
+        y = _grouped_mm(h, down_proj.transpose(-2, -1), offs=plan.offs)
+        del h
+        out = gather_sum(y, plan.inv, k)
+        ctx.save_for_backward(x, gate_up_proj, down_proj, gu, w, plan.token, plan.inv, plan.offs)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        need_x, need_w, need_gu, need_down = ctx.needs_input_grad[:4]
+        if ctx.empty:
+            gate_up_proj, down_proj = ctx.saved_tensors
+            t = dout.shape[0]
+            dx = dout.new_zeros(dout.shape) if need_x else None
+            dweights = dout.new_zeros((t, ctx.k), dtype=ctx.weights_dtype) if need_w else None
+            return (dx, dweights, torch.zeros_like(gate_up_proj) if need_gu else None,
+                    torch.zeros_like(down_proj) if need_down else None, None, None, None)
+        x, gate_up_proj, down_proj, gu, w, token, inv, offs = ctx.saved_tensors
+        k = ctx.k
+        _, gather_sum, swiglu_bwd = _elementwise(ctx.use_triton)
+        dy = dout.index_select(0, token)  # [N, D]: un-permute's adjoint, a gather in expert order
+        dh = _grouped_mm(dy, down_proj, offs=offs)  # [N, I]
+        dgu, h, dw = swiglu_bwd(gu, w, dh, ctx.limit)
+        del dh
+        d_down = _zero_empty_groups(_grouped_mm(dy.t(), h, offs=offs), offs) if need_down else None
+        del dy, h
+        d_gate_up = None
+        if need_gu:
+            xp = x.index_select(0, token)  # recomputed: [N, D] is k times x, and x is kept by its other users
+            d_gate_up = _zero_empty_groups(_grouped_mm(dgu.t(), xp, offs=offs), offs)
+            del xp
+        dx = gather_sum(_grouped_mm(dgu, gate_up_proj, offs=offs), inv, k) if need_x else None
+        dweights = dw.index_select(0, inv).view(-1, k).to(ctx.weights_dtype) if need_w else None
+        return dx, dweights, d_gate_up, d_down, None, None, None
+
+
+def _elementwise(use_triton: bool):
+    """(swiglu forward, gather-sum, swiglu backward): the Triton kernels or their PyTorch references."""
+    if use_triton:
+        from .triton import gather_sum_triton, swiglu_bwd_triton, swiglu_fwd_triton  # lazy: Triton optional
+
+        return swiglu_fwd_triton, gather_sum_triton, swiglu_bwd_triton
+    return swiglu_fwd_ref, gather_sum_ref, swiglu_bwd_ref
+
+
+def grouped_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
+                    limit: float, use_triton: bool = False) -> Tensor:
+    """Routed experts by grouped GEMMs (see the module docstring); operands as in
+    :func:`~csattn.ops.moe.naive.experts_ref`, which must satisfy :func:`grouped_mm_supported`.
+
+    ``use_triton`` runs the SwiGLU and gather-sum as Triton kernels (CUDA, or the CPU interpreter), else as
+    their PyTorch references.
+    """
+    if not grouped_mm_supported(x, gate_up_proj, down_proj):
+        raise ValueError("grouped_mm does not take these operands (dtype, device, layout or alignment): "
+                         f"x {tuple(x.shape)} {x.dtype}, gate_up_proj {tuple(gate_up_proj.shape)} "
+                         f"{gate_up_proj.dtype}, down_proj {tuple(down_proj.shape)} {down_proj.dtype}")
+    return _GroupedExperts.apply(x, weights, gate_up_proj, down_proj, experts, float(limit), use_triton)

@@ -1,0 +1,143 @@
+"""Plain-PyTorch references for the routed experts: the per-expert loop (the tests' oracle, and the path for
+dtypes ``grouped_mm`` does not take), and the elementwise pieces of the grouped path (clamped SwiGLU forward
+and backward with the routing weight folded in, and the un-permute gather-sum) that the Triton kernels fuse.
+
+The loop reads the per-expert counts on the host (``bincount(...).tolist()``): it is a reference, not a fast
+path. The elementwise references read nothing on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["clamped_swiglu", "experts_ref", "swiglu_fwd_ref", "swiglu_bwd_ref", "gather_sum_ref"]
+
+# fp32 bytes per temporary per row chunk of the elementwise references (bounds their fp32 copies of [N, 2I])
+CHUNK_BYTES = 64 << 20
+
+
+def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (same shapes in, same shape out)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def experts_ref(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
+                limit: float) -> Tensor:
+    """Routed experts by a Python loop over experts (plain autograd).
+
+    Args:
+        x: ``[T, D]``. experts: ``[T, k]`` int64 expert ids. weights: ``[T, k]`` routing weights.
+        gate_up_proj: ``[E, 2I, D]`` (gate rows first). down_proj: ``[E, D, I]``. limit: SwiGLU clamp.
+
+    Returns:
+        ``[T, D]``: ``sum_j weights[t, j] * down[e_j] @ swiglu(gate_up[e_j] @ x[t])``.
+    """
+    num_experts, k = gate_up_proj.shape[0], experts.shape[-1]
+    flat_expert = experts.reshape(-1)
+    order = torch.argsort(flat_expert, stable=True)  # assignments grouped by expert
+    counts = torch.bincount(flat_expert, minlength=num_experts).tolist()  # host read: reference only
+    token = order // k
+    w = weights.reshape(-1)[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token[start:start + count]
+        gate, up = F.linear(x[rows], gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(clamped_swiglu(gate, up, limit), down_proj[e])
+        out = out.index_add(0, rows, (y * w[start:start + count, None]).to(out.dtype))
+        start += count
+    return out
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _row_step(cols: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * max(cols, 1)))
+
+
+def _swiglu_parts(g: Tensor, u: Tensor, limit: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The clamped gate, clamped up, sigmoid, silu and activation; one formula for the forward and the
+    backward's recomputation, so the recomputed activation is bit-equal to the forward's."""
+    gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    s = torch.sigmoid(gc)
+    silu = gc * s
+    return gc, uc, s, silu, silu * uc
+
+
+def swiglu_fwd_ref(gu: Tensor, w: Tensor, limit: float, out: Tensor | None = None) -> Tensor:
+    """Weighted clamped SwiGLU of the gate/up GEMM output.
+
+    Args:
+        gu: ``[N, 2I]`` (gate columns first). w: ``[N]`` routing weight of each row. limit: the clamp.
+        out: optional ``[N, I]`` destination (``gu.dtype``).
+
+    Returns:
+        ``[N, I]`` ``silu(min(g, L)) * clamp(u, -L, L) * w`` in fp32 (fp64 for fp64), rounded once to ``gu.dtype``.
+    """
+    n, inter = gu.shape[0], gu.shape[1] // 2
+    c = _compute_dtype(gu.dtype)
+    out = torch.empty((n, inter), dtype=gu.dtype, device=gu.device) if out is None else out
+    step = _row_step(2 * inter)
+    for lo in range(0, n, step):
+        g, u = gu[lo:lo + step].to(c).chunk(2, dim=-1)
+        act = _swiglu_parts(g, u, limit)[-1]
+        out[lo:lo + step] = (act * w[lo:lo + step, None].to(c)).to(out.dtype)
+    return out
+
+
+def swiglu_bwd_ref(gu: Tensor, w: Tensor, dh: Tensor, limit: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of :func:`swiglu_fwd_ref`, recomputing the activation from ``gu``.
+
+    Args:
+        gu: ``[N, 2I]`` saved gate/up GEMM output. w: ``[N]``. dh: ``[N, I]`` gradient of the weighted output.
+
+    Returns:
+        ``dgu [N, 2I]`` (``gu.dtype``); ``h [N, I]``, the weighted forward output recomputed (``gu.dtype``,
+        bit-equal to the forward's; the down-projection weight gradient needs it); ``dw [N]`` in fp32 (fp64 for
+        fp64): ``sum_i dh * swiglu``.
+    """
+    n, inter = gu.shape[0], gu.shape[1] // 2
+    c = _compute_dtype(gu.dtype)
+    dgu = torch.empty_like(gu)
+    h = torch.empty((n, inter), dtype=gu.dtype, device=gu.device)
+    dw = torch.empty((n,), dtype=c, device=gu.device)
+    step = _row_step(2 * inter)
+    for lo in range(0, n, step):
+        g, u = gu[lo:lo + step].to(c).chunk(2, dim=-1)
+        wr = w[lo:lo + step, None].to(c)
+        gc, uc, s, silu, act = _swiglu_parts(g, u, limit)
+        h[lo:lo + step] = (act * wr).to(h.dtype)
+        d = dh[lo:lo + step].to(c)
+        dw[lo:lo + step] = (d * act).sum(-1)
+        d = d * wr
+        # clamp passes the gradient where the input lies inside the closed interval (as torch.clamp does)
+        dg = d * uc * (s * (1 + gc * (1 - s))) * (g <= limit)
+        du = d * silu * ((u >= -limit) & (u <= limit))
+        dgu[lo:lo + step] = torch.cat((dg, du), dim=-1).to(dgu.dtype)
+    return dgu, h, dw
+
+
+def gather_sum_ref(src: Tensor, inv: Tensor, k: int, out: Tensor | None = None) -> Tensor:
+    """Un-permute and sum the ``k`` picks of every token.
+
+    Args:
+        src: ``[N, D]`` rows in expert order, ``N = T * k``. inv: ``[N]`` int64: row of ``src`` holding pick
+            ``j`` of token ``t`` at ``t * k + j``. out: optional ``[T, D]`` destination.
+
+    Returns:
+        ``[T, D]`` ``out[t] = sum_j src[inv[t * k + j]]``, summed in fp32 (fp64 for fp64), in ``src.dtype``.
+    """
+    t = inv.shape[0] // max(k, 1)
+    out = torch.empty((t, src.shape[1]), dtype=src.dtype, device=src.device) if out is None else out
+    c = _compute_dtype(src.dtype)
+    step = max(1, _row_step(src.shape[1]) // max(k, 1))
+    for lo in range(0, t, step):
+        idx = inv[lo * k:(lo + step) * k]
+        out[lo:lo + step] = src.index_select(0, idx).to(c).view(-1, k, src.shape[1]).sum(1).to(out.dtype)
+    return out
