@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from ..models.deepseek_v4.checkpoint import read_config
+from ..report.flops import model_flops
 from .checkpointing import compare_resume_config, load_checkpoint, resolve_resume, save_checkpoint
 from .data import build_corpus
 from .packer import DocumentPacker, PackedBatch
@@ -91,6 +92,7 @@ class TrainConfig:
     trust_checkpoint: bool = False  # also load old pickled trainer_state.pt files (they can run code)
     log_every: int = 10
     progress: bool = True
+    peak_tflops: float = 0.0  # the GPU's dense matmul TFLOP/s for the MFU figure; 0 = known GPUs only
 
     def validate(self) -> None:
         for name in ("steps", "seq_len", "pad_multiple", "cp", "log_every"):
@@ -324,7 +326,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
-    tokens, t0 = 0, time.perf_counter()
+    peak = _peak_flops(cfg, device)
+    tokens, flops, t0 = 0, 0.0, time.perf_counter()
     for step in range(start, cfg.steps):
         batch = next(packer)
         metrics = train_step(model, batch, cp, topo, optimizer, cfg, device)
@@ -333,13 +336,20 @@ def train(cfg: TrainConfig) -> TrainResult:
         lm_losses.append(metrics["lm_loss"])
         idx_losses.append(metrics["indexer_loss"])
         tokens += batch.num_tokens * topo.dp
-        tps = tokens / max(time.perf_counter() - t0, 1e-9)
+        if peak:
+            f = model_flops(model_cfg, batch.packed.cu_seqlens)
+            flops += (f["fwd"] + f["bwd"]) * topo.dp
+        elapsed = max(time.perf_counter() - t0, 1e-9)
+        tps = tokens / elapsed
+        mfu = f"{flops / elapsed / (peak * topo.world):.1%}" if peak else None
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", idx=f"{metrics['indexer_loss']:.3g}", tok_s=f"{tps:.0f}")
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", idx=f"{metrics['indexer_loss']:.3g}", tok_s=f"{tps:.0f}",
+                            **({"mfu": mfu} if mfu else {}))
         if topo.rank == 0 and (step + 1) % cfg.log_every == 0:
             line = (f"step {step + 1}: loss {metrics['loss']:.4f} lm {metrics['lm_loss']:.4f} "
-                    f"indexer {metrics['indexer_loss']:.4g} lr {scheduler.get_last_lr()[0]:.3g} tok/s {tps:.0f}")
+                    f"indexer {metrics['indexer_loss']:.4g} lr {scheduler.get_last_lr()[0]:.3g} tok/s {tps:.0f}"
+                    + (f" MFU {mfu}" if mfu else ""))
             if bar is not None:
                 bar.write(line)
             else:
@@ -350,6 +360,16 @@ def train(cfg: TrainConfig) -> TrainResult:
     if bar is not None:
         bar.close()
     return TrainResult(losses, lm_losses, idx_losses, start, model, tokens / max(time.perf_counter() - t0, 1e-9))
+
+
+def _peak_flops(cfg: TrainConfig, device: torch.device) -> float:
+    """FLOP/s of one GPU for the MFU figure: ``--peak-tflops``, else the measured dense bf16 matmul rate of a
+    known GPU (H100 / H200: 790 TFLOP/s), else 0 (no MFU shown)."""
+    if cfg.peak_tflops:
+        return cfg.peak_tflops * 1e12
+    if device.type == "cuda" and any(name in torch.cuda.get_device_name(device) for name in ("H100", "H200")):
+        return 790e12
+    return 0.0
 
 
 def _save(cfg: TrainConfig, step: int, model: DeepseekV4ForCausalLM, optimizer: torch.optim.Optimizer,
