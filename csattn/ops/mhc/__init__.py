@@ -1,0 +1,82 @@
+"""mHC (manifold-constrained hyper-connections): the weights of one site from its ``n`` residual streams, the
+collapse into the block input, the combine back into the streams, and the final head.
+
+``backend``: ``"reference"`` (plain PyTorch, :mod:`.naive`), ``"triton"`` (fused kernels, :mod:`.triton`; CUDA,
+or the CPU interpreter under ``TRITON_INTERPRET=1``) or ``"auto"`` (Triton on CUDA tensors, the reference
+elsewhere, as the attention layer resolves its backend).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .naive import hc_combine_ref, hc_head_ref, hc_pre_ref, sinkhorn_ref
+
+__all__ = ["hc_pre", "hc_head", "hc_combine", "resolve_backend", "hc_pre_ref", "hc_head_ref", "hc_combine_ref",
+           "sinkhorn_ref"]
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+def resolve_backend(backend: str, t: Tensor) -> str:
+    """``"auto"`` -> ``"triton"`` on CUDA tensors, else ``"reference"``; other values are checked and returned."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if t.device.type == "cuda" else "reference"
+    return backend
+
+
+def hc_pre(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn_iters: int, hc_eps: float,
+           norm_eps: float, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """One mHC site: mixing weights from the RMS-normalized flattened streams, and the collapsed block input.
+
+    ``mix = (X / rms(X)) @ fn^T``; ``pre = sigmoid(mix_pre * scale[0] + base_pre) + eps``;
+    ``post = 2 sigmoid(mix_post * scale[1] + base_post)``; ``comb = sinkhorn(mix_comb * scale[2] + base_comb)``;
+    ``collapsed = sum_j pre_j X_j``.
+
+    Args:
+        streams: ``[T, n, D]`` (bf16 / fp32 / fp64). fn: ``[(2+n)*n, n*D]``. base: ``[(2+n)*n]``.
+        scale: ``[3]``. sinkhorn_iters: Sinkhorn rounds (>= 1). hc_eps: weight epsilon. norm_eps: RMS epsilon.
+
+    Returns:
+        ``post [T, n]``, ``comb [T, n, n]`` (fp32; fp64 for fp64 streams) and ``collapsed [T, D]`` (stream dtype).
+    """
+    if resolve_backend(backend, streams) == "triton":
+        from .triton import hc_pre_triton  # lazy: importing csattn must not need Triton
+
+        return hc_pre_triton(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return hc_pre_ref(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+
+
+def hc_head(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, hc_eps: float, norm_eps: float,
+            backend: str = "auto") -> Tensor:
+    """Final collapse ``sum_j pre_j X_j`` with ``pre = sigmoid((X / rms(X)) @ fn^T * scale + base) + eps``.
+
+    Args:
+        streams: ``[T, n, D]``. fn: ``[n, n*D]``. base: ``[n]``. scale: ``[1]``.
+
+    Returns:
+        ``[T, D]`` in the stream dtype.
+    """
+    if resolve_backend(backend, streams) == "triton":
+        from .triton import hc_head_triton
+
+        return hc_head_triton(streams, fn, base, scale, hc_eps, norm_eps)
+    return hc_head_ref(streams, fn, base, scale, hc_eps, norm_eps)
+
+
+def hc_combine(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, *, backend: str = "auto") -> Tensor:
+    """New streams ``X'_k = post_k * y + sum_j comb[j, k] X_j`` (``post`` / ``comb`` cast to the stream dtype).
+
+    Args:
+        streams: ``[T, n, D]``. block_out: ``[T, D]``. post: ``[T, n]``. comb: ``[T, n, n]``.
+
+    Returns:
+        ``[T, n, D]`` in the stream dtype.
+    """
+    if resolve_backend(backend, streams) == "triton":
+        from .triton import hc_combine_triton
+
+        return hc_combine_triton(streams, block_out, post, comb)
+    return hc_combine_ref(streams, block_out, post, comb)
