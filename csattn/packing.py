@@ -9,7 +9,8 @@ Many documents are packed into one token stream ``[T, ...]``. Two prefix sums de
   zero), make no compressed entry, and are excluded from losses, so they never change a real row.
 
 Everything derived from the prefix sums is computed once and cached on the object, so one ``PackedSeqs``
-per step can be handed to every layer.
+per step can be handed to every layer. The cache remembers the prefix sums' version counters: editing one in
+place (or assigning a new one) empties it, so a stale layout is never reused.
 """
 
 from __future__ import annotations
@@ -142,14 +143,21 @@ class PackedSeqs:
     cu_seqlens_padded: Tensor | None = None
     max_seqlen: int | None = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # what the caller called the two prefix sums (error messages name what was passed, see __post_init__)
+    _names: tuple[str, str] = field(default=("cu_seqlens", "cu_seqlens_padded"), repr=False, compare=False)
+    _stamp: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        real_name, pad_name = self._names
         if self.cu_seqlens is None and self.cu_seqlens_padded is None:
-            raise ValueError("PackedSeqs needs cu_seqlens or cu_seqlens_padded")
+            raise ValueError(f"PackedSeqs needs {real_name} or {pad_name}")
+        # One given prefix sum stands for both; errors then name the one the caller passed, not its stand-in.
         if self.cu_seqlens is None:
             self.cu_seqlens = self.cu_seqlens_padded
+            self._names = (pad_name, pad_name)
         if self.cu_seqlens_padded is None:
             self.cu_seqlens_padded = self.cu_seqlens
+            self._names = (real_name, real_name)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -189,30 +197,54 @@ class PackedSeqs:
                 f"got {type(packed).__name__} with neither"
             )
         max_seqlen = getattr(packed, "max_seqlen_q", None)
-        return cls(cu_seqlens=cu, cu_seqlens_padded=cu_pad, max_seqlen=max_seqlen)
+        return cls(cu_seqlens=cu, cu_seqlens_padded=cu_pad, max_seqlen=max_seqlen,
+                   _names=("packed.cu_seqlens_q", "packed.cu_seqlens_q_padded"))
+
+    # ------------------------------------------------------------------ cache
+    def _version_stamp(self) -> tuple:
+        """Identity and in-place version counter of both prefix sums (and ``max_seqlen``)."""
+        def one(t: Any) -> tuple:
+            try:
+                return id(t), t._version
+            except (AttributeError, RuntimeError):  # not a tensor, or an inference tensor: no version counter
+                return id(t), None
+        return one(self.cu_seqlens), one(self.cu_seqlens_padded), self.max_seqlen
+
+    def cache(self) -> dict:
+        """The derived-metadata cache, emptied first when a prefix sum was edited in place (its ``_version``
+        counter moved), replaced, or ``max_seqlen`` changed since the cache was filled: a layout derived from
+        the old values must never be reused for new ones."""
+        stamp = self._version_stamp()
+        if stamp != self._stamp:
+            self._cache.clear()
+            self._stamp = stamp
+        return self._cache
 
     # ------------------------------------------------------------------ validation
     def validate(self, num_rows: int, device: torch.device) -> None:
-        """Check both prefix sums against the stream (``ValueError`` naming the argument)."""
+        """Check both prefix sums against the stream (``ValueError`` naming the argument as it was passed)."""
+        cache = self.cache()
         key = ("validated", num_rows, str(device))
-        if key in self._cache:
+        if key in cache:
             return
-        pad = validate_cu_seqlens(self.cu_seqlens_padded, "cu_seqlens_padded", num_rows, device)
-        real = validate_cu_seqlens(self.cu_seqlens, "cu_seqlens", None, device)
+        real_name, pad_name = self._names
+        pad = validate_cu_seqlens(self.cu_seqlens_padded, pad_name, num_rows, device)
+        real = pad if self.cu_seqlens is self.cu_seqlens_padded else validate_cu_seqlens(
+            self.cu_seqlens, real_name, None, device)
         if real.numel() != pad.numel():
             raise ValueError(
-                f"cu_seqlens has {real.numel() - 1} documents but cu_seqlens_padded has {pad.numel() - 1}"
+                f"{real_name} has {real.numel() - 1} documents but {pad_name} has {pad.numel() - 1}"
             )
         real_len = real[1:] - real[:-1]
         pad_len = pad[1:] - pad[:-1]
         if bool((pad_len < real_len).any()):
             raise ValueError(
-                "cu_seqlens_padded describes a document shorter than its real length in cu_seqlens "
+                f"{pad_name} describes a document shorter than its real length in {real_name} "
                 f"(padded lengths {pad_len.tolist()[:16]}, real lengths {real_len.tolist()[:16]})"
             )
         if self.max_seqlen is not None and int(pad_len.max()) > int(self.max_seqlen):
             raise ValueError(f"max_seqlen = {self.max_seqlen} is below the longest document ({int(pad_len.max())})")
-        self._cache[key] = True
+        cache[key] = True
 
     @property
     def num_docs(self) -> int:
@@ -223,32 +255,38 @@ class PackedSeqs:
         return int(self.cu_seqlens_padded[-1])
 
     def host_max_seqlen(self) -> int:
-        if self.max_seqlen is None:
+        """The given ``max_seqlen``, or the longest physical document (computed once per prefix-sum version)."""
+        if self.max_seqlen is not None:
+            return int(self.max_seqlen)
+        cache = self.cache()
+        if "max_seqlen" not in cache:
             pad = self.cu_seqlens_padded.to(torch.int64)
-            self.max_seqlen = int((pad[1:] - pad[:-1]).max())
-        return int(self.max_seqlen)
+            cache["max_seqlen"] = int((pad[1:] - pad[:-1]).max())
+        return cache["max_seqlen"]
 
     # ------------------------------------------------------------------ derived metadata
     def rows(self, device: torch.device | None = None) -> RowMeta:
         """Per-row document id, position and real flag (cached)."""
         device = device or self.cu_seqlens_padded.device
+        cache = self.cache()
         key = ("rows", str(device))
-        if key not in self._cache:
+        if key not in cache:
             pad = self.cu_seqlens_padded.to(device=device)
             doc, pos, real, doc_start, real_len = row_layout(pad, self.cu_seqlens, int(pad[-1]))
-            self._cache[key] = RowMeta(doc, pos, real, doc_start, real_len, int(real_len.sum()))
-        return self._cache[key]
+            cache[key] = RowMeta(doc, pos, real, doc_start, real_len, int(real_len.sum()))
+        return cache[key]
 
     def compress(self, ratio: int, device: torch.device | None = None) -> CompressMeta:
         """Compressed-entry layout for ``ratio`` (cached)."""
         if ratio < 1:
             raise ValueError(f"compress ratio must be >= 1, got {ratio}")
         device = device or self.cu_seqlens_padded.device
+        cache = self.cache()
         key = ("compress", ratio, str(device))
-        if key not in self._cache:
+        if key not in cache:
             cu_comp, local, entry_row, vis_start, vis_end = entry_layout(self.rows(device), ratio)
             max_visible = int((vis_end - vis_start).max()) if vis_end.numel() else 0
-            self._cache[key] = CompressMeta(
+            cache[key] = CompressMeta(
                 ratio=ratio,
                 cu_comp=cu_comp,
                 entry_row=entry_row,
@@ -259,4 +297,4 @@ class PackedSeqs:
                 num_entries=local.numel(),
                 max_visible=max_visible,
             )
-        return self._cache[key]
+        return cache[key]

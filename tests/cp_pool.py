@@ -24,7 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, pg_timeout_s: float = 240.0) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -32,8 +32,8 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     # Generous limits: they catch hangs, not slowness. A Triton-interpreter task takes about a minute alone and
     # twice that on a 2-core machine running another test worker beside it.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=240))
-    groups = {p: dist.new_group(list(range(p)), timeout=timedelta(seconds=240)) for p in range(1, world + 1)}
+                            timeout=timedelta(seconds=pg_timeout_s))
+    groups = {p: dist.new_group(list(range(p)), timeout=timedelta(seconds=pg_timeout_s)) for p in range(1, world + 1)}
     while True:
         item = tasks.get()
         if item is None:
@@ -53,14 +53,15 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 class RankPool:
     """``world`` gloo ranks serving tasks ``fn(group, **kwargs)`` on the first ``size`` of them."""
 
-    def __init__(self, world: int = 4, timeout: float = 360.0) -> None:
+    def __init__(self, world: int = 4, timeout: float = 360.0, pg_timeout_s: float = 240.0) -> None:
+        # pg_timeout_s: the process groups' collective timeout; a short one turns a hang into a rank error
         self.world, self.timeout = world, timeout
         ctx = mp.get_context("spawn")
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
-                      for r in range(world)]
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, pg_timeout_s),
+                                  daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
 

@@ -103,7 +103,7 @@ def make_layout(
     _check_partition(partition)
     k = num_chunks(partition, size, chunks_per_rank)
     key = ("cp-layout", partition, size, chunks_per_rank, id(cost_config))
-    cached = packed._cache.get(key)
+    cached = packed.cache().get(key)
     if cached is not None:
         return cached
     num_rows = packed.num_rows
@@ -122,7 +122,7 @@ def make_layout(
             load[r] += costs[c]
             count[r] += 1
     layout = Layout(num_rows=num_rows, size=size, chunk=num_rows // k, chunk_owner=tuple(owner))
-    packed._cache[key] = layout
+    packed.cache()[key] = layout
     return layout
 
 

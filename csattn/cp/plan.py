@@ -64,14 +64,16 @@ def _fingerprint(packed: PackedSeqs, extra: tuple) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def check_inputs(x_local: Tensor, packed: PackedSeqs, cfg: AttentionConfig, cp) -> None:
-    """Validate on every rank, agree on the worst problem with one all-reduce, then raise the same
-    ``ValueError`` everywhere (so no rank is left waiting in a collective). Cached per packed stream."""
+def _local_verdict(x_local: Tensor, packed: PackedSeqs, cfg: AttentionConfig, cp) -> tuple[int, str, int, int]:
+    """This rank's ``(error code, detail, num_rows, fingerprint)``: pure local work, no communication, so it
+    may be cached on ``packed`` (``PackedSeqs.cache`` empties itself when a prefix sum is edited in place)."""
     size = cp.size
     halo = halo_rows(cfg)
-    key = ("cp-checked", size, cp.partition, cp.chunks_per_rank, halo, x_local.shape[0], str(x_local.device))
-    if key in packed._cache:
-        return
+    key = ("cp-verdict", size, cp.partition, cp.chunks_per_rank, _geometry_key(cfg), x_local.shape[0],
+           str(x_local.device))
+    cache = packed.cache()
+    if key in cache:
+        return cache[key]
     chunks = num_chunks(cp.partition, size, cp.chunks_per_rank)
     code, detail = 0, ""
     try:
@@ -89,6 +91,24 @@ def check_inputs(x_local: Tensor, packed: PackedSeqs, cfg: AttentionConfig, cp) 
         fp = _fingerprint(packed, (cp.partition, cp.chunks_per_rank, _geometry_key(cfg)))
     except Exception:  # unreadable metadata: code 4 already says so
         fp = 0
+    verdict = (code, detail, num_rows, fp)
+    if code == 0:  # a failing verdict is recomputed next time (the caller may fix the object)
+        cache[key] = verdict
+    return verdict
+
+
+def check_inputs(x_local: Tensor, packed: PackedSeqs, cfg: AttentionConfig, cp) -> None:
+    """Validate on every rank, agree on the worst problem with one all-reduce, then raise the same
+    ``ValueError`` everywhere (so no rank is left waiting in a collective).
+
+    The all-reduce runs on every call: whether a rank communicates must never depend on what its local caches
+    hold (one rank reusing a ``PackedSeqs`` it already checked while another passes a fresh, equal one would
+    otherwise leave the second waiting in the all-reduce until the process-group timeout). Only the local
+    validation and fingerprint are cached; the collective is one ``[3]`` int64 all-reduce per layer."""
+    size = cp.size
+    halo = halo_rows(cfg)
+    chunks = num_chunks(cp.partition, size, cp.chunks_per_rank)
+    code, detail, num_rows, fp = _local_verdict(x_local, packed, cfg, cp)
     flags = torch.tensor([code, fp, -fp], dtype=torch.int64, device=x_local.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cp.group)
     code, fp_max, fp_min = int(flags[0]), int(flags[1]), -int(flags[2])
@@ -99,7 +119,7 @@ def check_inputs(x_local: Tensor, packed: PackedSeqs, cfg: AttentionConfig, cp) 
             "packed metadata and run the same layer"
         )
     if code == 4:
-        raise ValueError(f"context parallelism: invalid packed metadata: {detail}")
+        raise ValueError(f"context parallelism: invalid packed metadata: {detail or 'rejected on another rank'}")
     if code == 3:
         raise ValueError(
             f"context parallelism: the packed stream has {num_rows} rows, which do not split into {chunks} "
@@ -118,7 +138,6 @@ def check_inputs(x_local: Tensor, packed: PackedSeqs, cfg: AttentionConfig, cp) 
             + (f", ratio {cfg.compress_ratio}" if cfg.has_compressor else "")
             + f"); use fewer ranks or chunks, or a longer stream (at least {halo * chunks} rows)"
         )
-    packed._cache[key] = True
 
 
 def build_plan(packed: PackedSeqs, cfg: AttentionConfig, cp, device: torch.device) -> LayerPlan:
@@ -126,7 +145,7 @@ def build_plan(packed: PackedSeqs, cfg: AttentionConfig, cp, device: torch.devic
     size, rank = cp.size, cp.rank
     key = ("cp-plan", size, rank, cp.partition, cp.chunks_per_rank, id(cp.cost_config), _geometry_key(cfg),
            str(device))
-    cached = packed._cache.get(key)
+    cached = packed.cache().get(key)
     if cached is not None:
         return cached
     layout = make_layout(packed, cp.partition, size, cp.chunks_per_rank, cp.cost_config)
@@ -207,5 +226,5 @@ def build_plan(packed: PackedSeqs, cfg: AttentionConfig, cp, device: torch.devic
         plan.vis_end = meta.vis_end[local_rows_t].to(device)
         plan.max_visible = meta.max_visible
         plan.num_entries = meta.num_entries
-    packed._cache[key] = plan
+    packed.cache()[key] = plan
     return plan

@@ -16,8 +16,9 @@ fixed by ``T``, ``P``, the number of documents and ``max_seqlen``, and the rest 
 
 The balanced partition deals chunks by document lengths on the host, so it is not capture-safe. The input
 agreement check (same ``T``, shard rows, halo) is a collective that reads its result on the host: it runs on
-the first eager call with a metadata object (and is remembered on it), never while a CUDA graph is being
-captured (a captured step is warmed up eagerly first).
+every eager call (never conditioned on a per-object cache, which could differ between ranks), and not while a
+CUDA graph is being captured, ``torch.compile`` traces or ``NoHostSync`` is active (a captured step is warmed
+up eagerly first).
 A CUDA-graph capture needs collectives that can be captured (NCCL); gloo's copy through host memory cannot be.
 """
 
@@ -32,11 +33,13 @@ from torch.distributed.nn.functional import all_reduce as all_reduce_with_grad
 
 from ..cp.gather import start_gather_rows
 from ..cp.partition import halo_rows
+from ..cp.plan import _fingerprint
 from ..layers.attention import CompressedRange, IndexerLossInputs
 from ..layers.modules import RowPieces
 from ..ops.indexer.custom_ops import indexer_topk_static_op
 from ..ops.indices import window_indices
 from .forward import _compress, _loss_scale
+from .nosync import host_reads_forbidden
 from .static import StaticPackedSeqs
 
 if TYPE_CHECKING:
@@ -62,19 +65,29 @@ def _check(layer: HybridAttention, x_local: Tensor, static: StaticPackedSeqs, cp
         problems.append(f"a shard of {rows} rows is shorter than the {halo}-row left halo of this layer")
     if x_local.shape[0] != rows:
         problems.append(f"hidden_states has {x_local.shape[0]} rows on rank {cp.rank}, expected T / P = {rows}")
-    capturing = x_local.is_cuda and torch.cuda.is_current_stream_capturing()
-    key = ("cp-checked", size, cp.rank, halo, x_local.shape[0], str(x_local.device))
-    if not problems and key in static._cache:  # agreed on an earlier call with this metadata object
-        return rows, halo
-    if not capturing:
-        flag = torch.tensor([1.0 if problems else 0.0], device=x_local.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cp.group)
-        if flag.item() > 0:
+    # The agreement collective runs on every eager call: skipping it because this object passed before would
+    # leave a rank that got a fresh object waiting in it alone. It is skipped only where no host read may
+    # happen (capture, compile, NoHostSync), modes every rank enters together; there a problem raises locally.
+    if not host_reads_forbidden(x_local):
+        cfg = layer.config
+        geometry = (cfg.layer_type, cfg.sliding_window, cfg.compress_ratio, total, static.max_seqlen, cp.partition)
+        try:  # same metadata and layer on every rank: [max, -min] of a fingerprint tells
+            fp = _fingerprint(static, geometry)
+        except Exception:  # unreadable metadata; the layer's own checks name the problem
+            fp = 0
+        flags = torch.tensor([1 if problems else 0, fp, -fp], dtype=torch.int64, device=x_local.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cp.group)
+        failed, fp_max, fp_min = flags.tolist()
+        if failed > 0:
             detail = "; ".join(problems) if problems else "another rank got bad input"
             raise ValueError(f"context parallelism (capture-safe): {detail}")
+        if fp_max != -fp_min:
+            raise ValueError(
+                "context parallelism (capture-safe): the global packed metadata (cu_seqlens / cu_seqlens_padded, "
+                "num_rows, max_seqlen) or the layer geometry differs across the ranks of the CP group; every "
+                "rank must pass the same global packed metadata and run the same layer")
     elif problems:
         raise ValueError(f"context parallelism (capture-safe): {'; '.join(problems)}")
-    static._cache[key] = True
     return rows, halo
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostSyncError", "NoHostSync", "HOST_SYNC_OPS"]
+__all__ = ["HostSyncError", "NoHostSync", "HOST_SYNC_OPS", "host_reads_forbidden"]
 
 _aten = torch.ops.aten
 HOST_SYNC_OPS = frozenset({
@@ -80,3 +80,17 @@ class NoHostSync(TorchDispatchMode):
         elif func in HOST_SYNC_OPS and func is not getattr(_aten, "nonzero_static", _aten.nonzero).default:
             raise HostSyncError(f"{func} reads device data on the host")
         return func(*args, **kwargs)
+
+
+def host_reads_forbidden(t: torch.Tensor | None = None) -> bool:
+    """True while host reads of device values are not allowed: a CUDA graph is being captured on the current
+    stream (``t`` on CUDA), ``torch.compile`` is tracing, or :class:`NoHostSync` (the CPU stand-in for both) is
+    active. These are modes every rank of a job enters at the same point, unlike a per-object cache, so a
+    collective skipped under them is skipped on every rank."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if torch.compiler.is_compiling():
+        return True
+    if t is not None and t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return True
+    return any(isinstance(mode, NoHostSync) for mode in _get_current_dispatch_mode_stack())
