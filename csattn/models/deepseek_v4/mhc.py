@@ -3,6 +3,7 @@ input by ``pre`` weights, written back by ``post`` weights, and mixed by a Sinkh
 stochastic) ``comb`` matrix. Parameter names equal Hugging Face's ``DeepseekV4HyperConnection`` /
 ``DeepseekV4HyperHead``.
 
+The math lives in :mod:`csattn.ops.mhc` (a PyTorch reference and fused Triton kernels, chosen by ``backend``).
 The weights are computed in fp32 from the RMS-normalized, flattened streams (HF keeps these modules in
 fp32; see ``FP32_MODULES`` in ``model.py``).
 """
@@ -10,17 +11,11 @@ fp32; see ``FP32_MODULES`` in ``model.py``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...ops import mhc as mhc_ops
+
 __all__ = ["HyperConnection", "HyperHead", "expand_streams", "hc_combine"]
-
-
-def _flat_normed(streams: Tensor, eps: float) -> Tensor:
-    """``[T, n, D]`` -> ``[T, n*D]`` fp32 (fp64 for fp64 input), divided by its RMS (no weight)."""
-    compute = torch.promote_types(streams.dtype, torch.float32)
-    flat = streams.flatten(-2).to(compute)
-    return flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
 
 
 def expand_streams(x: Tensor, n: int) -> Tensor:
@@ -28,28 +23,29 @@ def expand_streams(x: Tensor, n: int) -> Tensor:
     return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]).contiguous()
 
 
-def hc_combine(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+def hc_combine(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, backend: str = "auto") -> Tensor:
     """New streams ``X'_k = post_k * y + sum_j comb[j, k] X_j``.
 
     Args:
         streams: ``[T, n, D]`` block input streams. block_out: ``[T, D]``.
         post: ``[T, n]``; comb: ``[T, n, n]`` (fp32; cast to the stream dtype like HF).
+        backend: ``"auto"`` / ``"reference"`` / ``"triton"`` (see :mod:`csattn.ops.mhc`).
     """
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), streams)
+    return mhc_ops.hc_combine(streams, block_out, post, comb, backend=backend)
 
 
 class HyperConnection(nn.Module):
     """One mHC site (before the attention or the MoE of a block).
 
     ``forward(streams [T, n, D])`` returns ``post [T, n]``, ``comb [T, n, n]`` (fp32) and the collapsed block
-    input ``[T, D]`` (stream dtype).
+    input ``[T, D]`` (stream dtype); ``combine`` writes a block output back into the streams.
     """
 
-    def __init__(self, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> None:
+    def __init__(self, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                 backend: str = "auto") -> None:
         super().__init__()
         self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps
+        self.backend = backend
         width = (2 + hc_mult) * hc_mult  # pre (n) + post (n) + comb (n * n)
         self.fn = nn.Parameter(torch.empty(width, hc_mult * hidden_size))
         self.base = nn.Parameter(torch.zeros(width))
@@ -57,38 +53,27 @@ class HyperConnection(nn.Module):
         nn.init.normal_(self.fn, std=0.02)
 
     def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        n = self.hc_mult
-        flat = _flat_normed(streams, self.norm_eps)
-        mix = F.linear(flat, self.fn.to(flat.dtype))
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        base = self.base.to(flat.dtype)
-        scale = self.scale.to(flat.dtype)
-        pre = torch.sigmoid(pre_w * scale[0] + base[:n]) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * scale[1] + base[n:2 * n])
-        comb = comb_w.unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n)
-        comb = torch.softmax(comb, dim=-1) + self.hc_eps
-        # Sinkhorn-Knopp: columns first, then (iters - 1) rounds of rows and columns.
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
-        return post, comb, collapsed
+        return mhc_ops.hc_pre(streams, self.fn, self.base, self.scale, sinkhorn_iters=self.sinkhorn_iters,
+                              hc_eps=self.hc_eps, norm_eps=self.norm_eps, backend=self.backend)
+
+    def combine(self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+        """:func:`hc_combine` on this site's backend: streams ``[T, n, D]``, block output ``[T, D]``,
+        ``post [T, n]``, ``comb [T, n, n]`` -> ``[T, n, D]``."""
+        return hc_combine(streams, block_out, post, comb, backend=self.backend)
 
 
 class HyperHead(nn.Module):
     """Final collapse of the streams (sigmoid weights, no Sinkhorn): ``[T, n, D]`` -> ``[T, D]``."""
 
-    def __init__(self, hidden_size: int, hc_mult: int, hc_eps: float, norm_eps: float) -> None:
+    def __init__(self, hidden_size: int, hc_mult: int, hc_eps: float, norm_eps: float, backend: str = "auto") -> None:
         super().__init__()
         self.hc_eps, self.norm_eps = hc_eps, norm_eps
+        self.backend = backend
         self.hc_fn = nn.Parameter(torch.empty(hc_mult, hc_mult * hidden_size))
         self.hc_base = nn.Parameter(torch.zeros(hc_mult))
         self.hc_scale = nn.Parameter(torch.ones(1))
         nn.init.normal_(self.hc_fn, std=0.02)
 
     def forward(self, streams: Tensor) -> Tensor:
-        flat = _flat_normed(streams, self.norm_eps)
-        mix = F.linear(flat, self.hc_fn.to(flat.dtype))
-        pre = torch.sigmoid(mix * self.hc_scale.to(flat.dtype) + self.hc_base.to(flat.dtype)) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+        return mhc_ops.hc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, hc_eps=self.hc_eps,
+                               norm_eps=self.norm_eps, backend=self.backend)

@@ -26,7 +26,7 @@ from ...layers import HybridAttention
 from ...layers.modules import RMSNorm
 from ...packing import PackedSeqs
 from .config import DeepseekV4ModelConfig
-from .mhc import HyperConnection, HyperHead, expand_streams, hc_combine
+from .mhc import HyperConnection, HyperHead, expand_streams
 from .moe import MoE
 
 __all__ = ["DeepseekV4ForCausalLM", "DecoderLayer", "MTPBlock", "CausalLMOutput", "IGNORE_INDEX",
@@ -90,15 +90,17 @@ class DecoderLayer(nn.Module):
                        backend=c.attention_backend)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.attn_hc = HyperConnection(c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-        self.ffn_hc = HyperConnection(c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.attn_hc = HyperConnection(c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
+                                       backend=c.attention_backend)
+        self.ffn_hc = HyperConnection(c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
+                                      backend=c.attention_backend)
 
     def forward(self, streams: Tensor, input_ids: Tensor, packed: PackedSeqs, cp: Any = None,
                 real: Tensor | None = None) -> Tensor:
         """``streams [T, n, D]`` (this rank's rows), ``input_ids [T]`` -> ``[T, n, D]``."""
         post, comb, x = self._site(self.attn_hc, self.input_layernorm, streams)
         y = self.self_attn(x, packed=packed, cp=cp)
-        streams = hc_combine(streams, y, post, comb)
+        streams = self.attn_hc.combine(streams, y, post, comb)
         post, comb, x = self._site(self.ffn_hc, self.post_attention_layernorm, streams)
         if self.recompute == "moe" and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
@@ -107,7 +109,7 @@ class DecoderLayer(nn.Module):
             y = checkpoint(self.mlp, x, input_ids, real, use_reentrant=False)
         else:
             y = self.mlp(x, input_ids=input_ids, real=real)
-        return hc_combine(streams, y, post, comb)
+        return self.ffn_hc.combine(streams, y, post, comb)
 
     def _site(self, hc: HyperConnection, norm: RMSNorm, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The mHC pre-mapping and the RMSNorm before a sub-block: ``post``, ``comb`` and the normed input;
@@ -133,7 +135,7 @@ class MTPBlock(DecoderLayer):
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps)
+        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.attention_backend)
 
     def forward(self, streams: Tensor, next_embeds: Tensor, input_ids: Tensor, packed: PackedSeqs,
                 cp: Any = None, real: Tensor | None = None) -> Tensor:
@@ -152,7 +154,7 @@ class _Backbone(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, std=c.initializer_range)
         self.layers = nn.ModuleList([DecoderLayer(c, i) for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps)
+        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.attention_backend)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
