@@ -383,6 +383,11 @@ def hc_combine_bwd_kernel(x, y, post, comb, dout, dx, dy, dpost, dcomb, T, N: tl
 
 
 # ---------------------------------------------------------------------------------------------- host side
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Every buffer the kernels fill (the tests swap this for NaN-filled ones: an unwritten element fails)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _interp(t: Tensor) -> bool:
     return t.device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -402,11 +407,11 @@ def _pre_forward(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters
     cdt = fn.dtype
     geo = _geometry(streams, fn.shape[0])
     dev = streams.device
-    mix = torch.empty((t, geo["M"]), dtype=cdt, device=dev)
-    rstd = torch.empty((t,), dtype=cdt, device=dev)
-    post = torch.empty((t, n), dtype=cdt, device=dev)
-    comb = torch.empty((t, n, n), dtype=cdt, device=dev)
-    out = torch.empty((t, d), dtype=streams.dtype, device=dev)
+    mix = _empty((t, geo["M"]), cdt, dev)
+    rstd = _empty((t,), cdt, dev)
+    post = _empty((t, n) if not head else (0,), cdt, dev)
+    comb = _empty((t, n, n), cdt, dev) if not head else _empty((0,), cdt, dev)
+    out = _empty((t, d), streams.dtype, dev)
     if t:
         bt = TILES["fwd_rows"]
         hc_pre_fwd_kernel[(triton.cdiv(t, bt),)](
@@ -423,14 +428,15 @@ def _pre_backward(streams, fn, base, scale, mix, rstd, dout, dpost, dcomb, iters
     dev = streams.device
     bt = TILES["coef_rows"]
     blocks = triton.cdiv(t, bt)
-    g = torch.empty_like(mix)
-    e = torch.empty_like(rstd)
-    pre = torch.empty((t, n), dtype=cdt, device=dev)
-    part_base = torch.zeros((max(blocks, 1), geo["MP"]), dtype=cdt, device=dev)
-    part_scale = torch.zeros_like(part_base)
+    g = _empty(mix.shape, cdt, dev)
+    e = _empty((t,), cdt, dev)
+    pre = _empty((t, n), cdt, dev)
+    # columns past M are never written and never read
+    part_base = _empty((blocks, geo["MP"]), cdt, dev)
+    part_scale = _empty((blocks, geo["MP"]), cdt, dev)
     steps = 2 * iters - 1
     chunk = SCRATCH_ROWS // bt * bt
-    scratch = torch.empty((0 if head else min(chunk, t), steps * geo["NP"] ** 2), dtype=cdt, device=dev)
+    scratch = _empty((0 if head else min(chunk, t), steps * geo["NP"] ** 2), cdt, dev)
     if head:
         dpost = dcomb = mix  # not read
     for row0 in range(0, t, chunk):
@@ -439,14 +445,14 @@ def _pre_backward(streams, fn, base, scale, mix, rstd, dout, dpost, dcomb, iters
             streams, dout, dpost, dcomb, mix, rstd, base, scale, g, e, pre, part_base, part_scale, scratch, t, row0,
             hc_eps, **geo, ITERS=iters, HEAD=head, BT=bt, BD=min(TILES["coef_d"], triton.next_power_of_2(d)),
             num_warps=TILES["warps"])
-    dx = torch.empty_like(streams)
+    dx = _empty(streams.shape, streams.dtype, dev)
     bt2, bk = TILES["bwd_rows"], TILES["bwd_k"]
     groups = max(1, min(TILES["bwd_groups"], triton.cdiv(t, bt2)))
-    dfn_part = torch.zeros((groups, geo["M"], geo["K"]), dtype=cdt, device=dev)
-    if t:
-        hc_pre_bwd_stream_kernel[(triton.cdiv(geo["K"], bk), groups)](
-            streams, dout, fn, g, e, pre, dx, dfn_part, t, groups, N=n, D=d, K=geo["K"], M=geo["M"], MP=geo["MP"],
-            BT=bt2, BK=bk, SPLIT=_split(streams), INTERP=_interp(streams), num_warps=TILES["warps"])
+    dfn_part = _empty((groups, geo["M"], geo["K"]), cdt, dev)  # every program writes its tile, rows or not
+    # launched even for T = 0: its programs write the (zero) fn-gradient partials
+    hc_pre_bwd_stream_kernel[(triton.cdiv(geo["K"], bk), groups)](
+        streams, dout, fn, g, e, pre, dx, dfn_part, t, groups, N=n, D=d, K=geo["K"], M=geo["M"], MP=geo["MP"],
+        BT=bt2, BK=bk, SPLIT=_split(streams), INTERP=_interp(streams), num_warps=TILES["warps"])
     dfn = dfn_part.sum(0)
     dbase = part_base.sum(0)[:geo["M"]]
     by_col = part_scale.sum(0)
@@ -487,7 +493,7 @@ class _HcCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, streams, y, post, comb):
         t, n, d = streams.shape
-        out = torch.empty((t, n, d), dtype=torch.promote_types(streams.dtype, y.dtype), device=streams.device)
+        out = _empty((t, n, d), torch.promote_types(streams.dtype, y.dtype), streams.device)
         if t:
             bt, bd = TILES["comb_rows"], min(TILES["comb_d"], triton.next_power_of_2(d))
             hc_combine_fwd_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
@@ -500,8 +506,8 @@ class _HcCombine(torch.autograd.Function):
     def backward(ctx, dout):
         streams, y, post, comb = ctx.saved_tensors
         t, n, d = streams.shape
-        dx, dy = torch.empty_like(streams), torch.empty_like(y)
-        dpost, dcomb = torch.empty_like(post), torch.empty_like(comb)
+        dx, dy = _empty(streams.shape, streams.dtype, streams.device), _empty(y.shape, y.dtype, y.device)
+        dpost, dcomb = _empty(post.shape, post.dtype, post.device), _empty(comb.shape, comb.dtype, comb.device)
         if t:
             bt, bd = TILES["comb_rows"], min(TILES["comb_d"], triton.next_power_of_2(d))
             hc_combine_bwd_kernel[(triton.cdiv(t, bt),)](
