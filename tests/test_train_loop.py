@@ -3,6 +3,7 @@ exactly, mismatched checkpoints fail naming the tensor, and ``--help`` documents
 
 import argparse
 import dataclasses
+import json
 import os
 
 import pytest
@@ -38,13 +39,19 @@ def test_loss_goes_down():
 def test_resume_reproduces_next_steps_exactly(tmp_path):
     out = str(tmp_path / "run")
     full = train(TrainConfig(steps=4, output=out, save_every=2, **SMALL))
-    assert sorted(os.listdir(out)) == ["checkpoint-000002", "checkpoint-000004", "latest"]
+    assert sorted(os.listdir(out)) == ["checkpoint-000002", "checkpoint-000004", "latest", "metrics.jsonl"]
     resumed = train(TrainConfig(steps=4, output=out, resume=os.path.join(out, "checkpoint-000002"), **SMALL))
     assert resumed.start_step == 2
     assert resumed.losses == full.losses[2:]  # bitwise
     a, b = full.model.state_dict(), resumed.model.state_dict()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # the metrics file is appended to: the resumed steps are logged again, with the same losses
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        logged = [json.loads(line) for line in f]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 3, 4]
+    assert [r["loss"] for r in logged[4:]] == [r["loss"] for r in logged[2:4]] == full.losses[2:]
+    assert all({"lm_loss", "indexer_loss", "lr", "tokens_per_s"} <= set(r) for r in logged)
     # resume auto picks the latest; nothing is left to do at step 4
     done = train(TrainConfig(steps=4, output=out, resume="auto", **SMALL))
     assert done.start_step == 4 and done.losses == []

@@ -101,6 +101,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--log-every", type=int, default=_D.log_every,
                    help="print a log line every N steps (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("--metrics", default=None, metavar="FILE",
+                   help="append one JSON line per step (losses, lr, tokens/s, MFU, peak GiB on CUDA) here "
+                        "(default: <output>/metrics.jsonl with --output)")
     c.add_argument("--peak-tflops", type=float, default=_D.peak_tflops,
                    help="the GPU's dense matmul TFLOP/s, for the MFU shown with tokens/s (default: 790 on H100 / "
                         "H200, the measured bf16 rate; none elsewhere)")

@@ -8,6 +8,7 @@ replica gradient; gradients are then all-reduced over the world and divided by `
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -93,6 +94,7 @@ class TrainConfig:
     log_every: int = 10
     progress: bool = True
     peak_tflops: float = 0.0  # the GPU's dense matmul TFLOP/s for the MFU figure; 0 = known GPUs only
+    metrics: str | None = None  # JSON lines, one per step; default <output>/metrics.jsonl with --output
 
     def validate(self) -> None:
         for name in ("steps", "seq_len", "pad_multiple", "cp", "log_every"):
@@ -186,7 +188,6 @@ def build_model_config(cfg: TrainConfig) -> DeepseekV4ModelConfig:
     if cfg.init_from:
         return DeepseekV4ModelConfig.from_hf(read_config(cfg.init_from), **overrides)
     if cfg.config_json:
-        import json
 
         with open(cfg.config_json) as f:
             return DeepseekV4ModelConfig.from_hf(json.load(f), **overrides)
@@ -327,9 +328,12 @@ def train(cfg: TrainConfig) -> TrainResult:
 
         bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
     peak = _peak_flops(cfg, device)
+    log = _metrics_file(cfg, topo)
     tokens, flops, t0 = 0, 0.0, time.perf_counter()
     for step in range(start, cfg.steps):
         batch = next(packer)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         metrics = train_step(model, batch, cp, topo, optimizer, cfg, device)
         scheduler.step()
         losses.append(metrics["loss"])
@@ -342,6 +346,14 @@ def train(cfg: TrainConfig) -> TrainResult:
         elapsed = max(time.perf_counter() - t0, 1e-9)
         tps = tokens / elapsed
         mfu = f"{flops / elapsed / (peak * topo.world):.1%}" if peak else None
+        if log is not None:
+            rec = {"step": step + 1, **metrics, "lr": scheduler.get_last_lr()[0], "tokens": batch.num_tokens * topo.dp,
+                   "tokens_per_s": tps, "mfu": flops / elapsed / (peak * topo.world) if peak else None,
+                   "time": time.time()}
+            if device.type == "cuda":
+                rec["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", idx=f"{metrics['indexer_loss']:.3g}", tok_s=f"{tps:.0f}",
@@ -359,7 +371,18 @@ def train(cfg: TrainConfig) -> TrainResult:
             _save(cfg, step + 1, model, optimizer, scheduler, packer, topo)
     if bar is not None:
         bar.close()
+    if log is not None:
+        log.close()
     return TrainResult(losses, lm_losses, idx_losses, start, model, tokens / max(time.perf_counter() - t0, 1e-9))
+
+
+def _metrics_file(cfg: TrainConfig, topo: Topology) -> Any:
+    """Rank 0's JSON-lines metrics file (appended to, so a resumed run continues it), or None."""
+    path = cfg.metrics or (os.path.join(cfg.output, "metrics.jsonl") if cfg.output else None)
+    if path is None or topo.rank != 0:
+        return None
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return open(path, "a")
 
 
 def _peak_flops(cfg: TrainConfig, device: torch.device) -> float:
