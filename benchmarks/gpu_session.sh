@@ -6,6 +6,7 @@
 #   CSATTN_COMMIT=<sha> STAGES="layer profile" bash benchmarks/gpu_session.sh           # ~5 min
 #   CSATTN_COMMIT=<sha> STAGES="attn-variants" bash benchmarks/gpu_session.sh           # ~1 min
 #   CSATTN_COMMIT=<sha> STAGES="topk-vs-fwd" bash benchmarks/gpu_session.sh             # ~1 min
+#   CSATTN_COMMIT=<sha> STAGES="model-tests moe mhc model model-hf model-kept" bash benchmarks/gpu_session.sh
 #   CSATTN_COMMIT=<sha> STAGES="report-a" bash benchmarks/gpu_session.sh                # ~8 min
 #   CSATTN_COMMIT=<sha> STAGES="report-b" bash benchmarks/gpu_session.sh                # ~7 min
 #   CSATTN_COMMIT=<sha> STAGES="hfprobe report-long" bash benchmarks/gpu_session.sh     # ~7 min
@@ -111,6 +112,39 @@ for s in ${STAGES:-tests layer profile}; do
     report-cp4)
       stage "scaling targets, CP = 4: both partitions at 32k and 128k, per-rank balance at 128k"
       report report-cp4 400 --tokens 32768 131072 --cp 4 --paths triton --steps 2 --group-timeout 200 ;;
+    model-tests)
+      stage "model kernels on the GPU: mHC, MoE"
+      timeout 300 python3 -m pytest -q -m gpu tests/test_moe_gpu.py tests/test_mhc*.py tests/test_model*.py \
+        -p no:cacheprovider -rfEs >> "$LOG" 2>&1
+      echo "model-tests rc=$?" >> "$LOG" ;;
+    moe)
+      stage "MoE experts: grouped GEMMs vs the per-expert loop"
+      timeout 200 python3 -m benchmarks.run --op moe --providers grouped,loop --mode fwdbwd \
+        --shape tokens=16384 --shape routing=8x2,64x6,256x6 --warmup-ms 5 --rep-ms 40 --commit "$C" \
+        --json "$OUT/moe.json" >> "$LOG" 2>&1
+      echo "moe rc=$?" >> "$LOG" ;;
+    mhc)
+      stage "mHC: fused kernels vs the reference"
+      timeout 150 python3 -m benchmarks.run --op mhc --mode fwd,fwdbwd --shape tokens=16384,65536 \
+        --warmup-ms 5 --rep-ms 40 --commit "$C" --json "$OUT/mhc.json" >> "$LOG" 2>&1
+      echo "mhc rc=$?" >> "$LOG" ;;
+    model)
+      stage "model step: the 4-layer V4-Flash proxy, csattn vs HF eager"
+      timeout 400 python3 -m benchmarks.run --op model --mode fwdbwd --providers csattn \
+        --shape tokens=${MODEL_TOKENS:-16384,65536} --shape recompute=${MODEL_RECOMPUTE:-none} --warmup-ms 5 --rep-ms 30 \
+        --commit "$C" --json "$OUT/model.json" >> "$LOG" 2>&1
+      echo "model rc=$?" >> "$LOG" ;;
+    model-hf)
+      stage "model step against HF eager, one document"
+      timeout 300 python3 -m benchmarks.run --op model --mode fwdbwd --providers csattn,hf --shape docs=one \
+        --shape tokens=${HF_TOKENS:-4096} --warmup-ms 5 --rep-ms 30 --commit "$C" --json "$OUT/model_hf.json" \
+        >> "$LOG" 2>&1
+      echo "model-hf rc=$?" >> "$LOG" ;;
+    model-kept)
+      stage "what the model keeps for the backward, per component"
+      timeout 200 python3 -m benchmarks.live_tensors --model --tokens 16384 --json "$OUT/model_kept.json" \
+        > "$OUT/model_kept.txt" 2>&1
+      echo "model-kept rc=$?" >> "$LOG" ;;
     *) echo "unknown stage $s" >> "$LOG" ;;
   esac
 done

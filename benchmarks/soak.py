@@ -73,19 +73,20 @@ def main() -> None:
     logs = {name: path + ".log" for name, path in runs.items()}
     t0 = time.time()
     procs = {name: _train(train_args, runs[name], logs[name]) for name in runs}
-    kills, resumes = [], 0
-    # kill the third run at even fractions of the budget, a little after a checkpoint so some work is lost
-    marks = [t0 + a.seconds * (i + 1) / (a.kills + 1.5) for i in range(a.kills)]
+    kills = []
+    # kill the third run at even fractions of its steps, one step past them, so work since its last checkpoint
+    # is lost and redone (a step count that is not a multiple of --save-every)
+    steps = int(train_args[train_args.index("--steps") + 1])
+    marks = [steps * (i + 1) // (a.kills + 1) + 1 for i in range(a.kills)]
     while any(proc.poll() is None for proc in procs.values()) and time.time() - t0 < a.seconds:
-        if marks and time.time() >= marks[0] and procs["killed"].poll() is None:
+        done = max(_last_per_step(os.path.join(runs["killed"], "metrics.jsonl")) or [0])
+        if marks and done >= marks[0] and procs["killed"].poll() is None:
             marks.pop(0)
-            done = max(_last_per_step(os.path.join(runs["killed"], "metrics.jsonl")) or [0])
             os.killpg(procs["killed"].pid, signal.SIGKILL)
             procs["killed"].wait()
             kills.append({"after_s": round(time.time() - t0, 1), "last_step_logged": done})
             procs["killed"] = _train(train_args, runs["killed"], logs["killed"])
-            resumes += 1
-        time.sleep(1.0)
+        time.sleep(0.2)
     for name, proc in procs.items():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
