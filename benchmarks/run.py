@@ -200,10 +200,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         rec["tokens_per_s"] = case.info["tokens"] / ms * 1e3
                         if rec["tflops"] and args.peak_tflops:
                             rec["mfu"] = rec["tflops"] / args.peak_tflops
+                    moved = case.info.get("bytes")
+                    if isinstance(moved, dict) and moved:  # memory-bound cases: bytes one call must move
+                        rec["gb_per_s"] = moved.get(mode, moved.get("fwd", 0) + moved.get("bwd", 0)) / ms / 1e6
                     tf = f"{rec['tflops']:9.1f}" if rec["tflops"] else f"{'-':>9}"
                     gib = f"{rec['peak_gib']:8.2f}" if rec["peak_gib"] is not None else f"{'-':>8}"
                     extra = f"  {rec['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in rec else ""
                     extra += f"  MFU {rec['mfu']:.1%}" if "mfu" in rec else ""
+                    extra += f"  {rec['gb_per_s']:.0f} GB/s" if "gb_per_s" in rec else ""
                     print(f"{tag:<28} {mode:<7} {label:<40} {ms:10.3f} {tf} {gib}{extra}", flush=True)
                     if args.profile:
                         rec["kernels_ms"] = _kernel_times(fn, device)
