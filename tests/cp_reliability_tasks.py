@@ -73,3 +73,56 @@ def fresh_run(group, lengths, static: bool = False) -> list[float]:
     layers = build_stack(torch.float64, 0, ("csa", "hca"))
     x = torch.randn(_pack().num_rows, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     return _step(layers, x, cp, [_pack(lengths, static), _pack(lengths, static)])
+
+
+class Largest:
+    """Largest tensor (numel) any op creates inside the context (a TorchDispatchMode)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        probe = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        probe.numel = max(probe.numel, t.numel())
+                return out
+
+        self.numel = 0
+        self.mode = _Mode()
+
+    def __enter__(self) -> Largest:
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+
+
+def topk_run(group, topk: int, static: bool = False, lengths=(30, 30)) -> dict:
+    """One CSA layer (forward + backward) with ``index_topk = topk``: the largest tensor created, the output,
+    the input and parameter grads and the indexer loss. ``group`` None = single process."""
+    from csattn.graphs import StaticPackedSeqs
+
+    layer = build_stack(torch.float64, 0, ("csa",), index_topk=topk)[0]
+    packed = PackedSeqs.from_lengths(list(lengths))
+    T = packed.num_rows
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(T, 32, dtype=torch.float64, generator=gen)
+    g = torch.randn(T, 32, dtype=torch.float64, generator=gen)
+    cp = ContextParallel(group) if group is not None else None
+    if cp is not None:
+        x, g = cp.shard(x, packed), cp.shard(g, packed)
+    run_packed = StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=T,
+                                  max_seqlen=max(lengths)) if static else packed
+    x = x.requires_grad_()
+    with Largest() as probe:
+        y = layer(x, packed=run_packed, cp=cp)
+        (y * g).sum().backward()
+    return {"largest": probe.numel, "out": y.detach(), "dx": x.grad,
+            "grads": {n: p.grad for n, p in layer.named_parameters() if p.grad is not None},
+            "loss": layer.last_indexer_loss, "max_visible": packed.compress(4).max_visible}

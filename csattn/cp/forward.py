@@ -82,6 +82,6 @@ def cp_attention_forward(layer: Any, x_local: Tensor, packed_global: Any, cp: An
             if pending is None:  # keep the indexer parameters in the graph, as the single-process layer does
                 keys = layer.index_keys(x_ext, plan.local_meta)
             compressed_ids, (q_idx, w, k_idx) = layer.select(x_local, qr, cos, sin, keys, plan.vis_start,
-                                                             plan.vis_end)
+                                                             plan.vis_end, plan.max_visible)  # global bound
             loss = IndexerLossInputs(q_idx, w, k_idx, plan.real_local, plan.num_real, plan.vis_start, plan.vis_end)
     return layer.heads(qr, cos, sin, kv, ckv, plan.window_ids, compressed_ids, loss)

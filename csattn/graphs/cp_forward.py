@@ -154,7 +154,8 @@ def capture_safe_cp_forward(layer: HybridAttention, x_local: Tensor, static: Sta
             indexer = layer.compressor.indexer
             q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=layer.indexer_query_rows())
             w = indexer.scorer(x_local.detach())
-            compressed_ids = indexer_topk_static_op(q_idx, w, keys, vis_start, vis_end, cfg.index_topk,
+            compressed_ids = indexer_topk_static_op(q_idx, w, keys, vis_start, vis_end,
+                                                    layer.effective_topk(meta.max_visible),
                                                     meta.max_visible, cfg.workspace_bytes, layer.backend_for(q_idx))
             loss = IndexerLossInputs(q_idx, w, keys, rows.real[lo:hi], rows.num_real, vis_start, vis_end)
     return layer.heads(qr, cos, sin, kv, ckv, window_ids, compressed_ids, loss, loss_scale=_loss_scale())

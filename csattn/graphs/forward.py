@@ -161,8 +161,8 @@ def capture_safe_forward_packed(layer: HybridAttention, x: Tensor, packed: Stati
             q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=layer.indexer_query_rows())
             w = indexer.scorer(x.detach())
             selected = compressed_ids = indexer_topk_static_op(
-                q_idx, w, keys, meta.vis_start, meta.vis_end, cfg.index_topk, meta.max_visible, cfg.workspace_bytes,
-                layer.backend_for(q_idx))
+                q_idx, w, keys, meta.vis_start, meta.vis_end, layer.effective_topk(meta.max_visible),
+                meta.max_visible, cfg.workspace_bytes, layer.backend_for(q_idx))
             # the loss weight's count of real rows stays on the device
             loss = IndexerLossInputs(q_idx, w, keys, rows.real, rows.num_real, meta.vis_start, meta.vis_end)
     if core:

@@ -282,7 +282,8 @@ class HybridAttention(nn.Module):
                 compressed_ids = CompressedRange(meta.vis_start, meta.vis_end, meta.max_visible)
             else:
                 keys = self.index_keys(x, meta)
-                compressed_ids, (q_idx, w, k_idx) = self.select(x, qr, cos, sin, keys, meta.vis_start, meta.vis_end)
+                compressed_ids, (q_idx, w, k_idx) = self.select(x, qr, cos, sin, keys, meta.vis_start, meta.vis_end,
+                                                                meta.max_visible)
                 loss = IndexerLossInputs(q_idx, w, k_idx, rows.real, rows.num_real, meta.vis_start, meta.vis_end)
         return self.heads(qr, cos, sin, kv, ckv, window_ids, compressed_ids, loss)
 
@@ -378,6 +379,14 @@ class HybridAttention(nn.Module):
         return self.compressor.indexer.compress(x.detach(), meta, self.inv_freq, row_offset=row_offset,
                                                backend=self.backend_for(x))
 
+    def effective_topk(self, max_visible: int) -> int:
+        """Width of the top-k lists: ``index_topk`` capped by the most entries any row can see (HF's
+        ``min(index_topk, compressed_len)``). Columns past that are -1 on every row, so dropping them changes
+        no result, while keeping them would make every per-row tensor (ids, gathered keys, teacher masses)
+        grow with ``index_topk`` itself. ``max_visible`` is a host int: the widest visible range of the pack,
+        or its static bound on the capture-safe path. At least 1 (the top-k needs a column)."""
+        return max(1, min(self.config.index_topk, int(max_visible)))
+
     def select(
         self,
         x: Tensor,
@@ -387,11 +396,13 @@ class HybridAttention(nn.Module):
         index_keys: Tensor,
         vis_start: Tensor,
         vis_end: Tensor,
+        max_visible: int | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
         """Lightning-indexer top-k for the rows of ``x`` / ``qr`` (CSA).
 
         The indexer sees detached inputs: the language-model loss sends it no gradient; only the
-        indexer loss trains it.
+        indexer loss trains it. ``max_visible`` (the widest ``vis_end - vis_start``) caps the list width; None
+        = ``index_topk`` uncapped.
 
         Returns:
             ``selected [T, k]`` global compressed ids (-1 = none) and ``(q_idx, w, k_idx)`` for the loss.
@@ -400,7 +411,8 @@ class HybridAttention(nn.Module):
         indexer: Indexer = self.compressor.indexer
         q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=self.indexer_query_rows())
         w = indexer.scorer(x.detach())
-        selected = indexer_topk(q_idx, w, index_keys, vis_start, vis_end, cfg.index_topk,
+        topk = cfg.index_topk if max_visible is None else self.effective_topk(max_visible)
+        selected = indexer_topk(q_idx, w, index_keys, vis_start, vis_end, topk,
                                 workspace_bytes=cfg.workspace_bytes, backend=self.backend_for(q_idx))
         return selected, (q_idx, w, index_keys)
 
