@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..packing import PackedSeqs, entry_layout, row_layout, validate_cu_seqlens
+from ..packing import PackedSeqs, entry_layout, row_layout
 
 __all__ = ["StaticPackedSeqs", "StaticRowMeta", "StaticCompressMeta", "compressed_capacity"]
 
@@ -77,8 +77,9 @@ class StaticPackedSeqs:
         max_seqlen: host int bound on the longest physical document (a bound is enough: it only sizes
             buffers, so the same value can serve every pack a graph replays on).
 
-    Nothing here reads a tensor on the host; :meth:`check` does (call it outside capture when the input is
-    untrusted).
+    The constructor checks the prefix sums on the host (:meth:`check`), except while a CUDA graph is being
+    captured, ``torch.compile`` traces or :class:`~csattn.graphs.NoHostSync` is active; nothing else here reads
+    a tensor on the host.
 
     Example:
         >>> packed = StaticPackedSeqs(cu, cu_pad, num_rows=4096, max_seqlen=2048)
@@ -94,6 +95,7 @@ class StaticPackedSeqs:
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._padded_given = self.cu_seqlens_padded is not None
         if self.cu_seqlens_padded is None:
             self.cu_seqlens_padded = self.cu_seqlens
         for name in ("cu_seqlens", "cu_seqlens_padded"):
@@ -111,6 +113,13 @@ class StaticPackedSeqs:
             raise ValueError(f"num_rows must be a host int >= 0, got {self.num_rows!r}")
         if not isinstance(self.max_seqlen, int) or self.max_seqlen < 0:
             raise ValueError(f"max_seqlen must be a host int >= 0, got {self.max_seqlen!r}")
+        # Bad prefix sums would give silently wrong output or an IndexError deep in the layer, so they are
+        # checked here, once, where reading them is allowed. Not while capturing / compiling / under
+        # NoHostSync (a step that builds its metadata inside the graph): there the caller checks beforehand.
+        from .nosync import host_reads_forbidden  # local import: nosync imports nothing from here, keep it cheap
+
+        if not host_reads_forbidden(self.cu_seqlens):
+            self.check()
 
     @classmethod
     def from_packed(cls, packed: Any, num_rows: int) -> StaticPackedSeqs:
@@ -132,10 +141,11 @@ class StaticPackedSeqs:
         return compressed_capacity(self.num_rows, self.num_docs, self.max_seqlen, ratio)
 
     def check(self, device: torch.device | None = None) -> None:
-        """Validate the prefix sums against ``num_rows`` and ``max_seqlen`` (host sync; not for capture)."""
-        PackedSeqs(self.cu_seqlens, self.cu_seqlens_padded, self.max_seqlen).validate(
+        """Validate the prefix sums against ``num_rows`` and ``max_seqlen`` (host sync; not for capture). Runs at
+        construction outside capture; call it again after editing the prefix sums in place."""
+        names = ("cu_seqlens", "cu_seqlens_padded" if self._padded_given else "cu_seqlens")
+        PackedSeqs(self.cu_seqlens, self.cu_seqlens_padded, self.max_seqlen, _names=names).validate(
             self.num_rows, device or self.cu_seqlens_padded.device)
-        validate_cu_seqlens(self.cu_seqlens, "cu_seqlens")
 
     # ------------------------------------------------------------------ derived metadata (no host sync)
     def rows(self, device: torch.device | None = None) -> StaticRowMeta:
