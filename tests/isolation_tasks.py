@@ -74,10 +74,14 @@ def isolation_errors(layers: torch.nn.ModuleList, packed_fn, x: Tensor, g: Tenso
 
 def cp_isolation(group, lengths, pads, partition, types, bad, seed=0, dtype="float64", **over) -> list[str]:
     """:func:`isolation_errors` on this rank of a CP group (the pack padded to whole chunks)."""
+    import torch.distributed as dist
+
     from .cp_tasks import padded_pack
 
-    cp = ContextParallel(group, partition=partition, chunks_per_rank=2)
-    mult = cp.size * (2 if partition == "balanced" else 1)
+    size = dist.get_world_size(group)
+    # CP size 1 runs the single-process layer (cp=None), the path most users take
+    cp = ContextParallel(group, partition=partition, chunks_per_rank=2) if size > 1 else None
+    mult = size * (2 if partition == "balanced" else 1)
     dt = getattr(torch, dtype)
 
     def packed_fn() -> PackedSeqs:
