@@ -4,7 +4,7 @@ the host: scalar reads (``.item()``, ``int(t)``, ``.tolist()``) and ops whose ou
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 __all__ = ["HostSyncError", "NoHostSync", "HOST_SYNC_OPS", "host_reads_forbidden"]
 
@@ -87,8 +87,6 @@ def host_reads_forbidden(t: torch.Tensor | None = None) -> bool:
     stream (``t`` on CUDA), ``torch.compile`` is tracing, or :class:`NoHostSync` (the CPU stand-in for both) is
     active. These are modes every rank of a job enters at the same point, unlike a per-object cache, so a
     collective skipped under them is skipped on every rank."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     if torch.compiler.is_compiling():
         return True
     if t is not None and t.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..packing import PackedSeqs, entry_layout, row_layout
+from .nosync import host_reads_forbidden
 
 __all__ = ["StaticPackedSeqs", "StaticRowMeta", "StaticCompressMeta", "compressed_capacity"]
 
@@ -116,8 +117,6 @@ class StaticPackedSeqs:
         # Bad prefix sums would give silently wrong output or an IndexError deep in the layer, so they are
         # checked here, once, where reading them is allowed. Not while capturing / compiling / under
         # NoHostSync (a step that builds its metadata inside the graph): there the caller checks beforehand.
-        from .nosync import host_reads_forbidden  # local import: nosync imports nothing from here, keep it cheap
-
         if not host_reads_forbidden(self.cu_seqlens):
             self.check()
 
