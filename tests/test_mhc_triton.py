@@ -62,6 +62,26 @@ SIZE_IDS = ["n4_D24", "T1_n2_D7", "n3_D40", "T37_n4_D12"]
 @pytest.mark.parametrize("t,n,d", SIZES, ids=SIZE_IDS)
 @pytest.mark.parametrize("head", [False, True], ids=["pre", "head"])
 def test_site_fp64(t, n, d, head):
+    _check_site_fp64(t, n, d, head)
+
+
+SMALL_TILES = dict(fwd_rows=16, fwd_k=16, fwd_k_fma=16, fwd_d=8, coef_rows=4, coef_d=8, bwd_rows=16, bwd_k=16,
+                   bwd_groups=2, comb_rows=2, comb_d=8)
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["pre", "head"])
+def test_site_fp64_small_tiles(head, monkeypatch):
+    """Many programs per kernel: row blocks, channel tiles, fn-gradient groups, backward scratch chunks."""
+    for key, value in SMALL_TILES.items():
+        monkeypatch.setitem(kernels.TILES, key, value)
+    monkeypatch.setattr(kernels, "SCRATCH_ROWS", 8)
+    _check_site_fp64(37, 4, 12, head)
+    _check_site_fp64(23, 3, 20, head)
+    if not head:
+        _check_combine_fp64(37, 4, 12)
+
+
+def _check_site_fp64(t, n, d, head):
     gen = torch.Generator().manual_seed(t * 100 + n * 10 + d)
     inputs = _site_inputs(t, n, d, head, gen)
     plain = (hc_head_ref(*inputs, EPS, EPS),) if head else hc_pre_ref(*inputs, 20, EPS, EPS)
@@ -137,6 +157,10 @@ def _combine_inputs(t, n, d, gen):
 
 @pytest.mark.parametrize("t,n,d", SIZES + [(0, 4, 8), (3, 4, 300)], ids=SIZE_IDS + ["T0", "D300"])
 def test_combine_fp64(t, n, d):
+    _check_combine_fp64(t, n, d)
+
+
+def _check_combine_fp64(t, n, d):
     gen = torch.Generator().manual_seed(t + n + d)
     inputs = _combine_inputs(t, n, d, gen)
     cot = torch.randn(t, n, d, dtype=torch.float64, generator=gen)

@@ -32,6 +32,7 @@ looping over channels, writing ``dX``, ``dy`` and reducing ``dpost [T, n]``, ``d
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -41,9 +42,13 @@ from torch import Tensor
 
 __all__ = ["hc_pre_triton", "hc_head_triton", "hc_combine_triton", "TILES"]
 
-# Tile sizes (rows, flat channels, channels) and options; the benchmark's variants override these.
-TILES = dict(fwd_rows=32, fwd_k=128, fwd_d=128, coef_rows=16, coef_d=256, bwd_rows=32, bwd_k=128, bwd_groups=8,
-             comb_rows=4, comb_d=256, warps=4, split=1)
+# Tile sizes (rows, flat channels ``n*D``, channels ``D``), warps and options; the benchmark's variants override
+# these. Chosen so that no kernel spills registers on sm_90 (ptxas -v) at n = 4: the forward's collapse loads
+# n row tiles of fwd_d channels at once, and the fp32 FMA dot (streams not bf16) takes the narrower fwd_k_fma.
+TILES = dict(fwd_rows=64, fwd_rows_small=32, fwd_k=64, fwd_k_fma=32, fwd_d=32, fwd_warps=8,
+             coef_rows=16, coef_d=256, coef_warps=4,
+             bwd_rows=32, bwd_k=64, bwd_groups=8, bwd_warps=8,
+             comb_rows=4, comb_d=256, comb_warps=4, split=1)
 SCRATCH_ROWS = 16384  # rows per backward kernel-1 launch: bounds its Sinkhorn scratch (S * n^2 floats per row)
 
 
@@ -62,16 +67,16 @@ def _split3(v, INTERP: tl.constexpr):
     mid = r.to(tl.bfloat16)
     lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
     if INTERP:
-        return hi.to(tl.float32), mid.to(tl.float32), lo.to(tl.float32)
+        hi, mid, lo = hi.to(tl.float32), mid.to(tl.float32), lo.to(tl.float32)
     return hi, mid, lo
 
 
 @triton.jit
 def _mma_operand(x, cdt: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
     """A bf16 stream tile as the dot takes it: itself on tensor cores, else in the compute dtype."""
-    if SPLIT and not INTERP:
-        return x
-    return x.to(cdt)
+    if not SPLIT or INTERP:
+        x = x.to(cdt)
+    return x
 
 
 @triton.jit
@@ -388,6 +393,11 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _interp(t: Tensor) -> bool:
     return t.device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -414,10 +424,14 @@ def _pre_forward(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters
     out = _empty((t, d), streams.dtype, dev)
     if t:
         bt = TILES["fwd_rows"]
+        if streams.is_cuda and triton.cdiv(t, bt) < _sm_count(streams.device):
+            bt = TILES["fwd_rows_small"]  # fill the SMs at a few thousand rows
+        split = _split(streams)
         hc_pre_fwd_kernel[(triton.cdiv(t, bt),)](
             streams, fn, base, scale, mix, rstd, post, comb, out, t, norm_eps, hc_eps, **geo, ITERS=iters,
-            HEAD=head, BT=bt, BK=TILES["fwd_k"], BD=min(TILES["fwd_d"], triton.next_power_of_2(d)),
-            SPLIT=_split(streams), INTERP=_interp(streams), num_warps=TILES["warps"])
+            HEAD=head, BT=bt, BK=TILES["fwd_k"] if split else TILES["fwd_k_fma"],
+            BD=min(TILES["fwd_d"], triton.next_power_of_2(d)), SPLIT=split, INTERP=_interp(streams),
+            num_warps=TILES["fwd_warps"])
     return post, comb, out, mix, rstd
 
 
@@ -444,7 +458,7 @@ def _pre_backward(streams, fn, base, scale, mix, rstd, dout, dpost, dcomb, iters
         hc_pre_bwd_coef_kernel[(triton.cdiv(rows, bt),)](
             streams, dout, dpost, dcomb, mix, rstd, base, scale, g, e, pre, part_base, part_scale, scratch, t, row0,
             hc_eps, **geo, ITERS=iters, HEAD=head, BT=bt, BD=min(TILES["coef_d"], triton.next_power_of_2(d)),
-            num_warps=TILES["warps"])
+            num_warps=TILES["coef_warps"])
     dx = _empty(streams.shape, streams.dtype, dev)
     bt2, bk = TILES["bwd_rows"], TILES["bwd_k"]
     groups = max(1, min(TILES["bwd_groups"], triton.cdiv(t, bt2)))
@@ -452,7 +466,7 @@ def _pre_backward(streams, fn, base, scale, mix, rstd, dout, dpost, dcomb, iters
     # launched even for T = 0: its programs write the (zero) fn-gradient partials
     hc_pre_bwd_stream_kernel[(triton.cdiv(geo["K"], bk), groups)](
         streams, dout, fn, g, e, pre, dx, dfn_part, t, groups, N=n, D=d, K=geo["K"], M=geo["M"], MP=geo["MP"],
-        BT=bt2, BK=bk, SPLIT=_split(streams), INTERP=_interp(streams), num_warps=TILES["warps"])
+        BT=bt2, BK=bk, SPLIT=_split(streams), INTERP=_interp(streams), num_warps=TILES["bwd_warps"])
     dfn = dfn_part.sum(0)
     dbase = part_base.sum(0)[:geo["M"]]
     by_col = part_scale.sum(0)
@@ -498,7 +512,7 @@ class _HcCombine(torch.autograd.Function):
             bt, bd = TILES["comb_rows"], min(TILES["comb_d"], triton.next_power_of_2(d))
             hc_combine_fwd_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
                 streams, y, post, comb, out, t, N=n, NP=triton.next_power_of_2(n), D=d, K=n * d, BT=bt, BD=bd,
-                num_warps=TILES["warps"])
+                num_warps=TILES["comb_warps"])
         ctx.save_for_backward(streams, y, post, comb)
         return out
 
@@ -512,7 +526,7 @@ class _HcCombine(torch.autograd.Function):
             bt, bd = TILES["comb_rows"], min(TILES["comb_d"], triton.next_power_of_2(d))
             hc_combine_bwd_kernel[(triton.cdiv(t, bt),)](
                 streams, y, post, comb, dout.contiguous(), dx, dy, dpost, dcomb, t, N=n, NP=triton.next_power_of_2(n),
-                D=d, K=n * d, BT=bt, BD=bd, num_warps=TILES["warps"])
+                D=d, K=n * d, BT=bt, BD=bd, num_warps=TILES["comb_warps"])
         return dx, dy, dpost, dcomb
 
 
