@@ -102,7 +102,8 @@ def test_resume_with_other_data_is_refused_and_schedule_change_warned(tmp_path):
 def test_output_alone_saves_the_final_checkpoint_and_prints_paths(tmp_path, capsys):
     out = str(tmp_path / "run")
     train(TrainConfig(steps=2, output=out, **SMALL))
-    assert sorted(os.listdir(out)) == ["checkpoint-000002", "latest"]
+    names = os.listdir(out)
+    assert sorted(n for n in names if n.startswith("checkpoint-")) == ["checkpoint-000002"] and "latest" in names
     text = capsys.readouterr().out
     assert f"saved checkpoint {os.path.join(out, 'checkpoint-000002')}" in text
     with pytest.warns(UserWarning, match="--steps 3"):  # a longer run re-stretches the LR schedule
