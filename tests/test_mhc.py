@@ -17,9 +17,10 @@ from csattn.ops.mhc import hc_pre_ref, resolve_backend
 from csattn.packing import PackedSeqs
 
 from .conftest import rel_err
-from .test_model_utils import one_thread, tiny_config_dict, tiny_model  # noqa: F401
+from .test_model_utils import one_thread, randomize_model_, tiny_config_dict  # noqa: F401
 
 pytest.importorskip("csattn.ops.mhc.triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest)
 
 
 def test_reference_comb_is_nearly_doubly_stochastic():
@@ -46,9 +47,9 @@ def _saved_bytes_per_row(backend: str, t: int, n: int, d: int) -> tuple[float, l
     """Bytes one site (pre-mapping + combine) saves for the backward per row, parameters left out, each
     storage counted once."""
     torch.manual_seed(0)
-    hc = HyperConnection(d, n, 20, 1e-6, 1e-6, backend=backend)
-    x = torch.randn(t, n, d).bfloat16().requires_grad_()
-    y = torch.randn(t, d).bfloat16().requires_grad_()
+    hc = HyperConnection(d, n, 20, 1e-6, 1e-6, backend=backend).to(DEVICE)
+    x = torch.randn(t, n, d, device=DEVICE).bfloat16().requires_grad_()
+    y = torch.randn(t, d, device=DEVICE).bfloat16().requires_grad_()
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
         post, comb, _ = hc(x)
@@ -92,16 +93,20 @@ def _step(model, ids, packed, dy):
 
 @pytest.mark.usefixtures("one_thread")
 def test_model_with_triton_mhc_matches_reference():
-    """fp64 model, attention on the reference; every mHC site, combine and head switched to the kernels."""
-    ref = tiny_model("mixed", seed=1, mtp=1).to(torch.float64)
+    """fp64 model, attention and MoE on the reference; every mHC site, combine and head on the kernels."""
+    cfg = DeepseekV4ModelConfig.from_hf(tiny_config_dict("mixed", mtp=1), attention_backend="reference")
+    torch.manual_seed(1)
+    ref = DeepseekV4ForCausalLM(cfg)
+    randomize_model_(ref, 2)
+    ref = ref.to(DEVICE, torch.float64)
     fused = copy.deepcopy(ref)
     for m in fused.modules():
         if isinstance(m, (HyperConnection, HyperHead)):
             m.backend = "triton"
     packed = PackedSeqs.from_lengths([13, 6])
     g = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, 64, (19,), generator=g)
-    dy = torch.randn(19, 64, dtype=torch.float64, generator=g)
+    ids = torch.randint(0, 64, (19,), generator=g).to(DEVICE)
+    dy = torch.randn(19, 64, dtype=torch.float64, generator=g).to(DEVICE)
     out_ref, grads_ref = _step(ref, ids, packed, dy)
     out, grads = _step(fused, ids, packed, dy)
     assert rel_err(out.logits, out_ref.logits) < 1e-12
