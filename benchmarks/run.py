@@ -55,8 +55,19 @@ def _split_providers(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def _timer(device: torch.device, warmup_ms: int, rep_ms: int):
-    if device.type == "cuda":
+def _timer(device: torch.device, warmup_ms: int, rep_ms: int, single: bool = False):
+    if device.type == "cuda" and single:
+        def bench(fn, leaves):  # one warm-up call, one timed call: for cases of many seconds a call
+            for _ in range(2):
+                for t in leaves:
+                    t.grad = None
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize(device)
+            return start.elapsed_time(end)
+    elif device.type == "cuda":
         import triton.testing
 
         def bench(fn, leaves):
@@ -96,7 +107,7 @@ def _peak_gib(fn, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**30
 
 
-def _kernel_times(fn, device: torch.device, iters: int = 3) -> dict[str, float] | None:
+def _kernel_times(fn, device: torch.device, iters: int = 3, top: int = 6) -> dict[str, float] | None:
     """Per-kernel device time (ms per call) of ``fn`` from the PyTorch profiler, largest first."""
     if device.type != "cuda":
         return None
@@ -112,8 +123,8 @@ def _kernel_times(fn, device: torch.device, iters: int = 3) -> dict[str, float] 
     for ev in prof.key_averages():
         total = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
         if total:
-            times[ev.key[:60]] = total / iters / 1e3
-    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:6])
+            times[ev.key[:90]] = total / iters / 1e3
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:top])
 
 
 def _meta(device: torch.device, commit: str | None) -> dict:
@@ -149,6 +160,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--commit", default=None, help="recorded commit (default: git rev-parse)")
     ap.add_argument("--profile", action="store_true", help="also record per-kernel times (torch.profiler)")
+    ap.add_argument("--single", action="store_true",
+                    help="time one call after one warm-up call (CUDA events) instead of do_bench's median, for "
+                         "cases that take seconds")
+    ap.add_argument("--profile-top", type=int, default=6, help="with --profile: how many kernels to list")
     ap.add_argument("--peak-tflops", type=float, default=790.0,
                     help="the GPU's dense bf16 matmul rate for MFU (default: 790, measured on the H200)")
     args = ap.parse_args(argv)
@@ -169,7 +184,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         sweep[key] = [_parse_value(v) for v in values.split(",")]
 
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    bench = _timer(device, args.warmup_ms, args.rep_ms)
+    bench = _timer(device, args.warmup_ms, args.rep_ms, args.single)
     meta = _meta(device, args.commit)
     results: list[dict] = []
     print(f"# {meta['device']}  commit {meta['commit']}  torch {meta['torch']}  triton {meta.get('triton')}")
@@ -210,7 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     extra += f"  {rec['gb_per_s']:.0f} GB/s" if "gb_per_s" in rec else ""
                     print(f"{tag:<28} {mode:<7} {label:<40} {ms:10.3f} {tf} {gib}{extra}", flush=True)
                     if args.profile:
-                        rec["kernels_ms"] = _kernel_times(fn, device)
+                        rec["kernels_ms"] = _kernel_times(fn, device, top=args.profile_top)
                         for kname, kms in (rec["kernels_ms"] or {}).items():
                             print(f"    {kms:9.3f} ms  {kname}")
                 except torch.cuda.OutOfMemoryError:

@@ -102,11 +102,16 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """The always-on expert (clamped SwiGLU, ``moe_intermediate_size`` wide)."""
+    """The always-on expert (clamped SwiGLU, ``moe_intermediate_size`` wide).
 
-    def __init__(self, hidden_size: int, intermediate_size: int, limit: float) -> None:
+    It runs as the routed experts do (:func:`csattn.ops.moe.moe_experts` with one expert that every token picks
+    at weight 1): the fused SwiGLU keeps only the gate / up product for the backward and recomputes the
+    activation, where three ``nn.Linear`` calls and an eager SwiGLU keep about five ``[T, I]`` tensors.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, limit: float, backend: str = "auto") -> None:
         super().__init__()
-        self.limit = limit
+        self.limit, self.backend = limit, backend
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -114,7 +119,15 @@ class SharedExpert(nn.Module):
             nn.init.normal_(lin.weight, std=0.02)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        """``x [T, D]`` -> ``[T, D]``."""
+        # [1, 2I, D] gate rows first and [1, D, I]: the routed experts' layout (a copy of the small weights per
+        # call; the parameters keep HF's names and shapes)
+        gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight]).unsqueeze(0)
+        down = self.down_proj.weight.unsqueeze(0)
+        rows = x.shape[0]
+        one = torch.zeros(rows, 1, dtype=torch.long, device=x.device)
+        weight = torch.ones(rows, 1, dtype=x.dtype, device=x.device)
+        return moe_experts(x, one, weight, gate_up, down, self.limit, self.backend)
 
 
 class MoE(nn.Module):
@@ -130,7 +143,7 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Router(hidden_size, num_experts, top_k, vocab_size, hashed, scoring_func, routed_scaling_factor)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, swiglu_limit, backend)
-        self.shared_experts = SharedExpert(hidden_size, intermediate_size, swiglu_limit)
+        self.shared_experts = SharedExpert(hidden_size, intermediate_size, swiglu_limit, backend)
         self.last_load: Tensor | None = None
 
     def forward(self, x: Tensor, input_ids: Tensor | None = None, real: Tensor | None = None) -> Tensor:
