@@ -145,6 +145,21 @@ for s in ${STAGES:-tests layer profile}; do
       timeout 200 python3 -m benchmarks.live_tensors --model --tokens 16384 --json "$OUT/model_kept.json" \
         > "$OUT/model_kept.txt" 2>&1
       echo "model-kept rc=$?" >> "$LOG" ;;
+    model-targets)
+      stage "model step targets: profile, recompute choices, 64 experts, longest streams, HF eager's longest"
+      B="python3 -m benchmarks.run --op model --mode fwdbwd --commit $C"
+      timeout 100 $B --providers csattn --shape tokens=16384 --profile --profile-top 40 --warmup-ms 5 --rep-ms 20 \
+        --json "$OUT/model_profile.json" >> "$LOG" 2>&1
+      timeout 120 $B --providers csattn --shape tokens=16384 --shape recompute=mhc,moe,block --warmup-ms 5 \
+        --rep-ms 20 --json "$OUT/model_recompute.json" >> "$LOG" 2>&1
+      timeout 120 $B --providers csattn --shape tokens=16384 --shape experts=64 --shape topk_experts=6 \
+        --shape recompute=none,block --warmup-ms 5 --rep-ms 20 --json "$OUT/model_64x6.json" >> "$LOG" 2>&1
+      timeout 100 $B --providers csattn --shape tokens=131072 --single --json "$OUT/model_128k.json" >> "$LOG" 2>&1
+      timeout 100 $B --providers csattn,hf --shape docs=one --shape tokens=6144 --warmup-ms 1 --rep-ms 10 \
+        --json "$OUT/model_hf6k.json" >> "$LOG" 2>&1
+      timeout 150 $B --providers csattn --shape tokens=262144,524288 --shape recompute=block --single \
+        --json "$OUT/model_long.json" >> "$LOG" 2>&1
+      echo "model-targets rc=$?" >> "$LOG" ;;
     *) echo "unknown stage $s" >> "$LOG" ;;
   esac
 done
