@@ -9,17 +9,22 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from ...layers.modules import RMSNorm
 from .config import DeepseekV4ModelConfig
-from .model import DeepseekV4ForCausalLM
-from .names import _disk_name, to_disk, to_internal
+from .mhc import HyperHead
+from .model import DecoderLayer, DeepseekV4ForCausalLM, MTPBlock
+from .names import _EXPERT, _disk_name, internal_name, to_disk, to_internal
+from .quant import QuantConfig, dequantize_fp8, dequantize_mxfp4, is_fp4_packed, is_fp8
 
-__all__ = ["load_pretrained", "save_pretrained", "load_state_dict_into", "read_safetensors", "read_config"]
+__all__ = ["load_pretrained", "save_pretrained", "load_state_dict_into", "read_safetensors", "read_config",
+           "LoadReport", "experts_filter"]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -83,33 +88,368 @@ def load_state_dict_into(model: DeepseekV4ForCausalLM, tensors: Mapping[str, Ten
             own[name].copy_(tensor)
 
 
+@dataclass
+class LoadReport:
+    """What :func:`load_pretrained` put into the model (``model.load_report``).
+
+    Attributes:
+        layers: decoder layers built with real storage (the others are on the meta device).
+        mtp: MTP blocks built with real storage.
+        top: top-level modules built (``embed_tokens``, ``norm``, ``hc_head``, ``lm_head``).
+        loaded: tensors read from disk (``state_dict`` names; one routed-expert matrix as
+            ``model.layers.{i}.mlp.experts.{e}.w1.weight`` / ``w3`` (gate / up rows of ``gate_up_proj[e]``) /
+            ``w2`` (``down_proj[e]``)).
+        skipped: tensors of built modules that ``filter`` rejected: left at their fresh init, not read.
+        fresh: MTP tensors absent from the checkpoint (``mtp=True``): fresh init.
+        dequantized: how many of ``loaded`` were FP8 / MXFP4 on disk.
+        shards: the safetensors files opened.
+    """
+
+    layers: list[int] = field(default_factory=list)
+    mtp: list[int] = field(default_factory=list)
+    top: list[str] = field(default_factory=list)
+    loaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    fresh: list[str] = field(default_factory=list)
+    dequantized: int = 0
+    shards: list[str] = field(default_factory=list)
+
+
+def experts_filter(experts: Iterable[int]) -> Callable[[str], bool]:
+    """A ``filter=`` for :func:`load_pretrained` on an expert-parallel rank: every tensor except the routed experts
+    not in ``experts`` (e.g. ``range(rank * 64, rank * 64 + 64)``)."""
+    keep = {int(e) for e in experts}
+
+    def accept(name: str) -> bool:
+        m = _EXPERT.match(name)
+        return m is None or int(m.group(2)) in keep
+
+    return accept
+
+
+class _Shards:
+    """Lazily opened safetensors files of one directory (each opened once; only the ones asked for)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.handles, self.opened = path, {}, []
+
+    def get(self, file: str) -> Any:
+        if file not in self.handles:
+            import safetensors
+
+            self.handles[file] = safetensors.safe_open(os.path.join(self.path, file), framework="pt")
+            self.opened.append(file)
+        return self.handles[file]
+
+
+def _list_keys(path: str, shards: _Shards) -> dict[str, str]:
+    """Every tensor name on disk -> its file: from ``model.safetensors.index.json`` when there is one (no shard
+    is opened), else from the file headers."""
+    index = os.path.join(path, INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object")
+        for file in set(weight_map.values()):
+            if not os.path.isfile(os.path.join(path, file)):
+                raise ValueError(f"{index} lists shard {file!r}, which is not in {path!r}")
+        return dict(weight_map)
+    if os.path.isfile(os.path.join(path, WEIGHTS_NAME)):
+        files = [WEIGHTS_NAME]
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise ValueError(f"path {path!r} has no .safetensors files")
+    out: dict[str, str] = {}
+    for file in files:
+        for key in shards.get(file).keys():
+            out[key] = file
+    return out
+
+
+def _split_scales(keys: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+    """Data tensors and ``{weight key: scale key}``: ``X.weight_scale_inv`` / ``X_scale_inv`` (HF) and ``X.scale``
+    next to an ``X.weight`` (reference; ``attn_hc.scale`` & co. have no ``.weight`` beside them, so they stay data)."""
+    keyset = set(keys)
+    data, scales = [], {}
+    for k in keyset:
+        if k.endswith("_scale_inv"):
+            w = k[: -len("_scale_inv")]
+        elif k.endswith(".scale") and k[: -len("scale")] + "weight" in keyset:
+            w = k[: -len("scale")] + "weight"
+        else:
+            data.append(k)
+            continue
+        if w not in keyset:
+            raise ValueError(f"checkpoint has scale {k!r} but not the weight {w!r} it scales")
+        if w in scales:
+            raise ValueError(f"weight {w!r} has two scale companions: {scales[w]!r} and {k!r}")
+        scales[w] = k
+    return sorted(data), scales
+
+
+@dataclass
+class _Source:
+    key: str  # on-disk name of the data tensor
+    expert: int | None = None  # fused [E, ...] tensor: the expert's row
+    half: int | None = None  # fused gate_up_proj: 0 = gate (w1) rows, 1 = up (w3) rows
+
+
+def _part(name: str) -> tuple[str, Any]:
+    """Which module a ``state_dict`` name lives in: ("layer", i), ("mtp", j) or ("top", module)."""
+    p = name.split(".")
+    if p[0] == "model" and p[1] == "layers":
+        return "layer", int(p[2])
+    if p[0] == "mtp":
+        return "mtp", int(p[1])
+    return "top", p[1] if p[0] == "model" else p[0]
+
+
+def _units(own: Mapping[str, Tensor], num_experts: int) -> dict[str, tuple[str, int | None, int | None]]:
+    """Loadable units of the model -> (parameter, expert, half): one per tensor, one per routed-expert matrix."""
+    out: dict[str, tuple[str, int | None, int | None]] = {}
+    for name in own:
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len(".gate_up_proj")]
+            for e in range(num_experts):
+                out[f"{base}.{e}.w1.weight"] = (name, e, 0)
+                out[f"{base}.{e}.w3.weight"] = (name, e, 1)
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len(".down_proj")]
+            for e in range(num_experts):
+                out[f"{base}.{e}.w2.weight"] = (name, e, None)
+        else:
+            out[name] = (name, None, None)
+    return out
+
+
+def _sources(data: list[str], num_experts: int) -> dict[str, _Source]:
+    """Unit name -> where it is on disk (per-expert matrices, or a row of a fused HF expert tensor)."""
+    out: dict[str, _Source] = {}
+
+    def put(unit: str, src: _Source) -> None:
+        if unit in out:
+            raise ValueError(f"tensors {out[unit].key!r} and {src.key!r} both map to {unit!r}")
+        out[unit] = src
+
+    for key in data:
+        new = internal_name(key)
+        if new.endswith("mlp.experts.gate_up_proj"):
+            base = new[: -len(".gate_up_proj")]
+            for e in range(num_experts):
+                put(f"{base}.{e}.w1.weight", _Source(key, e, 0))
+                put(f"{base}.{e}.w3.weight", _Source(key, e, 1))
+        elif new.endswith("mlp.experts.down_proj"):
+            base = new[: -len(".down_proj")]
+            for e in range(num_experts):
+                put(f"{base}.{e}.w2.weight", _Source(key, e, None))
+        else:
+            put(new, _Source(key))
+    return out
+
+
+def _read(shards: _Shards, files: Mapping[str, str], src: _Source, scale_key: str | None,
+          quant: QuantConfig | None, dtype: torch.dtype, is_expert: bool) -> tuple[Tensor, bool]:
+    """One tensor (a fused expert tensor: expert ``src.expert``'s row), dequantized to ``dtype`` when quantized."""
+
+    def get(key: str) -> Tensor:
+        f = shards.get(files[key])
+        if src.expert is None:
+            return f.get_tensor(key)
+        sl = f.get_slice(key)
+        shape = sl.get_shape()
+        if len(shape) < 1 or shape[0] <= src.expert:
+            raise ValueError(f"tensor {key!r} has shape {tuple(shape)}: no row for expert {src.expert}")
+        return sl[src.expert: src.expert + 1][0]
+
+    t = get(src.key)
+    if scale_key is None:
+        if is_fp8(t):
+            raise ValueError(f"tensor {src.key!r} is {t.dtype} but the checkpoint has no scale for it "
+                             f"({src.key[:-len('weight')] + 'scale' if src.key.endswith('weight') else src.key}"
+                             " or *_scale_inv)")
+        return t, False
+    if quant is None:
+        raise ValueError(f"tensor {src.key!r} has a scale ({scale_key!r}) but config.json has no "
+                         "quantization_config; add the release's (quant_method 'fp8', weight_block_size)")
+    s = get(scale_key)
+    if is_fp8(t):
+        if is_expert and quant.expert_dtype == "fp4":
+            raise ValueError(f"config.json expert_dtype is 'fp4' but expert tensor {src.key!r} is FP8; set "
+                             "expert_dtype to 'fp8'")
+        bn = quant.block_size[0]
+        rows = t.shape[-2]
+        if src.half is not None and s.shape[-2] != -(-rows // bn) and s.shape[-2] == 2 * -(-(rows // 2) // bn):
+            # a fused gate_up_proj concatenated from per-expert gate and up matrices keeps each half's own
+            # (ragged) block rows
+            g, u = t.chunk(2, dim=-2)
+            sg, su = s.chunk(2, dim=-2)
+            return torch.cat([dequantize_fp8(g, sg, quant.block_size, dtype, src.key),
+                              dequantize_fp8(u, su, quant.block_size, dtype, src.key)], dim=-2), True
+        return dequantize_fp8(t, s, quant.block_size, dtype, src.key), True
+    if is_fp4_packed(t):
+        if not is_expert or quant.expert_dtype != "fp4":
+            raise ValueError(f"tensor {src.key!r} is packed FP4 ({t.dtype}) but "
+                             + ("it is not a routed expert" if not is_expert else "config.json expert_dtype is "
+                                f"{quant.expert_dtype!r}; set it to 'fp4'"))
+        return dequantize_mxfp4(t, s, dtype, src.key), True
+    raise ValueError(f"tensor {src.key!r} has a scale ({scale_key!r}) but dtype {t.dtype}, neither FP8 e4m3 nor "
+                     "packed FP4")
+
+
+def _select_layers(layers: Iterable[int] | None, n: int) -> list[int]:
+    if layers is None:
+        return list(range(n))
+    out = sorted({int(i) for i in layers})
+    bad = [i for i in out if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"layers= holds {bad[:8]}, outside the checkpoint's decoder layers 0..{n - 1}")
+    return out
+
+
+def _build(config: DeepseekV4ModelConfig, layers: list[int], mtp: list[int], top: list[str],
+           dtype: torch.dtype) -> DeepseekV4ForCausalLM:
+    """The model on the meta device with real (freshly initialised, ``dtype``) storage for the chosen parts only;
+    each part is built in fp32 and cast before the next, so at most one block is ever held in fp32."""
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config)
+    model.to_training_dtype(dtype)
+    c = config
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    for i in layers:
+        model.model.layers[i] = DecoderLayer(c, i)
+        model.model.layers[i].mlp.gate.init_hash_table(gen)
+        model.to_training_dtype(dtype)
+    for j in mtp:
+        model.mtp[j] = MTPBlock(c, j)
+        model.to_training_dtype(dtype)
+    # the same modules and init as DeepseekV4ForCausalLM.__init__
+    if "embed_tokens" in top:
+        model.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, c.pad_token_id)
+        nn.init.normal_(model.model.embed_tokens.weight, std=c.initializer_range)
+    if "norm" in top:
+        model.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+    if "hc_head" in top:
+        model.model.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps,
+                                        backend=c.attention_backend)
+    if "lm_head" in top and not c.tie_word_embeddings:
+        model.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        nn.init.normal_(model.lm_head.weight, std=c.initializer_range)
+    if c.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.to_training_dtype(dtype)
+    return model
+
+
 def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | None = None,
+                    layers: Iterable[int] | None = None, filter: Callable[[str], bool] | None = None,
                     **config_overrides: Any) -> DeepseekV4ForCausalLM:
-    """Build :class:`DeepseekV4ForCausalLM` from an HF-format directory.
+    """Build :class:`DeepseekV4ForCausalLM` from an HF-format directory, plain or quantized as released.
+
+    Tensors are read one at a time (``safetensors.safe_open``) straight into the model's parameters, already in
+    the training dtype; FP8 / MXFP4 ones (see ``quant.py``) are dequantized on the way, so no full-precision copy
+    of the checkpoint is ever held. Only the shards holding wanted tensors are opened (``model.safetensors.index
+    .json`` says which).
 
     Args:
         path: directory with ``config.json`` and safetensors.
         mtp: ``None`` builds the config's MTP blocks only if the checkpoint holds ``mtp.*`` tensors (HF-saved
             checkpoints do not); ``True`` builds them anyway (fresh weights when absent); ``False`` never.
         dtype: training dtype (see ``DeepseekV4ForCausalLM.to_training_dtype``); default fp32.
+        layers: decoder layers to build and load (e.g. ``range(10, 20)`` for a pipeline stage); default all. The
+            embedding is built with layer 0, the final ``norm`` / ``hc_head`` / ``lm_head`` and the MTP blocks with
+            the last layer (and the embedding there too when the LM head is tied to it or MTP blocks, which embed
+            the next token, are built). Everything else stays on the meta device: no storage, not read; the layer
+            indices (``model.model.layers[i]``) are the checkpoint's.
+        filter: ``filter(name) -> bool`` on ``state_dict`` names (a routed expert matrix as
+            ``model.layers.{i}.mlp.experts.{e}.w1.weight`` / ``w3`` / ``w2``; see :func:`experts_filter`): the
+            tensors of built modules that it rejects are not read and keep their fresh init (listed in
+            ``model.load_report.skipped``).
         config_overrides: fields of :class:`DeepseekV4ModelConfig` (e.g. ``indexer_loss_coeff``).
+
+    Returns:
+        The model, with ``model.load_report`` (:class:`LoadReport`) saying what was built, read and skipped.
+
+    Raises:
+        ValueError: naming the tensor / field, for a missing, unexpected or misshaped tensor, a scale whose shape
+            does not fit its weight, or a ``quantization_config`` this loader cannot read.
     """
     raw = read_config(path)
-    tensors = read_safetensors(path)
-    has_mtp = any(k.startswith("mtp.") for k in tensors)
+    quant = QuantConfig.from_config(raw)
+    shards = _Shards(path)
+    files = _list_keys(path, shards)
+    data, scales = _split_scales(files)
+    has_mtp = any(internal_name(k).startswith("mtp.") for k in data)
     n_mtp = int(raw.get("num_nextn_predict_layers", 0) or 0)
     if mtp is False or (mtp is None and not has_mtp):
-        if has_mtp:
-            tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
         n_mtp = 0
     config_overrides.setdefault("num_nextn_predict_layers", n_mtp)
     config = DeepseekV4ModelConfig.from_hf(raw, **config_overrides)
-    model = DeepseekV4ForCausalLM(config)
+    n, n_exp = config.num_hidden_layers, config.n_routed_experts
+    n_mtp = config.num_nextn_predict_layers
     if mtp and not has_mtp and n_mtp:
         warnings.warn(f"{path}: no mtp.* tensors; the {n_mtp} MTP block(s) start from fresh weights", stacklevel=2)
-    load_state_dict_into(model, tensors, allow_missing_prefixes=("mtp.",) if mtp and not has_mtp else ())
-    if dtype is not None:
-        model.to_training_dtype(dtype)
+
+    sel = _select_layers(layers, n)
+    last = layers is None or (n - 1) in sel
+    sel_mtp = list(range(n_mtp)) if last else []
+    top = (["embed_tokens"] if layers is None or 0 in sel or (last and (config.tie_word_embeddings or sel_mtp))
+           else []) + (["norm", "hc_head", "lm_head"] if last else [])
+    model = _build(config, sel, sel_mtp, top, dtype or torch.float32)
+
+    own = model.state_dict(keep_vars=True)
+    units = _units(own, n_exp)
+    sources = _sources([k for k in data if has_mtp and n_mtp or not internal_name(k).startswith("mtp.")], n_exp)
+    unexpected = [u for u in sources if u not in units]
+    if unexpected:
+        raise ValueError(f"checkpoint has unexpected tensor {unexpected[0]!r} (on disk "
+                         f"{sources[unexpected[0]].key!r}; {len(unexpected)} in all: {unexpected[:8]}); does its "
+                         "config match the model's?")
+    built = {("layer", i) for i in sel} | {("mtp", j) for j in sel_mtp} | {("top", t) for t in top}
+    report = LoadReport(layers=sel, mtp=sel_mtp, top=top)
+    wanted: list[str] = []
+    for unit, (param, _, _) in units.items():
+        if _part(param) not in built or (config.tie_word_embeddings and param == "lm_head.weight"):
+            continue
+        if filter is not None and not filter(unit):
+            report.skipped.append(unit)
+        elif unit in sources:
+            wanted.append(unit)
+        elif unit.startswith("mtp.") and not has_mtp:
+            report.fresh.append(unit)
+        else:
+            raise ValueError(f"checkpoint is missing tensor {unit!r} (on disk {_disk_name(unit)!r})")
+
+    # shard by shard, so each file is visited once; a scale stored in another shard opens that one too
+    wanted.sort(key=lambda u: (files[sources[u].key], sources[u].key, sources[u].expert or 0))
+    last_read: tuple[tuple[str, int | None, torch.dtype], tuple[Tensor, bool]] | None = None
+    with torch.no_grad():
+        for unit in wanted:
+            src = sources[unit]
+            param, e, half = units[unit]
+            dest = own[param]
+            if e is not None:
+                dest = dest[e]
+                if half is not None:
+                    dest = dest.chunk(2, dim=0)[half]
+            if last_read is not None and last_read[0] == (src.key, src.expert, dest.dtype):
+                value, deq = last_read[1]  # the other half of a fused gate_up_proj row: read once
+            else:
+                value, deq = _read(shards, files, src, scales.get(src.key), quant, dest.dtype, e is not None)
+                last_read = ((src.key, src.expert, dest.dtype), (value, deq))
+            if src.half is not None:
+                if value.shape[0] % 2:
+                    raise ValueError(f"tensor {src.key!r}: fused gate_up_proj rows {value.shape[0]} are odd")
+                value = value.chunk(2, dim=0)[src.half]
+            if tuple(value.shape) != tuple(dest.shape):
+                raise ValueError(f"tensor {unit!r} (on disk {src.key!r}) has shape {tuple(value.shape)} in the "
+                                 f"checkpoint but the config gives {tuple(dest.shape)}")
+            dest.copy_(value)
+            report.loaded.append(unit)
+            report.dequantized += int(deq)
+    report.shards = list(shards.opened)
+    model.load_report = report
     return model
 
 

@@ -179,10 +179,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = nn.ModuleList([MTPBlock(c, j) for j in range(c.num_nextn_predict_layers)])
         # Hash layers need distinct experts per token; checkpoints ship the real table.
-        seed = int(torch.randint(0, 2**31 - 1, (1,)))
+        # drawn on the CPU so the model can also be built on the meta device (load_pretrained's skeleton; a
+        # meta table has no values to draw)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
         gen = torch.Generator().manual_seed(seed)
         for module in self.modules():
-            if isinstance(module, MoE):
+            if isinstance(module, MoE) and not module.gate.weight.is_meta:
                 module.gate.init_hash_table(gen)
 
     @classmethod
