@@ -1,0 +1,8 @@
+"""Integrations of csattn's kernels into other training stacks.
+
+- :mod:`csattn.integrations.transformers`: ``patch(model)`` makes a Hugging Face ``DeepseekV4ForCausalLM`` run
+  csattn's attention, mHC and MoE ops on packed (padding-free) or padded batches, for ``transformers.Trainer``
+  and TRL.
+
+Nothing here is imported by ``import csattn``: each integration imports its framework only when it is imported.
+"""

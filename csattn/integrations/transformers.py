@@ -1,0 +1,433 @@
+"""Train a Hugging Face ``DeepseekV4ForCausalLM`` on csattn's kernels, with ``transformers.Trainer`` or TRL.
+
+Example:
+    >>> from transformers import DataCollatorWithFlattening, DeepseekV4ForCausalLM, Trainer
+    >>> from csattn.integrations.transformers import patch
+    >>> model = patch(DeepseekV4ForCausalLM.from_pretrained(path))       # in place, same parameters
+    >>> Trainer(model=model, args=args, train_dataset=docs, data_collator=DataCollatorWithFlattening()).train()
+
+:func:`patch` changes, in place and without copying a parameter:
+
+- every ``self_attn`` becomes a :class:`csattn.HybridAttention` built around the HF module's own
+  ``nn.Parameter`` objects (same names, so ``state_dict`` / ``save_pretrained`` are unchanged);
+- the decoder layers run the mHC through :mod:`csattn.ops.mhc` (``hc_pre`` / ``hc_combine``) and the RMSNorms
+  through :func:`csattn.ops.rms_norm.rms_norm`; the routed experts run :func:`csattn.ops.moe.moe_experts`
+  (HF's routers and shared experts stay);
+- ``DeepseekV4Model.forward`` packs the batch into csattn's layout (:func:`batch_layout`): the real tokens of
+  the batch, one ``PackedSeqs`` document each, run through the decoder as ``[T, ...]`` rows and are written
+  back to ``[B, S, D]`` (zeros at padding), so HF's LM head and loss (``num_items_in_batch``) work unchanged.
+  No ``[S, S]`` mask is built.
+
+Batches it accepts (documents never see each other; positions restart at 0 in every document):
+
+- padding-free ``input_ids [1, T]`` with ``position_ids`` restarting at 0 per document (HF's
+  ``DataCollatorWithFlattening``, TRL's ``padding_free``), optionally with ``cu_seq_lens_q`` / ``cu_seq_lens_k``
+  / ``max_length_q`` / ``max_length_k`` (``return_flash_attn_kwargs=True``), or with those kwargs alone;
+- ``[B, S]`` with a 2-D ``attention_mask``: each row is one document, made of its 1s (left or right padding).
+  Padding tokens change no real token and get zero hidden states. (HF's own eager model numbers a
+  left-padded row from the first pad and pools pads into its compressed entries; here a row starts at 0.)
+
+Limits: training forwards only. ``past_key_values`` or ``use_cache=True`` (``generate()``) raise a
+``ValueError``; call :func:`unpatch` first (it puts HF's modules back, the same parameters). No
+``output_attentions`` / ``output_hidden_states`` / ``output_router_logits``. ``position_ids`` must count
+0, 1, 2, ... inside each document. The lightning indexer gets no LM gradient (as in HF); with
+``indexer_loss_coeff > 0`` it trains on csattn's indexer KL loss (under gradient accumulation also call
+``csattn.IndexerLossAutoScaler.set_loss_scale(1 / gradient_accumulation_steps)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.modeling_outputs import MoeModelOutputWithPast
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+from ..config import AttentionConfig
+from ..layers import HybridAttention
+from ..ops import mhc as mhc_ops
+from ..ops.moe import moe_experts
+from ..ops.rms_norm import rms_norm
+from ..ops.rope import rope_inv_freq
+from ..packing import PackedSeqs
+
+__all__ = ["BACKENDS", "BatchLayout", "batch_layout", "is_patched", "patch", "unpatch"]
+
+BACKENDS = ("auto", "reference", "triton")
+_UNPATCH = "call csattn.integrations.transformers.unpatch(model) first (same parameters, HF's own modules)"
+
+
+# ---------------------------------------------------------------------------------------------- batch layout
+@dataclass
+class BatchLayout:
+    """Where the real tokens of an HF batch ``[B, S]`` sit in csattn's packed stream ``[T]``.
+
+    Attributes:
+        packed: the stream's documents, without padding rows (``T`` = number of real tokens).
+        index: ``[T]`` int64 positions in the flattened ``B * S`` batch of the stream's rows (row-major order);
+            None when every token is real (the stream is the batch flattened).
+        batch_shape: ``(B, S)``.
+    """
+
+    packed: PackedSeqs
+    index: Tensor | None
+    batch_shape: tuple[int, int]
+
+    def gather(self, x: Tensor) -> Tensor:
+        """``[B, S, ...]`` -> the stream's rows ``[T, ...]``."""
+        flat = x.reshape(self.batch_shape[0] * self.batch_shape[1], *x.shape[2:])
+        return flat if self.index is None else flat.index_select(0, self.index)
+
+    def scatter(self, y: Tensor) -> Tensor:
+        """The stream's rows ``[T, ...]`` -> ``[B, S, ...]``, zeros at padding (differentiable)."""
+        b, s = self.batch_shape
+        if self.index is not None:
+            y = y.new_zeros(b * s, *y.shape[1:]).index_copy(0, self.index, y)
+        return y.reshape(b, s, *y.shape[1:])
+
+
+def batch_layout(
+    batch_shape: tuple[int, int],
+    device: torch.device | str,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    cu_seq_lens_q: Tensor | None = None,
+    cu_seq_lens_k: Tensor | None = None,
+    max_length_q: int | None = None,
+) -> BatchLayout:
+    """The documents of an HF batch, as csattn's packed layout.
+
+    Args:
+        batch_shape: ``(B, S)`` of ``input_ids``.
+        device: where the metadata goes (the activations' device).
+        attention_mask: ``[B, S]`` 1 = real token; each row's 1s must be one run (left or right padding).
+        position_ids: ``[B, S]`` (or ``[1, S]`` / ``[S]`` for every row); a 0 starts a new document, and inside
+            a document they must count 0, 1, 2, ... (csattn derives positions from the layout).
+        cu_seq_lens_q: ``[N + 1]`` document boundaries of a flattened batch (``B = 1``, no padding).
+        cu_seq_lens_k: must equal ``cu_seq_lens_q`` when given (causal self-attention).
+        max_length_q: when given, at least the longest document.
+
+    Returns:
+        :class:`BatchLayout`. Reads the metadata on the host (one sync per forward).
+    """
+    b, s = batch_shape
+    real = None
+    if attention_mask is not None:
+        if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, s):
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must be the 2-D padding mask [B, S] = [{b}, {s}] (1 = real token), "
+                             f"got {got}")
+        real = attention_mask.to(device) != 0
+        if bool(real.all()):
+            real = None
+    pos = None
+    if position_ids is not None:
+        pos = position_ids.to(device=device, dtype=torch.long)
+        pos = pos.reshape(1, -1) if pos.dim() == 1 else pos
+        if pos.dim() == 2 and pos.shape[0] == 1 and pos.shape[1] == s:
+            pos = pos.expand(b, s)
+        if tuple(pos.shape) != (b, s):
+            raise ValueError(f"position_ids must have shape [B, S] = [{b}, {s}] (or [1, S]), "
+                             f"got {tuple(position_ids.shape)}")
+
+    index = None
+    if cu_seq_lens_q is not None:
+        cu = torch.as_tensor(cu_seq_lens_q).reshape(-1).to("cpu", torch.long)
+        if cu_seq_lens_k is not None and not torch.equal(torch.as_tensor(cu_seq_lens_k).reshape(-1).to("cpu",
+                                                                                                       torch.long), cu):
+            raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q (causal self-attention over the same documents)")
+        if b != 1:
+            raise ValueError(f"cu_seq_lens_q describes a flattened batch input_ids [1, T]; got [B, S] = [{b}, {s}]")
+        if real is not None:
+            raise ValueError("cu_seq_lens_q and an attention_mask with padding do not go together: flattened "
+                             "batches have no padding (drop the attention_mask)")
+        lengths = cu[1:] - cu[:-1]
+        if cu.numel() < 2 or int(cu[0]) != 0 or bool((lengths < 0).any()) or int(cu[-1]) != s:
+            raise ValueError(f"cu_seq_lens_q must rise from 0 to the flattened length {s}, got {cu.tolist()[:16]}")
+        lengths = lengths[lengths > 0]
+        flat_pos = None if pos is None else pos.reshape(-1)
+    else:
+        if real is not None:
+            count = real.sum(1)
+            first = real.int().argmax(1)
+            last = s - 1 - real.flip(1).int().argmax(1)
+            gaps = (count > 0) & (last - first + 1 != count)
+            if bool(gaps.any()):
+                row = int(gaps.nonzero()[0, 0])
+                raise ValueError(f"attention_mask row {row} has padding between real tokens; each row must be one "
+                                 "document (left or right padding); pack several documents with position_ids instead")
+            index = real.reshape(-1).nonzero().squeeze(1)
+            rows = index // s
+        else:
+            rows = torch.arange(b * s, device=device) // s
+        total = rows.shape[0]
+        start = torch.ones(total, dtype=torch.bool, device=device)
+        start[1:] = rows[1:] != rows[:-1]
+        flat_pos = None
+        if pos is not None:
+            flat_pos = pos.reshape(-1) if index is None else pos.reshape(-1)[index]
+            start |= flat_pos == 0
+        starts = start.nonzero().squeeze(1)
+        lengths = (torch.cat([starts, starts.new_tensor([total])]) - torch.cat([starts.new_zeros(1), starts]))[1:]
+        lengths = lengths.cpu()
+
+    if flat_pos is not None and flat_pos.numel():
+        doc_start = (lengths.cumsum(0) - lengths).to(device)
+        offsets = torch.arange(flat_pos.numel(), device=device) - doc_start.repeat_interleave(lengths.to(device))
+        bad = flat_pos != offsets
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            where = int(index[i]) if index is not None else i
+            raise ValueError(
+                f"position_ids must count 0, 1, 2, ... inside each document (a 0 starts the next one); at row "
+                f"{where // s}, column {where % s} it is {int(flat_pos[i])} where the document layout gives "
+                f"{int(offsets[i])}. csattn derives the positions from the documents: pass position_ids that restart "
+                "at 0 per document (DataCollatorWithFlattening does), or none")
+    if max_length_q is not None and lengths.numel() and int(max_length_q) < int(lengths.max()):
+        raise ValueError(f"max_length_q = {max_length_q} is below the longest document ({int(lengths.max())})")
+    packed = PackedSeqs.from_lengths([int(n) for n in lengths], device=device)
+    return BatchLayout(packed=packed, index=index, batch_shape=(b, s))
+
+
+# ---------------------------------------------------------------------------------------------- patched modules
+class _PatchedAttention(HybridAttention):
+    """``HybridAttention`` whose parameters are an HF ``DeepseekV4Attention``'s own ``nn.Parameter`` objects."""
+
+    def _apply(self, fn: Any, recurse: bool = True) -> _PatchedAttention:
+        super()._apply(fn, recurse)
+        # ``model.to(torch.bfloat16)`` would round the RoPE frequencies; rebuild them in fp32 on the new device
+        self._reset_rope(self.inv_freq.device)
+        return self
+
+    def _reset_rope(self, device: torch.device) -> None:
+        cfg = self.config
+        self.inv_freq = rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+
+
+class _PatchedDecoderLayer(hf.DeepseekV4DecoderLayer):
+    """HF's decoder layer on packed streams ``[T, n, D]``: mHC and RMSNorm through csattn's ops, attention =
+    :class:`_PatchedAttention` with ``packed=``, HF's MoE block (its experts patched) on ``[1, T, D]``."""
+
+    _csattn_backend = "auto"
+
+    def forward(self, hidden_states: Tensor, input_ids: Tensor | None = None, packed: PackedSeqs | None = None,
+                **kwargs: Any) -> Tensor:
+        """``hidden_states [T, n, D]`` streams, ``input_ids [T]``, ``packed`` the stream's documents
+        -> ``[T, n, D]``."""
+        if packed is None:
+            raise TypeError("this DeepseekV4DecoderLayer was patched by csattn and runs inside the patched "
+                            f"DeepseekV4Model only (it needs packed=); to run HF's code, {_UNPATCH}")
+        backend = self._csattn_backend
+        post, comb, x = _hc_pre(self.attn_hc, hidden_states, backend)
+        y = self.self_attn(_norm(self.input_layernorm, x), packed=packed)
+        streams = mhc_ops.hc_combine(hidden_states, y, post, comb, backend=backend)
+        post, comb, x = _hc_pre(self.ffn_hc, streams, backend)
+        ids = None if input_ids is None else input_ids.unsqueeze(0)
+        y = self.mlp(_norm(self.post_attention_layernorm, x).unsqueeze(0), input_ids=ids).squeeze(0)
+        return mhc_ops.hc_combine(streams, y, post, comb, backend=backend)
+
+
+class _PatchedExperts(hf.DeepseekV4Experts):
+    """HF's routed experts through :func:`csattn.ops.moe.moe_experts` (grouped GEMMs; Triton SwiGLU on CUDA)."""
+
+    _csattn_backend = "auto"
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """``hidden_states [N, D]``, ``top_k_index [N, k]``, ``top_k_weights [N, k]`` -> ``[N, D]``."""
+        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                           self.limit, self._csattn_backend)
+
+
+class _PatchedModel(hf.DeepseekV4Model):
+    """HF's ``DeepseekV4Model`` running the decoder on csattn's packed layout (see the module docstring)."""
+
+    _csattn_backend = "auto"
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> MoeModelOutputWithPast:
+        """``input_ids [B, S]`` (or ``inputs_embeds [B, S, D]``) -> ``last_hidden_state [B, S, D]``.
+
+        ``attention_mask [B, S]``, ``position_ids`` and ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q``
+        (kwargs) describe the documents (:func:`batch_layout`); other kwargs (``num_items_in_batch``, ...) are the
+        loss's and are ignored here.
+        """
+        _refuse_unsupported(past_key_values, use_cache, kwargs)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if embeds.dim() != 3:
+            raise ValueError(f"input_ids must be [B, S] (inputs_embeds [B, S, D]), got {tuple(embeds.shape[:-1])}")
+        if input_ids is None and any(layer.mlp.is_hash for layer in self.layers):
+            raise ValueError("input_ids is required: this model's first MoE layers route by token id (hash_moe)")
+        b, s, _ = embeds.shape
+        layout = batch_layout((b, s), embeds.device, attention_mask, position_ids, kwargs.get("cu_seq_lens_q"),
+                              kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_q"))
+        streams = layout.gather(embeds)
+        streams = streams.unsqueeze(-2).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, n, D]
+        ids = None if input_ids is None else layout.gather(input_ids)
+        for layer in self.layers:
+            # streams positional: HF's gradient checkpointing (reentrant) needs the grad-carrying input there
+            streams = layer(streams, input_ids=ids, packed=layout.packed)
+        head = self.hc_head
+        final = mhc_ops.hc_head(streams, head.hc_fn, head.hc_base, head.hc_scale, hc_eps=head.eps,
+                                norm_eps=head.input_norm.eps, backend=self._csattn_backend)
+        return MoeModelOutputWithPast(last_hidden_state=layout.scatter(_norm(self.norm, final)))
+
+
+def _hc_pre(site: hf.DeepseekV4HyperConnection, streams: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return mhc_ops.hc_pre(streams, site.fn, site.base, site.scale, sinkhorn_iters=site.hc_sinkhorn_iters,
+                          hc_eps=site.hc_eps, norm_eps=site.input_norm.eps, backend=backend)
+
+
+def _norm(norm: hf.DeepseekV4RMSNorm, x: Tensor) -> Tensor:
+    # same math as HF's RMSNorm (fp32, weight applied before the cast back); keeps one scale per row, not fp32 x
+    return rms_norm(x, norm.weight, norm.variance_epsilon)
+
+
+def _refuse_unsupported(past_key_values: Any, use_cache: bool | None, kwargs: dict[str, Any]) -> None:
+    # use_cache=None means "the config's default" in HF (True for V4): a training forward never builds a cache,
+    # so only an explicit True (generate() passes one) is refused
+    if past_key_values is not None:
+        raise ValueError("past_key_values: a model patched by csattn.integrations.transformers runs training "
+                         f"forwards only (no KV cache); for generate() or cached decoding {_UNPATCH}")
+    if use_cache:
+        raise ValueError("use_cache=True: a model patched by csattn.integrations.transformers builds no KV cache; "
+                         f"pass use_cache=False, or for generate() {_UNPATCH}")
+    for key in ("output_attentions", "output_hidden_states", "output_router_logits"):
+        if kwargs.get(key):
+            raise ValueError(f"{key}=True is not supported by the csattn-patched DeepseekV4 model (it runs packed "
+                             f"rows, not [B, S] tensors per layer); set it to False (config.{key}), or {_UNPATCH}")
+
+
+# ---------------------------------------------------------------------------------------------- patch / unpatch
+@dataclass
+class _PatchState:
+    backend: str
+    indexer_loss_coeff: float
+    hf_attention: list[nn.Module]  # HF's attention modules, put back by unpatch
+    experts_patched: bool
+
+
+def _backbone(model: nn.Module) -> hf.DeepseekV4Model:
+    if isinstance(model, hf.DeepseekV4ForCausalLM):
+        return model.model
+    if isinstance(model, hf.DeepseekV4Model):
+        return model
+    raise TypeError("model must be a transformers DeepseekV4ForCausalLM or DeepseekV4Model, "
+                    f"got {type(model).__name__}")
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether :func:`patch` was applied to ``model`` (a ``DeepseekV4ForCausalLM`` or ``DeepseekV4Model``)."""
+    return isinstance(_backbone(model), _PatchedModel)
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
+
+
+def _csattn_attention(hf_attn: nn.Module, config: Any, layer_idx: int, backend: str,
+                      indexer_loss_coeff: float) -> _PatchedAttention:
+    cfg = AttentionConfig.from_hf(config, layer_idx, backend=backend, indexer_loss_coeff=indexer_loss_coeff,
+                                  compute_indexer_loss=indexer_loss_coeff > 0)
+    with torch.device("meta"):  # no memory for weights that are replaced right away
+        attn = _PatchedAttention(cfg)
+    theirs = dict(hf_attn.named_parameters())
+    ours = dict(attn.named_parameters())
+    if set(theirs) != set(ours):
+        raise ValueError(f"model.layers[{layer_idx}].self_attn: parameters csattn lacks "
+                         f"{sorted(set(theirs) - set(ours))}, parameters HF lacks {sorted(set(ours) - set(theirs))}")
+    for name, param in theirs.items():
+        if tuple(param.shape) != tuple(ours[name].shape):
+            raise ValueError(f"model.layers[{layer_idx}].self_attn.{name}: shape {tuple(param.shape)}, the config "
+                             f"gives {tuple(ours[name].shape)}")
+        owner, leaf = _owner(attn, name)
+        setattr(owner, leaf, param)  # the same nn.Parameter object: no copy, optimizers and hooks see one tensor
+    attn._reset_rope(next(iter(theirs.values())).device)
+    attn.train(hf_attn.training)
+    return attn
+
+
+def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float = 0.0) -> nn.Module:
+    """Make an HF ``DeepseekV4ForCausalLM`` (or ``DeepseekV4Model``) run csattn's kernels, in place.
+
+    Args:
+        model: from ``from_pretrained`` or the constructor; its parameters are reused, never copied.
+        backend: ``"auto"`` (Triton kernels on CUDA, the PyTorch reference and grouped MoE GEMMs elsewhere),
+            ``"reference"`` (plain PyTorch everywhere, the per-expert MoE loop) or ``"triton"``.
+        indexer_loss_coeff: weight of csattn's indexer KL loss on CSA layers (its gradient trains the lightning
+            indexer, which the LM loss never reaches); 0 = none, as in HF.
+
+    Returns:
+        ``model`` itself, patched (see the module docstring for the batches it takes and its limits).
+    """
+    backbone = _backbone(model)
+    if isinstance(backbone, _PatchedModel):
+        raise ValueError(f"model is already patched by csattn; {_UNPATCH.replace('first', 'to patch it again')}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not indexer_loss_coeff >= 0:
+        raise ValueError(f"indexer_loss_coeff must be >= 0, got {indexer_loss_coeff}")
+    config = backbone.config
+    rotary = backbone.rotary_emb
+    for kind in rotary.layer_types:
+        scaling = float(getattr(rotary, f"{kind}_attention_scaling"))
+        if scaling != 1.0:
+            raise ValueError(f"config.rope_parameters[{kind!r}] scales cos/sin by {scaling} (YaRN attention_factor); "
+                             "csattn applies no such factor (the V4 reference does not): set attention_factor=1.0")
+    for i, layer in enumerate(backbone.layers):
+        if type(layer) is not hf.DeepseekV4DecoderLayer or type(layer.mlp.experts) is not hf.DeepseekV4Experts:
+            raise TypeError(f"model.layers[{i}] is a {type(layer).__name__} (experts: "
+                            f"{type(layer.mlp.experts).__name__}); patch() takes HF's own DeepseekV4 modules")
+    # build every attention before changing anything, so a failure leaves the model as it was
+    attentions = [_csattn_attention(layer.self_attn, config, i, backend, indexer_loss_coeff)
+                  for i, layer in enumerate(backbone.layers)]
+    experts = config.hidden_act == "silu"  # csattn's experts compute a clamped SwiGLU (silu); others stay HF's
+    state = _PatchState(backend, indexer_loss_coeff, [layer.self_attn for layer in backbone.layers], experts)
+    for layer, attn in zip(backbone.layers, attentions):
+        layer.self_attn = attn
+        layer.__class__ = _PatchedDecoderLayer
+        layer._csattn_backend = backend
+        if experts:
+            layer.mlp.experts.__class__ = _PatchedExperts
+            layer.mlp.experts._csattn_backend = backend
+    backbone.__class__ = _PatchedModel
+    backbone._csattn_backend = backend
+    backbone._csattn_state = state
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch` in place: HF's own modules and forwards, the same parameter objects. Returns ``model``."""
+    backbone = _backbone(model)
+    if not isinstance(backbone, _PatchedModel):
+        raise ValueError("model is not patched by csattn (nothing to undo)")
+    state: _PatchState = backbone._csattn_state
+    for layer, hf_attn in zip(backbone.layers, state.hf_attention):
+        # rebind whatever parameters the csattn module holds now (a user or a wrapper may have replaced some)
+        for name, param in layer.self_attn.named_parameters():
+            owner, leaf = _owner(hf_attn, name)
+            setattr(owner, leaf, param)
+        device = next(iter(layer.self_attn.parameters())).device
+        hf_attn.to(device)  # its RoPE buffers stayed where they were when patched
+        hf_attn.train(layer.self_attn.training)
+        layer.self_attn = hf_attn
+        layer.__class__ = hf.DeepseekV4DecoderLayer
+        del layer._csattn_backend
+        if state.experts_patched:
+            layer.mlp.experts.__class__ = hf.DeepseekV4Experts
+            del layer.mlp.experts._csattn_backend
+    backbone.__class__ = hf.DeepseekV4Model
+    del backbone._csattn_backend, backbone._csattn_state
+    return model
