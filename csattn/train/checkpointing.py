@@ -31,8 +31,13 @@ LATEST = "latest"
 
 # options that decide which documents the saved packer position points into (the corpus and its order):
 # resuming with another value would continue from a position in a different stream
-DATA_OPTIONS = ("data", "seed", "text_path", "doc_min_len", "doc_max_len")
-_DATA_ONLY_FOR = {"text_path": "text", "doc_min_len": "synthetic", "doc_max_len": "synthetic"}
+DATA_OPTIONS = ("data", "seed", "text_path", "doc_min_len", "doc_max_len", "data_path", "text_field", "tokenizer")
+# the --data kinds an option matters for (the others ignore it); options not named here matter for every kind.
+# jsonl / parquet are read in file order, so the seed does not change their stream.
+_STREAMED = ("jsonl", "parquet")
+_DATA_ONLY_FOR = {"seed": ("synthetic", "pysrc", "text"), "text_path": ("text",), "doc_min_len": ("synthetic",),
+                  "doc_max_len": ("synthetic",), "data_path": _STREAMED, "text_field": _STREAMED,
+                  "tokenizer": _STREAMED}
 # options that shape the LR schedule: resuming with another value gives a different LR from the next step on
 SCHEDULE_OPTIONS = ("steps", "warmup_steps", "lr", "min_lr")
 
@@ -104,7 +109,7 @@ def compare_resume_config(path: str, saved: dict[str, Any] | None, current: dict
     if not saved:
         return []
     changed = [k for k in DATA_OPTIONS if k in saved and k in current and _norm(saved[k]) != _norm(current[k])
-               and _DATA_ONLY_FOR.get(k, current.get("data")) == current.get("data")]
+               and current.get("data") in _DATA_ONLY_FOR.get(k, (current.get("data"),))]
     if changed:
         what = ", ".join(f"--{k.replace('_', '-')} {current[k]!r} (checkpoint: {saved[k]!r})" for k in changed)
         raise ValueError(

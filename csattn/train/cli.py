@@ -6,6 +6,7 @@ Examples::
     torchrun --nproc-per-node 4 -m csattn train --cp 2        # 2 data-parallel replicas x CP 2 (gloo on CPU)
     csattn train --init-from ./hf_ckpt --data pysrc --output runs/a --save-every 100
     csattn train --output runs/a --resume auto --steps 200    # continue exactly where runs/a stopped
+    csattn train --data parquet --data-path a.parquet b.parquet --tokenizer ./tok --output runs/b --log-dir runs/b/tb
 """
 
 from __future__ import annotations
@@ -41,13 +42,26 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--activation-checkpointing", action="store_true",
                    help="the same as --recompute block")
     d = parser.add_argument_group("data")
-    d.add_argument("--data", choices=["synthetic", "pysrc", "text"], default=_D.data,
+    d.add_argument("--data", choices=["synthetic", "pysrc", "text", "jsonl", "parquet"], default=_D.data,
                    help="synthetic = Markov-chain documents with copy structure (default); pysrc = byte-level "
-                        "Python standard-library sources (ship with Python); text = byte-level --text-path files")
+                        "Python standard-library sources (ship with Python); text = byte-level --text-path files; "
+                        "jsonl / parquet = one document per row of the --data-path files (field --text-field), "
+                        "tokenized with --tokenizer (byte-level without it), read in order, epoch after epoch")
     d.add_argument("--text-path", nargs="+", default=[], metavar="FILE",
                    help="text files for --data text (documents are blank-line separated paragraphs)")
+    d.add_argument("--data-path", nargs="+", default=[], metavar="FILE",
+                   help="JSON-lines (one object per line) or Parquet files for --data jsonl / parquet, read in this "
+                        "order; Parquet is read one row group at a time; rows with an empty or null text are skipped")
+    d.add_argument("--text-field", default=_D.text_field, metavar="NAME",
+                   help="the JSON field / Parquet column holding each document's text (default %(default)s)")
+    d.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="local Hugging Face tokenizer directory (save_pretrained output; never downloaded) for "
+                        "--data jsonl / parquet: BOS + tokens + EOS per document (those the tokenizer defines); "
+                        "a model built from scratch gets the tokenizer's vocabulary size (--vocab-size is then "
+                        "unused); default: byte-level tokens (vocabulary 256)")
     d.add_argument("--vocab-size", type=int, default=_D.vocab_size,
-                   help="vocabulary of the tiny model and the synthetic data (default %(default)s)")
+                   help="vocabulary of the tiny model and the synthetic data; with --tokenizer the tokenizer's size "
+                        "is used (default %(default)s)")
     d.add_argument("--doc-min-len", type=int, default=_D.doc_min_len,
                    help="shortest synthetic document (default %(default)s)")
     d.add_argument("--doc-max-len", type=int, default=_D.doc_max_len,
@@ -102,8 +116,13 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="print a log line every N steps (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.add_argument("--metrics", default=None, metavar="FILE",
-                   help="append one JSON line per step (losses, lr, tokens/s, MFU, peak GiB on CUDA) here "
-                        "(default: <output>/metrics.jsonl with --output)")
+                   help="append one JSON line per step (losses, lr, grad norm, tokens/s, MFU, peak GiB on CUDA) "
+                        "here (default: <output>/metrics.jsonl with --output)")
+    c.add_argument("--log-dir", metavar="DIR", default=None,
+                   help="write TensorBoard event files here (the same per-step values as --metrics, rank 0; view "
+                        "with `tensorboard --logdir DIR`; needs the tensorboard package), and loss.png; without "
+                        "it loss.png goes to --output. loss.png plots every step of the metrics file (resumed "
+                        "runs included)")
     c.add_argument("--peak-tflops", type=float, default=_D.peak_tflops,
                    help="the GPU's dense matmul TFLOP/s, for the MFU shown with tokens/s (default: 790 on H100 / "
                         "H200, the measured bf16 rate; none elsewhere)")

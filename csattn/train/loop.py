@@ -23,7 +23,7 @@ from ..models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from ..models.deepseek_v4.checkpoint import read_config
 from ..report.flops import model_flops
 from .checkpointing import compare_resume_config, load_checkpoint, resolve_resume, save_checkpoint
-from .data import build_corpus
+from .data import build_corpus, load_tokenizer
 from .packer import DocumentPacker, PackedBatch
 
 __all__ = ["TrainConfig", "TrainResult", "train", "tiny_model_config", "Topology"]
@@ -62,6 +62,9 @@ class TrainConfig:
     # data
     data: str = "synthetic"
     text_path: list[str] = field(default_factory=list)
+    data_path: list[str] = field(default_factory=list)  # --data jsonl / parquet files
+    text_field: str = "text"
+    tokenizer: str | None = None  # local HF tokenizer directory (jsonl / parquet); else byte-level
     vocab_size: int = 256
     doc_min_len: int = 8
     doc_max_len: int = 96
@@ -95,6 +98,7 @@ class TrainConfig:
     progress: bool = True
     peak_tflops: float = 0.0  # the GPU's dense matmul TFLOP/s for the MFU figure; 0 = known GPUs only
     metrics: str | None = None  # JSON lines, one per step; default <output>/metrics.jsonl with --output
+    log_dir: str | None = None  # TensorBoard event files (rank 0) and loss.png
 
     def validate(self) -> None:
         for name in ("steps", "seq_len", "pad_multiple", "cp", "log_every"):
@@ -108,6 +112,11 @@ class TrainConfig:
             raise ValueError("--save-every (save_every) needs --output DIR: the directory the checkpoints go to")
         if self.warmup_steps < 0 or self.grad_clip < 0:
             raise ValueError("warmup_steps and grad_clip must be >= 0")
+        if self.data_path and self.data not in ("jsonl", "parquet"):
+            raise ValueError(f"--data-path is read by --data jsonl / parquet, not --data {self.data} (text files: "
+                             "--data text --text-path)")
+        if self.tokenizer and self.data not in ("jsonl", "parquet"):
+            raise ValueError(f"--tokenizer applies to --data jsonl / parquet, not --data {self.data}")
 
 
 @dataclass
@@ -179,7 +188,9 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Topology, torch.device]:
     return topo, device
 
 
-def build_model_config(cfg: TrainConfig) -> DeepseekV4ModelConfig:
+def build_model_config(cfg: TrainConfig, tokenizer_vocab: int | None = None) -> DeepseekV4ModelConfig:
+    """The model to train; from scratch its vocabulary is the tokenizer's (``tokenizer_vocab``, loaded from
+    ``cfg.tokenizer`` if not given) or ``cfg.vocab_size``."""
     overrides: dict[str, Any] = dict(indexer_loss_coeff=cfg.indexer_loss_coeff, mtp_loss_coeff=cfg.mtp_loss_coeff,
                                      attention_backend=cfg.attention_backend,
                                      recompute="block" if cfg.activation_checkpointing else cfg.recompute)
@@ -191,7 +202,9 @@ def build_model_config(cfg: TrainConfig) -> DeepseekV4ModelConfig:
 
         with open(cfg.config_json) as f:
             return DeepseekV4ModelConfig.from_hf(json.load(f), **overrides)
-    return tiny_model_config(cfg.vocab_size, **overrides)
+    if cfg.tokenizer and tokenizer_vocab is None:
+        tokenizer_vocab = len(load_tokenizer(cfg.tokenizer))
+    return tiny_model_config(tokenizer_vocab or cfg.vocab_size, **overrides)
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -244,8 +257,13 @@ def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: Any, topo: 
     out.loss.backward()
     params = [p for p in model.parameters() if p.requires_grad]
     _all_reduce_grads(params, topo)
+    # the global norm (gradients are already all-reduced, so every rank has the same), before clipping
     if cfg.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([  # as clip_grad_norm_ computes it, in >= fp32
+            torch.linalg.vector_norm(p.grad, dtype=torch.promote_types(p.grad.dtype, torch.float32)).double()
+            for p in params]))
     optimizer.step()
     # load balancing of the learned routers, from the loads of every rank
     loads = model.expert_loads()
@@ -254,15 +272,18 @@ def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: Any, topo: 
         if topo.world > 1:
             dist.all_reduce(stacked)
         model.update_router_biases(list(stacked), cfg.router_bias_rate)
+    zero = torch.zeros((), device=device).double()
     metrics = torch.stack([
         out.loss.detach().double(), out.lm_loss.double(),
-        out.indexer_loss.double() if out.indexer_loss is not None else torch.zeros((), device=device).double(),
+        out.indexer_loss.double() if out.indexer_loss is not None else zero,
+        torch.stack(out.mtp_losses).double().mean() if out.mtp_losses else zero,  # the mean the loss weights
     ]).to(device)
     if topo.world > 1:
         dist.all_reduce(metrics)
         metrics /= topo.dp
-    loss, lm, idx = metrics.tolist()
-    return {"loss": loss, "lm_loss": lm, "indexer_loss": idx}
+    loss, lm, idx, mtp = metrics.tolist()
+    return {"loss": loss, "lm_loss": lm, "indexer_loss": idx, "mtp_loss": mtp if out.mtp_losses else None,
+            "grad_norm": float(grad_norm)}
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -274,7 +295,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         from ..cp import ContextParallel
 
         cp = ContextParallel(topo.cp_group, partition=cfg.cp_partition)
-    model_cfg = build_model_config(cfg)
+    tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    model_cfg = build_model_config(cfg, len(tokenizer) if tokenizer is not None else None)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = DeepseekV4ForCausalLM(model_cfg)
     if cfg.init_from:
@@ -290,7 +312,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     if dtype != torch.float32:
         model.to_training_dtype(dtype)
     model.to(device)
-    corpus = build_corpus(cfg.data, model_cfg.vocab_size, cfg.seed, cfg.text_path, cfg.doc_min_len, cfg.doc_max_len)
+    corpus = build_corpus(cfg.data, model_cfg.vocab_size, cfg.seed, cfg.text_path, cfg.doc_min_len, cfg.doc_max_len,
+                          data_paths=cfg.data_path, text_field=cfg.text_field, tokenizer=tokenizer)
     packer = DocumentPacker(corpus, cfg.seq_len, cfg.pad_multiple, label_depth=1 + len(model.mtp),
                             shard=topo.dp_rank, num_shards=topo.dp, split=not cfg.no_split)
     # weight decay on matrices only: not on norms, sinks, position / router biases, nor the mHC weights
@@ -329,6 +352,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
     peak = _peak_flops(cfg, device)
     log = _metrics_file(cfg, topo)
+    board = _summary_writer(cfg, topo, start)
     tokens, flops, t0 = 0, 0.0, time.perf_counter()
     for step in range(start, cfg.steps):
         batch = next(packer)
@@ -346,14 +370,19 @@ def train(cfg: TrainConfig) -> TrainResult:
         elapsed = max(time.perf_counter() - t0, 1e-9)
         tps = tokens / elapsed
         mfu = f"{flops / elapsed / (peak * topo.world):.1%}" if peak else None
-        if log is not None:
+        if log is not None or board is not None:
             rec = {"step": step + 1, **metrics, "lr": scheduler.get_last_lr()[0], "tokens": batch.num_tokens * topo.dp,
                    "tokens_per_s": tps, "mfu": flops / elapsed / (peak * topo.world) if peak else None,
                    "time": time.time()}
             if device.type == "cuda":
                 rec["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if log is not None:
             log.write(json.dumps(rec) + "\n")
             log.flush()
+        if board is not None:
+            for key, value in rec.items():
+                if key in _BOARD_TAGS and value is not None:
+                    board.add_scalar(_BOARD_TAGS[key], value, step + 1)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", idx=f"{metrics['indexer_loss']:.3g}", tok_s=f"{tps:.0f}",
@@ -373,6 +402,10 @@ def train(cfg: TrainConfig) -> TrainResult:
         bar.close()
     if log is not None:
         log.close()
+    if board is not None:
+        board.close()
+    if topo.rank == 0 and (cfg.log_dir or cfg.output) and losses:
+        _plot_losses(cfg, start, losses, lm_losses, idx_losses)
     return TrainResult(losses, lm_losses, idx_losses, start, model, tokens / max(time.perf_counter() - t0, 1e-9))
 
 
@@ -383,6 +416,73 @@ def _metrics_file(cfg: TrainConfig, topo: Topology) -> Any:
         return None
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     return open(path, "a")
+
+
+# TensorBoard tag of each per-step metrics record field
+_BOARD_TAGS = {"loss": "loss/total", "lm_loss": "loss/lm", "mtp_loss": "loss/mtp", "indexer_loss": "loss/indexer",
+               "lr": "optim/lr", "grad_norm": "optim/grad_norm", "tokens_per_s": "perf/tokens_per_s",
+               "mfu": "perf/mfu", "peak_gib": "perf/peak_gib"}
+
+
+def _summary_writer(cfg: TrainConfig, topo: Topology, start: int) -> Any:
+    """Rank 0's TensorBoard writer for ``--log-dir``, or None."""
+    if not cfg.log_dir or topo.rank != 0:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ImportError("--log-dir needs the tensorboard package: pip install 'csattn[data]' (or tensorboard)") from e
+    # resumed: TensorBoard drops what earlier event files hold from step start + 1 on (the steps are run again)
+    return SummaryWriter(cfg.log_dir, purge_step=start + 1 if start else None, flush_secs=30)
+
+
+def _last_per_step(path: str) -> dict[int, dict[str, Any]]:
+    """The metrics file's records by step; a step logged again (resumed after it) keeps its last record."""
+    records: dict[int, dict[str, Any]] = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                records[int(rec["step"])] = rec
+    return records
+
+
+def _plot_losses(cfg: TrainConfig, start: int, losses: list[float], lm: list[float], idx: list[float]) -> None:
+    """``<log-dir or output>/loss.png``: the losses of every step so far (the metrics file holds the steps of
+    earlier, resumed runs; this run's own losses without one)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed: a file only
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warnings.warn("no loss.png: matplotlib is not installed (pip install 'csattn[data]')", stacklevel=2)
+        return
+    steps = list(range(start + 1, start + len(losses) + 1))
+    series = {"loss": losses, "lm_loss": lm, "indexer_loss": idx}
+    path = cfg.metrics or (os.path.join(cfg.output, "metrics.jsonl") if cfg.output else None)
+    if path and os.path.isfile(path):
+        records = {s: r for s, r in _last_per_step(path).items() if s <= start + len(losses)}
+        steps = sorted(records)
+        series = {k: [math.nan if records[s].get(k) is None else records[s][k] for s in steps]
+                  for k in ("loss", "lm_loss", "mtp_loss", "indexer_loss")}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for key in ("loss", "lm_loss", "mtp_loss"):
+        if key in series:
+            top.plot(steps, series[key], label=key)
+    top.set_ylabel("loss")
+    top.legend()
+    top.grid(alpha=0.3)
+    bottom.plot(steps, series["indexer_loss"], color="tab:red", label="indexer_loss (KL)")
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("indexer loss")
+    bottom.legend()
+    bottom.grid(alpha=0.3)
+    out_dir = cfg.log_dir or cfg.output
+    os.makedirs(out_dir, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=100)
+    plt.close(fig)
 
 
 def _peak_flops(cfg: TrainConfig, device: torch.device) -> float:

@@ -5,12 +5,15 @@ Each batch is one packed stream: documents laid end to end, each physically padd
 ``seq_len`` is fixed so it can be made divisible by the context-parallel size. A document that does not fit
 in what is left of a batch is cut: the rest starts the next batch as a new document (``split=True``), or
 the batch is closed with padding and the document starts the next one (``split=False``; documents longer
-than ``seq_len`` are still cut). The packer's whole state is ``(next document, offset)``.
+than ``seq_len`` are still cut). The packer's whole state is ``(next document, offset)``, plus the corpus's
+read position when the corpus is a stream (it has ``state_dict``: :class:`~.data.JsonlCorpus`,
+:class:`~.data.ParquetCorpus`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -67,11 +70,18 @@ class DocumentPacker:
         self.split, self.pad_id = split, pad_id
         self.doc, self.offset = 0, 0  # the doc-th document of this shard, tokens already consumed
 
-    def state_dict(self) -> dict[str, int]:
-        return {"doc": self.doc, "offset": self.offset}
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"doc": self.doc, "offset": self.offset}
+        if hasattr(self.corpus, "state_dict"):
+            state["corpus"] = self.corpus.state_dict()
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.doc, self.offset = int(state["doc"]), int(state["offset"])
+        # without a saved corpus position a stream corpus reads forward from its start to the document: the
+        # same documents, only slower
+        if "corpus" in state and hasattr(self.corpus, "load_state_dict"):
+            self.corpus.load_state_dict(state["corpus"])
 
     def _tokens(self) -> Tensor:
         return self.corpus.document(self.shard + self.doc * self.num_shards)
