@@ -81,14 +81,15 @@ def internal_name(name: str) -> str:
 def to_internal(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Rename every tensor and stack per-expert ``w1 / w3`` into ``gate_up_proj`` and ``w2`` into ``down_proj``.
 
-    Raises ``ValueError`` on FP8-quantized weights (their ``.scale`` companions) and on incomplete experts.
+    Raises ``ValueError`` on FP8-quantized weights (their ``.scale`` companions; ``load_pretrained`` dequantizes
+    them) and on incomplete experts.
     """
     out: dict[str, Tensor] = {}
     experts: dict[str, dict[str, dict[int, Tensor]]] = {}
     for name, tensor in tensors.items():
         if name.endswith(".scale") and not name.endswith(("attn_hc.scale", "ffn_hc.scale")):
-            raise ValueError(f"tensor {name!r} is an FP8 block scale: quantized checkpoints are not supported, "
-                             "dequantize to bf16/fp32 first")
+            raise ValueError(f"tensor {name!r} is an FP8 block scale: read_safetensors / to_internal do not "
+                             "dequantize; load quantized checkpoints with load_pretrained")
         new = internal_name(name)
         m = _EXPERT.match(new)
         if m:
