@@ -242,3 +242,29 @@ def test_trainer_with_flattening_equals_per_document_training(tmp_path, assert_c
         assert_close(trained[name] - init[name], update, TOL, f"update of {name}")
         updated += 1
     assert updated > 40
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_and_save_pretrained(reentrant, tmp_path):
+    """HF's ``gradient_checkpointing_enable()`` (``TrainingArguments(gradient_checkpointing=True)``) recomputes
+    the patched layers to the same gradients, and ``save_pretrained`` writes what unpatched HF loads."""
+    from transformers import DeepseekV4ForCausalLM
+
+    cfg = tiny_config_dict("flash")
+    model = patch(hf_model(cfg, seed=SEED))
+    ids = torch.cat(_docs([25, 15], cfg["vocab_size"]))[None]
+    pos = torch.cat([torch.arange(25), torch.arange(15)])[None]
+    model(input_ids=ids, position_ids=pos, labels=ids).loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model(input_ids=ids, position_ids=pos, labels=ids).loss.backward()
+    got = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(expected) and len(got) > 40
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=0, msg=name)
+
+    model.save_pretrained(tmp_path)
+    loaded = DeepseekV4ForCausalLM.from_pretrained(tmp_path)
+    for name, p in model.named_parameters():
+        assert torch.equal(loaded.get_parameter(name), p), name
