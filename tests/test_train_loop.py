@@ -39,7 +39,7 @@ def test_loss_goes_down():
 def test_resume_reproduces_next_steps_exactly(tmp_path):
     out = str(tmp_path / "run")
     full = train(TrainConfig(steps=4, output=out, save_every=2, **SMALL))
-    assert sorted(os.listdir(out)) == ["checkpoint-000002", "checkpoint-000004", "latest", "metrics.jsonl"]
+    assert sorted(os.listdir(out)) == ["checkpoint-000002", "checkpoint-000004", "latest", "loss.png", "metrics.jsonl"]
     resumed = train(TrainConfig(steps=4, output=out, resume=os.path.join(out, "checkpoint-000002"), **SMALL))
     assert resumed.start_step == 2
     assert resumed.losses == full.losses[2:]  # bitwise

@@ -23,7 +23,8 @@ from ..models.deepseek_v4 import DeepseekV4ForCausalLM
 from ..models.deepseek_v4.checkpoint import load_state_dict_into, read_safetensors, save_pretrained
 from .safe_state import load_state, save_state
 
-__all__ = ["save_checkpoint", "load_checkpoint", "resolve_resume", "checkpoint_dir", "compare_resume_config"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_checkpoint_weights", "read_trainer_state", "resolve_resume",
+           "checkpoint_dir", "compare_resume_config"]
 
 STATE_NAME = "trainer_state.safetensors"
 LEGACY_STATE_NAME = "trainer_state.pt"  # pickle: loaded only when the caller trusts the checkpoint
@@ -76,7 +77,20 @@ def resolve_resume(resume: str, output: str | None) -> str | None:
 
 def load_checkpoint(path: str, model: DeepseekV4ForCausalLM, trust_checkpoint: bool = False) -> dict[str, Any]:
     """Load the weights into ``model`` (errors name any missing / unexpected / misshaped tensor) and return
-    the trainer state.
+    the trainer state (:func:`read_trainer_state`)."""
+    state = read_trainer_state(path, trust_checkpoint)
+    load_checkpoint_weights(path, model)
+    return state
+
+
+def load_checkpoint_weights(path: str, model: DeepseekV4ForCausalLM) -> None:
+    """The checkpoint's weights into ``model``; errors name any missing / unexpected / misshaped tensor."""
+    load_state_dict_into(model, read_safetensors(path))
+
+
+def read_trainer_state(path: str, trust_checkpoint: bool = False) -> dict[str, Any]:
+    """The trainer state of checkpoint ``path`` (not its weights: a resuming run checks its options against
+    the state's ``train_config`` first, since other data options also explain other weight shapes).
 
     ``trust_checkpoint``: also accept an old-format pickled ``trainer_state.pt``. Unpickling can run any code
     the file names, so only do this for checkpoints from a source you trust.
@@ -91,7 +105,6 @@ def load_checkpoint(path: str, model: DeepseekV4ForCausalLM, trust_checkpoint: b
             "pass --trust-checkpoint (train(TrainConfig(..., trust_checkpoint=True)) / load_checkpoint(..., "
             f"trust_checkpoint=True)); the next checkpoint this run saves is written as {STATE_NAME}, which "
             "loads without running code.")
-    load_state_dict_into(model, read_safetensors(path))
     if os.path.isfile(safe):
         return load_state(safe)
     warnings.warn(f"loading the pickled {legacy} because trust_checkpoint=True", stacklevel=2)

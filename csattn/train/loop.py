@@ -22,7 +22,13 @@ import torch.distributed as dist
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from ..models.deepseek_v4.checkpoint import read_config
 from ..report.flops import model_flops
-from .checkpointing import compare_resume_config, load_checkpoint, resolve_resume, save_checkpoint
+from .checkpointing import (
+    compare_resume_config,
+    load_checkpoint_weights,
+    read_trainer_state,
+    resolve_resume,
+    save_checkpoint,
+)
 from .data import build_corpus, load_tokenizer
 from .packer import DocumentPacker, PackedBatch
 
@@ -329,8 +335,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     start = 0
     resume = resolve_resume(cfg.resume, cfg.output) if cfg.resume else None
     if resume is not None:
-        state = load_checkpoint(resume, model, trust_checkpoint=cfg.trust_checkpoint)
-        notes = compare_resume_config(resume, state.get("train_config"), asdict(cfg))  # raises on other data
+        state = read_trainer_state(resume, trust_checkpoint=cfg.trust_checkpoint)
+        # raises on other data options, before the weights (another --tokenizer also changes the vocab shape)
+        notes = compare_resume_config(resume, state.get("train_config"), asdict(cfg))
+        load_checkpoint_weights(resume, model)
         if topo.rank == 0:
             for note in notes:
                 warnings.warn(note, stacklevel=2)
@@ -447,9 +455,21 @@ def _last_per_step(path: str) -> dict[int, dict[str, Any]]:
     return records
 
 
+def loss_history(cfg: TrainConfig, start: int, losses: list[float], lm: list[float],
+                 idx: list[float]) -> tuple[list[int], dict[str, list[float]]]:
+    """Steps and losses of every step so far: from the metrics file when there is one (it holds the steps of
+    earlier runs this one resumed; a step run again keeps its last value), else this run's own."""
+    path = cfg.metrics or (os.path.join(cfg.output, "metrics.jsonl") if cfg.output else None)
+    if path and os.path.isfile(path):
+        records = {s: r for s, r in _last_per_step(path).items() if s <= start + len(losses)}
+        steps = sorted(records)
+        return steps, {k: [math.nan if records[s].get(k) is None else records[s][k] for s in steps]
+                       for k in ("loss", "lm_loss", "mtp_loss", "indexer_loss")}
+    return list(range(start + 1, start + len(losses) + 1)), {"loss": losses, "lm_loss": lm, "indexer_loss": idx}
+
+
 def _plot_losses(cfg: TrainConfig, start: int, losses: list[float], lm: list[float], idx: list[float]) -> None:
-    """``<log-dir or output>/loss.png``: the losses of every step so far (the metrics file holds the steps of
-    earlier, resumed runs; this run's own losses without one)."""
+    """``<log-dir or output>/loss.png``: the curves of :func:`loss_history`."""
     try:
         import matplotlib
 
@@ -458,14 +478,7 @@ def _plot_losses(cfg: TrainConfig, start: int, losses: list[float], lm: list[flo
     except ImportError:
         warnings.warn("no loss.png: matplotlib is not installed (pip install 'csattn[data]')", stacklevel=2)
         return
-    steps = list(range(start + 1, start + len(losses) + 1))
-    series = {"loss": losses, "lm_loss": lm, "indexer_loss": idx}
-    path = cfg.metrics or (os.path.join(cfg.output, "metrics.jsonl") if cfg.output else None)
-    if path and os.path.isfile(path):
-        records = {s: r for s, r in _last_per_step(path).items() if s <= start + len(losses)}
-        steps = sorted(records)
-        series = {k: [math.nan if records[s].get(k) is None else records[s][k] for s in steps]
-                  for k in ("loss", "lm_loss", "mtp_loss", "indexer_loss")}
+    steps, series = loss_history(cfg, start, losses, lm, idx)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for key in ("loss", "lm_loss", "mtp_loss"):
         if key in series:
