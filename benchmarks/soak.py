@@ -8,7 +8,7 @@ the per-step allocator peak of the uninterrupted run, after its first steps, wit
 
     python -m benchmarks.soak --seconds 540 --kills 2 --out /tmp/soak --json soak.json -- \\
         --config-json benchmarks/configs/v4_flash_proxy.json --device cuda --dtype bfloat16 --seq-len 8192 \\
-        --steps 400 --save-every 25 --log-every 25
+        --steps 400 --log-every 25
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=2)
     p.add_argument("--out", default="/tmp/csattn-soak")
     p.add_argument("--json", default=None)
+    p.add_argument("--save-every", type=int, default=25, help="checkpoint cadence of the killed run")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: the csattn train options")
     a = p.parse_args()
     train_args = [x for x in a.train_args if x != "--"]
@@ -72,7 +73,11 @@ def main() -> None:
     runs = {name: os.path.join(a.out, name) for name in ("uninterrupted", "again", "killed")}
     logs = {name: path + ".log" for name, path in runs.items()}
     t0 = time.time()
-    procs = {name: _train(train_args, runs[name], logs[name]) for name in runs}
+    # only the killed run needs intermediate checkpoints (the others save their final step): the three runs
+    # differ in nothing else
+    killed_args = train_args + ["--save-every", str(a.save_every), "--keep-last", "1"]
+    args_of = {"uninterrupted": train_args, "again": train_args, "killed": killed_args}
+    procs = {name: _train(args_of[name], runs[name], logs[name]) for name in runs}
     kills = []
     # kill the third run at even fractions of its steps, one step past them, so work since its last checkpoint
     # is lost and redone (a step count that is not a multiple of --save-every)
@@ -85,7 +90,7 @@ def main() -> None:
             os.killpg(procs["killed"].pid, signal.SIGKILL)
             procs["killed"].wait()
             kills.append({"after_s": round(time.time() - t0, 1), "last_step_logged": done})
-            procs["killed"] = _train(train_args, runs["killed"], logs["killed"])
+            procs["killed"] = _train(killed_args, runs["killed"], logs["killed"])
         time.sleep(0.2)
     for name, proc in procs.items():
         if proc.poll() is None:

@@ -109,3 +109,12 @@ def test_init_from_hf_format_checkpoint(tmp_path):
     for k in a:  # lr 0: the weights are the checkpoint's
         assert torch.equal(a[k], b[k]), k
     assert len(result.model.mtp) == 1 and torch.isfinite(torch.tensor(result.losses)).all()
+
+
+def test_keep_last_prunes_old_checkpoints_and_resumes(tmp_path):
+    out = str(tmp_path / "run")
+    train(TrainConfig(steps=3, output=out, save_every=1, keep_last=1, **SMALL))
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-000003"]
+    done = train(TrainConfig(steps=4, output=out, resume="auto", keep_last=1, **SMALL))
+    assert done.start_step == 3 and len(done.losses) == 1
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-000004"]

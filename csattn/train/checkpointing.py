@@ -145,3 +145,25 @@ def compare_resume_config(path: str, saved: dict[str, Any] | None, current: dict
 
 def _norm(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
+
+
+def prune_checkpoints(output: str, keep: int) -> list[str]:
+    """Remove all but the newest ``keep`` ``checkpoint-<step>`` directories under ``output`` (the one ``latest``
+    names is always kept). Returns the removed paths."""
+    import re
+    import shutil
+
+    if keep < 1:
+        return []
+    found = sorted((int(m.group(1)), name) for name in os.listdir(output)
+                   if (m := re.fullmatch(r"checkpoint-(\d+)", name)) and os.path.isdir(os.path.join(output, name)))
+    latest = None
+    if os.path.isfile(os.path.join(output, LATEST)):
+        with open(os.path.join(output, LATEST)) as f:
+            latest = f.read().strip()
+    removed = []
+    for _, name in found[:-keep]:
+        if name != latest:
+            shutil.rmtree(os.path.join(output, name))
+            removed.append(os.path.join(output, name))
+    return removed

@@ -106,6 +106,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--save-every", type=int, default=_D.save_every,
                    help="also write a checkpoint every N steps (needs --output; 0 = only the final one) "
                         "(default %(default)s)")
+    c.add_argument("--keep-last", type=int, default=_D.keep_last, metavar="N",
+                   help="keep only the newest N checkpoints under --output (default: all)")
     c.add_argument("--resume", metavar="DIR|auto", default=None,
                    help="resume exactly from a checkpoint directory, or 'auto' = the latest under --output; "
                         "refuses other data options than the checkpoint's, warns on other LR-schedule options")

@@ -25,6 +25,7 @@ from ..report.flops import model_flops
 from .checkpointing import (
     compare_resume_config,
     load_checkpoint_weights,
+    prune_checkpoints,
     read_trainer_state,
     resolve_resume,
     save_checkpoint,
@@ -98,6 +99,7 @@ class TrainConfig:
     # checkpoints / logging
     output: str | None = None
     save_every: int = 0
+    keep_last: int = 0  # keep only the newest N checkpoints under output (0 = all)
     resume: str | None = None
     trust_checkpoint: bool = False  # also load old pickled trainer_state.pt files (they can run code)
     log_every: int = 10
@@ -524,5 +526,8 @@ def _save(cfg: TrainConfig, step: int, model: DeepseekV4ForCausalLM, optimizer: 
         from tqdm import tqdm
 
         tqdm.write(f"saved checkpoint {path}")  # above any progress bar
+        if cfg.keep_last:
+            for old in prune_checkpoints(cfg.output, cfg.keep_last):
+                tqdm.write(f"removed checkpoint {old} (--keep-last {cfg.keep_last})")
     if topo.world > 1:
         dist.barrier()
