@@ -79,7 +79,8 @@ def _grad_worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str) -
 def test_cp_step_equals_single_process_fp32(cp, tmp_path):
     """fp32, CP=2 and 4, one step: the loss agrees to 1e-5 and every gradient is as accurate as the single
     process's. Both are compared with the fp64 gradient: CP's error may be at most twice the single-process
-    fp32 error plus 2e-6 of the tensor's norm (what reordering fp32 sums can cost), for every tensor.
+    fp32 error plus 2e-6 of the tensor's norm (what reordering fp32 sums can cost) plus one fp32 ulp of the
+    typical gradient element per element, for every tensor; the whole gradient to 1e-5.
 
     Comparing Adam-updated weights instead would amplify rounding: Adam's first steps turn any gradient, even
     pure rounding noise (parts of the Sinkhorn-normalized mHC mixing are nearly insensitive to their logits),
@@ -100,11 +101,18 @@ def test_cp_step_equals_single_process_fp32(cp, tmp_path):
     got = torch.load(out)
     assert abs(float(got["losses"][0]) - ref32.losses[0]) <= 1e-5 * abs(ref32.losses[0])
     assert set(got["grads"]) == set(g64) and len(g64) > 100
+    exact_whole = torch.cat([g.reshape(-1) for g in g64.values()])
+    # one fp32 ulp of the typical gradient element: the rounding floor of a tensor whose gradient is a sum
+    # with heavy cancellation (one-element mHC scales: far smaller than the terms summed), where the relative
+    # error of any fp32 order is large and that of one order says little about another's
+    ulp_floor = 2.0**-23 * float(exact_whole.norm()) / exact_whole.numel() ** 0.5
     for k, exact in g64.items():
-        single = _rel(g32[k], exact)
-        assert _rel(got["grads"][k], exact) <= 2 * single + 2e-6, (k, single)
+        single = float((g32[k].double() - exact).norm())
+        err = float((got["grads"][k].double() - exact).norm())
+        floor = ulp_floor * exact.numel() ** 0.5
+        assert err <= 2 * single + 2e-6 * float(exact.norm()) + floor, (k, err, single, floor)
     whole = torch.cat([got["grads"][k].reshape(-1) for k in g64])
-    assert _rel(whole, torch.cat([g.reshape(-1) for g in g64.values()])) <= 1e-5
+    assert _rel(whole, exact_whole) <= 1e-5
 
 
 def test_data_parallel_times_cp():
