@@ -47,7 +47,8 @@ def test_report_runs_tiny(tmp_path, capsys):
 
     args = build_parser().parse_args([
         "report", "--geometry", "tiny", "--dtype", "float32", "--tokens", "128", "--cp", "1", "2",
-        "--layers", "hca", "--paths", "reference", "unfused", "--partitions", "contiguous", "--steps", "1",
+        "--layers", "hca", "--paths", "reference", "unfused", "hf", "--partitions", "contiguous", "--steps", "1",
+        "--hf-max-tokens", "0", "--model-tokens", "256", "--model-routing", "8x2", "--hf-model-max-tokens", "256",
         "--device", "cpu", "--out", str(tmp_path)])
     assert run_report(args) == 0
     assert f"wrote report.json, report.md and PNG plots to {tmp_path}" in capsys.readouterr().out
@@ -58,6 +59,12 @@ def test_report_runs_tiny(tmp_path, capsys):
     assert "| hca | 128 | reference | 2 | contiguous |" in md
     assert "| hca | 128 | unfused | 1 | - |" in md
     assert "- HCA unfused, CP=1: longest stream run 128 tokens" in md
+    # the model rows: csattn on ragged documents and HF eager on one, one training step each
+    model = {r["path"]: r for r in data["records"] if r["kind"] == "model"}
+    assert set(model) == {"csattn", "hf"} and all("error" not in r for r in model.values()), model
+    assert model["csattn"]["docs"] == [32, 96, 128] and model["hf"]["docs"] == [256]
+    assert model["csattn"]["tflops"] > 0 and model["csattn"]["tokens_per_s"] > 0
+    assert "| model 8x2 | 256 | csattn |" in md and "| model 8x2 | 256 | hf |" in md
     for png in ("memory.png", "time.png", "balance.png"):
         assert (tmp_path / png).stat().st_size > 1000
 

@@ -17,7 +17,6 @@ row sees; recomputation not counted), so TFLOP/s / 790 is the H200's model FLOPs
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -32,27 +31,19 @@ W, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compresse
 
 
 def proxy_config(shape: dict, backend: str = "auto"):
-    """The model of ``shape``: the proxy's config.json with the expert count, top-k and depth overridden."""
-    from csattn.models.deepseek_v4 import DeepseekV4ModelConfig
+    """The model of ``shape``: :func:`csattn.report.model.proxy_config` (``PROXY_JSON`` is its config.json)."""
+    from csattn.report.model import proxy_config as build
 
-    with open(PROXY_JSON) as f:
-        hf = json.load(f)
-    n = int(shape["layers"])
-    pattern = [W, C, H, C]
-    hf.update(num_hidden_layers=n, layer_types=[pattern[i % 4] for i in range(n)],
-              mlp_layer_types=["hash_moe"] + ["moe"] * (n - 1), n_routed_experts=int(shape["experts"]),
-              num_experts_per_tok=int(shape["topk_experts"]))
-    return DeepseekV4ModelConfig.from_hf(hf, attention_backend=backend, recompute=shape["recompute"],
-                                         indexer_loss_coeff=0.01)
+    return build("real", int(shape["experts"]), int(shape["topk_experts"]), int(shape["layers"]),
+                 shape["recompute"], backend)
 
 
 def doc_lengths(tokens: int, docs: str) -> list[int]:
-    if docs == "one":
-        return [tokens]
-    if docs != "ragged":
+    from csattn.report.model import proxy_lengths
+
+    if docs not in ("ragged", "one"):
         raise Skip(f"docs must be 'ragged' or 'one', got {docs!r}")
-    quarter = tokens // 4
-    return [quarter - 100, quarter + 100, tokens - 2 * quarter]
+    return proxy_lengths(tokens, docs == "one")
 
 
 def _batch(shape: dict, vocab: int, device):

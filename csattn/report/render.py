@@ -61,6 +61,7 @@ def render_report(meta: dict, records: list[dict], out_dir: str) -> str:
                      f"{_fmt(s.get('tflops'), '.1f')} |{commit}")
     iso = _isolated(records)
     lines += headline(summary, iso)
+    lines += _model_rows(records, by_commit)
     if iso:
         lines += ["", "Per-rank work balance (each rank timed alone, fake process group; model FLOPs of its rows):",
                   "", "| layer | tokens | CP | partition | per-rank ms | max/min time | max/min FLOPs |",
@@ -76,6 +77,30 @@ def render_report(meta: dict, records: list[dict], out_dir: str) -> str:
         f.write(md)
     _plots(summary, iso, out_dir)
     return md
+
+
+def _model_rows(records: list[dict], by_commit: bool) -> list[str]:
+    """The model-step table: one training step of the DeepSeek-V4 proxy, csattn and HF eager."""
+    rows = sorted((r for r in records if r.get("kind") == "model"), key=lambda r: (r["layer"], r["tokens"], r["path"]))
+    if not rows:
+        return []
+    out = ["", "Model step (forward + backward) of the 4-layer DeepSeek-V4 proxy (csattn.report.model): csattn on "
+           "ragged documents T/4 - 100, T/4 + 100, T/2; HF eager on one document (it cannot pack). TFLOP/s = "
+           "csattn.report.model_flops per step time; MFU against 790 TFLOP/s (the H200's dense bf16 rate); peak = "
+           "allocated during the steps beyond the weights.", "",
+           "| model | tokens | path | ms/step | tokens/s | TFLOP/s | MFU | peak GiB |"
+           + (" commit |" if by_commit else ""),
+           "|---|---|---|---|---|---|---|---|" + ("---|" if by_commit else "")]
+    for r in rows:
+        commit = f" {r.get('commit', '-')} |" if by_commit else ""
+        if "error" in r:
+            out.append(f"| {r['layer']} | {r['tokens']} | {r['path']} | {r['error']} | | | | |{commit}")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+        out.append(f"| {r['layer']} | {r['tokens']} | {r['path']} | {_fmt(r['ms'], '.1f')} | "
+                   f"{r['tokens_per_s']:.0f} | {_fmt(r['tflops'], '.1f')} | {mfu} | {_fmt(r.get('peak_gib'))} |"
+                   f"{commit}")
+    return out
 
 
 def _ratio(a, b):

@@ -51,6 +51,13 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
     # a fresh directory by default: the committed report (docs/report) is only written when asked for
     p.add_argument("--out", "--output", dest="out", default="csattn-report",
                    help="output folder (JSON, Markdown, PNG), created if missing (default %(default)s)")
+    p.add_argument("--model-tokens", type=int, nargs="*", default=[4096, 16384, 65536],
+                   help="tokens per step of the model rows: one training step of the 4-layer DeepSeek-V4 proxy "
+                        "(none: no model rows)")
+    p.add_argument("--model-routing", nargs="+", default=["8x2", "64x6"], metavar="ExK",
+                   help="routed experts x experts per token of the model rows")
+    p.add_argument("--hf-model-max-tokens", type=int, default=6144,
+                   help="longest stream for HF eager's model rows (one document; 'hf' in --paths)")
     p.add_argument("--group-timeout", type=int, default=1800, help="seconds before a hung group is killed")
     p.add_argument("--merge", nargs="+", default=None, metavar="REPORT_JSON",
                    help="measure nothing: combine these report.json files (a later file's cases replace an "
@@ -84,6 +91,38 @@ def plan_groups(args) -> list[tuple[int, str, list[Job]]]:
             if jobs:
                 groups.append((size, part, jobs))
     return groups
+
+
+def plan_model_jobs(args) -> list[tuple[str, int, int, int]]:
+    """``(path, tokens, experts, topk)`` of the model rows: csattn at every ``--model-tokens``, HF eager (one
+    document) up to ``--hf-model-max-tokens`` when ``hf`` is among ``--paths``, for each ``--model-routing``."""
+    jobs = []
+    for routing in args.model_routing:
+        experts, sep, topk = str(routing).partition("x")
+        if not sep or not experts.isdigit() or not topk.isdigit():
+            raise ValueError(f"--model-routing entries read ExK (e.g. 64x6), got {routing!r}")
+        for t in sorted(args.model_tokens or []):
+            jobs.append(("csattn", t, int(experts), int(topk)))
+            if "hf" in args.paths and t <= args.hf_model_max_tokens:
+                jobs.append(("hf", t, int(experts), int(topk)))
+    return jobs
+
+
+def run_model_jobs(jobs: list[tuple[str, int, int, int]], opts: dict, out_path: str) -> None:
+    """Run the model rows one after another in this process, appending one JSON line per row to ``out_path``."""
+    from .model import model_step_record
+
+    for path, tokens, experts, topk in jobs:
+        try:
+            rec = model_step_record(path, tokens, experts, topk, opts)
+        except ImportError as e:  # HF without DeepseekV4
+            rec = {"kind": "model", "layer": f"model {experts}x{topk}", "tokens": tokens, "path": path, "cp": 1,
+                   "partition": "-", "error": f"skipped: {e}"}
+        rec["commit"] = _git_commit()
+        with open(out_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _spawn_group(size: int, jobs: list[Job], opts: dict, out_path: str, timeout: int) -> None:
@@ -202,6 +241,8 @@ def run_report(args: argparse.Namespace) -> int:
     balance_jobs = [Job(layer, t, balance_path, part) for layer in args.layers for t in balance_tokens
                     for part in args.partitions]
     sizes = [s for s in args.cp if s > 1]
+    model_jobs = plan_model_jobs(args)
+    total += len(model_jobs)
     if args.device != "cuda" and args.geometry == "real":
         # the defaults are sized for a GPU: on a CPU they would run for hours to days before writing a table
         what = (f"csattn report --device {args.device}: {total + len(balance_jobs) * sum(sizes)} cases of the "
@@ -238,6 +279,18 @@ def run_report(args: argparse.Namespace) -> int:
             bar.update(len(iso))
             flush(iso)
         records = iso + _run_groups(groups, opts, tmp, args.group_timeout, bar, lambda recs: flush(iso + recs))
+        if model_jobs:
+            bar.set_description("model step")
+            out = os.path.join(tmp, "model")
+            ctx = mp.get_context("spawn")  # its own process: the layer cases' allocator state stays out
+            p = ctx.Process(target=run_model_jobs, args=(model_jobs, opts, out))
+            p.start()
+            p.join(args.group_timeout)
+            if p.is_alive():
+                p.kill()
+            model_recs = _read_lines(out)
+            bar.update(len(model_recs))
+            records += model_recs
     print(flush(records))
     print(f"wrote report.json, report.md and PNG plots to {os.path.abspath(args.out)}")
     return 0

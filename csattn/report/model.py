@@ -1,0 +1,139 @@
+"""The model rows of the report: one training step of the DeepSeek-V4 proxy (csattn, and HF eager where it fits).
+
+The proxy is the 4-layer V4-Flash geometry the model benchmarks use (``benchmarks/configs/v4_flash_proxy.json`` is
+written from :func:`proxy_config`): hidden 4096, H 64, d 512, layers W / CSA / HCA / CSA, the first MoE layer
+hash-routed, ``experts`` routed experts top-``topk`` of intermediate 2048, one shared expert, hc_mult 4, vocab
+32000. ``geometry="tiny"`` shrinks every width for CPU smoke runs. Documents: ``T/4 - 100, T/4 + 100, T/2``
+(csattn); HF cannot pack, so its rows run one document of ``T`` tokens, and so does the csattn row beside it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from .flops import model_flops
+
+__all__ = ["proxy_config", "proxy_lengths", "model_step_record", "PEAK_TFLOPS"]
+
+PEAK_TFLOPS = 790.0  # the H200's measured dense bf16 matmul rate (the MFU denominator)
+_W, _C, _H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def proxy_config(geometry: str = "real", experts: int = 8, topk: int = 2, layers: int = 4, recompute: str = "none",
+                 backend: str = "auto", indexer_loss_coeff: float = 0.01) -> Any:
+    """The ``DeepseekV4ModelConfig`` of the model proxy (``"real"``: V4-Flash widths; ``"tiny"``: CPU-sized)."""
+    from ..models.deepseek_v4 import DeepseekV4ModelConfig
+
+    pattern = [_W, _C, _H, _C]
+    kw: dict[str, Any] = dict(
+        vocab_size=32000, num_hidden_layers=layers, layer_types=[pattern[i % 4] for i in range(layers)],
+        mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1), n_routed_experts=experts, num_experts_per_tok=topk,
+        num_nextn_predict_layers=0, recompute=recompute, attention_backend=backend,
+        indexer_loss_coeff=indexer_loss_coeff,
+    )
+    if geometry == "tiny":
+        kw.update(vocab_size=256, hidden_size=64, num_attention_heads=4, head_dim=32, partial_rotary_factor=0.25,
+                  q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=16, index_n_heads=4, index_head_dim=16,
+                  index_topk=8, moe_intermediate_size=32, compress_rates={_C: 4, _H: 16})
+    elif geometry != "real":
+        raise ValueError(f"geometry must be 'real' or 'tiny', got {geometry!r}")
+    return DeepseekV4ModelConfig(**kw)
+
+
+def proxy_lengths(tokens: int, one_document: bool = False) -> list[int]:
+    """Documents of the proxy's step: ``T/4 - 100, T/4 + 100, T/2`` (``[T]`` with ``one_document``)."""
+    if one_document:
+        return [tokens]
+    quarter = tokens // 4
+    return [quarter - min(100, quarter // 2), quarter + min(100, quarter // 2), tokens - 2 * quarter]
+
+
+def _time_steps(step, steps: int, device: torch.device) -> list[float]:
+    times = []
+    for i in range(steps + 1):  # one warm-up step: compilation, caches
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def model_step_record(path: str, tokens: int, experts: int, topk: int, opts: dict) -> dict:
+    """Time ``opts["steps"]`` training steps (forward + backward) of the proxy on ``path`` (``"csattn"`` or ``"hf"``)
+    and return the report record (ms, peak GiB beyond the weights, tokens/s, model TFLOP/s, MFU on CUDA)."""
+    from ..models.deepseek_v4 import DeepseekV4ForCausalLM
+    from ..models.deepseek_v4.model import future_tokens
+    from ..packing import PackedSeqs
+
+    device = torch.device(opts["device"])
+    dtype = getattr(torch, opts["dtype"])
+    one = path == "hf" or opts.get("model_one_document", False)
+    lengths = proxy_lengths(tokens, one)
+    rec: dict[str, Any] = {"kind": "model", "layer": f"model {experts}x{topk}", "tokens": tokens, "path": path,
+                           "cp": 1, "partition": "-", "docs": lengths}
+    cfg = proxy_config(opts["geometry"], experts, topk, backend="auto" if device.type == "cuda" else "reference")
+    torch.manual_seed(0)
+    ours = DeepseekV4ForCausalLM(cfg).to_training_dtype(dtype)  # built on the CPU: its hash tables use a CPU RNG
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen).to(device)
+    if path == "csattn":
+        model = ours.to(device)
+        packed = PackedSeqs.from_lengths(lengths, device=device)
+        labels = future_tokens(ids, packed, 1)[0]
+
+        def loss():
+            return model(ids, packed=packed, labels=labels, return_logits=False).loss
+    elif path == "hf":
+        from transformers import DeepseekV4Config
+        from transformers import DeepseekV4ForCausalLM as HFModel
+
+        hf_cfg = DeepseekV4Config(**{k: v for k, v in cfg.to_hf_dict().items() if k != "model_type"})
+        hf_cfg._attn_implementation = "eager"
+        hf_cfg._experts_implementation = "eager"
+        with torch.device(device):  # HF's RoPE buffers are not in the state dict: build it for real
+            model = HFModel(hf_cfg)
+        model.load_state_dict(ours.state_dict(), strict=True)
+        model = model.to(dtype)
+        for name, p in model.named_parameters():  # HF's own fp32 modules (_keep_in_fp32_modules_strict)
+            if any(part in ("attn_hc", "ffn_hc", "hc_head", "sinks") for part in name.split(".")) or "norm" in name:
+                p.data = p.data.float()
+        batch = ids[None]
+
+        def loss():
+            return model(input_ids=batch, labels=batch, logits_to_keep=0).loss
+    else:
+        raise ValueError(f"model path must be 'csattn' or 'hf', got {path!r}")
+    del ours
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        for p in params:
+            p.grad = None
+        loss().backward()
+
+    try:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        times = _time_steps(step, int(opts["steps"]), device)
+    except torch.cuda.OutOfMemoryError:
+        rec["error"] = "out of memory"
+        return rec
+    ms = statistics.median(times)
+    f = model_flops(cfg, [0, *torch.tensor(lengths).cumsum(0).tolist()])
+    rec.update(ms=ms, tokens_per_s=tokens / ms * 1e3, tflops=(f["fwd"] + f["bwd"]) / ms / 1e9,
+               flops_fwdbwd=f["fwd"] + f["bwd"])
+    if device.type == "cuda":
+        rec["peak_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+        rec["mfu"] = rec["tflops"] / PEAK_TFLOPS
+    return rec
