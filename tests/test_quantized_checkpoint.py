@@ -483,3 +483,18 @@ def test_bad_checkpoints_name_the_tensor_or_field(tmp_path):
     with pytest.raises(ValueError, match=r"layers= holds \[7\]"):
         load_pretrained(str(tmp_path), layers=[1, 7])
     assert math.isfinite(float(load_pretrained(str(tmp_path), layers=[0]).model.embed_tokens.weight.detach().sum()))
+
+
+def test_train_init_from_a_quantized_release(tmp_path):
+    """``csattn train --init-from`` takes a release checkpoint as it is: its first step starts from the
+    dequantized weights (those load_pretrained gives) and trains."""
+    from csattn.train.loop import TrainConfig, train
+
+    model = tiny(seed=5, mtp=1)
+    write_quantized(model, tmp_path / "release", convention="reference")
+    want = load_pretrained(str(tmp_path / "release")).state_dict()
+    got = train(TrainConfig(init_from=str(tmp_path / "release"), steps=1, seq_len=64, lr=0.0, min_lr=0.0,
+                            warmup_steps=1, weight_decay=0.0, router_bias_rate=0.0, device="cpu", progress=False))
+    assert torch.isfinite(torch.tensor(got.losses)).all()
+    for k, v in want.items():  # lr 0: the weights after the step are the loaded ones
+        assert torch.equal(got.model.state_dict()[k], v), k

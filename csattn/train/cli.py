@@ -25,7 +25,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     """Every option of :class:`TrainConfig`, with help."""
     m = parser.add_argument_group("model")
     m.add_argument("--init-from", metavar="DIR", default=None,
-                   help="start from an HF-format checkpoint directory (config.json + safetensors); "
+                   help="start from an HF-format checkpoint directory (config.json + safetensors; the released "
+                        "FP8 / MXFP4 checkpoints too, dequantized to --dtype tensor by tensor); "
                         "default: a tiny random model (4 layers W/CSA/HCA/CSA, hash + learned MoE, 1 MTP block)")
     m.add_argument("--config-json", metavar="FILE", default=None,
                    help="build a random model from this HF config.json instead of the tiny default")

@@ -306,16 +306,24 @@ def train(cfg: TrainConfig) -> TrainResult:
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
     model_cfg = build_model_config(cfg, len(tokenizer) if tokenizer is not None else None)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = DeepseekV4ForCausalLM(model_cfg)
     if cfg.init_from:
-        from ..models.deepseek_v4.checkpoint import load_state_dict_into, read_safetensors
+        from ..models.deepseek_v4.checkpoint import load_pretrained
 
-        tensors = read_safetensors(cfg.init_from)
-        has_mtp = any(k.startswith("mtp.") for k in tensors)
-        if not has_mtp and len(model.mtp) and topo.rank == 0:  # the same warning load_pretrained gives
-            warnings.warn(f"--init-from {cfg.init_from}: no mtp.* tensors; the {len(model.mtp)} MTP block(s) start "
-                          "from fresh weights (pass --mtp-layers 0 to train without MTP)", stacklevel=2)
-        load_state_dict_into(model, tensors, allow_missing_prefixes=() if has_mtp else ("mtp.",))
+        # any HF-format directory, the released FP8 / MXFP4 checkpoints too (dequantized tensor by tensor); MTP
+        # blocks the run asks for start from fresh weights when the checkpoint holds none
+        fields = {k: getattr(model_cfg, k) for k in model_cfg.training_dict()}
+        n_mtp = model_cfg.num_nextn_predict_layers
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = load_pretrained(cfg.init_from, mtp=n_mtp > 0, num_nextn_predict_layers=n_mtp, **fields)
+        for w in caught:
+            if topo.rank == 0:
+                fresh = "no mtp.* tensors" in str(w.message)
+                warnings.warn(f"--init-from {cfg.init_from}: no mtp.* tensors; the {n_mtp} MTP block(s) start from "
+                              "fresh weights (pass --mtp-layers 0 to train without MTP)" if fresh else w.message,
+                              stacklevel=2)
+    else:
+        model = DeepseekV4ForCausalLM(model_cfg)
     dtype = getattr(torch, cfg.dtype)
     if dtype != torch.float32:
         model.to_training_dtype(dtype)
