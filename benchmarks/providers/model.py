@@ -93,23 +93,15 @@ def hf_model(shape, device, dtype, variant=""):
         raise Skip("the model step is timed on CUDA only")
     if shape["recompute"] != "none":
         raise Skip("HF eager has no recompute choice")
-    try:
-        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-    except ImportError as e:
-        raise Skip(f"transformers with DeepseekV4 is not installed ({e})") from e
+    from csattn.report.hf import build_hf_model
+
     cfg = proxy_config(shape)
     ours = _model(cfg, "cpu", torch.float32, int(shape["seed"]))  # the same weights, then handed to HF
-    hf_cfg = DeepseekV4Config(**{k: v for k, v in cfg.to_hf_dict().items() if k != "model_type"})
-    hf_cfg._attn_implementation = "eager"
-    hf_cfg._experts_implementation = "eager"
-    with torch.device(device):  # HF's RoPE buffers are not in the state dict: build it for real
-        hf = DeepseekV4ForCausalLM(hf_cfg)
-    hf.load_state_dict(ours.state_dict(), strict=True)
+    try:
+        hf = build_hf_model(cfg, ours.state_dict(), device, dtype)
+    except ImportError as e:
+        raise Skip(f"transformers with DeepseekV4 is not installed ({e})") from e
     del ours
-    hf = hf.to(dtype=dtype)
-    for name, p in hf.named_parameters():  # HF's own fp32 modules (_keep_in_fp32_modules_strict)
-        if any(part in ("attn_hc", "ffn_hc", "hc_head", "sinks") for part in name.split(".")) or "norm" in name:
-            p.data = p.data.float()
     lengths, ids, _, _ = _batch(shape, cfg.vocab_size, device)
     if len(lengths) > 1:
         raise Skip("HF cannot pack documents: use docs=one for the side-by-side row")

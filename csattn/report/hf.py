@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..config import AttentionConfig
 
-__all__ = ["build_hf_attention"]
+__all__ = ["build_hf_attention", "build_hf_model"]
 
 _HF_TYPES = {"sliding": "sliding_attention", "csa": "compressed_sparse_attention",
              "hca": "heavily_compressed_attention"}
@@ -56,3 +56,22 @@ def build_hf_attention(cfg: AttentionConfig, device: torch.device, dtype: torch.
         return attn(x, emb, pos, mask[None, None].expand(b, 1, s, s), None)[0]
 
     return attn, run
+
+
+def build_hf_model(config, state_dict: dict[str, Tensor], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """HF's ``DeepseekV4ForCausalLM`` (eager attention and experts) of a ``DeepseekV4ModelConfig`` holding
+    ``state_dict`` (csattn's names are HF's), in ``dtype`` with HF's own fp32 modules kept in fp32. Raises
+    ``ImportError`` without transformers' DeepseekV4."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    hf_cfg = DeepseekV4Config(**{k: v for k, v in config.to_hf_dict().items() if k != "model_type"})
+    hf_cfg._attn_implementation = "eager"
+    hf_cfg._experts_implementation = "eager"
+    with torch.device(device):  # HF's RoPE buffers are not in the state dict: build it for real
+        model = DeepseekV4ForCausalLM(hf_cfg)
+    model.load_state_dict(state_dict, strict=True)
+    model = model.to(dtype)
+    for name, p in model.named_parameters():  # HF's _keep_in_fp32_modules_strict, from the fp32 values
+        if any(part in ("attn_hc", "ffn_hc", "hc_head", "sinks") for part in name.split(".")) or "norm" in name:
+            p.data = state_dict[name].detach().to(device=device, dtype=torch.float32)
+    return model

@@ -92,19 +92,9 @@ def model_step_record(path: str, tokens: int, experts: int, topk: int, opts: dic
         def loss():
             return model(ids, packed=packed, labels=labels, return_logits=False).loss
     elif path == "hf":
-        from transformers import DeepseekV4Config
-        from transformers import DeepseekV4ForCausalLM as HFModel
+        from .hf import build_hf_model
 
-        hf_cfg = DeepseekV4Config(**{k: v for k, v in cfg.to_hf_dict().items() if k != "model_type"})
-        hf_cfg._attn_implementation = "eager"
-        hf_cfg._experts_implementation = "eager"
-        with torch.device(device):  # HF's RoPE buffers are not in the state dict: build it for real
-            model = HFModel(hf_cfg)
-        model.load_state_dict(ours.state_dict(), strict=True)
-        model = model.to(dtype)
-        for name, p in model.named_parameters():  # HF's own fp32 modules (_keep_in_fp32_modules_strict)
-            if any(part in ("attn_hc", "ffn_hc", "hc_head", "sinks") for part in name.split(".")) or "norm" in name:
-                p.data = p.data.float()
+        model = build_hf_model(cfg, ours.state_dict(), device, dtype)
         batch = ids[None]
 
         def loss():
