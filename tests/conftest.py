@@ -6,10 +6,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1") if not torch.cuda.is_available() else None
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b|| / max(||b||, tiny)`` in fp64."""
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+from .helpers import rel_err  # noqa: E402 (after TRITON_INTERPRET is set: helpers imports csattn)
 
 
 @pytest.fixture

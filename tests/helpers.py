@@ -7,6 +7,12 @@ import torch
 from csattn import AttentionConfig, HybridAttention
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / max(||b||, tiny)`` in fp64: the tests' one relative-error measure."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 def tiny_config(layer_type: str, **overrides) -> AttentionConfig:
     base = dict(
         hidden_size=32, num_heads=2, head_dim=16, rope_head_dim=8, q_lora_rank=16, o_groups=2,

@@ -6,7 +6,7 @@ import torch
 
 from csattn.ops.compressor import compress_pool
 from csattn.packing import PackedSeqs
-from tests.conftest import rel_err
+from tests.helpers import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

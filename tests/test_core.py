@@ -25,8 +25,7 @@ from csattn.ops.indexer_loss import (
     sparse_teacher_block,
 )
 
-from .conftest import rel_err
-from .helpers import grads, random_layer, tiny_config
+from .helpers import grads, random_layer, rel_err, tiny_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs on CUDA, or the interpreter (conftest)
 WIDE = dict(num_heads=4, head_dim=16, index_n_heads=4, index_head_dim=8)  # H d = 64 > D = 32 > HI cI

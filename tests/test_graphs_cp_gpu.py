@@ -34,8 +34,7 @@ def _worker(rank: int, world: int, port: int, layer_type: str, backend: str, out
     from csattn import ContextParallel, PackedSeqs
     from csattn.graphs import CapturedLayerStep, StaticPackedSeqs
 
-    from .conftest import rel_err
-    from .helpers import grads, random_layer, tiny_config
+    from .helpers import grads, random_layer, rel_err, tiny_config
 
     log = open(log_path, "w", buffering=1)
     faulthandler.dump_traceback_later(HANG_S, exit=True, file=log)

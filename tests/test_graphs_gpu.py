@@ -17,8 +17,7 @@ import torch
 from csattn import PackedSeqs
 from csattn.graphs import CapturedLayerStep, StaticPackedSeqs
 
-from .conftest import rel_err
-from .helpers import grads, random_layer, tiny_config
+from .helpers import grads, random_layer, rel_err, tiny_config
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 pytestmark = pytest.mark.gpu

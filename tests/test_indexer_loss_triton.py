@@ -7,7 +7,7 @@ import torch
 from csattn.ops.indexer import indexer_topk_ref
 from csattn.ops.indexer_loss import indexer_kl_loss
 from csattn.packing import PackedSeqs
-from tests.conftest import rel_err
+from tests.helpers import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -16,7 +16,7 @@ from csattn.models.deepseek_v4.model import future_tokens
 from csattn.ops.mhc import hc_pre_ref, resolve_backend
 from csattn.packing import PackedSeqs
 
-from .conftest import rel_err
+from .helpers import rel_err
 from .test_model_utils import one_thread, randomize_model_, tiny_config_dict  # noqa: F401
 
 pytest.importorskip("csattn.ops.mhc.triton")

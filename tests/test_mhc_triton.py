@@ -11,7 +11,7 @@ import torch
 
 from csattn.ops.mhc import hc_combine, hc_combine_ref, hc_head, hc_head_ref, hc_pre, hc_pre_ref
 
-from .conftest import rel_err
+from .helpers import rel_err
 
 kernels = pytest.importorskip("csattn.ops.mhc.triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

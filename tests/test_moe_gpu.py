@@ -11,7 +11,7 @@ import torch
 from csattn.models.deepseek_v4.moe import MoE
 from csattn.ops.moe import moe_experts, resolve_backend, swiglu_bwd_ref, swiglu_fwd_ref
 
-from .conftest import rel_err
+from .helpers import rel_err
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ import torch
 
 from csattn.ops.rms_norm import rms_norm
 
-from .conftest import rel_err
+from .helpers import rel_err
 
 
 def plain_rms_norm(x, w, eps):

@@ -10,7 +10,7 @@ import torch
 from csattn.layers.modules import rms_norm_unweighted
 from csattn.ops.rope import apply_rope
 
-from .conftest import rel_err
+from .helpers import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 triton_rope = pytest.importorskip("csattn.ops.rope.triton")

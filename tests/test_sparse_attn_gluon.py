@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from csattn.ops.sparse_attn import sparse_attn, sparse_attn_ref
-from tests.conftest import rel_err
+from tests.helpers import rel_err
 from tests.test_sparse_attn_triton import NAMES, grads_of, lowp_attn, packed_indices
 
 _COMPILE_SM90 = r"""

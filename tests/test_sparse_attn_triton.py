@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from csattn.ops.sparse_attn import sparse_attn, sparse_attn_ref
-from tests.conftest import rel_err
+from tests.helpers import rel_err
 
 
 def packed_indices(doc_lens: list[int], window: int, topk: int, ratio: int, pad_rows: int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
-__all__ = ["render_report"]
+__all__ = ["render_report", "summarize"]
 
 
 def _fmt(v, spec=".2f"):
@@ -27,10 +27,29 @@ def _isolated(records: list[dict]) -> dict:
     return dict(out)
 
 
+def summarize(records: list[dict]) -> dict:
+    """Max over ranks of peak memory and step time per (layer, tokens, path, cp, partition)."""
+    out: dict[tuple, dict] = defaultdict(dict)
+    for r in records:
+        if r.get("kind") != "group":
+            continue
+        key = (r["layer"], r["tokens"], r["path"], r["cp"], r["partition"] if r["cp"] > 1 else "-")
+        cur = out[key]
+        if "commit" in r:
+            cur["commit"] = r["commit"]
+        if "error" in r:
+            cur["error"] = r["error"]
+            continue
+        cur["ms"] = max(cur.get("ms", 0.0), r["ms"])
+        for metric in ("peak_gib", "act_gib"):
+            if r.get(metric) is not None:
+                cur[metric] = max(cur.get(metric, 0.0), r[metric])
+        cur["tflops"] = r["flops_fwdbwd"] / cur["ms"] / 1e9
+    return dict(out)
+
+
 def render_report(meta: dict, records: list[dict], out_dir: str) -> str:
     """Write ``report.md`` and PNG plots into ``out_dir``; return the Markdown."""
-    from .run import summarize
-
     summary = summarize(records)
     # a merged report names each row's commit when its rows come from several
     by_commit = len({s.get("commit") for s in summary.values()} - {None}) > 1

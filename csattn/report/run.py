@@ -11,7 +11,6 @@ import subprocess
 import tempfile
 import time
 import warnings
-from collections import defaultdict
 
 import torch
 import torch.multiprocessing as mp
@@ -294,24 +293,3 @@ def run_report(args: argparse.Namespace) -> int:
     print(flush(records))
     print(f"wrote report.json, report.md and PNG plots to {os.path.abspath(args.out)}")
     return 0
-
-
-def summarize(records: list[dict]) -> dict:
-    """Max over ranks of peak memory and step time per (layer, tokens, path, cp, partition)."""
-    out: dict[tuple, dict] = defaultdict(dict)
-    for r in records:
-        if r.get("kind") != "group":
-            continue
-        key = (r["layer"], r["tokens"], r["path"], r["cp"], r["partition"] if r["cp"] > 1 else "-")
-        cur = out[key]
-        if "commit" in r:
-            cur["commit"] = r["commit"]
-        if "error" in r:
-            cur["error"] = r["error"]
-            continue
-        cur["ms"] = max(cur.get("ms", 0.0), r["ms"])
-        for metric in ("peak_gib", "act_gib"):
-            if r.get(metric) is not None:
-                cur[metric] = max(cur.get(metric, 0.0), r[metric])
-        cur["tflops"] = r["flops_fwdbwd"] / cur["ms"] / 1e9
-    return dict(out)
