@@ -84,7 +84,8 @@ def test_matches_reference(case, assert_close, monkeypatch):
     if "env" in spec:
         monkeypatch.setenv("CSATTN_SPARSE_ATTN_CONFIG", spec.pop("env"))
     pad = spec.pop("kv_pad", 0)
-    gen = torch.Generator().manual_seed(hash(case) % 2**31)
+    # the seed follows the case's place in the table, not hash(): str hashes change with PYTHONHASHSEED
+    gen = torch.Generator().manual_seed(list(CPU_CASES).index(case))
     q, kv, sink, idx = random_case(gen=gen, **spec)
     idx[1] = -1  # an empty row: o = 0, lse = sink
     idx[2, :3] = idx[2, 3]  # a key listed several times counts several times, as in the reference
