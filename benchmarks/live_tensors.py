@@ -201,13 +201,15 @@ def _run_model(args: argparse.Namespace) -> None:
     """What one training forward of the model proxy keeps, per component and per token per layer."""
     import json
 
-    from .providers.model import DEFAULTS, _batch, _model, proxy_config
+    from csattn.report.model import proxy_model
+
+    from .providers.model import DEFAULTS, _batch, proxy_config
 
     device = torch.device(args.device)
     shape = {**DEFAULTS, "tokens": args.tokens, "experts": args.experts, "topk_experts": args.topk_experts,
              "layers": args.layers, "recompute": args.recompute}
     cfg = proxy_config(shape, "auto")
-    model = _model(cfg, device, getattr(torch, args.dtype), 0)
+    model = proxy_model(cfg, getattr(torch, args.dtype), device)
     lengths, ids, packed, labels = _batch(shape, cfg.vocab_size, device)
 
     def step():

@@ -22,6 +22,7 @@ import os
 import torch
 
 from csattn.report import model_flops
+from csattn.report.model import proxy_model
 
 from ..registry import Case, Skip, register
 
@@ -47,22 +48,10 @@ def doc_lengths(tokens: int, docs: str) -> list[int]:
 
 
 def _batch(shape: dict, vocab: int, device):
-    from csattn import PackedSeqs
-    from csattn.models.deepseek_v4.model import future_tokens
+    from csattn.report.model import proxy_batch
 
     lengths = doc_lengths(int(shape["tokens"]), shape["docs"])
-    gen = torch.Generator().manual_seed(int(shape["seed"]))
-    ids = torch.randint(0, vocab, (sum(lengths),), generator=gen).to(device)
-    packed = PackedSeqs.from_lengths(lengths, device=device)
-    return lengths, ids, packed, future_tokens(ids, packed, 1)[0]
-
-
-def _model(cfg, device, dtype, seed: int):
-    from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
-
-    torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(cfg)  # on the CPU: the hash tables come from a CPU generator
-    return model.to_training_dtype(dtype).to(device)
+    return (lengths, *proxy_batch(lengths, vocab, device, int(shape["seed"])))
 
 
 def _info(cfg, lengths: list[int], model) -> dict:
@@ -76,7 +65,7 @@ def csattn_model(shape, device, dtype, variant=""):
     if device.type != "cuda":
         raise Skip("the model step is timed on CUDA only")
     cfg = proxy_config(shape)
-    model = _model(cfg, device, dtype, int(shape["seed"]))
+    model = proxy_model(cfg, dtype, device, int(shape["seed"]))
     lengths, ids, packed, labels = _batch(shape, cfg.vocab_size, device)
     cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
 
@@ -96,7 +85,7 @@ def hf_model(shape, device, dtype, variant=""):
     from csattn.report.hf import build_hf_model
 
     cfg = proxy_config(shape)
-    ours = _model(cfg, "cpu", torch.float32, int(shape["seed"]))  # the same weights, then handed to HF
+    ours = proxy_model(cfg, torch.float32, "cpu", int(shape["seed"]))  # the same weights, then handed to HF
     try:
         hf = build_hf_model(cfg, ours.state_dict(), device, dtype)
     except ImportError as e:

@@ -17,7 +17,7 @@ import torch
 
 from .flops import model_flops
 
-__all__ = ["proxy_config", "proxy_lengths", "model_step_record", "PEAK_TFLOPS"]
+__all__ = ["proxy_config", "proxy_lengths", "proxy_model", "proxy_batch", "model_step_record", "PEAK_TFLOPS"]
 
 PEAK_TFLOPS = 790.0  # the H200's measured dense bf16 matmul rate (the MFU denominator)
 _W, _C, _H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -52,6 +52,26 @@ def proxy_lengths(tokens: int, one_document: bool = False) -> list[int]:
     return [quarter - min(100, quarter // 2), quarter + min(100, quarter // 2), tokens - 2 * quarter]
 
 
+def proxy_model(config: Any, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> Any:
+    """``DeepseekV4ForCausalLM(config)`` from ``seed``, in the training ``dtype`` (mHC, norms, biases fp32), on
+    ``device``. Built on the CPU: the hash-routing tables are drawn from a CPU generator."""
+    from ..models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    torch.manual_seed(seed)
+    return DeepseekV4ForCausalLM(config).to_training_dtype(dtype).to(device)
+
+
+def proxy_batch(lengths: list[int], vocab: int, device: torch.device | str, seed: int = 0):
+    """Random token ids of packed documents ``lengths``: ``ids [T]``, their ``PackedSeqs``, next-token labels."""
+    from ..models.deepseek_v4.model import future_tokens
+    from ..packing import PackedSeqs
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (sum(lengths),), generator=gen).to(device)
+    packed = PackedSeqs.from_lengths(lengths, device=device)
+    return ids, packed, future_tokens(ids, packed, 1)[0]
+
+
 def _time_steps(step, steps: int, device: torch.device) -> list[float]:
     times = []
     for i in range(steps + 1):  # one warm-up step: compilation, caches
@@ -69,10 +89,6 @@ def _time_steps(step, steps: int, device: torch.device) -> list[float]:
 def model_step_record(path: str, tokens: int, experts: int, topk: int, opts: dict) -> dict:
     """Time ``opts["steps"]`` training steps (forward + backward) of the proxy on ``path`` (``"csattn"`` or ``"hf"``)
     and return the report record (ms, peak GiB beyond the weights, tokens/s, model TFLOP/s, MFU on CUDA)."""
-    from ..models.deepseek_v4 import DeepseekV4ForCausalLM
-    from ..models.deepseek_v4.model import future_tokens
-    from ..packing import PackedSeqs
-
     device = torch.device(opts["device"])
     dtype = getattr(torch, opts["dtype"])
     one = path == "hf" or opts.get("model_one_document", False)
@@ -80,14 +96,10 @@ def model_step_record(path: str, tokens: int, experts: int, topk: int, opts: dic
     rec: dict[str, Any] = {"kind": "model", "layer": f"model {experts}x{topk}", "tokens": tokens, "path": path,
                            "cp": 1, "partition": "-", "docs": lengths}
     cfg = proxy_config(opts["geometry"], experts, topk, backend="auto" if device.type == "cuda" else "reference")
-    torch.manual_seed(0)
-    ours = DeepseekV4ForCausalLM(cfg).to_training_dtype(dtype)  # built on the CPU: its hash tables use a CPU RNG
-    gen = torch.Generator().manual_seed(tokens)
-    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen).to(device)
+    ours = proxy_model(cfg, dtype, "cpu")
+    ids, packed, labels = proxy_batch(lengths, cfg.vocab_size, device, seed=tokens)
     if path == "csattn":
         model = ours.to(device)
-        packed = PackedSeqs.from_lengths(lengths, device=device)
-        labels = future_tokens(ids, packed, 1)[0]
 
         def loss():
             return model(ids, packed=packed, labels=labels, return_logits=False).loss

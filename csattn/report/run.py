@@ -139,6 +139,16 @@ def _spawn_group(size: int, jobs: list[Job], opts: dict, out_path: str, timeout:
             p.join()
 
 
+def _in_own_process(target, args: tuple, out_path: str, timeout: int) -> list[dict]:
+    """Run ``target(*args, out_path)`` in a spawned process (killed after ``timeout`` s); its JSON-line records."""
+    p = mp.get_context("spawn").Process(target=target, args=(*args, out_path))
+    p.start()
+    p.join(timeout)
+    if p.is_alive():
+        p.kill()
+    return _read_lines(out_path)
+
+
 def _read_lines(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
@@ -267,27 +277,15 @@ def run_report(args: argparse.Namespace) -> int:
         # the per-rank balance timing first: one process, short, and what the partition targets are judged on
         if sizes and balance_jobs:
             bar.set_description("isolated per-rank timing")
-            out = os.path.join(tmp, "isolated")
-            ctx = mp.get_context("spawn")
-            p = ctx.Process(target=run_isolated, args=(balance_jobs, sizes, opts, out))
-            p.start()
-            p.join(args.group_timeout)
-            if p.is_alive():
-                p.kill()
-            iso = _read_lines(out)
+            iso = _in_own_process(run_isolated, (balance_jobs, sizes, opts), os.path.join(tmp, "isolated"),
+                                  args.group_timeout)
             bar.update(len(iso))
             flush(iso)
         records = iso + _run_groups(groups, opts, tmp, args.group_timeout, bar, lambda recs: flush(iso + recs))
         if model_jobs:
-            bar.set_description("model step")
-            out = os.path.join(tmp, "model")
-            ctx = mp.get_context("spawn")  # its own process: the layer cases' allocator state stays out
-            p = ctx.Process(target=run_model_jobs, args=(model_jobs, opts, out))
-            p.start()
-            p.join(args.group_timeout)
-            if p.is_alive():
-                p.kill()
-            model_recs = _read_lines(out)
+            bar.set_description("model step")  # its own process: the layer cases' allocator state stays out
+            model_recs = _in_own_process(run_model_jobs, (model_jobs, opts), os.path.join(tmp, "model"),
+                                         args.group_timeout)
             bar.update(len(model_recs))
             records += model_recs
     print(flush(records))

@@ -44,16 +44,7 @@ def read_safetensors(path: str) -> dict[str, Tensor]:
     """All tensors of the directory (single file or sharded via the index), renamed to ``state_dict`` names."""
     from safetensors.torch import load_file
 
-    index = os.path.join(path, INDEX_NAME)
-    if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(path, WEIGHTS_NAME)):
-        shards = [WEIGHTS_NAME]
-    else:
-        shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not shards:
-            raise ValueError(f"path {path!r} has no .safetensors files")
+    shards = sorted(set(_list_keys(path, _Shards(path)).values()))  # the files load_pretrained would read
     tensors: dict[str, Tensor] = {}
     for shard in shards:
         tensors.update(load_file(os.path.join(path, shard)))
