@@ -5,9 +5,12 @@ import json
 import os
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from csattn.report import model_flops
+from csattn.report.flops import _sum_div, _sum_min
 from csattn.report.model import proxy_config, proxy_lengths
 
 JSON = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "configs", "v4_flash_proxy.json")
@@ -28,3 +31,13 @@ def test_proxy_lengths_and_flops():
     f = model_flops(proxy_config(), [0, 3996, 8192, 16384])
     assert abs((f["fwd"] + f["bwd"]) / 16384 / 1e9 - 6.14) < 0.01  # GFLOP per token, BENCHMARKS.md
     assert f["bwd"] > 2 * f["fwd"]  # attention's backward counts 2.5x
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 5000), st.integers(1, 300), st.sampled_from([1, 2, 4, 16, 128]), st.integers(1, 700))
+def test_flop_key_counts_equal_the_per_row_sums(length, window, ratio, cap):
+    """layer_flops' closed forms (no per-row tensors on the training loop's host path) against the row sums."""
+    rows = torch.arange(1, length + 1, dtype=torch.float64)
+    assert _sum_min(length, window) == float(rows.clamp(max=window).sum())
+    assert _sum_div(length, ratio) == float((rows // ratio).sum())
+    assert _sum_div(length, ratio, cap) == float((rows // ratio).clamp(max=cap).sum())

@@ -5,11 +5,24 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ..config import AttentionConfig
 
 __all__ = ["layer_flops", "model_flops"]
+
+
+def _sum_min(length: int, w: int) -> int:
+    """``sum_{j=1..length} min(j, w)``: the window keys of a document's rows (closed form, no per-row loop)."""
+    if length <= w:
+        return length * (length + 1) // 2
+    return w * (w + 1) // 2 + (length - w) * w
+
+
+def _sum_div(length: int, r: int, cap: int | None = None) -> int:
+    """``sum_{j=1..length} min(j // r, cap)``: the complete compressed entries each row sees (capped at ``cap``)."""
+    q, rem = divmod(length, r)
+    if cap is None or q <= cap:
+        return r * q * (q - 1) // 2 + q * (rem + 1)
+    return r * cap * (cap - 1) // 2 + cap * (length - cap * r + 1)
 
 
 def layer_flops(cfg: AttentionConfig, lengths: list[int]) -> dict[str, float]:
@@ -23,18 +36,16 @@ def layer_flops(cfg: AttentionConfig, lengths: list[int]) -> dict[str, float]:
     D, H, d = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     ql, ol, g = cfg.q_lora_rank, cfg.o_lora_rank, cfg.o_groups
     proj = 2.0 * T * (D * ql + ql * H * d + D * d + H * d * ol + g * ol * D)
-    pos = [torch.arange(L, dtype=torch.float64) for L in lengths]
-    keys = sum(float((p + 1).clamp(max=cfg.sliding_window).sum()) for p in pos)
+    keys = float(sum(_sum_min(L, cfg.sliding_window) for L in lengths))
     scores = 0.0
     if cfg.layer_type == "csa":
         r, HI, cI = cfg.compress_ratio, cfg.index_n_heads, cfg.index_head_dim
         proj += 2.0 * T * (2 * D * 2 * d + ql * HI * cI + D * HI + 2 * D * 2 * cI)
-        visible = sum(float(((p + 1) // r).sum()) for p in pos)
-        scores = 2.0 * HI * cI * visible
-        keys += sum(float(((p + 1) // r).clamp(max=cfg.index_topk).sum()) for p in pos)
+        scores = 2.0 * HI * cI * sum(_sum_div(L, r) for L in lengths)
+        keys += sum(_sum_div(L, r, cap=cfg.index_topk) for L in lengths)
     elif cfg.layer_type == "hca":
         proj += 2.0 * T * 2 * D * d
-        keys += sum(float(((p + 1) // cfg.compress_ratio).sum()) for p in pos)
+        keys += sum(_sum_div(L, cfg.compress_ratio) for L in lengths)
     attn = 4.0 * H * d * keys
     return {"fwd": proj + scores + attn, "bwd": 2 * proj + 2 * scores + 2.5 * attn}
 
@@ -71,7 +82,7 @@ def model_flops(config: Any, cu_seqlens: Any) -> dict[str, float]:
     blocks = list(range(c.num_hidden_layers)) + [c.num_hidden_layers + j for j in range(c.num_nextn_predict_layers)]
     dense = 0.0
     for i in blocks:
-        attn = layer_flops(c.attention_config(i), lengths) if lengths else {"fwd": 0.0, "bwd": 0.0}
+        attn = layer_flops(c.attention_config(i), lengths)
         fwd, bwd = fwd + attn["fwd"], bwd + attn["bwd"]
         dense += 2 * 2.0 * T * n * D * (2 + n) * n  # two mHC sites
         dense += 2.0 * T * D * E + 2.0 * T * (k + 1) * 3 * D * I  # router, routed + shared experts
