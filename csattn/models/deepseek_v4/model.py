@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ...layers import HybridAttention
 from ...layers.modules import RMSNorm
@@ -103,8 +104,6 @@ class DecoderLayer(nn.Module):
         streams = self.attn_hc.combine(streams, y, post, comb)
         post, comb, x = self._site(self.ffn_hc, self.post_attention_layernorm, streams)
         if self.recompute == "moe" and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
-
             # the MoE holds no collective, so recomputing it never pairs with another rank's call
             y = checkpoint(self.mlp, x, input_ids, real, use_reentrant=False)
         else:
@@ -115,8 +114,6 @@ class DecoderLayer(nn.Module):
         """The mHC pre-mapping and the RMSNorm before a sub-block: ``post``, ``comb`` and the normed input;
         under ``recompute="mhc"`` only the streams are kept and both are redone in the backward."""
         if self.recompute == "mhc" and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
-
             return checkpoint(_pre_and_norm, hc, norm, streams, use_reentrant=False)
         return _pre_and_norm(hc, norm, streams)
 
@@ -315,8 +312,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         attention (halo exchange, entry gather) pair up again during the backward.
         """
         if self.config.recompute == "block" and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
-
             return checkpoint(block, *args, use_reentrant=False)
         return block(*args)
 
@@ -324,8 +319,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Summed CE of the head on ``hidden [T, D]`` (or of the given ``logits``)."""
         if logits is not None:
             return _ce_sum(logits, labels)
-        from torch.utils.checkpoint import checkpoint
-
         total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
         for start in range(0, hidden.shape[0], self.loss_chunk_rows):
             rows = slice(start, start + self.loss_chunk_rows)
