@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from csattn.ops.mhc import hc_combine, hc_combine_ref, hc_head, hc_head_ref, hc_pre, hc_pre_ref
+from csattn.ops.rms_norm import rms_norm
 
 from .helpers import rel_err
 
@@ -141,6 +142,70 @@ def test_site_no_rows(head):
     assert all(float(g.abs().sum()) == 0.0 for g in grads[1:])
 
 
+def _run_normed_site(backend, inputs, norm_w, dtype, head, cotangents, fused=True):
+    """Outputs and gradients of a site followed by its RMSNorm: the fused op (``norm_weight=``) or, with
+    ``fused=False``, the site then :func:`rms_norm` as two autograd nodes."""
+    wide = torch.promote_types(dtype, torch.float32)
+    x, fn, base, scale = inputs
+    leaves = [x.to(DEVICE, dtype).requires_grad_()] + [p.to(DEVICE, wide).requires_grad_()
+                                                       for p in (fn, base, scale, norm_w)]
+    kw = dict(norm_weight=leaves[4], rms_eps=1e-5) if fused else {}
+    if head:
+        outs = [hc_head(*leaves[:4], hc_eps=EPS, norm_eps=EPS, **kw, backend=backend)]
+    else:
+        outs = list(hc_pre(*leaves[:4], sinkhorn_iters=20, hc_eps=EPS, norm_eps=EPS, **kw, backend=backend))
+    if not fused:
+        outs[-1] = rms_norm(outs[-1], leaves[4], 1e-5)
+    loss = sum((o.double() * c.to(DEVICE)).sum() for o, c in zip(outs, cotangents))
+    grads = torch.autograd.grad(loss, leaves)
+    return [o.detach().cpu() for o in outs], [g.cpu() for g in grads]
+
+
+@pytest.mark.parametrize("t,n,d", [(5, 4, 24), (37, 4, 12), (1, 2, 7)], ids=["n4_D24", "T37", "T1_n2_D7"])
+@pytest.mark.parametrize("head", [False, True], ids=["pre", "head"])
+def test_site_with_norm_fp64(t, n, d, head, monkeypatch):
+    """The site with its RMSNorm fused (the collapse recomputed in the backward, over several programs) equals the
+    reference site followed by the norm: outputs and the gradients of the streams, the site's parameters and the
+    norm weight."""
+    monkeypatch.setitem(kernels.TILES, "collapse_rows", 4)
+    monkeypatch.setitem(kernels.TILES, "collapse_d", 8)
+    gen = torch.Generator().manual_seed(t * 7 + n + d)
+    inputs = _site_inputs(t, n, d, head, gen)
+    norm_w = 1 + 0.5 * torch.randn(d, dtype=torch.float64, generator=gen)
+    plain = (hc_head_ref(*inputs, EPS, EPS),) if head else hc_pre_ref(*inputs, 20, EPS, EPS)
+    cot = _cotangents(plain, gen, [True] * 3)
+    ref_outs, ref_grads = _run_normed_site("reference", inputs, norm_w, torch.float64, head, cot)
+    outs, grads = _run_normed_site("triton", inputs, norm_w, torch.float64, head, cot)
+    for o, r in zip(outs, ref_outs):
+        assert o.shape == r.shape and rel_err(o, r) < 1e-12
+    for name, g, r in zip(["streams", "fn", "base", "scale", "norm_weight"], grads, ref_grads):
+        assert torch.isfinite(g).all() and rel_err(g, r) < 1e-11, f"grad {name}: {rel_err(g, r):.2e}"
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["pre", "head"])
+def test_site_with_norm_equals_unfused(head):
+    """Fused or not, the same bits: the backward's recomputed collapse is the forward's (one kernel helper writes
+    both), so the RMSNorm backward sees the same input it would have kept."""
+    gen = torch.Generator().manual_seed(21)
+    inputs = _site_inputs(19, 4, 24, head, gen)
+    inputs[0] = inputs[0].float().double()
+    norm_w = 1 + 0.5 * torch.randn(24, dtype=torch.float64, generator=gen)
+    plain = (hc_head_ref(*inputs, EPS, EPS),) if head else hc_pre_ref(*inputs, 20, EPS, EPS)
+    cot = _cotangents(plain, gen, [True] * 3)
+    fused = _run_normed_site("triton", inputs, norm_w, torch.float32, head, cot)
+    split = _run_normed_site("triton", inputs, norm_w, torch.float32, head, cot, fused=False)
+    for a, b in zip(fused[0] + fused[1], split[0] + split[1]):
+        assert torch.equal(a, b)
+
+
+def test_norm_weight_shape_is_checked():
+    gen = torch.Generator().manual_seed(0)
+    x, fn, base, scale = _site_inputs(3, 4, 8, False, gen)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        hc_pre(x.to(DEVICE), fn.to(DEVICE), base.to(DEVICE), scale.to(DEVICE), sinkhorn_iters=2, hc_eps=EPS,
+               norm_eps=EPS, norm_weight=torch.ones(7, dtype=torch.float64, device=DEVICE), backend="triton")
+
+
 def _run_combine(backend, inputs, dtype, cot):
     wide = torch.promote_types(dtype, torch.float32)
     x, y, post, comb = inputs
@@ -229,6 +294,41 @@ def test_gpu_site_bf16_flash_geometry(head):
 
     errs = _bf16_errors(run("reference"), run("triton"), make_leaves, cots)
     names = (["collapsed"] if head else ["post", "comb", "collapsed"]) + ["d_streams", "d_fn", "d_base", "d_scale"]
+    for name, e_ref, e_tri in zip(names, errs["torch"], errs["triton"]):
+        assert e_tri <= 2 * e_ref + 1e-6, f"{name}: triton {e_tri:.3e} vs bf16 torch {e_ref:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head", [False, True], ids=["pre", "head"])
+def test_gpu_site_with_norm_bf16_flash_geometry(head):
+    """The fused site + RMSNorm in bf16 within twice the error of the same two steps in bf16 PyTorch."""
+    t, n, d = 4096, 4, 4096
+    g = torch.Generator(device="cuda").manual_seed(2)
+    width = n if head else (2 + n) * n
+    x = torch.randn(t, n, d, device="cuda", generator=g).bfloat16()
+    params = [0.02 * torch.randn(width, n * d, device="cuda", generator=g),
+              0.5 * torch.randn(width, device="cuda", generator=g),
+              1 + 0.3 * torch.randn(1 if head else 3, device="cuda", generator=g),
+              1 + 0.3 * torch.randn(d, device="cuda", generator=g)]
+
+    def make_leaves(dtype):
+        wide = torch.promote_types(dtype, torch.float32)
+        return [x.to(dtype).requires_grad_()] + [p.to(wide).requires_grad_() for p in params]
+
+    def run(backend):
+        def site(x_, fn, base, scale, w):
+            kw = dict(hc_eps=EPS, norm_eps=EPS, norm_weight=w, rms_eps=1e-6, backend=backend)
+            if head:
+                return (hc_head(x_, fn, base, scale, **kw),)
+            return hc_pre(x_, fn, base, scale, sinkhorn_iters=20, **kw)
+        return site
+
+    def cots(outs):
+        return [torch.randn(o.shape, device="cuda", dtype=torch.float64, generator=g) for o in outs]
+
+    errs = _bf16_errors(run("reference"), run("triton"), make_leaves, cots)
+    names = (["normed"] if head else ["post", "comb", "normed"]) + ["d_streams", "d_fn", "d_base", "d_scale",
+                                                                    "d_norm_weight"]
     for name, e_ref, e_tri in zip(names, errs["torch"], errs["triton"]):
         assert e_tri <= 2 * e_ref + 1e-6, f"{name}: triton {e_tri:.3e} vs bf16 torch {e_ref:.3e}"
 

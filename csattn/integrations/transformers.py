@@ -10,8 +10,8 @@ Example:
 
 - every ``self_attn`` becomes a :class:`csattn.HybridAttention` built around the HF module's own
   ``nn.Parameter`` objects (same names, so ``state_dict`` / ``save_pretrained`` are unchanged);
-- the decoder layers run the mHC through :mod:`csattn.ops.mhc` (``hc_pre`` / ``hc_combine``) and the RMSNorms
-  through :func:`csattn.ops.rms_norm.rms_norm`; the routed experts run :func:`csattn.ops.moe.moe_experts`
+- the decoder layers run the mHC through :mod:`csattn.ops.mhc` (``hc_pre`` / ``hc_combine``), each site applying
+  the RMSNorm after it (HF's math; the fused kernels recompute the collapse instead of keeping it); the routed experts run :func:`csattn.ops.moe.moe_experts`
   (HF's routers and shared experts stay);
 - ``DeepseekV4Model.forward`` packs the batch into csattn's layout (:func:`batch_layout`): the real tokens of
   the batch, one ``PackedSeqs`` document each, run through the decoder as ``[T, ...]`` rows and are written
@@ -49,7 +49,6 @@ from ..config import AttentionConfig
 from ..layers import HybridAttention
 from ..ops import mhc as mhc_ops
 from ..ops.moe import moe_experts
-from ..ops.rms_norm import rms_norm
 from ..ops.rope import rope_inv_freq
 from ..packing import PackedSeqs
 
@@ -220,12 +219,12 @@ class _PatchedDecoderLayer(hf.DeepseekV4DecoderLayer):
             raise TypeError("this DeepseekV4DecoderLayer was patched by csattn and runs inside the patched "
                             f"DeepseekV4Model only (it needs packed=); to run HF's code, {_UNPATCH}")
         backend = self._csattn_backend
-        post, comb, x = _hc_pre(self.attn_hc, hidden_states, backend)
-        y = self.self_attn(_norm(self.input_layernorm, x), packed=packed)
+        post, comb, x = _hc_pre(self.attn_hc, hidden_states, backend, self.input_layernorm)
+        y = self.self_attn(x, packed=packed)
         streams = mhc_ops.hc_combine(hidden_states, y, post, comb, backend=backend)
-        post, comb, x = _hc_pre(self.ffn_hc, streams, backend)
+        post, comb, x = _hc_pre(self.ffn_hc, streams, backend, self.post_attention_layernorm)
         ids = None if input_ids is None else input_ids.unsqueeze(0)
-        y = self.mlp(_norm(self.post_attention_layernorm, x).unsqueeze(0), input_ids=ids).squeeze(0)
+        y = self.mlp(x.unsqueeze(0), input_ids=ids).squeeze(0)
         return mhc_ops.hc_combine(streams, y, post, comb, backend=backend)
 
 
@@ -279,19 +278,20 @@ class _PatchedModel(hf.DeepseekV4Model):
             # streams positional: HF's gradient checkpointing (reentrant) needs the grad-carrying input there
             streams = layer(streams, input_ids=ids, packed=layout.packed)
         head = self.hc_head
+        # the final norm inside the head site (row-wise, so before the scatter to [B, S] as well as after)
         final = mhc_ops.hc_head(streams, head.hc_fn, head.hc_base, head.hc_scale, hc_eps=head.eps,
-                                norm_eps=head.input_norm.eps, backend=self._csattn_backend)
-        return MoeModelOutputWithPast(last_hidden_state=layout.scatter(_norm(self.norm, final)))
+                                norm_eps=head.input_norm.eps, norm_weight=self.norm.weight,
+                                rms_eps=self.norm.variance_epsilon, backend=self._csattn_backend)
+        return MoeModelOutputWithPast(last_hidden_state=layout.scatter(final))
 
 
-def _hc_pre(site: hf.DeepseekV4HyperConnection, streams: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def _hc_pre(site: hf.DeepseekV4HyperConnection, streams: Tensor, backend: str,
+            norm: hf.DeepseekV4RMSNorm) -> tuple[Tensor, Tensor, Tensor]:
+    # HF's RMSNorm math (fp32, weight applied before the cast back) applied by the site, which keeps one scale per
+    # row instead of the collapsed input
     return mhc_ops.hc_pre(streams, site.fn, site.base, site.scale, sinkhorn_iters=site.hc_sinkhorn_iters,
-                          hc_eps=site.hc_eps, norm_eps=site.input_norm.eps, backend=backend)
-
-
-def _norm(norm: hf.DeepseekV4RMSNorm, x: Tensor) -> Tensor:
-    # same math as HF's RMSNorm (fp32, weight applied before the cast back); keeps one scale per row, not fp32 x
-    return rms_norm(x, norm.weight, norm.variance_epsilon)
+                          hc_eps=site.hc_eps, norm_eps=site.input_norm.eps, norm_weight=norm.weight,
+                          rms_eps=norm.variance_epsilon, backend=backend)
 
 
 def _refuse_unsupported(past_key_values: Any, use_cache: bool | None, kwargs: dict[str, Any]) -> None:

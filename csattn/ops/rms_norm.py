@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["rms_norm"]
+__all__ = ["rms_norm", "rms_norm_forward", "rms_norm_backward"]
 
 CHUNK_BYTES = 64 << 20  # fp32 bytes per temporary per chunk
 
@@ -25,46 +25,61 @@ def _chunk_rows(channels: int) -> int:
     return max(1, CHUNK_BYTES // (4 * channels))
 
 
+def rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(out, rstd)``: the normed rows ``[..., C]`` in ``x.dtype`` and ``1 / rms`` per row ``[R, 1]`` (fp32, fp64
+    for fp64 input), without autograd; the forward of :func:`rms_norm`, shared with fused callers that keep
+    ``x`` some other way (e.g. the mHC site recomputes its collapse)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty_like(rows)
+    rstd = torch.empty((rows.shape[0], 1), dtype=compute, device=x.device)
+    w = weight.to(compute)
+    step = _chunk_rows(x.shape[-1])
+    for lo in range(0, rows.shape[0], step):
+        h = rows[lo:lo + step].to(compute)
+        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        rstd[lo:lo + step] = r
+        out[lo:lo + step] = (w * (h * r)).to(x.dtype)
+    return out.view(x.shape), rstd
+
+
+def rms_norm_backward(x: Tensor, weight: Tensor, rstd: Tensor, dy: Tensor, need_x: bool = True,
+                      need_w: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    """``(dx, dweight)`` of :func:`rms_norm` from its input ``x [..., C]``, ``weight [C]``, the forward's ``rstd
+    [R, 1]`` and ``dy [..., C]`` (None where not needed)."""
+    compute = rstd.dtype
+    rows, g_rows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
+    dx = torch.empty_like(rows) if need_x else None
+    dw = torch.zeros(weight.shape, dtype=compute, device=weight.device) if need_w else None
+    w = weight.to(compute)
+    step = _chunk_rows(x.shape[-1])
+    for lo in range(0, rows.shape[0], step):
+        h = rows[lo:lo + step].to(compute)
+        r = rstd[lo:lo + step]
+        g = g_rows[lo:lo + step].to(compute)
+        if need_w:
+            dw += (g * (h * r)).sum(0)
+        if need_x:
+            gw = g * w
+            # d/dx of w * x * rstd(x) = gw * rstd - x * rstd^3 * mean(gw * x), in the order plain autograd
+            # takes: the sum nearly cancels against the first term along x, and an upstream gradient that
+            # sums over the normalized rows (a scale-invariant consumer) sees that residue
+            dx[lo:lo + step] = (gw * r + h * ((gw * h).sum(-1, keepdim=True) * (-r.pow(3) / x.shape[-1])))
+    return (None if dx is None else dx.view(x.shape), None if dw is None else dw.to(weight.dtype))
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        compute = torch.promote_types(x.dtype, torch.float32)
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.empty_like(rows)
-        rstd = torch.empty((rows.shape[0], 1), dtype=compute, device=x.device)
-        w = weight.to(compute)
-        step = _chunk_rows(x.shape[-1])
-        for lo in range(0, rows.shape[0], step):
-            h = rows[lo:lo + step].to(compute)
-            r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-            rstd[lo:lo + step] = r
-            out[lo:lo + step] = (w * (h * r)).to(x.dtype)
+        out, rstd = rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return out.view(x.shape)
+        return out
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, weight, rstd = ctx.saved_tensors
-        compute = rstd.dtype
-        rows, g_rows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
-        need_x, need_w = ctx.needs_input_grad[:2]
-        dx = torch.empty_like(rows) if need_x else None
-        dw = torch.zeros(weight.shape, dtype=compute, device=weight.device) if need_w else None
-        w = weight.to(compute)
-        step = _chunk_rows(x.shape[-1])
-        for lo in range(0, rows.shape[0], step):
-            h = rows[lo:lo + step].to(compute)
-            r = rstd[lo:lo + step]
-            g = g_rows[lo:lo + step].to(compute)
-            if need_w:
-                dw += (g * (h * r)).sum(0)
-            if need_x:
-                gw = g * w
-                # d/dx of w * x * rstd(x) = gw * rstd - x * rstd^3 * mean(gw * x), in the order plain autograd
-                # takes: the sum nearly cancels against the first term along x, and an upstream gradient that
-                # sums over the normalized rows (a scale-invariant consumer) sees that residue
-                dx[lo:lo + step] = (gw * r + h * ((gw * h).sum(-1, keepdim=True) * (-r.pow(3) / x.shape[-1])))
-        return (None if dx is None else dx.view(x.shape), None if dw is None else dw.to(weight.dtype), None)
+        dx, dw = rms_norm_backward(x, weight, rstd, dy, *ctx.needs_input_grad[:2])
+        return dx, dw, None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

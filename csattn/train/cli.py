@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+from ..models.deepseek_v4.config import RECOMPUTE_CHOICES
 from .loop import TrainConfig, train
 
 __all__ = ["add_train_args", "config_from_args", "run_train"]
@@ -36,10 +37,11 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="parameter dtype; mHC, sinks, biases and norms stay at least fp32 (default %(default)s)")
     m.add_argument("--attention-backend", choices=["auto", "reference", "triton"], default=_D.attention_backend,
                    help="attention kernels: auto = Triton on CUDA, reference on CPU (default %(default)s)")
-    m.add_argument("--recompute", choices=["none", "mhc", "moe", "block"], default=_D.recompute,
+    m.add_argument("--recompute", choices=list(RECOMPUTE_CHOICES), default=_D.recompute,
                    help="what the backward recomputes instead of keeping: none; mhc = the mHC pre-mapping and "
-                        "norm of each sub-block; moe = each MoE; block = each whole block from its input streams "
-                        "(measured memory and time: BENCHMARKS.md, 'Model step') (default %(default)s)")
+                        "norm of each sub-block; moe = each MoE; block = each whole block from its input streams; "
+                        "full = block with mhc and moe inside it, for the longest sequences (measured memory and "
+                        "time: BENCHMARKS.md, 'Model step') (default %(default)s)")
     m.add_argument("--activation-checkpointing", action="store_true",
                    help="the same as --recompute block")
     d = parser.add_argument_group("data")

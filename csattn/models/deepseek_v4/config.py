@@ -23,8 +23,12 @@ _TRAINING_FIELDS = ("indexer_loss_coeff", "mtp_loss_coeff", "mtp_layer_types", "
 #           elementwise parts by design);
 #   mhc   - also the mHC pre-mapping + RMSNorm before each sub-block (keeps the streams, not the block input);
 #   moe   - also the whole MoE (router, experts, shared expert): only its input is kept;
-#   block - each decoder / MTP block from its input streams (the most memory saved, about one extra forward).
-RECOMPUTE_CHOICES = ("none", "mhc", "moe", "block")
+#   block - each decoder / MTP block from its input streams (about one extra forward); the first block starts from
+#           the embedding ``[D]`` (not its ``n`` copies) and, without MTP blocks, the last one ends with the
+#           hyper-head and final norm, so the model keeps one stream set per block boundary;
+#   full  - block, with mhc and moe inside each recomputed block: the block's backward holds one sub-block's state
+#           at a time (the longest sequences; the mHC sites and the MoE run three forwards).
+RECOMPUTE_CHOICES = ("none", "mhc", "moe", "block", "full")
 
 
 @dataclass
@@ -91,7 +95,7 @@ class DeepseekV4ModelConfig:
         n = self.num_hidden_layers
         if self.activation_checkpointing and self.recompute == "none":
             self.recompute = "block"
-        self.activation_checkpointing = self.recompute == "block"
+        self.activation_checkpointing = self.recompute in ("block", "full")
         if self.layer_types is None:  # HF's default: the Pro pattern (2 x HCA, then CSA on odd indices)
             rest = ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
                     for i in range(max(n - 2, 0))]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ...layers.modules import RMSNorm
 from ...ops import mhc as mhc_ops
 
 __all__ = ["HyperConnection", "HyperHead", "expand_streams", "hc_combine"]
@@ -37,8 +38,10 @@ def hc_combine(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, b
 class HyperConnection(nn.Module):
     """One mHC site (before the attention or the MoE of a block).
 
-    ``forward(streams [T, n, D])`` returns ``post [T, n]``, ``comb [T, n, n]`` (fp32) and the collapsed block
-    input ``[T, D]`` (stream dtype); ``combine`` writes a block output back into the streams.
+    ``forward(streams [T, n, D], norm)`` returns ``post [T, n]``, ``comb [T, n, n]`` (fp32) and the collapsed
+    block input ``[T, D]`` (stream dtype), normed by ``norm`` (the block's RMSNorm) when given: the fused kernels
+    then recompute the collapse in the backward instead of keeping it. ``combine`` writes a block output back
+    into the streams.
     """
 
     def __init__(self, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
@@ -52,9 +55,9 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3))
         nn.init.normal_(self.fn, std=0.02)
 
-    def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, streams: Tensor, norm: RMSNorm | None = None) -> tuple[Tensor, Tensor, Tensor]:
         return mhc_ops.hc_pre(streams, self.fn, self.base, self.scale, sinkhorn_iters=self.sinkhorn_iters,
-                              hc_eps=self.hc_eps, norm_eps=self.norm_eps, backend=self.backend)
+                              hc_eps=self.hc_eps, norm_eps=self.norm_eps, **_norm_args(norm), backend=self.backend)
 
     def combine(self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
         """:func:`hc_combine` on this site's backend: streams ``[T, n, D]``, block output ``[T, D]``,
@@ -63,7 +66,8 @@ class HyperConnection(nn.Module):
 
 
 class HyperHead(nn.Module):
-    """Final collapse of the streams (sigmoid weights, no Sinkhorn): ``[T, n, D]`` -> ``[T, D]``."""
+    """Final collapse of the streams (sigmoid weights, no Sinkhorn): ``[T, n, D]`` -> ``[T, D]``, normed by
+    ``norm`` (the model's final RMSNorm) when given, as :class:`HyperConnection` does."""
 
     def __init__(self, hidden_size: int, hc_mult: int, hc_eps: float, norm_eps: float, backend: str = "auto") -> None:
         super().__init__()
@@ -74,6 +78,10 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1))
         nn.init.normal_(self.hc_fn, std=0.02)
 
-    def forward(self, streams: Tensor) -> Tensor:
+    def forward(self, streams: Tensor, norm: RMSNorm | None = None) -> Tensor:
         return mhc_ops.hc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, hc_eps=self.hc_eps,
-                               norm_eps=self.norm_eps, backend=self.backend)
+                               norm_eps=self.norm_eps, **_norm_args(norm), backend=self.backend)
+
+
+def _norm_args(norm: RMSNorm | None) -> dict:
+    return {} if norm is None else {"norm_weight": norm.weight, "rms_eps": norm.eps}

@@ -15,7 +15,9 @@ Data flow of one step::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -103,7 +105,7 @@ class DecoderLayer(nn.Module):
         y = self.self_attn(x, packed=packed, cp=cp)
         streams = self.attn_hc.combine(streams, y, post, comb)
         post, comb, x = self._site(self.ffn_hc, self.post_attention_layernorm, streams)
-        if self.recompute == "moe" and torch.is_grad_enabled():
+        if self.recompute in ("moe", "full") and torch.is_grad_enabled():
             # the MoE holds no collective, so recomputing it never pairs with another rank's call
             y = checkpoint(self.mlp, x, input_ids, real, use_reentrant=False)
         else:
@@ -112,8 +114,8 @@ class DecoderLayer(nn.Module):
 
     def _site(self, hc: HyperConnection, norm: RMSNorm, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The mHC pre-mapping and the RMSNorm before a sub-block: ``post``, ``comb`` and the normed input;
-        under ``recompute="mhc"`` only the streams are kept and both are redone in the backward."""
-        if self.recompute == "mhc" and torch.is_grad_enabled():
+        under ``recompute="mhc"`` (or ``"full"``) only the streams are kept and both are redone in the backward."""
+        if self.recompute in ("mhc", "full") and torch.is_grad_enabled():
             return checkpoint(_pre_and_norm, hc, norm, streams, use_reentrant=False)
         return _pre_and_norm(hc, norm, streams)
 
@@ -242,11 +244,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         t = ids.shape[0]
         packed = self._packed(packed, t, cp)
         real = self._local_real(packed, t, cp, ids.device)
-        embeds = self.model.embed_tokens(ids)
-        streams = expand_streams(embeds, c.hc_mult)
-        for layer in self.model.layers:
-            streams = self._run_block(layer, streams, ids, packed, cp, real)
-        final = self.model.norm(self.model.hc_head(streams))
+        final, streams = self._decoder(self.model.embed_tokens(ids), ids, packed, cp, real)
         logits = self.lm_head(final) if return_logits else None
 
         out = CausalLMOutput(logits=logits)
@@ -271,7 +269,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             for j, block in enumerate(self.mtp):
                 next_ids = targets[j].clamp_min(0)  # token t+j+1 (rows without one have no MTP label)
                 h = self._run_block(block, h, self.model.embed_tokens(next_ids), ids, packed, cp, real)
-                mtp_final = block.norm(block.hc_head(h))
+                mtp_final = block.hc_head(h, block.norm)
                 mtp_logits = self.lm_head(mtp_final) if return_logits else None
                 if mtp_logits is not None:
                     out.mtp_logits.append(mtp_logits)
@@ -305,13 +303,36 @@ class DeepseekV4ForCausalLM(nn.Module):
     # ------------------------------------------------------------------ helpers
     loss_chunk_rows = 4096
 
-    def _run_block(self, block: nn.Module, *args: Any) -> Tensor:
-        """One decoder / MTP block, recomputed in the backward under ``recompute="block"``.
+    def _decoder(self, embeds: Tensor, ids: Tensor, packed: PackedSeqs, cp: Any,
+                 real: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``embeds [T, D]`` -> the final normed hidden ``[T, D]`` and the last streams ``[T, n, D]`` (what the MTP
+        blocks continue from; None when the last block ends with the head, see below).
+
+        The first block expands the embedding into the ``n`` streams itself and, under block recompute without
+        MTP blocks, the last one ends with the hyper-head and the final norm: the model then keeps the embedding
+        ``[D]`` rather than its ``n`` copies, and the head's output rather than the last streams (24 and 32
+        stream-dtype elements a token fewer, 12 + 16 GiB at 512k tokens of the V4-Flash geometry).
+        """
+        n = self.config.hc_mult
+        layers = list(self.model.layers)
+        if not layers:
+            return self.model.hc_head(expand_streams(embeds, n), self.model.norm), expand_streams(embeds, n)
+        head_inside = self.config.recompute in ("block", "full") and not len(self.mtp)
+        h = embeds
+        for i, layer in enumerate(layers):
+            head = self.model if head_inside and i == len(layers) - 1 else None
+            h = self._run_block(partial(_block_step, layer, n if i == 0 else 0, head), h, ids, packed, cp, real)
+        if head_inside:
+            return h, None
+        return self.model.hc_head(h, self.model.norm), h
+
+    def _run_block(self, block: Callable[..., Tensor], *args: Any) -> Tensor:
+        """One decoder / MTP block, recomputed in the backward under ``recompute="block"`` or ``"full"``.
 
         Every rank of a CP group recomputes the same blocks in the same order, so the collectives inside the
         attention (halo exchange, entry gather) pair up again during the backward.
         """
-        if self.config.recompute == "block" and torch.is_grad_enabled():
+        if self.config.recompute in ("block", "full") and torch.is_grad_enabled():
             return checkpoint(block, *args, use_reentrant=False)
         return block(*args)
 
@@ -374,9 +395,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         return counts
 
 
+def _block_step(layer: DecoderLayer, expand: int, head: nn.Module | None, x: Tensor, *args: Any) -> Tensor:
+    """One decoder block as the unit of block recompute: ``x`` is the streams ``[T, n, D]``, or the embedding
+    ``[T, D]`` copied into ``expand`` streams first; with ``head`` (the backbone) it returns the final normed
+    hidden ``[T, D]`` instead of the streams."""
+    out = layer(expand_streams(x, expand) if expand else x, *args)
+    return head.hc_head(out, head.norm) if head is not None else out
+
+
 def _pre_and_norm(hc: nn.Module, norm: nn.Module, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    post, comb, x = hc(streams)
-    return post, comb, norm(x)
+    return hc(streams, norm)  # the site applies the norm itself (its collapse is recomputed, not kept)
 
 
 def _ce_sum(logits: Tensor, labels: Tensor) -> Tensor:

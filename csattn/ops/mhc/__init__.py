@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ..rms_norm import rms_norm
 from .naive import hc_combine_ref, hc_head_ref, hc_pre_ref, sinkhorn_ref
 
 __all__ = ["hc_pre", "hc_head", "hc_combine", "resolve_backend", "hc_pre_ref", "hc_head_ref", "hc_combine_ref",
@@ -28,7 +29,8 @@ def resolve_backend(backend: str, t: Tensor) -> str:
 
 
 def hc_pre(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn_iters: int, hc_eps: float,
-           norm_eps: float, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+           norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 1e-6,
+           backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """One mHC site: mixing weights from the RMS-normalized flattened streams, and the collapsed block input.
 
     ``mix = (X / rms(X)) @ fn^T``; ``pre = sigmoid(mix_pre * scale[0] + base_pre) + eps``;
@@ -38,23 +40,30 @@ def hc_pre(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn
     Args:
         streams: ``[T, n, D]`` (bf16 / fp32 / fp64). fn: ``[(2+n)*n, n*D]``. base: ``[(2+n)*n]``.
         scale: ``[3]``. sinkhorn_iters: Sinkhorn rounds (>= 1). hc_eps: weight epsilon. norm_eps: RMS epsilon.
+        norm_weight: optional ``[D]``: return the block input ``rms_norm(collapsed, norm_weight, rms_eps)``
+            instead of ``collapsed`` (the RMSNorm that follows every site). The fused kernels then recompute the
+            collapse in the backward instead of keeping it: ``D`` stream-dtype elements a token less per site.
 
     Returns:
-        ``post [T, n]``, ``comb [T, n, n]`` (fp32; fp64 for fp64 streams) and ``collapsed [T, D]`` (stream dtype).
+        ``post [T, n]``, ``comb [T, n, n]`` (fp32; fp64 for fp64 streams) and ``collapsed [T, D]`` (stream dtype;
+        normed with ``norm_weight``).
     """
     if resolve_backend(backend, streams) == "triton":
         from .triton import hc_pre_triton  # lazy: importing csattn must not need Triton
 
-        return hc_pre_triton(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
-    return hc_pre_ref(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+        return hc_pre_triton(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, rms_eps)
+    post, comb, collapsed = hc_pre_ref(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return post, comb, collapsed if norm_weight is None else rms_norm(collapsed, norm_weight, rms_eps)
 
 
 def hc_head(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, hc_eps: float, norm_eps: float,
-            backend: str = "auto") -> Tensor:
+            norm_weight: Tensor | None = None, rms_eps: float = 1e-6, backend: str = "auto") -> Tensor:
     """Final collapse ``sum_j pre_j X_j`` with ``pre = sigmoid((X / rms(X)) @ fn^T * scale + base) + eps``.
 
     Args:
         streams: ``[T, n, D]``. fn: ``[n, n*D]``. base: ``[n]``. scale: ``[1]``.
+        norm_weight: optional ``[D]``: return ``rms_norm(collapse, norm_weight, rms_eps)`` (the model's final
+            norm), the collapse recomputed in the fused backward (see :func:`hc_pre`).
 
     Returns:
         ``[T, D]`` in the stream dtype.
@@ -62,8 +71,9 @@ def hc_head(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, hc_eps:
     if resolve_backend(backend, streams) == "triton":
         from .triton import hc_head_triton
 
-        return hc_head_triton(streams, fn, base, scale, hc_eps, norm_eps)
-    return hc_head_ref(streams, fn, base, scale, hc_eps, norm_eps)
+        return hc_head_triton(streams, fn, base, scale, hc_eps, norm_eps, norm_weight, rms_eps)
+    out = hc_head_ref(streams, fn, base, scale, hc_eps, norm_eps)
+    return out if norm_weight is None else rms_norm(out, norm_weight, rms_eps)
 
 
 def hc_combine(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, *, backend: str = "auto") -> Tensor:

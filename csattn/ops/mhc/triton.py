@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..rms_norm import rms_norm_backward, rms_norm_forward
+
 __all__ = ["hc_pre_triton", "hc_head_triton", "hc_combine_triton", "TILES"]
 
 # Tile sizes (rows, flat channels ``n*D``, channels ``D``), warps and options; the benchmark's variants override
@@ -48,7 +50,7 @@ __all__ = ["hc_pre_triton", "hc_head_triton", "hc_combine_triton", "TILES"]
 TILES = dict(fwd_rows=64, fwd_rows_small=32, fwd_k=64, fwd_k_fma=32, fwd_d=32, fwd_warps=8,
              coef_rows=16, coef_d=256, coef_warps=4,
              bwd_rows=32, bwd_k=64, bwd_groups=8, bwd_warps=8,
-             comb_rows=4, comb_d=256, comb_warps=4, split=0)
+             comb_rows=4, comb_d=256, comb_warps=4, collapse_rows=16, collapse_d=256, collapse_warps=4, split=0)
 # split=1 (tensor-core products with the fp32 operand in three bf16 parts) is 21 % faster per site (16k tokens,
 # H200: 5.29 vs 6.73 ms forward + backward) but its ``post`` output missed the bf16 bar on the H200 (1.7e-5 against
 # 2.8e-7 for the same math in PyTorch, tests/test_mhc_triton.py): the tensor cores' fp32 accumulation is not
@@ -200,6 +202,15 @@ def hc_pre_fwd_kernel(x, fn, base, scale, mix, rstd, post, comb, out, T, norm_ep
             p = _col_norm(_row_norm(p, hc_eps), hc_eps)
         jk, _ = _comb_index(N, NP)
         tl.store(comb + rows[:, None, None] * (N * N) + jk[None, :, :], p, mask=m3)
+    _collapse(x, pre, out, rows, rmask, cdt, N, NP, D, K, BT, BD)
+
+
+@triton.jit
+def _collapse(x, pre, out, rows, rmask, cdt: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr,
+              K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """``out[rows] = sum_j pre_j X_j`` in ``cdt``, rounded once; the one place this sum is written, so that the
+    backward's recomputation (:func:`hc_collapse_kernel`) gives the forward's bits."""
+    jj = tl.arange(0, NP)
     for d0 in range(0, D, BD):
         ds = d0 + tl.arange(0, BD)
         m2 = rmask[:, None] & (ds < D)[None, :]
@@ -208,6 +219,18 @@ def hc_pre_fwd_kernel(x, fn, base, scale, mix, rstd, post, comb, out, T, norm_ep
             pj = tl.sum(tl.where(jj[None, :] == j, pre, 0.0), axis=1)
             o += pj[:, None] * tl.load(x + rows[:, None] * K + j * D + ds[None, :], mask=m2, other=0.0).to(cdt)
         tl.store(out + rows[:, None] * D + ds[None, :], o.to(out.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def hc_collapse_kernel(x, mix, base, scale, out, T, hc_eps, N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr,
+                       K: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """The forward's collapse again from the saved logits (the fused RMSNorm's backward needs its input)."""
+    cdt: tl.constexpr = mix.dtype.element_ty
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    rmask = rows < T
+    rows = rows.to(tl.int64)
+    pre, _, _, _ = _pre_weights(mix, base, scale, rows, rmask, hc_eps, M, N, NP)
+    _collapse(x, pre, out, rows, rmask, cdt, N, NP, D, K, BT, BD)
 
 
 @triton.jit
@@ -481,30 +504,58 @@ def _pre_backward(streams, fn, base, scale, mix, rstd, dout, dpost, dcomb, iters
     return dx, dfn, dbase, dscale
 
 
+def _collapse_again(streams: Tensor, mix: Tensor, base: Tensor, scale: Tensor, hc_eps: float) -> Tensor:
+    """The forward's ``collapsed [T, D]``, bit for bit, from the streams and the saved logits (one read of the
+    streams): what the fused RMSNorm's backward needs, recomputed instead of kept."""
+    t, n, d = streams.shape
+    out = _empty((t, d), streams.dtype, streams.device)
+    if t:
+        bt, bd = TILES["collapse_rows"], min(TILES["collapse_d"], triton.next_power_of_2(d))
+        hc_collapse_kernel[(triton.cdiv(t, bt),)](
+            streams, mix, base, scale, out, t, hc_eps, N=n, NP=triton.next_power_of_2(n), D=d, K=n * d,
+            M=mix.shape[1], BT=bt, BD=bd, num_warps=TILES["collapse_warps"])
+    return out
+
+
 class _HcPre(torch.autograd.Function):
+    """One site (or the head): the logits, weights and collapse; with ``norm_w`` also the RMSNorm of the
+    collapse, whose input is then recomputed in the backward instead of kept (the site keeps the streams, the
+    logits and two scales per row)."""
+
     @staticmethod
-    def forward(ctx, streams, fn, base, scale, iters, hc_eps, norm_eps, head):
+    def forward(ctx, streams, fn, base, scale, iters, hc_eps, norm_eps, head, norm_w=None, rms_eps=0.0):
         cdt = torch.promote_types(streams.dtype, torch.float32)
         fn_c, base_c, scale_c = fn.to(cdt).contiguous(), base.to(cdt).contiguous(), scale.to(cdt).contiguous()
         post, comb, out, mix, rstd = _pre_forward(streams, fn_c, base_c, scale_c, iters, hc_eps, norm_eps, head)
-        ctx.save_for_backward(streams, fn, base, scale, mix, rstd)
-        ctx.cfg = (iters, hc_eps, head)
+        saved = [streams, fn, base, scale, mix, rstd]
+        if norm_w is not None:
+            out, norm_rstd = rms_norm_forward(out, norm_w, rms_eps)
+            saved += [norm_w, norm_rstd]
+        ctx.save_for_backward(*saved)
+        ctx.cfg = (iters, hc_eps, head, norm_w is not None)
         return out if head else (post, comb, out)
 
     @staticmethod
     def backward(ctx, *grads):
-        streams, fn, base, scale, mix, rstd = ctx.saved_tensors
-        iters, hc_eps, head = ctx.cfg
+        streams, fn, base, scale, mix, rstd, *norm = ctx.saved_tensors
+        iters, hc_eps, head, fused_norm = ctx.cfg
         cdt = mix.dtype
         if head:
             (dout,), dpost, dcomb = grads, None, None
         else:
             dpost, dcomb, dout = grads
             dpost, dcomb = dpost.to(cdt).contiguous(), dcomb.to(cdt).contiguous()
-        dx, dfn, dbase, dscale = _pre_backward(
-            streams, fn.to(cdt).contiguous(), base.to(cdt).contiguous(), scale.to(cdt).contiguous(), mix, rstd,
-            dout.contiguous(), dpost, dcomb, iters, hc_eps, head)
-        return dx, dfn.to(fn.dtype), dbase.to(base.dtype), dscale.to(scale.dtype), None, None, None, None
+        fn_c, base_c, scale_c = fn.to(cdt).contiguous(), base.to(cdt).contiguous(), scale.to(cdt).contiguous()
+        dnorm_w = None
+        if fused_norm:
+            norm_w, norm_rstd = norm
+            collapsed = _collapse_again(streams, mix, base_c, scale_c, hc_eps)
+            dout, dnorm_w = rms_norm_backward(collapsed, norm_w, norm_rstd, dout, True, ctx.needs_input_grad[8])
+            del collapsed
+        dx, dfn, dbase, dscale = _pre_backward(streams, fn_c, base_c, scale_c, mix, rstd, dout.contiguous(), dpost,
+                                               dcomb, iters, hc_eps, head)
+        return (dx, dfn.to(fn.dtype), dbase.to(base.dtype), dscale.to(scale.dtype), None, None, None, None, dnorm_w,
+                None)
 
 
 class _HcCombine(torch.autograd.Function):
@@ -542,27 +593,42 @@ def _check_streams(streams: Tensor, fn: Tensor, width: int) -> None:
         raise ValueError(f"fn must be [{width}, {n * d}] for streams {tuple(streams.shape)}, got {tuple(fn.shape)}")
 
 
+def _check_norm_weight(streams: Tensor, norm_weight: Tensor | None) -> None:
+    if norm_weight is not None and norm_weight.shape != (streams.shape[-1],):
+        raise ValueError(f"norm_weight must be [D] = [{streams.shape[-1]}] for streams {tuple(streams.shape)}, got "
+                         f"{tuple(norm_weight.shape)}")
+
+
 def hc_pre_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, sinkhorn_iters: int, hc_eps: float,
-                  norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+                  norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 0.0
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     """Fused :func:`~csattn.ops.mhc.naive.hc_pre_ref`: ``streams [T, n, D]``, ``fn [(2+n)*n, n*D]``,
     ``base [(2+n)*n]``, ``scale [3]`` -> ``post [T, n]``, ``comb [T, n, n]`` (fp32; fp64 for fp64 streams),
-    ``collapsed [T, D]`` (stream dtype). Saves the streams, ``[T, (2+n)*n]`` logits and ``[T]`` rstd."""
+    ``collapsed [T, D]`` (stream dtype). Saves the streams, ``[T, (2+n)*n]`` logits and ``[T]`` rstd.
+
+    With ``norm_weight [D]`` the third output is ``rms_norm(collapsed, norm_weight, rms_eps)`` instead, and the
+    collapse is recomputed in the backward rather than kept (one more ``[T]`` scale saved)."""
     n = streams.shape[-2] if streams.dim() == 3 else 0
     _check_streams(streams, fn, (2 + n) * n)
     if base.shape != (fn.shape[0],) or scale.shape != (3,):
         raise ValueError(f"base must be [{fn.shape[0]}] and scale [3], got {tuple(base.shape)}, {tuple(scale.shape)}")
+    _check_norm_weight(streams, norm_weight)
     return _HcPre.apply(streams.contiguous(), fn, base, scale, int(sinkhorn_iters), float(hc_eps), float(norm_eps),
-                        False)
+                        False, norm_weight, float(rms_eps))
 
 
-def hc_head_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_eps: float) -> Tensor:
+def hc_head_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_eps: float,
+                   norm_weight: Tensor | None = None, rms_eps: float = 0.0) -> Tensor:
     """Fused :func:`~csattn.ops.mhc.naive.hc_head_ref`: ``streams [T, n, D]``, ``fn [n, n*D]``, ``base [n]``,
-    ``scale [1]`` -> ``[T, D]`` (stream dtype)."""
+    ``scale [1]`` -> ``[T, D]`` (stream dtype); normed by ``norm_weight [D]`` when given (see
+    :func:`hc_pre_triton`)."""
     n = streams.shape[-2] if streams.dim() == 3 else 0
     _check_streams(streams, fn, n)
     if base.shape != (n,) or scale.shape != (1,):
         raise ValueError(f"base must be [{n}] and scale [1], got {tuple(base.shape)}, {tuple(scale.shape)}")
-    return _HcPre.apply(streams.contiguous(), fn, base, scale, 1, float(hc_eps), float(norm_eps), True)
+    _check_norm_weight(streams, norm_weight)
+    return _HcPre.apply(streams.contiguous(), fn, base, scale, 1, float(hc_eps), float(norm_eps), True, norm_weight,
+                        float(rms_eps))
 
 
 def hc_combine_triton(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
