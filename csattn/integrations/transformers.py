@@ -11,7 +11,8 @@ Example:
 - every ``self_attn`` becomes a :class:`csattn.HybridAttention` built around the HF module's own
   ``nn.Parameter`` objects (same names, so ``state_dict`` / ``save_pretrained`` are unchanged);
 - the decoder layers run the mHC through :mod:`csattn.ops.mhc` (``hc_pre`` / ``hc_combine``), each site applying
-  the RMSNorm after it (HF's math; the fused kernels recompute the collapse instead of keeping it); the routed experts run :func:`csattn.ops.moe.moe_experts`
+  the RMSNorm after it (HF's math; the fused kernels recompute the collapse instead of keeping it); the routed
+  experts run :func:`csattn.ops.moe.moe_experts`
   (HF's routers and shared experts stay);
 - ``DeepseekV4Model.forward`` packs the batch into csattn's layout (:func:`batch_layout`): the real tokens of
   the batch, one ``PackedSeqs`` document each, run through the decoder as ``[T, ...]`` rows and are written
