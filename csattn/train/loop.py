@@ -13,6 +13,7 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -245,8 +246,11 @@ def _all_reduce_grads(params: list[torch.nn.Parameter], topo: Topology) -> None:
 
 
 def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: Any, topo: Topology,
-               optimizer: torch.optim.Optimizer, cfg: TrainConfig, device: torch.device) -> dict[str, float]:
-    """One optimizer step on one packed batch; returns replica-mean metrics (identical on every rank)."""
+               optimizer: torch.optim.Optimizer, cfg: TrainConfig,
+               device: torch.device) -> Callable[[], dict[str, float]]:
+    """One optimizer step on one packed batch, launched: returns ``finish()``, which waits for the step and gives
+    its replica-mean metrics (identical on every rank). Between the two the host is free while the device runs
+    the step's tail (the loop builds the next batch there)."""
     packed = batch.packed
     ids, labels = batch.input_ids, batch.labels
     counts = (labels != -100).sum(dim=1).to(torch.float32)  # global label counts: the loss denominators
@@ -285,13 +289,19 @@ def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: Any, topo: 
         out.loss.detach().double(), out.lm_loss.double(),
         out.indexer_loss.double() if out.indexer_loss is not None else zero,
         torch.stack(out.mtp_losses).double().mean() if out.mtp_losses else zero,  # the mean the loss weights
+        grad_norm.detach().double().reshape(()).to(device),
     ]).to(device)
-    if topo.world > 1:
-        dist.all_reduce(metrics)
-        metrics /= topo.dp
-    loss, lm, idx, mtp = metrics.tolist()
-    return {"loss": loss, "lm_loss": lm, "indexer_loss": idx, "mtp_loss": mtp if out.mtp_losses else None,
-            "grad_norm": float(grad_norm)}
+    has_mtp = bool(out.mtp_losses)
+
+    def finish() -> dict[str, float]:
+        if topo.world > 1:  # every rank calls finish once per step, in step order: the collectives pair up
+            dist.all_reduce(metrics[:4])
+            metrics[:4] /= topo.dp
+        loss, lm, idx, mtp, norm = metrics.tolist()
+        return {"loss": loss, "lm_loss": lm, "indexer_loss": idx, "mtp_loss": mtp if has_mtp else None,
+                "grad_norm": norm}
+
+    return finish
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -372,11 +382,16 @@ def train(cfg: TrainConfig) -> TrainResult:
     log = _metrics_file(cfg, topo)
     board = _summary_writer(cfg, topo, start)
     tokens, flops, t0 = 0, 0.0, time.perf_counter()
+    batch = next(packer) if start < cfg.steps else None
     for step in range(start, cfg.steps):
-        batch = next(packer)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        metrics = train_step(model, batch, cp, topo, optimizer, cfg, device)
+        finish = train_step(model, batch, cp, topo, optimizer, cfg, device)
+        # the next batch is built on the host while the device runs this step; a checkpoint of this step holds
+        # the packer's position before it
+        consumed = packer.state_dict()
+        upcoming = next(packer) if step + 1 < cfg.steps else None
+        metrics = finish()
         scheduler.step()
         losses.append(metrics["loss"])
         lm_losses.append(metrics["lm_loss"])
@@ -415,7 +430,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                 print(line, flush=True)
         # with --output the final step is always saved; --save-every adds the intermediate checkpoints
         if cfg.output and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps):
-            _save(cfg, step + 1, model, optimizer, scheduler, packer, topo)
+            _save(cfg, step + 1, model, optimizer, scheduler, consumed, topo)
+        batch = upcoming
     if bar is not None:
         bar.close()
     if log is not None:
@@ -519,11 +535,11 @@ def _peak_flops(cfg: TrainConfig, device: torch.device) -> float:
 
 
 def _save(cfg: TrainConfig, step: int, model: DeepseekV4ForCausalLM, optimizer: torch.optim.Optimizer,
-          scheduler: Any, packer: DocumentPacker, topo: Topology) -> None:
-    packers = [packer.state_dict()]
+          scheduler: Any, packer_state: dict[str, Any], topo: Topology) -> None:
+    packers = [packer_state]
     if topo.world > 1:
         everyone: list[Any] = [None] * topo.world
-        dist.all_gather_object(everyone, packer.state_dict())
+        dist.all_gather_object(everyone, packer_state)
         packers = [everyone[r * topo.cp] for r in range(topo.dp)]  # one per replica (its CP rank 0)
     if topo.rank == 0:
         path = save_checkpoint(cfg.output, step, model, {
