@@ -209,6 +209,31 @@ def test_moe_layer_no_host_read_and_load(hashed):
     assert torch.equal(expert_load(experts, 8), torch.bincount(experts.reshape(-1), minlength=8))
 
 
+@pytest.mark.parametrize("backend", ["grouped", "reference"])
+def test_moe_layer_row_chunks(backend):
+    """Row chunks (``chunk_rows``, uneven last chunk) give every row's output and every gradient of one pass (fp64;
+    the weight gradients sum the chunks' parts), and keep what one pass keeps: the chunks save views of x."""
+    torch.manual_seed(0)
+    whole = MoE(16, 8, 8, 2, 32, False, "sqrtsoftplus", 2.5, LIMIT, backend=backend).double()
+    parts = MoE(16, 8, 8, 2, 32, False, "sqrtsoftplus", 2.5, LIMIT, backend=backend, chunk_rows=7).double()
+    parts.load_state_dict(whole.state_dict())
+    x = torch.randn(23, 16, dtype=torch.float64)
+    dy = torch.randn(23, 16, dtype=torch.float64)
+    results = []
+    for moe in (whole, parts):
+        xi = x.clone().requires_grad_()
+        y = moe(xi)
+        grads = torch.autograd.grad((y * dy).sum(), [xi, *moe.parameters()])
+        results.append((y.detach(), grads))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-13, atol=1e-14)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    xb = x.bfloat16().requires_grad_()
+    one, chunked = whole.bfloat16(), parts.bfloat16()
+    assert _saved_bytes(lambda: chunked(xb), (xb, *chunked.parameters())) <= \
+        _saved_bytes(lambda: one(xb), (xb, *one.parameters())) + 3 * 4096
+
+
 # ---------------------------------------------------------------------------------------------- saved tensors
 def _saved_bytes(fn, exclude: tuple[torch.Tensor, ...]) -> int:
     saved = []

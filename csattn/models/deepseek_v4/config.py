@@ -17,7 +17,7 @@ MLP_LAYER_TYPES = ("hash_moe", "moe")
 _RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # Settings that only this library reads; they are not written into ``config.json``.
 _TRAINING_FIELDS = ("indexer_loss_coeff", "mtp_loss_coeff", "mtp_layer_types", "attention_backend",
-                    "attn_chunk_rows", "workspace_bytes", "activation_checkpointing", "recompute")
+                    "attn_chunk_rows", "workspace_bytes", "activation_checkpointing", "recompute", "moe_chunk_rows")
 # What the backward recomputes instead of keeping (``DeepseekV4ModelConfig.recompute``):
 #   none  - each fused op keeps only what its own backward needs (the mHC and MoE kernels recompute their
 #           elementwise parts by design);
@@ -90,6 +90,9 @@ class DeepseekV4ModelConfig:
     workspace_bytes: int = 1 << 30
     activation_checkpointing: bool = False  # the older spelling of recompute="block"
     recompute: str = "none"  # one of RECOMPUTE_CHOICES (see there)
+    # tokens per MoE pass: the experts' forward and backward temporaries ([T k, D] gathers, products) scale with
+    # the rows of one pass, about 57 KiB a token at V4-Flash's geometry (top-2), 28 GiB at 512k tokens at once
+    moe_chunk_rows: int = 65536
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -145,6 +148,8 @@ class DeepseekV4ModelConfig:
         if self.n_shared_experts != 1:
             # HF (and the checkpoints) have exactly one shared expert of moe_intermediate_size.
             raise ValueError(f"n_shared_experts must be 1, got {self.n_shared_experts}")
+        if self.moe_chunk_rows < 1:
+            raise ValueError(f"moe_chunk_rows must be >= 1, got {self.moe_chunk_rows}")
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {self.recompute!r}")
         if self.hc_mult < 1 or self.hc_sinkhorn_iters < 1:

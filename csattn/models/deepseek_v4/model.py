@@ -90,7 +90,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = HybridAttention(c.attention_config(layer_idx))
         self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
                        c.vocab_size, hashed, c.scoring_func, c.routed_scaling_factor, c.swiglu_limit,
-                       backend=c.attention_backend)
+                       backend=c.attention_backend, chunk_rows=c.moe_chunk_rows)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.attn_hc = HyperConnection(c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,

@@ -134,13 +134,16 @@ class MoE(nn.Module):
     """``routed(x) + shared(x)`` on packed rows ``x [T, D]``.
 
     After each forward ``last_load [E]`` (int64) holds how many real tokens chose each expert (for
-    :meth:`Router.update_bias`). ``backend`` is the routed experts' path (see :class:`Experts`).
+    :meth:`Router.update_bias`). ``backend`` is the routed experts' path (see :class:`Experts`). The experts run
+    over row chunks of at most ``chunk_rows`` tokens (each row's result is the same; only the temporaries of one
+    pass shrink).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, vocab_size: int,
                  hashed: bool, scoring_func: str, routed_scaling_factor: float, swiglu_limit: float,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", chunk_rows: int = 65536) -> None:
         super().__init__()
+        self.chunk_rows = chunk_rows
         self.gate = Router(hidden_size, num_experts, top_k, vocab_size, hashed, scoring_func, routed_scaling_factor)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, swiglu_limit, backend)
         self.shared_experts = SharedExpert(hidden_size, intermediate_size, swiglu_limit, backend)
@@ -151,4 +154,9 @@ class MoE(nn.Module):
         weights, experts = self.gate(x, input_ids)
         with torch.no_grad():  # a scatter-add on the device: no boolean indexing, no bincount (both read the host)
             self.last_load = expert_load(experts, self.gate.num_experts, real)
-        return self.experts(x, experts, weights) + self.shared_experts(x)
+        step = self.chunk_rows
+        if x.shape[0] <= step:
+            return self.experts(x, experts, weights) + self.shared_experts(x)
+        # row views of x: what each chunk's backward saves is x itself, not copies
+        return torch.cat([self.experts(x[lo:lo + step], experts[lo:lo + step], weights[lo:lo + step])
+                          + self.shared_experts(x[lo:lo + step]) for lo in range(0, x.shape[0], step)])
