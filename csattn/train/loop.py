@@ -13,6 +13,7 @@ import math
 import os
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -35,6 +36,9 @@ from .data import build_corpus, load_tokenizer
 from .packer import DocumentPacker, PackedBatch
 
 __all__ = ["TrainConfig", "TrainResult", "train", "tiny_model_config", "Topology"]
+
+
+RATE_WINDOW = 20  # steps over which tokens/s and MFU are reported
 
 
 def tiny_model_config(vocab_size: int = 256, **overrides: Any) -> DeepseekV4ModelConfig:
@@ -381,7 +385,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     peak = _peak_flops(cfg, device)
     log = _metrics_file(cfg, topo)
     board = _summary_writer(cfg, topo, start)
-    tokens, flops, t0 = 0, 0.0, time.perf_counter()
+    tokens, t0 = 0, time.perf_counter()
+    # throughput over the last steps (the first steps also compile kernels: a rate since the start would
+    # understate the steady state for hundreds of steps)
+    recent: deque[tuple[float, int, float]] = deque([(t0, 0, 0.0)], maxlen=RATE_WINDOW + 1)
     batch = next(packer) if start < cfg.steps else None
     for step in range(start, cfg.steps):
         if device.type == "cuda":
@@ -397,16 +404,20 @@ def train(cfg: TrainConfig) -> TrainResult:
         lm_losses.append(metrics["lm_loss"])
         idx_losses.append(metrics["indexer_loss"])
         tokens += batch.num_tokens * topo.dp
+        step_flops = 0.0
         if peak:
             f = model_flops(model_cfg, batch.packed.cu_seqlens)
-            flops += (f["fwd"] + f["bwd"]) * topo.dp
-        elapsed = max(time.perf_counter() - t0, 1e-9)
-        tps = tokens / elapsed
-        mfu = f"{flops / elapsed / (peak * topo.world):.1%}" if peak else None
+            step_flops = (f["fwd"] + f["bwd"]) * topo.dp
+        now = time.perf_counter()
+        step_time = now - recent[-1][0]
+        recent.append((now, batch.num_tokens * topo.dp, step_flops))
+        window = max(now - recent[0][0], 1e-9)
+        tps = sum(r[1] for r in list(recent)[1:]) / window
+        mfu_value = sum(r[2] for r in list(recent)[1:]) / window / (peak * topo.world) if peak else None
+        mfu = f"{mfu_value:.1%}" if peak else None
         if log is not None or board is not None:
             rec = {"step": step + 1, **metrics, "lr": scheduler.get_last_lr()[0], "tokens": batch.num_tokens * topo.dp,
-                   "tokens_per_s": tps, "mfu": flops / elapsed / (peak * topo.world) if peak else None,
-                   "time": time.time()}
+                   "tokens_per_s": tps, "mfu": mfu_value, "step_time": step_time, "time": time.time()}
             if device.type == "cuda":
                 rec["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if log is not None:
