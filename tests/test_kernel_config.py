@@ -147,3 +147,33 @@ def test_no_kernel_settings_from_the_environment():
         text = path.read_text()
         assert "CSATTN_SPARSE_ATTN" not in text, path
         assert "SCORE_TILES" not in text and "LOSS_TILES" not in text, path
+
+
+def test_indexer_loss_backward_uses_the_forward_config(monkeypatch):
+    """The indexer loss's autograd function launches its backward with the forward's config too."""
+    pytest.importorskip("triton")
+    from csattn.ops.indexer_loss import indexer_kl_loss
+    from csattn.ops.indexer_loss import triton as kernels
+
+    seen: list = []
+    real = kernels.indexer_kl_bwd
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["config"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "indexer_kl_bwd", spy)
+    gen = torch.Generator().manual_seed(4)
+    T, HI, CI, H, D, Nc, K = 12, 2, 16, 2, 16, 9, 4
+    q_idx = torch.randn(T, HI, CI, generator=gen).requires_grad_()
+    w = torch.randn(T, HI, generator=gen).requires_grad_()
+    k_idx = torch.randn(Nc, CI, generator=gen).requires_grad_()
+    q, ckv = torch.randn(T, H, D, generator=gen), torch.randn(Nc, D, generator=gen)
+    lse = torch.randn(T, H, generator=gen) + 4
+    selected = torch.randint(-1, Nc, (T, K), generator=gen)
+    config = IndexerLossConfig(bk_fwd=16, bk_bwd=16)
+    loss = indexer_kl_loss(q_idx, w, k_idx, q, ckv, lse, D**-0.5, torch.full((T,), 1 / T), selected=selected,
+                           backend="triton", config=config)
+    monkeypatch.setattr(kernels, "_DEFAULT", IndexerLossConfig(bk_bwd=32))
+    loss.backward()
+    assert seen == [config] and seen[0] is config
