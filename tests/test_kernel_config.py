@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from csattn import PackedSeqs
-from csattn.config import AttentionConfig
 from csattn.models.deepseek_v4.config import DeepseekV4ModelConfig
 from csattn.ops.indexer import IndexerConfig
 from csattn.ops.indexer_loss import IndexerLossConfig

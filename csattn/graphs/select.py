@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from ..ops.autograd import autograd_vjp
 from ..ops.indexer.naive import fixed_row_chunks, indexer_scores_ref
 from ..ops.indexer_loss.naive import _sparse_chunk, _teacher_mass, kl_from_logits, sparse_loss_chunks
 from ..ops.indices.naive import gather_rows_masked
-from ..ops.autograd import autograd_vjp
 
 __all__ = ["indexer_topk_static", "indexer_kl_loss_dense_static",
            "indexer_kl_loss_static_bwd_ref"]

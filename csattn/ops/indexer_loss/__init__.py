@@ -15,8 +15,8 @@ from .naive import (
 )
 
 __all__ = [
-    "IndexerLossConfig", "IndexerLossAutoScaler", "SparseTeacher", "StudentQueries", "attach_indexer_loss", "indexer_kl_loss",
-    "indexer_kl_loss_ref", "kl_from_logits", "sparse_teacher_block", "indexer_kl_from_teacher",
+    "IndexerLossConfig", "IndexerLossAutoScaler", "SparseTeacher", "StudentQueries", "attach_indexer_loss",
+    "indexer_kl_loss", "indexer_kl_loss_ref", "kl_from_logits", "sparse_teacher_block", "indexer_kl_from_teacher",
 ]
 
 

@@ -22,8 +22,8 @@ from torch import Tensor
 
 from .config import IndexerLossConfig
 
-__all__ = ["IndexerLossConfig", "indexer_kl_loss_triton", "indexer_kl_fwd", "indexer_kl_bwd", "sparse_teacher_block_triton",
-           "indexer_kl_from_teacher_triton"]
+__all__ = ["IndexerLossConfig", "indexer_kl_loss_triton", "indexer_kl_fwd", "indexer_kl_bwd",
+           "sparse_teacher_block_triton", "indexer_kl_from_teacher_triton"]
 
 _DEFAULT = IndexerLossConfig()
 
