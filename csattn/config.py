@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .ops.rope import YarnScaling
+from .ops.sparse_attn.config import SparseAttnConfig
 
 __all__ = ["AttentionConfig", "LAYER_TYPES"]
 
@@ -58,12 +59,16 @@ class AttentionConfig:
     # q and o whole (plain autograd around the ops)
     recompute_projections: bool = True
     backend: Literal["auto", "reference", "triton"] = "auto"
+    # launch settings of the fused sparse-attention kernels (tile sizes, Gluon or Triton); None: the tuned
+    # defaults. A "key=value,..." string or a dict (SparseAttnConfig.parse / as_dict) is converted on construction
+    sparse_attn_kernel: SparseAttnConfig | None = None
     # no host sync and no data-dependent shape in the forward/backward (CUDA graphs, torch.compile): static
     # metadata from device cu_seqlens (csattn.graphs); needs max_seqlen on the host; with cp=, the contiguous
     # partition only
     capture_safe: bool = False
 
     def __post_init__(self) -> None:
+        self.sparse_attn_kernel = SparseAttnConfig.coerce(self.sparse_attn_kernel)
         self.validate()
 
     def validate(self) -> None:

@@ -26,11 +26,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     ],
 )
 @pytest.mark.parametrize("streamed", [False, True], ids=["row_in_registers", "row_streamed"])
-def test_static_topk_triton_equals_reference(lengths, padded, topk, workspace, streamed, monkeypatch):
-    if streamed:
-        from csattn.ops.indexer import triton as kernels
+def test_static_topk_triton_equals_reference(lengths, padded, topk, workspace, streamed):
+    from csattn.ops.indexer import IndexerConfig
 
-        monkeypatch.setitem(kernels.SCORE_TILES, "register_row", 8)
+    config = IndexerConfig(register_row=8) if streamed else None
     packed = PackedSeqs.from_lengths(lengths, padded_lengths=padded, device=DEVICE)
     t = packed.num_rows
     static = StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=t, max_seqlen=max(padded))
@@ -42,7 +41,7 @@ def test_static_topk_triton_equals_reference(lengths, padded, topk, workspace, s
     k = torch.randint(-1, 2, (smeta.capacity, 16), generator=gen).float().to(DEVICE)
     expected = indexer_topk_ref(q, w, k[: meta.num_entries], meta.vis_start, meta.vis_end, topk)
     got = indexer_topk_static(q, w, k, smeta.vis_start, smeta.vis_end, topk, smeta.max_visible,
-                              workspace_bytes=workspace, backend="triton")
+                              workspace_bytes=workspace, backend="triton", config=config)
     assert torch.equal(got, expected)
 
 

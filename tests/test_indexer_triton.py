@@ -34,19 +34,18 @@ def _int_inputs(T, Nc, HI, CI, gen):
 )
 @pytest.mark.parametrize("streamed", [False, True], ids=["row_in_registers", "row_streamed"])
 @pytest.mark.parametrize("seg", [1024, 16], ids=["one_tile", "16_key_tiles"])
-def test_topk_equals_reference_exact(lengths, padded, topk, workspace, streamed, seg, monkeypatch):
-    from csattn.ops.indexer import triton as kernels
+def test_topk_equals_reference_exact(lengths, padded, topk, workspace, streamed, seg):
+    from csattn.ops.indexer import IndexerConfig
 
-    if streamed:
-        # Rows longer than register_row keys take the tiled selection path; force it on these small rows.
-        monkeypatch.setitem(kernels.SCORE_TILES, "register_row", 8)
-    # Rows compacted in one tile, or in several (the ranks carried from tile to tile).
-    monkeypatch.setitem(kernels.SCORE_TILES, "seg", seg)
+    # Rows longer than register_row keys take the tiled selection path (streamed: forced on these small rows);
+    # rows compacted in one tile, or in several (the ranks carried from tile to tile).
+    config = IndexerConfig(seg=seg, **({"register_row": 8} if streamed else {}))
     gen = torch.Generator().manual_seed(sum(lengths) + topk)
     packed, meta = _pack(lengths, padded)
     q, w, k = _int_inputs(packed.num_rows, meta.num_entries, 3, 16, gen)
     expected = indexer_topk_ref(q, w, k, meta.vis_start, meta.vis_end, topk)
-    got = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, topk, workspace_bytes=workspace, backend="triton")
+    got = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, topk, workspace_bytes=workspace, backend="triton",
+                       config=config)
     assert got.dtype == torch.int64 and got.shape == expected.shape
     assert torch.equal(got, expected)
 
@@ -131,7 +130,7 @@ def test_topk_bad_input():
 
 
 @pytest.mark.gpu
-def test_topk_gpu_bf16_real_geometry(monkeypatch):
+def test_topk_gpu_bf16_real_geometry():
     """bf16 inputs, HI=64, cI=128, k=512, 32k ragged tokens: both sides accumulate in fp32, so the sets agree
     except between entries whose fp32 scores are within rounding of each other."""
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -156,23 +155,24 @@ def test_topk_gpu_bf16_real_geometry(monkeypatch):
     sub = rows[:64].cpu()
     _assert_same_sets(got.cpu()[sub], expected.cpu()[sub], scores, meta.vis_start.cpu()[sub], 1e-4)
     # The streamed selection (rows longer than register_row) picks exactly what the in-register one picks.
-    from csattn.ops.indexer import triton as kernels
+    from csattn.ops.indexer import IndexerConfig
 
-    monkeypatch.setitem(kernels.SCORE_TILES, "register_row", 1024)
-    assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), got)
-    monkeypatch.undo()
+    streamed = IndexerConfig(register_row=1024)
+    assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton", config=streamed),
+                       got)
     # So do the other search and sort settings the benchmark compares, in the same order.
-    for key, value in (("seg", 512), ("seg", 2048), ("select_warps", 8)):
-        monkeypatch.setitem(kernels.SCORE_TILES, key, value)
-        assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), got), key
+    for spec in ("seg=512", "seg=2048", "seg=2048,select_warps=8"):
+        config = IndexerConfig.parse(spec)
+        assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton", config=config),
+                           got), spec
 
 
 @pytest.mark.gpu
-def test_topk_gpu_rows_of_32k_keys_exact(monkeypatch):
+def test_topk_gpu_rows_of_32k_keys_exact():
     """A 128k-token document: its last rows see 32768 entries, searched in registers on 8 warps (the widest row
     the in-register search takes); integer inputs make every score exact, so ids and order equal the
     reference's, and the streamed search picks the same."""
-    from csattn.ops.indexer import triton as kernels
+    from csattn.ops.indexer import IndexerConfig
 
     gen = torch.Generator().manual_seed(7)
     packed, meta = _pack([131072], [131072])
@@ -180,5 +180,6 @@ def test_topk_gpu_rows_of_32k_keys_exact(monkeypatch):
     expected = indexer_topk_ref(q, w, k, meta.vis_start, meta.vis_end, 512)
     got = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton")
     assert torch.equal(got, expected)
-    monkeypatch.setitem(kernels.SCORE_TILES, "register_row", 16384)
-    assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton"), expected)
+    streamed = IndexerConfig(register_row=16384)
+    assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton", config=streamed),
+                       expected)

@@ -129,10 +129,10 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("env", ["", "bwd_gluon=0"], ids=["gluon", "gluon_fwd_only"])
+@pytest.mark.parametrize("variant", ["", "bwd_gluon=0"], ids=["gluon", "gluon_fwd_only"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
-def test_gpu_gluon_kernels(case, dtype, env, monkeypatch):
+def test_gpu_gluon_kernels(case, dtype, variant):
     """Forward and backward with the Gluon kernels against fp64 and against the Triton kernels."""
     if not _hopper():
         pytest.skip("the Gluon kernels are built for sm_90")
@@ -158,12 +158,13 @@ def test_gpu_gluon_kernels(case, dtype, env, monkeypatch):
     assert uses_gluon_fwd(q.to(dtype), kv.to(dtype), SparseAttnConfig())
     assert uses_gluon_bwd(q.to(dtype), kv.to(dtype), SparseAttnConfig())
 
-    def fused(env):
-        monkeypatch.setenv("CSATTN_SPARSE_ATTN_CONFIG", env)
-        return grads_of(lambda a, b, s: sparse_attn(a, b, idx, s, scale, topk_length=length, backend="triton"),
+    def fused(spec):
+        config = SparseAttnConfig.parse(spec)
+        return grads_of(lambda a, b, s: sparse_attn(a, b, idx, s, scale, topk_length=length, backend="triton",
+                                                    config=config),
                         q.to(dtype), kv.to(dtype), sink, do, dlse)
 
-    gluon, tri = fused(env), fused("fwd_gluon=0,bwd_gluon=0")
+    gluon, tri = fused(variant), fused("fwd_gluon=0,bwd_gluon=0")
     ref = grads_of(lambda a, b, s: sparse_attn_ref(a, b, ref_idx, s, scale, chunk_rows=512),
                    q.double(), kv.double(), sink.double(), do.double(), dlse.double())
     base = grads_of(lambda a, b, s: lowp_attn(a, b, ref_idx, s, scale), q.to(dtype), kv.to(dtype), sink, do, dlse)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from csattn.ops.sparse_attn import sparse_attn, sparse_attn_ref
+from csattn.ops.sparse_attn import SparseAttnConfig, sparse_attn, sparse_attn_ref
 from tests.helpers import rel_err
 
 
@@ -70,8 +70,8 @@ CPU_CASES = {
     "basic": dict(T=20, H=4, d=64, N=30, K=12),
     "odd_heads_odd_dim": dict(T=17, H=3, d=48, N=25, K=9),
     "two_heads": dict(T=12, H=2, d=32, N=12, K=20),  # K > BK: several key blocks
-    "head_blocks": dict(T=10, H=20, d=32, N=16, K=12, env="bh=16,bk_fwd=16,bk_dq=16,bk_dkv=16"),
-    "key_blocks": dict(T=14, H=4, d=32, N=20, K=40, env="bk_fwd=16,bk_dq=16,bk_dkv=16"),
+    "head_blocks": dict(T=10, H=20, d=32, N=16, K=12, config="bh=16,bk_fwd=16,bk_dq=16,bk_dkv=16"),
+    "key_blocks": dict(T=14, H=4, d=32, N=20, K=40, config="bk_fwd=16,bk_dq=16,bk_dkv=16"),
     "odd_key_count": dict(T=12, H=3, d=48, N=20, K=70),  # two key blocks of 64, the second partly masked
     "wide_fp32": dict(T=5, H=2, d=512, N=9, K=8),  # fp32 at d = 512: the tiles shrink to fit
     "kv_row_stride": dict(T=14, H=4, d=32, N=20, K=12, kv_pad=8),
@@ -79,10 +79,9 @@ CPU_CASES = {
 
 
 @pytest.mark.parametrize("case", list(CPU_CASES), ids=list(CPU_CASES))
-def test_matches_reference(case, assert_close, monkeypatch):
+def test_matches_reference(case, assert_close):
     spec = dict(CPU_CASES[case])
-    if "env" in spec:
-        monkeypatch.setenv("CSATTN_SPARSE_ATTN_CONFIG", spec.pop("env"))
+    config = SparseAttnConfig.parse(spec.pop("config", ""))
     pad = spec.pop("kv_pad", 0)
     # the seed follows the case's place in the table, not hash(): str hashes change with PYTHONHASHSEED
     gen = torch.Generator().manual_seed(list(CPU_CASES).index(case))
@@ -97,7 +96,7 @@ def test_matches_reference(case, assert_close, monkeypatch):
     def tri_fn(a, b, c):
         if pad:  # kv as a view with row stride d + pad
             b = torch.cat([b, b.new_zeros(b.shape[0], pad)], 1)[:, : b.shape[1]]
-        return sparse_attn(a, b, idx.to(torch.int32), c, scale, backend="triton")
+        return sparse_attn(a, b, idx.to(torch.int32), c, scale, backend="triton", config=config)
 
     tri = grads_of(tri_fn, q.float(), kv.float(), sink, do, dlse)
     for name, a, b in zip(NAMES, tri, ref):
@@ -218,8 +217,7 @@ def lowp_attn(q, kv, idx, sink, scale):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gpu_real_geometry(dtype, monkeypatch):
-    monkeypatch.setenv("CSATTN_SPARSE_ATTN_CONFIG", "")
+def test_gpu_real_geometry(dtype):
     gen = torch.Generator().manual_seed(11)
     idx, N = packed_indices([700, 37, 1500, 1800], window=128, topk=512, ratio=4, pad_rows=60, gen=gen)
     T, H, d = idx.shape[0], 64, 512

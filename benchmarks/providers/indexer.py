@@ -18,8 +18,6 @@ TOPK_DEFAULTS = dict(tokens=32768, index_heads=64, index_dim=128, topk=512, rati
 LOSS_DEFAULTS = dict(tokens=32768, index_heads=64, index_dim=128, heads=64, dim=512, topk=512, ratio=4,
                      doc_len=0, dense=0, seed=0)
 POOL_DEFAULTS = dict(tokens=32768, dim=512, ratio=4, doc_len=0, seed=0)
-DEFAULT_TILES: dict = {}
-DEFAULT_LOSS_TILES: dict = {}
 
 
 def _meta(T: int, doc_len: int, ratio: int, device):
@@ -36,23 +34,26 @@ def _check(device, backend):
         raise Skip("the Triton path is timed on CUDA only")
 
 
+def _config(cls, variant: str):
+    """The variant string as the kernels' launch settings (a Skip naming a bad key)."""
+    try:
+        return cls.parse(variant)
+    except ValueError as e:
+        raise Skip(f"bad variant {variant!r}: {e}") from e
+
+
 def _topk_case(shape, device, dtype, backend, variant) -> Case:
     from csattn.ops.indexer import indexer_topk
 
     _check(device, backend)
     if variant and backend != "triton":
         raise Skip(f"the reference takes no variant, got {variant!r}")
+    config = None
     if backend == "triton":
-        from csattn.ops.indexer import triton as kernels
+        from csattn.ops.indexer import IndexerConfig
 
-        DEFAULT_TILES.update(DEFAULT_TILES or kernels.SCORE_TILES)
         # Variant "bt=64,bk=128,warps=8,stages=3" sets the score-kernel tiles (defaults otherwise).
-        kernels.SCORE_TILES.update(DEFAULT_TILES)
-        for item in filter(None, variant.split(",")):
-            key, _, value = item.partition("=")
-            if key not in kernels.SCORE_TILES:
-                raise Skip(f"unknown tile option {key!r}")
-            kernels.SCORE_TILES[key] = int(value)
+        config = _config(IndexerConfig, variant)
     T, HI, CI = shape["tokens"], shape["index_heads"], shape["index_dim"]
     gen = torch.Generator(device=device).manual_seed(shape["seed"])
     _, meta = _meta(T, shape["doc_len"], shape["ratio"], device)
@@ -62,10 +63,12 @@ def _topk_case(shape, device, dtype, backend, variant) -> Case:
     pairs = float((meta.vis_end - meta.vis_start).sum())
 
     def forward():
-        return (indexer_topk(q, w, k, meta.vis_start, meta.vis_end, shape["topk"], backend=backend),)
+        return (indexer_topk(q, w, k, meta.vis_start, meta.vis_end, shape["topk"], backend=backend, config=config),)
 
-    return Case(forward=forward, leaves=[], flops={"fwd": 2.0 * HI * CI * pairs},
-                info={"entries": meta.num_entries, "visible_pairs": pairs})
+    info = {"entries": meta.num_entries, "visible_pairs": pairs}
+    if config is not None:
+        info["config"] = config.as_dict()
+    return Case(forward=forward, leaves=[], flops={"fwd": 2.0 * HI * CI * pairs}, info=info)
 
 
 @register("indexer_topk", "triton", TOPK_DEFAULTS)
@@ -85,17 +88,12 @@ def _loss_case(shape, device, dtype, backend, variant) -> Case:
     _check(device, backend)
     if variant and backend != "triton":
         raise Skip(f"the reference takes no variant, got {variant!r}")
+    config = None
     if backend == "triton":
-        from csattn.ops.indexer_loss import triton as kernels
+        from csattn.ops.indexer_loss import IndexerLossConfig
 
         # Variant "bk_fwd=64,bk_bwd=32,warps_fwd=8,warps_bwd=8" sets the loss kernels' tiles (defaults otherwise).
-        DEFAULT_LOSS_TILES.update(DEFAULT_LOSS_TILES or kernels.LOSS_TILES)
-        kernels.LOSS_TILES.update(DEFAULT_LOSS_TILES)
-        for item in filter(None, variant.split(",")):
-            key, _, value = item.partition("=")
-            if key not in kernels.LOSS_TILES:
-                raise Skip(f"unknown tile option {key!r}")
-            kernels.LOSS_TILES[key] = int(value)
+        config = _config(IndexerLossConfig, variant)
     T, HI, CI, H, D, K = (shape[k] for k in ("tokens", "index_heads", "index_dim", "heads", "dim", "topk"))
     gen = torch.Generator(device=device).manual_seed(shape["seed"])
     packed, meta = _meta(T, shape["doc_len"], shape["ratio"], device)
@@ -117,10 +115,12 @@ def _loss_case(shape, device, dtype, backend, variant) -> Case:
 
     def forward():
         return (indexer_kl_loss(q_idx, w, k_idx, q, ckv, lse, D**-0.5, row_weight, selected=selected,
-                                vis_start=meta.vis_start, vis_end=meta.vis_end, backend=backend),)
+                                vis_start=meta.vis_start, vis_end=meta.vis_end, backend=backend, config=config),)
 
-    return Case(forward=forward, leaves=[q_idx, w, k_idx], flops={"fwd": fwd, "bwd": bwd},
-                info={"entries": Nc, "candidates": per_row})
+    info = {"entries": Nc, "candidates": per_row}
+    if config is not None:
+        info["config"] = config.as_dict()
+    return Case(forward=forward, leaves=[q_idx, w, k_idx], flops={"fwd": fwd, "bwd": bwd}, info=info)
 
 
 @register("indexer_loss", "triton", LOSS_DEFAULTS)

@@ -24,7 +24,7 @@ DEFAULTS = dict(tokens=32768, layer="csa", doc_len=0, hidden=4096, heads=64, dim
                 loss_coeff=0.01, seed=0)
 
 
-def attention_config(shape: dict, backend: str):
+def attention_config(shape: dict, backend: str, sparse_attn_kernel=None):
     from csattn import AttentionConfig
 
     layer = shape["layer"]
@@ -36,7 +36,7 @@ def attention_config(shape: dict, backend: str):
         index_n_heads=shape["index_heads"], index_head_dim=shape["index_dim"], index_topk=shape["topk"],
         rope_theta=10000.0 if layer == "sliding" else 160000.0,
         rope_scaling=None if layer == "sliding" else AttentionConfig().rope_scaling,
-        indexer_loss_coeff=shape["loss_coeff"], backend=backend,
+        indexer_loss_coeff=shape["loss_coeff"], backend=backend, sparse_attn_kernel=sparse_attn_kernel,
     )
 
 
@@ -55,11 +55,18 @@ def _inputs(shape: dict, device, dtype):
     return x.requires_grad_()
 
 
-def _ours(shape, device, dtype, backend: str) -> Case:
+def _ours(shape, device, dtype, backend: str, variant: str = "") -> Case:
     from csattn import HybridAttention, PackedSeqs
+    from csattn.ops.sparse_attn import SparseAttnConfig
 
+    if variant and backend != "triton":
+        raise Skip(f"the reference takes no variant, got {variant!r}")
+    try:  # variant "bk_fwd=32,fwd_gluon=0": the sparse-attention kernels' launch settings
+        kernel = SparseAttnConfig.parse(variant) if variant else None
+    except ValueError as e:
+        raise Skip(f"bad variant {variant!r}: {e}") from e
     torch.manual_seed(shape["seed"])
-    layer = HybridAttention(attention_config(shape, backend)).to(device=device, dtype=dtype)
+    layer = HybridAttention(attention_config(shape, backend, kernel)).to(device=device, dtype=dtype)
     lengths = doc_lengths(shape["tokens"], shape["doc_len"])
     packed = PackedSeqs.from_lengths(lengths, device=device)
     x = _inputs(shape, device, dtype)
@@ -67,7 +74,7 @@ def _ours(shape, device, dtype, backend: str) -> Case:
         forward=lambda: (layer(x, packed=packed),),
         leaves=[x, *layer.parameters()],
         flops=layer_flops(layer.config, lengths),
-        info={"docs": len(lengths), "backend": backend},
+        info={"docs": len(lengths), "backend": backend, **({"config": kernel.as_dict()} if kernel else {})},
     )
 
 
@@ -75,12 +82,12 @@ def _ours(shape, device, dtype, backend: str) -> Case:
 def triton_layer(shape, device, dtype, variant=""):
     if device.type != "cuda":
         raise Skip("the Triton path is timed on CUDA only")
-    return _ours(shape, device, dtype, "triton")
+    return _ours(shape, device, dtype, "triton", variant)
 
 
 @register("layer", "reference", DEFAULTS)
 def reference_layer(shape, device, dtype, variant=""):
-    return _ours(shape, device, dtype, "reference")
+    return _ours(shape, device, dtype, "reference", variant)
 
 
 @register("layer", "hf", DEFAULTS)

@@ -7,8 +7,6 @@ attends to its ``W`` window rows plus ``k`` entries drawn at random among those 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..registry import Case, Skip, register
@@ -52,30 +50,23 @@ def _build(shape: dict, device, dtype, backend: str, variant: str) -> Case:
     sink = torch.randn(H, device=device, dtype=torch.float32, generator=gen).requires_grad_()
     scale = d**-0.5
     info = {"N": N, "valid_keys_per_row": float((idx >= 0).sum()) / T}
+    config = None
     if backend == "triton":
-        from csattn.ops.sparse_attn.triton import SparseAttnConfig
+        from csattn.ops.sparse_attn import SparseAttnConfig
 
+        # variant "bk_fwd=32,fwd_gluon=0": the kernels' launch settings (the defaults otherwise)
         try:
-            info["config"] = SparseAttnConfig(**{k: int(v) for k, v in
-                                                 (i.split("=") for i in variant.split(",") if i)}).as_dict()
-        except (TypeError, ValueError) as e:
+            config = SparseAttnConfig.parse(variant)
+        except ValueError as e:
             raise Skip(f"bad variant {variant!r}: {e}") from e
+        info["config"] = config.as_dict()
     elif variant:
         raise Skip(f"reference takes no variant, got {variant!r}")
     else:
         idx = idx.long()
-    def forward():
-        if backend != "triton":
-            return sparse_attn(q, kv, idx, sink, scale, backend=backend)
-        saved = os.environ.get("CSATTN_SPARSE_ATTN_CONFIG")
-        os.environ["CSATTN_SPARSE_ATTN_CONFIG"] = variant  # the autograd Function keeps it for backward
-        try:
-            return sparse_attn(q, kv, idx, sink, scale, backend=backend)
-        finally:
-            if saved is None:
-                del os.environ["CSATTN_SPARSE_ATTN_CONFIG"]
-            else:
-                os.environ["CSATTN_SPARSE_ATTN_CONFIG"] = saved
+
+    def forward():  # the autograd function keeps the config for the backward
+        return sparse_attn(q, kv, idx, sink, scale, backend=backend, config=config)
 
     fwd = 4.0 * T * H * d * (k + W)
     return Case(

@@ -169,7 +169,8 @@ def capture_safe_forward_packed(layer: HybridAttention, x: Tensor, packed: Stati
         return layer.heads(qr, cos, sin, kv, ckv, window_ids, compressed_ids, loss, loss_scale=_loss_scale())
 
     def run(q_: Tensor, keys_: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
-        return sparse_attn_op(q_, keys_, ids, layer.sinks, cfg.scale, cfg.attn_chunk_rows, backend)
+        return sparse_attn_op(q_, keys_, ids, layer.sinks, cfg.scale, cfg.attn_chunk_rows, backend,
+                              cfg.sparse_attn_kernel.spec() if cfg.sparse_attn_kernel else "")
 
     o, lse = layer.attend(q, kv, ckv, window_ids, compressed_ids, run=run)
     layer.last_indexer_loss = None

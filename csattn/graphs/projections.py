@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from ..layers.core import output_projection, query_heads
+from ..ops.autograd import autograd_vjp
 from ..ops.recompute import row_chunked
-from ..ops.sparse_attn.custom_ops import autograd_vjp
 
 __all__ = ["query_heads_op", "output_proj_op"]
 

@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from ..ops.autograd import autograd_vjp
 from ..ops.indexer.naive import fixed_row_chunks, indexer_scores_ref
 from ..ops.indexer_loss.naive import _sparse_chunk, _teacher_mass, kl_from_logits, sparse_loss_chunks
 from ..ops.indices.naive import gather_rows_masked
-from ..ops.sparse_attn.custom_ops import autograd_vjp
 
 __all__ = ["indexer_topk_static", "indexer_kl_loss_dense_static",
            "indexer_kl_loss_static_bwd_ref"]
@@ -47,6 +47,7 @@ def indexer_topk_static(
     width: int,
     workspace_bytes: int = 1 << 30,
     backend: str = "reference",
+    config=None,
 ) -> Tensor:
     """Causal top-k of indexer scores without host syncs; same result as ``indexer_topk``.
 
@@ -56,6 +57,7 @@ def indexer_topk_static(
         topk: width of the result. width: static bound on any row's visible range.
         workspace_bytes: bound on one chunk's workspace.
         backend: ``"reference"`` or ``"triton"`` (fused kernels over static chunks).
+        config: the fused kernels' ``IndexerConfig`` (None: the defaults; the reference ignores it).
 
     Returns:
         ``[T, topk]`` int64 global ids, best first, ties to the lower id, -1 where unused.
@@ -65,7 +67,7 @@ def indexer_topk_static(
     if backend == "triton":
         from .select_triton import indexer_topk_static_triton
 
-        return indexer_topk_static_triton(q, w, k, vis_start, vis_end, topk, width, workspace_bytes)
+        return indexer_topk_static_triton(q, w, k, vis_start, vis_end, topk, width, workspace_bytes, config=config)
     if backend != "reference":
         raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
     num_rows = q.shape[0]

@@ -22,9 +22,10 @@ __all__ = ["indexer_topk_static_triton"]
 @torch.no_grad()
 def indexer_topk_static_triton(
     q: Tensor, w: Tensor, k: Tensor, vis_start: Tensor, vis_end: Tensor, topk: int, width: int,
-    workspace_bytes: int = 1 << 30,
+    workspace_bytes: int = 1 << 30, config=None,
 ) -> Tensor:
-    """Same contract as :func:`csattn.graphs.select.indexer_topk_static` (fused kernels, CUDA or the interpreter)."""
+    """Same contract as :func:`csattn.graphs.select.indexer_topk_static` (fused kernels, CUDA or the interpreter);
+    ``config``: an ``IndexerConfig`` (None: the defaults)."""
     interpret = _interpreting()
     if not q.is_cuda and not interpret:
         raise ValueError("indexer_topk_static_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
@@ -44,6 +45,7 @@ def indexer_topk_static_triton(
     for lo in range(0, num_rows, height):
         hi = min(lo + height, num_rows)
         scores = workspace[: (hi - lo) * num_keys].view(hi - lo, num_keys)
-        indexer_scores_fwd(q, w, k, vis_start, vis_end, lo, hi, 0, num_keys, out=scores, ordered_keys=True)
-        select_topk(scores, vis_start, vis_end, out, lo, 0, width)
+        indexer_scores_fwd(q, w, k, vis_start, vis_end, lo, hi, 0, num_keys, out=scores, ordered_keys=True,
+                           config=config)
+        select_topk(scores, vis_start, vis_end, out, lo, 0, width, config=config)
     return finish_topk(out)

@@ -231,7 +231,7 @@ class HybridAttention(nn.Module):
 
             def run(q_: Tensor, keys: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
                 return sparse_attn(q_, keys, ids, self.sinks, cfg.scale, chunk_rows=cfg.attn_chunk_rows,
-                                   backend=backend)
+                                   backend=backend, config=cfg.sparse_attn_kernel)
 
         keys, ids_fn = self.key_ids(kv, ckv, window_ids, compressed_ids)
         total = q.shape[0]
@@ -323,7 +323,7 @@ class HybridAttention(nn.Module):
         backend = self.backend_for(qr)
         geo = CoreGeometry(heads=cfg.num_heads, groups=cfg.o_groups, eps=cfg.rms_norm_eps, scale=cfg.scale,
                            block_rows=self.core_block_rows(window_ids, compressed_ids), backend=backend,
-                           ref_chunk_rows=cfg.attn_chunk_rows)
+                           ref_chunk_rows=cfg.attn_chunk_rows, sparse_attn=cfg.sparse_attn_kernel)
         on_block = teacher = None
         if want_loss:
             row_weight = loss.row_weight(torch.promote_types(qr.dtype, torch.float32))

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..ops.recompute import NoCtx
 from ..ops.rope import apply_rope
-from ..ops.sparse_attn import sparse_attn_chunk, sparse_attn_ref
+from ..ops.sparse_attn import SparseAttnConfig, sparse_attn_chunk, sparse_attn_ref
 from .modules import grouped_linear, rms_norm_unweighted
 
 __all__ = ["BlockIds", "CoreGeometry", "attention_core", "query_heads", "grouped_output", "output_projection"]
@@ -95,6 +95,9 @@ class CoreGeometry:
     block_rows: int
     backend: str  # "triton" or "reference"
     ref_chunk_rows: int = 1024  # row chunks of the reference attention inside one block
+    # launch settings of the fused attention (None: the defaults); kept on the autograd node with the rest of the
+    # geometry, so the backward's recomputed forward and its attention backward launch as the forward did
+    sparse_attn: SparseAttnConfig | None = None
 
     @property
     def fused_elementwise(self) -> bool:
@@ -106,7 +109,7 @@ def _attn_forward(q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, geo: Core
     if geo.backend == "triton":
         from ..ops.sparse_attn.triton import sparse_attn_fwd  # lazy: importing csattn must not need Triton
 
-        return sparse_attn_fwd(q, keys, ids, sinks, geo.scale)
+        return sparse_attn_fwd(q, keys, ids, sinks, geo.scale, config=geo.sparse_attn)
     return sparse_attn_ref(q, keys, ids, sinks, geo.scale, chunk_rows=geo.ref_chunk_rows)
 
 
@@ -116,7 +119,8 @@ def _attn_backward(q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, o: Tenso
     if geo.backend == "triton":
         from ..ops.sparse_attn.triton import sparse_attn_bwd
 
-        dq, _, dsink = sparse_attn_bwd(q, keys, ids, sinks, geo.scale, o, lse, do, dkv_accum=dkeys)
+        dq, _, dsink = sparse_attn_bwd(q, keys, ids, sinks, geo.scale, o, lse, do, config=geo.sparse_attn,
+                                       dkv_accum=dkeys)
         return dq, dsink
     # Reference: differentiate one row chunk at a time (no torch.utils.checkpoint: its RNG bookkeeping is not
     # allowed under CUDA graph capture, and the chunk is recomputed here anyway).
@@ -217,7 +221,7 @@ def attention_core(
             [G o_lora, H d / G]`` (block-diagonal, one block per group); w_ob: ``o_b_proj.weight [D, G o_lora]``.
         ids_fn: a :class:`BlockIds`; ``ids_fn(lo, hi)`` gives rows ``lo..hi``'s ``[hi - lo, K]`` key ids (-1 =
             none); called once per block in the forward and again in the backward, its tensors saved for it.
-        geo: heads, groups, eps, scale, rows per block and backend.
+        geo: heads, groups, eps, scale, rows per block, backend and the fused attention's launch settings.
         on_block: optional forward hook ``(lo, hi, q, lse)`` per block (no autograd).
 
     Returns:

@@ -17,7 +17,8 @@ MLP_LAYER_TYPES = ("hash_moe", "moe")
 _RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # Settings that only this library reads; they are not written into ``config.json``.
 _TRAINING_FIELDS = ("indexer_loss_coeff", "mtp_loss_coeff", "mtp_layer_types", "attention_backend",
-                    "attn_chunk_rows", "workspace_bytes", "activation_checkpointing", "recompute", "moe_chunk_rows")
+                    "attn_chunk_rows", "workspace_bytes", "activation_checkpointing", "recompute", "moe_chunk_rows",
+                    "sparse_attn_kernel")
 # What the backward recomputes instead of keeping (``DeepseekV4ModelConfig.recompute``):
 #   none  - each fused op keeps only what its own backward needs (the mHC and MoE kernels recompute their
 #           elementwise parts by design);
@@ -93,6 +94,9 @@ class DeepseekV4ModelConfig:
     # tokens per MoE pass: the experts' forward and backward temporaries ([T k, D] gathers, products) scale with
     # the rows of one pass, about 57 KiB a token at V4-Flash's geometry (top-2), 28 GiB at 512k tokens at once
     moe_chunk_rows: int = 65536
+    # launch settings of the fused sparse attention, every layer: a SparseAttnConfig.parse string ("" = the tuned
+    # defaults), kept as a string so the training settings stay JSON
+    sparse_attn_kernel: str = ""
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -172,6 +176,7 @@ class DeepseekV4ModelConfig:
         return AttentionConfig.from_hf(
             self, layer_idx, indexer_loss_coeff=self.indexer_loss_coeff, backend=self.attention_backend,
             attn_chunk_rows=self.attn_chunk_rows, workspace_bytes=self.workspace_bytes,
+            sparse_attn_kernel=self.sparse_attn_kernel or None,
         )
 
     # ------------------------------------------------------------------ HF interchange

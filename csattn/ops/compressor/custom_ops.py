@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..sparse_attn.custom_ops import autograd_vjp
+from ..autograd import autograd_vjp
 from . import compress_pool as _compress_pool
 
 __all__ = ["compress_pool_op"]

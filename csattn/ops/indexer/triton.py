@@ -22,23 +22,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["indexer_scores_fwd", "indexer_topk_triton", "select_topk", "finish_topk"]
+from .config import IndexerConfig
+
+__all__ = ["IndexerConfig", "indexer_scores_fwd", "indexer_topk_triton", "select_topk", "finish_topk"]
 
 # Rows of the workspace are at most this many bytes apart from the budget the caller gives; the default keeps
 # the transient scores of one chunk well under the layer's activation memory.
 _MAX_WORKSPACE = 256 << 20
 
-# Score-kernel tiles (rows x keys per program, warps, pipeline stages; 128 x 128 measured best on the H200: 3.78
-# ms vs 4.18 for 64 x 128 at 32k tokens, HI = 64, cI = 128) and the selection's compaction tile (``seg``) and
-# warps for rows searched in registers. Measured on the H200 (benchmarks/results/indexer_topk_h200_2ab5ea5.json
-# and _7a4fd54.json): at 32k, 4 warps and 1024-key tiles 1.96 ms, 8 warps 2.20, 2048-key tiles 2.62 (each with
-# the sort inside the selection program, now a kernel of its own); at 64k (rows of 16k keys) 4 warps 6.68 ms,
-# 8 warps 6.89, 16 warps 7.71. A three-way search (two thresholds a step) measured slower (2.31 ms against 2.20
-# on 8 warps). The benchmark's variants override these.
-# ``register_row``: the longest visible range whose threshold is searched in registers (a row of 4096 keys a warp
-# is 128 registers a thread); longer rows stream their workspace row every search step. At 128k (rows of 32k keys)
-# 32768 measured 32.2 ms for the selection against 75.3 with 16384 (streamed), 36.2 on 16 warps instead of 8.
-SCORE_TILES = {"bt": 128, "bk": 128, "warps": 8, "stages": 3, "seg": 1024, "select_warps": 4, "register_row": 32768}
+_DEFAULT = IndexerConfig()
 
 
 @triton.jit
@@ -218,12 +210,14 @@ def _compute_dtype(q: Tensor, k: Tensor) -> torch.dtype:
 def indexer_scores_fwd(
     q: Tensor, w: Tensor, k: Tensor, vis_start: Tensor, vis_end: Tensor,
     row_lo: int, row_hi: int, key_lo: int, key_hi: int, out: Tensor | None = None, ordered_keys: bool = False,
+    config: IndexerConfig | None = None,
 ) -> Tensor:
     """Scores of rows ``[row_lo, row_hi)`` against keys ``[key_lo, key_hi)``.
 
     Args:
         q: ``[T, HI, cI]``; w: ``[T, HI]`` fp32; k: ``[Nc, cI]`` (same dtype as ``q``).
         vis_start, vis_end: ``[T]`` int64 visible id range of each row; tiles nobody sees are left unwritten.
+        config: tiles and warps (:class:`IndexerConfig`; None: the defaults).
 
     Returns:
         ``[row_hi - row_lo, key_hi - key_lo]`` fp32 (entries outside a row's range are undefined), or with
@@ -234,14 +228,15 @@ def indexer_scores_fwd(
         dtype = torch.int32 if ordered_keys else torch.float32
         out = torch.empty((num_rows, num_keys), dtype=dtype, device=q.device)
     heads, ci = q.shape[1], q.shape[2]
-    bt, bk = SCORE_TILES["bt"], SCORE_TILES["bk"]
+    cfg = config or _DEFAULT
+    bt, bk = cfg.bt, cfg.bk
     grid = (triton.cdiv(num_keys, bk), triton.cdiv(num_rows, bt))
     indexer_scores_fwd_kernel[grid](
         q, w, k, vis_start, vis_end, out,
         row_lo, num_rows, key_lo, num_keys, out.stride(0),
         HI=heads, CI=ci, CIP=max(16, triton.next_power_of_2(ci)), BT=bt, BK=bk,
-        IEEE=q.dtype == torch.float32, ORDERED_KEYS=ordered_keys, num_warps=SCORE_TILES["warps"],
-        num_stages=SCORE_TILES["stages"],
+        IEEE=q.dtype == torch.float32, ORDERED_KEYS=ordered_keys, num_warps=cfg.warps,
+        num_stages=cfg.stages,
     )
     return out
 
@@ -290,6 +285,7 @@ def indexer_topk_triton(
     vis_end: Tensor,
     topk: int,
     workspace_bytes: int = 1 << 30,
+    config: IndexerConfig | None = None,
 ) -> Tensor:
     """Causal top-k of indexer scores per row; same contract and result as ``indexer_topk_ref``.
 
@@ -299,6 +295,7 @@ def indexer_topk_triton(
             ordered with the rows (packed documents).
         topk: width of the result (>= 1).
         workspace_bytes: bound on one chunk's fp32 scores workspace (capped at 256 MiB).
+        config: the kernels' launch settings (:class:`IndexerConfig`; None: the defaults).
 
     Returns:
         ``[T, topk]`` int64 global key ids, best first; ties go to the lower id; unused slots are -1.
@@ -335,25 +332,27 @@ def indexer_topk_triton(
         if workspace is None or workspace.numel() < need:
             workspace = torch.empty(need, dtype=torch.int32, device=q.device)
         scores = workspace[:need].view(hi - lo, key_hi - key_lo)
-        indexer_scores_fwd(q, w, k, vis_start, vis_end, lo, hi, key_lo, key_hi, out=scores, ordered_keys=True)
-        select_topk(scores, vis_start, vis_end, out, lo, key_lo, widest)
+        indexer_scores_fwd(q, w, k, vis_start, vis_end, lo, hi, key_lo, key_hi, out=scores, ordered_keys=True,
+                           config=config)
+        select_topk(scores, vis_start, vis_end, out, lo, key_lo, widest, config=config)
     return finish_topk(out)
 
 
 def select_topk(scores: Tensor, vis_start: Tensor, vis_end: Tensor, out: Tensor, row_lo: int, key_lo: int,
-                widest: int) -> None:
+                widest: int, config: IndexerConfig | None = None) -> None:
     """Exact top-k of the workspace rows ``scores [R, K]`` (ordered int32 keys of ids ``key_lo..``) into
     ``out[row_lo : row_lo + R]`` (filled with -1 beforehand); ``widest`` bounds the rows' visible ranges. Once
     every row is selected, :func:`finish_topk` turns ``out`` into ids."""
     topk = out.shape[1]
+    cfg = config or _DEFAULT
     # Rows up to register_row keys search their threshold in registers (at least one warp per 4096 keys), longer
     # ones stream their workspace row.
     rb = max(16, triton.next_power_of_2(max(widest, 1)))
-    in_regs = rb <= SCORE_TILES["register_row"]
+    in_regs = rb <= cfg.register_row
     indexer_topk_select_kernel[(scores.shape[0],)](
         scores, vis_start, vis_end, out, row_lo, key_lo, scores.stride(0), topk,
-        BK=1024, RB=rb if in_regs else 16, IN_REGS=in_regs, SEG=SCORE_TILES["seg"],
-        num_warps=max(SCORE_TILES["select_warps"], rb // 4096) if in_regs else 16,
+        BK=1024, RB=rb if in_regs else 16, IN_REGS=in_regs, SEG=cfg.seg,
+        num_warps=max(cfg.select_warps, rb // 4096) if in_regs else 16,
     )
 
 

@@ -2,6 +2,7 @@
 
 from torch import Tensor
 
+from .config import IndexerLossConfig
 from .naive import (
     IndexerLossAutoScaler,
     SparseTeacher,
@@ -14,21 +15,23 @@ from .naive import (
 )
 
 __all__ = [
-    "IndexerLossAutoScaler", "SparseTeacher", "StudentQueries", "attach_indexer_loss", "indexer_kl_loss",
-    "indexer_kl_loss_ref", "kl_from_logits", "sparse_teacher_block", "indexer_kl_from_teacher",
+    "IndexerLossConfig", "IndexerLossAutoScaler", "SparseTeacher", "StudentQueries", "attach_indexer_loss",
+    "indexer_kl_loss", "indexer_kl_loss_ref", "kl_from_logits", "sparse_teacher_block", "indexer_kl_from_teacher",
 ]
 
 
-def indexer_kl_loss(*args, backend: str = "reference", **kwargs):
+def indexer_kl_loss(*args, backend: str = "reference", config: IndexerLossConfig | None = None, **kwargs):
     """Dispatch point for the indexer KL loss (a scalar; gradients to ``q_idx``, ``w``, ``k_idx``).
 
     ``backend="reference"`` runs the plain-PyTorch reference; ``"triton"`` the fused per-row kernels (CUDA,
     or the CPU interpreter under ``TRITON_INTERPRET=1``). See :func:`indexer_kl_loss_ref` for the arguments.
+    ``config`` sets the fused kernels' launch settings (:class:`IndexerLossConfig`, None: the defaults; the
+    reference ignores it).
     """
     if backend == "triton":
         from .triton import indexer_kl_loss_triton  # lazy: importing csattn must not need Triton
 
-        return indexer_kl_loss_triton(*args, **kwargs)
+        return indexer_kl_loss_triton(*args, config=config, **kwargs)
     if backend != "reference":
         raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
     return indexer_kl_loss_ref(*args, **kwargs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..sparse_attn.custom_ops import autograd_vjp
+from ..autograd import autograd_vjp
 from . import indexer_kl_loss as _indexer_kl_loss
 
 __all__ = ["indexer_kl_loss_op", "indexer_kl_loss_static"]

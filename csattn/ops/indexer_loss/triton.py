@@ -20,13 +20,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["indexer_kl_loss_triton", "indexer_kl_fwd", "indexer_kl_bwd", "sparse_teacher_block_triton",
-           "indexer_kl_from_teacher_triton"]
+from .config import IndexerLossConfig
 
-# Candidates per tile and warps of the forward / backward programs; the benchmark can override them.
-# Measured on the H200 at 32k tokens, k=512: forward 8.7 ms with 32 x 4 warps (12.5 ms with 64 x 8),
-# backward 7.5 ms with 64 x 8 warps (10.7 ms with 32 x 8).
-LOSS_TILES = {"bk_fwd": 32, "bk_bwd": 64, "warps_fwd": 4, "warps_bwd": 8}
+__all__ = ["IndexerLossConfig", "indexer_kl_loss_triton", "indexer_kl_fwd", "indexer_kl_bwd",
+           "sparse_teacher_block_triton", "indexer_kl_from_teacher_triton"]
+
+_DEFAULT = IndexerLossConfig()
 
 
 @triton.jit
@@ -197,12 +196,14 @@ def _meta(q_idx: Tensor, q: Tensor) -> dict:
 def indexer_kl_fwd(
     q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor, ckv: Tensor, lse: Tensor, scale: float,
     row_weight: Tensor, selected: Tensor | None, vis_start: Tensor, vis_end: Tensor,
-    out: tuple[Tensor, Tensor, Tensor] | None = None,
+    out: tuple[Tensor, Tensor, Tensor] | None = None, config: IndexerLossConfig | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Per-row weighted KL ``[T]`` fp32, per-row ``(lse(s), M)`` stats ``[T, 2]`` and (sparse) masses ``[T, k]``.
 
     ``out``: contiguous fp32 ``(loss_rows, stats, mass)`` to write into (sparse only; ``mass`` zero-filled).
+    ``config``: tiles and warps (:class:`IndexerLossConfig`; None: the defaults).
     """
+    cfg = config or _DEFAULT
     num_rows = q_idx.shape[0]
     dense = selected is None
     topk = 0 if dense else selected.shape[1]
@@ -217,7 +218,7 @@ def indexer_kl_fwd(
     indexer_kl_fwd_kernel[(num_rows,)](
         q_idx, w, k_idx, q, ckv, lse, dummy if dense else selected, vis_start, vis_end, row_weight,
         loss_rows, stats, dummy if dense else mass, scale, topk,
-        BK=LOSS_TILES["bk_fwd"], DENSE=dense, STORE_MASS=not dense, num_warps=LOSS_TILES["warps_fwd"], num_stages=2,
+        BK=cfg.bk_fwd, DENSE=dense, STORE_MASS=not dense, num_warps=cfg.warps_fwd, num_stages=2,
         **_meta(q_idx, q),
     )
     return loss_rows, stats, mass
@@ -226,11 +227,12 @@ def indexer_kl_fwd(
 def indexer_kl_bwd(
     grad: Tensor, q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor, ckv: Tensor, lse: Tensor, scale: float,
     row_weight: Tensor, selected: Tensor | None, vis_start: Tensor, vis_end: Tensor, stats: Tensor,
-    mass: Tensor | None, dk_accum: Tensor | None = None,
+    mass: Tensor | None, dk_accum: Tensor | None = None, config: IndexerLossConfig | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq_idx [T, HI, cI], dw [T, HI], dk_idx [Nc, cI])``: dq in ``q_idx.dtype`` and dw in
     ``w.dtype`` (each row is written by one program), dk in fp32 (rows picked by many queries add up), added
-    into ``dk_accum`` when given (blocks of rows in turn)."""
+    into ``dk_accum`` when given (blocks of rows in turn). ``config``: tiles and warps (None: the defaults)."""
+    cfg = config or _DEFAULT
     num_rows = q_idx.shape[0]
     dense = selected is None
     topk = 0 if dense else selected.shape[1]
@@ -241,7 +243,7 @@ def indexer_kl_bwd(
     indexer_kl_bwd_kernel[(num_rows,)](
         q_idx, w, k_idx, q, ckv, lse, dummy if dense else selected, vis_start, vis_end, row_weight,
         stats, dummy if dense else mass, grad, dq, dw, dk, scale, topk,
-        BK=LOSS_TILES["bk_bwd"], DENSE=dense, STORE_MASS=not dense, num_warps=LOSS_TILES["warps_bwd"], num_stages=2,
+        BK=cfg.bk_bwd, DENSE=dense, STORE_MASS=not dense, num_warps=cfg.warps_bwd, num_stages=2,
         **_meta(q_idx, q),
     )
     return dq, dw, dk
@@ -251,9 +253,10 @@ class IndexerKLLossFunction(torch.autograd.Function):
     """Scalar loss; gradients to ``q_idx``, ``w``, ``k_idx`` only (the teacher and selection are constants)."""
 
     @staticmethod
-    def forward(ctx, q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected, vis_start, vis_end):
+    def forward(ctx, q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected, vis_start, vis_end, config):
         loss_rows, stats, mass = indexer_kl_fwd(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected,
-                                                vis_start, vis_end)
+                                                vis_start, vis_end, config=config)
+        ctx.config = config  # the backward launches with the forward's settings
         ctx.save_for_backward(q_idx, w, k_idx, q, ckv, lse, row_weight, selected, vis_start, vis_end, stats, mass)
         ctx.scale = scale
         return loss_rows.sum()
@@ -262,9 +265,9 @@ class IndexerKLLossFunction(torch.autograd.Function):
     def backward(ctx, grad):
         q_idx, w, k_idx, q, ckv, lse, row_weight, selected, vis_start, vis_end, stats, mass = ctx.saved_tensors
         dq, dw, dk = indexer_kl_bwd(grad.float().reshape(1).contiguous(), q_idx, w, k_idx, q, ckv, lse, ctx.scale,
-                                    row_weight, selected, vis_start, vis_end, stats, mass)
+                                    row_weight, selected, vis_start, vis_end, stats, mass, config=ctx.config)
         grads = {"q_idx": dq.to(q_idx.dtype), "w": dw.to(w.dtype), "k_idx": dk.to(k_idx.dtype)}
-        return (grads["q_idx"], grads["w"], grads["k_idx"]) + (None,) * 8
+        return (grads["q_idx"], grads["w"], grads["k_idx"]) + (None,) * 9
 
 
 def indexer_kl_loss_triton(
@@ -280,6 +283,7 @@ def indexer_kl_loss_triton(
     vis_start: Tensor | None = None,
     vis_end: Tensor | None = None,
     workspace_bytes: int = 1 << 30,
+    config: IndexerLossConfig | None = None,
 ) -> Tensor:
     """Weighted sum over rows of ``KL(teacher || softmax(indexer scores))``; contract of ``indexer_kl_loss_ref``.
 
@@ -291,6 +295,8 @@ def indexer_kl_loss_triton(
         selected: ``[T, k]`` int64 (-1 = none) for the sparse loss, or None for the dense loss.
         vis_start, vis_end: ``[T]`` int64 visible id ranges (needed for the dense loss).
         workspace_bytes: unused (the kernels hold one key tile per row); kept for the common signature.
+        config: the kernels' launch settings (:class:`IndexerLossConfig`; None: the defaults); the backward uses
+            the forward's.
 
     Returns:
         A fp32 scalar. Teacher inputs are detached; ``selected`` is not differentiated.
@@ -324,7 +330,7 @@ def indexer_kl_loss_triton(
         q.detach().to(tdtype).contiguous(), ckv.detach().to(tdtype).contiguous(), lse.detach().float().contiguous(),
         float(scale), row_weight.float().contiguous(),
         None if selected is None else selected.to(torch.int64).contiguous(),
-        vis_start.to(torch.int64).contiguous(), vis_end.to(torch.int64).contiguous(),
+        vis_start.to(torch.int64).contiguous(), vis_end.to(torch.int64).contiguous(), config or _DEFAULT,
     )
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .config import SparseAttnConfig
 from .naive import sparse_attn_chunk, sparse_attn_ref
 
-__all__ = ["sparse_attn", "sparse_attn_chunk", "sparse_attn_ref"]
+__all__ = ["SparseAttnConfig", "sparse_attn", "sparse_attn_chunk", "sparse_attn_ref"]
 
 
 def _apply_length(indices: Tensor, topk_length: Tensor) -> Tensor:
@@ -25,18 +26,21 @@ def sparse_attn(
     chunk_rows: int = 1024,
     topk_length: Tensor | None = None,
     backend: str = "reference",
+    config: SparseAttnConfig | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Dispatch point for sparse attention: ``(o [T, H, d], lse [T, H])``.
 
     ``backend="reference"`` runs the plain-PyTorch reference (row chunks of ``chunk_rows``);
     ``"triton"`` the fused kernels (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``;
     ``chunk_rows`` is not needed there). ``topk_length [T]`` optionally limits row ``t`` to its first
-    ``topk_length[t]`` index entries. See :func:`sparse_attn_ref` for shapes.
+    ``topk_length[t]`` index entries. ``config`` sets the fused kernels' launch settings
+    (:class:`SparseAttnConfig`, None: the defaults; the reference ignores it). See :func:`sparse_attn_ref` for
+    shapes.
     """
     if backend == "triton":
         from .triton import sparse_attn_triton  # lazy: importing csattn must not need Triton
 
-        return sparse_attn_triton(q, kv, indices, sink, scale, topk_length=topk_length)
+        return sparse_attn_triton(q, kv, indices, sink, scale, topk_length=topk_length, config=config)
     if backend != "reference":
         raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
     if topk_length is not None:

@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .config import SparseAttnConfig
+
 __all__ = [
     "SparseAttnConfig",
     "sparse_attn_bwd",
@@ -239,47 +241,13 @@ def sparse_attn_bwd_kernel_dkv(
 # ----------------------------------------------------------------------------------------------------------
 
 
-class SparseAttnConfig:
-    """Launch parameters: head block ``BH``; key block, warps and pipeline stages per kernel.
-
-    Defaults were tuned on an H200 at H=64, d=512, k+W=640 (BENCHMARKS.md); d=512 tiles fill most of
-    the 227 KB of shared memory, so larger key blocks or more stages can fail to launch.
-    """
-
-    def __init__(self, bh: int | None = None, bk_fwd: int = 64, warps_fwd: int = 8, stages_fwd: int = 2,
-                 bk_dq: int = 64, warps_dq: int = 8, stages_dq: int = 1,
-                 bk_dkv: int = 64, warps_dkv: int = 8, stages_dkv: int = 1, fwd_gluon: int = 1, bwd_gluon: int = 1):
-        self.bh = bh
-        # 1: the forward / the backward run the Gluon kernels (gluon_fwd.py, gluon_bwd.py) where they apply
-        # (sm_90, bf16/fp16, 64-head blocks, d in 64..512 a power of two); 0: the Triton kernels below.
-        self.fwd_gluon = fwd_gluon
-        self.bwd_gluon = bwd_gluon
-        self.bk_fwd, self.warps_fwd, self.stages_fwd = bk_fwd, warps_fwd, stages_fwd
-        self.bk_dq, self.warps_dq, self.stages_dq = bk_dq, warps_dq, stages_dq
-        self.bk_dkv, self.warps_dkv, self.stages_dkv = bk_dkv, warps_dkv, stages_dkv
-
-    def as_dict(self) -> dict:
-        return dict(vars(self))
-
-    @classmethod
-    def from_env(cls) -> SparseAttnConfig:
-        """``CSATTN_SPARSE_ATTN_CONFIG="bk_fwd=64,warps_fwd=8"`` overrides the defaults (tuning runs)."""
-        cfg = cls()
-        spec = os.environ.get("CSATTN_SPARSE_ATTN_CONFIG", "")
-        for item in filter(None, spec.split(",")):
-            key, _, value = item.partition("=")
-            if not hasattr(cfg, key):
-                raise ValueError(f"CSATTN_SPARSE_ATTN_CONFIG: unknown key {key!r}")
-            setattr(cfg, key, int(value))
-        return cfg
-
-
+_DEFAULT = SparseAttnConfig()
 _REPORTED: set = set()
 
 
 def _report(what: str, kernel, cfg: SparseAttnConfig) -> None:
-    """With ``CSATTN_SPARSE_ATTN_VERBOSE=1``, print registers, spills and shared memory once per config."""
-    if not os.environ.get("CSATTN_SPARSE_ATTN_VERBOSE") or kernel is None:
+    """With ``cfg.verbose``, print registers, spills and shared memory once per config."""
+    if not cfg.verbose or kernel is None:
         return
     key = (what, tuple(sorted(cfg.as_dict().items())))
     if key in _REPORTED:
@@ -300,13 +268,12 @@ def _fit(cfg: SparseAttnConfig, dtype: torch.dtype, d: int) -> SparseAttnConfig:
     over = dtype.itemsize * max(triton.next_power_of_2(d), 16) / 1024
     if over <= 1:
         return cfg
-    fit = SparseAttnConfig(**cfg.as_dict())
+    bh, bk_fwd, bk_dq, bk_dkv = cfg.bh, cfg.bk_fwd, cfg.bk_dq, cfg.bk_dkv
     while over > 1:
-        fit.bh = max(16, (fit.bh or 64) // 2)
-        fit.bk_fwd, fit.bk_dq, fit.bk_dkv = (max(16, b // 2) for b in (fit.bk_fwd, fit.bk_dq, fit.bk_dkv))
+        bh = max(16, (bh or 64) // 2)
+        bk_fwd, bk_dq, bk_dkv = (max(16, b // 2) for b in (bk_fwd, bk_dq, bk_dkv))
         over /= 2
-    fit.stages_fwd = fit.stages_dq = fit.stages_dkv = 1
-    return fit
+    return cfg.replace(bh=bh, bk_fwd=bk_fwd, bk_dq=bk_dq, bk_dkv=bk_dkv, stages_fwd=1, stages_dq=1, stages_dkv=1)
 
 
 def _dot_prec(dtype: torch.dtype) -> str:
@@ -363,9 +330,11 @@ def sparse_attn_fwd(
     q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float,
     topk_length: Tensor | None = None, config: SparseAttnConfig | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Launch the forward kernel. Shapes as in :func:`sparse_attn_triton`; returns ``(o, lse)``."""
+    """Launch the forward kernel. Shapes as in :func:`sparse_attn_triton`; returns ``(o, lse)``.
+
+    ``config``: launch settings (None: the defaults of :class:`SparseAttnConfig`)."""
     T, H, D = q.shape
-    cfg = _fit(config or SparseAttnConfig.from_env(), q.dtype, D)
+    cfg = _fit(config or _DEFAULT, q.dtype, D)
     K = indices.shape[1]
     o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32)
@@ -406,9 +375,10 @@ def sparse_attn_bwd(
     of those atomics is not fixed, so ``dkv`` is not bitwise deterministic. ``dsink`` is reduced from
     per-row partials in a fixed order. With ``dkv_accum`` (fp32 ``[N, d]``) the atomics add into it and
     ``dkv`` is returned as None: a caller running the backward block by block keeps one fp32 sum.
+    ``config``: launch settings (None: the defaults); pass the forward's to reproduce its ``(o, lse)``.
     """
     T, H, D = q.shape
-    cfg = _fit(config or SparseAttnConfig.from_env(), q.dtype, D)
+    cfg = _fit(config or _DEFAULT, q.dtype, D)
     K = indices.shape[1]
     do = do.contiguous()
     dlse = dlse.contiguous() if dlse is not None else None
@@ -461,10 +431,9 @@ def sparse_attn_bwd(
 
 class SparseAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, sink, scale, topk_length):
-        cfg = SparseAttnConfig.from_env()
-        o, lse = sparse_attn_fwd(q, kv, indices, sink, scale, topk_length, cfg)
-        ctx.config = cfg
+    def forward(ctx, q, kv, indices, sink, scale, topk_length, config):
+        o, lse = sparse_attn_fwd(q, kv, indices, sink, scale, topk_length, config)
+        ctx.config = config  # the backward launches with the forward's settings (a frozen value)
         ctx.set_materialize_grads(False)  # an unused lse (the usual case) then costs nothing in the backward
         ctx.save_for_backward(q, kv, indices, sink, o, lse, topk_length)
         ctx.scale = scale
@@ -477,7 +446,8 @@ class SparseAttnFunction(torch.autograd.Function):
             do = torch.zeros_like(o)
         dq, dkv, dsink = sparse_attn_bwd(q, kv, indices, sink, ctx.scale, o, lse, do, dlse, topk_length,
                                          ctx.config)
-        grads = {"q": dq, "kv": dkv, "indices": None, "sink": dsink, "scale": None, "topk_length": None}
+        grads = {"q": dq, "kv": dkv, "indices": None, "sink": dsink, "scale": None, "topk_length": None,
+                 "config": None}
         return tuple(grads.values())
 
 
@@ -522,6 +492,7 @@ def sparse_attn_triton(
     sink: Tensor,
     scale: float,
     topk_length: Tensor | None = None,
+    config: SparseAttnConfig | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fused sparse attention with a per-head sink: ``o[t,h] = sum_j p_j kv[j]``,
     ``p_j = exp(s_j - lse)``, ``s_j = scale * q[t,h] . kv[indices[t,j]]``,
@@ -536,7 +507,10 @@ def sparse_attn_triton(
         indices: ``[T, K]`` int32/int64 rows of ``kv``; ``-1`` = no key. Values must be ``< N``.
         sink: ``[H]`` fp32 sink logits.
         scale: softmax scale (``d ** -0.5``).
-        topk_length: optional ``[T]`` int; only the first ``topk_length[t]`` entries of row ``t`` are used.
+        topk_length: optional ``[T]`` int; only the first ``topk_length[t]`` entries of row ``t`` are used
+            (a ragged index list without ``-1`` padding; the layer pads with ``-1`` and passes None).
+        config: kernel launch settings (:class:`SparseAttnConfig`; None: the defaults). The backward uses the
+            forward's.
 
     Returns:
         ``o [T, H, d]`` in q's dtype (zeros for rows without keys) and ``lse [T, H]`` fp32 (``= sink`` there).
@@ -548,4 +522,7 @@ def sparse_attn_triton(
     q = q.contiguous()  # the backward reuses q's layout for o, do and dq
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     indices = indices if indices.stride(-1) == 1 else indices.contiguous()
-    return SparseAttnFunction.apply(q, kv, indices, sink.contiguous(), float(scale), topk_length)
+    if config is not None and not isinstance(config, SparseAttnConfig):
+        raise TypeError(f"config must be a SparseAttnConfig, got {type(config).__name__}")
+    return SparseAttnFunction.apply(q, kv, indices, sink.contiguous(), float(scale), topk_length,
+                                    config or _DEFAULT)

@@ -1,0 +1,39 @@
+"""``SparseAttnConfig``: launch settings of the fused sparse-attention kernels (no Triton import here, so
+``csattn.config.AttentionConfig`` can carry one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..kernel_config import KernelConfig
+
+__all__ = ["SparseAttnConfig"]
+
+
+@dataclass(frozen=True)
+class SparseAttnConfig(KernelConfig):
+    """Launch parameters: head block ``bh`` (None: all heads up to 64); key block, warps and pipeline stages per
+    kernel (forward, dq, dkv); which kernels run Gluon.
+
+    Defaults were tuned on an H200 at H=64, d=512, k+W=640 (BENCHMARKS.md); d=512 tiles fill most of
+    the 227 KB of shared memory, so larger key blocks or more stages can fail to launch. The autograd function
+    keeps the forward's config for its backward. ``SparseAttnConfig.parse("bk_fwd=32,fwd_gluon=0")`` is how the
+    benchmark's variants are written.
+    """
+
+    bh: int | None = None
+    bk_fwd: int = 64
+    warps_fwd: int = 8
+    stages_fwd: int = 2
+    bk_dq: int = 64
+    warps_dq: int = 8
+    stages_dq: int = 1
+    bk_dkv: int = 64
+    warps_dkv: int = 8
+    stages_dkv: int = 1
+    # 1: the forward / the backward run the Gluon kernels (gluon_fwd.py, gluon_bwd.py) where they apply
+    # (sm_90, bf16/fp16, 64-head blocks, d in 64..512 a power of two); 0: the Triton kernels.
+    fwd_gluon: int = 1
+    bwd_gluon: int = 1
+    # 1: print registers, spills and shared memory of each launched kernel, once per config (tuning runs)
+    verbose: int = 0
