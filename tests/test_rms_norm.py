@@ -73,3 +73,76 @@ def test_row_chunks_change_nothing_per_row(monkeypatch):
     (y0, gx0, gw0), (y1, gx1, gw1) = results
     assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
     assert rel_err(gw1, gw0) < 1e-6  # the sum over rows is taken chunk by chunk
+
+
+# ---------------------------------------------------------------------------------------------- Triton kernels
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def nan_buffers(monkeypatch):
+    kernels = pytest.importorskip("csattn.ops.rms_norm.triton")
+
+    def poisoned(shape, dtype, device):
+        return torch.empty(shape, dtype=dtype, device=device).fill_(float("nan"))
+
+    monkeypatch.setattr(kernels, "_empty", poisoned)
+    return kernels
+
+
+@pytest.mark.parametrize("rows,c", [(7, 24), (1, 5), (40, 96), (0, 8)], ids=["7x24", "1x5", "40x96", "no_rows"])
+def test_triton_matches_reference_fp64(rows, c, nan_buffers, monkeypatch):
+    """The kernels (CPU interpreter or CUDA) against the PyTorch rows in fp64: the output, the scales and both
+    gradients, with every buffer they fill NaN-poisoned; more rows than backward programs."""
+    monkeypatch.setattr(nan_buffers, "_programs", lambda device: 3)
+    g = torch.Generator().manual_seed(rows * 31 + c)
+    x = torch.randn(rows, c, dtype=torch.float64, generator=g) * 3
+    w = 1 + 0.5 * torch.randn(c, dtype=torch.float64, generator=g)
+    dy = torch.randn(rows, c, dtype=torch.float64, generator=g)
+    results = {}
+    for backend in ("reference", "triton"):
+        xi, wi = x.to(DEVICE).requires_grad_(), w.to(DEVICE).requires_grad_()
+        y = rms_norm(xi, wi, 1e-6, backend=backend)
+        results[backend] = [y.detach().cpu(), *(t.cpu() for t in torch.autograd.grad(y, (xi, wi), dy.to(DEVICE)))]
+    for name, got, ref in zip(["out", "dx", "dw"], results["triton"], results["reference"]):
+        assert got.shape == ref.shape and torch.isfinite(got).all(), name
+        assert rel_err(got, ref) < 1e-13, f"{name}: {rel_err(got, ref):.2e}"
+
+
+def test_triton_backward_without_weight_gradient(nan_buffers):
+    from csattn.ops.rms_norm import rms_norm_backward, rms_norm_forward
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 16, dtype=torch.float64, generator=g).to(DEVICE)
+    w = torch.randn(16, dtype=torch.float64, generator=g).to(DEVICE)
+    dy = torch.randn(6, 16, dtype=torch.float64, generator=g).to(DEVICE)
+    _, rstd = rms_norm_forward(x, w, 1e-6, backend="triton")
+    dx, dw = rms_norm_backward(x, w, rstd, dy, True, False, backend="triton")
+    ref, _ = rms_norm_backward(x, w, rstd, dy, True, False, backend="reference")
+    assert dw is None and rel_err(dx, ref) < 1e-13
+
+
+def test_backend_is_checked():
+    with pytest.raises(ValueError, match="backend must be"):
+        rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", [512, 1024, 4096])
+def test_gpu_bf16_within_twice_torch(c):
+    """bf16 rows at the V4-Flash widths: the kernels within twice the error of the plain bf16 PyTorch form."""
+    g = torch.Generator(device="cuda").manual_seed(c)
+    x = (torch.randn(8192, c, device="cuda", generator=g) * 2).bfloat16()
+    w = (1 + 0.3 * torch.randn(c, device="cuda", generator=g))
+    dy = torch.randn(8192, c, device="cuda", generator=g).bfloat16()
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    exact = [plain_rms_norm(x64, w64, 1e-6)]
+    exact += list(torch.autograd.grad(exact[0], (x64, w64), dy.double()))
+    errs = {}
+    for name, fn in (("torch", plain_rms_norm), ("triton", lambda a, b, e: rms_norm(a, b, e, backend="triton"))):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xi, wi, 1e-6)
+        got = [y, *torch.autograd.grad(y, (xi, wi), dy)]
+        errs[name] = [rel_err(a, b) for a, b in zip(got, exact)]
+    for what, e_ref, e_tri in zip(["out", "dx", "dw"], errs["torch"], errs["triton"]):
+        assert e_tri <= 2 * e_ref + 1e-6, f"{what}: triton {e_tri:.3e} vs bf16 torch {e_ref:.3e}"

@@ -8,7 +8,8 @@ of every layer. Here the backward recomputes the normalized rows from the saved 
 Both directions run over row chunks of at most ``CHUNK_BYTES`` of fp32 per temporary: the fp32 temporaries of
 the whole input (four or five of them in the backward, 2.5 GiB at 128k tokens and 1024 channels) were the peak
 of a CSA layer's backward. Every row is computed exactly as the plain form computes it (fp32 math, the weight
-applied before the cast back); only the weight gradient's sum over rows is taken chunk by chunk.
+applied before the cast back); only the weight gradient's sum over rows is taken chunk by chunk. On CUDA the
+same math runs as two Triton kernels (:mod:`.triton`), one pass over the rows each way.
 """
 
 from __future__ import annotations
@@ -25,10 +26,26 @@ def _chunk_rows(channels: int) -> int:
     return max(1, CHUNK_BYTES // (4 * channels))
 
 
-def rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _use_triton(x: Tensor, backend: str) -> bool:
+    """``"auto"``: the Triton kernels on CUDA for rows they take in registers, the PyTorch chunks elsewhere."""
+    if backend not in ("auto", "reference", "triton"):
+        raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
+    if backend == "auto":
+        from .triton import MAX_CHANNELS  # lazy: importing csattn must not need Triton
+
+        return x.is_cuda and x.shape[-1] <= MAX_CHANNELS
+    return backend == "triton"
+
+
+def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> tuple[Tensor, Tensor]:
     """``(out, rstd)``: the normed rows ``[..., C]`` in ``x.dtype`` and ``1 / rms`` per row ``[R, 1]`` (fp32, fp64
     for fp64 input), without autograd; the forward of :func:`rms_norm`, shared with fused callers that keep
-    ``x`` some other way (e.g. the mHC site recomputes its collapse)."""
+    ``x`` some other way (e.g. the mHC site recomputes its collapse). ``backend``: ``"auto"`` (Triton on CUDA),
+    ``"reference"`` (the PyTorch row chunks) or ``"triton"`` (also the CPU interpreter)."""
+    if _use_triton(x, backend):
+        from .triton import rms_norm_fwd_triton
+
+        return rms_norm_fwd_triton(x, weight, eps)
     compute = torch.promote_types(x.dtype, torch.float32)
     rows = x.reshape(-1, x.shape[-1])
     out = torch.empty_like(rows)
@@ -44,9 +61,13 @@ def rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Ten
 
 
 def rms_norm_backward(x: Tensor, weight: Tensor, rstd: Tensor, dy: Tensor, need_x: bool = True,
-                      need_w: bool = True) -> tuple[Tensor | None, Tensor | None]:
+                      need_w: bool = True, backend: str = "auto") -> tuple[Tensor | None, Tensor | None]:
     """``(dx, dweight)`` of :func:`rms_norm` from its input ``x [..., C]``, ``weight [C]``, the forward's ``rstd
-    [R, 1]`` and ``dy [..., C]`` (None where not needed)."""
+    [R, 1]`` and ``dy [..., C]`` (None where not needed); ``backend`` as in :func:`rms_norm_forward`."""
+    if _use_triton(x, backend):
+        from .triton import rms_norm_bwd_triton
+
+        return rms_norm_bwd_triton(x, weight, rstd, dy, need_x, need_w)
     compute = rstd.dtype
     rows, g_rows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
     dx = torch.empty_like(rows) if need_x else None
@@ -70,25 +91,28 @@ def rms_norm_backward(x: Tensor, weight: Tensor, rstd: Tensor, dy: Tensor, need_
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        out, rstd = rms_norm_forward(x, weight, eps)
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, backend: str) -> Tensor:
+        out, rstd = rms_norm_forward(x, weight, eps, backend)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.backend = backend
         return out
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(x, weight, rstd, dy, *ctx.needs_input_grad[:2])
-        return dx, dw, None
+        dx, dw = rms_norm_backward(x, weight, rstd, dy, *ctx.needs_input_grad[:2], backend=ctx.backend)
+        return dx, dw, None, None
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> Tensor:
     """``w * x / sqrt(mean(x^2) + eps)`` over the last dimension, in fp32 (fp64 for fp64 input), cast back.
 
     Args:
         x: ``[..., C]``. weight: ``[C]``. eps: added to the mean square.
 
+        backend: ``"auto"`` (the Triton kernels on CUDA), ``"reference"`` (PyTorch row chunks) or ``"triton"``.
+
     Returns:
         ``[..., C]`` in ``x.dtype``. Saves ``x`` and one fp32 scale per row for the backward.
     """
-    return _RMSNorm.apply(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps, backend)
