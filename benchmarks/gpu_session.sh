@@ -160,6 +160,21 @@ for s in ${STAGES:-tests layer profile}; do
       timeout 150 $B --providers csattn --shape tokens=262144,524288 --shape recompute=block --single \
         --json "$OUT/model_long.json" >> "$LOG" 2>&1
       echo "model-targets rc=$?" >> "$LOG" ;;
+    layer-ab)
+      # BEFORE=<dir> holds an older tree (git archive <sha> csattn benchmarks | tar -x -C <dir>): the layer and the
+      # layer-step benchmarks of both trees, interleaved in one run, for a before / after comparison
+      stage "layer and layer-step benchmarks: ${BEFORE:?set BEFORE} (commit ${BEFORE_COMMIT:-?}) against this tree"
+      for op in layer layer_step; do
+        for side in before after; do
+          dir=$PWD; c=$C
+          if [ $side = before ]; then dir=$(cd "$BEFORE" && pwd); c=${BEFORE_COMMIT:-before}; fi
+          if [ $op = layer ]; then args="--mode fwdbwd --providers triton --shape tokens=8192,32768 --shape layer=csa,hca"
+          else args="--mode fwd --providers eager,capture_safe,graph --shape tokens=4096,32768 --shape layer=csa"; fi
+          (cd "$dir" && PYTHONPATH="$dir" timeout 150 python3 -m benchmarks.run --op $op $args --warmup-ms 5 \
+            --rep-ms 40 --commit "$c" --json "$OUT/${op}_$side.json") >> "$LOG" 2>&1
+          echo "$op $side rc=$?" >> "$LOG"
+        done
+      done ;;
     *) echo "unknown stage $s" >> "$LOG" ;;
   esac
 done
