@@ -14,41 +14,20 @@ and cached on the ``PackedSeqs``. Index spaces:
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..config import AttentionConfig
-from ..packing import CompressMeta, PackedSeqs
+from ..layers.op_sets import EAGER
+from ..layers.plan import IDENTITY, Entries, LayerPlan
+from ..packing import PackedSeqs
+from .exchange import GatherIndex
 from .partition import halo_rows, make_layout, num_chunks
 
-__all__ = ["LayerPlan", "build_plan", "check_inputs"]
-
-
-@dataclass
-class LayerPlan:
-    """Index tensors of one rank for one layer geometry (see module docstring for the index spaces)."""
-
-    halo: int  # Hh
-    num_segments: int  # most segments any rank has (the halo exchange slot count)
-    tail_index: Tensor | None  # [S * Hh] local rows this rank sends (the last Hh rows of each segment)
-    pieces: list[tuple[str, int, int]]  # ext rows in order: ("halo", start in gathered tails, n) / ("local", start, n)
-    pos_local: Tensor  # [L]
-    real_local: Tensor  # [L] bool
-    pos_ext: Tensor  # [n_ext]
-    window_ids: Tensor  # [L, W] ext row ids, -1 = none
-    num_real: int  # real rows of the whole stream
-    # compressed entries (None for sliding-window layers)
-    local_meta: CompressMeta | None = None  # this rank's owned entries, entry_row in ext rows
-    num_owned: int = 0
-    max_owned: int = 0  # most entries any rank owns (the gather slot count)
-    gathered_order: Tensor | None = None  # [Nc] position of each global entry in the gathered buffer
-    vis_start: Tensor | None = None  # [L]
-    vis_end: Tensor | None = None  # [L]
-    max_visible: int = 0
-    num_entries: int = 0
+__all__ = ["build_plan", "check_inputs"]
 
 
 def _geometry_key(cfg: AttentionConfig) -> tuple:
@@ -140,8 +119,9 @@ def check_inputs(x_local: Tensor, packed: PackedSeqs, cfg: AttentionConfig, cp) 
         )
 
 
-def build_plan(packed: PackedSeqs, cfg: AttentionConfig, cp, device: torch.device) -> LayerPlan:
-    """The :class:`LayerPlan` of this rank (cached on ``packed``). Assumes :func:`check_inputs` passed."""
+def build_plan(packed: PackedSeqs, cfg: AttentionConfig, cp, device: torch.device) -> tuple[LayerPlan, GatherIndex]:
+    """This rank's :class:`LayerPlan` (its exchange still the identity) and the host index of its exchange (cached on
+    ``packed``). Assumes :func:`check_inputs` passed."""
     size, rank = cp.size, cp.rank
     key = ("cp-plan", size, rank, cp.partition, cp.chunks_per_rank, id(cp.cost_config), _geometry_key(cfg),
            str(device))
@@ -191,11 +171,8 @@ def build_plan(packed: PackedSeqs, cfg: AttentionConfig, cp, device: torch.devic
     valid = (pos_local[:, None] + offs[None, :] >= 0) & real_local[:, None]
     window_ids = torch.where(valid, local_in_ext_t[:, None] + offs[None, :], -1)
 
-    plan = LayerPlan(
-        halo=halo, num_segments=num_segments, tail_index=tail_index, pieces=pieces,
-        pos_local=pos_local.to(device), real_local=real_local.to(device), pos_ext=rows.pos[ext_rows_t].to(device),
-        window_ids=window_ids.to(device), num_real=rows.num_real,
-    )
+    entries = None
+    index = GatherIndex(halo=halo, tail_index=tail_index, pieces=pieces)
     if cfg.has_compressor:
         r = cfg.compress_ratio
         meta = packed.compress(r, torch.device("cpu"))
@@ -218,13 +195,11 @@ def build_plan(packed: PackedSeqs, cfg: AttentionConfig, cp, device: torch.devic
             entry_pos=meta.entry_pos[mine].to(device),
             num_entries=int(mine.numel()),
         )
-        plan.local_meta = local_meta
-        plan.num_owned = int(mine.numel())
-        plan.max_owned = max_owned
-        plan.gathered_order = (owner * max_owned + slot).to(device)
-        plan.vis_start = meta.vis_start[local_rows_t].to(device)
-        plan.vis_end = meta.vis_end[local_rows_t].to(device)
-        plan.max_visible = meta.max_visible
-        plan.num_entries = meta.num_entries
+        entries = Entries(local_meta, meta.vis_start[local_rows_t].to(device), meta.vis_end[local_rows_t].to(device),
+                          meta.max_visible)
+        index = replace(index, num_entries=meta.num_entries, num_owned=int(mine.numel()), max_owned=max_owned,
+                        gathered_order=(owner * max_owned + slot).to(device))
+    plan = (LayerPlan(pos_local.to(device), real_local.to(device), rows.num_real, window_ids.to(device), IDENTITY,
+                      EAGER, pos_ext=rows.pos[ext_rows_t].to(device), entries=entries), index)
     packed.cache()[key] = plan
     return plan

@@ -13,9 +13,9 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from ..layers.core import output_projection, query_heads
 from ..ops.recompute import row_chunked
 from ..ops.sparse_attn.custom_ops import autograd_vjp
+from .core import output_projection, query_heads
 
 __all__ = ["query_heads_op", "output_proj_op"]
 
