@@ -27,7 +27,7 @@ from ..packing import PackedSeqs
 from .exchange import GatherIndex
 from .partition import halo_rows, make_layout, num_chunks
 
-__all__ = ["build_plan", "check_inputs"]
+__all__ = ["build_plan", "check_inputs", "agree"]
 
 
 def _geometry_key(cfg: AttentionConfig) -> tuple:
@@ -76,6 +76,16 @@ def _local_verdict(x_local: Tensor, packed: PackedSeqs, cfg: AttentionConfig, cp
     return verdict
 
 
+def agree(code: int, fingerprint: int, device: torch.device, group) -> tuple[int, bool]:
+    """The one collective of the CP input checks: a ``[3]`` int64 all-reduce (max) of ``[code, fp, -fp]`` gives
+    the worst problem code of any rank and whether every rank's fingerprint of the metadata and layer is the
+    same. Every rank calls it on every checked call, so no rank is left waiting in it alone."""
+    flags = torch.tensor([code, fingerprint, -fingerprint], dtype=torch.int64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    worst, fp_max, neg_fp_min = flags.tolist()
+    return worst, fp_max == -neg_fp_min
+
+
 def check_inputs(x_local: Tensor, packed: PackedSeqs, cfg: AttentionConfig, cp) -> None:
     """Validate on every rank, agree on the worst problem with one all-reduce, then raise the same
     ``ValueError`` everywhere (so no rank is left waiting in a collective).
@@ -88,10 +98,8 @@ def check_inputs(x_local: Tensor, packed: PackedSeqs, cfg: AttentionConfig, cp) 
     halo = halo_rows(cfg)
     chunks = num_chunks(cp.partition, size, cp.chunks_per_rank)
     code, detail, num_rows, fp = _local_verdict(x_local, packed, cfg, cp)
-    flags = torch.tensor([code, fp, -fp], dtype=torch.int64, device=x_local.device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cp.group)
-    code, fp_max, fp_min = int(flags[0]), int(flags[1]), -int(flags[2])
-    if fp_max != fp_min:
+    code, same = agree(code, fp, x_local.device, cp.group)
+    if not same:
         raise ValueError(
             "context parallelism: the global packed metadata (cu_seqlens / cu_seqlens_padded) or the layer "
             "geometry differs across the ranks of the CP group; every rank must pass the same global "

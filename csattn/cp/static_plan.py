@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..config import AttentionConfig
@@ -39,7 +37,7 @@ from ..ops.indices import window_indices
 from ..packing_static import StaticPackedSeqs
 from .exchange import AllReduceExchange
 from .partition import contiguous_layout, halo_rows
-from .plan import _fingerprint
+from .plan import _fingerprint, agree
 
 __all__ = ["build_static_plan", "check_static_inputs"]
 
@@ -70,13 +68,11 @@ def check_static_inputs(x_local: Tensor, static: StaticPackedSeqs, cfg: Attentio
             fp = _fingerprint(static, geometry)
         except Exception:  # unreadable metadata; the layer's own checks name the problem
             fp = 0
-        flags = torch.tensor([1 if problems else 0, fp, -fp], dtype=torch.int64, device=x_local.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cp.group)
-        failed, fp_max, fp_min = flags.tolist()
+        failed, same = agree(1 if problems else 0, fp, x_local.device, cp.group)
         if failed > 0:
             detail = "; ".join(problems) if problems else "another rank got bad input"
             raise ValueError(f"context parallelism (capture-safe): {detail}")
-        if fp_max != -fp_min:
+        if not same:
             raise ValueError(
                 "context parallelism (capture-safe): the global packed metadata (cu_seqlens / cu_seqlens_padded, "
                 "num_rows, max_seqlen) or the layer geometry differs across the ranks of the CP group; every "
