@@ -122,7 +122,7 @@ def parity(group, lengths, pads=None, partition="contiguous", dtype="float64", s
         dist.all_reduce(tot, group=group)
         err[f"loss{i}"] = _rel(tot, lr)
     # fewest compressed groups any rank owned in any compressed layer (0 = a rank owned none)
-    owned = [v.num_owned for k, v in packed_cp._cache.items() if k[0] == "cp-plan" and v.local_meta is not None]
+    owned = [v[1].num_owned for k, v in packed_cp._cache.items() if k[0] == "cp-plan" and v[0].entries is not None]
     least = torch.tensor([min(owned) if owned else -1])
     dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
     err["_min_owned"] = int(least)

@@ -41,3 +41,31 @@ def random_layer(cfg: AttentionConfig, dtype=torch.float64, seed: int = 0) -> Hy
 
 def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.grad.clone() if p.grad is not None else None) for n, p in module.named_parameters()}
+
+
+class _PoisonedTorch:
+    """``torch`` as a kernel module sees it, with ``empty`` / ``empty_like`` returning NaN-filled floating tensors:
+    an output element a kernel leaves unwritten then fails the comparison instead of passing on stale memory."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def empty(self, *args, **kwargs) -> torch.Tensor:
+        return _poison(self._real.empty(*args, **kwargs))
+
+    def empty_like(self, *args, **kwargs) -> torch.Tensor:
+        return _poison(self._real.empty_like(*args, **kwargs))
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+def poison_kernel_outputs(monkeypatch, *modules) -> None:
+    """NaN-poison every floating buffer the host functions of ``modules`` allocate with ``torch.empty`` /
+    ``torch.empty_like`` (the kernels' outputs) for the rest of the test."""
+    for module in modules:
+        monkeypatch.setattr(module, "torch", _PoisonedTorch(torch))

@@ -193,11 +193,11 @@ def test_capture_safe_has_no_host_sync(layer_type, extra, monkeypatch):
     def no_checkpoint(*args, **kwargs):
         raise AssertionError("torch.utils.checkpoint saves the RNG state, which CUDA graph capture forbids")
 
-    import csattn.graphs.select
     import csattn.ops.indexer_loss.naive
+    import csattn.ops.indexer_loss.static
     import csattn.ops.sparse_attn.naive
 
-    for module in (csattn.graphs.select, csattn.ops.indexer_loss.naive, csattn.ops.sparse_attn.naive):
+    for module in (csattn.ops.indexer_loss.static, csattn.ops.indexer_loss.naive, csattn.ops.sparse_attn.naive):
         monkeypatch.setattr(module, "checkpoint", no_checkpoint)
     with NoHostSync():
         y = layer(x, packed=static)

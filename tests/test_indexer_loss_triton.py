@@ -7,7 +7,16 @@ import torch
 from csattn.ops.indexer import indexer_topk_ref
 from csattn.ops.indexer_loss import indexer_kl_loss
 from csattn.packing import PackedSeqs
-from tests.helpers import rel_err
+from tests.helpers import poison_kernel_outputs, rel_err
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_kernel_outputs(monkeypatch):
+    """Every kernel output starts as NaN, so an element the kernel does not write fails."""
+    import csattn.ops.indexer_loss.triton
+
+    poison_kernel_outputs(monkeypatch, csattn.ops.indexer_loss.triton)
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

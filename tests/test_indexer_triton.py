@@ -6,6 +6,16 @@ import torch
 
 from csattn.ops.indexer import indexer_scores_ref, indexer_topk, indexer_topk_ref
 from csattn.packing import PackedSeqs
+from tests.helpers import poison_kernel_outputs
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_kernel_outputs(monkeypatch):
+    """Every kernel output starts as NaN, so an element the kernel does not write fails."""
+    import csattn.ops.indexer.triton
+
+    poison_kernel_outputs(monkeypatch, csattn.ops.indexer.triton)
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

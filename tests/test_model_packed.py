@@ -81,24 +81,21 @@ def test_bad_input_names_argument():
 
 def test_packed_and_cp_reach_every_attention_layer(monkeypatch):
     """The model hands the same packed metadata and CP object to every attention layer, MTP included."""
-    import sys
-    import types
-
     from csattn.layers import HybridAttention
+    from csattn.layers.plan import LOCAL
 
     seen = []
 
-    def fake_cp_forward(layer, x_local, packed_global, cp):
-        seen.append((layer, packed_global, cp))
-        return layer.forward_packed(x_local, packed_global)
-
-    class FakeCP:  # one rank owning every row
+    class FakeCP:  # one rank owning every row: plans as one process does, and records who asked
         rank, size, group = 0, 1, None
+
+        def plan(self, x_local, packed_global, config):
+            seen.append((config, packed_global, self))
+            return LOCAL.plan(x_local, packed_global, config)
 
         def local_rows(self, packed, device=None):
             return torch.arange(packed.num_rows, device=device)
 
-    monkeypatch.setitem(sys.modules, "csattn.cp", types.SimpleNamespace(cp_attention_forward=fake_cp_forward))
     model = tiny_model("flash", seed=3, mtp=1)
     packed = PackedSeqs.from_lengths([6, 10], [8, 12])
     ids = torch.randint(0, 64, (20,))
@@ -106,7 +103,7 @@ def test_packed_and_cp_reach_every_attention_layer(monkeypatch):
     cp = FakeCP()
     out = model(ids, packed=packed, cp=cp, labels=labels[0], mtp_labels=labels[1:], label_counts=torch.ones(2))
     layers = [m for m in model.modules() if isinstance(m, HybridAttention)]
-    assert len(layers) == 5 and [s[0] for s in seen] == layers
+    assert len(layers) == 5 and len(seen) == 5 and all(s[0] is layer.config for s, layer in zip(seen, layers))
     assert all(s[1] is packed and s[2] is cp for s in seen)
     ref = model(ids, packed=packed, labels=labels[0], mtp_labels=labels[1:], label_counts=torch.ones(2))
     assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)

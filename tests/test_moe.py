@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from csattn.graphs.nosync import HostSyncError, NoHostSync
 from csattn.models.deepseek_v4.moe import MoE
+from csattn.nosync import HostSyncError, NoHostSync
 from csattn.ops.moe import expert_load, gather_sum_ref, moe_experts, resolve_backend, swiglu_bwd_ref, swiglu_fwd_ref
 
 from .helpers import rel_err

@@ -6,7 +6,15 @@ import torch
 
 from csattn.ops.rms_norm import rms_norm
 
-from .helpers import rel_err
+from .helpers import poison_kernel_outputs, rel_err
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_kernel_outputs(monkeypatch):
+    """Every kernel output starts as NaN, so an element the kernel does not write fails."""
+    import csattn.ops.rms_norm
+
+    poison_kernel_outputs(monkeypatch, csattn.ops.rms_norm)
 
 
 def plain_rms_norm(x, w, eps):

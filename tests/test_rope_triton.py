@@ -10,7 +10,16 @@ import torch
 from csattn.layers.modules import rms_norm_unweighted
 from csattn.ops.rope import apply_rope
 
-from .helpers import rel_err
+from .helpers import poison_kernel_outputs, rel_err
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_kernel_outputs(monkeypatch):
+    """Every kernel output starts as NaN, so an element the kernel does not write fails."""
+    import csattn.ops.rope.triton
+
+    poison_kernel_outputs(monkeypatch, csattn.ops.rope.triton)
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 triton_rope = pytest.importorskip("csattn.ops.rope.triton")

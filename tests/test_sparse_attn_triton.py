@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from csattn.ops.sparse_attn import SparseAttnConfig, sparse_attn, sparse_attn_ref
-from tests.helpers import rel_err
+from tests.helpers import poison_kernel_outputs, rel_err
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_kernel_outputs(monkeypatch):
+    """Every kernel output starts as NaN, so an element the kernel does not write fails."""
+    import csattn.ops.sparse_attn.triton
+
+    poison_kernel_outputs(monkeypatch, csattn.ops.sparse_attn.triton)
 
 
 def packed_indices(doc_lens: list[int], window: int, topk: int, ratio: int, pad_rows: int,

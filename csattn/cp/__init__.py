@@ -1,12 +1,10 @@
 """Context parallelism: one packed stream split over a ``torch.distributed`` process group."""
 
 from .context import ContextParallel
-from .forward import cp_attention_forward
 from .partition import PARTITIONS, Layout, flop_imbalance, halo_rows, make_layout, partition_flops, row_flops
 
 __all__ = [
     "ContextParallel",
-    "cp_attention_forward",
     "PARTITIONS",
     "Layout",
     "make_layout",

@@ -3,7 +3,7 @@ and a rank's shard."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -11,9 +11,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..config import AttentionConfig
+from ..layers.plan import LayerPlan, static_pack
 from ..packing import PackedSeqs
+from .exchange import GatherExchange
 from .gather import gather_rows
 from .partition import PARTITIONS, Layout, make_layout
+from .plan import build_plan, check_inputs
+from .static_plan import build_static_plan
 
 __all__ = ["ContextParallel"]
 
@@ -63,6 +67,25 @@ class ContextParallel:
     @property
     def size(self) -> int:
         return dist.get_world_size(self.group)
+
+    def plan(self, x_local: Tensor, packed: Any, config: AttentionConfig) -> LayerPlan:
+        """This rank's plan of one layer call (the planner :class:`csattn.HybridAttention` asks).
+
+        Args:
+            x_local: ``[T / P, D]`` this rank's rows of the global stream (``cp.shard(x, packed)``).
+            packed: metadata of the whole ``T``-row stream, identical on every rank; a
+                :class:`~csattn.packing_static.StaticPackedSeqs` (or ``config.capture_safe``) asks for the
+                capture-safe plan.
+            config: the layer's geometry.
+
+        Raises the same ``ValueError`` on every rank on bad input (one collective check).
+        """
+        if config.capture_safe or getattr(packed, "capture_safe", False):
+            return build_static_plan(x_local, static_pack(packed, x_local.shape[0] * self.size), config, self)
+        packed = PackedSeqs.coerce(packed)
+        check_inputs(x_local, packed, config, self)
+        plan, index = build_plan(packed, config, self, x_local.device)
+        return replace(plan, exchange=GatherExchange(index, self.group))
 
     def layout(self, packed: Any) -> Layout:
         """Row ownership of the global stream described by ``packed`` (cached on it)."""

@@ -30,6 +30,7 @@ __all__ = [
     "PARTITIONS",
     "Layout",
     "make_layout",
+    "contiguous_layout",
     "num_chunks",
     "halo_rows",
     "row_flops",
@@ -110,7 +111,7 @@ def make_layout(
     if num_rows % k:
         raise ValueError(f"the packed stream has {num_rows} rows, not divisible into {k} chunks")
     if partition == "contiguous":
-        owner = list(range(size))
+        layout = contiguous_layout(num_rows, size)
     else:
         costs = chunk_costs(packed, k, cost_config or AttentionConfig())
         owner = [0] * k
@@ -121,9 +122,15 @@ def make_layout(
             owner[c] = r
             load[r] += costs[c]
             count[r] += 1
-    layout = Layout(num_rows=num_rows, size=size, chunk=num_rows // k, chunk_owner=tuple(owner))
+        layout = Layout(num_rows=num_rows, size=size, chunk=num_rows // k, chunk_owner=tuple(owner))
     packed.cache()[key] = layout
     return layout
+
+
+def contiguous_layout(num_rows: int, size: int) -> Layout:
+    """Rank r owns rows ``[r T / P, (r + 1) T / P)``: from host ints alone, so the capture-safe plan can use it.
+    ``T`` must be divisible by ``P``."""
+    return Layout(num_rows=num_rows, size=size, chunk=num_rows // size, chunk_owner=tuple(range(size)))
 
 
 def halo_rows(cfg: AttentionConfig) -> int:

@@ -14,41 +14,20 @@ and cached on the ``PackedSeqs``. Index spaces:
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..config import AttentionConfig
-from ..packing import CompressMeta, PackedSeqs
+from ..layers.op_sets import EAGER
+from ..layers.plan import IDENTITY, Entries, LayerPlan
+from ..packing import PackedSeqs
+from .exchange import GatherIndex
 from .partition import halo_rows, make_layout, num_chunks
 
-__all__ = ["LayerPlan", "build_plan", "check_inputs"]
-
-
-@dataclass
-class LayerPlan:
-    """Index tensors of one rank for one layer geometry (see module docstring for the index spaces)."""
-
-    halo: int  # Hh
-    num_segments: int  # most segments any rank has (the halo exchange slot count)
-    tail_index: Tensor | None  # [S * Hh] local rows this rank sends (the last Hh rows of each segment)
-    pieces: list[tuple[str, int, int]]  # ext rows in order: ("halo", start in gathered tails, n) / ("local", start, n)
-    pos_local: Tensor  # [L]
-    real_local: Tensor  # [L] bool
-    pos_ext: Tensor  # [n_ext]
-    window_ids: Tensor  # [L, W] ext row ids, -1 = none
-    num_real: int  # real rows of the whole stream
-    # compressed entries (None for sliding-window layers)
-    local_meta: CompressMeta | None = None  # this rank's owned entries, entry_row in ext rows
-    num_owned: int = 0
-    max_owned: int = 0  # most entries any rank owns (the gather slot count)
-    gathered_order: Tensor | None = None  # [Nc] position of each global entry in the gathered buffer
-    vis_start: Tensor | None = None  # [L]
-    vis_end: Tensor | None = None  # [L]
-    max_visible: int = 0
-    num_entries: int = 0
+__all__ = ["build_plan", "check_inputs", "agree"]
 
 
 def _geometry_key(cfg: AttentionConfig) -> tuple:
@@ -97,6 +76,16 @@ def _local_verdict(x_local: Tensor, packed: PackedSeqs, cfg: AttentionConfig, cp
     return verdict
 
 
+def agree(code: int, fingerprint: int, device: torch.device, group) -> tuple[int, bool]:
+    """The one collective of the CP input checks: a ``[3]`` int64 all-reduce (max) of ``[code, fp, -fp]`` gives
+    the worst problem code of any rank and whether every rank's fingerprint of the metadata and layer is the
+    same. Every rank calls it on every checked call, so no rank is left waiting in it alone."""
+    flags = torch.tensor([code, fingerprint, -fingerprint], dtype=torch.int64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    worst, fp_max, neg_fp_min = flags.tolist()
+    return worst, fp_max == -neg_fp_min
+
+
 def check_inputs(x_local: Tensor, packed: PackedSeqs, cfg: AttentionConfig, cp) -> None:
     """Validate on every rank, agree on the worst problem with one all-reduce, then raise the same
     ``ValueError`` everywhere (so no rank is left waiting in a collective).
@@ -109,10 +98,8 @@ def check_inputs(x_local: Tensor, packed: PackedSeqs, cfg: AttentionConfig, cp) 
     halo = halo_rows(cfg)
     chunks = num_chunks(cp.partition, size, cp.chunks_per_rank)
     code, detail, num_rows, fp = _local_verdict(x_local, packed, cfg, cp)
-    flags = torch.tensor([code, fp, -fp], dtype=torch.int64, device=x_local.device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cp.group)
-    code, fp_max, fp_min = int(flags[0]), int(flags[1]), -int(flags[2])
-    if fp_max != fp_min:
+    code, same = agree(code, fp, x_local.device, cp.group)
+    if not same:
         raise ValueError(
             "context parallelism: the global packed metadata (cu_seqlens / cu_seqlens_padded) or the layer "
             "geometry differs across the ranks of the CP group; every rank must pass the same global "
@@ -140,8 +127,9 @@ def check_inputs(x_local: Tensor, packed: PackedSeqs, cfg: AttentionConfig, cp) 
         )
 
 
-def build_plan(packed: PackedSeqs, cfg: AttentionConfig, cp, device: torch.device) -> LayerPlan:
-    """The :class:`LayerPlan` of this rank (cached on ``packed``). Assumes :func:`check_inputs` passed."""
+def build_plan(packed: PackedSeqs, cfg: AttentionConfig, cp, device: torch.device) -> tuple[LayerPlan, GatherIndex]:
+    """This rank's :class:`LayerPlan` (its exchange still the identity) and the host index of its exchange (cached on
+    ``packed``). Assumes :func:`check_inputs` passed."""
     size, rank = cp.size, cp.rank
     key = ("cp-plan", size, rank, cp.partition, cp.chunks_per_rank, id(cp.cost_config), _geometry_key(cfg),
            str(device))
@@ -191,11 +179,8 @@ def build_plan(packed: PackedSeqs, cfg: AttentionConfig, cp, device: torch.devic
     valid = (pos_local[:, None] + offs[None, :] >= 0) & real_local[:, None]
     window_ids = torch.where(valid, local_in_ext_t[:, None] + offs[None, :], -1)
 
-    plan = LayerPlan(
-        halo=halo, num_segments=num_segments, tail_index=tail_index, pieces=pieces,
-        pos_local=pos_local.to(device), real_local=real_local.to(device), pos_ext=rows.pos[ext_rows_t].to(device),
-        window_ids=window_ids.to(device), num_real=rows.num_real,
-    )
+    entries = None
+    index = GatherIndex(halo=halo, tail_index=tail_index, pieces=pieces)
     if cfg.has_compressor:
         r = cfg.compress_ratio
         meta = packed.compress(r, torch.device("cpu"))
@@ -218,13 +203,11 @@ def build_plan(packed: PackedSeqs, cfg: AttentionConfig, cp, device: torch.devic
             entry_pos=meta.entry_pos[mine].to(device),
             num_entries=int(mine.numel()),
         )
-        plan.local_meta = local_meta
-        plan.num_owned = int(mine.numel())
-        plan.max_owned = max_owned
-        plan.gathered_order = (owner * max_owned + slot).to(device)
-        plan.vis_start = meta.vis_start[local_rows_t].to(device)
-        plan.vis_end = meta.vis_end[local_rows_t].to(device)
-        plan.max_visible = meta.max_visible
-        plan.num_entries = meta.num_entries
+        entries = Entries(local_meta, meta.vis_start[local_rows_t].to(device), meta.vis_end[local_rows_t].to(device),
+                          meta.max_visible)
+        index = replace(index, num_entries=meta.num_entries, num_owned=int(mine.numel()), max_owned=max_owned,
+                        gathered_order=(owner * max_owned + slot).to(device))
+    plan = (LayerPlan(pos_local.to(device), real_local.to(device), rows.num_real, window_ids.to(device), IDENTITY,
+                      EAGER, pos_ext=rows.pos[ext_rows_t].to(device), entries=entries), index)
     packed.cache()[key] = plan
     return plan

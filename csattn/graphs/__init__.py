@@ -1,16 +1,17 @@
-"""Capture-safe execution (CUDA graphs, ``torch.compile``): static packed metadata built on the device from
-``cu_seqlens``, a forward of the attention layer without host syncs, and a dispatch mode that checks it."""
+"""Capture-safe execution (CUDA graphs, ``torch.compile``): one training step captured in a CUDA graph, and the
+names a capture-safe user needs in one place (static packed metadata, the host-sync check, the static ops).
 
+The capture-safe forward itself is the layer's one flow over a capture-safe plan (``csattn/layers/plan.py``,
+``csattn/cp/static_plan.py``)."""
+
+from ..nosync import HostSyncError, NoHostSync
+from ..ops.indexer.static import indexer_topk_static
+from ..ops.indexer_loss.static import indexer_kl_loss_dense_static
+from ..packing_static import StaticCompressMeta, StaticPackedSeqs, StaticRowMeta, compressed_capacity
 from .capture import CapturedLayerStep
-from .cp_forward import capture_safe_cp_forward
-from .forward import capture_safe_forward, capture_safe_forward_packed
-from .nosync import HostSyncError, NoHostSync
-from .select import indexer_kl_loss_dense_static, indexer_topk_static
-from .static import StaticCompressMeta, StaticPackedSeqs, StaticRowMeta, compressed_capacity
 
 __all__ = [
     "StaticPackedSeqs", "StaticRowMeta", "StaticCompressMeta", "compressed_capacity",
-    "capture_safe_forward", "capture_safe_forward_packed", "capture_safe_cp_forward",
     "indexer_topk_static", "indexer_kl_loss_dense_static",
     "NoHostSync", "HostSyncError", "CapturedLayerStep",
 ]

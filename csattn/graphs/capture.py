@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .static import StaticPackedSeqs
+from ..packing_static import StaticPackedSeqs
 
 __all__ = ["CapturedLayerStep"]
 

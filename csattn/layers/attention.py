@@ -2,59 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..config import AttentionConfig
-from ..ops.indexer import indexer_topk
-from ..ops.indexer_loss import (
-    SparseTeacher,
-    attach_indexer_loss,
-    indexer_kl_from_teacher,
-    indexer_kl_loss,
-    sparse_teacher_block,
-)
-from ..ops.indices import combine_indices, range_indices, window_indices
-from ..ops.recompute import row_chunked
+from ..ops.indexer_loss import SparseTeacher, attach_indexer_loss, indexer_kl_from_teacher, sparse_teacher_block
+from ..ops.indices import combine_indices, range_indices
 from ..ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from ..ops.sparse_attn import sparse_attn
-from ..packing import CompressMeta, PackedSeqs
+from ..packing import PackedSeqs
 from .core import BlockIds, CoreGeometry, attention_core, output_projection, query_heads
 from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, RowPieces, _linear, map_rows
+from .op_sets import EAGER, OpSet
+from .plan import LOCAL, CompressedRange, IndexerLossInputs, LayerPlan
 
-__all__ = ["HybridAttention", "CompressedRange", "IndexerLossInputs"]
-
-
-class CompressedRange(NamedTuple):
-    """Every compressed id in ``[start[t], end[t])`` for row t; ``width`` bounds ``end - start``."""
-
-    start: Tensor
-    end: Tensor
-    width: int
-
-
-class IndexerLossInputs(NamedTuple):
-    """What the indexer KL loss needs besides the attention: the indexer's queries, weights and keys, which
-    rows are real (``num_real`` over the whole stream, global under context parallelism) and the visible
-    compressed-id ranges (for the dense loss)."""
-
-    q_idx: Tensor
-    w: Tensor
-    k_idx: Tensor
-    real: Tensor
-    num_real: int | Tensor  # a host int, or a device scalar on the capture-safe path
-    vis_start: Tensor
-    vis_end: Tensor
-
-    def row_weight(self, dtype: torch.dtype) -> Tensor:
-        """``1 / num_real`` for real rows, 0 for padding (divided on the device for a device count)."""
-        if isinstance(self.num_real, Tensor):
-            return self.real.to(dtype) / self.num_real.clamp(min=1)
-        return self.real.to(dtype) / max(self.num_real, 1)
+__all__ = ["HybridAttention"]
 
 
 class _CSACompressor(Compressor):
@@ -135,19 +100,40 @@ class HybridAttention(nn.Module):
         """
         if isinstance(hidden_states, Tensor) and hidden_states.dim() in (2, 3) and not hidden_states.shape[:-1].numel():
             return self._empty_forward(hidden_states, packed, cp)
-        if self.config.capture_safe or getattr(packed, "capture_safe", False):
-            from ..graphs import capture_safe_forward  # local import: the graphs package depends on this module
-
-            return capture_safe_forward(self, hidden_states, packed, cp)
-        x, packed, batch_shape = self._flatten(hidden_states, packed)
-        if cp is not None:
-            from ..cp import cp_attention_forward  # local import: the CP package depends on this module
-
-            out = cp_attention_forward(self, x, packed, cp)
-        else:
-            packed.validate(x.shape[0], x.device)
-            out = self.forward_packed(x, packed)
+        if cp is not None and not callable(getattr(cp, "plan", None)):
+            raise ValueError(f"cp= must be a csattn.ContextParallel, got {type(cp).__name__}")
+        x, packed, batch_shape = self._flatten(hidden_states, packed, cp)
+        out = self.forward_plan(x, (LOCAL if cp is None else cp).plan(x, packed, self.config))
         return out.view(*batch_shape, -1) if batch_shape is not None else out
+
+    def forward_plan(self, x: Tensor, plan: LayerPlan) -> Tensor:
+        """The one flow of the layer over this rank's rows ``x [L, D]``; ``plan`` says what differs between the
+        single-process, context-parallel and capture-safe runs (see ``layers/README.md``). Each exchange is
+        started before, and finished after, a phase that does not need it, so the collective overlaps it."""
+        cfg, ops, exchange, entries = self.config, plan.ops, plan.exchange, plan.entries
+        halo = exchange.start_halo(x)
+        cos, sin = self.rope_tables(plan.pos, x.dtype)
+        qr = self.query_latent(x)  # overlaps the halo exchange
+        x_ext = exchange.finish_halo(x, halo)
+        pending = None
+        if entries is not None:  # this rank's entries: compressed KV and (CSA) the indexer's own keys
+            backend = self.backend_for(x)
+            parts = [ops.compress(self.compressor, x_ext, entries, self.inv_freq, backend)]
+            if cfg.layer_type == "csa":  # from detached rows: the indexer learns from its loss only
+                parts.append(ops.compress(self.compressor.indexer, x_ext.detach(), entries, self.inv_freq, backend))
+            pending = exchange.start_entries(parts)
+        cos_e, sin_e = (cos, sin) if plan.pos_ext is None else self.rope_tables(plan.pos_ext, x.dtype)
+        kv = self.raw_kv(x_ext, cos_e, sin_e)  # overlaps the entry gather
+
+        ckv = compressed_ids = loss = None
+        if entries is not None:
+            ckv, *keys = exchange.finish_entries(pending)  # every entry, global id order
+            if cfg.layer_type == "hca":
+                # expanded one row chunk at a time inside attend: never [T, T / r] ids at once
+                compressed_ids = CompressedRange(entries.vis_start, entries.vis_end, entries.max_visible)
+            else:
+                compressed_ids, loss = self.select(x, qr, cos, sin, keys[0], plan)
+        return self.heads(qr, cos, sin, kv, ckv, plan.window_ids, compressed_ids, loss, ops)
 
     def load_hf_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
         """Load the state dict of a Hugging Face ``DeepseekV4Attention`` (same names).
@@ -183,26 +169,25 @@ class HybridAttention(nn.Module):
         qr = self.query_latent(x)
         return self.query_heads(qr, cos, sin), qr
 
-    def query_heads(self, qr: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def query_heads(self, qr: Tensor, cos: Tensor, sin: Tensor, ops: OpSet = EAGER) -> Tensor:
         """``q [T, H, d]`` from the latent; block-recomputed in the backward with ``recompute_projections``."""
         cfg = self.config
         if not cfg.recompute_projections:
             return query_heads(qr, cos, sin, self.q_b_proj.weight, cfg.num_heads, cfg.rms_norm_eps)
-        fn = partial(query_heads, heads=cfg.num_heads, eps=cfg.rms_norm_eps)
-        return row_chunked(fn, (qr, cos, sin), (self.q_b_proj.weight,), self.recompute_rows())
+        return ops.query_heads(qr, cos, sin, self.q_b_proj.weight, cfg.num_heads, cfg.rms_norm_eps,
+                               self.recompute_rows())
 
     def raw_kv(self, x: Tensor | RowPieces, cos: Tensor, sin: Tensor) -> Tensor:
         """The single K = V head of every row, ``[T, d]``."""
         return apply_rope(self.kv_norm(map_rows(self.kv_proj, x)), cos, sin)
 
-    def output(self, o: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def output(self, o: Tensor, cos: Tensor, sin: Tensor, ops: OpSet = EAGER) -> Tensor:
         """Inverse RoPE on ``o [T, H, d]`` (values carried absolute rope), then the grouped projection."""
         cfg = self.config
         weights = (self.o_a_proj.weight, self.o_b_proj.weight)
         if not cfg.recompute_projections:
             return output_projection(o, cos, sin, *weights, groups=cfg.o_groups)
-        fn = partial(output_projection, groups=cfg.o_groups)
-        return row_chunked(fn, (o, cos, sin), weights, self.recompute_rows())
+        return ops.output(o, cos, sin, *weights, cfg.o_groups, self.recompute_rows())
 
     def recompute_rows(self) -> int:
         """Rows per recomputed block: about a quarter of the workspace for ~4 fp32 ``[H, d]`` temporaries."""
@@ -216,22 +201,20 @@ class HybridAttention(nn.Module):
         ckv: Tensor | None,
         window_ids: Tensor,
         compressed_ids: Tensor | CompressedRange | None,
-        run: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
+        ops: OpSet = EAGER,
     ) -> tuple[Tensor, Tensor]:
         """Sparse attention of ``q`` over window keys (rows of ``kv``) and compressed keys (rows of ``ckv``).
 
         ``compressed_ids`` is a ``[T, k]`` id matrix (CSA top-k) or a :class:`CompressedRange` (HCA: every
         visible entry). A range is expanded to ids one row chunk at a time, so the index lists never take
-        ``T * T / r`` memory. ``run(q, keys, ids)`` replaces the sparse-attention call (the capture-safe path
-        passes its custom op).
+        ``T * T / r`` memory. ``ops`` runs the sparse attention (eager, or its custom op).
         """
         cfg = self.config
-        if run is None:
-            backend = self.backend_for(q)
+        backend = self.backend_for(q)
 
-            def run(q_: Tensor, keys: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
-                return sparse_attn(q_, keys, ids, self.sinks, cfg.scale, chunk_rows=cfg.attn_chunk_rows,
-                                   backend=backend, config=cfg.sparse_attn_kernel)
+        def run(q_: Tensor, keys: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+            return ops.sparse_attn(q_, keys, ids, self.sinks, cfg.scale, cfg.attn_chunk_rows, backend,
+                                   cfg.sparse_attn_kernel)
 
         keys, ids_fn = self.key_ids(kv, ckv, window_ids, compressed_ids)
         total = q.shape[0]
@@ -264,29 +247,6 @@ class HybridAttention(nn.Module):
             and torch.is_grad_enabled()
         )
 
-    # ------------------------------------------------------------------ single-process forward
-    def forward_packed(self, x: Tensor, packed: PackedSeqs) -> Tensor:
-        """Forward over a whole packed stream ``x [T, D]`` (no context parallelism)."""
-        cfg = self.config
-        rows = packed.rows(x.device)
-        cos, sin = self.rope_tables(rows.pos, x.dtype)
-        qr = self.query_latent(x)
-        kv = self.raw_kv(x, cos, sin)
-        window_ids = window_indices(rows.pos, rows.real, cfg.sliding_window)
-
-        ckv = compressed_ids = loss = None
-        if self.compressor is not None:
-            meta = packed.compress(cfg.compress_ratio, x.device)
-            ckv = self.compressor.compress(x, meta, self.inv_freq, backend=self.backend_for(x))
-            if cfg.layer_type == "hca":
-                compressed_ids = CompressedRange(meta.vis_start, meta.vis_end, meta.max_visible)
-            else:
-                keys = self.index_keys(x, meta)
-                compressed_ids, (q_idx, w, k_idx) = self.select(x, qr, cos, sin, keys, meta.vis_start, meta.vis_end,
-                                                                meta.max_visible)
-                loss = IndexerLossInputs(q_idx, w, k_idx, rows.real, rows.num_real, meta.vis_start, meta.vis_end)
-        return self.heads(qr, cos, sin, kv, ckv, window_ids, compressed_ids, loss)
-
     def heads(
         self,
         qr: Tensor,
@@ -297,7 +257,7 @@ class HybridAttention(nn.Module):
         window_ids: Tensor,
         compressed_ids: Tensor | CompressedRange | None,
         loss: IndexerLossInputs | None,
-        loss_scale: float | None = None,
+        ops: OpSet = EAGER,
     ) -> Tensor:
         """Everything per head, from the query latent to the layer output ``[T, D]``: query heads, sparse
         attention over window + compressed keys, the indexer loss (attached to the output) and the output
@@ -305,19 +265,21 @@ class HybridAttention(nn.Module):
 
         With ``recompute_projections`` (the default) this runs block by block in :func:`attention_core`, and
         no ``[T, H, d]`` tensor is ever whole; the dense indexer loss needs all queries at once, so it takes
-        the unblocked path (queries and output projection still recomputed block by block). ``loss_scale``
-        fixes the indexer loss's gradient scale (captured graphs); None reads the global one in the backward.
-        Nothing here reads device values on the host, so it is also the capture-safe path's core.
+        the unblocked path (queries and output projection still recomputed block by block), and so does the
+        capture-safe op set where it must (see :meth:`~csattn.layers.op_sets.EagerOps.unblocked`). ``ops`` also
+        fixes the indexer loss's gradient scale (captured graphs) or leaves it to the backward. Nothing here
+        reads device values on the host.
         """
         cfg = self.config
         self.last_indexer_loss = None
         want_loss = loss is not None and ckv is not None and self.wants_indexer_loss()
-        if not cfg.recompute_projections or (want_loss and cfg.indexer_loss_type == "dense"):
-            q = self.query_heads(qr, cos, sin)
-            o, lse = self.attend(q, kv, ckv, window_ids, compressed_ids)
+        loss_scale = ops.loss_scale()
+        if not cfg.recompute_projections or ops.unblocked(cfg.layer_type, cfg.indexer_loss_type, want_loss):
+            q = self.query_heads(qr, cos, sin, ops)
+            o, lse = self.attend(q, kv, ckv, window_ids, compressed_ids, ops)
             if want_loss:
-                o = self.with_indexer_loss(o, loss, q, ckv, lse, compressed_ids, loss_scale)
-            return self.output(o, cos, sin)
+                o = self.with_indexer_loss(o, loss, q, ckv, lse, compressed_ids, loss_scale, ops)
+            return self.output(o, cos, sin, ops)
 
         keys, ids_fn = self.key_ids(kv, ckv, window_ids, compressed_ids)
         backend = self.backend_for(qr)
@@ -374,11 +336,6 @@ class HybridAttention(nn.Module):
         rows = max(16, cfg.workspace_bytes // per_row)
         return rows if rows < 256 else rows // 128 * 128  # whole waves of row programs on the GPU
 
-    def index_keys(self, x: Tensor | RowPieces, meta: CompressMeta, row_offset: int = 0) -> Tensor:
-        """The indexer's own compressed keys ``[Nc, cI]`` from detached ``x`` (CSA)."""
-        return self.compressor.indexer.compress(x.detach(), meta, self.inv_freq, row_offset=row_offset,
-                                               backend=self.backend_for(x))
-
     def effective_topk(self, max_visible: int) -> int:
         """Width of the top-k lists: ``index_topk`` capped by the most entries any row can see (HF's
         ``min(index_topk, compressed_len)``). Columns past that are -1 on every row, so dropping them changes
@@ -387,37 +344,28 @@ class HybridAttention(nn.Module):
         or its static bound on the capture-safe path. At least 1 (the top-k needs a column)."""
         return max(1, min(self.config.index_topk, int(max_visible)))
 
-    def select(
-        self,
-        x: Tensor,
-        qr: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        index_keys: Tensor,
-        vis_start: Tensor,
-        vis_end: Tensor,
-        max_visible: int | None = None,
-    ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
-        """Lightning-indexer top-k for the rows of ``x`` / ``qr`` (CSA).
+    def select(self, x: Tensor, qr: Tensor, cos: Tensor, sin: Tensor, index_keys: Tensor,
+               plan: LayerPlan) -> tuple[Tensor, IndexerLossInputs]:
+        """Lightning-indexer top-k for the local rows of ``x`` / ``qr`` (CSA) over ``index_keys [Nc, cI]``.
 
         The indexer sees detached inputs: the language-model loss sends it no gradient; only the
-        indexer loss trains it. ``max_visible`` (the widest ``vis_end - vis_start``) caps the list width; None
-        = ``index_topk`` uncapped.
+        indexer loss trains it. The list width is capped by the widest visible range of the stream.
 
         Returns:
-            ``selected [T, k]`` global compressed ids (-1 = none) and ``(q_idx, w, k_idx)`` for the loss.
+            ``selected [L, k]`` global compressed ids (-1 = none) and the indexer loss's inputs.
         """
-        cfg = self.config
+        cfg, entries = self.config, plan.entries
         indexer: Indexer = self.compressor.indexer
         q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=self.indexer_query_rows())
         w = indexer.scorer(x.detach())
-        topk = cfg.index_topk if max_visible is None else self.effective_topk(max_visible)
-        selected = indexer_topk(q_idx, w, index_keys, vis_start, vis_end, topk,
-                                workspace_bytes=cfg.workspace_bytes, backend=self.backend_for(q_idx))
-        return selected, (q_idx, w, index_keys)
+        selected = plan.ops.indexer_topk(q_idx, w, index_keys, entries.vis_start, entries.vis_end,
+                                         self.effective_topk(entries.max_visible), entries.max_visible,
+                                         cfg.workspace_bytes, self.backend_for(q_idx))
+        return selected, IndexerLossInputs(q_idx, w, index_keys, plan.real, plan.num_real, entries.vis_start,
+                                           entries.vis_end, entries.max_visible)
 
     def with_indexer_loss(self, o: Tensor, loss: IndexerLossInputs, q: Tensor, ckv: Tensor, lse: Tensor,
-                          selected: Tensor, loss_scale: float | None = None) -> Tensor:
+                          selected: Tensor, loss_scale: float | None = None, ops: OpSet = EAGER) -> Tensor:
         """Attach ``coeff * sum_t KL_t / num_real`` over the real rows to ``o`` (its gradient flows in ``o``'s
         backward) and log the KL in ``last_indexer_loss``.
 
@@ -425,12 +373,8 @@ class HybridAttention(nn.Module):
         the ranks' losses sum to the single-process loss).
         """
         cfg = self.config
-        kl = indexer_kl_loss(
-            loss.q_idx, loss.w, loss.k_idx, q, ckv, lse, cfg.scale, loss.row_weight(lse.dtype),
-            selected=selected if cfg.indexer_loss_type == "sparse" else None,
-            vis_start=loss.vis_start, vis_end=loss.vis_end, workspace_bytes=cfg.workspace_bytes,
-            backend=self.backend_for(loss.q_idx),
-        )
+        kl = ops.indexer_kl_loss(loss, q, ckv, lse, cfg.scale, selected if cfg.indexer_loss_type == "sparse" else None,
+                                 cfg.workspace_bytes, self.backend_for(loss.q_idx))
         self.last_indexer_loss = kl.detach()
         return attach_indexer_loss(o, kl * cfg.indexer_loss_coeff, loss_scale)
 
@@ -476,15 +420,16 @@ class HybridAttention(nn.Module):
                 f"(hidden_states.to({weight})) or the layer (layer.to({hidden_states.dtype}))"
             )
 
-    def _flatten(self, hidden_states: Tensor, packed: Any) -> tuple[Tensor, PackedSeqs, tuple | None]:
+    def _flatten(self, hidden_states: Tensor, packed: Any, cp: Any) -> tuple[Tensor, Any, tuple | None]:
+        """``[T, D]`` rows, their packed metadata (a planner coerces it) and the ``(B, S)`` to restore, if any."""
         self._check_input(hidden_states)
-        if hidden_states.dim() == 3:
-            if packed is not None:
-                raise ValueError("packed= is for [T, D] input; got [B, S, D] hidden_states")
-            b, s, _ = hidden_states.shape
-            return hidden_states.reshape(b * s, -1), PackedSeqs.uniform(b, s, hidden_states.device), (b, s)
-        if hidden_states.dim() != 2:
-            raise ValueError(f"hidden_states must be [B, S, D] or [T, D], got shape {tuple(hidden_states.shape)}")
-        if packed is None:
-            packed = PackedSeqs.uniform(1, hidden_states.shape[0], hidden_states.device)
-        return hidden_states, PackedSeqs.coerce(packed), None
+        if hidden_states.dim() == 2:
+            if packed is None:
+                packed = PackedSeqs.uniform(1, hidden_states.shape[0], hidden_states.device)
+            return hidden_states, packed, None
+        if packed is not None:
+            raise ValueError("packed= is for [T, D] input; got [B, S, D] hidden_states")
+        if cp is not None and self.config.capture_safe:
+            raise ValueError("under cp= hidden_states must be this rank's packed rows [T / P, D]")
+        b, s, _ = hidden_states.shape
+        return hidden_states.reshape(b * s, -1), PackedSeqs.uniform(b, s, hidden_states.device), (b, s)

@@ -107,18 +107,14 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(ratio, coff * dim))
         self.kv_norm = RMSNorm(dim, eps)
 
-    def compress(self, x: Tensor | RowPieces, meta: CompressMeta, inv_freq: Tensor, row_offset: int = 0,
+    def compress(self, x: Tensor | RowPieces, meta: CompressMeta, inv_freq: Tensor,
                  backend: str = "reference") -> Tensor:
-        """Entries ``[Nc, dim]`` from rows ``x [T, D]``.
-
-        ``row_offset`` shifts ``meta.entry_row`` into ``x``'s rows (used when ``x`` is a window of a
-        longer stream, e.g. a context-parallel shard with its halo).
-        """
+        """Entries ``[Nc, dim]`` from rows ``x [T, D]`` (``meta.entry_row`` indexes ``x``'s rows: under context
+        parallelism the plan gives them in the rank's halo-extended rows)."""
         kv = map_rows(self.kv_proj, x)
         gate = map_rows(self.gate_proj, x)
-        entry_row = meta.entry_row - row_offset if row_offset else meta.entry_row
-        pooled = compress_pool(kv, gate, self.position_bias, entry_row, meta.entry_first, self.ratio, self.overlap,
-                               backend=backend)
+        pooled = compress_pool(kv, gate, self.position_bias, meta.entry_row, meta.entry_first, self.ratio,
+                               self.overlap, backend=backend)
         return self.finish(pooled, meta.entry_pos, inv_freq)
 
     def finish(self, pooled: Tensor, entry_pos: Tensor, inv_freq: Tensor) -> Tensor:

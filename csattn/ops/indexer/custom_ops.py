@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .static import indexer_topk_static
+
 __all__ = ["indexer_topk_static_op"]
 
 
@@ -14,9 +16,7 @@ def indexer_topk_static_op(
     q: Tensor, w: Tensor, k: Tensor, vis_start: Tensor, vis_end: Tensor, topk: int, width: int,
     workspace_bytes: int, backend: str,
 ) -> Tensor:
-    """``[T, topk]`` int64 ids: :func:`csattn.graphs.select.indexer_topk_static` as one op."""
-    from ...graphs.select import indexer_topk_static  # lazy: the graphs package imports the ops
-
+    """``[T, topk]`` int64 ids: :func:`csattn.ops.indexer.static.indexer_topk_static` as one op."""
     return indexer_topk_static(q, w, k, vis_start, vis_end, topk, width, workspace_bytes, backend=backend)
 
 

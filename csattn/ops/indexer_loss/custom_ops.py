@@ -8,6 +8,7 @@ from torch import Tensor
 
 from ..autograd import autograd_vjp
 from . import indexer_kl_loss as _indexer_kl_loss
+from .static import indexer_kl_loss_dense_static, indexer_kl_loss_static_bwd_ref
 
 __all__ = ["indexer_kl_loss_op", "indexer_kl_loss_static"]
 
@@ -20,8 +21,6 @@ def indexer_kl_loss_static(
     """The loss without host syncs: the sparse loss and the fused dense loss as they are, the dense reference
     over the static candidate window of width ``width`` (``max_seqlen // r``)."""
     if selected is None and backend == "reference":
-        from ...graphs.select import indexer_kl_loss_dense_static  # lazy: the graphs package imports the ops
-
         return indexer_kl_loss_dense_static(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, vis_start, vis_end,
                                             width, workspace_bytes)
     return _indexer_kl_loss(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected=selected,
@@ -55,8 +54,6 @@ def indexer_kl_loss_bwd_op(
     """``(dq_idx, dw, dk_idx)`` by recomputation (the reference one row chunk at a time, without
     ``torch.utils.checkpoint``, which CUDA graph capture does not allow)."""
     if backend == "reference":
-        from ...graphs.select import indexer_kl_loss_static_bwd_ref  # lazy: the graphs package imports the ops
-
         return indexer_kl_loss_static_bwd_ref(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected,
                                               vis_start, vis_end, width, workspace_bytes, grad)
 

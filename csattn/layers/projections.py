@@ -13,9 +13,9 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from ..layers.core import output_projection, query_heads
 from ..ops.autograd import autograd_vjp
 from ..ops.recompute import row_chunked
+from .core import output_projection, query_heads
 
 __all__ = ["query_heads_op", "output_proj_op"]
 

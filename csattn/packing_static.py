@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..packing import PackedSeqs, entry_layout, row_layout
 from .nosync import host_reads_forbidden
+from .packing import PackedSeqs, entry_layout, row_layout
 
 __all__ = ["StaticPackedSeqs", "StaticRowMeta", "StaticCompressMeta", "compressed_capacity"]
 
@@ -79,7 +79,7 @@ class StaticPackedSeqs:
             buffers, so the same value can serve every pack a graph replays on).
 
     The constructor checks the prefix sums on the host (:meth:`check`), except while a CUDA graph is being
-    captured, ``torch.compile`` traces or :class:`~csattn.graphs.NoHostSync` is active; nothing else here reads
+    captured, ``torch.compile`` traces or :class:`~csattn.nosync.NoHostSync` is active; nothing else here reads
     a tensor on the host.
 
     Example:

@@ -1,4 +1,4 @@
-"""The main job on a small default: a W / CSA / HCA stack on a packed batch of ragged documents.
+"""The main job's first part on a small default: a W / CSA / HCA stack on a packed batch of ragged documents.
 
 Prints per-layer output statistics, the indexer loss, and the largest difference between the packed run
 and running each document alone (which must be rounding only).
@@ -10,11 +10,11 @@ import argparse
 
 import torch
 
-from .config import AttentionConfig
-from .layers import HybridAttention
-from .packing import PackedSeqs
+from ..config import AttentionConfig
+from ..layers import HybridAttention
+from ..packing import PackedSeqs
 
-__all__ = ["demo_config", "build_demo_stack", "demo_batch", "run_demo", "add_demo_args"]
+__all__ = ["demo_config", "build_demo_stack", "demo_batch", "run_stack", "run_stack_demo", "add_demo_args"]
 
 
 def demo_config(layer_type: str) -> AttentionConfig:
@@ -78,7 +78,7 @@ def add_demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp-partition", choices=["contiguous", "balanced"], default="contiguous")
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def run_stack_demo(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     layers = build_demo_stack(dtype, args.seed)
     lengths = list(args.lengths)
@@ -110,9 +110,5 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"FAILED: packed and per-document runs differ by more than {tol:g}")
         return 1
     print("packed run matches per-document runs")
-    if getattr(args, "cp", 1) > 1:
-        from .cp.demo import run_cp_demo
-
-        return run_cp_demo(args)
     return 0
 

@@ -1,10 +1,6 @@
-"""Capture-safe indexer top-k and dense indexer loss: row chunks of a static height, candidates read over a
-static window instead of the data-dependent key slabs of ``row_chunks`` (which reads ``vis_start`` on the host).
-
-Row t's candidates are the ``width`` ids ``vis_start[t] + j`` (``width`` = the static bound on the visible
-range, ``max_seqlen // r``); ids at or past ``vis_end[t]`` are masked. Candidates stay in id order, so a
-stable sort breaks ties to the lower id exactly as the reference does.
-"""
+"""Capture-safe dense indexer loss and the reference backward of the loss's custom op: row chunks of a static
+height, candidates read over the static window of :func:`csattn.ops.indexer.static.static_window` (ids
+``vis_start[t] + j``, ``j < width``, masked at or past ``vis_end[t]``)."""
 
 from __future__ import annotations
 
@@ -12,13 +8,13 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ..ops.autograd import autograd_vjp
-from ..ops.indexer.naive import fixed_row_chunks, indexer_scores_ref
-from ..ops.indexer_loss.naive import _sparse_chunk, _teacher_mass, kl_from_logits, sparse_loss_chunks
-from ..ops.indices.naive import gather_rows_masked
+from ..autograd import autograd_vjp
+from ..indexer.naive import fixed_row_chunks, indexer_scores_ref
+from ..indexer.static import static_window
+from ..indices.naive import gather_rows_masked
+from .naive import _sparse_chunk, _teacher_mass, kl_from_logits, sparse_loss_chunks
 
-__all__ = ["indexer_topk_static", "indexer_kl_loss_dense_static",
-           "indexer_kl_loss_static_bwd_ref"]
+__all__ = ["indexer_kl_loss_dense_static", "indexer_kl_loss_static_bwd_ref"]
 
 
 def _dense_window_chunks(q_idx: Tensor, q: Tensor, width: int, workspace_bytes: int) -> list[tuple[int, int]]:
@@ -29,65 +25,9 @@ def _dense_window_chunks(q_idx: Tensor, q: Tensor, width: int, workspace_bytes: 
     return fixed_row_chunks(q_idx.shape[0], per_row, workspace_bytes)
 
 
-def _window(vis_start: Tensor, vis_end: Tensor, width: int, num_keys: int) -> tuple[Tensor, Tensor]:
-    """Candidate ids ``[R, width]`` (clamped into the key table) and their validity."""
-    ids = vis_start[:, None] + torch.arange(width, device=vis_start.device)[None, :]
-    valid = ids < vis_end[:, None]
-    return ids.clamp(max=max(num_keys - 1, 0)), valid
-
-
-@torch.no_grad()
-def indexer_topk_static(
-    q: Tensor,
-    w: Tensor,
-    k: Tensor,
-    vis_start: Tensor,
-    vis_end: Tensor,
-    topk: int,
-    width: int,
-    workspace_bytes: int = 1 << 30,
-    backend: str = "reference",
-    config=None,
-) -> Tensor:
-    """Causal top-k of indexer scores without host syncs; same result as ``indexer_topk``.
-
-    Args:
-        q: ``[T, HI, cI]``; w: ``[T, HI]``; k: ``[Nc, cI]`` (``Nc`` may be a static capacity).
-        vis_start, vis_end: ``[T]`` int64 visible ranges, ``vis_end - vis_start <= width``.
-        topk: width of the result. width: static bound on any row's visible range.
-        workspace_bytes: bound on one chunk's workspace.
-        backend: ``"reference"`` or ``"triton"`` (fused kernels over static chunks).
-        config: the fused kernels' ``IndexerConfig`` (None: the defaults; the reference ignores it).
-
-    Returns:
-        ``[T, topk]`` int64 global ids, best first, ties to the lower id, -1 where unused.
-    """
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
-    if backend == "triton":
-        from .select_triton import indexer_topk_static_triton
-
-        return indexer_topk_static_triton(q, w, k, vis_start, vis_end, topk, width, workspace_bytes, config=config)
-    if backend != "reference":
-        raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
-    num_rows = q.shape[0]
-    out = torch.full((num_rows, topk), -1, dtype=torch.int64, device=q.device)
-    if width < 1 or k.shape[0] == 0:
-        return out
-    elsize = torch.promote_types(q.dtype, torch.float32).itemsize
-    per_row = width * (2 * q.shape[1] * elsize + k.shape[1] * k.element_size())
-    for lo, hi in fixed_row_chunks(num_rows, per_row, workspace_bytes):
-        ids, valid = _window(vis_start[lo:hi], vis_end[lo:hi], width, k.shape[0])
-        scores = indexer_scores_ref(q[lo:hi], w[lo:hi], k[ids]).masked_fill(~valid, float("-inf"))
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :topk]
-        picked = torch.where(scores.gather(1, order) > float("-inf"), ids.gather(1, order), -1)
-        out[lo:hi, : picked.shape[1]] = picked
-    return out
-
-
 def _dense_window_chunk(q_idx, w, k_idx, q, ckv, lse, vis_start, vis_end, row_weight, scale, width):
     compute = torch.promote_types(q_idx.dtype, torch.float32)
-    ids, valid = _window(vis_start, vis_end, width, k_idx.shape[0])
+    ids, valid = static_window(vis_start, vis_end, width, k_idx.shape[0])
     # ids past a row's range name other documents' entries: gather zeros there (no 0 * NaN gradient to them)
     ids = torch.where(valid, ids, -1)
     student = indexer_scores_ref(q_idx, w, gather_rows_masked(k_idx, ids))

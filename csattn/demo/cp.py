@@ -52,9 +52,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _worker(rank: int, size: int, port: int, args: argparse.Namespace, failed) -> None:
-    from ..demo import build_demo_stack, demo_batch, run_stack
+    from ..cp import ContextParallel
     from ..packing import PackedSeqs
-    from .context import ContextParallel
+    from .stack import build_demo_stack, demo_batch, run_stack
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,

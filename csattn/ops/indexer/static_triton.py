@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops.indexer.triton import (
+from .triton import (
     _MAX_WORKSPACE,
     _compute_dtype,
     _interpreting,
@@ -24,8 +24,8 @@ def indexer_topk_static_triton(
     q: Tensor, w: Tensor, k: Tensor, vis_start: Tensor, vis_end: Tensor, topk: int, width: int,
     workspace_bytes: int = 1 << 30, config=None,
 ) -> Tensor:
-    """Same contract as :func:`csattn.graphs.select.indexer_topk_static` (fused kernels, CUDA or the interpreter);
-    ``config``: an ``IndexerConfig`` (None: the defaults)."""
+    """Same contract as :func:`csattn.ops.indexer.static.indexer_topk_static` (fused kernels, CUDA or the
+    interpreter); ``config``: an ``IndexerConfig`` (None: the defaults)."""
     interpret = _interpreting()
     if not q.is_cuda and not interpret:
         raise ValueError("indexer_topk_static_triton needs CUDA tensors (or TRITON_INTERPRET=1)")

@@ -1,0 +1,134 @@
+"""The two op sets a plan can name: the eager ops, or their ``torch.library`` custom ops (capture-safe path).
+
+Both run the same implementations in eager mode. The custom ops have fake implementations, so
+``torch.compile`` sees opaque nodes, and they take static bounds (the entry capacity, the widest visible
+range) where the eager ops read a count on the host. The layer calls ops only through these methods where
+the two differ; everything else (the block-recomputed core, RoPE, norms) is shared.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..ops.compressor.custom_ops import compress_pool_op
+from ..ops.indexer import indexer_topk
+from ..ops.indexer.custom_ops import indexer_topk_static_op
+from ..ops.indexer_loss import IndexerLossAutoScaler, indexer_kl_loss
+from ..ops.indexer_loss.custom_ops import indexer_kl_loss_op
+from ..ops.recompute import row_chunked
+from ..ops.sparse_attn import SparseAttnConfig, sparse_attn
+from ..ops.sparse_attn.custom_ops import sparse_attn_op
+from .core import output_projection, query_heads
+from .modules import Compressor, RowPieces, map_rows
+from .projections import output_proj_op, query_heads_op
+
+__all__ = ["OpSet", "EagerOps", "CustomOps", "EAGER", "CUSTOM"]
+
+
+@torch.compiler.assume_constant_result
+def _frozen_loss_scale() -> float:
+    scale = IndexerLossAutoScaler.main_loss_backward_scale
+    return 1.0 if scale is None else float(scale)
+
+
+class EagerOps:
+    """The ops called directly (the default path)."""
+
+    def compress(self, comp: Compressor, x: Tensor | RowPieces, entries, inv_freq: Tensor, backend: str) -> Tensor:
+        """``[Nc, dim]`` entries ``entries.meta`` lists, pooled from the ext rows ``x``."""
+        return comp.compress(x, entries.meta, inv_freq, backend=backend)
+
+    def indexer_topk(self, q_idx: Tensor, w: Tensor, keys: Tensor, vis_start: Tensor, vis_end: Tensor, topk: int,
+                     width: int, workspace_bytes: int, backend: str) -> Tensor:
+        """``[T, topk]`` global ids (``width`` bounds the visible ranges; the eager op reads them itself)."""
+        return indexer_topk(q_idx, w, keys, vis_start, vis_end, topk, workspace_bytes=workspace_bytes, backend=backend)
+
+    def sparse_attn(self, q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, scale: float, chunk_rows: int,
+                    backend: str, config: SparseAttnConfig | None = None) -> tuple[Tensor, Tensor]:
+        return sparse_attn(q, keys, ids, sinks, scale, chunk_rows=chunk_rows, backend=backend, config=config)
+
+    def indexer_kl_loss(self, loss, q: Tensor, ckv: Tensor, lse: Tensor, scale: float, selected: Tensor | None,
+                        workspace_bytes: int, backend: str) -> Tensor:
+        """The indexer KL loss of :class:`~csattn.layers.plan.IndexerLossInputs` ``loss`` (sparse over
+        ``selected``, dense over the visible ranges when it is None)."""
+        return indexer_kl_loss(loss.q_idx, loss.w, loss.k_idx, q, ckv, lse, scale, loss.row_weight(lse.dtype),
+                               selected=selected, vis_start=loss.vis_start, vis_end=loss.vis_end,
+                               workspace_bytes=workspace_bytes, backend=backend)
+
+    def query_heads(self, qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float,
+                    chunk_rows: int) -> Tensor:
+        """``q [T, H, d]`` recomputed block by block in the backward."""
+        return row_chunked(partial(query_heads, heads=heads, eps=eps), (qr, cos, sin), (weight,), chunk_rows)
+
+    def output(self, o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int,
+               chunk_rows: int) -> Tensor:
+        """The output projection of ``o [T, H, d]``, recomputed block by block in the backward."""
+        return row_chunked(partial(output_projection, groups=groups), (o, cos, sin), (w_a, w_b), chunk_rows)
+
+    def loss_scale(self) -> float | None:
+        """The indexer loss's gradient scale: None = read the global one in the backward."""
+        return None
+
+    def unblocked(self, layer_type: str, loss_type: str, want_loss: bool) -> bool:
+        """Whether the heads run unblocked (all queries at once) although projections are recomputed: the
+        dense indexer loss needs every query."""
+        return want_loss and loss_type == "dense"
+
+
+class CustomOps(EagerOps):
+    """The custom ops over static bounds: no host sync, no data-dependent shape (CUDA graphs, compile)."""
+
+    def compress(self, comp: Compressor, x: Tensor | RowPieces, entries, inv_freq: Tensor, backend: str) -> Tensor:
+        """``[capacity, dim]``: entry ``e`` pools from ext row ``meta.entry_row[e] - shift``. Slots not in
+        ``entries.keep`` pool a zero scratch block appended after the rows, with no previous block, so they
+        come out exactly zero and send no gradient to real rows (the fused backward stores, not adds, each
+        row's gradient)."""
+        meta, keep = entries.meta, entries.keep
+        kv = F.pad(map_rows(comp.kv_proj, x), (0, 0, 0, comp.ratio))
+        gate = F.pad(map_rows(comp.gate_proj, x), (0, 0, 0, comp.ratio))
+        entry_row = torch.where(keep, meta.entry_row - entries.shift, entries.ext_rows)
+        entry_first = meta.entry_first | ~keep
+        pooled = compress_pool_op(kv, gate, comp.position_bias, entry_row, entry_first, comp.ratio, comp.overlap,
+                                  backend)
+        return comp.finish(pooled, meta.entry_pos, inv_freq)
+
+    def indexer_topk(self, q_idx: Tensor, w: Tensor, keys: Tensor, vis_start: Tensor, vis_end: Tensor, topk: int,
+                     width: int, workspace_bytes: int, backend: str) -> Tensor:
+        return indexer_topk_static_op(q_idx, w, keys, vis_start, vis_end, topk, width, workspace_bytes, backend)
+
+    def sparse_attn(self, q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, scale: float, chunk_rows: int,
+                    backend: str, config: SparseAttnConfig | None = None) -> tuple[Tensor, Tensor]:
+        # the custom op takes the settings as their parse string (custom ops take no dataclasses)
+        return sparse_attn_op(q, keys, ids, sinks, scale, chunk_rows, backend, config.spec() if config else "")
+
+    def indexer_kl_loss(self, loss, q: Tensor, ckv: Tensor, lse: Tensor, scale: float, selected: Tensor | None,
+                        workspace_bytes: int, backend: str) -> Tensor:
+        return indexer_kl_loss_op(loss.q_idx, loss.w, loss.k_idx, q.detach(), ckv.detach(), lse.detach(), scale,
+                                  loss.row_weight(lse.dtype), selected, loss.vis_start, loss.vis_end, loss.width,
+                                  workspace_bytes, backend)
+
+    def query_heads(self, qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float,
+                    chunk_rows: int) -> Tensor:
+        return query_heads_op(qr, cos, sin, weight, heads, eps, chunk_rows)
+
+    def output(self, o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int,
+               chunk_rows: int) -> Tensor:
+        return output_proj_op(o, cos, sin, w_a, w_b, groups, chunk_rows)
+
+    def loss_scale(self) -> float | None:
+        """Read when the forward runs, so a captured graph or compiled function keeps the scale it was built with."""
+        return _frozen_loss_scale()
+
+    def unblocked(self, layer_type: str, loss_type: str, want_loss: bool) -> bool:
+        """Also under ``torch.compile``: the block-recomputed core calls ``torch.autograd.grad``, which the compiler
+        cannot trace, so there the phases go through the custom ops one by one."""
+        return (layer_type == "csa" and loss_type == "dense") or torch.compiler.is_compiling()
+
+
+OpSet = EagerOps  # the interface: an op set is an EagerOps or a subclass
+EAGER = EagerOps()
+CUSTOM = CustomOps()
