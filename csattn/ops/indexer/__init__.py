@@ -1,12 +1,17 @@
 """Lightning indexer scores and causal top-k selection."""
 
+from torch import Tensor
+
+from ..backend import Backend, use_triton
 from .config import IndexerConfig
 from .naive import indexer_scores_ref, indexer_topk_ref, row_chunks
 
 __all__ = ["IndexerConfig", "indexer_scores_ref", "indexer_topk_ref", "indexer_topk", "row_chunks"]
 
 
-def indexer_topk(*args, backend: str = "reference", config: IndexerConfig | None = None, **kwargs):
+def indexer_topk(q: Tensor, w: Tensor, k: Tensor, vis_start: Tensor, vis_end: Tensor, topk: int,
+                 workspace_bytes: int = 1 << 30, backend: Backend = "reference",
+                 config: IndexerConfig | None = None) -> Tensor:
     """Dispatch point for the indexer top-k: ``[T, topk]`` int64 ids, best first, ties to the lower id, -1 pad.
 
     ``backend="reference"`` runs the plain-PyTorch reference; ``"triton"`` the fused score + exact selection
@@ -14,10 +19,8 @@ def indexer_topk(*args, backend: str = "reference", config: IndexerConfig | None
     :func:`indexer_topk_ref` for the arguments. ``config`` sets the fused kernels' launch settings
     (:class:`IndexerConfig`, None: the defaults; the reference ignores it).
     """
-    if backend == "triton":
+    if use_triton(backend):
         from .triton import indexer_topk_triton  # lazy: importing csattn must not need Triton
 
-        return indexer_topk_triton(*args, config=config, **kwargs)
-    if backend != "reference":
-        raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
-    return indexer_topk_ref(*args, **kwargs)
+        return indexer_topk_triton(q, w, k, vis_start, vis_end, topk, workspace_bytes, config=config)
+    return indexer_topk_ref(q, w, k, vis_start, vis_end, topk, workspace_bytes)

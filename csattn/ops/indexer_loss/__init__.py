@@ -2,6 +2,7 @@
 
 from torch import Tensor
 
+from ..backend import Backend, use_triton
 from .config import IndexerLossConfig
 from .naive import (
     IndexerLossAutoScaler,
@@ -20,7 +21,10 @@ __all__ = [
 ]
 
 
-def indexer_kl_loss(*args, backend: str = "reference", config: IndexerLossConfig | None = None, **kwargs):
+def indexer_kl_loss(q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor, ckv: Tensor, lse: Tensor, scale: float,
+                    row_weight: Tensor, selected: Tensor | None = None, vis_start: Tensor | None = None,
+                    vis_end: Tensor | None = None, workspace_bytes: int = 1 << 30, backend: Backend = "reference",
+                    config: IndexerLossConfig | None = None) -> Tensor:
     """Dispatch point for the indexer KL loss (a scalar; gradients to ``q_idx``, ``w``, ``k_idx``).
 
     ``backend="reference"`` runs the plain-PyTorch reference; ``"triton"`` the fused per-row kernels (CUDA,
@@ -28,13 +32,12 @@ def indexer_kl_loss(*args, backend: str = "reference", config: IndexerLossConfig
     ``config`` sets the fused kernels' launch settings (:class:`IndexerLossConfig`, None: the defaults; the
     reference ignores it).
     """
-    if backend == "triton":
+    args = (q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected, vis_start, vis_end, workspace_bytes)
+    if use_triton(backend):
         from .triton import indexer_kl_loss_triton  # lazy: importing csattn must not need Triton
 
-        return indexer_kl_loss_triton(*args, config=config, **kwargs)
-    if backend != "reference":
-        raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
-    return indexer_kl_loss_ref(*args, **kwargs)
+        return indexer_kl_loss_triton(*args, config=config)
+    return indexer_kl_loss_ref(*args)
 
 
 def sparse_teacher_block(teacher: SparseTeacher, lo: int, q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor,

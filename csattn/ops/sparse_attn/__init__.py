@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..backend import Backend, use_triton
 from .config import SparseAttnConfig
 from .naive import sparse_attn_chunk, sparse_attn_ref
 
@@ -25,7 +26,7 @@ def sparse_attn(
     scale: float,
     chunk_rows: int = 1024,
     topk_length: Tensor | None = None,
-    backend: str = "reference",
+    backend: Backend = "reference",
     config: SparseAttnConfig | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Dispatch point for sparse attention: ``(o [T, H, d], lse [T, H])``.
@@ -37,12 +38,10 @@ def sparse_attn(
     (:class:`SparseAttnConfig`, None: the defaults; the reference ignores it). See :func:`sparse_attn_ref` for
     shapes.
     """
-    if backend == "triton":
+    if use_triton(backend):
         from .triton import sparse_attn_triton  # lazy: importing csattn must not need Triton
 
         return sparse_attn_triton(q, kv, indices, sink, scale, topk_length=topk_length, config=config)
-    if backend != "reference":
-        raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
     if topk_length is not None:
         indices = _apply_length(indices, topk_length)
     return sparse_attn_ref(q, kv, indices, sink, scale, chunk_rows=chunk_rows)
