@@ -46,9 +46,9 @@ for s in ${STAGES:-tests layer profile}; do
       stage "gpu tests"
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
         # the two-GPU CP graph tests (about 75 s each: spawn, NCCL, compile) beside the one-GPU tests
-        (CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m pytest -q -m gpu tests --ignore tests/test_graphs_cp_gpu.py \
+        (CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m pytest -q -m gpu tests --ignore tests/graphs/test_graphs_cp_gpu.py \
           -p no:cacheprovider -rfEs > /tmp/tests_single.txt 2>&1; echo "pytest (one GPU) rc=$?" >> /tmp/tests_single.txt) &
-        (timeout 560 python3 -m pytest -q tests/test_graphs_cp_gpu.py -p no:cacheprovider -rfEs > /tmp/tests_cp.txt 2>&1;
+        (timeout 560 python3 -m pytest -q tests/graphs/test_graphs_cp_gpu.py -p no:cacheprovider -rfEs > /tmp/tests_cp.txt 2>&1;
           echo "pytest (CP graphs, two GPUs) rc=$?" >> /tmp/tests_cp.txt) &
         wait
         cat /tmp/tests_single.txt /tmp/tests_cp.txt >> "$LOG"
@@ -114,7 +114,7 @@ for s in ${STAGES:-tests layer profile}; do
       report report-cp4 400 --tokens 32768 131072 --cp 4 --paths triton --steps 2 --group-timeout 200 ;;
     model-tests)
       stage "model kernels on the GPU: mHC, MoE"
-      timeout 300 python3 -m pytest -q -m gpu tests/test_moe_gpu.py tests/test_mhc*.py tests/test_model*.py \
+      timeout 300 python3 -m pytest -q -m gpu tests/ops/test_moe_gpu.py tests/ops/test_mhc*.py tests/models/test_model*.py \
         -p no:cacheprovider -rfEs >> "$LOG" 2>&1
       echo "model-tests rc=$?" >> "$LOG" ;;
     moe)

@@ -1,4 +1,4 @@
-"""Rank work for tests/test_reliability_cp.py: ranks whose metadata caches differ must still run the same
+"""Rank work for tests/cp/test_reliability_cp.py: ranks whose metadata caches differ must still run the same
 collectives (equal values: same result; different values: the same clear error everywhere)."""
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from csattn import PackedSeqs
-
-from .helpers import grads, random_layer, tiny_config
+from tests.helpers import grads, random_layer, tiny_config
 
 PACKS = {
     "ragged": ([13, 1, 2, 3, 29, 8, 17], None),

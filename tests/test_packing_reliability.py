@@ -8,8 +8,7 @@ import torch
 
 from csattn import PackedSeqs
 from csattn.graphs import NoHostSync, StaticPackedSeqs
-
-from .cp_tasks import build_stack
+from tests.cp_tasks import build_stack
 
 
 def _validate_error(packed: PackedSeqs, num_rows: int) -> str:

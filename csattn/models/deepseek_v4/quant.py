@@ -16,7 +16,7 @@ The release stores (``config.json`` ``quantization_config``: ``quant_method: "fp
 
 The same conventions as ``transformers``' fine-grained FP8 integration (``Fp8Dequantize``,
 ``_dequantize_fp8_weight``) and its MXFP4 unpacking (``convert_moe_packed_tensors``); the products are formed in
-fp32 as there, so the results equal theirs bit for bit (tests/test_quantized_checkpoint.py).
+fp32 as there, so the results equal theirs bit for bit (tests/models/test_quantized_checkpoint.py).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ TILES = dict(fwd_rows=64, fwd_rows_small=32, fwd_k=64, fwd_k_fma=32, fwd_d=32, f
              comb_rows=4, comb_d=256, comb_warps=4, collapse_rows=16, collapse_d=256, collapse_warps=4, split=0)
 # split=1 (tensor-core products with the fp32 operand in three bf16 parts) is 21 % faster per site (16k tokens,
 # H200: 5.29 vs 6.73 ms forward + backward) but its ``post`` output missed the bf16 bar on the H200 (1.7e-5 against
-# 2.8e-7 for the same math in PyTorch, tests/test_mhc_triton.py): the tensor cores' fp32 accumulation is not
+# 2.8e-7 for the same math in PyTorch, tests/ops/test_mhc_triton.py): the tensor cores' fp32 accumulation is not
 # IEEE, and K = n * D = 16384 terms add up. The exact FMA dot is the default until that is fixed.
 SCRATCH_ROWS = 16384  # rows per backward kernel-1 launch: bounds its Sinkhorn scratch (S * n^2 floats per row)
 

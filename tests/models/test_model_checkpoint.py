@@ -1,0 +1,136 @@
+"""HF-format checkpoints: made by ``transformers`` itself, read by us; written by us, read by ``transformers``;
+mismatches fail with an error naming the tensor."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig, load_pretrained
+from csattn.packing import PackedSeqs
+from tests.models.test_model_utils import one_thread, tiny_config_dict, tiny_model  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _ids(n=30, vocab=64, seed=0):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_load_checkpoint_saved_by_transformers(tmp_path, assert_close):
+    pytest.importorskip("transformers")
+    from tests.models.test_model_utils import hf_model
+
+    cfg = tiny_config_dict("flash", mtp=1)  # HF does not build MTP: the checkpoint has no mtp.* tensors
+    hf = hf_model(cfg, seed=4)
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(str(tmp_path))
+    assert len(ours.mtp) == 0  # built only when the checkpoint has them (mtp=None)
+    ids = _ids()
+    with torch.no_grad():
+        ref = hf(input_ids=ids[None]).logits[0]
+        got = ours(ids).logits
+    assert_close(got, ref, 1e-5, "logits")
+    with pytest.warns(UserWarning, match="fresh weights"):
+        with_mtp = load_pretrained(str(tmp_path), mtp=True)
+    assert len(with_mtp.mtp) == 1
+
+
+def test_transformers_loads_our_checkpoint(tmp_path, assert_close):
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV4ForCausalLM as HFModel
+
+    ours = tiny_model("pro", seed=5, mtp=1, tie=True)
+    ours.save_pretrained(str(tmp_path))
+    hf = HFModel.from_pretrained(str(tmp_path), dtype=torch.float32)
+    hf.config._experts_implementation = "eager"
+    ids = _ids(seed=1)
+    with torch.no_grad():
+        assert_close(ours(ids).logits, hf(input_ids=ids[None]).logits[0], 1e-5, "logits")
+
+
+def test_save_load_roundtrip_keeps_every_tensor(tmp_path):
+    ours = tiny_model("mixed", seed=6, mtp=1)
+    ours.save_pretrained(str(tmp_path))
+    back = DeepseekV4ForCausalLM.from_pretrained(str(tmp_path))
+    assert len(back.mtp) == 1
+    a, b = ours.state_dict(), back.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ids = _ids(seed=2)
+    packed = PackedSeqs.from_lengths([10, 20])
+    assert torch.equal(ours(ids, packed=packed).logits, back(ids, packed=packed).logits)
+
+
+def test_mismatched_checkpoints_name_the_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ours = tiny_model("flash", seed=7)
+    ours.save_pretrained(str(tmp_path))
+    weights = os.path.join(tmp_path, "model.safetensors")
+    config = os.path.join(tmp_path, "config.json")
+    tensors = load_file(weights)
+
+    # the config says something else than the tensors: a wider MoE
+    with open(config) as f:
+        raw = json.load(f)
+    with open(config, "w") as f:
+        json.dump({**raw, "moe_intermediate_size": 24}, f)
+    with pytest.raises(ValueError, match=r"mlp\.(shared_experts|experts)\..*has shape"):
+        load_pretrained(str(tmp_path))
+    with open(config, "w") as f:
+        json.dump(raw, f)
+
+    # a missing expert matrix
+    experts = {k: v for k, v in tensors.items() if k != "model.layers.3.ffn.experts.2.w3.weight"}
+    save_file(experts, weights)
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp\.experts\.2\.w3"):
+        load_pretrained(str(tmp_path))
+
+    # a missing tensor
+    missing = dict(tensors)
+    del missing["model.layers.2.attn.indexer.wq_b.weight"]  # on-disk (reference) name
+    save_file(missing, weights)
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.self_attn\.compressor\.indexer\.q_b_proj\.weight"):
+        load_pretrained(str(tmp_path))
+
+    # a misshaped tensor
+    bad = dict(tensors)
+    bad["model.layers.1.hc_attn_fn"] = bad["model.layers.1.hc_attn_fn"][:, :-1].contiguous()
+    save_file(bad, weights)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.attn_hc\.fn.*model\.layers\.1\.hc_attn_fn"):
+        load_pretrained(str(tmp_path))
+
+    # an unexpected tensor (config with fewer layers than the checkpoint)
+    save_file(tensors, weights)
+    with open(config, "w") as f:
+        json.dump({**raw, "num_hidden_layers": 3, "layer_types": raw["layer_types"][:3],
+                   "mlp_layer_types": raw["mlp_layer_types"][:3]}, f)
+    with pytest.raises(ValueError, match=r"model\.layers\.3\."):
+        load_pretrained(str(tmp_path))
+
+
+def test_config_roundtrip_and_validation():
+    cfg = DeepseekV4ModelConfig.from_hf(tiny_config_dict("pro", mtp=1))
+    again = DeepseekV4ModelConfig.from_hf(cfg.to_hf_dict())
+    assert again.to_hf_dict() == cfg.to_hf_dict()
+    legacy = DeepseekV4ModelConfig.from_hf({**tiny_config_dict("pro", mtp=1), "layer_types": None,
+                                            "compress_ratios": [0, 4, 128, 4, 4], "mlp_layer_types": None,
+                                            "num_hash_layers": 1})
+    assert legacy.layer_types == ["sliding_attention", "compressed_sparse_attention",
+                                  "heavily_compressed_attention", "compressed_sparse_attention"]
+    assert legacy.mlp_layer_types == ["hash_moe", "moe", "moe", "moe"]
+    assert legacy.mtp_layer_types == ["compressed_sparse_attention"]  # the entry past the decoder
+    assert DeepseekV4ForCausalLM(legacy).mtp[0].self_attn.config.layer_type == "csa"
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV4Config
+
+    fields = {k: v for k, v in tiny_config_dict("flash").items() if k != "model_type"}
+    from_object = DeepseekV4ModelConfig.from_hf(DeepseekV4Config(**fields))
+    assert from_object.to_hf_dict() == DeepseekV4ModelConfig.from_hf(tiny_config_dict("flash")).to_hf_dict()
+    with pytest.raises(ValueError, match="mlp_layer_types"):
+        DeepseekV4ModelConfig.from_hf({**tiny_config_dict("pro"), "mlp_layer_types": ["moe"]})
+    with pytest.raises(ValueError, match="model_type"):
+        DeepseekV4ModelConfig.from_hf({"model_type": "llama"})

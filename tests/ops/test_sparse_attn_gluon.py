@@ -1,0 +1,177 @@
+"""The Hopper Gluon kernels: the forward (``gluon_fwd.py``) and the backward (``gluon_bwd.py``).
+
+CPU: the kernels compile for sm_90 with this Triton (no GPU needed) and issue each score product once, split
+between the two warpgroups (their reason to exist); the dispatch never picks them off sm_90 / for fp32.
+GPU (sm_90): outputs, lse and every gradient against fp64 at the real geometry and at other head counts,
+widths and lengths, within 2x the error of a same-dtype PyTorch computation and 1.5x the Triton kernels'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from csattn.ops.sparse_attn import sparse_attn, sparse_attn_ref
+from tests.helpers import rel_err
+from tests.ops.test_sparse_attn_triton import NAMES, grads_of, lowp_attn, packed_indices
+
+_COMPILE_SM90 = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from csattn.ops.sparse_attn.gluon_bwd import sparse_attn_bwd_gluon_kernel
+from csattn.ops.sparse_attn.gluon_fwd import sparse_attn_fwd_gluon_kernel
+
+which, bk, stages, d, has_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+dc = min(128, d)
+strides = ("qt", "qh", "kvn", "it", "ot", "oh", "lt")
+if which == "fwd":
+    fn = sparse_attn_fwd_gluon_kernel
+    sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
+           "lse": "*fp32", **{f"stride_{n}": "i64" for n in strides}, "K": "i32", "qk_scale_log2": "fp32"}
+    consts = {"HAS_LEN": has_len, "BH": 64, "BD": d, "BK": bk, "STAGES": stages}
+else:
+    fn = sparse_attn_bwd_gluon_kernel
+    sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
+           "do": "*bf16", "lse": "*fp32", "dlse": "*fp32", "dq": "*bf16", "dkv": "*fp32", "dsink_rows": "*fp32",
+           **{f"stride_{n}": "i64" for n in strides + ("dlt",)}, "H": "i32", "K": "i32", "scale": "fp32"}
+    consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "BH": 64, "BD": d, "BK": bk, "DC": dc}
+sig.update({k: "constexpr" for k in consts})
+# what the launcher's specialization sees at run time: 16-aligned pointers and strides
+attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
+         for k, v in sig.items() if v.startswith("*") or k.startswith("stride")}
+src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
+                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+ptx = kernel.asm["ptx"]
+print(json.dumps({"wgmma_n": re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx),
+                  "shared": kernel.metadata.shared, "cp_async": "cp.async" in ptx,
+                  "atomics": len(re.findall(r"(?:atom|red)\.global[.a-z]*\.add", ptx))}))
+"""
+
+
+def _compile_sm90(which: str, bk: int, stages: int, d: int, has_len: bool) -> dict:
+    """Compile the kernel for sm_90 in a fresh process: the suite runs under TRITON_INTERPRET=1, which turns
+    the Gluon library's own jit helpers into interpreter objects that the Gluon compiler refuses."""
+    pytest.importorskip("triton.experimental.gluon")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    args = [which, str(bk), str(stages), str(d), "1" if has_len else "0"]
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, *args],
+                         capture_output=True, text=True, env=env, timeout=300)
+    if "has no attribute" in run.stderr and "gluon" in run.stderr:
+        pytest.skip(f"this Triton's Gluon lacks an API the kernel uses: {run.stderr.splitlines()[-1]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("which,bk,stages,d,has_len",
+                         [("fwd", 64, 2, 512, False), ("fwd", 32, 2, 128, True), ("bwd", 64, 1, 512, True),
+                          ("bwd", 64, 1, 256, False)])
+def test_compiles_for_sm90_with_split_score_product(which, bk, stages, d, has_len):
+    info = _compile_sm90(which, bk, stages, d, has_len)
+    wgmma = info["wgmma_n"]
+    # Per key tile and warpgroup: each score-like product over d in k16 steps at N = BK / 2 (half of the keys:
+    # S in the forward, S and dP in the backward), and the row-side output product over BK in k16 steps at
+    # N = d / 2 (half of the columns: P V, dS K). The Triton kernels issue the score products at full width on
+    # both warpgroups (and the Triton backward a second time in its dkv kernel).
+    n_score = 1 if which == "fwd" else 2
+    assert wgmma.count(str(bk // 2)) == n_score * d // 16, wgmma
+    assert wgmma.count(str(d // 2)) == bk // 16, wgmma
+    if which == "bwd":
+        # dkv = P^T dO + dS^T Q in column chunks of 128: per chunk two products over the 64 heads (4 k16 steps)
+        # at N = 64 per warpgroup, then fp32 atomics into the [N, d] buffer.
+        assert wgmma.count("64") == (d // 128) * 2 * 4, wgmma
+        assert info["atomics"] > 0
+    assert info["shared"] <= 227 * 1024
+    assert info["cp_async"]
+
+
+def test_dispatch_off_hopper_for_fp32_and_old_triton(monkeypatch):
+    import triton
+
+    from csattn.ops.sparse_attn import triton as kernels
+    from csattn.ops.sparse_attn.triton import SparseAttnConfig, uses_gluon_bwd, uses_gluon_fwd
+
+    kernels._gluon_kernel.cache_clear()  # the lookup is cached per process
+    with monkeypatch.context() as m:  # an older Gluon API: the Triton kernels run
+        m.setattr(triton, "__version__", "3.5.1")
+        assert kernels._gluon_kernel("fwd") is None and kernels._gluon_kernel("bwd") is None
+    kernels._gluon_kernel.cache_clear()
+
+    q = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 512, dtype=torch.bfloat16)
+    for uses in (uses_gluon_fwd, uses_gluon_bwd):
+        assert not uses(q, kv, SparseAttnConfig())  # CPU tensors
+        if torch.cuda.is_available():
+            cfg = SparseAttnConfig()
+            cap = torch.cuda.get_device_capability()
+            assert uses(q.cuda(), kv.cuda(), cfg) == (cap == (9, 0))
+            assert not uses(q.cuda().float(), kv.cuda().float(), cfg)
+            assert not uses(q.cuda()[:, :48], kv.cuda(), cfg)  # not a whole 64-head block
+            assert not uses(q.cuda(), kv.cuda(), SparseAttnConfig(fwd_gluon=0, bwd_gluon=0))
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+GPU_CASES = {
+    "real_geometry": dict(docs=[700, 37, 1500, 1800], H=64, d=512, W=128, k=512, pad=60, lengths=False),
+    "two_head_blocks_d128": dict(docs=[300, 211, 5], H=128, d=128, W=64, k=64, pad=7, lengths=False),
+    "topk_length_d256": dict(docs=[400, 90], H=64, d=256, W=32, k=96, pad=3, lengths=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["", "bwd_gluon=0"], ids=["gluon", "gluon_fwd_only"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
+def test_gpu_gluon_kernels(case, dtype, variant):
+    """Forward and backward with the Gluon kernels against fp64 and against the Triton kernels."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels are built for sm_90")
+    from csattn.ops.sparse_attn.triton import SparseAttnConfig, uses_gluon_bwd, uses_gluon_fwd
+
+    c = GPU_CASES[case]
+    gen = torch.Generator().manual_seed(3)
+    idx, N = packed_indices(c["docs"], window=c["W"], topk=c["k"], ratio=4, pad_rows=c["pad"], gen=gen)
+    T, H, d = idx.shape[0], c["H"], c["d"]
+    q = torch.randn(T, H, d, generator=gen).cuda()
+    kv = torch.randn(N, d, generator=gen).cuda()
+    sink = torch.randn(H, generator=gen).cuda()
+    do = torch.randn(T, H, d, generator=gen).cuda()
+    dlse = torch.randn(T, H, generator=gen).cuda() * 0.1
+    idx = idx.cuda()
+    length = None
+    ref_idx = idx
+    if c["lengths"]:
+        length = torch.randint(0, idx.shape[1] + 1, (T,), generator=gen).cuda()
+        cols = torch.arange(idx.shape[1], device="cuda")
+        ref_idx = torch.where(cols[None, :] < length[:, None], idx, -1)
+    scale = d**-0.5
+    assert uses_gluon_fwd(q.to(dtype), kv.to(dtype), SparseAttnConfig())
+    assert uses_gluon_bwd(q.to(dtype), kv.to(dtype), SparseAttnConfig())
+
+    def fused(spec):
+        config = SparseAttnConfig.parse(spec)
+        return grads_of(lambda a, b, s: sparse_attn(a, b, idx, s, scale, topk_length=length, backend="triton",
+                                                    config=config),
+                        q.to(dtype), kv.to(dtype), sink, do, dlse)
+
+    gluon, tri = fused(variant), fused("fwd_gluon=0,bwd_gluon=0")
+    ref = grads_of(lambda a, b, s: sparse_attn_ref(a, b, ref_idx, s, scale, chunk_rows=512),
+                   q.double(), kv.double(), sink.double(), do.double(), dlse.double())
+    base = grads_of(lambda a, b, s: lowp_attn(a, b, ref_idx, s, scale), q.to(dtype), kv.to(dtype), sink, do, dlse)
+    for name, a, t, b, r in zip(NAMES, gluon, tri, base, ref):
+        assert torch.isfinite(a).all(), name
+        err, bound, tri_err = rel_err(a, r), rel_err(b, r), rel_err(t, r)
+        assert err <= 2 * bound + 1e-5, f"{name}: gluon {err:.2e} vs same-dtype torch {bound:.2e}"
+        assert err <= 1.5 * tri_err + 1e-5, f"{name}: gluon {err:.2e} vs triton kernels {tri_err:.2e}"
+    assert torch.all(gluon[0][-c["pad"]:] == 0) and torch.all(gluon[2][-c["pad"]:] == 0)
+    torch.testing.assert_close(gluon[1][-c["pad"]:], sink.expand(c["pad"], H), rtol=0, atol=1e-6)
