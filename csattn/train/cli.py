@@ -42,6 +42,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "norm of each sub-block; moe = each MoE; block = each whole block from its input streams; "
                         "full = block with mhc and moe inside it, for the longest sequences (measured memory and "
                         "time: BENCHMARKS.md, 'Model step') (default %(default)s)")
+    m.add_argument("--offload-block-inputs", action="store_true",
+                   help="with --recompute block / full: keep each decoder block's input streams in pinned host "
+                        "memory until its recomputation (for the longest sequences)")
     m.add_argument("--activation-checkpointing", action="store_true",
                    help="the same as --recompute block")
     d = parser.add_argument_group("data")

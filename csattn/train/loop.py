@@ -71,6 +71,7 @@ class TrainConfig:
     attention_backend: str = "auto"
     activation_checkpointing: bool = False  # the same as recompute="block"
     recompute: str = "none"
+    offload_block_inputs: bool = False  # with recompute block / full: block inputs in pinned host memory
     # data
     data: str = "synthetic"
     text_path: list[str] = field(default_factory=list)
@@ -206,7 +207,8 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int | None = None) -> 
     ``cfg.tokenizer`` if not given) or ``cfg.vocab_size``."""
     overrides: dict[str, Any] = dict(indexer_loss_coeff=cfg.indexer_loss_coeff, mtp_loss_coeff=cfg.mtp_loss_coeff,
                                      attention_backend=cfg.attention_backend,
-                                     recompute="block" if cfg.activation_checkpointing else cfg.recompute)
+                                     recompute="block" if cfg.activation_checkpointing else cfg.recompute,
+                                     offload_block_inputs=cfg.offload_block_inputs)
     if cfg.mtp_layers is not None:
         overrides["num_nextn_predict_layers"] = cfg.mtp_layers
     if cfg.init_from:

@@ -99,3 +99,31 @@ def test_config_recompute_choices():
     d = tiny_model_config(recompute="moe").to_hf_dict()
     assert "recompute" not in d  # a training field: not in config.json
     assert DeepseekV4ModelConfig.from_hf({**d, "recompute": "mhc"}).recompute == "mhc"
+
+
+@pytest.mark.parametrize("recompute", ["block", "full"])
+def test_offloaded_block_inputs_change_no_value(recompute):
+    """Block inputs kept in host memory until their recomputation (``offload_block_inputs``): the loss, the logged
+    indexer loss and every gradient equal those of recompute none (fp64; the indexer loss trains, coeff 0.1)."""
+    ids, packed, labels = _batch()
+    outs, models = [], []
+    for choice, offload in (("none", False), (recompute, True)):
+        torch.manual_seed(0)
+        model = DeepseekV4ForCausalLM(tiny_model_config(64, recompute=choice, num_nextn_predict_layers=0,
+                                                        indexer_loss_coeff=0.1, offload_block_inputs=offload))
+        model = model.to_training_dtype(torch.float64)
+        out = model(ids, packed=packed, labels=labels[0], return_logits=False)
+        out.loss.backward()
+        outs.append(out)
+        models.append(model)
+    assert torch.equal(outs[0].loss, outs[1].loss)
+    assert outs[0].indexer_loss is not None and torch.equal(outs[0].indexer_loss, outs[1].indexer_loss)
+    for (name, p), (_, q) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_offload_needs_block_recompute():
+    with pytest.raises(ValueError, match="offload_block_inputs .* needs recompute='block' or 'full'"):
+        tiny_model_config(recompute="mhc", offload_block_inputs=True)

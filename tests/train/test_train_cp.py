@@ -31,18 +31,22 @@ def _reference(**kw):
     return result.losses, result.model.state_dict()
 
 
-@pytest.mark.parametrize("cp,partition,recompute", [(2, "contiguous", False), (4, "contiguous", False),
-                                                    (2, "balanced", False), (2, "contiguous", True)],
-                         ids=["cp2", "cp4", "cp2-balanced", "cp2-activation-checkpointing"])
+@pytest.mark.parametrize("cp,partition,recompute", [(2, "contiguous", {}), (4, "contiguous", {}),
+                                                    (2, "balanced", {}),
+                                                    (2, "contiguous", {"activation_checkpointing": True}),
+                                                    (2, "contiguous", {"recompute": "full",
+                                                                       "offload_block_inputs": True})],
+                         ids=["cp2", "cp4", "cp2-balanced", "cp2-activation-checkpointing", "cp2-full-offload"])
 def test_cp_step_equals_single_process_fp64(cp, partition, recompute):
     """fp64: every updated tensor agrees to 1e-9, so nothing but rounding differs. With activation
-    checkpointing the CP ranks redo their collectives inside the backward; the single process does not."""
+    checkpointing (or full recompute with the block inputs in host memory, recomputed in the backward's own
+    autograd pass) the CP ranks redo their collectives inside the backward; the single process does not."""
     # the balanced partition deals 4 chunks per rank: each must hold the 15-row window halo
     base = {**BASE, "seq_len": 128} if partition == "balanced" else BASE
     result = train(TrainConfig(**base, dtype="float64"))
     losses, state = result.losses, result.model.state_dict()
     got = run_spawned(cp, TrainConfig(cp=cp, dtype="float64", cp_partition=partition,
-                                      activation_checkpointing=recompute, **base))
+                                      **recompute, **base))
     for a, b in zip(got["losses"], losses):
         assert abs(a - b) <= 1e-12 * abs(b)
     for k, v in state.items():

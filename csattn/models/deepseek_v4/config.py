@@ -18,7 +18,7 @@ _RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128:
 # Settings that only this library reads; they are not written into ``config.json``.
 _TRAINING_FIELDS = ("indexer_loss_coeff", "mtp_loss_coeff", "mtp_layer_types", "attention_backend",
                     "attn_chunk_rows", "workspace_bytes", "activation_checkpointing", "recompute", "moe_chunk_rows",
-                    "sparse_attn_kernel")
+                    "sparse_attn_kernel", "offload_block_inputs")
 # What the backward recomputes instead of keeping (``DeepseekV4ModelConfig.recompute``):
 #   none  - each fused op keeps only what its own backward needs (the mHC and MoE kernels recompute their
 #           elementwise parts by design);
@@ -94,6 +94,9 @@ class DeepseekV4ModelConfig:
     # tokens per MoE pass: the experts' forward and backward temporaries ([T k, D] gathers, products) scale with
     # the rows of one pass, about 57 KiB a token at V4-Flash's geometry (top-2), 28 GiB at 512k tokens at once
     moe_chunk_rows: int = 65536
+    # under block / full recompute, keep each decoder block's saved input (its streams) in pinned host memory
+    # instead of on the GPU: 32 KiB a token a block at V4-Flash's geometry, copied back for its recomputation
+    offload_block_inputs: bool = False
     # launch settings of the fused sparse attention, every layer: a SparseAttnConfig.parse string ("" = the tuned
     # defaults), kept as a string so the training settings stay JSON
     sparse_attn_kernel: str = ""
@@ -152,6 +155,9 @@ class DeepseekV4ModelConfig:
         if self.n_shared_experts != 1:
             # HF (and the checkpoints) have exactly one shared expert of moe_intermediate_size.
             raise ValueError(f"n_shared_experts must be 1, got {self.n_shared_experts}")
+        if self.offload_block_inputs and self.recompute not in ("block", "full"):
+            raise ValueError("offload_block_inputs keeps the inputs of recomputed blocks: it needs recompute='block' "
+                             f"or 'full', got recompute={self.recompute!r}")
         if self.moe_chunk_rows < 1:
             raise ValueError(f"moe_chunk_rows must be >= 1, got {self.moe_chunk_rows}")
         if self.recompute not in RECOMPUTE_CHOICES:

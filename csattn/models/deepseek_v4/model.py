@@ -321,7 +321,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         h = embeds
         for i, layer in enumerate(layers):
             head = self.model if head_inside and i == len(layers) - 1 else None
-            h = self._run_block(partial(_block_step, layer, n if i == 0 else 0, head), h, ids, packed, cp, real)
+            step = partial(_block_step, layer, n if i == 0 else 0, head)
+            if self.config.offload_block_inputs and torch.is_grad_enabled():
+                h = _HostCheckpoint.apply(step, h, ids, packed, cp, real)
+            else:
+                h = self._run_block(step, h, ids, packed, cp, real)
         if head_inside:
             return h, None
         return self.model.hc_head(h, self.model.norm), h
@@ -393,6 +397,38 @@ class DeepseekV4ForCausalLM(nn.Module):
 
             dist.all_reduce(counts, group=getattr(cp, "group", None))
         return counts
+
+
+class _HostCheckpoint(torch.autograd.Function):
+    """Block recompute with the block's input kept in (pinned) host memory, copied back to the device for the
+    recomputation in the backward (``offload_block_inputs``).
+
+    torch's non-reentrant checkpoint holds its inputs on the device until the backward, and they are what block
+    recompute keeps (one stream set ``[T, n, D]`` per block: 64 GiB at 512k tokens of the V4-Flash proxy). The
+    forward runs with autograd on, like the checkpointed forward, so that the layers compute and log what they
+    compute under autograd (the indexer loss), and drops that graph at once; the backward runs the block again and
+    back-propagates through it (the reentrant scheme), so every rank of a CP group redoes its collectives in the
+    same order.
+    """
+
+    @staticmethod
+    def forward(ctx, run, x, *args):
+        ctx.run, ctx.args, ctx.device = run, args, x.device
+        host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
+        host.copy_(x, non_blocking=x.is_cuda)  # stream-ordered: x's memory is reused only after the copy
+        ctx.host = host
+        with torch.enable_grad():
+            out = run(x.detach(), *args)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, dout):
+        x = ctx.host.to(ctx.device, non_blocking=True).requires_grad_()
+        ctx.host = None
+        with torch.enable_grad():
+            out = ctx.run(x, *ctx.args)
+        torch.autograd.backward(out, dout)
+        return (None, x.grad, *([None] * len(ctx.args)))
 
 
 def _block_step(layer: DecoderLayer, expand: int, head: nn.Module | None, x: Tensor, *args: Any) -> Tensor:
