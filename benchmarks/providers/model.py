@@ -35,8 +35,13 @@ def proxy_config(shape: dict, backend: str = "auto"):
     """The model of ``shape``: :func:`csattn.report.model.proxy_config` (``PROXY_JSON`` is its config.json)."""
     from csattn.report.model import proxy_config as build
 
-    return build("real", int(shape["experts"]), int(shape["topk_experts"]), int(shape["layers"]),
-                 shape["recompute"], backend)
+    # "block+offload" / "full+offload": that recompute with the block inputs in host memory
+    recompute, _, extra = str(shape["recompute"]).partition("+")
+    if extra not in ("", "offload"):
+        raise Skip(f"recompute takes a choice and optionally '+offload', got {shape['recompute']!r}")
+    cfg = build("real", int(shape["experts"]), int(shape["topk_experts"]), int(shape["layers"]), recompute, backend)
+    cfg.offload_block_inputs = extra == "offload"
+    return cfg
 
 
 def doc_lengths(tokens: int, docs: str) -> list[int]:
@@ -57,7 +62,7 @@ def _batch(shape: dict, vocab: int, device):
 def _info(cfg, lengths: list[int], model) -> dict:
     return {"tokens": sum(lengths), "docs": lengths, "params": sum(p.numel() for p in model.parameters()),
             "layers": cfg.num_hidden_layers, "experts": cfg.n_routed_experts, "topk": cfg.num_experts_per_tok,
-            "recompute": cfg.recompute}
+            "recompute": cfg.recompute, "offload_block_inputs": cfg.offload_block_inputs}
 
 
 @register("model", "csattn", DEFAULTS)
