@@ -11,6 +11,9 @@
 #   CSATTN_COMMIT=<sha> STAGES="report-b" bash benchmarks/gpu_session.sh                # ~7 min
 #   CSATTN_COMMIT=<sha> STAGES="hfprobe report-long" bash benchmarks/gpu_session.sh     # ~7 min
 #   python -m csattn report --merge report-a.json report-b.json report-c.json --out docs/report   # anywhere
+#   STAGES=peers-unpack (carry .peerwhl/c1), then at once STAGES=peers (carry .peerwhl/c2): csattn against cuDNN
+#   Frontend's DSA kernels (bundles from ../shared/peers/make_bundles.sh; /.peerwhl/ in .git/info/exclude)
+#   BEFORE=<old tree> BEFORE_COMMIT=<sha> STAGES=layer-ab: the layer benchmarks of an older tree and this one
 #
 # report-a: CP = 1, every path (reference and unfused up to 32k, HF eager up to 8k); report-b: CP = 2 and 4,
 # both partitions, and the isolated per-rank timing at 128k; report-long: 256k to 1M at CP = 1 and 4. On a
@@ -175,6 +178,25 @@ for s in ${STAGES:-tests layer profile}; do
           echo "$op $side rc=$?" >> "$LOG"
         done
       done ;;
+    peers-unpack)
+      # run 1 of two made back to back: the CuTe-DSL runtime (.peerwhl/c1, ../shared/peers/make_bundles.sh)
+      stage "unpack the CuTe-DSL runtime for cuDNN Frontend"
+      mkdir -p /tmp/cu13 && tar -xJf .peerwhl/c1/cutlass_dsl_libs_cu13.tar.xz -C /tmp/cu13 && echo unpacked >> "$LOG" ;;
+    peers)
+      # run 2, right after peers-unpack (carry .peerwhl/c2): cuDNN's DSA kernels beside csattn's, one run
+      stage "csattn vs cuDNN Frontend DSA: sparse-attention backward, indexer top-k, agreement tests"
+      if [ ! -d /tmp/cu13/nvidia_cutlass_dsl ]; then echo "a fresh machine: run STAGES=peers-unpack first" >> "$LOG"
+      else
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peerwhl/c2/*.whl >> "$LOG" 2>&1
+        cp -a /tmp/cu13/. /tmp/site/
+        export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
+        timeout 120 python3 -m pytest -q tests/ops/test_peer_cudnn.py -p no:cacheprovider -rfEs >> "$LOG" 2>&1
+        timeout 200 python3 -m benchmarks.run --op sparse_attn --mode bwd --providers triton,cudnn \
+          --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/peers_bwd.json" >> "$LOG" 2>&1
+        timeout 150 python3 -m benchmarks.run --op indexer_topk --mode fwd --providers triton,cudnn \
+          --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/peers_topk.json" >> "$LOG" 2>&1
+        echo "peers rc=$?" >> "$LOG"
+      fi ;;
     *) echo "unknown stage $s" >> "$LOG" ;;
   esac
 done

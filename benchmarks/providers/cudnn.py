@@ -1,0 +1,127 @@
+"""Provider ``cudnn`` for ``--op sparse_attn`` (the backward) and ``--op indexer_topk``: NVIDIA's cuDNN Frontend
+DeepSeek sparse-attention kernels (``cudnn.deepseek_sparse_attention``, CuTe-DSL, PyPI ``nvidia-cudnn-frontend``
+1.32; ``pip install 'csattn[peers]'``) on the same inputs as the ``triton`` provider, so one run times both.
+
+- ``sparse_attn``: the forward is csattn's (cuDNN's sparse forward is SM100-only); the backward is cuDNN's SM90 /
+  SM100 ``sparse_attention_backward_wrapper`` on the same ``q``, ``kv``, ``o``, ``dO`` and index lists. cuDNN takes
+  the KV-only natural-log LSE and adds the sink itself: from csattn's sink-inclusive LSE,
+  ``lse_kv = lse + log(-expm1(sink - lse))``. ``--mode bwd`` times cuDNN's backward; ``fwd`` is csattn's forward.
+- ``indexer_topk``: ``indexer_forward_wrapper`` (dense fp32 scores ``[T, max_seqlen_k]`` per document, THD) then
+  ``indexer_top_k_wrapper`` (radix top-k, ties to the smaller column) over each row's visible prefix; the
+  document-local ids are made global like csattn's.
+
+Skipped, with the reason, where the package or an SM90+ GPU is missing. On a machine without a package index the
+wheels travel with the checkout: ``../shared/peers/make_bundles.sh`` and ``STAGES=peers`` in
+``benchmarks/gpu_session.sh``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..registry import Case, Skip, register
+from .indexer import TOPK_DEFAULTS, _meta
+from .sparse_attn import DEFAULTS, packed_indices
+
+
+def dsa():
+    """The ``cudnn.deepseek_sparse_attention.DSA`` namespace, or a :class:`Skip` saying what is missing."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        raise Skip("cuDNN's DSA kernels need an SM90+ GPU")
+    try:
+        from cudnn.deepseek_sparse_attention import DSA
+    except ImportError as e:
+        raise Skip(f"cuDNN Frontend's DSA module is not importable ({e}): pip install 'csattn[peers]', or the "
+                   "bundles of ../shared/peers/make_bundles.sh where there is no package index") from e
+    return DSA
+
+
+def kv_only_lse(lse: Tensor, sink: Tensor) -> Tensor:
+    """``log(sum_keys exp(s))`` from ``lse = log(exp(sink) + sum_keys exp(s))`` ``[T, H]`` and ``sink [H]``."""
+    return lse + torch.log(-torch.expm1(sink.float()[None, :] - lse))
+
+
+class CudnnBackward(torch.autograd.Function):
+    """csattn's sparse-attention forward, cuDNN's backward (for ``q [T, H, d]``, ``kv [N, d]``, int32 ``idx [T, K]``
+    with -1 for no key, ``sink [H]`` fp32). Returns ``(o, lse)``; only ``o`` carries a gradient."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, kv: Tensor, idx: Tensor, sink: Tensor, scale: float):
+        from csattn.ops.sparse_attn.triton import sparse_attn_fwd
+
+        o, lse = sparse_attn_fwd(q, kv, idx, sink, scale)
+        ctx.save_for_backward(q, kv, idx, sink, o, lse)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do: Tensor, _dlse: Tensor | None):
+        q, kv, idx, sink, o, lse = ctx.saved_tensors
+        res = dsa().sparse_attention_backward_wrapper(q, kv, o, do.contiguous(), kv_only_lse(lse, sink),
+                                                      sink.float(), idx, softmax_scale=ctx.scale)
+        return res["dq"], res["dkv"], None, res["d_sink"].to(sink.dtype), None
+
+
+@register("sparse_attn", "cudnn", DEFAULTS)
+def sparse_attn_cudnn(shape, device, dtype, variant=""):
+    dsa()
+    if variant:
+        raise Skip(f"the cudnn provider takes no variant, got {variant!r}")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise Skip("cuDNN's DSA backward takes bf16 / fp16")
+    T, H, d = shape["tokens"], shape["heads"], shape["dim"]
+    k, W = shape["topk"], shape["window"]
+    gen = torch.Generator(device=device).manual_seed(shape["seed"])
+    idx, N = packed_indices(T, shape["doc_len"], W, k, shape["ratio"], device, gen)
+    q = torch.randn(T, H, d, device=device, dtype=dtype, generator=gen).requires_grad_()
+    kv = torch.randn(N, d, device=device, dtype=dtype, generator=gen).requires_grad_()
+    sink = torch.randn(H, device=device, dtype=torch.float32, generator=gen).requires_grad_()
+    scale = d**-0.5
+
+    def forward():
+        return CudnnBackward.apply(q, kv, idx, sink, scale)
+
+    fwd = 4.0 * T * H * d * (k + W)
+    info = {"N": N, "valid_keys_per_row": float((idx >= 0).sum()) / T, "forward": "csattn (triton)"}
+    return Case(forward=forward, leaves=[q, kv, sink], flops={"fwd": fwd, "bwd": 2.5 * fwd}, info=info)
+
+
+def cudnn_indexer_topk(q: Tensor, w: Tensor, k: Tensor, meta, packed, topk: int, ratio: int) -> Tensor:
+    """``[T, topk]`` global entry ids (-1 = none) from cuDNN's dense scores and radix top-k; documents as THD
+    segments (queries: the rows of ``packed``; keys: each document's entries, ``meta``)."""
+    lib = dsa()
+    device = q.device
+    cu_q = packed.cu_seqlens_padded.to(device=device, dtype=torch.int32)
+    counts = torch.diff(cu_q).cpu() // ratio  # entries a document of this many rows compresses to
+    cu_k = torch.zeros(counts.numel() + 1, dtype=torch.int32)
+    cu_k[1:] = counts.cumsum(0)
+    cu_k = cu_k.to(device)
+    max_q, max_k = int(torch.diff(cu_q).max()), max(int(counts.max()), 1)
+    scores = lib.indexer_forward_wrapper(q.contiguous(), k[:, None].contiguous(), w.contiguous(), ratio=ratio,
+                                         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                         max_seqlen_k=max_k)["scores"]
+    visible = (meta.vis_end - meta.vis_start).to(torch.int32)
+    local = lib.indexer_top_k_wrapper(scores, visible, topk, next_n=1, return_val=False, tie_break=1)["indices"]
+    return torch.where(local >= 0, local.long() + meta.vis_start[:, None], -1)
+
+
+@register("indexer_topk", "cudnn", TOPK_DEFAULTS)
+def topk_cudnn(shape, device, dtype, variant=""):
+    dsa()
+    if variant:
+        raise Skip(f"the cudnn provider takes no variant, got {variant!r}")
+    T, HI, CI = shape["tokens"], shape["index_heads"], shape["index_dim"]
+    gen = torch.Generator(device=device).manual_seed(shape["seed"])
+    packed, meta = _meta(T, shape["doc_len"], shape["ratio"], device)
+    q = torch.randn(T, HI, CI, device=device, generator=gen).to(dtype)
+    w = torch.randn(T, HI, device=device, generator=gen) * (CI * HI) ** -0.5
+    k = torch.randn(meta.num_entries, CI, device=device, generator=gen).to(dtype)
+    pairs = float((meta.vis_end - meta.vis_start).sum())
+
+    def forward():
+        return (cudnn_indexer_topk(q, w, k, meta, packed, shape["topk"], shape["ratio"]),)
+
+    info = {"entries": meta.num_entries, "visible_pairs": pairs, "scores_bytes": 4 * T * max(meta.num_entries, 1)}
+    return Case(forward=forward, leaves=[], flops={"fwd": 2.0 * HI * CI * pairs}, info=info)
