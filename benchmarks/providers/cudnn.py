@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from ..registry import Case, Skip, register
-from .indexer import TOPK_DEFAULTS, _meta
-from .sparse_attn import DEFAULTS, packed_indices
+from .indexer import TOPK_DEFAULTS, topk_inputs
+from .sparse_attn import DEFAULTS, attn_inputs
 
 
 def dsa():
@@ -71,21 +71,13 @@ def sparse_attn_cudnn(shape, device, dtype, variant=""):
         raise Skip(f"the cudnn provider takes no variant, got {variant!r}")
     if dtype not in (torch.bfloat16, torch.float16):
         raise Skip("cuDNN's DSA backward takes bf16 / fp16")
-    T, H, d = shape["tokens"], shape["heads"], shape["dim"]
-    k, W = shape["topk"], shape["window"]
-    gen = torch.Generator(device=device).manual_seed(shape["seed"])
-    idx, N = packed_indices(T, shape["doc_len"], W, k, shape["ratio"], device, gen)
-    q = torch.randn(T, H, d, device=device, dtype=dtype, generator=gen).requires_grad_()
-    kv = torch.randn(N, d, device=device, dtype=dtype, generator=gen).requires_grad_()
-    sink = torch.randn(H, device=device, dtype=torch.float32, generator=gen).requires_grad_()
-    scale = d**-0.5
+    q, kv, sink, idx, flops, info = attn_inputs(shape, device, dtype)
+    scale = shape["dim"] ** -0.5
 
     def forward():
         return CudnnBackward.apply(q, kv, idx, sink, scale)
 
-    fwd = 4.0 * T * H * d * (k + W)
-    info = {"N": N, "valid_keys_per_row": float((idx >= 0).sum()) / T, "forward": "csattn (triton)"}
-    return Case(forward=forward, leaves=[q, kv, sink], flops={"fwd": fwd, "bwd": 2.5 * fwd}, info=info)
+    return Case(forward=forward, leaves=[q, kv, sink], flops=flops, info={**info, "forward": "csattn (triton)"})
 
 
 def cudnn_indexer_topk(q: Tensor, w: Tensor, k: Tensor, meta, packed, topk: int, ratio: int) -> Tensor:
@@ -112,16 +104,9 @@ def topk_cudnn(shape, device, dtype, variant=""):
     dsa()
     if variant:
         raise Skip(f"the cudnn provider takes no variant, got {variant!r}")
-    T, HI, CI = shape["tokens"], shape["index_heads"], shape["index_dim"]
-    gen = torch.Generator(device=device).manual_seed(shape["seed"])
-    packed, meta = _meta(T, shape["doc_len"], shape["ratio"], device)
-    q = torch.randn(T, HI, CI, device=device, generator=gen).to(dtype)
-    w = torch.randn(T, HI, device=device, generator=gen) * (CI * HI) ** -0.5
-    k = torch.randn(meta.num_entries, CI, device=device, generator=gen).to(dtype)
-    pairs = float((meta.vis_end - meta.vis_start).sum())
+    packed, meta, q, w, k, flops, info = topk_inputs(shape, device, dtype)
 
     def forward():
         return (cudnn_indexer_topk(q, w, k, meta, packed, shape["topk"], shape["ratio"]),)
 
-    info = {"entries": meta.num_entries, "visible_pairs": pairs, "scores_bytes": 4 * T * max(meta.num_entries, 1)}
-    return Case(forward=forward, leaves=[], flops={"fwd": 2.0 * HI * CI * pairs}, info=info)
+    return Case(forward=forward, leaves=[], flops=flops, info=info)

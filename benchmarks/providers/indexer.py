@@ -54,21 +54,28 @@ def _topk_case(shape, device, dtype, backend, variant) -> Case:
 
         # Variant "bt=64,bk=128,warps=8,stages=3" sets the score-kernel tiles (defaults otherwise).
         config = _config(IndexerConfig, variant)
-    T, HI, CI = shape["tokens"], shape["index_heads"], shape["index_dim"]
-    gen = torch.Generator(device=device).manual_seed(shape["seed"])
-    _, meta = _meta(T, shape["doc_len"], shape["ratio"], device)
-    q = torch.randn(T, HI, CI, device=device, generator=gen).to(dtype)
-    w = torch.randn(T, HI, device=device, generator=gen) * (CI * HI) ** -0.5
-    k = torch.randn(meta.num_entries, CI, device=device, generator=gen).to(dtype)
-    pairs = float((meta.vis_end - meta.vis_start).sum())
+    packed, meta, q, w, k, flops, info = topk_inputs(shape, device, dtype)
 
     def forward():
         return (indexer_topk(q, w, k, meta.vis_start, meta.vis_end, shape["topk"], backend=backend, config=config),)
 
-    info = {"entries": meta.num_entries, "visible_pairs": pairs}
     if config is not None:
         info["config"] = config.as_dict()
-    return Case(forward=forward, leaves=[], flops={"fwd": 2.0 * HI * CI * pairs}, info=info)
+    return Case(forward=forward, leaves=[], flops=flops, info=info)
+
+
+def topk_inputs(shape: dict, device, dtype) -> tuple:
+    """``(packed, meta, q, w, k, flops, info)``: the documents and inputs of ``shape``, the nominal FLOPs and the
+    facts every top-k provider records; the same tensors for the same shape and seed, whichever provider."""
+    T, HI, CI = shape["tokens"], shape["index_heads"], shape["index_dim"]
+    gen = torch.Generator(device=device).manual_seed(shape["seed"])
+    packed, meta = _meta(T, shape["doc_len"], shape["ratio"], device)
+    q = torch.randn(T, HI, CI, device=device, generator=gen).to(dtype)
+    w = torch.randn(T, HI, device=device, generator=gen) * (CI * HI) ** -0.5
+    k = torch.randn(meta.num_entries, CI, device=device, generator=gen).to(dtype)
+    pairs = float((meta.vis_end - meta.vis_start).sum())
+    return packed, meta, q, w, k, {"fwd": 2.0 * HI * CI * pairs}, {"entries": meta.num_entries,
+                                                                    "visible_pairs": pairs}
 
 
 @register("indexer_topk", "triton", TOPK_DEFAULTS)

@@ -38,9 +38,10 @@ def packed_indices(T: int, doc_len: int, window: int, topk: int, ratio: int, dev
     return out, T + n_comp
 
 
-def _build(shape: dict, device, dtype, backend: str, variant: str) -> Case:
-    from csattn.ops.sparse_attn import sparse_attn
-
+def attn_inputs(shape: dict, device, dtype) -> tuple:
+    """``(q, kv, sink, idx, flops, info)``: the inputs of ``shape`` (the leaves require grad; ``idx`` int32), the
+    nominal FLOPs and the facts every provider of this op records; the same tensors for the same shape and seed,
+    whichever provider."""
     T, H, d = shape["tokens"], shape["heads"], shape["dim"]
     k, W = shape["topk"], shape["window"]
     gen = torch.Generator(device=device).manual_seed(shape["seed"])
@@ -48,8 +49,15 @@ def _build(shape: dict, device, dtype, backend: str, variant: str) -> Case:
     q = torch.randn(T, H, d, device=device, dtype=dtype, generator=gen).requires_grad_()
     kv = torch.randn(N, d, device=device, dtype=dtype, generator=gen).requires_grad_()
     sink = torch.randn(H, device=device, dtype=torch.float32, generator=gen).requires_grad_()
-    scale = d**-0.5
-    info = {"N": N, "valid_keys_per_row": float((idx >= 0).sum()) / T}
+    fwd = 4.0 * T * H * d * (k + W)
+    return q, kv, sink, idx, {"fwd": fwd, "bwd": 2.5 * fwd}, {"N": N, "valid_keys_per_row": float((idx >= 0).sum()) / T}
+
+
+def _build(shape: dict, device, dtype, backend: str, variant: str) -> Case:
+    from csattn.ops.sparse_attn import sparse_attn
+
+    q, kv, sink, idx, flops, info = attn_inputs(shape, device, dtype)
+    scale = shape["dim"] ** -0.5
     config = None
     if backend == "triton":
         from csattn.ops.sparse_attn import SparseAttnConfig
@@ -68,13 +76,7 @@ def _build(shape: dict, device, dtype, backend: str, variant: str) -> Case:
     def forward():  # the autograd function keeps the config for the backward
         return sparse_attn(q, kv, idx, sink, scale, backend=backend, config=config)
 
-    fwd = 4.0 * T * H * d * (k + W)
-    return Case(
-        forward=forward,
-        leaves=[q, kv, sink],
-        flops={"fwd": fwd, "bwd": 2.5 * fwd},
-        info=info,
-    )
+    return Case(forward=forward, leaves=[q, kv, sink], flops=flops, info=info)
 
 
 @register("sparse_attn", "triton", DEFAULTS)
