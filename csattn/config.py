@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .ops.indexer.config import IndexerConfig
+from .ops.indexer_loss.config import IndexerLossConfig
 from .ops.rope import YarnScaling
 from .ops.sparse_attn.config import SparseAttnConfig
 
@@ -62,6 +64,9 @@ class AttentionConfig:
     # launch settings of the fused sparse-attention kernels (tile sizes, Gluon or Triton); None: the tuned
     # defaults. A "key=value,..." string or a dict (SparseAttnConfig.parse / as_dict) is converted on construction
     sparse_attn_kernel: SparseAttnConfig | None = None
+    # likewise for the indexer's score / selection kernels and the indexer loss's kernels
+    indexer_kernel: IndexerConfig | None = None
+    indexer_loss_kernel: IndexerLossConfig | None = None
     # no host sync and no data-dependent shape in the forward/backward (CUDA graphs, torch.compile): static
     # metadata from device cu_seqlens (csattn.graphs); needs max_seqlen on the host; with cp=, the contiguous
     # partition only
@@ -69,6 +74,8 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         self.sparse_attn_kernel = SparseAttnConfig.coerce(self.sparse_attn_kernel)
+        self.indexer_kernel = IndexerConfig.coerce(self.indexer_kernel)
+        self.indexer_loss_kernel = IndexerLossConfig.coerce(self.indexer_loss_kernel)
         self.validate()
 
     def validate(self) -> None:

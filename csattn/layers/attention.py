@@ -294,7 +294,8 @@ class HybridAttention(nn.Module):
 
             def on_block(lo: int, hi: int, q: Tensor, lse: Tensor) -> None:
                 sparse_teacher_block(teacher, lo, loss.q_idx[lo:hi], loss.w[lo:hi], loss.k_idx, q, ckv, lse,
-                                     cfg.scale, row_weight[lo:hi], compressed_ids[lo:hi], backend=backend)
+                                     cfg.scale, row_weight[lo:hi], compressed_ids[lo:hi], backend=backend,
+                                     config=cfg.indexer_loss_kernel)
 
         weights = (self.q_b_proj.weight, self.o_a_proj.weight, self.o_b_proj.weight)
         out = attention_core(qr, cos, sin, keys, self.sinks, *weights, ids_fn, geo, on_block)
@@ -302,7 +303,8 @@ class HybridAttention(nn.Module):
             # the backward recomputes the indexer queries block by block instead of keeping q_idx [T, HI, cI]
             queries = self.compressor.indexer.student_queries(qr.detach(), cos, sin, self.indexer_query_rows())
             kl = indexer_kl_from_teacher(queries, loss.w, loss.k_idx, teacher, row_weight, compressed_ids,
-                                         workspace_bytes=cfg.workspace_bytes, backend=backend)
+                                         workspace_bytes=cfg.workspace_bytes, backend=backend,
+                                         config=cfg.indexer_loss_kernel)
             self.last_indexer_loss = kl.detach()
             out = attach_indexer_loss(out, kl * cfg.indexer_loss_coeff, loss_scale)
         return out
@@ -360,7 +362,7 @@ class HybridAttention(nn.Module):
         w = indexer.scorer(x.detach())
         selected = plan.ops.indexer_topk(q_idx, w, index_keys, entries.vis_start, entries.vis_end,
                                          self.effective_topk(entries.max_visible), entries.max_visible,
-                                         cfg.workspace_bytes, self.backend_for(q_idx))
+                                         cfg.workspace_bytes, self.backend_for(q_idx), cfg.indexer_kernel)
         return selected, IndexerLossInputs(q_idx, w, index_keys, plan.real, plan.num_real, entries.vis_start,
                                            entries.vis_end, entries.max_visible)
 
@@ -374,7 +376,7 @@ class HybridAttention(nn.Module):
         """
         cfg = self.config
         kl = ops.indexer_kl_loss(loss, q, ckv, lse, cfg.scale, selected if cfg.indexer_loss_type == "sparse" else None,
-                                 cfg.workspace_bytes, self.backend_for(loss.q_idx))
+                                 cfg.workspace_bytes, self.backend_for(loss.q_idx), cfg.indexer_loss_kernel)
         self.last_indexer_loss = kl.detach()
         return attach_indexer_loss(o, kl * cfg.indexer_loss_coeff, loss_scale)
 

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops.compressor.custom_ops import compress_pool_op
-from ..ops.indexer import indexer_topk
+from ..ops.indexer import IndexerConfig, indexer_topk
 from ..ops.indexer.custom_ops import indexer_topk_static_op
-from ..ops.indexer_loss import IndexerLossAutoScaler, indexer_kl_loss
+from ..ops.indexer_loss import IndexerLossAutoScaler, IndexerLossConfig, indexer_kl_loss
 from ..ops.indexer_loss.custom_ops import indexer_kl_loss_op
 from ..ops.recompute import row_chunked
 from ..ops.sparse_attn import SparseAttnConfig, sparse_attn
@@ -43,21 +43,22 @@ class EagerOps:
         return comp.compress(x, entries.meta, inv_freq, backend=backend)
 
     def indexer_topk(self, q_idx: Tensor, w: Tensor, keys: Tensor, vis_start: Tensor, vis_end: Tensor, topk: int,
-                     width: int, workspace_bytes: int, backend: str) -> Tensor:
+                     width: int, workspace_bytes: int, backend: str, config: IndexerConfig | None = None) -> Tensor:
         """``[T, topk]`` global ids (``width`` bounds the visible ranges; the eager op reads them itself)."""
-        return indexer_topk(q_idx, w, keys, vis_start, vis_end, topk, workspace_bytes=workspace_bytes, backend=backend)
+        return indexer_topk(q_idx, w, keys, vis_start, vis_end, topk, workspace_bytes=workspace_bytes, backend=backend,
+                            config=config)
 
     def sparse_attn(self, q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, scale: float, chunk_rows: int,
                     backend: str, config: SparseAttnConfig | None = None) -> tuple[Tensor, Tensor]:
         return sparse_attn(q, keys, ids, sinks, scale, chunk_rows=chunk_rows, backend=backend, config=config)
 
     def indexer_kl_loss(self, loss, q: Tensor, ckv: Tensor, lse: Tensor, scale: float, selected: Tensor | None,
-                        workspace_bytes: int, backend: str) -> Tensor:
+                        workspace_bytes: int, backend: str, config: IndexerLossConfig | None = None) -> Tensor:
         """The indexer KL loss of :class:`~csattn.layers.plan.IndexerLossInputs` ``loss`` (sparse over
         ``selected``, dense over the visible ranges when it is None)."""
         return indexer_kl_loss(loss.q_idx, loss.w, loss.k_idx, q, ckv, lse, scale, loss.row_weight(lse.dtype),
                                selected=selected, vis_start=loss.vis_start, vis_end=loss.vis_end,
-                               workspace_bytes=workspace_bytes, backend=backend)
+                               workspace_bytes=workspace_bytes, backend=backend, config=config)
 
     def query_heads(self, qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float,
                     chunk_rows: int) -> Tensor:
@@ -97,8 +98,9 @@ class CustomOps(EagerOps):
         return comp.finish(pooled, meta.entry_pos, inv_freq)
 
     def indexer_topk(self, q_idx: Tensor, w: Tensor, keys: Tensor, vis_start: Tensor, vis_end: Tensor, topk: int,
-                     width: int, workspace_bytes: int, backend: str) -> Tensor:
-        return indexer_topk_static_op(q_idx, w, keys, vis_start, vis_end, topk, width, workspace_bytes, backend)
+                     width: int, workspace_bytes: int, backend: str, config: IndexerConfig | None = None) -> Tensor:
+        return indexer_topk_static_op(q_idx, w, keys, vis_start, vis_end, topk, width, workspace_bytes, backend,
+                                      config.spec() if config else "")
 
     def sparse_attn(self, q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, scale: float, chunk_rows: int,
                     backend: str, config: SparseAttnConfig | None = None) -> tuple[Tensor, Tensor]:
@@ -106,10 +108,10 @@ class CustomOps(EagerOps):
         return sparse_attn_op(q, keys, ids, sinks, scale, chunk_rows, backend, config.spec() if config else "")
 
     def indexer_kl_loss(self, loss, q: Tensor, ckv: Tensor, lse: Tensor, scale: float, selected: Tensor | None,
-                        workspace_bytes: int, backend: str) -> Tensor:
+                        workspace_bytes: int, backend: str, config: IndexerLossConfig | None = None) -> Tensor:
         return indexer_kl_loss_op(loss.q_idx, loss.w, loss.k_idx, q.detach(), ckv.detach(), lse.detach(), scale,
                                   loss.row_weight(lse.dtype), selected, loss.vis_start, loss.vis_end, loss.width,
-                                  workspace_bytes, backend)
+                                  workspace_bytes, backend, config.spec() if config else "")
 
     def query_heads(self, qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float,
                     chunk_rows: int) -> Tensor:

@@ -175,3 +175,48 @@ def test_indexer_loss_backward_uses_the_forward_config(monkeypatch):
     monkeypatch.setattr(kernels, "_DEFAULT", IndexerLossConfig(bk_bwd=32))
     loss.backward()
     assert seen == [config] and seen[0] is config
+
+
+def _spy_config(monkeypatch, module, name, seen):
+    """Record the ``config=`` keyword of every call of ``module.name``."""
+    real = getattr(module, name)
+
+    def wrapped(*args, **kwargs):
+        seen.append((name, kwargs.get("config")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapped)
+
+
+@pytest.mark.parametrize("capture_safe", [False, True], ids=["eager", "capture-safe"])
+def test_layer_indexer_kernels_launch_with_the_layer_config(capture_safe, monkeypatch):
+    """``AttentionConfig.indexer_kernel`` / ``indexer_loss_kernel`` reach every launch of the indexer's scores and
+    selection and of the indexer loss (forward and backward), on the default ops and through the custom ops."""
+    pytest.importorskip("triton")
+    from csattn.ops.indexer import IndexerConfig
+    from csattn.ops.indexer import triton as topk_kernels
+    from csattn.ops.indexer_loss import IndexerLossConfig
+    from csattn.ops.indexer_loss import triton as loss_kernels
+
+    seen: list = []
+    for name in ("indexer_scores_fwd", "select_topk"):
+        _spy_config(monkeypatch, topk_kernels, name, seen)
+    for name in ("indexer_kl_fwd", "indexer_kl_bwd"):
+        _spy_config(monkeypatch, loss_kernels, name, seen)
+    if capture_safe:  # the static top-k imported the kernel functions by name
+        from csattn.ops.indexer import static_triton
+
+        for name in ("indexer_scores_fwd", "select_topk"):
+            _spy_config(monkeypatch, static_triton, name, seen)
+    topk_cfg, loss_cfg = "bt=64,seg=512", "bk_fwd=16,bk_bwd=32"
+    cfg = tiny_config("csa", backend="triton", indexer_kernel=topk_cfg, indexer_loss_kernel=loss_cfg,
+                      indexer_loss_coeff=0.1, capture_safe=capture_safe)
+    layer = random_layer(cfg).to(DEVICE, torch.float32)
+    packed = PackedSeqs.from_lengths([30, 3, 27], [32, 4, 28], device=DEVICE)
+    x = torch.randn(64, 32, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0)).requires_grad_()
+    layer(x, packed=packed).square().sum().backward()
+    names = {name for name, _ in seen}
+    assert {"indexer_scores_fwd", "select_topk", "indexer_kl_fwd", "indexer_kl_bwd"} <= names, names
+    want = {"indexer_scores_fwd": IndexerConfig.parse(topk_cfg), "select_topk": IndexerConfig.parse(topk_cfg),
+            "indexer_kl_fwd": IndexerLossConfig.parse(loss_cfg), "indexer_kl_bwd": IndexerLossConfig.parse(loss_cfg)}
+    assert all(c == want[name] for name, c in seen), seen

@@ -18,7 +18,7 @@ _RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128:
 # Settings that only this library reads; they are not written into ``config.json``.
 _TRAINING_FIELDS = ("indexer_loss_coeff", "mtp_loss_coeff", "mtp_layer_types", "attention_backend",
                     "attn_chunk_rows", "workspace_bytes", "activation_checkpointing", "recompute", "moe_chunk_rows",
-                    "sparse_attn_kernel", "offload_block_inputs")
+                    "sparse_attn_kernel", "indexer_kernel", "indexer_loss_kernel", "offload_block_inputs")
 # What the backward recomputes instead of keeping (``DeepseekV4ModelConfig.recompute``):
 #   none  - each fused op keeps only what its own backward needs (the mHC and MoE kernels recompute their
 #           elementwise parts by design);
@@ -100,6 +100,8 @@ class DeepseekV4ModelConfig:
     # launch settings of the fused sparse attention, every layer: a SparseAttnConfig.parse string ("" = the tuned
     # defaults), kept as a string so the training settings stay JSON
     sparse_attn_kernel: str = ""
+    indexer_kernel: str = ""  # IndexerConfig.parse string, every CSA layer
+    indexer_loss_kernel: str = ""  # IndexerLossConfig.parse string, every CSA layer
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -182,7 +184,8 @@ class DeepseekV4ModelConfig:
         return AttentionConfig.from_hf(
             self, layer_idx, indexer_loss_coeff=self.indexer_loss_coeff, backend=self.attention_backend,
             attn_chunk_rows=self.attn_chunk_rows, workspace_bytes=self.workspace_bytes,
-            sparse_attn_kernel=self.sparse_attn_kernel or None,
+            sparse_attn_kernel=self.sparse_attn_kernel or None, indexer_kernel=self.indexer_kernel or None,
+            indexer_loss_kernel=self.indexer_loss_kernel or None,
         )
 
     # ------------------------------------------------------------------ HF interchange

@@ -42,23 +42,24 @@ def indexer_kl_loss(q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor, ckv: Ten
 
 def sparse_teacher_block(teacher: SparseTeacher, lo: int, q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor,
                          ckv: Tensor, lse: Tensor, scale: float, row_weight: Tensor, selected: Tensor,
-                         backend: str = "reference") -> None:
+                         backend: Backend = "reference", config: IndexerLossConfig | None = None) -> None:
     """Fill rows ``lo .. lo + R`` of ``teacher`` from one block: ``q [R, H, d]`` and ``lse [R, H]`` of the
     attention, the block's ``selected [R, k]``, ``row_weight [R]`` and indexer ``q_idx [R, HI, cI]``, ``w [R, HI]``
     (the fused path computes the block's loss rows in the same pass). No autograd."""
     if ckv.shape[0] == 0:  # no compressed entry: the loss is 0 (``indexer_kl_from_teacher`` returns it)
         return
-    if backend == "triton":
+    if use_triton(backend):
         from .triton import sparse_teacher_block_triton
 
-        sparse_teacher_block_triton(teacher, lo, q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected)
+        sparse_teacher_block_triton(teacher, lo, q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected,
+                                    config=config)
     else:
         sparse_teacher_block_ref(teacher, lo, q, ckv, lse, selected, scale)
 
 
 def indexer_kl_from_teacher(queries: StudentQueries, w: Tensor, k_idx: Tensor, teacher: SparseTeacher,
                             row_weight: Tensor, selected: Tensor, workspace_bytes: int = 1 << 30,
-                            backend: str = "reference") -> Tensor:
+                            backend: Backend = "reference", config: IndexerLossConfig | None = None) -> Tensor:
     """The sparse indexer KL loss (a scalar; gradients to the query weight, ``w`` and ``k_idx``) from a filled
     teacher.
 
@@ -68,8 +69,8 @@ def indexer_kl_from_teacher(queries: StudentQueries, w: Tensor, k_idx: Tensor, t
     at once; the backward recomputes the indexer queries block by block from ``queries``, so neither does
     ``q_idx [T, HI, cI]`` after the forward.
     """
-    if backend == "triton":
+    if use_triton(backend):
         from .triton import indexer_kl_from_teacher_triton
 
-        return indexer_kl_from_teacher_triton(queries, w, k_idx, teacher, row_weight, selected)
+        return indexer_kl_from_teacher_triton(queries, w, k_idx, teacher, row_weight, selected, config=config)
     return indexer_kl_from_teacher_ref(queries, w, k_idx, teacher, row_weight, selected, workspace_bytes)

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from ..autograd import autograd_vjp
 from . import indexer_kl_loss as _indexer_kl_loss
+from .config import IndexerLossConfig
 from .static import indexer_kl_loss_dense_static, indexer_kl_loss_static_bwd_ref
 
 __all__ = ["indexer_kl_loss_op", "indexer_kl_loss_static"]
@@ -16,32 +17,34 @@ __all__ = ["indexer_kl_loss_op", "indexer_kl_loss_static"]
 def indexer_kl_loss_static(
     q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor, ckv: Tensor, lse: Tensor, scale: float,
     row_weight: Tensor, selected: Tensor | None, vis_start: Tensor, vis_end: Tensor, width: int,
-    workspace_bytes: int, backend: str,
+    workspace_bytes: int, backend: str, config: str = "",
 ) -> Tensor:
     """The loss without host syncs: the sparse loss and the fused dense loss as they are, the dense reference
-    over the static candidate window of width ``width`` (``max_seqlen // r``)."""
+    over the static candidate window of width ``width`` (``max_seqlen // r``). ``config``: the fused kernels'
+    :meth:`IndexerLossConfig.parse` string ("" = the defaults)."""
     if selected is None and backend == "reference":
         return indexer_kl_loss_dense_static(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, vis_start, vis_end,
                                             width, workspace_bytes)
     return _indexer_kl_loss(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected=selected,
-                            vis_start=vis_start, vis_end=vis_end, workspace_bytes=workspace_bytes, backend=backend)
+                            vis_start=vis_start, vis_end=vis_end, workspace_bytes=workspace_bytes, backend=backend,
+                            config=IndexerLossConfig.parse(config) if config else None)
 
 
 @torch.library.custom_op("csattn::indexer_kl_loss", mutates_args=())
 def indexer_kl_loss_op(
     q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor, ckv: Tensor, lse: Tensor, scale: float,
     row_weight: Tensor, selected: Tensor | None, vis_start: Tensor, vis_end: Tensor, width: int,
-    workspace_bytes: int, backend: str,
+    workspace_bytes: int, backend: str, config: str = "",
 ) -> Tensor:
     """Scalar loss: :func:`indexer_kl_loss_static` as one op (gradients to ``q_idx``, ``w``, ``k_idx``)."""
     with torch.no_grad():
         return indexer_kl_loss_static(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected, vis_start,
-                                      vis_end, width, workspace_bytes, backend).clone()
+                                      vis_end, width, workspace_bytes, backend, config).clone()
 
 
 @indexer_kl_loss_op.register_fake
 def _(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected, vis_start, vis_end, width, workspace_bytes,
-      backend):
+      backend, config=""):
     return q_idx.new_empty((), dtype=torch.promote_types(q_idx.dtype, torch.float32))
 
 
@@ -49,7 +52,7 @@ def _(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected, vis_start, vis_
 def indexer_kl_loss_bwd_op(
     q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor, ckv: Tensor, lse: Tensor, scale: float,
     row_weight: Tensor, selected: Tensor | None, vis_start: Tensor, vis_end: Tensor, width: int,
-    workspace_bytes: int, backend: str, grad: Tensor,
+    workspace_bytes: int, backend: str, grad: Tensor, config: str = "",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq_idx, dw, dk_idx)`` by recomputation (the reference one row chunk at a time, without
     ``torch.utils.checkpoint``, which CUDA graph capture does not allow)."""
@@ -59,7 +62,7 @@ def indexer_kl_loss_bwd_op(
 
     def fwd(q_idx_, w_, k_idx_):
         return indexer_kl_loss_static(q_idx_, w_, k_idx_, q, ckv, lse, scale, row_weight, selected, vis_start,
-                                      vis_end, width, workspace_bytes, backend)
+                                      vis_end, width, workspace_bytes, backend, config)
 
     dq_idx, dw, dk_idx = autograd_vjp(fwd, (q_idx, w, k_idx), (True, True, True), (grad,))
     return dq_idx, dw, dk_idx
@@ -67,27 +70,28 @@ def indexer_kl_loss_bwd_op(
 
 @indexer_kl_loss_bwd_op.register_fake
 def _(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected, vis_start, vis_end, width, workspace_bytes,
-      backend, grad):
+      backend, grad, config=""):
     return torch.empty_like(q_idx), torch.empty_like(w), torch.empty_like(k_idx)
 
 
 def _setup(ctx, inputs, output):
     ctx.tensors = len(inputs)
-    q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected, vis_start, vis_end, width, ws, backend = inputs
+    q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected, vis_start, vis_end, width, ws, backend, *rest = inputs
+    config = rest[0] if rest else ""
     ctx.has_selected = selected is not None
     saved = (q_idx, w, k_idx, q, ckv, lse, row_weight, vis_start, vis_end)
     ctx.save_for_backward(*saved, *((selected,) if selected is not None else ()))
-    ctx.args = (scale, width, ws, backend)
+    ctx.args = (scale, width, ws, backend, config)
 
 
 def _backward(ctx, grad):
     saved = ctx.saved_tensors
     q_idx, w, k_idx, q, ckv, lse, row_weight, vis_start, vis_end = saved[:9]
     selected = saved[9] if ctx.has_selected else None
-    scale, width, ws, backend = ctx.args
+    scale, width, ws, backend, config = ctx.args
     dq_idx, dw, dk_idx = indexer_kl_loss_bwd_op(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected,
-                                                vis_start, vis_end, width, ws, backend, grad)
-    return (dq_idx, dw, dk_idx) + (None,) * 11
+                                                vis_start, vis_end, width, ws, backend, grad, config)
+    return (dq_idx, dw, dk_idx) + (None,) * (ctx.tensors - 3)
 
 
 indexer_kl_loss_op.register_autograd(_backward, setup_context=_setup)

@@ -353,9 +353,11 @@ def _student_operands(q_idx: Tensor, w: Tensor, k_idx: Tensor) -> tuple[Tensor, 
 
 
 def sparse_teacher_block_triton(teacher, lo: int, q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor, ckv: Tensor,
-                                lse: Tensor, scale: float, row_weight: Tensor, selected: Tensor) -> None:
+                                lse: Tensor, scale: float, row_weight: Tensor, selected: Tensor,
+                                config: IndexerLossConfig | None = None) -> None:
     """Run the fused loss forward on one block of rows (``q [R, H, d]``, ``lse [R, H]``, ``q_idx [R, HI, cI]``,
-    ...) and store its per-row loss, stats and teacher masses in ``teacher`` (a ``SparseTeacher``) at ``lo``."""
+    ...) and store its per-row loss, stats and teacher masses in ``teacher`` (a ``SparseTeacher``) at ``lo``;
+    ``config``: the kernels' launch settings (None: the defaults)."""
     hi = lo + q.shape[0]
     if hi == lo or k_idx.shape[0] == 0:
         return
@@ -364,7 +366,7 @@ def sparse_teacher_block_triton(teacher, lo: int, q_idx: Tensor, w: Tensor, k_id
     indexer_kl_fwd(
         q_idx, w, k_idx, q.detach().contiguous(), ckv.detach().to(q.dtype).contiguous(), lse.float().contiguous(),
         float(scale), row_weight.float().contiguous(), sel, sel[:, 0], sel[:, 0],
-        out=(teacher.loss_rows[lo:hi], teacher.stats[lo:hi], teacher.mass[lo:hi]),
+        out=(teacher.loss_rows[lo:hi], teacher.stats[lo:hi], teacher.mass[lo:hi]), config=config,
     )
     teacher.geometry = (q.shape[1], q.shape[2], q.dtype)
 
@@ -376,8 +378,9 @@ class IndexerKLFromTeacher(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query_fn, block_rows, geometry, student_dtype, qr, cos, sin, weight, w, k_idx, loss_rows,
-                row_weight, selected, stats, mass):
+                row_weight, selected, stats, mass, config):
         ctx.query_fn, ctx.block_rows, ctx.geometry, ctx.student_dtype = query_fn, block_rows, geometry, student_dtype
+        ctx.config = config
         ctx.save_for_backward(qr, cos, sin, weight, w, k_idx, row_weight, selected, stats, mass)
         return loss_rows.sum()
 
@@ -404,7 +407,7 @@ class IndexerKLFromTeacher(torch.autograd.Function):
                 q_idx = ctx.query_fn(qr_b, cos[lo:hi], sin[lo:hi], weight_b)
             dq, dw_b, _ = indexer_kl_bwd(grad, q_idx.detach().to(k_op.dtype).contiguous(), w[lo:hi], k_op, q_shape,
                                          q_shape, stats, 0.0, row_weight[lo:hi], selected[lo:hi], stats, stats,
-                                         stats[lo:hi], mass[lo:hi], dk_accum=dk)
+                                         stats[lo:hi], mass[lo:hi], dk_accum=dk, config=ctx.config)
             if need_w:
                 dw[lo:hi] = dw_b
             wrt = [t for t in (qr_b, weight_b) if t.requires_grad]
@@ -415,13 +418,14 @@ class IndexerKLFromTeacher(torch.autograd.Function):
                 if need_weight:
                     dweight += next(got)
         return (None, None, None, None, dqr, None, None, None if dweight is None else dweight.to(weight.dtype), dw,
-                dk.to(k_idx.dtype) if need_k else None, None, None, None, None, None)
+                dk.to(k_idx.dtype) if need_k else None, None, None, None, None, None, None)
 
 
 def indexer_kl_from_teacher_triton(queries, w: Tensor, k_idx: Tensor, teacher, row_weight: Tensor,
-                                   selected: Tensor) -> Tensor:
+                                   selected: Tensor, config: IndexerLossConfig | None = None) -> Tensor:
     """The sparse loss from a ``SparseTeacher`` filled by :func:`sparse_teacher_block_triton` (fp32 scalar), its
-    backward recomputing the queries from ``queries`` (a ``StudentQueries``) block by block."""
+    backward recomputing the queries from ``queries`` (a ``StudentQueries``) block by block, launched with
+    ``config`` (None: the defaults)."""
     qr, weight = queries.qr, queries.weight
     if k_idx.shape[0] == 0 or qr.shape[0] == 0 or teacher.geometry is None:
         return (qr.sum() + weight.sum() + w.sum() + k_idx.sum()).float() * 0
@@ -429,4 +433,4 @@ def indexer_kl_from_teacher_triton(queries, w: Tensor, k_idx: Tensor, teacher, r
     return IndexerKLFromTeacher.apply(queries.fn, max(1, queries.chunk_rows), teacher.geometry, dtype, qr,
                                       queries.cos, queries.sin, weight,
                                       w.float().contiguous(), k_idx, teacher.loss_rows, row_weight.float().contiguous(),
-                                      selected.to(torch.int64).contiguous(), teacher.stats, teacher.mass)
+                                      selected.to(torch.int64).contiguous(), teacher.stats, teacher.mass, config)
