@@ -101,18 +101,21 @@ def test_config_recompute_choices():
     assert DeepseekV4ModelConfig.from_hf({**d, "recompute": "mhc"}).recompute == "mhc"
 
 
-@pytest.mark.parametrize("recompute", ["block", "full"])
-def test_offloaded_block_inputs_change_no_value(recompute):
+@pytest.mark.parametrize("recompute,mtp", [("block", 0), ("full", 0), ("full", 1)],
+                         ids=["block", "full", "full-mtp"])
+def test_offloaded_block_inputs_change_no_value(recompute, mtp):
     """Block inputs kept in host memory until their recomputation (``offload_block_inputs``): the loss, the logged
-    indexer loss and every gradient equal those of recompute none (fp64; the indexer loss trains, coeff 0.1)."""
+    indexer loss and every gradient equal those of recompute none (fp64; the indexer loss trains, coeff 0.1; with an
+    MTP block, which keeps torch's checkpoint, after offloaded decoder blocks)."""
     ids, packed, labels = _batch()
     outs, models = [], []
     for choice, offload in (("none", False), (recompute, True)):
         torch.manual_seed(0)
-        model = DeepseekV4ForCausalLM(tiny_model_config(64, recompute=choice, num_nextn_predict_layers=0,
+        model = DeepseekV4ForCausalLM(tiny_model_config(64, recompute=choice, num_nextn_predict_layers=mtp,
                                                         indexer_loss_coeff=0.1, offload_block_inputs=offload))
         model = model.to_training_dtype(torch.float64)
-        out = model(ids, packed=packed, labels=labels[0], return_logits=False)
+        out = model(ids, packed=packed, labels=labels[0], mtp_labels=labels[1:1 + mtp] if mtp else None,
+                    return_logits=False)
         out.loss.backward()
         outs.append(out)
         models.append(model)
