@@ -314,6 +314,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     """Run ``cfg.steps`` optimizer steps (counting any resumed ones). Works in one process or under torchrun."""
     cfg.validate()
     topo, device = setup_distributed(cfg)
+    if cfg.offload_block_inputs and device.type == "cuda" and topo.rank == 0 and \
+            "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        # a hint only: the allocator setting is PyTorch's own and must be set before CUDA starts
+        print("note: --offload-block-inputs is for the longest sequences; there PyTorch's allocator may fail on "
+              "fragments (tens of GiB reserved but unallocated): run with "
+              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", flush=True)
     cp = None
     if cfg.cp > 1:
         from ..cp import ContextParallel
