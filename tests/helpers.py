@@ -39,6 +39,20 @@ def random_layer(cfg: AttentionConfig, dtype=torch.float64, seed: int = 0) -> Hy
     return layer
 
 
+def layer_step(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, packed=None,
+               run=None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """One forward + backward of an attention layer on a fresh copy of ``x`` with output cotangent ``dy``: the
+    output ``"y"``, the input gradient ``"x"`` and every parameter gradient by name, and the logged indexer loss.
+    ``run(x)`` replaces ``layer(x, packed=packed)`` (a compiled step, say)."""
+    layer.zero_grad()
+    x = x.detach().clone().requires_grad_()
+    y = run(x) if run is not None else layer(x, packed=packed)
+    (y * dy).sum().backward()
+    out = {"y": y.detach(), "x": x.grad}
+    out.update({n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})
+    return out, layer.last_indexer_loss
+
+
 def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.grad.clone() if p.grad is not None else None) for n, p in module.named_parameters()}
 

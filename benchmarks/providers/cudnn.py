@@ -80,17 +80,19 @@ def sparse_attn_cudnn(shape, device, dtype, variant=""):
     return Case(forward=forward, leaves=[q, kv, sink], flops=flops, info={**info, "forward": "csattn (triton)"})
 
 
-def cudnn_indexer_topk(q: Tensor, w: Tensor, k: Tensor, meta, packed, topk: int, ratio: int) -> Tensor:
-    """``[T, topk]`` global entry ids (-1 = none) from cuDNN's dense scores and radix top-k; documents as THD
-    segments (queries: the rows of ``packed``; keys: each document's entries, ``meta``)."""
-    lib = dsa()
-    device = q.device
+def cudnn_segments(packed, meta) -> tuple[Tensor, Tensor, int, int]:
+    """The THD layout cuDNN's indexer takes, from csattn's metadata (no host read): ``cu_seqlens_q`` (the
+    documents' rows), ``cu_seqlens_k`` (their entries, ``meta.cu_comp``), ``max_seqlen_q``, ``max_seqlen_k``."""
+    device = meta.vis_start.device
     cu_q = packed.cu_seqlens_padded.to(device=device, dtype=torch.int32)
-    counts = torch.diff(cu_q).cpu() // ratio  # entries a document of this many rows compresses to
-    cu_k = torch.zeros(counts.numel() + 1, dtype=torch.int32)
-    cu_k[1:] = counts.cumsum(0)
-    cu_k = cu_k.to(device)
-    max_q, max_k = int(torch.diff(cu_q).max()), max(int(counts.max()), 1)
+    return cu_q, meta.cu_comp.to(torch.int32), int(packed.max_seqlen), max(int(meta.max_visible), 1)
+
+
+def cudnn_indexer_topk(q: Tensor, w: Tensor, k: Tensor, meta, segments, topk: int, ratio: int) -> Tensor:
+    """``[T, topk]`` global entry ids (-1 = none) from cuDNN's dense scores and radix top-k over each row's
+    visible prefix; ``segments`` from :func:`cudnn_segments`."""
+    lib = dsa()
+    cu_q, cu_k, max_q, max_k = segments
     scores = lib.indexer_forward_wrapper(q.contiguous(), k[:, None].contiguous(), w.contiguous(), ratio=ratio,
                                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
                                          max_seqlen_k=max_k)["scores"]
@@ -105,8 +107,9 @@ def topk_cudnn(shape, device, dtype, variant=""):
     if variant:
         raise Skip(f"the cudnn provider takes no variant, got {variant!r}")
     packed, meta, q, w, k, flops, info = topk_inputs(shape, device, dtype)
+    segments = cudnn_segments(packed, meta)
 
     def forward():
-        return (cudnn_indexer_topk(q, w, k, meta, packed, shape["topk"], shape["ratio"]),)
+        return (cudnn_indexer_topk(q, w, k, meta, segments, shape["topk"], shape["ratio"]),)
 
     return Case(forward=forward, leaves=[], flops=flops, info=info)

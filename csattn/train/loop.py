@@ -421,8 +421,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         step_time = now - recent[-1][0]
         recent.append((now, batch.num_tokens * topo.dp, step_flops))
         window = max(now - recent[0][0], 1e-9)
-        tps = sum(r[1] for r in list(recent)[1:]) / window
-        mfu_value = sum(r[2] for r in list(recent)[1:]) / window / (peak * topo.world) if peak else None
+        steps = list(recent)[1:]  # recent[0] only marks the window's start time
+        tps = sum(r[1] for r in steps) / window
+        mfu_value = sum(r[2] for r in steps) / window / (peak * topo.world) if peak else None
         mfu = f"{mfu_value:.1%}" if peak else None
         if log is not None or board is not None:
             rec = {"step": step + 1, **metrics, "lr": scheduler.get_last_lr()[0], "tokens": batch.num_tokens * topo.dp,

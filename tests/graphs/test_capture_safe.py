@@ -19,7 +19,7 @@ from csattn.graphs import (
 )
 from csattn.ops.indexer import indexer_topk
 from csattn.ops.indexer_loss import indexer_kl_loss
-from tests.helpers import random_layer, tiny_config
+from tests.helpers import layer_step, random_layer, tiny_config
 
 # (real lengths, padded lengths); every pack of one group has the same T, number of documents and max_seqlen
 PACKS = {
@@ -138,17 +138,6 @@ def test_static_topk_and_dense_loss_match_reference(pack, assert_close):
     assert not got_g[2][n:].any(), "tail slots must get no gradient"
 
 
-def _run(layer, x, dy, packed):
-    layer.zero_grad()
-    x = x.detach().clone().requires_grad_()
-    y = layer(x, packed=packed)
-    (y * dy).sum().backward()
-    out = {"y": y.detach(), "x": x.grad}
-    out.update({n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})
-    loss = layer.last_indexer_loss
-    return out, loss
-
-
 def _compare(got, ref, assert_close, tol=1e-12):
     assert set(got) == set(ref)
     for name in ref:
@@ -172,10 +161,10 @@ def test_capture_safe_equals_default(layer_type, extra, pack, assert_close):
     g = torch.Generator().manual_seed(11)
     x = torch.randn(t, 32, generator=g, dtype=torch.float64)
     dy = torch.randn(t, 32, generator=g, dtype=torch.float64)
-    ref, ref_loss = _run(layer, x, dy, packed)
+    ref, ref_loss = layer_step(layer, x, dy, packed)
     layer.config = dataclasses.replace(cfg, capture_safe=True)
     for p in (static, packed):  # a StaticPackedSeqs, or a PackedSeqs turned into one
-        got, loss = _run(layer, x, dy, p)
+        got, loss = layer_step(layer, x, dy, p)
         _compare(got, ref, assert_close)
         if ref_loss is not None:
             assert_close(loss, ref_loss, 1e-12, "indexer loss")
@@ -219,9 +208,9 @@ def test_capture_safe_batch_and_single_document_input(layer_type, assert_close):
         x = torch.randn(*shape, generator=g, dtype=torch.float64)
         dy = torch.randn(*shape, generator=g, dtype=torch.float64)
         layer.config = cfg
-        ref, _ = _run(layer, x, dy, None)
+        ref, _ = layer_step(layer, x, dy, None)
         layer.config = dataclasses.replace(cfg, capture_safe=True)
-        got, _ = _run(layer, x, dy, None)
+        got, _ = layer_step(layer, x, dy, None)
         assert got["y"].shape == x.shape
         _compare(got, ref, assert_close)
 
@@ -237,11 +226,11 @@ def test_capture_safe_keeps_the_indexer_loss_scale(assert_close):
     dy = torch.randn(static.num_rows, 32, generator=g, dtype=torch.float64)
     IndexerLossAutoScaler.set_loss_scale(0.25)
     try:
-        ref, _ = _run(layer, x, dy, packed)
-        got, _ = _run(layer, x, dy, static)
+        ref, _ = layer_step(layer, x, dy, packed)
+        got, _ = layer_step(layer, x, dy, static)
     finally:
         IndexerLossAutoScaler.main_loss_backward_scale = None
-    unscaled, _ = _run(layer, x, dy, static)
+    unscaled, _ = layer_step(layer, x, dy, static)
     _compare(got, ref, assert_close)
     name = "compressor.indexer.q_b_proj.weight"  # trained by the indexer loss only
     assert_close(got[name], 0.25 * unscaled[name], 1e-12, name)

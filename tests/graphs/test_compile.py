@@ -13,7 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from csattn import PackedSeqs
 from csattn.graphs import StaticPackedSeqs
 from tests.graphs.test_capture_safe import REPLAY
-from tests.helpers import random_layer, tiny_config
+from tests.helpers import layer_step, random_layer, tiny_config
 
 MAX_SEQLEN = 24
 CASES = {
@@ -22,16 +22,6 @@ CASES = {
     "CSA_dense_no_recompute": ("csa", {"indexer_loss_type": "dense", "recompute_projections": False}),
     "HCA": ("hca", {}),
 }
-
-
-def _eager(layer, x, dy, packed):
-    layer.zero_grad()
-    x = x.detach().clone().requires_grad_()
-    y = layer(x, packed=packed)
-    (y * dy).sum().backward()
-    out = {"y": y.detach(), "x": x.grad}
-    out.update({n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})
-    return out, layer.last_indexer_loss
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -54,15 +44,11 @@ def test_compiled_layer_reused_on_three_packs(case, assert_close):
         x = torch.randn(t, 32, generator=g, dtype=torch.float64)
         dy = torch.randn(t, 32, generator=g, dtype=torch.float64)
         layer.config = cfg
-        ref, ref_loss = _eager(layer, x, dy, packed)
+        ref, ref_loss = layer_step(layer, x, dy, packed)
         layer.config = static_cfg
-        got, loss = _eager(layer, x, dy, packed)  # eager capture-safe path
-        layer.zero_grad()
-        xc = x.clone().requires_grad_()
-        y = compiled(xc, packed.cu_seqlens, packed.cu_seqlens_padded)
-        (y * dy).sum().backward()
-        comp = {"y": y.detach(), "x": xc.grad}
-        comp.update({n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})
+        got, loss = layer_step(layer, x, dy, packed)  # eager capture-safe path
+        cu = (packed.cu_seqlens, packed.cu_seqlens_padded)
+        comp, _ = layer_step(layer, x, dy, run=lambda xc, cu=cu: compiled(xc, *cu))
         assert set(comp) == set(ref) == set(got)
         for name in ref:
             assert_close(got[name], ref[name], 1e-12, f"pack {i} eager capture-safe {name}")

@@ -269,54 +269,30 @@ def _bf16_errors(fn_ref, fn_fused, make_leaves, cot_gen):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True], ids=["site", "site_with_norm"])
 @pytest.mark.parametrize("head", [False, True], ids=["pre", "head"])
-def test_gpu_site_bf16_flash_geometry(head):
+def test_gpu_site_bf16_flash_geometry(head, norm):
+    """The fused site (with ``norm``: and the RMSNorm after it) in bf16 within twice the error of the same steps in
+    bf16 PyTorch, outputs and every gradient."""
     t, n, d = 4096, 4, 4096
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(2 if norm else 0)
     width = n if head else (2 + n) * n
     x = torch.randn(t, n, d, device="cuda", generator=g).bfloat16()
     params = [0.02 * torch.randn(width, n * d, device="cuda", generator=g),
               0.5 * torch.randn(width, device="cuda", generator=g),
               1 + 0.3 * torch.randn(1 if head else 3, device="cuda", generator=g)]
+    if norm:
+        params.append(1 + 0.3 * torch.randn(d, device="cuda", generator=g))
 
     def make_leaves(dtype):
         wide = torch.promote_types(dtype, torch.float32)
         return [x.to(dtype).requires_grad_()] + [p.to(wide).requires_grad_() for p in params]
 
     def run(backend):
-        if head:
-            return lambda *a: (hc_head(*a, hc_eps=EPS, norm_eps=EPS, backend=backend),)
-        return lambda *a: hc_pre(*a, sinkhorn_iters=20, hc_eps=EPS, norm_eps=EPS, backend=backend)
-
-    def cots(outs):
-        return [torch.randn(o.shape, device="cuda", dtype=torch.float64, generator=g) for o in outs]
-
-    errs = _bf16_errors(run("reference"), run("triton"), make_leaves, cots)
-    names = (["collapsed"] if head else ["post", "comb", "collapsed"]) + ["d_streams", "d_fn", "d_base", "d_scale"]
-    for name, e_ref, e_tri in zip(names, errs["torch"], errs["triton"]):
-        assert e_tri <= 2 * e_ref + 1e-6, f"{name}: triton {e_tri:.3e} vs bf16 torch {e_ref:.3e}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("head", [False, True], ids=["pre", "head"])
-def test_gpu_site_with_norm_bf16_flash_geometry(head):
-    """The fused site + RMSNorm in bf16 within twice the error of the same two steps in bf16 PyTorch."""
-    t, n, d = 4096, 4, 4096
-    g = torch.Generator(device="cuda").manual_seed(2)
-    width = n if head else (2 + n) * n
-    x = torch.randn(t, n, d, device="cuda", generator=g).bfloat16()
-    params = [0.02 * torch.randn(width, n * d, device="cuda", generator=g),
-              0.5 * torch.randn(width, device="cuda", generator=g),
-              1 + 0.3 * torch.randn(1 if head else 3, device="cuda", generator=g),
-              1 + 0.3 * torch.randn(d, device="cuda", generator=g)]
-
-    def make_leaves(dtype):
-        wide = torch.promote_types(dtype, torch.float32)
-        return [x.to(dtype).requires_grad_()] + [p.to(wide).requires_grad_() for p in params]
-
-    def run(backend):
-        def site(x_, fn, base, scale, w):
-            kw = dict(hc_eps=EPS, norm_eps=EPS, norm_weight=w, rms_eps=1e-6, backend=backend)
+        def site(x_, fn, base, scale, *w):
+            kw = dict(hc_eps=EPS, norm_eps=EPS, backend=backend)
+            if w:
+                kw.update(norm_weight=w[0], rms_eps=1e-6)
             if head:
                 return (hc_head(x_, fn, base, scale, **kw),)
             return hc_pre(x_, fn, base, scale, sinkhorn_iters=20, **kw)
@@ -326,8 +302,9 @@ def test_gpu_site_with_norm_bf16_flash_geometry(head):
         return [torch.randn(o.shape, device="cuda", dtype=torch.float64, generator=g) for o in outs]
 
     errs = _bf16_errors(run("reference"), run("triton"), make_leaves, cots)
-    names = (["normed"] if head else ["post", "comb", "normed"]) + ["d_streams", "d_fn", "d_base", "d_scale",
-                                                                    "d_norm_weight"]
+    last = "normed" if norm else "collapsed"
+    names = ([last] if head else ["post", "comb", last]) + ["d_streams", "d_fn", "d_base", "d_scale"]
+    names += ["d_norm_weight"] if norm else []
     for name, e_ref, e_tri in zip(names, errs["torch"], errs["triton"]):
         assert e_tri <= 2 * e_ref + 1e-6, f"{name}: triton {e_tri:.3e} vs bf16 torch {e_ref:.3e}"
 

@@ -55,7 +55,7 @@ def test_sparse_attention_backward_agrees_with_cudnn():
 
 def test_indexer_topk_agrees_with_cudnn():
     _dsa()
-    from benchmarks.providers.cudnn import cudnn_indexer_topk
+    from benchmarks.providers.cudnn import cudnn_indexer_topk, cudnn_segments
     from benchmarks.providers.indexer import _meta
     from csattn.ops.indexer import indexer_scores_ref, indexer_topk
 
@@ -66,7 +66,7 @@ def test_indexer_topk_agrees_with_cudnn():
     w = torch.randn(T, HI, device="cuda", generator=gen) * (CI * HI) ** -0.5
     k = torch.randn(meta.num_entries, CI, device="cuda", generator=gen).bfloat16()
     ours = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, topk, backend="triton")
-    peer = cudnn_indexer_topk(q, w, k, meta, packed, topk, 4)
+    peer = cudnn_indexer_topk(q, w, k, meta, cudnn_segments(packed, meta), topk, 4)
     same = (ours.sort(dim=1).values == peer.sort(dim=1).values).all(dim=1)
     # rows whose sets differ may differ only by ties: the scores of the ids one side picked and the other did not
     # are equal within fp32 rounding of the row's k-th score

@@ -316,27 +316,29 @@ class DeepseekV4ForCausalLM(nn.Module):
         n = self.config.hc_mult
         layers = list(self.model.layers)
         if not layers:
-            return self.model.hc_head(expand_streams(embeds, n), self.model.norm), expand_streams(embeds, n)
+            streams = expand_streams(embeds, n)
+            return self.model.hc_head(streams, self.model.norm), streams
         head_inside = self.config.recompute in ("block", "full") and not len(self.mtp)
         h = embeds
         for i, layer in enumerate(layers):
             head = self.model if head_inside and i == len(layers) - 1 else None
             step = partial(_block_step, layer, n if i == 0 else 0, head)
-            if self.config.offload_block_inputs and torch.is_grad_enabled():
-                h = _HostCheckpoint.apply(step, h, ids, packed, cp, real)
-            else:
-                h = self._run_block(step, h, ids, packed, cp, real)
+            h = self._run_block(step, h, ids, packed, cp, real, offload=True)
         if head_inside:
             return h, None
         return self.model.hc_head(h, self.model.norm), h
 
-    def _run_block(self, block: Callable[..., Tensor], *args: Any) -> Tensor:
-        """One decoder / MTP block, recomputed in the backward under ``recompute="block"`` or ``"full"``.
+    def _run_block(self, block: Callable[..., Tensor], *args: Any, offload: bool = False) -> Tensor:
+        """One decoder / MTP block, recomputed in the backward under ``recompute="block"`` or ``"full"``; with
+        ``offload`` (a block whose only differentiable input is its first argument) and ``offload_block_inputs``
+        that input waits in host memory (:class:`_HostCheckpoint`).
 
         Every rank of a CP group recomputes the same blocks in the same order, so the collectives inside the
         attention (halo exchange, entry gather) pair up again during the backward.
         """
         if self.config.recompute in ("block", "full") and torch.is_grad_enabled():
+            if offload and self.config.offload_block_inputs:
+                return _HostCheckpoint.apply(block, *args)
             return checkpoint(block, *args, use_reentrant=False)
         return block(*args)
 

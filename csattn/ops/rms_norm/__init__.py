@@ -31,9 +31,11 @@ def _use_triton(x: Tensor, backend: str) -> bool:
     if backend not in ("auto", "reference", "triton"):
         raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
     if backend == "auto":
-        from .triton import MAX_CHANNELS  # lazy: importing csattn must not need Triton
+        if not x.is_cuda:
+            return False
+        from .triton import MAX_CHANNELS  # lazy: importing csattn (and its CPU path) must not need Triton
 
-        return x.is_cuda and x.shape[-1] <= MAX_CHANNELS
+        return x.shape[-1] <= MAX_CHANNELS
     return backend == "triton"
 
 
