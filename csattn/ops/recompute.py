@@ -8,16 +8,21 @@ keeps until the backward: about 0.4 MiB per row at H = 64, d = 512. Here the for
 any of them, and the backward recomputes each block of rows and back-propagates through it, so only the
 small inputs stay alive (``qr`` for the query path; ``o``, which sparse attention keeps anyway, for the
 output path) and the temporaries never exceed one block of rows.
+
+Rebuilt saves (:func:`rebuilt_saves`): one tensor that several consumers would each keep for their backward is
+dropped from all their saved tensors and rebuilt once in the backward from what is kept anyway (the model's
+normed block inputs, from the streams).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor
 
-__all__ = ["row_chunked", "NoCtx"]
+__all__ = ["row_chunked", "rebuilt_saves", "NoCtx"]
 
 
 class _RowChunked(torch.autograd.Function):
@@ -96,3 +101,63 @@ class NoCtx:
 
     def save_for_backward(self, *tensors: Tensor) -> None:
         pass
+
+
+class _Rebuilt:
+    """What a dropped save keeps: its owner and its geometry in the owner's storage."""
+
+    __slots__ = ("owner", "size", "stride", "offset")
+
+    def __init__(self, owner: _RebuiltSaves, t: Tensor) -> None:
+        self.owner, self.size, self.stride, self.offset = owner, t.size(), t.stride(), t.storage_offset()
+
+
+class _RebuiltSaves:
+    def __init__(self, x: Tensor, again: Callable[[], Tensor]) -> None:
+        self.key = (x.untyped_storage().data_ptr(), x.dtype, x.device)
+        self.shape, self.again = x.shape, again
+        self.value: Tensor | None = None
+        self.pending = 0
+
+    def pack(self, t: Tensor) -> Tensor | _Rebuilt:
+        if (t.untyped_storage().data_ptr(), t.dtype, t.device) != self.key:
+            return t
+        self.pending += 1
+        return _Rebuilt(self, t)
+
+    def unpack(self, p: Tensor | _Rebuilt) -> Tensor:
+        if not isinstance(p, _Rebuilt):
+            return p
+        if self.value is None:
+            with torch.no_grad():
+                value = self.again()
+            if value.shape != self.shape or not value.is_contiguous() or value.storage_offset():
+                raise RuntimeError(f"rebuilt_saves: again() gave {tuple(value.shape)} (contiguous "
+                                   f"{value.is_contiguous()}), the dropped tensor was {tuple(self.shape)} contiguous")
+            self.value = value
+        out = self.value.as_strided(p.size, p.stride, p.offset)
+        self.pending -= 1
+        if self.pending <= 0:  # every consumer has its copy: the rebuilt tensor lives no longer than they need it
+            self.value = None
+        return out
+
+
+def rebuilt_saves(x: Tensor, again: Callable[[], Tensor] | None) -> AbstractContextManager:
+    """Saved-tensor hooks under which ``x`` is not kept for the backward by the ops run inside: every tensor saved
+    there that is ``x`` or a view of its storage is replaced by its geometry, and the backward rebuilds ``x`` once
+    with ``again()`` (no autograd) for all of them, then lets it go.
+
+    For a tensor that is cheap to redo from what the backward keeps anyway, consumed by several ops that would
+    each keep it: an mHC site's normed block input (from the streams the site keeps, read once more), the first
+    block's streams (from the embedding). ``again()`` must return ``x`` bit for bit (the same kernels on the same
+    inputs), contiguous; ``x`` must be contiguous and own its storage from offset 0. Only the innermost hooks
+    apply: ops inside that install their own (``torch.utils.checkpoint``) keep what they keep. Do not use inside a
+    non-reentrant checkpoint (its recomputation would see other saves than its forward did).
+
+    Returns a null context when ``again`` is None, autograd is off or ``x`` is not such a tensor.
+    """
+    if (again is None or not torch.is_grad_enabled() or x.numel() == 0 or not x.is_contiguous()
+            or x.storage_offset() or x.untyped_storage().nbytes() != x.numel() * x.element_size()):
+        return nullcontext()
+    hooks = _RebuiltSaves(x, again)
+    return torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)

@@ -2,9 +2,10 @@
 component, against the bounds its design states (csattn/ops/mhc/README.md, csattn/ops/moe/README.md):
 
 - each block's two combines: the two new stream sets ``2 * n * D`` elements (the next site's input);
-- each mHC site with its RMSNorm (one fused op): the normed block input ``D`` (the sub-block's input, kept by its
-  consumers), fp32 logits ``(2+n) n``, the site's and the norm's rstd, and its outputs ``post [n]`` / ``comb [n, n]``;
-  not the collapsed input of the norm (recomputed in the backward), no fp32 ``[n * D]`` copy;
+- each mHC site with its RMSNorm (one fused op): fp32 logits ``(2+n) n``, the site's and the norm's rstd, and its
+  outputs ``post [n]`` / ``comb [n, n]``; not the collapsed input of the norm (recomputed in its backward), not the
+  normed block input (rebuilt from the streams for its consumers' backward), no fp32 ``[n * D]`` copy;
+- the first block's streams: not kept (copied again from the embedding ``[D]``, which is kept instead);
 - the RMSNorm modules themselves: nothing (the sites apply them);
 - the MoE: the routed experts' gate/up products ``k * 2I``, the shared expert's ``2I``, per pick a routing weight
   and two int64 indices, and the router's ``[E]`` rows (a few fp32 tensors).
@@ -66,8 +67,8 @@ def test_model_keeps_what_its_design_states():
         cfg.n_routed_experts, 2  # bf16 streams and activations
     bounds = {  # bytes per token, per component of one layer
         "": 2 * n * D * b,  # the block's combines
-        "attn_hc": D * b + ((2 + n) * n + 2 + n + n * n) * 4,
-        "ffn_hc": D * b + ((2 + n) * n + 2 + n + n * n) * 4,
+        "attn_hc": ((2 + n) * n + 2 + n + n * n) * 4,
+        "ffn_hc": ((2 + n) * n + 2 + n + n * n) * 4,
         "input_layernorm": 0,
         "post_attention_layernorm": 0,
         "mlp": (k + 1) * 2 * I * b + k * (b + 16) + 8 * E * 4,
@@ -80,9 +81,11 @@ def test_model_keeps_what_its_design_states():
             name = f"model.layers.{i}" + (f".{part}" if part else "")
             assert kept.get(name, 0) <= bound * T + fixed, (name, kept.get(name, 0) / T, bound)
         attn = max(attn, kept.get(f"model.layers.{i}.self_attn", 0))
-    # the whole forward: the layers' stated parts, the widest attention layer, the embedding streams and the head
-    # (hyper-head site with the final norm: its normed output, logits and two scales) once
-    head = n * D * b + (D * b + (n + 2) * 4)
+    # the whole forward: the layers' stated parts, the widest attention layer, the embedding (not its n streams) and
+    # the head (hyper-head site with the final norm: its normed output, logits and two scales) once
+    assert kept.get("model.embed_tokens", 0) <= D * b * T + fixed
+    assert kept.get("", 0) <= fixed, "the expanded embedding streams are rebuilt, not kept"
+    head = D * b + (D * b + (n + 2) * 4)
     total = cfg.num_hidden_layers * ((per_layer * T + fixed * len(bounds)) + attn) + head * T + 3 * fixed
     assert sum(kept.values()) <= total, (sum(kept.values()) / T, total / T)
     assert sum(saved.values()) <= total, (sum(saved.values()) / T, total / T)

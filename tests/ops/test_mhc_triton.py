@@ -197,6 +197,33 @@ def test_site_with_norm_equals_unfused(head):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("dtype,norm", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+                         ids=["fp32_norm", "bf16_norm", "bf16"])
+def test_rebuild_gives_the_block_input_bit_for_bit(backend, dtype, norm, monkeypatch):
+    """``hc_pre(..., rebuild=True)``'s ``again(streams)`` is the third output again, the same bits (the model drops
+    that tensor from its consumers' saves and rebuilds it in the backward), over several collapse programs; it
+    runs without autograd and leaves the site's own backward as it was."""
+    monkeypatch.setitem(kernels.TILES, "collapse_rows", 4)
+    gen = torch.Generator().manual_seed(5)
+    x, fn, base, scale = _site_inputs(23, 4, 24, False, gen)
+    wide = torch.promote_types(dtype, torch.float32)
+    streams = x.to(DEVICE, dtype).requires_grad_()
+    params = [p.to(DEVICE, wide).requires_grad_() for p in (fn, base, scale)]
+    kw = dict(norm_weight=(1 + 0.5 * torch.randn(24, dtype=torch.float64, generator=gen)).to(DEVICE, wide),
+              rms_eps=1e-5) if norm else {}
+    post, comb, out, again = hc_pre(streams, *params, sinkhorn_iters=20, hc_eps=EPS, norm_eps=EPS, backend=backend,
+                                    rebuild=True, **kw)
+    plain = hc_pre(streams, *params, sinkhorn_iters=20, hc_eps=EPS, norm_eps=EPS, backend=backend, **kw)
+    with torch.enable_grad():
+        redo = again(streams.detach().clone())
+    assert torch.equal(redo, out) and not redo.requires_grad and redo.is_contiguous()
+    cot = [torch.randn(o.shape, dtype=torch.float64, generator=gen).to(DEVICE, o.dtype) for o in (post, comb, out)]
+    g1 = torch.autograd.grad((post, comb, out), [streams, *params], cot)
+    g2 = torch.autograd.grad(plain, [streams, *params], cot)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
 def test_norm_weight_shape_is_checked():
     gen = torch.Generator().manual_seed(0)
     x, fn, base, scale = _site_inputs(3, 4, 8, False, gen)

@@ -55,9 +55,11 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3))
         nn.init.normal_(self.fn, std=0.02)
 
-    def forward(self, streams: Tensor, norm: RMSNorm | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, streams: Tensor, norm: RMSNorm | None = None, rebuild: bool = False) -> tuple[Tensor, ...]:
+        """See the class; with ``rebuild`` also how to compute the block input again (:func:`mhc_ops.hc_pre`)."""
         return mhc_ops.hc_pre(streams, self.fn, self.base, self.scale, sinkhorn_iters=self.sinkhorn_iters,
-                              hc_eps=self.hc_eps, norm_eps=self.norm_eps, **_norm_args(norm), backend=self.backend)
+                              hc_eps=self.hc_eps, norm_eps=self.norm_eps, **_norm_args(norm), backend=self.backend,
+                              rebuild=rebuild)
 
     def combine(self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
         """:func:`hc_combine` on this site's backend: streams ``[T, n, D]``, block output ``[T, D]``,

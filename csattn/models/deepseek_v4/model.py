@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...layers import HybridAttention
 from ...layers.modules import RMSNorm
+from ...ops.recompute import rebuilt_saves
 from ...packing import PackedSeqs
 from .config import DeepseekV4ModelConfig
 from .mhc import HyperConnection, HyperHead, expand_streams
@@ -98,26 +99,43 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
                                       backend=c.attention_backend)
 
+    @property
+    def rebuilds_inputs(self) -> bool:
+        """Whether the sub-blocks' normed inputs are rebuilt in the backward rather than kept by their consumers
+        (every choice but block recompute, whose checkpoint redoes them anyway)."""
+        return self.recompute not in ("block", "full")
+
     def forward(self, streams: Tensor, input_ids: Tensor, packed: PackedSeqs, cp: Any = None,
-                real: Tensor | None = None) -> Tensor:
-        """``streams [T, n, D]`` (this rank's rows), ``input_ids [T]`` -> ``[T, n, D]``."""
-        post, comb, x = self._site(self.attn_hc, self.input_layernorm, streams)
-        y = self.self_attn(x, packed=packed, cp=cp)
+                real: Tensor | None = None, streams_again: Callable[[], Tensor] | None = None) -> Tensor:
+        """``streams [T, n, D]`` (this rank's rows), ``input_ids [T]`` -> ``[T, n, D]``.
+
+        The normed input of each sub-block (``[T, D]``, read by the attention's first projections, or the router,
+        the experts and the shared expert) is not kept by them: the backward rebuilds it from the streams, which
+        the site keeps anyway (:func:`~csattn.ops.recompute.rebuilt_saves`). ``streams_again``: how to get
+        ``streams`` again when the caller does not keep them either (the first block's, from the embedding).
+        """
+        post, comb, x, again = self._site(self.attn_hc, self.input_layernorm, streams)
+        with rebuilt_saves(x, _from(again, streams_again or partial(_identity, streams))):
+            y = self.self_attn(x, packed=packed, cp=cp)
         streams = self.attn_hc.combine(streams, y, post, comb)
-        post, comb, x = self._site(self.ffn_hc, self.post_attention_layernorm, streams)
-        if self.recompute in ("moe", "full") and torch.is_grad_enabled():
-            # the MoE holds no collective, so recomputing it never pairs with another rank's call
-            y = checkpoint(self.mlp, x, input_ids, real, use_reentrant=False)
-        else:
-            y = self.mlp(x, input_ids=input_ids, real=real)
+        post, comb, x, again = self._site(self.ffn_hc, self.post_attention_layernorm, streams)
+        with rebuilt_saves(x, _from(again, partial(_identity, streams))):
+            if self.recompute in ("moe", "full") and torch.is_grad_enabled():
+                # the MoE holds no collective, so recomputing it never pairs with another rank's call
+                y = checkpoint(self.mlp, x, input_ids, real, use_reentrant=False)
+            else:
+                y = self.mlp(x, input_ids=input_ids, real=real)
         return self.ffn_hc.combine(streams, y, post, comb)
 
-    def _site(self, hc: HyperConnection, norm: RMSNorm, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The mHC pre-mapping and the RMSNorm before a sub-block: ``post``, ``comb`` and the normed input;
-        under ``recompute="mhc"`` (or ``"full"``) only the streams are kept and both are redone in the backward."""
+    def _site(self, hc: HyperConnection, norm: RMSNorm, streams: Tensor
+              ) -> tuple[Tensor, Tensor, Tensor, Callable[[Tensor], Tensor] | None]:
+        """The mHC pre-mapping and the RMSNorm before a sub-block: ``post``, ``comb``, the normed input and how to
+        compute that input again from the streams (None under block recompute); under ``recompute="mhc"`` (or
+        ``"full"``) only the streams are kept and the site is redone in the backward."""
+        rebuild = self.rebuilds_inputs and torch.is_grad_enabled()
         if self.recompute in ("mhc", "full") and torch.is_grad_enabled():
-            return checkpoint(_pre_and_norm, hc, norm, streams, use_reentrant=False)
-        return _pre_and_norm(hc, norm, streams)
+            return checkpoint(_pre_and_norm, hc, norm, streams, rebuild, use_reentrant=False)
+        return _pre_and_norm(hc, norm, streams, rebuild)
 
 
 class MTPBlock(DecoderLayer):
@@ -435,14 +453,32 @@ class _HostCheckpoint(torch.autograd.Function):
 
 def _block_step(layer: DecoderLayer, expand: int, head: nn.Module | None, x: Tensor, *args: Any) -> Tensor:
     """One decoder block as the unit of block recompute: ``x`` is the streams ``[T, n, D]``, or the embedding
-    ``[T, D]`` copied into ``expand`` streams first; with ``head`` (the backbone) it returns the final normed
-    hidden ``[T, D]`` instead of the streams."""
-    out = layer(expand_streams(x, expand) if expand else x, *args)
+    ``[T, D]`` copied into ``expand`` streams first (which the backward then copies again rather than keep: the
+    embedding is ``n`` times smaller); with ``head`` (the backbone) it returns the final normed hidden ``[T, D]``
+    instead of the streams."""
+    if not expand:
+        out = layer(x, *args)
+    else:
+        streams = expand_streams(x, expand)
+        again = partial(expand_streams, x.detach(), expand) if layer.rebuilds_inputs else None
+        with rebuilt_saves(streams, again):
+            out = layer(streams, *args, streams_again=again)
     return head.hc_head(out, head.norm) if head is not None else out
 
 
-def _pre_and_norm(hc: nn.Module, norm: nn.Module, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return hc(streams, norm)  # the site applies the norm itself (its collapse is recomputed, not kept)
+def _pre_and_norm(hc: nn.Module, norm: nn.Module, streams: Tensor, rebuild: bool
+                  ) -> tuple[Tensor, Tensor, Tensor, Callable[[Tensor], Tensor] | None]:
+    # the site applies the norm itself (its collapse is recomputed, not kept)
+    return hc(streams, norm, rebuild=True) if rebuild else (*hc(streams, norm), None)
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+def _from(again: Callable[[Tensor], Tensor] | None, streams: Callable[[], Tensor]) -> Callable[[], Tensor] | None:
+    """A site's input rebuilt from its streams, the streams got by ``streams()``."""
+    return None if again is None else (lambda: again(streams()))
 
 
 def _ce_sum(logits: Tensor, labels: Tensor) -> Tensor:

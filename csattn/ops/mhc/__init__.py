@@ -8,6 +8,7 @@ elsewhere, as the attention layer resolves its backend).
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..rms_norm import rms_norm
@@ -30,7 +31,7 @@ def resolve_backend(backend: str, t: Tensor) -> str:
 
 def hc_pre(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn_iters: int, hc_eps: float,
            norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 1e-6,
-           backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+           backend: str = "auto", rebuild: bool = False) -> tuple[Tensor, ...]:
     """One mHC site: mixing weights from the RMS-normalized flattened streams, and the collapsed block input.
 
     ``mix = (X / rms(X)) @ fn^T``; ``pre = sigmoid(mix_pre * scale[0] + base_pre) + eps``;
@@ -44,16 +45,31 @@ def hc_pre(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn
             instead of ``collapsed`` (the RMSNorm that follows every site). The fused kernels then recompute the
             collapse in the backward instead of keeping it: ``D`` stream-dtype elements a token less per site.
 
+        rebuild: also return ``again``: ``again(streams)`` computes the third output again, bit for bit and
+            without autograd, from these streams (given again: the site keeps them, or the caller can redo them)
+            and the logits the site keeps (one more read of the streams): for a caller that drops that tensor
+            from its consumers' saves (:func:`csattn.ops.recompute.rebuilt_saves`).
+
     Returns:
         ``post [T, n]``, ``comb [T, n, n]`` (fp32; fp64 for fp64 streams) and ``collapsed [T, D]`` (stream dtype;
-        normed with ``norm_weight``).
+        normed with ``norm_weight``); then ``again`` with ``rebuild``.
     """
     if resolve_backend(backend, streams) == "triton":
         from .triton import hc_pre_triton  # lazy: importing csattn must not need Triton
 
-        return hc_pre_triton(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, rms_eps)
-    post, comb, collapsed = hc_pre_ref(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
-    return post, comb, collapsed if norm_weight is None else rms_norm(collapsed, norm_weight, rms_eps)
+        return hc_pre_triton(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, rms_eps,
+                             rebuild)
+
+    def site(streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        post, comb, collapsed = hc_pre_ref(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+        return post, comb, collapsed if norm_weight is None else rms_norm(collapsed, norm_weight, rms_eps)
+
+    def again(streams: Tensor) -> Tensor:
+        with torch.no_grad():
+            return site(streams)[2]
+
+    out = site(streams)
+    return (*out, again) if rebuild else out
 
 
 def hc_head(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, hc_eps: float, norm_eps: float,

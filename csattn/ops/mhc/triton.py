@@ -517,6 +517,15 @@ def _collapse_again(streams: Tensor, mix: Tensor, base: Tensor, scale: Tensor, h
     return out
 
 
+def _input_again(streams: Tensor, mix: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_w: Tensor | None,
+                 rms_eps: float) -> Tensor:
+    """A site's third output again, bit for bit: the collapse from the logits, then the same RMSNorm."""
+    cdt = mix.dtype
+    streams = streams.detach().contiguous()
+    out = _collapse_again(streams, mix, base.to(cdt).contiguous(), scale.to(cdt).contiguous(), hc_eps)
+    return out if norm_w is None else rms_norm_forward(out, norm_w, rms_eps)[0]
+
+
 class _HcPre(torch.autograd.Function):
     """One site (or the head): the logits, weights and collapse; with ``norm_w`` also the RMSNorm of the
     collapse, whose input is then recomputed in the backward instead of kept (the site keeps the streams, the
@@ -533,7 +542,10 @@ class _HcPre(torch.autograd.Function):
             saved += [norm_w, norm_rstd]
         ctx.save_for_backward(*saved)
         ctx.cfg = (iters, hc_eps, head, norm_w is not None)
-        return out if head else (post, comb, out)
+        if head:
+            return out
+        ctx.mark_non_differentiable(mix)
+        return post, comb, out, mix  # the logits for a caller that rebuilds ``out`` (:func:`_input_again`)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -543,7 +555,7 @@ class _HcPre(torch.autograd.Function):
         if head:
             (dout,), dpost, dcomb = grads, None, None
         else:
-            dpost, dcomb, dout = grads
+            dpost, dcomb, dout, _ = grads
             dpost, dcomb = dpost.to(cdt).contiguous(), dcomb.to(cdt).contiguous()
         fn_c, base_c, scale_c = fn.to(cdt).contiguous(), base.to(cdt).contiguous(), scale.to(cdt).contiguous()
         dnorm_w = None
@@ -600,21 +612,29 @@ def _check_norm_weight(streams: Tensor, norm_weight: Tensor | None) -> None:
 
 
 def hc_pre_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, sinkhorn_iters: int, hc_eps: float,
-                  norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 0.0
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+                  norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 0.0, rebuild: bool = False
+                  ) -> tuple[Tensor, ...]:
     """Fused :func:`~csattn.ops.mhc.naive.hc_pre_ref`: ``streams [T, n, D]``, ``fn [(2+n)*n, n*D]``,
     ``base [(2+n)*n]``, ``scale [3]`` -> ``post [T, n]``, ``comb [T, n, n]`` (fp32; fp64 for fp64 streams),
     ``collapsed [T, D]`` (stream dtype). Saves the streams, ``[T, (2+n)*n]`` logits and ``[T]`` rstd.
 
     With ``norm_weight [D]`` the third output is ``rms_norm(collapsed, norm_weight, rms_eps)`` instead, and the
-    collapse is recomputed in the backward rather than kept (one more ``[T]`` scale saved)."""
+    collapse is recomputed in the backward rather than kept (one more ``[T]`` scale saved). With ``rebuild`` a
+    fourth output: ``again(streams)``, the third computed again from the streams and the logits (see
+    :func:`csattn.ops.mhc.hc_pre`)."""
     n = streams.shape[-2] if streams.dim() == 3 else 0
     _check_streams(streams, fn, (2 + n) * n)
     if base.shape != (fn.shape[0],) or scale.shape != (3,):
         raise ValueError(f"base must be [{fn.shape[0]}] and scale [3], got {tuple(base.shape)}, {tuple(scale.shape)}")
     _check_norm_weight(streams, norm_weight)
-    return _HcPre.apply(streams.contiguous(), fn, base, scale, int(sinkhorn_iters), float(hc_eps), float(norm_eps),
-                        False, norm_weight, float(rms_eps))
+    streams = streams.contiguous()
+    post, comb, out, mix = _HcPre.apply(streams, fn, base, scale, int(sinkhorn_iters), float(hc_eps),
+                                        float(norm_eps), False, norm_weight, float(rms_eps))
+    if not rebuild:
+        return post, comb, out
+    again = functools.partial(_input_again, mix=mix, base=base.detach(), scale=scale.detach(), hc_eps=float(hc_eps),
+                              norm_w=None if norm_weight is None else norm_weight.detach(), rms_eps=float(rms_eps))
+    return post, comb, out, again
 
 
 def hc_head_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_eps: float,
