@@ -49,7 +49,7 @@ __all__ = ["hc_pre_triton", "hc_head_triton", "hc_combine_triton", "TILES"]
 # n row tiles of fwd_d channels at once, and the fp32 FMA dot (streams not bf16) takes the narrower fwd_k_fma.
 TILES = dict(fwd_rows=64, fwd_rows_small=32, fwd_k=64, fwd_k_fma=32, fwd_d=32, fwd_warps=8,
              coef_rows=16, coef_d=256, coef_warps=4,
-             bwd_rows=32, bwd_k=64, bwd_groups=8, bwd_warps=4,
+             bwd_rows=16, bwd_k=128, bwd_groups=8, bwd_warps=4,
              comb_rows=4, comb_d=256, comb_warps=4, collapse_rows=16, collapse_d=256, collapse_warps=4,
              fwd_split=1, bwd_split=0)
 # *_split=1: bf16 streams meet the fp32 weights on the tensor cores, the fp32 operand in three bf16 parts
@@ -57,7 +57,8 @@ TILES = dict(fwd_rows=64, fwd_rows_small=32, fwd_k=64, fwd_k_fma=32, fwd_d=32, f
 # the forward sums only one k tile (3 * fwd_k products) there and adds the tiles' partial sums in IEEE fp32:
 # the logits then stay as close to fp32 as the FMA dot's. Forward of one site at 16k tokens (H200): 0.81 ms
 # against 2.80 for the FMA dot. The backward's split products (accumulated over rows on the tensor cores) are
-# slower there (3.24 vs 2.69 ms) and off by default; bwd_warps=4 (1.82 ms against 2.69 at 8 warps).
+# slower there (3.24 vs 2.69 ms) and off by default; 16 rows x 128 channels at 4 warps: 1.65 ms against 2.69 for
+# 32 x 64 at 8 warps.
 SCRATCH_ROWS = 16384  # rows per backward kernel-1 launch: bounds its Sinkhorn scratch (S * n^2 floats per row)
 
 
