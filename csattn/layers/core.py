@@ -208,15 +208,17 @@ class _AttentionCore(torch.autograd.Function):
             with torch.enable_grad():
                 o_b = o.requires_grad_()
                 u = _unrope_groups(o_b, c, s, geo.groups, geo.fused_elementwise)  # [R, G, i]
-            u_d = u.detach()
             w_g = w_oa.detach().view(geo.groups, -1, w_oa.shape[-1])  # [G, o_lora, i]
-            z = torch.einsum("tgi,goi->tgo", u_d, w_g).flatten(1)
+            u_g = u.detach().transpose(0, 1)  # [G, R, i], a view: the GEMMs take the strides as they are
+            z = torch.bmm(u_g, w_g.transpose(1, 2)).transpose(0, 1).flatten(1)  # [R, G o_lora]
             _add_product(dw[2], dy_b.t(), z)
             del z
-            dz = (dy_b @ w_ob).unflatten(1, (geo.groups, -1))  # [R, G, o_lora]
-            _add_product(dw[1].view_as(w_g), dz.permute(1, 2, 0), u_d.transpose(0, 1))
-            (do,) = torch.autograd.grad(u, o_b, torch.einsum("tgo,goi->tgi", dz, w_g))
-            del u, u_d, o_b, dz
+            dz = (dy_b @ w_ob).unflatten(1, (geo.groups, -1)).transpose(0, 1)  # [G, R, o_lora]
+            _add_product(dw[1].view_as(w_g), dz.transpose(1, 2), u_g)
+            du = torch.empty_like(u)  # [R, G, i], written group by group through its [G, R, i] view
+            torch.bmm(dz, w_g, out=du.transpose(0, 1))
+            (do,) = torch.autograd.grad(u, o_b, du)
+            del u, u_g, o_b, dz, du
             dq, dsink = _attn_backward(q_d, keys, ids, sinks, o.detach(), lse, do, dkeys, geo)
             del do, o
             (dqp,) = torch.autograd.grad(q, qp, dq)
