@@ -210,7 +210,7 @@ class _AttentionCore(torch.autograd.Function):
                 u = _unrope_groups(o_b, c, s, geo.groups, geo.fused_elementwise)  # [R, G, i]
             w_g = w_oa.detach().view(geo.groups, -1, w_oa.shape[-1])  # [G, o_lora, i]
             u_g = u.detach().transpose(0, 1)  # [G, R, i], a view: the GEMMs take the strides as they are
-            z = torch.bmm(u_g, w_g.transpose(1, 2)).transpose(0, 1).flatten(1)  # [R, G o_lora]
+            z = grouped_linear(u_g.transpose(0, 1), w_oa, geo.groups)  # [R, G o_lora] (no autograd here)
             _add_product(dw[2], dy_b.t(), z)
             del z
             dz = (dy_b @ w_ob).unflatten(1, (geo.groups, -1)).transpose(0, 1)  # [G, R, o_lora]

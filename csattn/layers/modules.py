@@ -82,8 +82,14 @@ class GroupedLinear(nn.Module):
 def grouped_linear(x: Tensor, weight: Tensor, groups: int) -> Tensor:
     """Block-diagonal projection of ``x [T, g, in]`` by ``weight [g * out, in]`` -> ``[T, g * out]``."""
     w = weight.view(groups, -1, weight.shape[-1])  # [g, out, in]
-    # one batched GEMM over the groups on x's own strides (an einsum would first copy x group-major)
-    return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).flatten(1)
+    # one batched GEMM over the groups on x's own strides (an einsum would first copy x group-major); without
+    # autograd it writes the token-major output in place (no copy of the group-major product either)
+    xt, wt = x.transpose(0, 1), w.transpose(1, 2)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return torch.bmm(xt, wt).transpose(0, 1).flatten(1)
+    out = x.new_empty(x.shape[0], groups, w.shape[1])
+    torch.bmm(xt, wt, out=out.transpose(0, 1))
+    return out.flatten(1)
 
 
 def _linear(dim_in: int, dim_out: int) -> nn.Linear:
@@ -175,6 +181,12 @@ class Indexer(Compressor):
 
 def indexer_queries(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int) -> Tensor:
     """The lightning indexer's queries: ``qr [T, q_lora]`` -> ``[T, HI, cI]`` (``q_b_proj`` with ``weight
-    [HI cI, q_lora]``, then RoPE at each row's position)."""
+    [HI cI, q_lora]``, then RoPE at each row's position: one Triton pass on CUDA, as the query heads' RoPE)."""
     q = torch.nn.functional.linear(qr, weight).unflatten(-1, (heads, -1))
-    return apply_rope(q, cos, sin) if cos.numel() else q
+    if not cos.numel():
+        return q
+    if q.is_cuda:
+        from ..ops.rope.triton import rope_heads_triton  # lazy: importing csattn must not need Triton
+
+        return rope_heads_triton(q, cos, sin)
+    return apply_rope(q, cos, sin)

@@ -488,7 +488,27 @@ def _ce_sum(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 def _head_ce_sum(hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
+    if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype:
+        return _ce_sum(_WideLogits.apply(hidden, weight), labels)
     return _ce_sum(F.linear(hidden, weight), labels)
+
+
+class _WideLogits(torch.autograd.Function):
+    """``hidden [R, D] @ weight [V, D]^T`` as fp32 logits straight from the GEMM's fp32 accumulators: no
+    ``[R, V]`` logits rounded to bf16 and then copied to fp32 for the softmax (CUDA)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(hidden, weight)
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        hidden, weight = ctx.saved_tensors
+        g = grad.to(hidden.dtype)
+        dh = g @ weight if ctx.needs_input_grad[0] else None
+        dw = g.t() @ hidden if ctx.needs_input_grad[1] else None
+        return dh, dw
 
 
 def _shift_labels(labels: Tensor, depth: int) -> Tensor:
