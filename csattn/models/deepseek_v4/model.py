@@ -365,11 +365,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         if logits is not None:
             return _ce_sum(logits, labels)
         total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+        # every chunk runs, labelled or not (a chunk without labels adds 0): asking which have labels would make
+        # the host wait for the device in the middle of the step
         for start in range(0, hidden.shape[0], self.loss_chunk_rows):
             rows = slice(start, start + self.loss_chunk_rows)
-            if bool((labels[rows] != IGNORE_INDEX).any()):
-                total = total + checkpoint(_head_ce_sum, hidden[rows], self.lm_head.weight, labels[rows],
-                                           use_reentrant=False)
+            total = total + checkpoint(_head_ce_sum, hidden[rows], self.lm_head.weight, labels[rows],
+                                       use_reentrant=False)
         return total
 
     def _check_ids(self, input_ids: Tensor) -> Tensor:
@@ -377,9 +378,11 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError("input_ids must be an int32/int64 tensor [T]")
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be packed [T], got shape {tuple(input_ids.shape)}")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"input_ids must be in [0, vocab_size={self.config.vocab_size}), got values in "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        if input_ids.numel():
+            lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # one host read
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"input_ids must be in [0, vocab_size={self.config.vocab_size}), got values in "
+                                 f"[{lo}, {hi}]")
         return input_ids.long()
 
     def _check_labels(self, labels: Tensor, t: int, name: str, rows: int | None = None) -> Tensor:
