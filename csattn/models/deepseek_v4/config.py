@@ -21,8 +21,10 @@ _TRAINING_FIELDS = ("indexer_loss_coeff", "mtp_loss_coeff", "mtp_layer_types", "
                     "sparse_attn_kernel", "indexer_kernel", "indexer_loss_kernel", "offload_block_inputs")
 # What the backward recomputes instead of keeping (``DeepseekV4ModelConfig.recompute``):
 #   none  - each fused op keeps only what its own backward needs (the mHC and MoE kernels recompute their
-#           elementwise parts by design);
-#   mhc   - also the mHC pre-mapping + RMSNorm before each sub-block (keeps the streams, not the block input);
+#           elementwise parts by design); the sub-blocks' normed inputs and the first block's streams are rebuilt
+#           in the backward from what it keeps anyway (the streams, the embedding), not kept by their consumers;
+#   mhc   - also the whole mHC pre-mapping + RMSNorm before each sub-block (keeps the streams only, not the
+#           site's logits, post and comb);
 #   moe   - also the whole MoE (router, experts, shared expert): only its input is kept;
 #   block - each decoder / MTP block from its input streams (about one extra forward); the first block starts from
 #           the embedding ``[D]`` (not its ``n`` copies) and, without MTP blocks, the last one ends with the
