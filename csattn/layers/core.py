@@ -8,10 +8,11 @@ Here nothing of that size is kept:
 * forward, per block of rows: ``q = heads(qr)``, ``(o, lse) = attn(q, keys, ids)``, ``y = out(o)``; only the
   small inputs are saved (``qr [T, q_lora]``, the keys, the weights). An optional hook sees each block's
   ``q`` and ``lse`` (the indexer loss takes its teacher from them);
-* backward, per block: recompute ``q`` (with autograd, for ``q_b_proj``), recompute ``(o, lse)`` with the
-  attention forward, back-propagate the output projection to get ``do`` (recomputing only ``o_b_proj``'s
-  input, not the block's output), run the attention backward (key gradients summed over blocks in one fp32
-  buffer), then back-propagate ``q``'s projection.
+* backward, per block: recompute ``q`` (autograd only for the per-head norm and RoPE), recompute ``(o, lse)``
+  with the attention forward, back-propagate the output projection to get ``do`` (recomputing only
+  ``o_b_proj``'s input, not the block's output), run the attention backward (key gradients summed over blocks
+  in one fp32 buffer), then back-propagate ``q``'s projection. The three projections are differentiated by
+  hand: each weight gradient is added into its fp32 sum by the GEMM that computes it.
 
 The price is one more attention forward per step (about 1/4.5 of the attention's forward + backward) on top
 of the projections, which were already recomputed. The block index lists are made per block (``BlockIds``:
