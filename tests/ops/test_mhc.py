@@ -51,8 +51,8 @@ def _saved_bytes_per_row(backend: str, t: int, n: int, d: int) -> tuple[float, l
     y = torch.randn(t, d, device=DEVICE).bfloat16().requires_grad_()
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
-        post, comb, _ = hc(x)
-        hc.combine(x, y, post, comb)
+        site = hc(x)
+        hc.combine(site.streams, y, site.post, site.comb)
     params = {p.untyped_storage().data_ptr() for p in hc.parameters()}
     storages = {}
     for s in saved:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from csattn.ops.mhc import hc_combine, hc_combine_ref, hc_head, hc_head_ref, hc_pre, hc_pre_ref
+from csattn.ops.mhc import hc_combine, hc_combine_ref, hc_head, hc_head_ref, hc_pre, hc_pre_ref, hc_site
 from csattn.ops.rms_norm import rms_norm
 from tests.helpers import rel_err
 
@@ -202,7 +202,7 @@ def test_site_with_norm_equals_unfused(head):
 @pytest.mark.parametrize("dtype,norm", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
                          ids=["fp32_norm", "bf16_norm", "bf16"])
 def test_rebuild_gives_the_block_input_bit_for_bit(backend, dtype, norm, monkeypatch):
-    """``hc_pre(..., rebuild=True)``'s ``again(streams)`` is the third output again, the same bits (the model drops
+    """``hc_site``'s ``again(streams)`` is the block input again, the same bits (the model drops
     that tensor from its consumers' saves and rebuilds it in the backward), over several collapse programs; it
     runs without autograd and leaves the site's own backward as it was."""
     monkeypatch.setitem(kernels.TILES, "collapse_rows", 4)
@@ -213,8 +213,8 @@ def test_rebuild_gives_the_block_input_bit_for_bit(backend, dtype, norm, monkeyp
     params = [p.to(DEVICE, wide).requires_grad_() for p in (fn, base, scale)]
     kw = dict(norm_weight=(1 + 0.5 * torch.randn(24, dtype=torch.float64, generator=gen)).to(DEVICE, wide),
               rms_eps=1e-5) if norm else {}
-    post, comb, out, again = hc_pre(streams, *params, sinkhorn_iters=20, hc_eps=EPS, norm_eps=EPS, backend=backend,
-                                    rebuild=True, **kw)
+    post, comb, out, _, again = hc_site(streams, *params, sinkhorn_iters=20, hc_eps=EPS, norm_eps=EPS,
+                                        backend=backend, **kw)
     plain = hc_pre(streams, *params, sinkhorn_iters=20, hc_eps=EPS, norm_eps=EPS, backend=backend, **kw)
     with torch.enable_grad():
         redo = again(streams.detach().clone())
@@ -223,6 +223,32 @@ def test_rebuild_gives_the_block_input_bit_for_bit(backend, dtype, norm, monkeyp
     g1 = torch.autograd.grad((post, comb, out), [streams, *params], cot)
     g2 = torch.autograd.grad(plain, [streams, *params], cot)
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("t", [13, 1], ids=["T13", "T1"])
+def test_site_streams_take_the_combine_gradient(backend, t):
+    """A site and its combine on ``Site.streams`` (the fused path: the combine's stream gradient is added inside the
+    site's backward) give every gradient of the site and combine on the plain streams (autograd sums the two), and
+    the same outputs; fp64."""
+    gen = torch.Generator().manual_seed(t)
+    x, fn, base, scale = _site_inputs(t, 4, 24, False, gen)
+    y = torch.randn(t, 24, dtype=torch.float64, generator=gen)
+    norm_w = 1 + 0.5 * torch.randn(24, dtype=torch.float64, generator=gen)
+    cot = torch.randn(t, 4, 24, dtype=torch.float64, generator=gen)
+    cot_x = torch.randn(t, 24, dtype=torch.float64, generator=gen)
+    results = []
+    for fused in (True, False):
+        leaves = [v.to(DEVICE).requires_grad_() for v in (x, fn, base, scale, y, norm_w)]
+        site = hc_site(*leaves[:4], sinkhorn_iters=20, hc_eps=EPS, norm_eps=EPS, norm_weight=leaves[5], rms_eps=1e-5,
+                       backend=backend)
+        out = hc_combine(site.streams if fused else leaves[0], leaves[4], site.post, site.comb, backend=backend)
+        if fused and backend == "triton":  # the combine's stream gradient goes to the site's node, not the leaf
+            assert type(out.grad_fn.next_functions[0][0]).__name__ == "_HcPreBackward"
+        loss = (out * cot.to(DEVICE)).sum() + (site.x * cot_x.to(DEVICE)).sum()
+        results.append([out.detach().cpu(), *(g.cpu() for g in torch.autograd.grad(loss, leaves))])
+    for name, a, b in zip(["out", "streams", "fn", "base", "scale", "y", "norm_weight"], *results):
+        assert rel_err(a, b) < 1e-14, f"{name}: {rel_err(a, b):.2e}"
 
 
 def test_norm_weight_shape_is_checked():

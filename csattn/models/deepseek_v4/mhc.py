@@ -38,10 +38,10 @@ def hc_combine(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, b
 class HyperConnection(nn.Module):
     """One mHC site (before the attention or the MoE of a block).
 
-    ``forward(streams [T, n, D], norm)`` returns ``post [T, n]``, ``comb [T, n, n]`` (fp32) and the collapsed
-    block input ``[T, D]`` (stream dtype), normed by ``norm`` (the block's RMSNorm) when given: the fused kernels
-    then recompute the collapse in the backward instead of keeping it. ``combine`` writes a block output back
-    into the streams.
+    ``forward(streams [T, n, D], norm)`` returns a :class:`~csattn.ops.mhc.Site`: ``post [T, n]``, ``comb
+    [T, n, n]`` (fp32), the collapsed block input ``[T, D]`` (stream dtype), normed by ``norm`` (the block's
+    RMSNorm) when given (the fused kernels then recompute the collapse in the backward instead of keeping it),
+    the streams for ``combine`` and ``again``. ``combine`` writes a block output back into the streams.
     """
 
     def __init__(self, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
@@ -55,11 +55,11 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3))
         nn.init.normal_(self.fn, std=0.02)
 
-    def forward(self, streams: Tensor, norm: RMSNorm | None = None, rebuild: bool = False) -> tuple[Tensor, ...]:
-        """See the class; with ``rebuild`` also how to compute the block input again (:func:`mhc_ops.hc_pre`)."""
-        return mhc_ops.hc_pre(streams, self.fn, self.base, self.scale, sinkhorn_iters=self.sinkhorn_iters,
-                              hc_eps=self.hc_eps, norm_eps=self.norm_eps, **_norm_args(norm), backend=self.backend,
-                              rebuild=rebuild)
+    def forward(self, streams: Tensor, norm: RMSNorm | None = None) -> mhc_ops.Site:
+        """:func:`mhc_ops.hc_site`: ``post``, ``comb``, the block input, the streams to hand to :meth:`combine`
+        and how to compute the block input again."""
+        return mhc_ops.hc_site(streams, self.fn, self.base, self.scale, sinkhorn_iters=self.sinkhorn_iters,
+                               hc_eps=self.hc_eps, norm_eps=self.norm_eps, **_norm_args(norm), backend=self.backend)
 
     def combine(self, streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
         """:func:`hc_combine` on this site's backend: streams ``[T, n, D]``, block output ``[T, D]``,

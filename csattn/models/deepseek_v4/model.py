@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...layers import HybridAttention
 from ...layers.modules import RMSNorm
+from ...ops.mhc import Site
 from ...ops.recompute import rebuilt_saves
 from ...packing import PackedSeqs
 from .config import DeepseekV4ModelConfig
@@ -114,28 +115,29 @@ class DecoderLayer(nn.Module):
         the site keeps anyway (:func:`~csattn.ops.recompute.rebuilt_saves`). ``streams_again``: how to get
         ``streams`` again when the caller does not keep them either (the first block's, from the embedding).
         """
-        post, comb, x, again = self._site(self.attn_hc, self.input_layernorm, streams)
-        with rebuilt_saves(x, _from(again, streams_again or partial(_identity, streams))):
-            y = self.self_attn(x, packed=packed, cp=cp)
-        streams = self.attn_hc.combine(streams, y, post, comb)
-        post, comb, x, again = self._site(self.ffn_hc, self.post_attention_layernorm, streams)
-        with rebuilt_saves(x, _from(again, partial(_identity, streams))):
+        site = self._site(self.attn_hc, self.input_layernorm, streams)
+        with rebuilt_saves(site.x, _from(site.again, streams_again or partial(_identity, streams))):
+            y = self.self_attn(site.x, packed=packed, cp=cp)
+        streams = self.attn_hc.combine(site.streams, y, site.post, site.comb)
+        site = self._site(self.ffn_hc, self.post_attention_layernorm, streams)
+        with rebuilt_saves(site.x, _from(site.again, partial(_identity, streams))):
             if self.recompute in ("moe", "full") and torch.is_grad_enabled():
                 # the MoE holds no collective, so recomputing it never pairs with another rank's call
-                y = checkpoint(self.mlp, x, input_ids, real, use_reentrant=False)
+                y = checkpoint(self.mlp, site.x, input_ids, real, use_reentrant=False)
             else:
-                y = self.mlp(x, input_ids=input_ids, real=real)
-        return self.ffn_hc.combine(streams, y, post, comb)
+                y = self.mlp(site.x, input_ids=input_ids, real=real)
+        return self.ffn_hc.combine(site.streams, y, site.post, site.comb)
 
-    def _site(self, hc: HyperConnection, norm: RMSNorm, streams: Tensor
-              ) -> tuple[Tensor, Tensor, Tensor, Callable[[Tensor], Tensor] | None]:
-        """The mHC pre-mapping and the RMSNorm before a sub-block: ``post``, ``comb``, the normed input and how to
-        compute that input again from the streams (None under block recompute); under ``recompute="mhc"`` (or
-        ``"full"``) only the streams are kept and the site is redone in the backward."""
-        rebuild = self.rebuilds_inputs and torch.is_grad_enabled()
+    def _site(self, hc: HyperConnection, norm: RMSNorm, streams: Tensor) -> Site:
+        """The mHC pre-mapping and the RMSNorm before a sub-block (:func:`~csattn.ops.mhc.hc_site`): ``post``,
+        ``comb``, the normed input, the streams for the combine and how to compute the input again from the streams
+        (None under block recompute); under ``recompute="mhc"`` (or ``"full"``) only the streams are kept and the
+        site is redone in the backward."""
         if self.recompute in ("mhc", "full") and torch.is_grad_enabled():
-            return checkpoint(_pre_and_norm, hc, norm, streams, rebuild, use_reentrant=False)
-        return _pre_and_norm(hc, norm, streams, rebuild)
+            site = checkpoint(_pre_and_norm, hc, norm, streams, use_reentrant=False)
+        else:
+            site = _pre_and_norm(hc, norm, streams)
+        return site if self.rebuilds_inputs and torch.is_grad_enabled() else site._replace(again=None)
 
 
 class MTPBlock(DecoderLayer):
@@ -469,10 +471,8 @@ def _block_step(layer: DecoderLayer, expand: int, head: nn.Module | None, x: Ten
     return head.hc_head(out, head.norm) if head is not None else out
 
 
-def _pre_and_norm(hc: nn.Module, norm: nn.Module, streams: Tensor, rebuild: bool
-                  ) -> tuple[Tensor, Tensor, Tensor, Callable[[Tensor], Tensor] | None]:
-    # the site applies the norm itself (its collapse is recomputed, not kept)
-    return hc(streams, norm, rebuild=True) if rebuild else (*hc(streams, norm), None)
+def _pre_and_norm(hc: nn.Module, norm: nn.Module, streams: Tensor) -> Site:
+    return hc(streams, norm)  # the site applies the norm itself (its collapse is recomputed, not kept)
 
 
 def _identity(t: Tensor) -> Tensor:

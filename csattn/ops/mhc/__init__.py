@@ -8,13 +8,16 @@ elsewhere, as the attention layer resolves its backend).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from ..rms_norm import rms_norm
 from .naive import hc_combine_ref, hc_head_ref, hc_pre_ref, sinkhorn_ref
 
-__all__ = ["hc_pre", "hc_head", "hc_combine", "resolve_backend", "hc_pre_ref", "hc_head_ref", "hc_combine_ref",
+__all__ = ["Site", "hc_site", "hc_pre", "hc_head", "hc_combine", "resolve_backend", "hc_pre_ref", "hc_head_ref", "hc_combine_ref",
            "sinkhorn_ref"]
 
 BACKENDS = ("auto", "reference", "triton")
@@ -29,9 +32,19 @@ def resolve_backend(backend: str, t: Tensor) -> str:
     return backend
 
 
+class Site(NamedTuple):
+    """One mHC site as a block uses it (:func:`hc_site`)."""
+
+    post: Tensor  # [T, n]
+    comb: Tensor  # [T, n, n]
+    x: Tensor  # [T, D] the block input (normed with norm_weight)
+    streams: Tensor  # [T, n, D] the streams for this site's combine (see hc_site)
+    again: Callable[[Tensor], Tensor]  # again(streams) -> x, bit for bit, without autograd
+
+
 def hc_pre(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn_iters: int, hc_eps: float,
            norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 1e-6,
-           backend: str = "auto", rebuild: bool = False) -> tuple[Tensor, ...]:
+           backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """One mHC site: mixing weights from the RMS-normalized flattened streams, and the collapsed block input.
 
     ``mix = (X / rms(X)) @ fn^T``; ``pre = sigmoid(mix_pre * scale[0] + base_pre) + eps``;
@@ -41,24 +54,37 @@ def hc_pre(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn
     Args:
         streams: ``[T, n, D]`` (bf16 / fp32 / fp64). fn: ``[(2+n)*n, n*D]``. base: ``[(2+n)*n]``.
         scale: ``[3]``. sinkhorn_iters: Sinkhorn rounds (>= 1). hc_eps: weight epsilon. norm_eps: RMS epsilon.
-        norm_weight: optional ``[D]``: return the block input ``rms_norm(collapsed, norm_weight, rms_eps)``
-            instead of ``collapsed`` (the RMSNorm that follows every site). The fused kernels then recompute the
-            collapse in the backward instead of keeping it: ``D`` stream-dtype elements a token less per site.
-
-        rebuild: also return ``again``: ``again(streams)`` computes the third output again, bit for bit and
-            without autograd, from these streams (given again: the site keeps them, or the caller can redo them)
-            and the logits the site keeps (one more read of the streams): for a caller that drops that tensor
-            from its consumers' saves (:func:`csattn.ops.recompute.rebuilt_saves`).
+        norm_weight: optional ``[D]``: return the block input ``rms_norm(collapsed, norm_weight, rms_eps)`` instead
+            of ``collapsed`` (the RMSNorm that follows every site). The fused kernels then recompute the collapse in
+            the backward instead of keeping it: ``D`` stream-dtype elements a token less per site.
 
     Returns:
         ``post [T, n]``, ``comb [T, n, n]`` (fp32; fp64 for fp64 streams) and ``collapsed [T, D]`` (stream dtype;
-        normed with ``norm_weight``); then ``again`` with ``rebuild``.
+        normed with ``norm_weight``).
+    """
+    site = hc_site(streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                   norm_weight=norm_weight, rms_eps=rms_eps, backend=backend)
+    return site.post, site.comb, site.x
+
+
+def hc_site(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn_iters: int, hc_eps: float,
+            norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 1e-6, backend: str = "auto") -> Site:
+    """:func:`hc_pre` with what a block does around it (same arguments):
+
+    - ``Site.streams``: the streams to hand to this site's :func:`hc_combine`. On the fused path an alias of
+      ``streams`` whose gradient (the combine's) the site's backward adds into its own stream gradient in the
+      pass that writes it, instead of autograd summing the two ``[T, n, D]`` gradients in another kernel; on the
+      reference path ``streams`` itself.
+    - ``Site.again(streams)``: the block input again, bit for bit and without autograd, from these streams (given
+      again: the site keeps them, or the caller can redo them) and the logits the site keeps (one more read of the
+      streams): for a caller that drops the block input from its consumers' saves
+      (:func:`csattn.ops.recompute.rebuilt_saves`).
     """
     if resolve_backend(backend, streams) == "triton":
-        from .triton import hc_pre_triton  # lazy: importing csattn must not need Triton
+        from .triton import hc_site_triton  # lazy: importing csattn must not need Triton
 
-        return hc_pre_triton(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, rms_eps,
-                             rebuild)
+        return Site(*hc_site_triton(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight,
+                                    rms_eps))
 
     def site(streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         post, comb, collapsed = hc_pre_ref(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
@@ -68,8 +94,7 @@ def hc_pre(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn
         with torch.no_grad():
             return site(streams)[2]
 
-    out = site(streams)
-    return (*out, again) if rebuild else out
+    return Site(*site(streams), streams, again)
 
 
 def hc_head(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, hc_eps: float, norm_eps: float,

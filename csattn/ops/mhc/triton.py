@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ..rms_norm import rms_norm_backward, rms_norm_forward
 
-__all__ = ["hc_pre_triton", "hc_head_triton", "hc_combine_triton", "TILES"]
+__all__ = ["hc_site_triton", "hc_pre_triton", "hc_head_triton", "hc_combine_triton", "TILES"]
 
 # Tile sizes (rows, flat channels ``n*D``, channels ``D``), warps and options; the benchmark's variants override
 # these. Chosen so that no kernel spills registers on sm_90 (ptxas -v) at n = 4: the forward's collapse loads
@@ -315,10 +315,10 @@ def hc_pre_bwd_coef_kernel(x, dout, dpost, dcomb, mix, rstd, base, scale, g, e, 
 
 
 @triton.jit
-def hc_pre_bwd_stream_kernel(x, dout, fn, g, e, pre, dx, dfn_part, T, G,
+def hc_pre_bwd_stream_kernel(x, dout, fn, g, e, pre, dxin, dx, dfn_part, T, G,
                              N: tl.constexpr, D: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
                              MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                             INTERP: tl.constexpr):
+                             HAS_DXIN: tl.constexpr, INTERP: tl.constexpr):
     cdt: tl.constexpr = g.dtype.element_ty
     grp = tl.program_id(1)
     ks = tl.program_id(0) * BK + tl.arange(0, BK)
@@ -351,8 +351,10 @@ def hc_pre_bwd_stream_kernel(x, dout, fn, g, e, pre, dx, dfn_part, T, G,
         pj = tl.load(pre + rows[:, None] * N + stream[None, :], mask=m2, other=0.0)
         go = tl.load(dout + rows[:, None] * D + ch[None, :], mask=m2, other=0.0).to(cdt)
         et = tl.load(e + rows, mask=rmask, other=0.0)
-        tl.store(dx + rows[:, None] * K + ks[None, :], (dot - et[:, None] * xc + pj * go).to(dx.dtype.element_ty),
-                 mask=m2)
+        val = dot - et[:, None] * xc + pj * go
+        if HAS_DXIN:  # the streams' other gradient (the site's combine), added before the one rounding
+            val += tl.load(dxin + rows[:, None] * K + ks[None, :], mask=m2, other=0.0).to(cdt)
+        tl.store(dx + rows[:, None] * K + ks[None, :], val.to(dx.dtype.element_ty), mask=m2)
     tl.store(dfn_part + grp.to(tl.int64) * (M * K) + cols[:, None] * K + ks[None, :], acc,
              mask=cm[:, None] & km[None, :])
 
@@ -467,7 +469,9 @@ def _pre_forward(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters
     return post, comb, out, mix, rstd
 
 
-def _pre_backward(streams, fn, base, scale, mix, rstd, dout, dpost, dcomb, iters: int, hc_eps: float, head: bool):
+def _pre_backward(streams, fn, base, scale, mix, rstd, dout, dpost, dcomb, iters: int, hc_eps: float, head: bool,
+                  dx_in: Tensor | None = None):
+    """The site's gradients; ``dx_in`` (the streams' gradient from another consumer) is added into ``dx``."""
     t, n, d = streams.shape
     cdt = fn.dtype
     geo = _geometry(streams, fn.shape[0])
@@ -497,8 +501,9 @@ def _pre_backward(streams, fn, base, scale, mix, rstd, dout, dpost, dcomb, iters
     dfn_part = _empty((groups, geo["M"], geo["K"]), cdt, dev)  # every program writes its tile, rows or not
     # launched even for T = 0: its programs write the (zero) fn-gradient partials
     hc_pre_bwd_stream_kernel[(triton.cdiv(geo["K"], bk), groups)](
-        streams, dout, fn, g, e, pre, dx, dfn_part, t, groups, N=n, D=d, K=geo["K"], M=geo["M"], MP=geo["MP"],
-        BT=bt2, BK=bk, SPLIT=_split(streams, "bwd_split"), INTERP=_interp(streams), num_warps=TILES["bwd_warps"])
+        streams, dout, fn, g, e, pre, streams if dx_in is None else dx_in, dx, dfn_part, t, groups, N=n, D=d,
+        K=geo["K"], M=geo["M"], MP=geo["MP"], BT=bt2, BK=bk, SPLIT=_split(streams, "bwd_split"),
+        HAS_DXIN=dx_in is not None, INTERP=_interp(streams), num_warps=TILES["bwd_warps"])
     dfn = dfn_part.sum(0)
     dbase = part_base.sum(0)[:geo["M"]]
     by_col = part_scale.sum(0)
@@ -550,18 +555,23 @@ class _HcPre(torch.autograd.Function):
         if head:
             return out
         ctx.mark_non_differentiable(mix)
-        return post, comb, out, mix  # the logits for a caller that rebuilds ``out`` (:func:`_input_again`)
+        # the logits for a caller that rebuilds ``out`` (:func:`_input_again`), and the streams again (autograd
+        # makes it a view): a combine that reads this alias sends its stream gradient here, into the one pass
+        # that writes the site's own (no separate sum of the two)
+        return post, comb, out, mix, streams
 
     @staticmethod
     def backward(ctx, *grads):
         streams, fn, base, scale, mix, rstd, *norm = ctx.saved_tensors
         iters, hc_eps, head, fused_norm = ctx.cfg
         cdt = mix.dtype
+        dx_in = None
         if head:
             (dout,), dpost, dcomb = grads, None, None
         else:
-            dpost, dcomb, dout, _ = grads
+            dpost, dcomb, dout, _, dx_in = grads
             dpost, dcomb = dpost.to(cdt).contiguous(), dcomb.to(cdt).contiguous()
+            dx_in = None if dx_in is None else dx_in.contiguous()
         fn_c, base_c, scale_c = fn.to(cdt).contiguous(), base.to(cdt).contiguous(), scale.to(cdt).contiguous()
         dnorm_w = None
         if fused_norm:
@@ -570,7 +580,7 @@ class _HcPre(torch.autograd.Function):
             dout, dnorm_w = rms_norm_backward(collapsed, norm_w, norm_rstd, dout, True, ctx.needs_input_grad[8])
             del collapsed
         dx, dfn, dbase, dscale = _pre_backward(streams, fn_c, base_c, scale_c, mix, rstd, dout.contiguous(), dpost,
-                                               dcomb, iters, hc_eps, head)
+                                               dcomb, iters, hc_eps, head, dx_in)
         return (dx, dfn.to(fn.dtype), dbase.to(base.dtype), dscale.to(scale.dtype), None, None, None, None, dnorm_w,
                 None)
 
@@ -616,30 +626,33 @@ def _check_norm_weight(streams: Tensor, norm_weight: Tensor | None) -> None:
                          f"{tuple(norm_weight.shape)}")
 
 
-def hc_pre_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, sinkhorn_iters: int, hc_eps: float,
-                  norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 0.0, rebuild: bool = False
-                  ) -> tuple[Tensor, ...]:
+def hc_site_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, sinkhorn_iters: int, hc_eps: float,
+                   norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 0.0) -> tuple:
     """Fused :func:`~csattn.ops.mhc.naive.hc_pre_ref`: ``streams [T, n, D]``, ``fn [(2+n)*n, n*D]``,
     ``base [(2+n)*n]``, ``scale [3]`` -> ``post [T, n]``, ``comb [T, n, n]`` (fp32; fp64 for fp64 streams),
-    ``collapsed [T, D]`` (stream dtype). Saves the streams, ``[T, (2+n)*n]`` logits and ``[T]`` rstd.
+    ``collapsed [T, D]`` (stream dtype), the streams for the site's combine (an alias whose gradient this site's
+    backward adds into its own) and ``again(streams)`` (the third output computed again from the streams and the
+    logits; see :func:`csattn.ops.mhc.hc_site`). Saves the streams, ``[T, (2+n)*n]`` logits and ``[T]`` rstd.
 
     With ``norm_weight [D]`` the third output is ``rms_norm(collapsed, norm_weight, rms_eps)`` instead, and the
-    collapse is recomputed in the backward rather than kept (one more ``[T]`` scale saved). With ``rebuild`` a
-    fourth output: ``again(streams)``, the third computed again from the streams and the logits (see
-    :func:`csattn.ops.mhc.hc_pre`)."""
+    collapse is recomputed in the backward rather than kept (one more ``[T]`` scale saved)."""
     n = streams.shape[-2] if streams.dim() == 3 else 0
     _check_streams(streams, fn, (2 + n) * n)
     if base.shape != (fn.shape[0],) or scale.shape != (3,):
         raise ValueError(f"base must be [{fn.shape[0]}] and scale [3], got {tuple(base.shape)}, {tuple(scale.shape)}")
     _check_norm_weight(streams, norm_weight)
-    streams = streams.contiguous()
-    post, comb, out, mix = _HcPre.apply(streams, fn, base, scale, int(sinkhorn_iters), float(hc_eps),
-                                        float(norm_eps), False, norm_weight, float(rms_eps))
-    if not rebuild:
-        return post, comb, out
+    post, comb, out, mix, alias = _HcPre.apply(streams.contiguous(), fn, base, scale, int(sinkhorn_iters),
+                                               float(hc_eps), float(norm_eps), False, norm_weight, float(rms_eps))
     again = functools.partial(_input_again, mix=mix, base=base.detach(), scale=scale.detach(), hc_eps=float(hc_eps),
                               norm_w=None if norm_weight is None else norm_weight.detach(), rms_eps=float(rms_eps))
-    return post, comb, out, again
+    return post, comb, out, alias, again
+
+
+def hc_pre_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, sinkhorn_iters: int, hc_eps: float,
+                  norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 0.0
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """The first three outputs of :func:`hc_site_triton`."""
+    return hc_site_triton(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, rms_eps)[:3]
 
 
 def hc_head_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_eps: float,
