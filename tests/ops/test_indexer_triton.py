@@ -19,6 +19,29 @@ def _poisoned_kernel_outputs(monkeypatch):
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+try:
+    import triton
+    import triton.language as tl
+
+    from csattn.ops.indexer.triton import _bisect_regs, _radix_regs
+except ImportError:  # pragma: no cover - the kernel tests need Triton
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _both_searches(keys, n, out, RB: tl.constexpr):
+        """Program ``p`` runs both threshold searches for ``kk = p + 1`` on one int32 row."""
+        kk = tl.program_id(0) + 1
+        rel = tl.arange(0, RB)
+        key = tl.load(keys + rel, mask=rel < n, other=-(2**31))
+        t1, a1 = _bisect_regs(key, kk)
+        t2, a2 = _radix_regs(key, kk)
+        base = out + tl.program_id(0) * 4
+        tl.store(base, t1)
+        tl.store(base + 1, a1)
+        tl.store(base + 2, t2)
+        tl.store(base + 3, a2)
+
 
 def _pack(lengths, padded):
     packed = PackedSeqs.from_lengths(lengths, padded_lengths=padded)
@@ -58,6 +81,51 @@ def test_topk_equals_reference_exact(lengths, padded, topk, workspace, streamed,
                        config=config)
     assert got.dtype == torch.int64 and got.shape == expected.shape
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    "lengths,padded,topk,workspace",
+    [
+        pytest.param([37, 58, 5, 23], [40, 60, 8, 24], 6, 1 << 30, id="ragged_padded_ties"),
+        pytest.param([64, 3], [64, 3], 32, 1 << 30, id="topk_gt_visible"),
+        pytest.param([50, 29], [52, 29], 5, 1, id="tiny_workspace_chunks"),
+    ],
+)
+def test_topk_radix_select_equals_reference_exact(lengths, padded, topk, workspace):
+    """``IndexerConfig(radix=1)``: the threshold by radix-histogram passes selects exactly the reference's ids
+    in its order (integer inputs: exact scores, many ties)."""
+    from csattn.ops.indexer import IndexerConfig
+
+    gen = torch.Generator().manual_seed(sum(lengths) + topk)
+    packed, meta = _pack(lengths, padded)
+    q, w, k = _int_inputs(packed.num_rows, meta.num_entries, 3, 16, gen)
+    expected = indexer_topk_ref(q, w, k, meta.vis_start, meta.vis_end, topk)
+    got = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, topk, workspace_bytes=workspace, backend="triton",
+                       config=IndexerConfig(radix=1))
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("case", ["random", "extremes", "ties"])
+def test_radix_threshold_equals_bisection(case):
+    """The radix search and the bisection return the same ``(threshold, count above)`` on int32 rows across
+    the whole range (negative keys, INT32_MIN / INT32_MAX, long runs of equal keys, padding), for every kk."""
+    both = _both_searches
+    gen = torch.Generator().manual_seed(3)
+    n = 45
+    if case == "random":
+        keys = torch.randint(-(2**31), 2**31 - 1, (n,), generator=gen, dtype=torch.int64)
+    elif case == "extremes":
+        keys = torch.tensor([-(2**31), 2**31 - 1, 0, -1, 1, -(2**31) + 1, 2**31 - 2] * 6 + [5, 5, 5],
+                            dtype=torch.int64)
+    else:
+        keys = torch.randint(-3, 3, (n,), generator=gen, dtype=torch.int64) * (2**21 + 7)
+    keys = keys.to(torch.int32).to(DEVICE)
+    out = torch.full((n, 4), 7, dtype=torch.int32, device=DEVICE)
+    both[(n,)](keys, n, out, RB=64)
+    out = out.cpu()
+    assert torch.equal(out[:, :2], out[:, 2:]), out
+    ordered = torch.sort(keys.cpu(), descending=True).values
+    assert torch.equal(out[:, 0], ordered[:n])  # the kk-th largest
 
 
 def test_topk_sort_kernel_equals_reference_exact():
@@ -171,7 +239,7 @@ def test_topk_gpu_bf16_real_geometry():
     assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton", config=streamed),
                        got)
     # So do the other search and sort settings the benchmark compares, in the same order.
-    for spec in ("seg=512", "seg=2048", "seg=2048,select_warps=8"):
+    for spec in ("seg=512", "seg=2048", "seg=2048,select_warps=8", "radix=1"):
         config = IndexerConfig.parse(spec)
         assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton", config=config),
                            got), spec
@@ -192,4 +260,7 @@ def test_topk_gpu_rows_of_32k_keys_exact():
     assert torch.equal(got, expected)
     streamed = IndexerConfig(register_row=16384)
     assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton", config=streamed),
+                       expected)
+    radix = IndexerConfig(radix=1)
+    assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton", config=radix),
                        expected)

@@ -103,6 +103,44 @@ def _bisect_regs(key, kk):
 
 
 @triton.jit
+def _radix_digit(hist, need, NB: tl.constexpr):
+    """One radix pass: in ``hist`` (counts of a digit among the keys still in play), the digit ``b`` of the
+    need-th largest key and how many keys in play have a larger digit."""
+    bins = tl.arange(0, NB)
+    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys in play with digit >= j
+    b = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1  # non-increasing in j: the last j that holds need
+    return b, tl.sum(tl.where(bins > b, hist, 0), axis=0)
+
+
+@triton.jit
+def _radix_pass(u, prefix, need, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """Histogram of bits ``[SHIFT, SHIFT + BITS)`` of the keys whose higher bits are ``prefix`` (the others are
+    counted out of bin 0), then :func:`_radix_digit`."""
+    play = (u >> (SHIFT + BITS)) == prefix
+    digit = tl.where(play, (u >> SHIFT) & ((1 << BITS) - 1), 0).to(tl.int32)
+    out = tl.sum((~play).to(tl.int32), axis=0)
+    hist = tl.histogram(digit, 1 << BITS)
+    hist = hist - tl.where(tl.arange(0, 1 << BITS) == 0, out, 0)
+    b, above = _radix_digit(hist, need, 1 << BITS)
+    return (prefix << BITS) | b.to(tl.int64), need - above
+
+
+@triton.jit
+def _radix_regs(key, kk):
+    """:func:`_bisect_regs` by a radix select: three histogram passes over the in-register row (11, 11 and 10
+    bits, most significant first, of the key with its sign bit flipped, so that unsigned order is the keys'
+    order) instead of up to 32 block-wide counts. Padding keys (INT32_MIN) sort last and never reach the
+    kk-th place of a row with at least kk real keys."""
+    u = key.to(tl.int64) + 2**31
+    prefix = tl.zeros((), dtype=tl.int64)
+    need = kk.to(tl.int32)
+    prefix, need = _radix_pass(u, prefix, need, 21, 11)
+    prefix, need = _radix_pass(u, prefix, need, 10, 11)
+    prefix, need = _radix_pass(u, prefix, need, 0, 10)
+    return (prefix - 2**31).to(tl.int32), kk - need
+
+
+@triton.jit
 def _bisect_stream(base, start, end, kk, BK: tl.constexpr):
     """``_bisect_regs`` for a row too long for registers: every step streams the row in ``BK`` tiles."""
     lo = tl.full((), -(2**31), tl.int64)
@@ -156,7 +194,7 @@ def _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, SEG: tl.conste
 def indexer_topk_select_kernel(
     scores, vis_start, vis_end, out,
     row_lo, key_lo, stride_s, topk,
-    BK: tl.constexpr, RB: tl.constexpr, IN_REGS: tl.constexpr, SEG: tl.constexpr,
+    BK: tl.constexpr, RB: tl.constexpr, IN_REGS: tl.constexpr, SEG: tl.constexpr, RADIX: tl.constexpr = False,
 ):
     """Row ``row_lo + program`` of ``out`` (filled with -1 beforehand) gets the packed sort keys of its taken
     entries in slots ``[0, min(visible, topk))``; ``indexer_topk_sort_kernel`` orders and unpacks them."""
@@ -178,7 +216,10 @@ def indexer_topk_select_kernel(
                 # Keys past the row read as INT32_MIN: every threshold tried is above it, so counts need no mask.
                 rel = tl.arange(0, RB)
                 key = tl.load(base + start + rel, mask=rel < n, other=-(2**31))
-                thr, above = _bisect_regs(key, kk)
+                if RADIX:
+                    thr, above = _radix_regs(key, kk)
+                else:
+                    thr, above = _bisect_regs(key, kk)
             else:
                 thr, above = _bisect_stream(base, start, end, kk, BK)
             need_eq = kk - above
@@ -351,7 +392,7 @@ def select_topk(scores: Tensor, vis_start: Tensor, vis_end: Tensor, out: Tensor,
     in_regs = rb <= cfg.register_row
     indexer_topk_select_kernel[(scores.shape[0],)](
         scores, vis_start, vis_end, out, row_lo, key_lo, scores.stride(0), topk,
-        BK=1024, RB=rb if in_regs else 16, IN_REGS=in_regs, SEG=cfg.seg,
+        BK=1024, RB=rb if in_regs else 16, IN_REGS=in_regs, SEG=cfg.seg, RADIX=bool(cfg.radix),
         num_warps=max(cfg.select_warps, rb // 4096) if in_regs else 16,
     )
 
