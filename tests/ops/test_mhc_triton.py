@@ -251,6 +251,29 @@ def test_site_streams_take_the_combine_gradient(backend, t):
         assert rel_err(a, b) < 1e-14, f"{name}: {rel_err(a, b):.2e}"
 
 
+def test_rebuilt_input_hands_its_collapse_to_the_site_backward(monkeypatch):
+    """A site whose block input was rebuilt (``again``) before its backward takes that rebuild's collapse instead
+    of computing it a second time, and its gradients stay the same bits; without a rebuild it computes it."""
+    gen = torch.Generator().manual_seed(9)
+    x, fn, base, scale = _site_inputs(11, 4, 24, False, gen)
+    norm_w = (1 + 0.5 * torch.randn(24, dtype=torch.float64, generator=gen)).to(DEVICE)
+    cot = [torch.randn(s, dtype=torch.float64, generator=gen).to(DEVICE) for s in ((11, 4), (11, 4, 4), (11, 24))]
+    calls = []
+    real = kernels._collapse_again
+    monkeypatch.setattr(kernels, "_collapse_again", lambda *a: calls.append(1) or real(*a))
+    grads = []
+    for rebuild in (False, True):
+        leaves = [v.to(DEVICE).requires_grad_() for v in (x, fn, base, scale)]
+        site = hc_site(*leaves, sinkhorn_iters=20, hc_eps=EPS, norm_eps=EPS, norm_weight=norm_w, rms_eps=1e-5,
+                       backend="triton")
+        if rebuild:
+            assert torch.equal(site.again(leaves[0]), site.x)
+        calls.clear()
+        grads.append(torch.autograd.grad((site.post, site.comb, site.x), leaves, cot))
+        assert len(calls) == (0 if rebuild else 1)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_norm_weight_shape_is_checked():
     gen = torch.Generator().manual_seed(0)
     x, fn, base, scale = _site_inputs(3, 4, 8, False, gen)

@@ -527,13 +527,28 @@ def _collapse_again(streams: Tensor, mix: Tensor, base: Tensor, scale: Tensor, h
     return out
 
 
+class _Collapse:
+    """The collapse a site's rebuilt input was normed from, handed to that site's backward (whose RMSNorm backward
+    needs exactly it) so that it is computed once in the backward, not twice."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: Tensor | None = None
+
+
 def _input_again(streams: Tensor, mix: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_w: Tensor | None,
-                 rms_eps: float) -> Tensor:
-    """A site's third output again, bit for bit: the collapse from the logits, then the same RMSNorm."""
+                 rms_eps: float, shared: _Collapse | None = None) -> Tensor:
+    """A site's third output again, bit for bit: the collapse from the logits, then the same RMSNorm; the collapse
+    waits in ``shared`` for the site's backward (``streams`` are the site's, or a bit-identical copy)."""
     cdt = mix.dtype
     streams = streams.detach().contiguous()
     out = _collapse_again(streams, mix, base.to(cdt).contiguous(), scale.to(cdt).contiguous(), hc_eps)
-    return out if norm_w is None else rms_norm_forward(out, norm_w, rms_eps)[0]
+    if norm_w is None:
+        return out
+    if shared is not None:
+        shared.value = out
+    return rms_norm_forward(out, norm_w, rms_eps)[0]
 
 
 class _HcPre(torch.autograd.Function):
@@ -542,7 +557,7 @@ class _HcPre(torch.autograd.Function):
     logits and two scales per row)."""
 
     @staticmethod
-    def forward(ctx, streams, fn, base, scale, iters, hc_eps, norm_eps, head, norm_w=None, rms_eps=0.0):
+    def forward(ctx, streams, fn, base, scale, iters, hc_eps, norm_eps, head, norm_w=None, rms_eps=0.0, shared=None):
         cdt = torch.promote_types(streams.dtype, torch.float32)
         fn_c, base_c, scale_c = fn.to(cdt).contiguous(), base.to(cdt).contiguous(), scale.to(cdt).contiguous()
         post, comb, out, mix, rstd = _pre_forward(streams, fn_c, base_c, scale_c, iters, hc_eps, norm_eps, head)
@@ -552,6 +567,7 @@ class _HcPre(torch.autograd.Function):
             saved += [norm_w, norm_rstd]
         ctx.save_for_backward(*saved)
         ctx.cfg = (iters, hc_eps, head, norm_w is not None)
+        ctx.shared = shared
         if head:
             return out
         ctx.mark_non_differentiable(mix)
@@ -576,13 +592,17 @@ class _HcPre(torch.autograd.Function):
         dnorm_w = None
         if fused_norm:
             norm_w, norm_rstd = norm
-            collapsed = _collapse_again(streams, mix, base_c, scale_c, hc_eps)
+            shared, ctx.shared = ctx.shared, None
+            collapsed = shared.value if shared is not None and shared.value is not None else \
+                _collapse_again(streams, mix, base_c, scale_c, hc_eps)
+            if shared is not None:
+                shared.value = None
             dout, dnorm_w = rms_norm_backward(collapsed, norm_w, norm_rstd, dout, True, ctx.needs_input_grad[8])
             del collapsed
         dx, dfn, dbase, dscale = _pre_backward(streams, fn_c, base_c, scale_c, mix, rstd, dout.contiguous(), dpost,
                                                dcomb, iters, hc_eps, head, dx_in)
         return (dx, dfn.to(fn.dtype), dbase.to(base.dtype), dscale.to(scale.dtype), None, None, None, None, dnorm_w,
-                None)
+                None, None)
 
 
 class _HcCombine(torch.autograd.Function):
@@ -641,10 +661,13 @@ def hc_site_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, sin
     if base.shape != (fn.shape[0],) or scale.shape != (3,):
         raise ValueError(f"base must be [{fn.shape[0]}] and scale [3], got {tuple(base.shape)}, {tuple(scale.shape)}")
     _check_norm_weight(streams, norm_weight)
+    shared = _Collapse()
     post, comb, out, mix, alias = _HcPre.apply(streams.contiguous(), fn, base, scale, int(sinkhorn_iters),
-                                               float(hc_eps), float(norm_eps), False, norm_weight, float(rms_eps))
+                                               float(hc_eps), float(norm_eps), False, norm_weight, float(rms_eps),
+                                               shared)
     again = functools.partial(_input_again, mix=mix, base=base.detach(), scale=scale.detach(), hc_eps=float(hc_eps),
-                              norm_w=None if norm_weight is None else norm_weight.detach(), rms_eps=float(rms_eps))
+                              norm_w=None if norm_weight is None else norm_weight.detach(), rms_eps=float(rms_eps),
+                              shared=shared)
     return post, comb, out, alias, again
 
 
@@ -666,7 +689,7 @@ def hc_head_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_
         raise ValueError(f"base must be [{n}] and scale [1], got {tuple(base.shape)}, {tuple(scale.shape)}")
     _check_norm_weight(streams, norm_weight)
     return _HcPre.apply(streams.contiguous(), fn, base, scale, 1, float(hc_eps), float(norm_eps), True, norm_weight,
-                        float(rms_eps))
+                        float(rms_eps), None)
 
 
 def hc_combine_triton(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
