@@ -301,7 +301,8 @@ class HybridAttention(nn.Module):
         out = attention_core(qr, cos, sin, keys, self.sinks, *weights, ids_fn, geo, on_block)
         if teacher is not None:
             # the backward recomputes the indexer queries block by block instead of keeping q_idx [T, HI, cI]
-            queries = self.compressor.indexer.student_queries(qr.detach(), cos, sin, self.indexer_query_rows())
+            queries = self.compressor.indexer.student_queries(qr.detach(), cos, sin, self.indexer_query_rows(),
+                                                              fused=backend == "triton")
             kl = indexer_kl_from_teacher(queries, loss.w, loss.k_idx, teacher, row_weight, compressed_ids,
                                          workspace_bytes=cfg.workspace_bytes, backend=backend,
                                          config=cfg.indexer_loss_kernel)
@@ -358,7 +359,8 @@ class HybridAttention(nn.Module):
         """
         cfg, entries = self.config, plan.entries
         indexer: Indexer = self.compressor.indexer
-        q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=self.indexer_query_rows())
+        q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=self.indexer_query_rows(),
+                                fused=self.backend_for(qr) == "triton")
         w = indexer.scorer(x.detach())
         selected = plan.ops.indexer_topk(q_idx, w, index_keys, entries.vis_start, entries.vis_end,
                                          self.effective_topk(entries.max_visible), entries.max_visible,

@@ -191,6 +191,8 @@ class _AttentionCore(torch.autograd.Function):
         dsinks = torch.zeros(sinks.shape, dtype=acc, device=sinks.device)
         dw = [torch.zeros(w.shape, dtype=acc, device=w.device) for w in (w_q, w_oa, w_ob)]
         total = qr.shape[0]
+        w_q, w_oa, w_ob = w_q.detach(), w_oa.detach(), w_ob.detach()
+        w_g = w_oa.view(geo.groups, -1, w_oa.shape[-1])  # [G, o_lora, i]
         for lo in range(0, total, geo.block_rows):
             hi = min(lo + geo.block_rows, total)
             ids = ids_fn(lo, hi)
@@ -199,7 +201,7 @@ class _AttentionCore(torch.autograd.Function):
             # into its fp32 sum in one GEMM per block (no bf16 block gradient rounded, copied and added), and
             # o_b_proj's input is all its backward needs, so the block's output is not recomputed.
             qr_b = qr[lo:hi].detach()
-            qp = F.linear(qr_b, w_q.detach())
+            qp = F.linear(qr_b, w_q)
             with torch.enable_grad():
                 qp.requires_grad_()
                 q = _norm_rope_heads(qp, c, s, geo.heads, geo.eps, geo.fused_elementwise)
@@ -209,9 +211,8 @@ class _AttentionCore(torch.autograd.Function):
             with torch.enable_grad():
                 o_b = o.requires_grad_()
                 u = _unrope_groups(o_b, c, s, geo.groups, geo.fused_elementwise)  # [R, G, i]
-            w_g = w_oa.detach().view(geo.groups, -1, w_oa.shape[-1])  # [G, o_lora, i]
+            z = grouped_linear(u.detach(), w_oa, geo.groups)  # [R, G o_lora] (no autograd here)
             u_g = u.detach().transpose(0, 1)  # [G, R, i], a view: the GEMMs take the strides as they are
-            z = grouped_linear(u_g.transpose(0, 1), w_oa, geo.groups)  # [R, G o_lora] (no autograd here)
             _add_product(dw[2], dy_b.t(), z)
             del z
             dz = (dy_b @ w_ob).unflatten(1, (geo.groups, -1)).transpose(0, 1)  # [G, R, o_lora]

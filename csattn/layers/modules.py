@@ -157,35 +157,37 @@ class Indexer(Compressor):
         self.q_b_proj = _linear(q_lora_rank, n_heads * head_dim)
         self.scorer = IndexerScorer(hidden_size, n_heads, head_dim)
 
-    def queries(self, qr: Tensor, cos: Tensor, sin: Tensor, chunk_rows: int | None = None) -> Tensor:
-        """``qr [T, q_lora]`` -> ``[T, HI, cI]`` with RoPE at each row's position.
+    def queries(self, qr: Tensor, cos: Tensor, sin: Tensor, chunk_rows: int | None = None,
+                fused: bool = False) -> Tensor:
+        """``qr [T, q_lora]`` -> ``[T, HI, cI]`` with RoPE at each row's position (one Triton pass with ``fused``).
 
         With ``chunk_rows`` the rows are computed ``chunk_rows`` at a time into the output and recomputed that
         way in the backward (``row_chunked``): the projection's output and the fp32 RoPE temporaries, about
         4.5x the size of the queries when made for all rows at once (9 GiB at 128k tokens for HI = 64,
         cI = 128), never exceed one chunk.
         """
-        fn = self._query_fn()
+        fn = self._query_fn(fused)
         if chunk_rows is None or qr.shape[0] <= chunk_rows or torch.compiler.is_compiling():
             return fn(qr, cos, sin, self.q_b_proj.weight)
         return row_chunked(fn, (qr, cos, sin), (self.q_b_proj.weight,), chunk_rows)
 
-    def student_queries(self, qr: Tensor, cos: Tensor, sin: Tensor, chunk_rows: int) -> StudentQueries:
+    def student_queries(self, qr: Tensor, cos: Tensor, sin: Tensor, chunk_rows: int,
+                        fused: bool = False) -> StudentQueries:
         """The same queries as a recipe for the sparse indexer loss, which recomputes them ``chunk_rows`` at a
         time in its backward instead of keeping them."""
-        return StudentQueries(self._query_fn(), qr, cos, sin, self.q_b_proj.weight, chunk_rows)
+        return StudentQueries(self._query_fn(fused), qr, cos, sin, self.q_b_proj.weight, chunk_rows)
 
-    def _query_fn(self) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-        return partial(indexer_queries, heads=self.n_heads)
+    def _query_fn(self, fused: bool) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+        return partial(indexer_queries, heads=self.n_heads, fused=fused)
 
 
-def indexer_queries(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int) -> Tensor:
+def indexer_queries(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, fused: bool = False) -> Tensor:
     """The lightning indexer's queries: ``qr [T, q_lora]`` -> ``[T, HI, cI]`` (``q_b_proj`` with ``weight
-    [HI cI, q_lora]``, then RoPE at each row's position: one Triton pass on CUDA, as the query heads' RoPE)."""
+    [HI cI, q_lora]``, then RoPE at each row's position; with ``fused`` in one Triton pass, as the query heads')."""
     q = torch.nn.functional.linear(qr, weight).unflatten(-1, (heads, -1))
     if not cos.numel():
         return q
-    if q.is_cuda:
+    if fused:
         from ..ops.rope.triton import rope_heads_triton  # lazy: importing csattn must not need Triton
 
         return rope_heads_triton(q, cos, sin)

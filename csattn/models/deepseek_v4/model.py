@@ -115,29 +115,32 @@ class DecoderLayer(nn.Module):
         the site keeps anyway (:func:`~csattn.ops.recompute.rebuilt_saves`). ``streams_again``: how to get
         ``streams`` again when the caller does not keep them either (the first block's, from the embedding).
         """
-        site = self._site(self.attn_hc, self.input_layernorm, streams)
-        with rebuilt_saves(site.x, _from(site.again, streams_again or partial(_identity, streams))):
-            y = self.self_attn(site.x, packed=packed, cp=cp)
-        streams = self.attn_hc.combine(site.streams, y, site.post, site.comb)
-        site = self._site(self.ffn_hc, self.post_attention_layernorm, streams)
-        with rebuilt_saves(site.x, _from(site.again, partial(_identity, streams))):
+        attn = self._site(self.attn_hc, self.input_layernorm, streams)
+        with rebuilt_saves(attn.x, self._again(attn, streams_again or (lambda: streams))):
+            y = self.self_attn(attn.x, packed=packed, cp=cp)
+        mid = self.attn_hc.combine(attn.streams, y, attn.post, attn.comb)
+        ffn = self._site(self.ffn_hc, self.post_attention_layernorm, mid)
+        with rebuilt_saves(ffn.x, self._again(ffn, lambda: mid)):
             if self.recompute in ("moe", "full") and torch.is_grad_enabled():
                 # the MoE holds no collective, so recomputing it never pairs with another rank's call
-                y = checkpoint(self.mlp, site.x, input_ids, real, use_reentrant=False)
+                y = checkpoint(self.mlp, ffn.x, input_ids, real, use_reentrant=False)
             else:
-                y = self.mlp(site.x, input_ids=input_ids, real=real)
-        return self.ffn_hc.combine(site.streams, y, site.post, site.comb)
+                y = self.mlp(ffn.x, input_ids=input_ids, real=real)
+        return self.ffn_hc.combine(ffn.streams, y, ffn.post, ffn.comb)
 
     def _site(self, hc: HyperConnection, norm: RMSNorm, streams: Tensor) -> Site:
-        """The mHC pre-mapping and the RMSNorm before a sub-block (:func:`~csattn.ops.mhc.hc_site`): ``post``,
-        ``comb``, the normed input, the streams for the combine and how to compute the input again from the streams
-        (None under block recompute); under ``recompute="mhc"`` (or ``"full"``) only the streams are kept and the
-        site is redone in the backward."""
+        """The mHC pre-mapping and the RMSNorm before a sub-block (:func:`~csattn.ops.mhc.hc_site`); under
+        ``recompute="mhc"`` (or ``"full"``) only the streams are kept and the site is redone in the backward."""
         if self.recompute in ("mhc", "full") and torch.is_grad_enabled():
-            site = checkpoint(_pre_and_norm, hc, norm, streams, use_reentrant=False)
-        else:
-            site = _pre_and_norm(hc, norm, streams)
-        return site if self.rebuilds_inputs and torch.is_grad_enabled() else site._replace(again=None)
+            return checkpoint(_pre_and_norm, hc, norm, streams, use_reentrant=False)
+        return _pre_and_norm(hc, norm, streams)
+
+    def _again(self, site: Site, streams: Callable[[], Tensor]) -> Callable[[], Tensor] | None:
+        """How the backward gets a site's input again (the site's ``again`` on ``streams()``), or None where the
+        input is kept: under block recompute, whose checkpoint redoes the whole block anyway. The closure holds
+        ``again`` alone, not the site (whose input and streams it would keep alive)."""
+        again = site.again
+        return (lambda: again(streams())) if self.rebuilds_inputs else None
 
 
 class MTPBlock(DecoderLayer):
@@ -473,15 +476,6 @@ def _block_step(layer: DecoderLayer, expand: int, head: nn.Module | None, x: Ten
 
 def _pre_and_norm(hc: nn.Module, norm: nn.Module, streams: Tensor) -> Site:
     return hc(streams, norm)  # the site applies the norm itself (its collapse is recomputed, not kept)
-
-
-def _identity(t: Tensor) -> Tensor:
-    return t
-
-
-def _from(again: Callable[[Tensor], Tensor] | None, streams: Callable[[], Tensor]) -> Callable[[], Tensor] | None:
-    """A site's input rebuilt from its streams, the streams got by ``streams()``."""
-    return None if again is None else (lambda: again(streams()))
 
 
 def _ce_sum(logits: Tensor, labels: Tensor) -> Tensor:

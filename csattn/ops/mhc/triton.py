@@ -536,6 +536,10 @@ class _Collapse:
     def __init__(self) -> None:
         self.value: Tensor | None = None
 
+    def take(self) -> Tensor | None:
+        value, self.value = self.value, None
+        return value
+
 
 def _input_again(streams: Tensor, mix: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_w: Tensor | None,
                  rms_eps: float, shared: _Collapse | None = None) -> Tensor:
@@ -592,11 +596,9 @@ class _HcPre(torch.autograd.Function):
         dnorm_w = None
         if fused_norm:
             norm_w, norm_rstd = norm
-            shared, ctx.shared = ctx.shared, None
-            collapsed = shared.value if shared is not None and shared.value is not None else \
-                _collapse_again(streams, mix, base_c, scale_c, hc_eps)
-            if shared is not None:
-                shared.value = None
+            collapsed = ctx.shared.take() if ctx.shared is not None else None
+            if collapsed is None:
+                collapsed = _collapse_again(streams, mix, base_c, scale_c, hc_eps)
             dout, dnorm_w = rms_norm_backward(collapsed, norm_w, norm_rstd, dout, True, ctx.needs_input_grad[8])
             del collapsed
         dx, dfn, dbase, dscale = _pre_backward(streams, fn_c, base_c, scale_c, mix, rstd, dout.contiguous(), dpost,
