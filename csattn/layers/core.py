@@ -73,20 +73,33 @@ def _norm_rope_heads(qp: Tensor, cos: Tensor, sin: Tensor, heads: int, eps: floa
     return apply_rope(rms_norm_unweighted(q, eps), cos, sin)
 
 
-def grouped_output(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, groups: int, fused: bool = False) -> Tensor:
-    """``o [R, H, d]`` -> ``[R, G o_lora]``: inverse RoPE (one Triton pass with ``fused``), grouped ``o_a_proj``."""
-    return grouped_linear(_unrope_groups(o, cos, sin, groups, fused), w_a, groups)
+def grouped_output(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, groups: int, fused: bool = False,
+                   consume: bool = False) -> Tensor:
+    """``o [R, H, d]`` -> ``[R, G o_lora]``: inverse RoPE (one Triton pass with ``fused``), grouped ``o_a_proj``.
+    ``consume``: ``o`` is not read again, so the fused path rotates it in place (outside autograd)."""
+    return grouped_linear(_unrope_groups(o, cos, sin, groups, fused, consume), w_a, groups)
 
 
-def _unrope_groups(o: Tensor, cos: Tensor, sin: Tensor, groups: int, fused: bool) -> Tensor:
+def _unrope_groups(o: Tensor, cos: Tensor, sin: Tensor, groups: int, fused: bool, consume: bool = False) -> Tensor:
     """``o [R, H, d]`` -> ``[R, G, H d / G]``: inverse RoPE, the heads grouped for ``o_a_proj``."""
     if fused:
-        from ..ops.rope.triton import rope_heads_triton
+        from ..ops.rope.triton import rope_heads_triton, rope_heads_triton_
 
-        o = rope_heads_triton(o, cos, sin, inverse=True)
+        o = rope_heads_triton_(o, cos, sin, inverse=True) if consume else rope_heads_triton(o, cos, sin, inverse=True)
     else:
         o = apply_rope(o, cos, sin, inverse=True)
     return o.reshape(o.shape[0], groups, -1)
+
+
+def _unrope_grad(du: Tensor, cos: Tensor, sin: Tensor, heads: int, fused: bool) -> Tensor:
+    """The attention output's gradient from that of its inverse rotation, ``du [R, G, H d / G]`` -> ``[R, H, d]``:
+    a rotation's transpose is the opposite rotation. The fused path rotates the fresh ``du`` in place."""
+    g = du.view(du.shape[0], heads, -1)
+    if fused:
+        from ..ops.rope.triton import rope_heads_triton_
+
+        return rope_heads_triton_(g, cos, sin)
+    return apply_rope(g, cos, sin)
 
 
 def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
@@ -102,9 +115,10 @@ def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 
 def output_projection(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int,
-                      fused: bool = False) -> Tensor:
-    """``o [R, H, d]`` -> ``[R, D]``: inverse RoPE, grouped ``o_a_proj``, then ``o_b_proj``."""
-    return F.linear(grouped_output(o, cos, sin, w_a, groups, fused), w_b)
+                      fused: bool = False, consume: bool = False) -> Tensor:
+    """``o [R, H, d]`` -> ``[R, D]``: inverse RoPE, grouped ``o_a_proj``, then ``o_b_proj`` (``consume``: see
+    :func:`grouped_output`)."""
+    return F.linear(grouped_output(o, cos, sin, w_a, groups, fused, consume), w_b)
 
 
 @dataclass(frozen=True)
@@ -177,7 +191,8 @@ class _AttentionCore(torch.autograd.Function):
             o, lse = _attn_forward(q, keys, ids_fn(lo, hi), sinks, geo)
             if on_block is not None:
                 on_block(lo, hi, q, lse)
-            out[lo:hi] = output_projection(o, cos[lo:hi], sin[lo:hi], w_oa, w_ob, geo.groups, geo.fused_elementwise)
+            out[lo:hi] = output_projection(o, cos[lo:hi], sin[lo:hi], w_oa, w_ob, geo.groups, geo.fused_elementwise,
+                                           consume=True)
         return out
 
     @staticmethod
@@ -208,20 +223,19 @@ class _AttentionCore(torch.autograd.Function):
             q_d = q.detach().contiguous()
             o, lse = _attn_forward(q_d, keys, ids, sinks, geo)
             dy_b = dy[lo:hi]
-            with torch.enable_grad():
-                o_b = o.requires_grad_()
-                u = _unrope_groups(o_b, c, s, geo.groups, geo.fused_elementwise)  # [R, G, i]
-            z = grouped_linear(u.detach(), w_oa, geo.groups)  # [R, G o_lora] (no autograd here)
-            u_g = u.detach().transpose(0, 1)  # [G, R, i], a view: the GEMMs take the strides as they are
+            u = _unrope_groups(o, c, s, geo.groups, geo.fused_elementwise)  # [R, G, i]; o stays for the backward
+            z = grouped_linear(u, w_oa, geo.groups)  # [R, G o_lora] (no autograd here)
+            u_g = u.transpose(0, 1)  # [G, R, i], a view: the GEMMs take the strides as they are
             _add_product(dw[2], dy_b.t(), z)
             del z
             dz = (dy_b @ w_ob).unflatten(1, (geo.groups, -1)).transpose(0, 1)  # [G, R, o_lora]
             _add_product(dw[1].view_as(w_g), dz.transpose(1, 2), u_g)
             du = torch.empty_like(u)  # [R, G, i], written group by group through its [G, R, i] view
             torch.bmm(dz, w_g, out=du.transpose(0, 1))
-            (do,) = torch.autograd.grad(u, o_b, du)
-            del u, u_g, o_b, dz, du
-            dq, dsink = _attn_backward(q_d, keys, ids, sinks, o.detach(), lse, do, dkeys, geo)
+            del u, u_g, dz
+            do = _unrope_grad(du, c, s, geo.heads, geo.fused_elementwise)
+            del du
+            dq, dsink = _attn_backward(q_d, keys, ids, sinks, o, lse, do, dkeys, geo)
             del do, o
             (dqp,) = torch.autograd.grad(q, qp, dq)
             dqr[lo:hi] = dqp @ w_q

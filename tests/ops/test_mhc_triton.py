@@ -66,12 +66,12 @@ def test_site_fp64(t, n, d, head):
 
 
 SMALL_TILES = dict(fwd_rows=16, fwd_k=16, fwd_k_fma=16, fwd_d=8, coef_rows=4, coef_d=8, bwd_rows=16, bwd_k=16,
-                   bwd_groups=2, comb_rows=2, comb_d=8)
+                   comb_rows=2, comb_d=8)
 
 
 @pytest.mark.parametrize("head", [False, True], ids=["pre", "head"])
 def test_site_fp64_small_tiles(head, monkeypatch):
-    """Many programs per kernel: row blocks, channel tiles, fn-gradient groups, backward scratch chunks."""
+    """Many programs per kernel: row blocks, channel tiles, backward scratch chunks."""
     for key, value in SMALL_TILES.items():
         monkeypatch.setitem(kernels.TILES, key, value)
     monkeypatch.setattr(kernels, "SCRATCH_ROWS", 8)

@@ -75,3 +75,25 @@ def test_bf16_within_bf16_pytorch_error(norm, inverse):
         results[name] = {"y": y, "dx": dx}
     for key in ("y", "dx"):
         assert rel_err(results["triton"][key], exact[key]) <= 2 * rel_err(results["torch"][key], exact[key]) + 1e-6
+
+
+@pytest.mark.parametrize("inverse", [False, True], ids=["rope", "inverse_rope"])
+@pytest.mark.parametrize("rows,heads,dim,rope", [(7, 5, 24, 8), (3, 17, 64, 64), (2, 3, 20, 6)])
+def test_in_place_rotation_matches_reference(inverse, rows, heads, dim, rope):
+    """The in-place rotation of the trailing channels equals ``apply_rope`` (fp32 math, as the other kernels),
+    leaves the leading channels' bits as they were, and returns its input."""
+    g = torch.Generator().manual_seed(rows * heads + dim + rope)
+    x = torch.randn(rows, heads, dim, dtype=torch.float64, generator=g) * 3
+    ang = torch.randn(rows, rope // 2, dtype=torch.float64, generator=g) * 10
+    ref = apply_rope(x, ang.cos(), ang.sin(), inverse=inverse)
+    xd = x.float().to(DEVICE)
+    got = triton_rope.rope_heads_triton_(xd, ang.cos().float().to(DEVICE), ang.sin().float().to(DEVICE), inverse=inverse)
+    assert got.data_ptr() == xd.data_ptr()
+    assert torch.equal(got[..., : dim - rope].cpu(), x[..., : dim - rope].float())
+    assert rel_err(got.cpu(), ref) < 1e-6
+
+
+def test_in_place_rotation_refuses_a_strided_input():
+    x = torch.zeros(4, 3, 16, dtype=torch.float64)[:, :, :8]
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_rope.rope_heads_triton_(x, torch.ones(4, 2, dtype=torch.float64), torch.zeros(4, 2, dtype=torch.float64))

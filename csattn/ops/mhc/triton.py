@@ -49,16 +49,16 @@ __all__ = ["hc_site_triton", "hc_pre_triton", "hc_head_triton", "hc_combine_trit
 # n row tiles of fwd_d channels at once, and the fp32 FMA dot (streams not bf16) takes the narrower fwd_k_fma.
 TILES = dict(fwd_rows=64, fwd_rows_small=32, fwd_k=64, fwd_k_fma=32, fwd_d=32, fwd_warps=8,
              coef_rows=16, coef_d=256, coef_warps=4,
-             bwd_rows=16, bwd_k=128, bwd_groups=8, bwd_warps=4,
+             bwd_rows=64, bwd_k=64, bwd_warps=4,
              comb_rows=4, comb_d=256, comb_warps=4, collapse_rows=16, collapse_d=256, collapse_warps=4,
-             fwd_split=1, bwd_split=0)
+             fwd_split=1, bwd_split=1)
 # *_split=1: bf16 streams meet the fp32 weights on the tensor cores, the fp32 operand in three bf16 parts
 # (hi + mid + lo, exact to 24 bits; the products are exact). The tensor cores' fp32 accumulation is not IEEE, so
 # the forward sums only one k tile (3 * fwd_k products) there and adds the tiles' partial sums in IEEE fp32:
 # the logits then stay as close to fp32 as the FMA dot's. Forward of one site at 16k tokens (H200): 0.81 ms
-# against 2.80 for the FMA dot. The backward's split products (accumulated over rows on the tensor cores) are
-# slower there (3.24 vs 2.69 ms) and off by default; 16 rows x 128 channels at 4 warps: 1.65 ms against 2.69 for
-# 32 x 64 at 8 warps.
+# against 2.80 for the FMA dot. The backward's g @ fn (K-dim M: no long accumulation) is split the same way
+# (bwd_split=1); its other product, the fn gradient g^T @ X, is one cuBLAS GEMM over the rows (_fn_grad), so the
+# stream kernel is a plain row x channel tiling that reads and writes each stream element once.
 SCRATCH_ROWS = 16384  # rows per backward kernel-1 launch: bounds its Sinkhorn scratch (S * n^2 floats per row)
 
 
@@ -315,48 +315,59 @@ def hc_pre_bwd_coef_kernel(x, dout, dpost, dcomb, mix, rstd, base, scale, g, e, 
 
 
 @triton.jit
-def hc_pre_bwd_stream_kernel(x, dout, fn, g, e, pre, dxin, dx, dfn_part, T, G,
+def hc_pre_bwd_stream_kernel(x, dout, fn, g, e, pre, dxin, dx, T,
                              N: tl.constexpr, D: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
                              MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                              HAS_DXIN: tl.constexpr, INTERP: tl.constexpr):
     cdt: tl.constexpr = g.dtype.element_ty
-    grp = tl.program_id(1)
     ks = tl.program_id(0) * BK + tl.arange(0, BK)
     km = ks < K
+    rows = tl.program_id(1) * BT + tl.arange(0, BT)
+    rmask = rows < T
+    rows = rows.to(tl.int64)
     cols = tl.arange(0, MP)
     cm = cols < M
+    m2 = rmask[:, None] & km[None, :]
     ft = tl.load(fn + cols[:, None] * K + ks[None, :], mask=cm[:, None] & km[None, :], other=0.0)
+    gt = tl.load(g + rows[:, None] * M + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
     if SPLIT:
+        # dX to bf16 needs ~16 bits of g @ fn: the three leading part products, on the tensor cores
         fh, fm, fl = _split3(ft, INTERP)
+        gh, gm, gl = _split3(gt, INTERP)
+        dot = tl.dot(gm, fh, tl.dot(gh, fm, tl.dot(gh, fh)))
+    else:
+        dot = tl.dot(gt, ft, input_precision="ieee")
     stream = ks // D
     ch = ks - stream * D
-    acc = tl.zeros((MP, BK), dtype=cdt)
-    for b in range(grp, tl.cdiv(T, BT), G):
-        rows = b * BT + tl.arange(0, BT)
-        rmask = rows < T
-        rows = rows.to(tl.int64)
-        m2 = rmask[:, None] & km[None, :]
-        gt = tl.load(g + rows[:, None] * M + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
-        xt = tl.load(x + rows[:, None] * K + ks[None, :], mask=m2, other=0.0)
-        xc = xt.to(cdt)
-        if SPLIT:
-            xo = _mma_operand(xt, cdt, SPLIT, INTERP)
-            gh, gm, gl = _split3(gt, INTERP)
-            # dX to bf16 needs ~16 bits of g @ fn: the three leading part products
-            dot = tl.dot(gm, fh, tl.dot(gh, fm, tl.dot(gh, fh)))
-            acc = tl.dot(tl.trans(gh), xo, tl.dot(tl.trans(gm), xo, tl.dot(tl.trans(gl), xo, acc)))
-        else:
-            dot = tl.dot(gt, ft, input_precision="ieee")
-            acc = tl.dot(tl.trans(gt), xc, acc, input_precision="ieee")
-        pj = tl.load(pre + rows[:, None] * N + stream[None, :], mask=m2, other=0.0)
-        go = tl.load(dout + rows[:, None] * D + ch[None, :], mask=m2, other=0.0).to(cdt)
-        et = tl.load(e + rows, mask=rmask, other=0.0)
-        val = dot - et[:, None] * xc + pj * go
-        if HAS_DXIN:  # the streams' other gradient (the site's combine), added before the one rounding
-            val += tl.load(dxin + rows[:, None] * K + ks[None, :], mask=m2, other=0.0).to(cdt)
-        tl.store(dx + rows[:, None] * K + ks[None, :], val.to(dx.dtype.element_ty), mask=m2)
-    tl.store(dfn_part + grp.to(tl.int64) * (M * K) + cols[:, None] * K + ks[None, :], acc,
-             mask=cm[:, None] & km[None, :])
+    xc = tl.load(x + rows[:, None] * K + ks[None, :], mask=m2, other=0.0).to(cdt)
+    pj = tl.load(pre + rows[:, None] * N + stream[None, :], mask=m2, other=0.0)
+    go = tl.load(dout + rows[:, None] * D + ch[None, :], mask=m2, other=0.0).to(cdt)
+    et = tl.load(e + rows, mask=rmask, other=0.0)
+    val = dot - et[:, None] * xc + pj * go
+    if HAS_DXIN:  # the streams' other gradient (the site's combine), added before the one rounding
+        val += tl.load(dxin + rows[:, None] * K + ks[None, :], mask=m2, other=0.0).to(cdt)
+    tl.store(dx + rows[:, None] * K + ks[None, :], val.to(dx.dtype.element_ty), mask=m2)
+
+
+def _fn_grad(g: Tensor, streams: Tensor) -> Tensor:
+    """``dfn = g^T @ X`` (``[M, K]``, fp32 sums over the rows) as one GEMM. bf16 streams on CUDA meet ``g`` split
+    into three bf16 parts (``hi + mid + lo`` holds its 24 bits: every product exact) in one ``[3M, T] @ [T, K]``
+    product with fp32 output; other streams are multiplied in ``g``'s dtype. Every row takes part: ``[0, K]`` rows
+    give zeros."""
+    t, n, d = streams.shape
+    x = streams.reshape(t, n * d)
+    if streams.dtype != torch.bfloat16:
+        return g.t() @ x.to(g.dtype)
+    hi = g.to(torch.bfloat16)
+    r = g - hi.float()
+    mid = r.to(torch.bfloat16)
+    lo = (r - mid.float()).to(torch.bfloat16)
+    parts = torch.cat([hi, mid, lo], dim=1)  # [T, 3M]
+    if streams.is_cuda:
+        prod = torch.mm(parts.t(), x, out_dtype=torch.float32)
+    else:  # the CPU has no bf16 GEMM with fp32 output: the same exact products in fp32
+        prod = parts.t().float() @ x.float()
+    return prod.view(3, g.shape[1], n * d).sum(0).to(g.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- combine
@@ -497,14 +508,12 @@ def _pre_backward(streams, fn, base, scale, mix, rstd, dout, dpost, dcomb, iters
             num_warps=TILES["coef_warps"])
     dx = _empty(streams.shape, streams.dtype, dev)
     bt2, bk = TILES["bwd_rows"], TILES["bwd_k"]
-    groups = max(1, min(TILES["bwd_groups"], triton.cdiv(t, bt2)))
-    dfn_part = _empty((groups, geo["M"], geo["K"]), cdt, dev)  # every program writes its tile, rows or not
-    # launched even for T = 0: its programs write the (zero) fn-gradient partials
-    hc_pre_bwd_stream_kernel[(triton.cdiv(geo["K"], bk), groups)](
-        streams, dout, fn, g, e, pre, streams if dx_in is None else dx_in, dx, dfn_part, t, groups, N=n, D=d,
-        K=geo["K"], M=geo["M"], MP=geo["MP"], BT=bt2, BK=bk, SPLIT=_split(streams, "bwd_split"),
-        HAS_DXIN=dx_in is not None, INTERP=_interp(streams), num_warps=TILES["bwd_warps"])
-    dfn = dfn_part.sum(0)
+    if t:
+        hc_pre_bwd_stream_kernel[(triton.cdiv(geo["K"], bk), triton.cdiv(t, bt2))](
+            streams, dout, fn, g, e, pre, streams if dx_in is None else dx_in, dx, t, N=n, D=d,
+            K=geo["K"], M=geo["M"], MP=geo["MP"], BT=bt2, BK=bk, SPLIT=_split(streams, "bwd_split"),
+            HAS_DXIN=dx_in is not None, INTERP=_interp(streams), num_warps=TILES["bwd_warps"])
+    dfn = _fn_grad(g, streams)
     dbase = part_base.sum(0)[:geo["M"]]
     by_col = part_scale.sum(0)
     if head:

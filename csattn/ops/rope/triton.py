@@ -22,9 +22,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["head_norm_rope_triton", "rope_heads_triton"]
+__all__ = ["head_norm_rope_triton", "rope_heads_triton", "rope_heads_triton_"]
 
 HEADS_PER_PROGRAM = 4
+TAIL_HEADS_PER_PROGRAM = 16  # the in-place rotation's tile: 16 heads x the P rotated channels
 
 
 @triton.jit
@@ -85,6 +86,24 @@ def head_norm_rope_bwd_kernel(x, dy, cos, sin, dx, stride_xr, stride_c, eps, H,
     dot = tl.sum(gn * v, axis=1) / D
     out = rs[:, None] * (gn - v * (rs * rs * dot)[:, None])
     tl.store(dx + base + ch[None, :], out.to(dx.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_tail_kernel(x, cos, sin, stride_xr, stride_c, H, D: tl.constexpr, P: tl.constexpr, BH: tl.constexpr,
+                     BP: tl.constexpr, INVERSE: tl.constexpr):
+    """Rotate the trailing ``P`` channels of ``[BH]`` heads of one row in place (the others are not touched):
+    each program reads its elements and their pair partners before it writes them, and no two programs share one."""
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    ch = (D - P) + tl.arange(0, BP)
+    mask = (heads[:, None] < H) & (ch[None, :] < D)
+    base = row * stride_xr + heads[:, None] * D
+    v, pv = _load_with_pair(x, base, ch, mask)
+    c, s, sign = _rope_tables(cos, sin, row, stride_c, ch, D, P)
+    if INVERSE:
+        s = -s
+    out = v * c[None, :] + (sign * s)[None, :] * pv
+    tl.store(x + base + ch[None, :], out.to(x.dtype.element_ty), mask=mask)
 
 
 def _launch_fwd(x: Tensor, cos: Tensor, sin: Tensor, eps: float, norm: bool, inverse: bool) -> Tensor:
@@ -162,3 +181,27 @@ def rope_heads_triton(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False
     """``apply_rope(x, cos, sin, inverse)`` for ``x [R, H, d]``, differentiable in ``x``."""
     x, cos, sin = _check(x, cos, sin)
     return _RopeHeads.apply(x, cos, sin, bool(inverse))
+
+
+def rope_heads_triton_(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """``x = apply_rope(x, cos, sin, inverse)`` in place, outside autograd: only the trailing ``P`` channels of
+    each head are read and written (an eighth of a head at d = 512, P = 64), where the out-of-place rotation
+    copies the whole tensor. For a fresh tensor that nothing else reads (the attention output in the forward,
+    its gradient in the backward).
+
+    Args:
+        x: ``[R, H, d]``, contiguous. cos, sin: ``[R, P/2]`` RoPE tables of the rows.
+
+    Returns:
+        ``x`` itself.
+    """
+    if not x.is_contiguous():
+        raise ValueError("rope_heads_triton_ rotates in place: x must be contiguous")
+    _, cos, sin = _check(x, cos, sin)
+    rows, heads, dim = x.shape
+    p = 2 * cos.shape[1]
+    if rows and p:
+        grid = (rows, triton.cdiv(heads, TAIL_HEADS_PER_PROGRAM))
+        rope_tail_kernel[grid](x, cos, sin, x.stride(0), cos.stride(0), heads, D=dim, P=p, BH=TAIL_HEADS_PER_PROGRAM,
+                               BP=triton.next_power_of_2(p), INVERSE=bool(inverse), num_warps=4)
+    return x
