@@ -155,7 +155,7 @@ for s in ${STAGES:-tests layer profile}; do
         --json "$OUT/model_profile.json" >> "$LOG" 2>&1
       timeout 120 $B --providers csattn --shape tokens=16384 --shape recompute=mhc,moe,block --warmup-ms 5 \
         --rep-ms 20 --json "$OUT/model_recompute.json" >> "$LOG" 2>&1
-      timeout 120 $B --providers csattn --shape tokens=16384 --shape experts=64 --shape topk_experts=6 \
+      timeout 200 $B --providers csattn --shape tokens=16384 --shape experts=64 --shape topk_experts=6 \
         --shape recompute=none,block --warmup-ms 5 --rep-ms 20 --json "$OUT/model_64x6.json" >> "$LOG" 2>&1
       timeout 100 $B --providers csattn --shape tokens=131072 --single --json "$OUT/model_128k.json" >> "$LOG" 2>&1
       timeout 100 $B --providers csattn,hf --shape docs=one --shape tokens=6144 --warmup-ms 1 --rep-ms 10 \
