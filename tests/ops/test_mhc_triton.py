@@ -109,11 +109,12 @@ def test_pre_each_output_path(keep):
         assert rel_err(g, r) < 1e-11, f"grad {name}: {rel_err(g, r):.2e}"
 
 
-@pytest.mark.parametrize("dtype,split", [(torch.float32, (0, 0)), (torch.bfloat16, (0, 0)), (torch.bfloat16, (1, 0)),
-                                         (torch.bfloat16, (1, 1))], ids=["fp32", "bf16", "bf16-split", "bf16-split-both"])
+@pytest.mark.parametrize("dtype,split",
+                         [(torch.float32, (0, 0)), (torch.bfloat16, (0, 0)), (torch.bfloat16, (1, 0)),
+                          (torch.bfloat16, (1, 1))], ids=["fp32", "bf16", "bf16-split", "bf16-split-both"])
 def test_pre_low_precision(dtype, split, monkeypatch):
-    """fp32 math inside for fp32 and bf16 streams (bf16 with the split-operand products in the forward, the
-    default, or also in the backward): against fp64 on the same rounded inputs, the fp32 outputs and parameter
+    """fp32 math inside for fp32 and bf16 streams (bf16 with the split-operand products in neither pass, in the
+    forward only, or in both, the default): against fp64 on the same rounded inputs, the fp32 outputs and parameter
     gradients carry fp32-level error, the stream-dtype ones their own rounding."""
     monkeypatch.setitem(kernels.TILES, "fwd_split", split[0])
     monkeypatch.setitem(kernels.TILES, "bwd_split", split[1])

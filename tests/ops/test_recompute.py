@@ -121,7 +121,7 @@ def test_rebuilt_saves_refuses_a_wrong_rebuild_and_passes_through_otherwise():
     # no rebuild: a null context (again None, a view that does not own its storage, autograd off)
     for view in (False, True):
         z = x * 1.0
-        with rebuilt_saves(z[1:] if view else z, (lambda: z[1:]) if view else None):
+        with rebuilt_saves(z[1:] if view else z, (lambda z=z: z[1:]) if view else None):
             (z * z).sum().backward()
     assert torch.equal(x.grad, 4 * x.detach())
     with torch.no_grad(), rebuilt_saves(x * 1.0, lambda: x):

@@ -87,7 +87,8 @@ def test_in_place_rotation_matches_reference(inverse, rows, heads, dim, rope):
     ang = torch.randn(rows, rope // 2, dtype=torch.float64, generator=g) * 10
     ref = apply_rope(x, ang.cos(), ang.sin(), inverse=inverse)
     xd = x.float().to(DEVICE)
-    got = triton_rope.rope_heads_triton_(xd, ang.cos().float().to(DEVICE), ang.sin().float().to(DEVICE), inverse=inverse)
+    cos, sin = ang.cos().float().to(DEVICE), ang.sin().float().to(DEVICE)
+    got = triton_rope.rope_heads_triton_(xd, cos, sin, inverse=inverse)
     assert got.data_ptr() == xd.data_ptr()
     assert torch.equal(got[..., : dim - rope].cpu(), x[..., : dim - rope].float())
     assert rel_err(got.cpu(), ref) < 1e-6

@@ -17,8 +17,8 @@ from torch import Tensor
 from ..rms_norm import rms_norm
 from .naive import hc_combine_ref, hc_head_ref, hc_pre_ref, sinkhorn_ref
 
-__all__ = ["Site", "hc_site", "hc_pre", "hc_head", "hc_combine", "resolve_backend", "hc_pre_ref", "hc_head_ref", "hc_combine_ref",
-           "sinkhorn_ref"]
+__all__ = ["Site", "hc_site", "hc_pre", "hc_head", "hc_combine", "resolve_backend", "hc_pre_ref", "hc_head_ref",
+           "hc_combine_ref", "sinkhorn_ref"]
 
 BACKENDS = ("auto", "reference", "triton")
 

@@ -30,8 +30,9 @@ TAIL_HEADS_PER_PROGRAM = 16  # the in-place rotation's tile: 16 heads x the P ro
 
 @triton.jit
 def _rope_tables(cos, sin, row, stride_c, ch, D: tl.constexpr, P: tl.constexpr):
-    """cos / sin per channel (1 / 0 on the unrotated channels) and the pair sign (-1 even, +1 odd)."""
-    is_rope = ch >= D - P
+    """cos / sin per channel (1 / 0 on the unrotated channels and on the padding past ``D``, whose table
+    entries do not exist) and the pair sign (-1 even, +1 odd)."""
+    is_rope = (ch >= D - P) & (ch < D)
     pair = tl.where(is_rope, (ch - (D - P)) // 2, 0)
     c = tl.load(cos + row * stride_c + pair, mask=is_rope, other=1.0).to(tl.float32)
     s = tl.load(sin + row * stride_c + pair, mask=is_rope, other=0.0).to(tl.float32)
@@ -40,11 +41,11 @@ def _rope_tables(cos, sin, row, stride_c, ch, D: tl.constexpr, P: tl.constexpr):
 
 
 @triton.jit
-def _head_tile(stride_xr, H, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
-    """This program's row, the offsets of its ``[BH, BD]`` block of heads x channels, channels, and mask."""
+def _head_tile(stride_xr, H, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, C0: tl.constexpr):
+    """This program's row, the offsets of its ``[BH, BD]`` block of heads x channels ``C0..``, channels, and mask."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
-    ch = tl.arange(0, BD)
+    ch = C0 + tl.arange(0, BD)
     mask = (heads[:, None] < H) & (ch[None, :] < D)
     return row, row * stride_xr + heads[:, None] * D, ch, mask
 
@@ -58,29 +59,34 @@ def _load_with_pair(x, base, ch, mask):
 
 
 @triton.jit
+def _rotate(v, pv, cos, sin, row, stride_c, ch, D: tl.constexpr, P: tl.constexpr, INVERSE: tl.constexpr):
+    """The tile rotated (by the negative angle with ``INVERSE``) from itself and its pair-swapped copy."""
+    c, s, sign = _rope_tables(cos, sin, row, stride_c, ch, D, P)
+    if INVERSE:
+        s = -s
+    return v * c[None, :] + (sign * s)[None, :] * pv
+
+
+@triton.jit
 def head_rope_fwd_kernel(x, cos, sin, y, stride_xr, stride_c, eps, H,
                          D: tl.constexpr, P: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
                          NORM: tl.constexpr, INVERSE: tl.constexpr):
-    row, base, ch, mask = _head_tile(stride_xr, H, D, BH, BD)
+    row, base, ch, mask = _head_tile(stride_xr, H, D, BH, BD, 0)
     v, pv = _load_with_pair(x, base, ch, mask)
     if NORM:
         rs = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
         v = v * rs[:, None]
         pv = pv * rs[:, None]
-    c, s, sign = _rope_tables(cos, sin, row, stride_c, ch, D, P)
-    if INVERSE:
-        s = -s
-    out = v * c[None, :] + (sign * s)[None, :] * pv
+    out = _rotate(v, pv, cos, sin, row, stride_c, ch, D, P, INVERSE)
     tl.store(y + base + ch[None, :], out.to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def head_norm_rope_bwd_kernel(x, dy, cos, sin, dx, stride_xr, stride_c, eps, H,
                               D: tl.constexpr, P: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
-    row, base, ch, mask = _head_tile(stride_xr, H, D, BH, BD)
+    row, base, ch, mask = _head_tile(stride_xr, H, D, BH, BD, 0)
     g, pg = _load_with_pair(dy, base, ch, mask)
-    c, s, sign = _rope_tables(cos, sin, row, stride_c, ch, D, P)
-    gn = g * c[None, :] - (sign * s)[None, :] * pg  # the inverse rotation of the gradient
+    gn = _rotate(g, pg, cos, sin, row, stride_c, ch, D, P, True)  # the inverse rotation of the gradient
     v = tl.load(x + base + ch[None, :], mask=mask, other=0.0).to(tl.float32)
     rs = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
     dot = tl.sum(gn * v, axis=1) / D
@@ -93,16 +99,9 @@ def rope_tail_kernel(x, cos, sin, stride_xr, stride_c, H, D: tl.constexpr, P: tl
                      BP: tl.constexpr, INVERSE: tl.constexpr):
     """Rotate the trailing ``P`` channels of ``[BH]`` heads of one row in place (the others are not touched):
     each program reads its elements and their pair partners before it writes them, and no two programs share one."""
-    row = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BH + tl.arange(0, BH)
-    ch = (D - P) + tl.arange(0, BP)
-    mask = (heads[:, None] < H) & (ch[None, :] < D)
-    base = row * stride_xr + heads[:, None] * D
+    row, base, ch, mask = _head_tile(stride_xr, H, D, BH, BP, D - P)
     v, pv = _load_with_pair(x, base, ch, mask)
-    c, s, sign = _rope_tables(cos, sin, row, stride_c, ch, D, P)
-    if INVERSE:
-        s = -s
-    out = v * c[None, :] + (sign * s)[None, :] * pv
+    out = _rotate(v, pv, cos, sin, row, stride_c, ch, D, P, INVERSE)
     tl.store(x + base + ch[None, :], out.to(x.dtype.element_ty), mask=mask)
 
 
@@ -202,6 +201,7 @@ def rope_heads_triton_(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = Fals
     p = 2 * cos.shape[1]
     if rows and p:
         grid = (rows, triton.cdiv(heads, TAIL_HEADS_PER_PROGRAM))
-        rope_tail_kernel[grid](x, cos, sin, x.stride(0), cos.stride(0), heads, D=dim, P=p, BH=TAIL_HEADS_PER_PROGRAM,
-                               BP=triton.next_power_of_2(p), INVERSE=bool(inverse), num_warps=4)
+        rope_tail_kernel[grid](x, cos, sin, x.stride(0), cos.stride(0), heads, D=dim, P=p,
+                               BH=TAIL_HEADS_PER_PROGRAM, BP=triton.next_power_of_2(p), INVERSE=bool(inverse),
+                               num_warps=4)
     return x
