@@ -193,7 +193,7 @@ for s in ${STAGES:-tests layer profile}; do
         timeout 120 python3 -m pytest -q tests/ops/test_peer_cudnn.py -p no:cacheprovider -rfEs >> "$LOG" 2>&1
         timeout 200 python3 -m benchmarks.run --op sparse_attn --mode bwd --providers triton,cudnn \
           --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/peers_bwd.json" >> "$LOG" 2>&1
-        timeout 150 python3 -m benchmarks.run --op indexer_topk --mode fwd --providers "triton,triton[radix=1],cudnn" \
+        timeout 150 python3 -m benchmarks.run --op indexer_topk --mode fwd --providers "${PEER_TOPK:-triton,cudnn}" \
           --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/peers_topk.json" >> "$LOG" 2>&1
         echo "peers rc=$?" >> "$LOG"
       fi ;;

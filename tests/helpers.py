@@ -58,8 +58,9 @@ def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class _PoisonedTorch:
-    """``torch`` as a kernel module sees it, with ``empty`` / ``empty_like`` returning NaN-filled floating tensors:
-    an output element a kernel leaves unwritten then fails the comparison instead of passing on stale memory."""
+    """``torch`` as a kernel module sees it, with ``empty`` / ``empty_like`` returning NaN-filled floating tensors
+    (integer ones filled with their dtype's largest value, an id or count no kernel writes): an output element a
+    kernel leaves unwritten then fails the comparison instead of passing on stale memory."""
 
     def __init__(self, real) -> None:
         self._real = real
@@ -75,11 +76,15 @@ class _PoisonedTorch:
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:
-    return t.fill_(float("nan")) if t.is_floating_point() else t
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    if t.dtype != torch.bool and not t.is_complex():
+        return t.fill_(torch.iinfo(t.dtype).max)
+    return t
 
 
 def poison_kernel_outputs(monkeypatch, *modules) -> None:
-    """NaN-poison every floating buffer the host functions of ``modules`` allocate with ``torch.empty`` /
-    ``torch.empty_like`` (the kernels' outputs) for the rest of the test."""
+    """Poison every buffer the host functions of ``modules`` allocate with ``torch.empty`` / ``torch.empty_like``
+    (the kernels' outputs; floating ones with NaN) for the rest of the test."""
     for module in modules:
         monkeypatch.setattr(module, "torch", _PoisonedTorch(torch))

@@ -41,10 +41,13 @@ def _run(model, ids, batch, seqlen, dy):
 
 @pytest.mark.parametrize("pattern,batch,seqlen,kw,backend", PARAMS, ids=PARAM_IDS)
 def test_logits_and_grads_match_hf(pattern, batch, seqlen, kw, backend, assert_close):
-    """Logits and every gradient within TOL of HF fp32. Off the reference path the fp32 rounding order differs
-    from HF's: a gradient farther than TOL from HF must then be at most 3x as far from the exact (fp64) value as
-    HF's own is. That happens only for one-element mHC scales, sums over every token and channel with heavy
-    cancellation, where equivalent orders of the same fp32 math were measured 2.5e-5 to 2.9e-4 apart."""
+    """Logits and every gradient within TOL of HF fp32. The fp32 rounding order differs from HF's (off the
+    reference path the kernels' orders; on every path the sparse attention's, which sums the top-k entries in
+    ascending id order where HF sums them best first): a gradient farther than TOL from HF must then be at most
+    3x as far from the exact (fp64) value as the farther of two other fp32 orders of the same math is: HF's,
+    and (off the reference path) our reference path's. That happens only for one-element mHC scales, sums over
+    every token and channel with heavy cancellation, where equivalent orders of the same fp32 math were measured
+    2.5e-5 to 2.9e-4 apart (one order alone may land much closer to the exact value by chance)."""
     cfg = tiny_config_dict(pattern, **kw)
     hf = hf_model(cfg, seed=3)
     g = torch.Generator().manual_seed(7)
@@ -53,9 +56,8 @@ def test_logits_and_grads_match_hf(pattern, batch, seqlen, kw, backend, assert_c
     dy = torch.randn(hf_logits.shape, generator=g)
     (hf_logits * dy).sum().backward()
     logits, ours_params = _run(_ours_from_hf(hf, cfg, backend), ids, batch, seqlen, dy)
-    exact = None
-    if backend != "reference":
-        _, exact = _run(_ours_from_hf(hf, cfg, "reference", torch.float64), ids, batch, seqlen, dy)
+    _, exact = _run(_ours_from_hf(hf, cfg, "reference", torch.float64), ids, batch, seqlen, dy)
+    other = _run(_ours_from_hf(hf, cfg, "reference"), ids, batch, seqlen, dy)[1] if backend != "reference" else {}
     assert_close(logits, hf_logits.reshape(batch * seqlen, -1), TOL, "logits")
     hf_params = dict(hf.named_parameters())
     assert set(hf_params) == set(ours_params)
@@ -67,9 +69,10 @@ def test_logits_and_grads_match_hf(pattern, batch, seqlen, kw, backend, assert_c
             assert p.grad is None or torch.count_nonzero(p.grad) == 0, name
             continue
         assert p.grad is not None, name
-        if exact is not None and rel_err(p.grad, ref) > TOL:
+        if rel_err(p.grad, ref) > TOL:
             truth = exact[name].grad
-            assert rel_err(p.grad, truth) <= 3 * rel_err(ref, truth), (name, rel_err(p.grad, ref))
+            noise = max([rel_err(ref, truth)] + ([rel_err(other[name].grad, truth)] if name in other else []))
+            assert rel_err(p.grad, truth) <= 3 * noise, (name, rel_err(p.grad, ref))
         else:
             assert_close(p.grad, ref, TOL, f"grad {name}")
         checked += 1

@@ -29,12 +29,12 @@ except ImportError:  # pragma: no cover - the kernel tests need Triton
 
 if triton is not None:
     @triton.jit
-    def _both_searches(keys, n, out, RB: tl.constexpr):
+    def _both_searches(keys, n, out, scratch, RB: tl.constexpr, CAND: tl.constexpr):
         """Program ``p`` runs both threshold searches for ``kk = p + 1`` on one int32 row."""
         kk = tl.program_id(0) + 1
         rel = tl.arange(0, RB)
         key = tl.load(keys + rel, mask=rel < n, other=-(2**31))
-        t1, a1 = _bisect_regs(key, kk)
+        t1, a1 = _bisect_regs(key, kk, n, scratch + tl.program_id(0) * CAND, CAND)
         t2, a2 = _radix_regs(key, kk)
         base = out + tl.program_id(0) * 4
         tl.store(base, t1)
@@ -65,14 +65,16 @@ def _int_inputs(T, Nc, HI, CI, gen):
         pytest.param([50, 29], [52, 29], 5, 1, id="tiny_workspace_chunks"),
     ],
 )
-@pytest.mark.parametrize("streamed", [False, True], ids=["row_in_registers", "row_streamed"])
+@pytest.mark.parametrize("search", ["row_in_registers", "row_streamed", "cand_2"])
 @pytest.mark.parametrize("seg", [1024, 16], ids=["one_tile", "16_key_tiles"])
-def test_topk_equals_reference_exact(lengths, padded, topk, workspace, streamed, seg):
+def test_topk_equals_reference_exact(lengths, padded, topk, workspace, search, seg):
     from csattn.ops.indexer import IndexerConfig
 
     # Rows longer than register_row keys take the tiled selection path (streamed: forced on these small rows);
-    # rows compacted in one tile, or in several (the ranks carried from tile to tile).
-    config = IndexerConfig(seg=seg, **({"register_row": 8} if streamed else {}))
+    # the in-register search parks its last 2 * topk (or 2) keys; rows compacted in one tile, or in several (the
+    # ranks carried from tile to tile).
+    extra = {"row_streamed": {"register_row": 8}, "cand_2": {"cand": 2}}.get(search, {})
+    config = IndexerConfig(seg=seg, **extra)
     gen = torch.Generator().manual_seed(sum(lengths) + topk)
     packed, meta = _pack(lengths, padded)
     q, w, k = _int_inputs(packed.num_rows, meta.num_entries, 3, 16, gen)
@@ -105,10 +107,13 @@ def test_topk_radix_select_equals_reference_exact(lengths, padded, topk, workspa
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("case", ["random", "extremes", "ties"])
-def test_radix_threshold_equals_bisection(case):
+@pytest.mark.parametrize("cand", [2, 8, 64], ids=["cand2", "cand8", "cand64"])
+@pytest.mark.parametrize("case", ["random", "extremes", "ties", "clustered"])
+def test_radix_threshold_equals_bisection(case, cand):
     """The radix search and the bisection return the same ``(threshold, count above)`` on int32 rows across
-    the whole range (negative keys, INT32_MIN / INT32_MAX, long runs of equal keys, padding), for every kk."""
+    the whole range (negative keys, INT32_MIN / INT32_MAX, long runs of equal keys, keys one apart, padding),
+    for every kk; the bisection hands over to its parked-candidate phase at brackets of 2, 8 or 64 keys (64: the
+    whole row from the start)."""
     both = _both_searches
     gen = torch.Generator().manual_seed(3)
     n = 45
@@ -117,27 +122,33 @@ def test_radix_threshold_equals_bisection(case):
     elif case == "extremes":
         keys = torch.tensor([-(2**31), 2**31 - 1, 0, -1, 1, -(2**31) + 1, 2**31 - 2] * 6 + [5, 5, 5],
                             dtype=torch.int64)
-    else:
+    elif case == "ties":
         keys = torch.randint(-3, 3, (n,), generator=gen, dtype=torch.int64) * (2**21 + 7)
+    else:
+        keys = torch.randint(-6, 6, (n,), generator=gen, dtype=torch.int64) + 1000
     keys = keys.to(torch.int32).to(DEVICE)
     out = torch.full((n, 4), 7, dtype=torch.int32, device=DEVICE)
-    both[(n,)](keys, n, out, RB=64)
+    scratch = torch.full((n, cand), 7, dtype=torch.int32, device=DEVICE)
+    both[(n,)](keys, n, out, scratch, RB=64, CAND=cand)
     out = out.cpu()
     assert torch.equal(out[:, :2], out[:, 2:]), out
     ordered = torch.sort(keys.cpu(), descending=True).values
     assert torch.equal(out[:, 0], ordered[:n])  # the kk-th largest
 
 
-def test_topk_sort_kernel_equals_reference_exact():
-    """The one-warp sort kernel orders the selected rows exactly as the reference (ties, -1 padding); the
-    interpreter runs it up to k = 64 and sorts wider rows on the host."""
+def test_topk_ids_ascending_for_any_k():
+    """Every row is the reference's list: its ids ascending, then -1 (every slot written: the output buffer
+    starts poisoned), for k from 1 to wider than any row."""
     gen = torch.Generator().manual_seed(5)
     packed, meta = _pack([37, 58, 5, 23], [40, 60, 8, 24])
     q, w, k = _int_inputs(packed.num_rows, meta.num_entries, 3, 16, gen)
-    for topk in (6, 32):
+    for topk in (1, 6, 32):
         expected = indexer_topk_ref(q, w, k, meta.vis_start, meta.vis_end, topk)
         got = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, topk, backend="triton")
-        assert torch.equal(got, expected)
+        assert torch.equal(got, expected), topk
+        ids = torch.where(got < 0, torch.iinfo(torch.int64).max, got)
+        assert (ids[:, 1:] > ids[:, :-1]).logical_or(ids[:, 1:] == torch.iinfo(torch.int64).max).all()
+        assert torch.equal((got >= 0).sum(1), (meta.vis_end - meta.vis_start).clamp(0, topk))
 
 
 def test_topk_chunk_plan_kept_per_pack_and_redone_on_change():
@@ -193,7 +204,7 @@ def test_topk_random_floats_same_sets():
     scores = [indexer_scores_ref(q[t:t + 1].double(), w[t:t + 1].double(),
                                  k[int(meta.vis_start[t]):int(meta.vis_end[t])].double())[0] for t in range(T)]
     _assert_same_sets(got.cpu(), expected.cpu(), scores, vis_start, 1e-5)
-    # Distinct random scores: the best-first order matches as well.
+    # Distinct random scores: the lists match exactly as well.
     assert torch.equal(got, expected)
 
 

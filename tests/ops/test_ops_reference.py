@@ -78,6 +78,15 @@ def test_topk_ties_go_to_lower_id_and_pad():
     assert got.tolist() == [[-1, -1, -1], [0, 1, 2], [2, 3, 4]]
 
 
+def test_topk_lists_ids_ascending():
+    """The picked ids come in ascending order, not by score: scores 5, 1, 2, 6 pick ids 0 and 3 as [0, 3]."""
+    q = torch.ones(1, 1, 1, dtype=D)
+    w = torch.ones(1, 1, dtype=D)
+    k = torch.tensor([[5.0], [1.0], [2.0], [6.0]], dtype=D)
+    got = indexer_topk_ref(q, w, k, torch.tensor([0]), torch.tensor([4]), topk=2)
+    assert got.tolist() == [[0, 3]]
+
+
 def test_topk_chunking_does_not_change_selection():
     packed = PackedSeqs.from_lengths([50, 7, 61])
     meta = packed.compress(4)

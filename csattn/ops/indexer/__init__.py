@@ -12,7 +12,7 @@ __all__ = ["IndexerConfig", "indexer_scores_ref", "indexer_topk_ref", "indexer_t
 def indexer_topk(q: Tensor, w: Tensor, k: Tensor, vis_start: Tensor, vis_end: Tensor, topk: int,
                  workspace_bytes: int = 1 << 30, backend: Backend = "reference",
                  config: IndexerConfig | None = None) -> Tensor:
-    """Dispatch point for the indexer top-k: ``[T, topk]`` int64 ids, best first, ties to the lower id, -1 pad.
+    """Dispatch point for the indexer top-k: ``[T, topk]`` int64 ids, ascending, ties to the lower id, -1 pad.
 
     ``backend="reference"`` runs the plain-PyTorch reference; ``"triton"`` the fused score + exact selection
     kernels (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``). Both return the same ids; see

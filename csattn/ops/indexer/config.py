@@ -32,6 +32,11 @@ class IndexerConfig(KernelConfig):
     seg: int = 1024
     select_warps: int = 4
     register_row: int = 32768
+    # the in-register search counts over the whole row until its bracket holds at most `cand` keys, then over
+    # those alone (capped at 2 * topk: they are parked in the row's output slots)
+    cand: int = 1024
+    # a register cap for the score kernel (0: the compiler's choice), so that more programs share an SM
+    maxnreg: int = 0
     # radix=1: rows searched in registers find their threshold by three radix-histogram passes (11 + 11 + 10 bits)
     # instead of the bisection's up to 32 block-wide counts (the same threshold and count, so the same selection;
     # timed on the H200 at f0c4080: 3.3x (8k) / 4.9x (32k) slower than the bisection, tl.histogram's per-key

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["indexer_scores_ref", "indexer_topk_ref", "row_chunks", "fixed_row_chunks"]
+__all__ = ["indexer_scores_ref", "indexer_topk_ref", "row_chunks", "fixed_row_chunks", "ids_ascending"]
 
 
 def indexer_scores_ref(q: Tensor, w: Tensor, k: Tensor) -> Tensor:
@@ -27,6 +27,14 @@ def indexer_scores_ref(q: Tensor, w: Tensor, k: Tensor) -> Tensor:
     else:
         logits = torch.einsum("rhc,rkc->rhk", q, k)
     return torch.einsum("rhk,rh->rk", logits.relu(), w)
+
+
+def ids_ascending(ids: Tensor) -> Tensor:
+    """``[R, k]`` id lists (-1 = none) in ascending id order, the -1 slots last: the order every top-k path
+    returns, so a selected set has one representation whatever the path."""
+    big = torch.iinfo(ids.dtype).max
+    ordered = torch.sort(torch.where(ids < 0, big, ids), dim=1).values
+    return torch.where(ordered == big, -1, ordered)
 
 
 def fixed_row_chunks(num_rows: int, bytes_per_row: int, budget: int) -> list[tuple[int, int]]:
@@ -85,7 +93,8 @@ def indexer_topk_ref(
         workspace_bytes: bound on the scores workspace (rows x keys x heads) of one chunk.
 
     Returns:
-        ``[T, topk]`` int64 global key ids, best first; ties go to the lower id; unused slots are -1.
+        ``[T, topk]`` int64 global key ids of each row's ``topk`` best keys (ties go to the lower id) in
+        ascending id order; unused slots are -1.
     """
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
@@ -105,5 +114,5 @@ def indexer_topk_ref(
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :topk]
         picked_scores = scores.gather(1, order)
         picked = torch.where(picked_scores > float("-inf"), order + key_lo, -1)
-        out[lo:hi, : picked.shape[1]] = picked
+        out[lo:hi, : picked.shape[1]] = ids_ascending(picked)
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .naive import fixed_row_chunks, indexer_scores_ref
+from .naive import fixed_row_chunks, ids_ascending, indexer_scores_ref
 
 __all__ = ["indexer_topk_static", "static_window"]
 
@@ -47,7 +47,7 @@ def indexer_topk_static(
         config: the fused kernels' ``IndexerConfig`` (None: the defaults; the reference ignores it).
 
     Returns:
-        ``[T, topk]`` int64 global ids, best first, ties to the lower id, -1 where unused.
+        ``[T, topk]`` int64 global ids, ascending, ties to the lower id, -1 where unused.
     """
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
@@ -68,5 +68,5 @@ def indexer_topk_static(
         scores = indexer_scores_ref(q[lo:hi], w[lo:hi], k[ids]).masked_fill(~valid, float("-inf"))
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :topk]
         picked = torch.where(scores.gather(1, order) > float("-inf"), ids.gather(1, order), -1)
-        out[lo:hi, : picked.shape[1]] = picked
+        out[lo:hi, : picked.shape[1]] = ids_ascending(picked)
     return out

@@ -11,7 +11,6 @@ from .triton import (
     _MAX_WORKSPACE,
     _compute_dtype,
     _interpreting,
-    finish_topk,
     indexer_scores_fwd,
     select_topk,
 )
@@ -30,9 +29,9 @@ def indexer_topk_static_triton(
     if not q.is_cuda and not interpret:
         raise ValueError("indexer_topk_static_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
     num_rows, num_keys = q.shape[0], k.shape[0]
-    out = torch.full((num_rows, topk), -1, dtype=torch.int64, device=q.device)
     if num_rows == 0 or num_keys == 0 or width < 1:
-        return out
+        return torch.full((num_rows, topk), -1, dtype=torch.int64, device=q.device)
+    out = torch.empty((num_rows, topk), dtype=torch.int64, device=q.device)  # the selection writes every slot
     dtype = _compute_dtype(q, k)
     q, k = q.to(dtype).contiguous(), k.to(dtype).contiguous()
     w = w.float().contiguous()
@@ -48,4 +47,4 @@ def indexer_topk_static_triton(
         indexer_scores_fwd(q, w, k, vis_start, vis_end, lo, hi, 0, num_keys, out=scores, ordered_keys=True,
                            config=config)
         select_topk(scores, vis_start, vis_end, out, lo, 0, width, config=config)
-    return finish_topk(out)
+    return out

@@ -7,10 +7,9 @@ Two passes over a bounded workspace, never the whole ``[T, Nc]`` score matrix at
    written to a row-chunk workspace as int32 keys that order like the scores. Tiles outside every row's
    visible range are skipped.
 2. ``indexer_topk_select_kernel``: per row, the exact k-th largest key by bisection with the row alone in
-   registers (one block-wide count a step), then one pass over the row in tiles that parks the taken entries
-   (keys above the threshold, plus the lowest ids among those equal to it) as packed ``(score, -id)`` sort keys.
-3. ``indexer_topk_sort_kernel``: one warp a row sorts them best first, ties toward the lower id: the same list
-   as ``indexer_topk_ref``.
+   registers (one block-wide count a step, then over the last bracket's keys alone), then one pass over the row
+   in tiles that writes the taken ids (keys above the threshold, plus the lowest ids among those equal to it) in
+   ascending order and -1 after them: the same list as ``indexer_topk_ref``.
 """
 
 from __future__ import annotations
@@ -24,13 +23,22 @@ from torch import Tensor
 
 from .config import IndexerConfig
 
-__all__ = ["IndexerConfig", "indexer_scores_fwd", "indexer_topk_triton", "select_topk", "finish_topk"]
+__all__ = ["IndexerConfig", "indexer_scores_fwd", "indexer_topk_triton", "select_topk"]
 
 # Rows of the workspace are at most this many bytes apart from the budget the caller gives; the default keeps
 # the transient scores of one chunk well under the layer's activation memory.
 _MAX_WORKSPACE = 256 << 20
 
 _DEFAULT = IndexerConfig()
+
+
+@triton.jit
+def _head_logits(q_ptr, q_mask, k_t, IEEE: tl.constexpr):
+    """``q_h [BT, cI] @ k_t [cI, BK]`` of one head, fp32 accumulation (IEEE fp32 products for fp32 inputs)."""
+    q_h = tl.load(q_ptr, mask=q_mask, other=0.0)
+    if IEEE:
+        return tl.dot(q_h, k_t, input_precision="ieee")
+    return tl.dot(q_h, k_t)
 
 
 @triton.jit
@@ -59,13 +67,11 @@ def indexer_scores_fwd_kernel(
                       mask=key_mask[None, :] & ch_mask[:, None], other=0.0)
         acc = tl.zeros((BT, BK), dtype=tl.float32)
         q_ptr = q + rows[:, None].to(tl.int64) * (HI * CI) + ch[None, :]
+        w_ptr = w + rows.to(tl.int64) * HI
+        q_mask = row_mask[:, None] & ch_mask[None, :]
         for h in range(HI):
-            q_h = tl.load(q_ptr + h * CI, mask=row_mask[:, None] & ch_mask[None, :], other=0.0)
-            w_h = tl.load(w + rows.to(tl.int64) * HI + h, mask=row_mask, other=0.0)
-            if IEEE:
-                logits = tl.dot(q_h, k_t, input_precision="ieee")
-            else:
-                logits = tl.dot(q_h, k_t)
+            logits = _head_logits(q_ptr + h * CI, q_mask, k_t, IEEE)
+            w_h = tl.load(w_ptr + h, mask=row_mask, other=0.0)
             acc += w_h[:, None] * tl.maximum(logits, 0.0)
         out = scores + local[:, None].to(tl.int64) * stride_s + (keys - key_lo)[None, :]
         if ORDERED_KEYS:
@@ -88,17 +94,55 @@ def _bisect_step(lo, hi, above, mid, cnt, kk):
 
 
 @triton.jit
-def _bisect_regs(key, kk):
-    """``(thr, above)``: the kk-th largest of the in-register int32 row ``key`` (padded with INT32_MIN; kk at
-    most the number of real keys) and how many keys are above it; one block-wide count a step over
-    ``[INT32_MIN, max]``."""
+def _count_min_max(c0, lo0, hi0, c1, lo1, hi1):
+    return c0 + c1, tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
+
+
+@triton.jit
+def _bisect_regs(key, kk, n, cand, CAND: tl.constexpr):
+    """``(thr, above)``: the kk-th largest of the in-register int32 row ``key`` (``n`` real keys, then padding
+    with INT32_MIN; ``kk <= n``) and how many keys are above it.
+
+    The bracket ``[lo, hi]`` always holds the threshold: ``count(key >= lo) = c_lo >= kk`` and ``count(key > hi) =
+    above < kk``. While it holds more than ``CAND`` keys, one block-wide count of the whole row a step halves it
+    (the steps' integer work is what bounds the selection). Then its keys, at most ``CAND``, are parked in
+    ``cand`` (scratch of this program) and the search goes on over them alone: a count there plus the keys above
+    the parked bracket is the row's count, and each step also moves the bound it sets onto the nearest key
+    beyond the midpoint, so it ends after about ``log2(CAND)`` short steps instead of one per remaining bit.
+    """
     lo = tl.full((), -(2**31), tl.int64)
     hi = tl.max(key, axis=0).to(tl.int64)
+    c_lo = n.to(tl.int32)
     above = tl.zeros((), dtype=tl.int32)
-    while lo < hi:
+    while (lo < hi) & (c_lo - above > CAND):
         mid = lo + (hi - lo + 1) // 2
         cnt = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
-        lo, hi, above = _bisect_step(lo, hi, above, mid, cnt, kk)
+        take = cnt >= kk
+        lo = tl.where(take, mid, lo)
+        c_lo = tl.where(take, cnt, c_lo)
+        hi = tl.where(take, hi, mid - 1)
+        above = tl.where(take, above, cnt)
+    if lo < hi:
+        rel = tl.arange(0, key.shape[0])
+        inside = (rel < n) & (key >= lo.to(tl.int32)) & (key <= hi.to(tl.int32))
+        slot = tl.cumsum(inside.to(tl.int32), axis=0) - 1
+        tl.store(cand + slot, key, mask=inside)
+        tl.debug_barrier()  # the parked keys are read back by other threads of the program
+        offs = tl.arange(0, CAND)
+        ck = tl.load(cand + offs, mask=offs < c_lo - above, other=-(2**31))
+        outside = above  # the keys above the parked bracket: a count over `ck` misses exactly these
+        while lo < hi:
+            mid = (lo + (hi - lo + 1) // 2).to(tl.int32)
+            ge = ck >= mid
+            cnt, nxt_lo, nxt_hi = tl.reduce(
+                (ge.to(tl.int32), tl.where(ge, ck, 2**31 - 1), tl.where(ge, -(2**31), ck)), 0, _count_min_max)
+            cnt += outside
+            take = cnt >= kk
+            # take: some key >= mid exists (cnt >= kk > above); else some key in [lo, mid) does (c_lo >= kk > cnt)
+            lo = tl.where(take, nxt_lo.to(tl.int64), lo)
+            hi = tl.where(take, hi, nxt_hi.to(tl.int64))
+            above = tl.where(take, above, cnt)
+        tl.debug_barrier()  # every thread has read its parked keys before the compaction reuses the scratch
     return lo.to(tl.int32), above
 
 
@@ -161,18 +205,19 @@ def _bisect_stream(base, start, end, kk, BK: tl.constexpr):
 
 
 @triton.jit
-def _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, SEG: tl.constexpr):
-    """Park the packed sort key ``(ordered score << 31) | (2^31 - 1 - id)`` of every taken entry in the output row:
-    every key above ``thr`` from slot 0 up, the first ``need_eq`` keys equal to it (lowest ids) from slot
-    ``kk - 1`` down; the two meet exactly (a row taking all its keys passes INT32_MIN and ``need_eq = kk``).
+def _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, topk, SEG: tl.constexpr):
+    """Write the row's ids in ascending order: every key above ``thr`` and the first ``need_eq`` keys equal to it
+    (the lowest ids), then ``-1`` up to ``topk`` (a row taking all its keys passes INT32_MIN and ``need_eq = kk``).
 
     The row is read again in ``SEG`` tiles (from L2: the threshold search has just read it), so only one tile's
     ranks, keys and addresses are live at a time and the search keeps the row alone in registers. One scan a
-    tile ranks both kinds: keys above in the low 16 bits, keys equal in the high 16 (``SEG <= 2^14``).
+    tile ranks both kinds, keys above in the low 16 bits and keys equal in the high 16 (``SEG <= 2^14``): a
+    taken key's slot is the number of taken keys up to it. The scan stops at the tile that completes the list.
     """
-    gt_base = tl.zeros((), dtype=tl.int32)
-    eq_base = tl.zeros((), dtype=tl.int32)
-    for j in range(start, end, SEG):
+    gt_seen = tl.zeros((), dtype=tl.int32)
+    eq_seen = tl.zeros((), dtype=tl.int32)
+    j = start
+    while (j < end) & (gt_seen + tl.minimum(eq_seen, need_eq) < kk):
         offs = j + tl.arange(0, SEG)
         inside = offs < end
         key = tl.load(base + offs, mask=inside, other=-(2**31))
@@ -180,24 +225,28 @@ def _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, SEG: tl.conste
         eq = inside & (key == thr)
         code = gt.to(tl.int32) | (eq.to(tl.int32) << 16)
         ranks = tl.cumsum(code, axis=0)
-        eq_rank = eq_base + (ranks >> 16) - 1
-        sel = gt | (eq & (eq_rank < need_eq))
-        pos = tl.where(gt, gt_base + (ranks & 0xFFFF) - 1, kk - 1 - eq_rank)
-        packed = ((key.to(tl.int64) + 2**31) << 31) | (2**31 - 1 - key_lo - offs.to(tl.int64))
-        tl.store(out_row + pos, packed, mask=sel)
+        eq_upto = tl.minimum(eq_seen + (ranks >> 16), need_eq)
+        sel = gt | (eq & (eq_seen + (ranks >> 16) <= need_eq))
+        tl.store(out_row + gt_seen + (ranks & 0xFFFF) + eq_upto - 1, key_lo + offs.to(tl.int64), mask=sel)
         total = tl.sum(code, axis=0)
-        gt_base += total & 0xFFFF
-        eq_base += total >> 16
+        gt_seen += total & 0xFFFF
+        eq_seen += total >> 16
+        j += SEG
+    for p in range(kk, topk, SEG):
+        slots = p + tl.arange(0, SEG)
+        tl.store(out_row + slots, tl.full((SEG,), -1, tl.int64), mask=slots < topk)
 
 
 @triton.jit
 def indexer_topk_select_kernel(
     scores, vis_start, vis_end, out,
     row_lo, key_lo, stride_s, topk,
-    BK: tl.constexpr, RB: tl.constexpr, IN_REGS: tl.constexpr, SEG: tl.constexpr, RADIX: tl.constexpr = False,
+    BK: tl.constexpr, RB: tl.constexpr, IN_REGS: tl.constexpr, SEG: tl.constexpr, CAND: tl.constexpr,
+    RADIX: tl.constexpr = False,
 ):
-    """Row ``row_lo + program`` of ``out`` (filled with -1 beforehand) gets the packed sort keys of its taken
-    entries in slots ``[0, min(visible, topk))``; ``indexer_topk_sort_kernel`` orders and unpacks them."""
+    """Row ``row_lo + program`` of ``out``: the ids of its ``min(visible, topk)`` best keys in ascending order
+    (ties to the lower id), then -1. The row of ``out`` (``8 * topk`` bytes, ``CAND <= 2 * topk``) is also the
+    threshold search's scratch until the ids are written."""
     tl.static_assert(SEG <= 2**14, "the compaction packs two ranks into the 16-bit halves of an int32")
     t = tl.program_id(0)
     row = row_lo + t
@@ -206,39 +255,24 @@ def indexer_topk_select_kernel(
     n = tl.maximum(end - start, 0)
     kk = tl.minimum(n, topk)
     base = scores + t.to(tl.int64) * stride_s
-    if kk > 0:
-        # thr = the kk-th largest key: every key above it is taken and need_eq of the keys equal to it, the
-        # lowest ids first; a row with at most topk keys takes them all (every key is >= INT32_MIN).
-        thr = tl.full((), -(2**31), tl.int32)
-        need_eq = kk
-        if n > topk:
-            if IN_REGS:
-                # Keys past the row read as INT32_MIN: every threshold tried is above it, so counts need no mask.
-                rel = tl.arange(0, RB)
-                key = tl.load(base + start + rel, mask=rel < n, other=-(2**31))
-                if RADIX:
-                    thr, above = _radix_regs(key, kk)
-                else:
-                    thr, above = _bisect_regs(key, kk)
+    out_row = out + row.to(tl.int64) * topk
+    # thr = the kk-th largest key: every key above it is taken and need_eq of the keys equal to it, the lowest
+    # ids first; a row with at most topk keys takes them all (every key is >= INT32_MIN).
+    thr = tl.full((), -(2**31), tl.int32)
+    need_eq = kk
+    if n > topk:
+        if IN_REGS:
+            # Keys past the row read as INT32_MIN: every threshold tried is above it, so counts need no mask.
+            rel = tl.arange(0, RB)
+            key = tl.load(base + start + rel, mask=rel < n, other=-(2**31))
+            if RADIX:
+                thr, above = _radix_regs(key, kk)
             else:
-                thr, above = _bisect_stream(base, start, end, kk, BK)
-            need_eq = kk - above
-        _compact(base, start, end, thr, need_eq, kk, key_lo, out + row.to(tl.int64) * topk, SEG)
-
-
-@triton.jit
-def indexer_topk_sort_kernel(out, topk, KP: tl.constexpr):
-    """Order one row of packed sort keys best first (ties to the lower id) and unpack the ids; -1 stays -1.
-
-    A program of its own, one warp wide: the exchanges of a 512-key bitonic sort are in-thread or warp shuffles
-    (no shared memory, no barriers); inside the 4-8-warp selection program most of them cross warps (27 block
-    barriers compiled for sm_90). Measured at 32k: selection 1.58 ms + this 0.29 against 1.96 with the sort inside.
-    """
-    row = tl.program_id(0).to(tl.int64)
-    slots = tl.arange(0, KP)
-    ptr = out + row * topk + slots
-    packed = tl.sort(tl.load(ptr, mask=slots < topk, other=-1), descending=True)
-    tl.store(ptr, tl.where(packed >= 0, (2**31 - 1) - (packed & (2**31 - 1)), -1), mask=slots < topk)
+                thr, above = _bisect_regs(key, kk, n, out_row.to(tl.pointer_type(tl.int32)), CAND)
+        else:
+            thr, above = _bisect_stream(base, start, end, kk, BK)
+        need_eq = kk - above
+    _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, topk, SEG)
 
 
 def _compute_dtype(q: Tensor, k: Tensor) -> torch.dtype:
@@ -277,7 +311,7 @@ def indexer_scores_fwd(
         row_lo, num_rows, key_lo, num_keys, out.stride(0),
         HI=heads, CI=ci, CIP=max(16, triton.next_power_of_2(ci)), BT=bt, BK=bk,
         IEEE=q.dtype == torch.float32, ORDERED_KEYS=ordered_keys, num_warps=cfg.warps,
-        num_stages=cfg.stages,
+        num_stages=cfg.stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     return out
 
@@ -339,7 +373,8 @@ def indexer_topk_triton(
         config: the kernels' launch settings (:class:`IndexerConfig`; None: the defaults).
 
     Returns:
-        ``[T, topk]`` int64 global key ids, best first; ties go to the lower id; unused slots are -1.
+        ``[T, topk]`` int64 global key ids of each row's ``topk`` best keys (ties go to the lower id) in
+        ascending id order; unused slots are -1.
 
     Example:
         >>> ids = indexer_topk_triton(q, w, k, meta.vis_start, meta.vis_end, 512)
@@ -355,9 +390,9 @@ def indexer_topk_triton(
     if not q.is_cuda and not interpret:
         raise ValueError("indexer_topk_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
     num_rows = q.shape[0]
-    out = torch.full((num_rows, topk), -1, dtype=torch.int64, device=q.device)
     if num_rows == 0 or k.shape[0] == 0:
-        return out
+        return torch.full((num_rows, topk), -1, dtype=torch.int64, device=q.device)
+    out = torch.empty((num_rows, topk), dtype=torch.int64, device=q.device)  # the selection writes every slot
     dtype = _compute_dtype(q, k)
     q = q.to(dtype).contiguous()
     k = k.to(dtype).contiguous()
@@ -368,6 +403,7 @@ def indexer_topk_triton(
     workspace = None
     for lo, hi, key_lo, key_hi, widest in _chunks(vis_start, vis_end, budget):
         if key_hi <= key_lo:
+            out[lo:hi] = -1  # no row of the chunk sees a key
             continue
         need = (hi - lo) * (key_hi - key_lo)
         if workspace is None or workspace.numel() < need:
@@ -376,36 +412,25 @@ def indexer_topk_triton(
         indexer_scores_fwd(q, w, k, vis_start, vis_end, lo, hi, key_lo, key_hi, out=scores, ordered_keys=True,
                            config=config)
         select_topk(scores, vis_start, vis_end, out, lo, key_lo, widest, config=config)
-    return finish_topk(out)
+    return out
 
 
 def select_topk(scores: Tensor, vis_start: Tensor, vis_end: Tensor, out: Tensor, row_lo: int, key_lo: int,
                 widest: int, config: IndexerConfig | None = None) -> None:
-    """Exact top-k of the workspace rows ``scores [R, K]`` (ordered int32 keys of ids ``key_lo..``) into
-    ``out[row_lo : row_lo + R]`` (filled with -1 beforehand); ``widest`` bounds the rows' visible ranges. Once
-    every row is selected, :func:`finish_topk` turns ``out`` into ids."""
+    """Exact top-k of the workspace rows ``scores [R, K]`` (ordered int32 keys of ids ``key_lo..``) into every
+    slot of ``out[row_lo : row_lo + R]`` (ids ascending, then -1); ``widest`` bounds the rows' visible ranges."""
     topk = out.shape[1]
     cfg = config or _DEFAULT
     # Rows up to register_row keys search their threshold in registers (at least one warp per 4096 keys), longer
-    # ones stream their workspace row.
+    # ones stream their workspace row. The search parks its last candidates in the row of `out` (8 * topk bytes).
     rb = max(16, triton.next_power_of_2(max(widest, 1)))
     in_regs = rb <= cfg.register_row
+    cand = 1 << (min(cfg.cand, 2 * topk).bit_length() - 1)
     indexer_topk_select_kernel[(scores.shape[0],)](
         scores, vis_start, vis_end, out, row_lo, key_lo, scores.stride(0), topk,
-        BK=1024, RB=rb if in_regs else 16, IN_REGS=in_regs, SEG=cfg.seg, RADIX=bool(cfg.radix),
+        BK=1024, RB=rb if in_regs else 16, IN_REGS=in_regs, SEG=cfg.seg, CAND=cand, RADIX=bool(cfg.radix),
         num_warps=max(cfg.select_warps, rb // 4096) if in_regs else 16,
     )
-
-
-def finish_topk(out: Tensor) -> Tensor:
-    """``out`` after :func:`select_topk` as ids best first, ties to the lower id, -1 pad."""
-    kp = triton.next_power_of_2(out.shape[1])
-    if _interpreting() and kp > 64:
-        # the interpreter's bitonic sort is very slow at k = 512; the host sort gives the same order
-        packed = torch.sort(out, dim=1, descending=True).values
-        return torch.where(packed >= 0, (2**31 - 1) - (packed & (2**31 - 1)), -1)
-    indexer_topk_sort_kernel[(out.shape[0],)](out, out.shape[1], KP=kp, num_warps=1)
-    return out
 
 
 def _interpreting() -> bool:
