@@ -34,7 +34,7 @@ if triton is not None:
         kk = tl.program_id(0) + 1
         rel = tl.arange(0, RB)
         key = tl.load(keys + rel, mask=rel < n, other=-(2**31))
-        t1, a1 = _bisect_regs(key, kk, n, scratch + tl.program_id(0) * CAND, CAND)
+        t1, a1 = _bisect_regs(key, kk, n, keys, scratch + tl.program_id(0) * CAND, CAND, 16)
         t2, a2 = _radix_regs(key, kk)
         base = out + tl.program_id(0) * 4
         tl.store(base, t1)

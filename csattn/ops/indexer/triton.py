@@ -99,9 +99,9 @@ def _count_min_max(c0, lo0, hi0, c1, lo1, hi1):
 
 
 @triton.jit
-def _bisect_regs(key, kk, n, cand, CAND: tl.constexpr):
+def _bisect_regs(key, kk, n, row, cand, CAND: tl.constexpr, SEG: tl.constexpr):
     """``(thr, above)``: the kk-th largest of the in-register int32 row ``key`` (``n`` real keys, then padding
-    with INT32_MIN; ``kk <= n``) and how many keys are above it.
+    with INT32_MIN; ``kk <= n``; the same keys are at ``row`` in memory) and how many keys are above it.
 
     The bracket ``[lo, hi]`` always holds the threshold: ``count(key >= lo) = c_lo >= kk`` and ``count(key > hi) =
     above < kk``. While it holds more than ``CAND`` keys, one block-wide count of the whole row a step halves it
@@ -123,10 +123,16 @@ def _bisect_regs(key, kk, n, cand, CAND: tl.constexpr):
         hi = tl.where(take, hi, mid - 1)
         above = tl.where(take, above, cnt)
     if lo < hi:
-        rel = tl.arange(0, key.shape[0])
-        inside = (rel < n) & (key >= lo.to(tl.int32)) & (key <= hi.to(tl.int32))
-        slot = tl.cumsum(inside.to(tl.int32), axis=0) - 1
-        tl.store(cand + slot, key, mask=inside)
+        # The row is read again in SEG tiles (from L2) to park the bracket's keys: a scan over the whole
+        # in-register row would hold its ranks beside it, and those registers would cost programs per SM.
+        parked = tl.zeros((), dtype=tl.int32)
+        for j in range(0, n, SEG):
+            offs = j + tl.arange(0, SEG)
+            tile = tl.load(row + offs, mask=offs < n, other=-(2**31))
+            inside = (offs < n) & (tile >= lo.to(tl.int32)) & (tile <= hi.to(tl.int32))
+            slot = parked + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+            tl.store(cand + slot, tile, mask=inside)
+            parked += tl.sum(inside.to(tl.int32), axis=0)
         tl.debug_barrier()  # the parked keys are read back by other threads of the program
         offs = tl.arange(0, CAND)
         ck = tl.load(cand + offs, mask=offs < c_lo - above, other=-(2**31))
@@ -268,7 +274,7 @@ def indexer_topk_select_kernel(
             if RADIX:
                 thr, above = _radix_regs(key, kk)
             else:
-                thr, above = _bisect_regs(key, kk, n, out_row.to(tl.pointer_type(tl.int32)), CAND)
+                thr, above = _bisect_regs(key, kk, n, base + start, out_row.to(tl.pointer_type(tl.int32)), CAND, SEG)
         else:
             thr, above = _bisect_stream(base, start, end, kk, BK)
         need_eq = kk - above
