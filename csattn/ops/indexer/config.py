@@ -25,11 +25,11 @@ class IndexerConfig(KernelConfig):
     (``IndexerConfig.parse("bt=64,warps=4")``) override these.
     """
 
-    bt: int = 128
+    bt: int = 64
     bk: int = 128
-    warps: int = 8
-    stages: int = 3
-    seg: int = 1024
+    warps: int = 4
+    stages: int = 2
+    seg: int = 512
     select_warps: int = 4
     register_row: int = 32768
     # the in-register search counts over the whole row until its bracket holds at most `cand` keys, then over

@@ -123,10 +123,10 @@ def _bisect_regs(key, kk, n, row, cand, CAND: tl.constexpr, SEG: tl.constexpr):
         hi = tl.where(take, hi, mid - 1)
         above = tl.where(take, above, cnt)
     if lo < hi:
-        # The row is read again in SEG tiles (from L2) to park the bracket's keys: a scan over the whole
-        # in-register row would hold its ranks beside it, and those registers would cost programs per SM.
+        # The row is read again in SEG tiles (from L2, loads pipelined) to park the bracket's keys: a scan over
+        # the whole in-register row would hold its ranks beside it, and those registers would cost programs per SM.
         parked = tl.zeros((), dtype=tl.int32)
-        for j in range(0, n, SEG):
+        for j in tl.range(0, n, SEG, num_stages=3):
             offs = j + tl.arange(0, SEG)
             tile = tl.load(row + offs, mask=offs < n, other=-(2**31))
             inside = (offs < n) & (tile >= lo.to(tl.int32)) & (tile <= hi.to(tl.int32))
@@ -218,12 +218,12 @@ def _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, topk, SEG: tl.
     The row is read again in ``SEG`` tiles (from L2: the threshold search has just read it), so only one tile's
     ranks, keys and addresses are live at a time and the search keeps the row alone in registers. One scan a
     tile ranks both kinds, keys above in the low 16 bits and keys equal in the high 16 (``SEG <= 2^14``): a
-    taken key's slot is the number of taken keys up to it. The scan stops at the tile that completes the list.
+    taken key's slot is the number of taken keys up to it. The tiles' loads are pipelined (``tl.range`` stages):
+    the scan of one tile overlaps the L2 reads of the next.
     """
     gt_seen = tl.zeros((), dtype=tl.int32)
     eq_seen = tl.zeros((), dtype=tl.int32)
-    j = start
-    while (j < end) & (gt_seen + tl.minimum(eq_seen, need_eq) < kk):
+    for j in tl.range(start, end, SEG, num_stages=3):
         offs = j + tl.arange(0, SEG)
         inside = offs < end
         key = tl.load(base + offs, mask=inside, other=-(2**31))
@@ -237,7 +237,6 @@ def _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, topk, SEG: tl.
         total = tl.sum(code, axis=0)
         gt_seen += total & 0xFFFF
         eq_seen += total >> 16
-        j += SEG
     for p in range(kk, topk, SEG):
         slots = p + tl.arange(0, SEG)
         tl.store(out_row + slots, tl.full((SEG,), -1, tl.int64), mask=slots < topk)
