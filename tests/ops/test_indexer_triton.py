@@ -250,7 +250,8 @@ def test_topk_gpu_bf16_real_geometry():
     assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton", config=streamed),
                        got)
     # So do the other search and sort settings the benchmark compares, in the same order.
-    for spec in ("seg=512", "seg=2048", "seg=2048,select_warps=8", "radix=1"):
+    for spec in ("seg=1024", "seg=2048", "seg=2048,select_warps=8", "radix=1", "cand=2", "tma=1",
+                 "bt=128,warps=8,stages=3"):
         config = IndexerConfig.parse(spec)
         assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton", config=config),
                            got), spec

@@ -37,6 +37,8 @@ class IndexerConfig(KernelConfig):
     cand: int = 1024
     # a register cap for the score kernel (0: the compiler's choice), so that more programs share an SM
     maxnreg: int = 0
+    # tma=1: the score kernel reads its query blocks through a TMA descriptor (bf16 / fp16, power-of-two cI)
+    tma: int = 0
     # radix=1: rows searched in registers find their threshold by three radix-histogram passes (11 + 11 + 10 bits)
     # instead of the bisection's up to 32 block-wide counts (the same threshold and count, so the same selection;
     # timed on the H200 at f0c4080: 3.3x (8k) / 4.9x (32k) slower than the bisection, tl.histogram's per-key

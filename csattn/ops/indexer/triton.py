@@ -43,10 +43,11 @@ def _head_logits(q_ptr, q_mask, k_t, IEEE: tl.constexpr):
 
 @triton.jit
 def indexer_scores_fwd_kernel(
-    q, w, k, vis_start, vis_end, scores,
+    q, q_desc, w, k, vis_start, vis_end, scores,
     row_lo, num_rows, key_lo, num_keys, stride_s,
     HI: tl.constexpr, CI: tl.constexpr, CIP: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, ORDERED_KEYS: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     # Key tiles vary fastest so the programs running together share one row block's queries in L2.
     pid_k = tl.program_id(0)
@@ -70,7 +71,11 @@ def indexer_scores_fwd_kernel(
         w_ptr = w + rows.to(tl.int64) * HI
         q_mask = row_mask[:, None] & ch_mask[None, :]
         for h in range(HI):
-            logits = _head_logits(q_ptr + h * CI, q_mask, k_t, IEEE)
+            if TMA:
+                # the tensor-memory unit brings the [BT, cI] block (rows past T read as zeros)
+                logits = tl.dot(q_desc.load([row_lo + pid_t * BT, h * CI]), k_t)
+            else:
+                logits = _head_logits(q_ptr + h * CI, q_mask, k_t, IEEE)
             w_h = tl.load(w_ptr + h, mask=row_mask, other=0.0)
             acc += w_h[:, None] * tl.maximum(logits, 0.0)
         out = scores + local[:, None].to(tl.int64) * stride_s + (keys - key_lo)[None, :]
@@ -311,11 +316,18 @@ def indexer_scores_fwd(
     cfg = config or _DEFAULT
     bt, bk = cfg.bt, cfg.bk
     grid = (triton.cdiv(num_keys, bk), triton.cdiv(num_rows, bt))
+    # tma=1: query blocks by TMA (16-bit inputs whose head width is a power of two: a block is one head)
+    tma = bool(cfg.tma) and q.dtype != torch.float32 and ci == triton.next_power_of_2(ci) and ci >= 16
+    q_desc = q
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        q_desc = TensorDescriptor.from_tensor(q.view(q.shape[0], heads * ci), [bt, ci])
     indexer_scores_fwd_kernel[grid](
-        q, w, k, vis_start, vis_end, out,
+        q, q_desc, w, k, vis_start, vis_end, out,
         row_lo, num_rows, key_lo, num_keys, out.stride(0),
         HI=heads, CI=ci, CIP=max(16, triton.next_power_of_2(ci)), BT=bt, BK=bk,
-        IEEE=q.dtype == torch.float32, ORDERED_KEYS=ordered_keys, num_warps=cfg.warps,
+        IEEE=q.dtype == torch.float32, ORDERED_KEYS=ordered_keys, TMA=tma, num_warps=cfg.warps,
         num_stages=cfg.stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     return out
