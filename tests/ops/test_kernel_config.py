@@ -208,7 +208,7 @@ def test_layer_indexer_kernels_launch_with_the_layer_config(capture_safe, monkey
 
         for name in ("indexer_scores_fwd", "select_topk"):
             _spy_config(monkeypatch, static_triton, name, seen)
-    topk_cfg, loss_cfg = "bt=64,seg=512", "bk_fwd=16,bk_bwd=32"
+    topk_cfg, loss_cfg = "bt=128,seg=1024", "bk_fwd=16,bk_bwd=32"
     cfg = tiny_config("csa", backend="triton", indexer_kernel=topk_cfg, indexer_loss_kernel=loss_cfg,
                       indexer_loss_coeff=0.1, capture_safe=capture_safe)
     layer = random_layer(cfg).to(DEVICE, torch.float32)

@@ -316,8 +316,10 @@ def indexer_scores_fwd(
     cfg = config or _DEFAULT
     bt, bk = cfg.bt, cfg.bk
     grid = (triton.cdiv(num_keys, bk), triton.cdiv(num_rows, bt))
-    # tma=1: query blocks by TMA (16-bit inputs whose head width is a power of two: a block is one head)
-    tma = bool(cfg.tma) and q.dtype != torch.float32 and ci == triton.next_power_of_2(ci) and ci >= 16
+    # tma=1: query blocks by TMA on Hopper and later (16-bit inputs whose head width is a power of two, so that
+    # a block is one head's channels)
+    tma = (bool(cfg.tma) and q.dtype != torch.float32 and ci == triton.next_power_of_2(ci) and ci >= 16
+           and (not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 9))
     q_desc = q
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
