@@ -109,8 +109,8 @@ def _bisect_regs(key, kk, n, row, cand, CAND: tl.constexpr, SEG: tl.constexpr):
     with INT32_MIN; ``kk <= n``; the same keys are at ``row`` in memory) and how many keys are above it.
 
     The bracket ``[lo, hi]`` always holds the threshold: ``count(key >= lo) = c_lo >= kk`` and ``count(key > hi) =
-    above < kk``. While it holds more than ``CAND`` keys, one block-wide count of the whole row a step halves it
-    (the steps' integer work is what bounds the selection). Then its keys, at most ``CAND``, are parked in
+    above < kk``. While it holds more than ``CAND`` keys, one block-wide count of the whole row a step halves it.
+    Then its keys, at most ``CAND``, are parked in
     ``cand`` (scratch of this program) and the search goes on over them alone: a count there plus the keys above
     the parked bracket is the row's count, and each step also moves the bound it sets onto the nearest key
     beyond the midpoint, so it ends after about ``log2(CAND)`` short steps instead of one per remaining bit.
@@ -122,11 +122,8 @@ def _bisect_regs(key, kk, n, row, cand, CAND: tl.constexpr, SEG: tl.constexpr):
     while (lo < hi) & (c_lo - above > CAND):
         mid = lo + (hi - lo + 1) // 2
         cnt = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
-        take = cnt >= kk
-        lo = tl.where(take, mid, lo)
-        c_lo = tl.where(take, cnt, c_lo)
-        hi = tl.where(take, hi, mid - 1)
-        above = tl.where(take, above, cnt)
+        c_lo = tl.where(cnt >= kk, cnt, c_lo)
+        lo, hi, above = _bisect_step(lo, hi, above, mid, cnt, kk)
     if lo < hi:
         # The row is read again in SEG tiles (from L2, loads pipelined) to park the bracket's keys: a scan over
         # the whole in-register row would hold its ranks beside it, and those registers would cost programs per SM.
@@ -236,9 +233,10 @@ def _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, topk, SEG: tl.
         eq = inside & (key == thr)
         code = gt.to(tl.int32) | (eq.to(tl.int32) << 16)
         ranks = tl.cumsum(code, axis=0)
-        eq_upto = tl.minimum(eq_seen + (ranks >> 16), need_eq)
-        sel = gt | (eq & (eq_seen + (ranks >> 16) <= need_eq))
-        tl.store(out_row + gt_seen + (ranks & 0xFFFF) + eq_upto - 1, key_lo + offs.to(tl.int64), mask=sel)
+        eq_upto = eq_seen + (ranks >> 16)  # keys equal to thr up to this one, itself included
+        sel = gt | (eq & (eq_upto <= need_eq))
+        slot = gt_seen + (ranks & 0xFFFF) + tl.minimum(eq_upto, need_eq) - 1
+        tl.store(out_row + slot, key_lo + offs.to(tl.int64), mask=sel)
         total = tl.sum(code, axis=0)
         gt_seen += total & 0xFFFF
         eq_seen += total >> 16
@@ -330,7 +328,7 @@ def indexer_scores_fwd(
         row_lo, num_rows, key_lo, num_keys, out.stride(0),
         HI=heads, CI=ci, CIP=max(16, triton.next_power_of_2(ci)), BT=bt, BK=bk,
         IEEE=q.dtype == torch.float32, ORDERED_KEYS=ordered_keys, TMA=tma, num_warps=cfg.warps,
-        num_stages=cfg.stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        num_stages=cfg.stages,
     )
     return out
 
