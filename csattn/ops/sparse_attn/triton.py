@@ -322,8 +322,10 @@ def uses_gluon_fwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
 
 
 def uses_gluon_bwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
-    """Whether :func:`sparse_attn_bwd` runs the one Gluon kernel (dq, dkv, dsink) instead of the Triton pair."""
-    return bool(cfg.bwd_gluon) and _gluon_applies(q, kv, cfg) and _gluon_kernel("bwd") is not None
+    """Whether :func:`sparse_attn_bwd` runs the one Gluon kernel (dq, dkv, dsink) instead of the Triton pair
+    (d >= 128: each warpgroup's half of dq is at least an m64n64 product)."""
+    return (bool(cfg.bwd_gluon) and q.shape[-1] >= 128 and _gluon_applies(q, kv, cfg)
+            and _gluon_kernel("bwd") is not None)
 
 
 def sparse_attn_fwd(
@@ -404,12 +406,12 @@ def sparse_attn_bwd(
             BH=bh, BD=max(triton.next_power_of_2(D), 16), DOT_PREC=_dot_prec(q.dtype),
         )
         if uses_gluon_bwd(q, kv, cfg):
-            # One kernel for dq, dkv and dsink (64-head blocks, d = BD); dkv chunks of 128 columns measured best
-            # (64: +1.5 %, 256: +6 %).
+            # One warp-specialized kernel for dq, dkv and dsink (64-head blocks, d = BD, 64-key tiles); the key
+            # warpgroup keeps 240 registers of the 256 a thread may have (232 measured 11 % slower at 32k).
             del common["D"], common["BH"], common["BD"], common["DOT_PREC"]
             kernel = _gluon_kernel("bwd")[(T, H // 64)](
-                sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, BH=64, BD=D, BK=64, DC=min(128, D),
-                num_warps=8, **common)
+                sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, BH=64, BD=D, BK=64, KEY_REGS=240,
+                num_warps=4, **common)
             _report("bwd_gluon", kernel, cfg)
         else:
             kernel = sparse_attn_bwd_kernel_dq[grid](
