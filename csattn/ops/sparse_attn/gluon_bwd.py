@@ -100,8 +100,8 @@ def _buffers(q_all, do_all, k_all, p_all, ds_all, i):
     """The shared-memory operands for key tile ``i``, through an index that is always 0 but opaque to the
     compiler (inline asm; a loop-guarded expression it folds). Otherwise it hoists every MMA's shared-memory
     descriptor out of the tile loop (about a hundred 64-bit values) and spills them, and each MMA then waits
-    on a local-memory reload: that was the top stall (ncu), 1.3 KB of spills -> 104 bytes, 22.7 -> 18.3 ms
-    at 32k with the whole-line reductions."""
+    on a local-memory reload: that was the top stall (ncu); 1.3 KB of spills -> 104 bytes, 30.0 -> 22.7 ms
+    at 32k tokens."""
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
     return q_all.index(z), do_all.index(z), k_all.index(z), p_all.index(z), ds_all.index(z)
 
