@@ -12,6 +12,7 @@
 #   CSATTN_COMMIT=<sha> STAGES="hfprobe report-long" bash benchmarks/gpu_session.sh     # ~7 min
 #   python -m csattn report --merge report-a.json report-b.json report-c.json --out docs/report   # anywhere
 #   STAGES=peers-unpack (carry .peerwhl/c1), then at once STAGES=peers (carry .peerwhl/c2): csattn against cuDNN
+#   (providers PEER_BWD, PEER_TOPK; default triton,cudnn)
 #   Frontend's DSA kernels (bundles from ../shared/peers/make_bundles.sh; /.peerwhl/ in .git/info/exclude)
 #   BEFORE=<old tree> BEFORE_COMMIT=<sha> STAGES=layer-ab: the layer benchmarks of an older tree and this one
 #
@@ -191,7 +192,7 @@ for s in ${STAGES:-tests layer profile}; do
         cp -a /tmp/cu13/. /tmp/site/
         export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
         timeout 120 python3 -m pytest -q tests/ops/test_peer_cudnn.py -p no:cacheprovider -rfEs >> "$LOG" 2>&1
-        timeout 200 python3 -m benchmarks.run --op sparse_attn --mode bwd --providers triton,cudnn \
+        timeout 200 python3 -m benchmarks.run --op sparse_attn --mode bwd --providers "${PEER_BWD:-triton,cudnn}" \
           --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/peers_bwd.json" >> "$LOG" 2>&1
         timeout 150 python3 -m benchmarks.run --op indexer_topk --mode fwd --providers "${PEER_TOPK:-triton,cudnn}" \
           --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/peers_topk.json" >> "$LOG" 2>&1

@@ -107,10 +107,21 @@ def _buffers(q_all, do_all, k_all, p_all, ds_all, i):
 
 
 @gluon.jit
+def _work_item(w, n_hb, idx, topk_len, stride_it, K, BH: gl.constexpr, BK: gl.constexpr, HAS_LEN: gl.constexpr):
+    """Work item ``w`` = (query row, 64-head block): the row, the first head, the row's index list, key count and
+    number of key tiles (at least one, so that every item takes the same barrier phases in both partitions; a
+    tile of ``-1`` ids adds nothing)."""
+    t = (w // n_hb).to(gl.int64)
+    h0 = (w % n_hb) * BH
+    idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
+    return t, h0, idx_row, n_keys, gl.maximum(n_tiles, 1)
+
+
+@gluon.jit
 def _score_partition(
     q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dsink_rows,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
-    H, K, scale,
+    H, K, scale, n_work, n_hb,
     smem,
     HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
 ):
@@ -121,83 +132,95 @@ def _score_partition(
     CH: gl.constexpr = 128 if BD > 128 else BD
     dtype: gl.constexpr = q.dtype.element_ty
     q_all, do_all, k_all, p_all, ds_all, kv_full, kv_empty, pds_full, pds_empty = smem
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    qk_scale_log2 = scale * 1.4426950408889634
+    s_zero = gl.zeros([BH, BK], gl.float32, layout=S_L)
 
-    t = gl.program_id(0).to(gl.int64)
-    h0 = gl.program_id(1) * BH
-    idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
-
-    # q, dO and the first key tile go to shared memory with cp.async; each thread's arrive on kv_full covers all
-    # of its copies, so kv_full's first phase also tells the key warpgroup that q and dO are there.
-    offs_hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ROWS))
-    all_rows = offs_hr >= 0
-    _copy_rows(q_all.index(0), q + t * stride_qt, offs_hr, stride_qh, BD, all_rows)
-    _copy_rows(do_all.index(0), do + t * stride_ot, offs_hr, stride_oh, BD, all_rows)
+    # The first item's first key tile; later items' first tiles are gathered at the end of the item before.
+    t, h0, idx_row, n_keys, n_tiles = _work_item(pid, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN)
     ids_g = tile_ids(idx_row, 0, n_keys, BK, gl.SliceLayout(1, ROWS))
     _copy_rows(k_all.index(0), kv, ids_g, stride_kvn, BD, ids_g >= 0)
-    async_copy.mbarrier_arrive(kv_full, increment_count=False)
-    ids_g = tile_ids(idx_row, BK, n_keys, BK, gl.SliceLayout(1, ROWS))
+    g = 0  # key tiles done so far by this program: the barriers' phases
+    for w in range(pid, n_work, n_prog):
+        t, h0, idx_row, n_keys, n_tiles = _work_item(w, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN)
+        offs_hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ROWS))
+        # Row terms first, while the key warpgroup may still be on the previous item's last chunks:
+        # delta = rowsum(dO * O) - dlse from global, in column chunks, and the sink's share of the gradient.
+        offs_cr = gl.arange(0, CH, layout=gl.SliceLayout(0, ROWS))
+        row_o = t * stride_ot + gl.expand_dims(offs_hr, 1) * stride_oh + gl.expand_dims(offs_cr, 0)
+        delta_r = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(1, ROWS))
+        for c in gl.static_range(BD // CH):
+            prod = gl.load(do + row_o + c * CH).to(gl.float32) * gl.load(o + row_o + c * CH).to(gl.float32)
+            delta_r += gl.sum(prod, axis=1)
+        offs_hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, S_L))
+        delta = gl.convert_layout(delta_r, gl.SliceLayout(1, S_L))
+        if HAS_DLSE:
+            delta -= gl.load(dlse + t * stride_dlt + offs_hs)
+        lse_t = gl.load(lse + t * stride_lt + offs_hs)
+        # o depends on the sink only through lse and d lse / d sink = p_sink: dsink = -p_sink * delta.
+        p_sink = gl.exp(gl.load(sink + offs_hs).to(gl.float32) - lse_t)
+        gl.store(dsink_rows + t * H + offs_hs, -p_sink * delta)
+        lse2 = gl.expand_dims(lse_t * 1.4426950408889634, 1)
+        delta2 = gl.expand_dims(delta, 1)
 
-    # delta = rowsum(dO * O) - dlse from global, in column chunks (the copies above are in flight meanwhile).
-    offs_cr = gl.arange(0, CH, layout=gl.SliceLayout(0, ROWS))
-    row_o = t * stride_ot + gl.expand_dims(offs_hr, 1) * stride_oh + gl.expand_dims(offs_cr, 0)
-    delta_r = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(1, ROWS))
-    for c in gl.static_range(BD // CH):
-        prod = gl.load(do + row_o + c * CH).to(gl.float32) * gl.load(o + row_o + c * CH).to(gl.float32)
-        delta_r += gl.sum(prod, axis=1)
-    offs_hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, S_L))
-    delta = gl.convert_layout(delta_r, gl.SliceLayout(1, S_L))
-    if HAS_DLSE:
-        delta -= gl.load(dlse + t * stride_dlt + offs_hs)
-    lse_t = gl.load(lse + t * stride_lt + offs_hs)
-    # o depends on the sink only through lse and d lse / d sink = p_sink: dsink = -p_sink * delta.
-    p_sink = gl.exp(gl.load(sink + offs_hs).to(gl.float32) - lse_t)
-    gl.store(dsink_rows + t * H + offs_hs, -p_sink * delta)
-    lse2 = gl.expand_dims(lse_t * 1.4426950408889634, 1)
-    delta2 = gl.expand_dims(delta, 1)
-    qk_scale_log2 = scale * 1.4426950408889634
+        # q and dO once the previous item's key-side products are done with them; each thread's arrive on
+        # kv_full covers all of its copies, so this phase also tells the key warpgroup that q and dO are there.
+        mbarrier.wait(pds_empty, (g & 1) ^ 1)
+        all_rows = offs_hr >= 0
+        _copy_rows(q_all.index(0), q + t * stride_qt, offs_hr, stride_qh, BD, all_rows)
+        _copy_rows(do_all.index(0), do + t * stride_ot, offs_hr, stride_oh, BD, all_rows)
+        async_copy.mbarrier_arrive(kv_full, increment_count=False)
+        ids_g = tile_ids(idx_row, BK, n_keys, BK, gl.SliceLayout(1, ROWS))
 
-    dq_acc = gl.zeros([BH, BD // 2], gl.float32, layout=O_L)
-    s_zero = gl.zeros([BH, BK], gl.float32, layout=S_L)
-    for i in range(n_tiles):
-        phase = i & 1
-        q_smem, do_smem, k_smem, p_smem, ds_smem = _buffers(q_all, do_all, k_all, p_all, ds_all, i)
-        k_lo = k_smem.slice(0, BD // 2, dim=1)
-        mbarrier.wait(kv_full, phase)
-        fence_async_shared()
-        k_t = k_smem.permute((1, 0))
-        s_tok = warpgroup_mma(q_smem, k_t, s_zero, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do_smem, k_t, s_zero, use_acc=False, is_async=True)
-        ids_s = tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(0, S_L))
-        s_tile = warpgroup_mma_wait(1, deps=[s_tok])
-        bias = gl.expand_dims(gl.where(ids_s >= 0, 0.0, float("-inf")), 0)
-        p = gl.exp2(s_tile * qk_scale_log2 + bias - lse2)
-        dp = warpgroup_mma_wait(0, deps=[dp_tok])
-        ds = (p * (dp - delta2) * scale).to(dtype)
-        # The key warpgroup is done with the previous tile's P and dS (the first wait passes at once).
-        mbarrier.wait(pds_empty, phase ^ 1)
-        p_smem.store(p.to(dtype))
-        ds_smem.store(ds)
-        fence_async_shared()
-        mbarrier.arrive(pds_full, count=1)
-        dq_acc = warpgroup_mma(gl.convert_layout(ds, A_L), k_lo, dq_acc)
-        mbarrier.arrive(kv_empty, count=1)
-        # Both halves of dS K are done with the tile: gather the next one while the key warpgroup runs its
-        # chunks.
-        if i + 1 < n_tiles:
-            mbarrier.wait(kv_empty, phase)
-            _copy_rows(k_smem, kv, ids_g, stride_kvn, BD, ids_g >= 0)
-            async_copy.mbarrier_arrive(kv_full, increment_count=False)
-            ids_g = tile_ids(idx_row, (i + 2) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
+        dq_acc = gl.zeros([BH, BD // 2], gl.float32, layout=O_L)
+        for i in range(n_tiles):
+            phase = g & 1
+            q_smem, do_smem, k_smem, p_smem, ds_smem = _buffers(q_all, do_all, k_all, p_all, ds_all, i)
+            k_lo = k_smem.slice(0, BD // 2, dim=1)
+            mbarrier.wait(kv_full, phase)
+            fence_async_shared()
+            k_t = k_smem.permute((1, 0))
+            s_tok = warpgroup_mma(q_smem, k_t, s_zero, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(do_smem, k_t, s_zero, use_acc=False, is_async=True)
+            ids_s = tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(0, S_L))
+            s_tile = warpgroup_mma_wait(1, deps=[s_tok])
+            bias = gl.expand_dims(gl.where(ids_s >= 0, 0.0, float("-inf")), 0)
+            p = gl.exp2(s_tile * qk_scale_log2 + bias - lse2)
+            dp = warpgroup_mma_wait(0, deps=[dp_tok])
+            ds = (p * (dp - delta2) * scale).to(dtype)
+            # The key warpgroup is done with the previous tile's P and dS (the first wait passes at once).
+            mbarrier.wait(pds_empty, phase ^ 1)
+            p_smem.store(p.to(dtype))
+            ds_smem.store(ds)
+            fence_async_shared()
+            mbarrier.arrive(pds_full, count=1)
+            dq_acc = warpgroup_mma(gl.convert_layout(ds, A_L), k_lo, dq_acc)
+            mbarrier.arrive(kv_empty, count=1)
+            # Both halves of dS K are done with the tile: gather the next one (of this item, or the first of
+            # the next item) while the key warpgroup runs its chunks.
+            if i + 1 < n_tiles:
+                mbarrier.wait(kv_empty, phase)
+                _copy_rows(k_smem, kv, ids_g, stride_kvn, BD, ids_g >= 0)
+                async_copy.mbarrier_arrive(kv_full, increment_count=False)
+                ids_g = tile_ids(idx_row, (i + 2) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
+            elif w + n_prog < n_work:
+                t_n, h_n, idx_n, n_keys_n, n_tiles_n = _work_item(w + n_prog, n_hb, idx, topk_len, stride_it, K,
+                                                                  BH, BK, HAS_LEN)
+                ids_n = tile_ids(idx_n, 0, n_keys_n, BK, gl.SliceLayout(1, ROWS))
+                mbarrier.wait(kv_empty, phase)
+                _copy_rows(k_smem, kv, ids_n, stride_kvn, BD, ids_n >= 0)
+            g += 1
 
-    offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
-    offs_do = gl.arange(0, BD // 2, layout=gl.SliceLayout(0, O_L))
-    gl.store(dq + t * stride_qt + gl.expand_dims(offs_ho, 1) * stride_qh + gl.expand_dims(offs_do, 0),
-             dq_acc.to(dtype))
+        offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
+        offs_do = gl.arange(0, BD // 2, layout=gl.SliceLayout(0, O_L))
+        gl.store(dq + t * stride_qt + gl.expand_dims(offs_ho, 1) * stride_qh + gl.expand_dims(offs_do, 0),
+                 dq_acc.to(dtype))
 
 
 @gluon.jit
 def _key_partition(
-    idx, topk_len, dq, dkv, stride_qt, stride_qh, stride_it, K,
+    idx, topk_len, dq, dkv, stride_qt, stride_qh, stride_it, K, n_work, n_hb,
     smem,
     HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
 ):
@@ -206,49 +229,51 @@ def _key_partition(
     O_L: gl.constexpr = wg_mma(BD // 2)
     q_all, do_all, k_all, p_all, ds_all, kv_full, kv_empty, pds_full, pds_empty = smem
     dtype: gl.constexpr = q_all.dtype
-
-    t = gl.program_id(0).to(gl.int64)
-    h0 = gl.program_id(1) * BH
-    idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
-
-    dq_acc = gl.zeros([BH, BD // 2], gl.float32, layout=O_L)
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
     c_zero = gl.zeros([BK, DC], gl.float32, layout=C_L)
-    for i in range(n_tiles):
-        phase = i & 1
-        q_smem, do_smem, k_smem, p_smem, ds_smem = _buffers(q_all, do_all, k_all, p_all, ds_all, i)
-        k_hi = k_smem.slice(BD // 2, BD // 2, dim=1)
-        p_t = p_smem.permute((1, 0))
-        ds_t = ds_smem.permute((1, 0))
-        mbarrier.wait(kv_full, phase)
-        mbarrier.wait(pds_full, phase)
-        fence_async_shared()
-        dq_tok = warpgroup_mma(ds_smem, k_hi, dq_acc, is_async=True)
-        ids_c = tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(1, C_L))
-        prev = warpgroup_mma(p_t, do_smem.slice(0, DC, dim=1), c_zero, use_acc=False, is_async=True)
-        prev = warpgroup_mma(ds_t, q_smem.slice(0, DC, dim=1), prev, is_async=True)
-        dq_acc = warpgroup_mma_wait(2, deps=[dq_tok])
-        mbarrier.arrive(kv_empty, count=1)
-        for c in gl.static_range(1, BD // DC):
-            cur = warpgroup_mma(p_t, do_smem.slice(c * DC, DC, dim=1), c_zero, use_acc=False, is_async=True)
-            cur = warpgroup_mma(ds_t, q_smem.slice(c * DC, DC, dim=1), cur, is_async=True)
-            done = warpgroup_mma_wait(2, deps=[prev])
-            red_rows(dkv, ids_c, done, (c - 1) * DC, BD)
-            prev = cur
-        done = warpgroup_mma_wait(0, deps=[prev])
-        mbarrier.arrive(pds_empty, count=1)
-        red_rows(dkv, ids_c, done, BD - DC, BD)
 
-    offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
-    offs_do = BD // 2 + gl.arange(0, BD // 2, layout=gl.SliceLayout(0, O_L))
-    gl.store(dq + t * stride_qt + gl.expand_dims(offs_ho, 1) * stride_qh + gl.expand_dims(offs_do, 0),
-             dq_acc.to(dtype))
+    g = 0
+    for w in range(pid, n_work, n_prog):
+        t, h0, idx_row, n_keys, n_tiles = _work_item(w, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN)
+        dq_acc = gl.zeros([BH, BD // 2], gl.float32, layout=O_L)
+        for i in range(n_tiles):
+            phase = g & 1
+            q_smem, do_smem, k_smem, p_smem, ds_smem = _buffers(q_all, do_all, k_all, p_all, ds_all, i)
+            k_hi = k_smem.slice(BD // 2, BD // 2, dim=1)
+            p_t = p_smem.permute((1, 0))
+            ds_t = ds_smem.permute((1, 0))
+            mbarrier.wait(kv_full, phase)
+            mbarrier.wait(pds_full, phase)
+            fence_async_shared()
+            dq_tok = warpgroup_mma(ds_smem, k_hi, dq_acc, is_async=True)
+            ids_c = tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(1, C_L))
+            prev = warpgroup_mma(p_t, do_smem.slice(0, DC, dim=1), c_zero, use_acc=False, is_async=True)
+            prev = warpgroup_mma(ds_t, q_smem.slice(0, DC, dim=1), prev, is_async=True)
+            dq_acc = warpgroup_mma_wait(2, deps=[dq_tok])
+            mbarrier.arrive(kv_empty, count=1)
+            for c in gl.static_range(1, BD // DC):
+                cur = warpgroup_mma(p_t, do_smem.slice(c * DC, DC, dim=1), c_zero, use_acc=False, is_async=True)
+                cur = warpgroup_mma(ds_t, q_smem.slice(c * DC, DC, dim=1), cur, is_async=True)
+                done = warpgroup_mma_wait(2, deps=[prev])
+                red_rows(dkv, ids_c, done, (c - 1) * DC, BD)
+                prev = cur
+            done = warpgroup_mma_wait(0, deps=[prev])
+            mbarrier.arrive(pds_empty, count=1)
+            red_rows(dkv, ids_c, done, BD - DC, BD)
+            g += 1
+
+        offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
+        offs_do = BD // 2 + gl.arange(0, BD // 2, layout=gl.SliceLayout(0, O_L))
+        gl.store(dq + t * stride_qt + gl.expand_dims(offs_ho, 1) * stride_qh + gl.expand_dims(offs_do, 0),
+                 dq_acc.to(dtype))
 
 
 @gluon.jit
 def sparse_attn_bwd_gluon_kernel(
     q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
-    H, K, scale,
+    H, K, scale, n_work, n_hb,
     HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr,
     BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr,
 ):
@@ -273,7 +298,7 @@ def sparse_attn_bwd_gluon_kernel(
     gl.warp_specialize([
         (_score_partition, (q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dsink_rows,
                             stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
-                            stride_dlt, H, K, scale, smem, HAS_LEN, HAS_DLSE, BH, BD, BK)),
-        (_key_partition, (idx, topk_len, dq, dkv, stride_qt, stride_qh, stride_it, K, smem,
+                            stride_dlt, H, K, scale, n_work, n_hb, smem, HAS_LEN, HAS_DLSE, BH, BD, BK)),
+        (_key_partition, (idx, topk_len, dq, dkv, stride_qt, stride_qh, stride_it, K, n_work, n_hb, smem,
                           HAS_LEN, BH, BD, BK)),
     ], [4], [KEY_REGS])
