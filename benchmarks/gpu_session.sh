@@ -12,8 +12,8 @@
 #   CSATTN_COMMIT=<sha> STAGES="hfprobe report-long" bash benchmarks/gpu_session.sh     # ~7 min
 #   python -m csattn report --merge report-a.json report-b.json report-c.json --out docs/report   # anywhere
 #   STAGES=peers-unpack (carry .peerwhl/c1), then at once STAGES=peers (carry .peerwhl/c2): csattn against cuDNN
-#   (providers PEER_BWD, PEER_TOPK; default triton,cudnn)
-#   Frontend's DSA kernels (bundles from ../shared/peers/make_bundles.sh; /.peerwhl/ in .git/info/exclude)
+#   Frontend's DSA kernels (bundles from ../shared/peers/make_bundles.sh; /.peerwhl/ in .git/info/exclude);
+#   providers PEER_BWD, PEER_TOPK (default triton,cudnn)
 #   BEFORE=<old tree> BEFORE_COMMIT=<sha> STAGES=layer-ab: the layer benchmarks of an older tree and this one
 #
 # report-a: CP = 1, every path (reference and unfused up to 32k, HF eager up to 8k); report-b: CP = 2 and 4,

@@ -141,8 +141,8 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "bwd_gluon=0", "bwd_persistent=1"],
-                         ids=["gluon", "gluon_fwd_only", "gluon_persistent"])
+@pytest.mark.parametrize("variant", ["", "bwd_gluon=0", "bwd_persistent=0"],
+                         ids=["gluon", "gluon_fwd_only", "gluon_program_per_item"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
 def test_gpu_gluon_kernels(case, dtype, variant):

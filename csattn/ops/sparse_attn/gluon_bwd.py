@@ -2,8 +2,10 @@
 ``dsink`` terms.
 
 Same contract and math as the Triton pair ``sparse_attn_bwd_kernel_dq`` + ``sparse_attn_bwd_kernel_dkv`` in
-``triton.py`` (README.md). One program = one query row x 64 heads; its two warpgroups have one job each and run
-out of phase, handing work over through shared memory and mbarriers:
+``triton.py`` (README.md). A work item is one query row x 64 heads; a program loops over items (persistent: one
+program an SM by default, so an item's row terms and first gather run under the last chunks of the item
+before). Its two warpgroups have one job each and run out of phase, handing work over through shared memory and
+mbarriers:
 
 - the *score* warpgroup (the default partition) gathers each 64-key tile (``cp.async``), computes
   ``S = Q K^T`` and ``dP = dO K^T`` whole (m64n64, K = d), then ``P`` and ``scale dS``, writes both to shared
@@ -18,9 +20,9 @@ starts while the key warpgroup is still on its chunks), ``pds_full`` / ``pds_emp
 q and dO are copied once per row; one key slot and one ``P`` / ``dS`` slot: 208 KB of shared memory at d = 512.
 ``dkv`` is not bitwise reproducible run to run (atomics); dq and dsink are.
 
-Measured on the H200 (bf16, H = 64, d = 512, k + W = 640): 4.42 ms at 8k tokens, 18.3 ms at 32k (377 TFLOP/s),
-against 6.37 / 26.2 ms for the earlier lockstep Gluon kernel (both warpgroups splitting every product) and
-39.9 ms at 32k for the Triton pair (BENCHMARKS.md).
+Measured on the H200 (bf16, H = 64, d = 512, k + W = 640): 4.49 ms at 8k tokens, 18.36 ms at 32k (374 TFLOP/s),
+against 6.38 / 26.26 ms for the earlier lockstep Gluon kernel (both warpgroups splitting every product), 39.9 ms at
+32k for the Triton pair, and 4.04 / 17.56 ms for cuDNN Frontend 1.32's SM90 kernel in the same run (BENCHMARKS.md).
 """
 
 from __future__ import annotations
