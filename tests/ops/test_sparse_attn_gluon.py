@@ -51,7 +51,15 @@ src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
                      constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8 if which == "fwd" else 4})
 ptx = kernel.asm["ptx"]
-print(json.dumps({"wgmma_n": re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx),
+# spills of the sm_90a build: the ptxas Triton compiled with, run again with -v on the same PTX
+import subprocess, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
+with tempfile.TemporaryDirectory() as tmp:
+    open(f"{tmp}/k.ptx", "w").write(ptx)
+    run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                         capture_output=True, text=True)
+spills = re.findall(r"(\d+) bytes spill stores", run.stdout + run.stderr)
+print(json.dumps({"spill_stores": int(spills[0]) if spills else None,"wgmma_n": re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx),
                   "shared": kernel.metadata.shared, "cp_async": "cp.async" in ptx,
                   "atomics": re.findall(r"(?:atom|red)\.global[.a-z]*\.add[.a-z0-9]*", ptx),
                   "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))}))
@@ -100,6 +108,10 @@ def test_backward_compiles_for_sm90_warp_specialized(d, has_len):
     assert len(info["atomics"]) == (d // 64) * 8
     # Two partitions with their own register budgets: the key warpgroup gives some back, the score one takes 256.
     assert ["dec", "240"] in info["setmaxnreg"] and ["inc", "256"] in info["setmaxnreg"], info["setmaxnreg"]
+    # The MMAs' shared-memory descriptors stay in the tile loop (gluon_bwd._buffers): hoisted, they spill 1.3 KB
+    # with Triton 3.6 (the kernel ran 30 % slower) and 660 bytes with 3.9; 100 / 136 bytes remain.
+    if info["spill_stores"] is not None:
+        assert info["spill_stores"] <= 384, info["spill_stores"]
     assert info["shared"] <= 227 * 1024
     assert info["cp_async"]
 
