@@ -59,7 +59,8 @@ with tempfile.TemporaryDirectory() as tmp:
     run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
                          capture_output=True, text=True)
 spills = re.findall(r"(\d+) bytes spill stores", run.stdout + run.stderr)
-print(json.dumps({"spill_stores": int(spills[0]) if spills else None,"wgmma_n": re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx),
+print(json.dumps({"spill_stores": int(spills[0]) if spills else None,
+                  "wgmma_n": re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx),
                   "shared": kernel.metadata.shared, "cp_async": "cp.async" in ptx,
                   "atomics": re.findall(r"(?:atom|red)\.global[.a-z]*\.add[.a-z0-9]*", ptx),
                   "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))}))
