@@ -3,9 +3,12 @@ kernels (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
-__all__ = ["Backend", "use_triton"]
+import torch
+
+__all__ = ["Backend", "sm_count", "use_triton"]
 
 Backend = Literal["reference", "triton"]
 BACKENDS: tuple[str, ...] = ("reference", "triton")
@@ -16,3 +19,9 @@ def use_triton(backend: str) -> bool:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
     return backend == "triton"
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the kernels size persistent grids and waves by it)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

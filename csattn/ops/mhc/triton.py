@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..backend import sm_count
 from ..rms_norm import rms_norm_backward, rms_norm_forward
 
 __all__ = ["hc_site_triton", "hc_pre_triton", "hc_head_triton", "hc_combine_triton", "TILES"]
@@ -438,11 +439,6 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _interp(t: Tensor) -> bool:
     return t.device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -469,7 +465,7 @@ def _pre_forward(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters
     out = _empty((t, d), streams.dtype, dev)
     if t:
         bt = TILES["fwd_rows"]
-        if streams.is_cuda and triton.cdiv(t, bt) < _sm_count(streams.device):
+        if streams.is_cuda and triton.cdiv(t, bt) < sm_count(streams.device):
             bt = TILES["fwd_rows_small"]  # fill the SMs at a few thousand rows
         split = _split(streams, "fwd_split")
         hc_pre_fwd_kernel[(triton.cdiv(t, bt),)](

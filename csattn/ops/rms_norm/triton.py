@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..backend import sm_count
+
 __all__ = ["rms_norm_fwd_triton", "rms_norm_bwd_triton", "MAX_CHANNELS"]
 
 MAX_CHANNELS = 16384  # a row (and a weight-gradient partial) in registers; wider rows take the PyTorch path
@@ -68,7 +70,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 @functools.cache
 def _programs(device: torch.device) -> int:
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return 4 * sm_count(device) if device.type == "cuda" else 8
 
 
 def _warps(bc: int) -> int:

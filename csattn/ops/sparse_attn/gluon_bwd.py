@@ -37,21 +37,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_fwd import _cp_async, mma_smem, row_keys, tile_ids
+from .gluon_fwd import _cp_async, mma_layout, mma_smem, row_keys, row_layout, tile_ids
 
 __all__ = ["sparse_attn_bwd_gluon_kernel"]
-
-
-@gluon.constexpr_function
-def wg_mma(n):
-    """Warpgroup-MMA register layout of a ``[64, n]`` tile held by one warpgroup."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-
-
-@gluon.constexpr_function
-def wg_rows():
-    """Row tiles of one warpgroup (gathers, q / dO copies): 16 bytes per thread along d, one cp.async each."""
-    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[4, 1], order=[1, 0])
 
 
 @gluon.constexpr_function
@@ -90,7 +78,7 @@ def _copy_rows(dst, base, offs_r, stride_r, BD: gl.constexpr, mask):
     """cp.async rows ``base + offs_r * stride_r`` ([R] in the row layout; masked rows are zero-filled) into
     ``dst`` ([R, BD]), 128 columns at a time so that only one chunk's addresses are live."""
     CH: gl.constexpr = 128 if BD > 128 else BD
-    offs_d = gl.expand_dims(gl.arange(0, CH, layout=gl.SliceLayout(0, wg_rows())), 0)
+    offs_d = gl.expand_dims(gl.arange(0, CH, layout=gl.SliceLayout(0, row_layout(4))), 0)
     rows = gl.expand_dims(base + offs_r.to(gl.int64) * stride_r, 1)
     mask2 = gl.expand_dims(mask, 1)
     for c in gl.static_range(BD // CH):
@@ -127,10 +115,10 @@ def _score_partition(
     smem,
     HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
 ):
-    S_L: gl.constexpr = wg_mma(BK)
-    O_L: gl.constexpr = wg_mma(BD // 2)
+    S_L: gl.constexpr = mma_layout(BK, 1)
+    O_L: gl.constexpr = mma_layout(BD // 2, 1)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    ROWS: gl.constexpr = wg_rows()
+    ROWS: gl.constexpr = row_layout(4)
     CH: gl.constexpr = 128 if BD > 128 else BD
     dtype: gl.constexpr = q.dtype.element_ty
     q_all, do_all, k_all, p_all, ds_all, kv_full, kv_empty, pds_full, pds_empty = smem
@@ -227,8 +215,8 @@ def _key_partition(
     HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
 ):
     DC: gl.constexpr = 64  # key-side column chunk: [BK = 64, 64] tiles, the shape red_rows takes
-    C_L: gl.constexpr = wg_mma(DC)
-    O_L: gl.constexpr = wg_mma(BD // 2)
+    C_L: gl.constexpr = mma_layout(DC, 1)
+    O_L: gl.constexpr = mma_layout(BD // 2, 1)
     q_all, do_all, k_all, p_all, ds_all, kv_full, kv_empty, pds_full, pds_empty = smem
     dtype: gl.constexpr = q_all.dtype
     pid = gl.program_id(0)

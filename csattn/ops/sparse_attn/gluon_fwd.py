@@ -33,15 +33,17 @@ _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.constexpr_function
-def split_mma(n):
-    """Warpgroup-MMA register layout of a ``[64, 2 n]`` tile split by columns between the two warpgroups."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, n, 16])
+def mma_layout(n, warpgroups):
+    """Warpgroup-MMA register layout of a ``[64, warpgroups * n]`` tile, split by columns between the warpgroups
+    (each holds a ``[64, n]`` accumulator)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, warpgroups], instr_shape=[16, n, 16])
 
 
 @gluon.constexpr_function
-def row_layout():
-    """Row tiles (key gathers, the q / dO loads): 16 bytes per thread along d, one cp.async each, 8 warps."""
-    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1], order=[1, 0])
+def row_layout(warps=8):
+    """Row tiles (key gathers, the q / dO loads): 16 bytes per thread along d, one cp.async each."""
+    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[warps, 1],
+                            order=[1, 0])
 
 
 @gluon.constexpr_function
@@ -83,8 +85,8 @@ def sparse_attn_fwd_gluon_kernel(
     HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
 ):
     # The score tile split by keys, the accumulator by columns, both between the two warpgroups.
-    S_L: gl.constexpr = split_mma(BK // 2)
-    O_L: gl.constexpr = split_mma(BD // 2)
+    S_L: gl.constexpr = mma_layout(BK // 2, 2)
+    O_L: gl.constexpr = mma_layout(BD // 2, 2)
     ROWS: gl.constexpr = row_layout()
     dtype: gl.constexpr = q.dtype.element_ty
 

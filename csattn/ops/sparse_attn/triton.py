@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..backend import sm_count
 from .config import SparseAttnConfig
 
 __all__ = [
@@ -282,11 +283,6 @@ def _dot_prec(dtype: torch.dtype) -> str:
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
 def _gluon_kernel(name: str):
     """A Gluon kernel (``"fwd"`` or ``"bwd"``), or None where this Triton's Gluon may not take it.
 
@@ -415,7 +411,7 @@ def sparse_attn_bwd(
             # warpgroup keeps 240 registers of the 256 a thread may have (232 measured 11 % slower at 32k).
             del common["D"], common["BH"], common["BD"], common["DOT_PREC"]
             n_work = T * (H // 64)
-            programs = min(n_work, _sm_count(q.device) * cfg.bwd_persistent) if cfg.bwd_persistent else n_work
+            programs = min(n_work, sm_count(q.device) * cfg.bwd_persistent) if cfg.bwd_persistent else n_work
             kernel = _gluon_kernel("bwd")[(programs,)](
                 sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, n_work=n_work, n_hb=H // 64, BH=64, BD=D,
                 BK=64, KEY_REGS=240, num_warps=4, **common)
