@@ -30,17 +30,20 @@ except ImportError:  # pragma: no cover - the kernel tests need Triton
 if triton is not None:
     @triton.jit
     def _both_searches(keys, n, out, scratch, RB: tl.constexpr, CAND: tl.constexpr):
-        """Program ``p`` runs both threshold searches for ``kk = p + 1`` on one int32 row."""
+        """Program ``p`` runs both threshold searches for ``kk = p + 1`` on one int32 row (the bisection gathers
+        its ids to the first ``RB`` slots of the program's scratch row, its bracket's keys after them)."""
         kk = tl.program_id(0) + 1
         rel = tl.arange(0, RB)
         key = tl.load(keys + rel, mask=rel < n, other=-(2**31))
-        t1, a1 = _bisect_regs(key, kk, n, keys, scratch + tl.program_id(0) * CAND, CAND, 16)
+        ids = scratch + tl.program_id(0) * (RB + CAND)
+        t1, a1, gathered = _bisect_regs(key, kk, n, keys, ids, ids + RB, CAND, 16)
         t2, a2 = _radix_regs(key, kk)
-        base = out + tl.program_id(0) * 4
+        base = out + tl.program_id(0) * 5
         tl.store(base, t1)
         tl.store(base + 1, a1)
         tl.store(base + 2, t2)
         tl.store(base + 3, a2)
+        tl.store(base + 4, gathered)
 
 
 def _pack(lengths, padded):
@@ -127,13 +130,23 @@ def test_radix_threshold_equals_bisection(case, cand):
     else:
         keys = torch.randint(-6, 6, (n,), generator=gen, dtype=torch.int64) + 1000
     keys = keys.to(torch.int32).to(DEVICE)
-    out = torch.full((n, 4), 7, dtype=torch.int32, device=DEVICE)
-    scratch = torch.full((n, cand), 7, dtype=torch.int32, device=DEVICE)
+    out = torch.full((n, 5), 7, dtype=torch.int32, device=DEVICE)
+    scratch = torch.full((n, 64 + cand), 7, dtype=torch.int32, device=DEVICE)
     both[(n,)](keys, n, out, scratch, RB=64, CAND=cand)
-    out = out.cpu()
-    assert torch.equal(out[:, :2], out[:, 2:]), out
-    ordered = torch.sort(keys.cpu(), descending=True).values
+    out, scratch, keys = out.cpu(), scratch.cpu(), keys.cpu()
+    assert torch.equal(out[:, :2], out[:, 2:4]), out
+    ordered = torch.sort(keys, descending=True).values
     assert torch.equal(out[:, 0], ordered[:n])  # the kk-th largest
+    # Gathered ids: those of every key at or above some bound no greater than the threshold, ascending, fewer
+    # than kk + cand (0: the whole-row counts found the threshold themselves).
+    for p in range(n):
+        thr, gathered = int(out[p, 0]), int(out[p, 4])
+        if gathered == 0:
+            continue
+        got = scratch[p, :gathered]
+        bound = keys[got].min()
+        assert bound <= thr and gathered < p + 1 + cand
+        assert torch.equal(got, torch.nonzero(keys >= bound).flatten().to(torch.int32)), (p, got)
 
 
 def test_topk_ids_ascending_for_any_k():

@@ -104,16 +104,21 @@ def _count_min_max(c0, lo0, hi0, c1, lo1, hi1):
 
 
 @triton.jit
-def _bisect_regs(key, kk, n, row, cand, CAND: tl.constexpr, SEG: tl.constexpr):
-    """``(thr, above)``: the kk-th largest of the in-register int32 row ``key`` (``n`` real keys, then padding
-    with INT32_MIN; ``kk <= n``; the same keys are at ``row`` in memory) and how many keys are above it.
+def _bisect_regs(key, kk, n, row, ids, ck, CAND: tl.constexpr, SEG: tl.constexpr):
+    """``(thr, above, gathered)``: the kk-th largest of the in-register int32 row ``key`` (``n`` real keys, then
+    padding with INT32_MIN; ``kk <= n``; the same keys are at ``row`` in memory), how many keys are above it, and
+    how many ids (those of the keys at or above the last whole-row bracket) were gathered to ``ids``: 0 when the
+    whole-row counts found the threshold (then :func:`_compact` reads the whole row), else
+    :func:`_compact_gathered` writes the row's list from them.
 
     The bracket ``[lo, hi]`` always holds the threshold: ``count(key >= lo) = c_lo >= kk`` and ``count(key > hi) =
     above < kk``. While it holds more than ``CAND`` keys, one block-wide count of the whole row a step halves it.
-    Then its keys, at most ``CAND``, are parked in
-    ``cand`` (scratch of this program) and the search goes on over them alone: a count there plus the keys above
-    the parked bracket is the row's count, and each step also moves the bound it sets onto the nearest key
-    beyond the midpoint, so it ends after about ``log2(CAND)`` short steps instead of one per remaining bit.
+    Then one pass over the row in ``SEG`` tiles (from L2) gathers, in id order, the ids of every key ``>= lo`` to
+    ``ids`` (fewer than ``kk + CAND``: the keys above the bracket and the bracket's own) and the bracket's keys to
+    ``ck``; the search goes on over those keys alone (a count there plus the keys above the bracket is the row's
+    count), each step moving the bound it sets onto the nearest key beyond the midpoint, so it ends after about
+    ``log2(CAND)`` short steps instead of one per remaining bit. The gathered ids hold every id the row takes, so
+    the list is written from them and the row is not read a third time.
     """
     lo = tl.full((), -(2**31), tl.int64)
     hi = tl.max(key, axis=0).to(tl.int64)
@@ -124,34 +129,65 @@ def _bisect_regs(key, kk, n, row, cand, CAND: tl.constexpr, SEG: tl.constexpr):
         cnt = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
         c_lo = tl.where(cnt >= kk, cnt, c_lo)
         lo, hi, above = _bisect_step(lo, hi, above, mid, cnt, kk)
+    gathered = tl.where(lo < hi, c_lo, 0)
     if lo < hi:
-        # The row is read again in SEG tiles (from L2, loads pipelined) to park the bracket's keys: a scan over
-        # the whole in-register row would hold its ranks beside it, and those registers would cost programs per SM.
-        parked = tl.zeros((), dtype=tl.int32)
+        # A scan over the in-register row would hold its ranks beside it, and those registers would cost programs
+        # per SM: the row is read again in tiles. One scan a tile ranks the keys >= lo (low 16 bits) and the
+        # bracket's keys (high 16 bits).
+        lo32 = lo.to(tl.int32)
+        hi32 = hi.to(tl.int32)
+        seen = tl.zeros((), dtype=tl.int32)
         for j in tl.range(0, n, SEG, num_stages=3):
             offs = j + tl.arange(0, SEG)
             tile = tl.load(row + offs, mask=offs < n, other=-(2**31))
-            inside = (offs < n) & (tile >= lo.to(tl.int32)) & (tile <= hi.to(tl.int32))
-            slot = parked + tl.cumsum(inside.to(tl.int32), axis=0) - 1
-            tl.store(cand + slot, tile, mask=inside)
-            parked += tl.sum(inside.to(tl.int32), axis=0)
-        tl.debug_barrier()  # the parked keys are read back by other threads of the program
+            ge = (offs < n) & (tile >= lo32)
+            inside = ge & (tile <= hi32)
+            code = ge.to(tl.int32) | (inside.to(tl.int32) << 16)
+            ranks = seen + tl.cumsum(code, axis=0)
+            tl.store(ids + (ranks & 0xFFFF) - 1, offs, mask=ge)
+            tl.store(ck + (ranks >> 16) - 1, tile, mask=inside)
+            seen += tl.sum(code, axis=0)
+        tl.debug_barrier()  # the gathered keys are read back by other threads of the program
         offs = tl.arange(0, CAND)
-        ck = tl.load(cand + offs, mask=offs < c_lo - above, other=-(2**31))
-        outside = above  # the keys above the parked bracket: a count over `ck` misses exactly these
+        cand = tl.load(ck + offs, mask=offs < c_lo - above, other=-(2**31))
+        outside = above  # the keys above the gathered bracket: a count over `cand` misses exactly these
         while lo < hi:
             mid = (lo + (hi - lo + 1) // 2).to(tl.int32)
-            ge = ck >= mid
+            ge = cand >= mid
             cnt, nxt_lo, nxt_hi = tl.reduce(
-                (ge.to(tl.int32), tl.where(ge, ck, 2**31 - 1), tl.where(ge, -(2**31), ck)), 0, _count_min_max)
+                (ge.to(tl.int32), tl.where(ge, cand, 2**31 - 1), tl.where(ge, -(2**31), cand)), 0, _count_min_max)
             cnt += outside
             take = cnt >= kk
             # take: some key >= mid exists (cnt >= kk > above); else some key in [lo, mid) does (c_lo >= kk > cnt)
             lo = tl.where(take, nxt_lo.to(tl.int64), lo)
             hi = tl.where(take, hi, nxt_hi.to(tl.int64))
             above = tl.where(take, above, cnt)
-        tl.debug_barrier()  # every thread has read its parked keys before the compaction reuses the scratch
-    return lo.to(tl.int32), above
+        tl.debug_barrier()  # every thread has read its keys before the list overwrites the scratch
+    return lo.to(tl.int32), above, gathered
+
+
+@triton.jit
+def _compact_gathered(row, ids, count, thr, need_eq, kk, id_lo, out_row, topk, MB: tl.constexpr,
+                      SEG: tl.constexpr):
+    """:func:`_compact` over the ``count`` gathered ids (ascending, ``count <= MB``; their keys read back from
+    ``row``) instead of the whole row. ``ids`` may share memory with ``out_row``: every id is read before any is
+    written."""
+    offs = tl.arange(0, MB)
+    real = offs < count
+    rel = tl.load(ids + offs, mask=real, other=0)
+    key = tl.load(row + rel, mask=real, other=-(2**31))
+    gt = real & (key > thr)
+    eq = real & (key == thr)
+    code = gt.to(tl.int32) | (eq.to(tl.int32) << 16)
+    ranks = tl.cumsum(code, axis=0)
+    eq_upto = ranks >> 16
+    sel = gt | (eq & (eq_upto <= need_eq))
+    slot = (ranks & 0xFFFF) + tl.minimum(eq_upto, need_eq) - 1
+    tl.debug_barrier()  # the ids share memory with the list
+    tl.store(out_row + slot, id_lo + rel.to(tl.int64), mask=sel)
+    for p in range(kk, topk, SEG):
+        slots = p + tl.arange(0, SEG)
+        tl.store(out_row + slots, tl.full((SEG,), -1, tl.int64), mask=slots < topk)
 
 
 @triton.jit
@@ -250,11 +286,12 @@ def indexer_topk_select_kernel(
     scores, vis_start, vis_end, out,
     row_lo, key_lo, stride_s, topk,
     BK: tl.constexpr, RB: tl.constexpr, IN_REGS: tl.constexpr, SEG: tl.constexpr, CAND: tl.constexpr,
-    RADIX: tl.constexpr = False,
+    MB: tl.constexpr, RADIX: tl.constexpr = False,
 ):
     """Row ``row_lo + program`` of ``out``: the ids of its ``min(visible, topk)`` best keys in ascending order
-    (ties to the lower id), then -1. The row of ``out`` (``8 * topk`` bytes, ``CAND <= 2 * topk``) is also the
-    threshold search's scratch until the ids are written."""
+    (ties to the lower id), then -1. The row of ``out`` (``8 * topk`` bytes: ``2 * topk`` int32 slots) is also the
+    threshold search's scratch until the ids are written: the gathered ids (fewer than ``topk + CAND <= MB``) from
+    slot 0, the bracket's keys in the last ``CAND`` slots (``2 * CAND <= topk + 1``, so the two never meet)."""
     tl.static_assert(SEG <= 2**14, "the compaction packs two ranks into the 16-bit halves of an int32")
     t = tl.program_id(0)
     row = row_lo + t
@@ -268,6 +305,8 @@ def indexer_topk_select_kernel(
     # ids first; a row with at most topk keys takes them all (every key is >= INT32_MIN).
     thr = tl.full((), -(2**31), tl.int32)
     need_eq = kk
+    gathered = tl.zeros((), dtype=tl.int32)
+    scratch = out_row.to(tl.pointer_type(tl.int32))
     if n > topk:
         if IN_REGS:
             # Keys past the row read as INT32_MIN: every threshold tried is above it, so counts need no mask.
@@ -276,11 +315,15 @@ def indexer_topk_select_kernel(
             if RADIX:
                 thr, above = _radix_regs(key, kk)
             else:
-                thr, above = _bisect_regs(key, kk, n, base + start, out_row.to(tl.pointer_type(tl.int32)), CAND, SEG)
+                thr, above, gathered = _bisect_regs(key, kk, n, base + start, scratch, scratch + 2 * topk - CAND,
+                                                    CAND, SEG)
         else:
             thr, above = _bisect_stream(base, start, end, kk, BK)
         need_eq = kk - above
-    _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, topk, SEG)
+    if gathered > 0:
+        _compact_gathered(base + start, scratch, gathered, thr, need_eq, kk, key_lo + start, out_row, topk, MB, SEG)
+    else:
+        _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, topk, SEG)
 
 
 def _compute_dtype(q: Tensor, k: Tensor) -> torch.dtype:
@@ -439,13 +482,15 @@ def select_topk(scores: Tensor, vis_start: Tensor, vis_end: Tensor, out: Tensor,
     topk = out.shape[1]
     cfg = config or _DEFAULT
     # Rows up to register_row keys search their threshold in registers (at least one warp per 4096 keys), longer
-    # ones stream their workspace row. The search parks its last candidates in the row of `out` (8 * topk bytes).
+    # ones stream their workspace row. The search gathers its last candidates in the row of `out` (8 * topk bytes).
     rb = max(16, triton.next_power_of_2(max(widest, 1)))
     in_regs = rb <= cfg.register_row
-    cand = 1 << (min(cfg.cand, 2 * topk).bit_length() - 1)
+    # the gathered ids (fewer than topk + cand) and the bracket's keys (cand) share the row of out (2 * topk int32)
+    cand = 1 << (min(cfg.cand, (topk + 1) // 2).bit_length() - 1)
     indexer_topk_select_kernel[(scores.shape[0],)](
         scores, vis_start, vis_end, out, row_lo, key_lo, scores.stride(0), topk,
-        BK=1024, RB=rb if in_regs else 16, IN_REGS=in_regs, SEG=cfg.seg, CAND=cand, RADIX=bool(cfg.radix),
+        BK=1024, RB=rb if in_regs else 16, IN_REGS=in_regs, SEG=cfg.seg, CAND=cand,
+        MB=triton.next_power_of_2(topk + cand), RADIX=bool(cfg.radix),
         num_warps=max(cfg.select_warps, rb // 4096) if in_regs else 16,
     )
 
