@@ -13,7 +13,7 @@
 #   python -m csattn report --merge report-a.json report-b.json report-c.json --out docs/report   # anywhere
 #   STAGES=peers-unpack (carry .peerwhl/c1), then at once STAGES=peers (carry .peerwhl/c2): csattn against cuDNN
 #   Frontend's DSA kernels (bundles from ../shared/peers/make_bundles.sh; /.peerwhl/ in .git/info/exclude);
-#   providers PEER_BWD, PEER_TOPK (default triton,cudnn)
+#   providers PEER_BWD, PEER_TOPK, PEER_SELECT (default triton,cudnn)
 #   BEFORE=<old tree> BEFORE_COMMIT=<sha> STAGES=layer-ab: the layer benchmarks of an older tree and this one
 #
 # report-a: CP = 1, every path (reference and unfused up to 32k, HF eager up to 8k); report-b: CP = 2 and 4,
@@ -196,6 +196,9 @@ for s in ${STAGES:-tests layer profile}; do
           --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/peers_bwd.json" >> "$LOG" 2>&1
         timeout 150 python3 -m benchmarks.run --op indexer_topk --mode fwd --providers "${PEER_TOPK:-triton,cudnn}" \
           --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/peers_topk.json" >> "$LOG" 2>&1
+        # the selection alone (scores computed beforehand), csattn's beside cuDNN's radix top-k
+        timeout 120 python3 -m benchmarks.run --op indexer_select --mode fwd --providers "${PEER_SELECT:-triton,cudnn}" \
+          --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/peers_select.json" >> "$LOG" 2>&1
         echo "peers rc=$?" >> "$LOG"
       fi ;;
     *) echo "unknown stage $s" >> "$LOG" ;;

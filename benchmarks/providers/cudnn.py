@@ -8,7 +8,8 @@ DeepSeek sparse-attention kernels (``cudnn.deepseek_sparse_attention``, CuTe-DSL
   ``lse_kv = lse + log(-expm1(sink - lse))``. ``--mode bwd`` times cuDNN's backward; ``fwd`` is csattn's forward.
 - ``indexer_topk``: ``indexer_forward_wrapper`` (dense fp32 scores ``[T, max_seqlen_k]`` per document, THD) then
   ``indexer_top_k_wrapper`` (radix top-k, ties to the smaller column) over each row's visible prefix; the
-  document-local ids are made global like csattn's.
+  document-local ids are made global like csattn's. ``indexer_select``: the top-k alone, over dense scores
+  computed once beforehand (beside csattn's selection alone).
 
 Skipped, with the reason, where the package or an SM90+ GPU is missing. On a machine without a package index the
 wheels travel with the checkout: ``../shared/peers/make_bundles.sh`` and ``STAGES=peers`` in
@@ -113,3 +114,23 @@ def topk_cudnn(shape, device, dtype, variant=""):
         return (cudnn_indexer_topk(q, w, k, meta, segments, shape["topk"], shape["ratio"]),)
 
     return Case(forward=forward, leaves=[], flops=flops, info=info)
+
+
+@register("indexer_select", "cudnn", TOPK_DEFAULTS)
+def select_cudnn(shape, device, dtype, variant=""):
+    lib = dsa()
+    if variant:
+        raise Skip(f"the cudnn provider takes no variant, got {variant!r}")
+    packed, meta, q, w, k, _, info = topk_inputs(shape, device, dtype)
+    cu_q, cu_k, max_q, max_k = cudnn_segments(packed, meta)
+    scores = lib.indexer_forward_wrapper(q.contiguous(), k[:, None].contiguous(), w.contiguous(), ratio=shape["ratio"],
+                                         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                         max_seqlen_k=max_k)["scores"]
+    visible = (meta.vis_end - meta.vis_start).to(torch.int32)
+
+    def forward():
+        return (lib.indexer_top_k_wrapper(scores, visible, shape["topk"], next_n=1, return_val=False,
+                                          tie_break=1)["indices"],)
+
+    info["bytes"] = {"fwd": 4.0 * info["visible_pairs"]}
+    return Case(forward=forward, leaves=[], flops={}, info=info)

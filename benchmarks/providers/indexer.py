@@ -88,6 +88,32 @@ def topk_reference(shape, device, dtype, variant=""):
     return _topk_case(shape, device, dtype, "reference", variant)
 
 
+@register("indexer_select", "triton", TOPK_DEFAULTS)
+def select_triton(shape, device, dtype, variant=""):
+    """The exact top-k selection alone (``select_topk`` over each row chunk's workspace of ordered int32 keys,
+    the scores computed once beforehand), so a change to the selection is timed apart from the score kernel.
+    ``info["bytes"]`` is one read of every visible key: the floor the selection would have at full bandwidth."""
+    import csattn.ops.indexer.triton as kernels
+
+    _check(device, "triton")
+    config = _config(kernels.IndexerConfig, variant)
+    _, meta, q, w, k, _, info = topk_inputs(shape, device, dtype)
+    vs, ve = meta.vis_start.contiguous(), meta.vis_end.contiguous()
+    plan = kernels._chunks(vs, ve, kernels._MAX_WORKSPACE)
+    # one workspace a chunk (the kernels reuse one buffer; here each chunk keeps its scores between calls)
+    scores = [kernels.indexer_scores_fwd(q, w.float().contiguous(), k, vs, ve, lo, hi, klo, khi, ordered_keys=True)
+              for lo, hi, klo, khi, _ in plan]
+    out = torch.empty((q.shape[0], shape["topk"]), dtype=torch.int64, device=device)
+
+    def forward():
+        for (lo, _, klo, _, widest), ws in zip(plan, scores):
+            kernels.select_topk(ws, vs, ve, out, lo, klo, widest, config=config)
+        return (out,)
+
+    info.update(config=config.as_dict(), chunks=len(plan), bytes={"fwd": 4.0 * info["visible_pairs"]})
+    return Case(forward=forward, leaves=[], flops={}, info=info)
+
+
 def _loss_case(shape, device, dtype, backend, variant) -> Case:
     from csattn.ops.indexer import indexer_topk
     from csattn.ops.indexer_loss import indexer_kl_loss

@@ -34,7 +34,8 @@ class IndexerConfig(KernelConfig):
     select_warps: int = 4
     register_row: int = 32768
     # the in-register search counts over the whole row until its bracket holds at most `cand` keys, then over
-    # those alone (capped at 2 * topk: they are parked in the row's output slots)
+    # those alone (capped at (topk + 1) // 2: they and the ids of every key at or above the bracket, fewer than
+    # topk + cand, are gathered into the row's 2 * topk int32 output slots)
     cand: int = 256
     # tma=1: the score kernel reads its query blocks through a TMA descriptor (bf16 / fp16, power-of-two cI,
     # Hopper or later; the pointer loads otherwise)
