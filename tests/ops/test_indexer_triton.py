@@ -149,6 +149,24 @@ def test_radix_threshold_equals_bisection(case, cand):
         assert torch.equal(got, torch.nonzero(keys >= bound).flatten().to(torch.int32)), (p, got)
 
 
+@pytest.mark.parametrize("topk,cand", [(16, 8), (16, 2), (33, 16)], ids=["k16_cand8", "k16_cand2", "k33_cand16"])
+def test_topk_gathered_list_equals_reference(topk, cand):
+    """Rows of up to 60 keys with few ties (integer scores over a wide range): most rows stop their whole-row
+    counts with a bracket of several keys, gather the ids at or above it and write the list from those; the bound
+    on the gathered ids (fewer than k + cand, in 2 k int32 slots) is tight at cand = (k + 1) / 2."""
+    from csattn.ops.indexer import IndexerConfig
+
+    gen = torch.Generator().manual_seed(topk + cand)
+    packed, meta = _pack([240], [240])
+    q = torch.randint(-8, 9, (packed.num_rows, 2, 16), generator=gen).float().to(DEVICE)
+    w = torch.randint(1, 9, (packed.num_rows, 2), generator=gen).float().to(DEVICE)
+    k = torch.randint(-8, 9, (meta.num_entries, 16), generator=gen).float().to(DEVICE)
+    expected = indexer_topk_ref(q, w, k, meta.vis_start, meta.vis_end, topk)
+    got = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, topk, backend="triton",
+                       config=IndexerConfig(cand=cand, seg=64))
+    assert torch.equal(got, expected)
+
+
 def test_topk_ids_ascending_for_any_k():
     """Every row is the reference's list: its ids ascending, then -1 (every slot written: the output buffer
     starts poisoned), for k from 1 to wider than any row."""
