@@ -89,16 +89,24 @@ def cudnn_segments(packed, meta) -> tuple[Tensor, Tensor, int, int]:
     return cu_q, meta.cu_comp.to(torch.int32), int(packed.max_seqlen), max(int(meta.max_visible), 1)
 
 
+def cudnn_indexer_scores(q: Tensor, w: Tensor, k: Tensor, segments, ratio: int) -> Tensor:
+    """cuDNN's dense fp32 scores ``[T, max_seqlen_k]`` per document; ``segments`` from :func:`cudnn_segments`."""
+    cu_q, cu_k, max_q, max_k = segments
+    return dsa().indexer_forward_wrapper(q.contiguous(), k[:, None].contiguous(), w.contiguous(), ratio=ratio,
+                                         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                         max_seqlen_k=max_k)["scores"]
+
+
+def cudnn_select(scores: Tensor, meta, topk: int) -> Tensor:
+    """cuDNN's radix top-k over each row's visible prefix of ``scores``: document-local ids, -1 = none."""
+    visible = (meta.vis_end - meta.vis_start).to(torch.int32)
+    return dsa().indexer_top_k_wrapper(scores, visible, topk, next_n=1, return_val=False, tie_break=1)["indices"]
+
+
 def cudnn_indexer_topk(q: Tensor, w: Tensor, k: Tensor, meta, segments, topk: int, ratio: int) -> Tensor:
     """``[T, topk]`` global entry ids (-1 = none) from cuDNN's dense scores and radix top-k over each row's
     visible prefix; ``segments`` from :func:`cudnn_segments`."""
-    lib = dsa()
-    cu_q, cu_k, max_q, max_k = segments
-    scores = lib.indexer_forward_wrapper(q.contiguous(), k[:, None].contiguous(), w.contiguous(), ratio=ratio,
-                                         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                         max_seqlen_k=max_k)["scores"]
-    visible = (meta.vis_end - meta.vis_start).to(torch.int32)
-    local = lib.indexer_top_k_wrapper(scores, visible, topk, next_n=1, return_val=False, tie_break=1)["indices"]
+    local = cudnn_select(cudnn_indexer_scores(q, w, k, segments, ratio), meta, topk)
     return torch.where(local >= 0, local.long() + meta.vis_start[:, None], -1)
 
 
@@ -118,19 +126,14 @@ def topk_cudnn(shape, device, dtype, variant=""):
 
 @register("indexer_select", "cudnn", TOPK_DEFAULTS)
 def select_cudnn(shape, device, dtype, variant=""):
-    lib = dsa()
+    dsa()
     if variant:
         raise Skip(f"the cudnn provider takes no variant, got {variant!r}")
     packed, meta, q, w, k, _, info = topk_inputs(shape, device, dtype)
-    cu_q, cu_k, max_q, max_k = cudnn_segments(packed, meta)
-    scores = lib.indexer_forward_wrapper(q.contiguous(), k[:, None].contiguous(), w.contiguous(), ratio=shape["ratio"],
-                                         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                         max_seqlen_k=max_k)["scores"]
-    visible = (meta.vis_end - meta.vis_start).to(torch.int32)
+    scores = cudnn_indexer_scores(q, w, k, cudnn_segments(packed, meta), shape["ratio"])
 
     def forward():
-        return (lib.indexer_top_k_wrapper(scores, visible, shape["topk"], next_n=1, return_val=False,
-                                          tie_break=1)["indices"],)
+        return (cudnn_select(scores, meta, shape["topk"]),)
 
     info["bytes"] = {"fwd": 4.0 * info["visible_pairs"]}
     return Case(forward=forward, leaves=[], flops={}, info=info)

@@ -101,7 +101,7 @@ def select_triton(shape, device, dtype, variant=""):
     vs, ve = meta.vis_start.contiguous(), meta.vis_end.contiguous()
     plan = kernels._chunks(vs, ve, kernels._MAX_WORKSPACE)
     # one workspace a chunk (the kernels reuse one buffer; here each chunk keeps its scores between calls)
-    scores = [kernels.indexer_scores_fwd(q, w.float().contiguous(), k, vs, ve, lo, hi, klo, khi, ordered_keys=True)
+    scores = [kernels.indexer_scores_fwd(q, w, k, vs, ve, lo, hi, klo, khi, ordered_keys=True, config=config)
               for lo, hi, klo, khi, _ in plan]
     out = torch.empty((q.shape[0], shape["topk"]), dtype=torch.int64, device=device)
 

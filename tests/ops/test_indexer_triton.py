@@ -29,14 +29,14 @@ except ImportError:  # pragma: no cover - the kernel tests need Triton
 
 if triton is not None:
     @triton.jit
-    def _both_searches(keys, n, out, scratch, RB: tl.constexpr, CAND: tl.constexpr):
+    def _both_searches(keys, n, out, scratch, RB: tl.constexpr, CAND: tl.constexpr, GATHER: tl.constexpr):
         """Program ``p`` runs both threshold searches for ``kk = p + 1`` on one int32 row (the bisection gathers
         its ids to the first ``RB`` slots of the program's scratch row, its bracket's keys after them)."""
         kk = tl.program_id(0) + 1
         rel = tl.arange(0, RB)
         key = tl.load(keys + rel, mask=rel < n, other=-(2**31))
         ids = scratch + tl.program_id(0) * (RB + CAND)
-        t1, a1, gathered = _bisect_regs(key, kk, n, keys, ids, ids + RB, CAND, 16)
+        t1, a1, gathered = _bisect_regs(key, kk, n, keys, ids, ids + RB, CAND, 16, GATHER)
         t2, a2 = _radix_regs(key, kk)
         base = out + tl.program_id(0) * 5
         tl.store(base, t1)
@@ -110,13 +110,15 @@ def test_topk_radix_select_equals_reference_exact(lengths, padded, topk, workspa
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "no_gather"])
 @pytest.mark.parametrize("cand", [2, 8, 64], ids=["cand2", "cand8", "cand64"])
 @pytest.mark.parametrize("case", ["random", "extremes", "ties", "clustered"])
-def test_radix_threshold_equals_bisection(case, cand):
+def test_radix_threshold_equals_bisection(case, cand, gather):
     """The radix search and the bisection return the same ``(threshold, count above)`` on int32 rows across
     the whole range (negative keys, INT32_MIN / INT32_MAX, long runs of equal keys, keys one apart, padding),
     for every kk; the bisection hands over to its parked-candidate phase at brackets of 2, 8 or 64 keys (64: the
-    whole row from the start)."""
+    whole row from the start). Without ``GATHER`` (lists of more than 2^14 ids) it gathers no ids, the same
+    threshold."""
     both = _both_searches
     gen = torch.Generator().manual_seed(3)
     n = 45
@@ -132,13 +134,15 @@ def test_radix_threshold_equals_bisection(case, cand):
     keys = keys.to(torch.int32).to(DEVICE)
     out = torch.full((n, 5), 7, dtype=torch.int32, device=DEVICE)
     scratch = torch.full((n, 64 + cand), 7, dtype=torch.int32, device=DEVICE)
-    both[(n,)](keys, n, out, scratch, RB=64, CAND=cand)
+    both[(n,)](keys, n, out, scratch, RB=64, CAND=cand, GATHER=gather)
     out, scratch, keys = out.cpu(), scratch.cpu(), keys.cpu()
     assert torch.equal(out[:, :2], out[:, 2:4]), out
     ordered = torch.sort(keys, descending=True).values
     assert torch.equal(out[:, 0], ordered[:n])  # the kk-th largest
     # Gathered ids: those of every key at or above some bound no greater than the threshold, ascending, fewer
     # than kk + cand (0: the whole-row counts found the threshold themselves).
+    if not gather:
+        assert (out[:, 4] == 0).all() and (scratch[:, :64] == 7).all()
     for p in range(n):
         thr, gathered = int(out[p, 0]), int(out[p, 4])
         if gathered == 0:

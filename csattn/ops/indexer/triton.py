@@ -104,11 +104,11 @@ def _count_min_max(c0, lo0, hi0, c1, lo1, hi1):
 
 
 @triton.jit
-def _bisect_regs(key, kk, n, row, ids, ck, CAND: tl.constexpr, SEG: tl.constexpr):
+def _bisect_regs(key, kk, n, row, ids, ck, CAND: tl.constexpr, SEG: tl.constexpr, GATHER: tl.constexpr = True):
     """``(thr, above, gathered)``: the kk-th largest of the in-register int32 row ``key`` (``n`` real keys, then
     padding with INT32_MIN; ``kk <= n``; the same keys are at ``row`` in memory), how many keys are above it, and
     how many ids (those of the keys at or above the last whole-row bracket) were gathered to ``ids``: 0 when the
-    whole-row counts found the threshold (then :func:`_compact` reads the whole row), else
+    whole-row counts found the threshold or ``GATHER`` is off (then :func:`_compact` reads the whole row), else
     :func:`_compact_gathered` writes the row's list from them.
 
     The bracket ``[lo, hi]`` always holds the threshold: ``count(key >= lo) = c_lo >= kk`` and ``count(key > hi) =
@@ -129,7 +129,9 @@ def _bisect_regs(key, kk, n, row, ids, ck, CAND: tl.constexpr, SEG: tl.constexpr
         cnt = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
         c_lo = tl.where(cnt >= kk, cnt, c_lo)
         lo, hi, above = _bisect_step(lo, hi, above, mid, cnt, kk)
-    gathered = tl.where(lo < hi, c_lo, 0)
+    gathered = tl.zeros((), dtype=tl.int32)
+    if GATHER:
+        gathered = tl.where(lo < hi, c_lo, 0)
     if lo < hi:
         # A scan over the in-register row would hold its ranks beside it, and those registers would cost programs
         # per SM: the row is read again in tiles. One scan a tile ranks the keys >= lo (low 16 bits) and the
@@ -144,7 +146,8 @@ def _bisect_regs(key, kk, n, row, ids, ck, CAND: tl.constexpr, SEG: tl.constexpr
             inside = ge & (tile <= hi32)
             code = ge.to(tl.int32) | (inside.to(tl.int32) << 16)
             ranks = seen + tl.cumsum(code, axis=0)
-            tl.store(ids + (ranks & 0xFFFF) - 1, offs, mask=ge)
+            if GATHER:
+                tl.store(ids + (ranks & 0xFFFF) - 1, offs, mask=ge)
             tl.store(ck + (ranks >> 16) - 1, tile, mask=inside)
             seen += tl.sum(code, axis=0)
         tl.debug_barrier()  # the gathered keys are read back by other threads of the program
@@ -164,30 +167,6 @@ def _bisect_regs(key, kk, n, row, ids, ck, CAND: tl.constexpr, SEG: tl.constexpr
             above = tl.where(take, above, cnt)
         tl.debug_barrier()  # every thread has read its keys before the list overwrites the scratch
     return lo.to(tl.int32), above, gathered
-
-
-@triton.jit
-def _compact_gathered(row, ids, count, thr, need_eq, kk, id_lo, out_row, topk, MB: tl.constexpr,
-                      SEG: tl.constexpr):
-    """:func:`_compact` over the ``count`` gathered ids (ascending, ``count <= MB``; their keys read back from
-    ``row``) instead of the whole row. ``ids`` may share memory with ``out_row``: every id is read before any is
-    written."""
-    offs = tl.arange(0, MB)
-    real = offs < count
-    rel = tl.load(ids + offs, mask=real, other=0)
-    key = tl.load(row + rel, mask=real, other=-(2**31))
-    gt = real & (key > thr)
-    eq = real & (key == thr)
-    code = gt.to(tl.int32) | (eq.to(tl.int32) << 16)
-    ranks = tl.cumsum(code, axis=0)
-    eq_upto = ranks >> 16
-    sel = gt | (eq & (eq_upto <= need_eq))
-    slot = (ranks & 0xFFFF) + tl.minimum(eq_upto, need_eq) - 1
-    tl.debug_barrier()  # the ids share memory with the list
-    tl.store(out_row + slot, id_lo + rel.to(tl.int64), mask=sel)
-    for p in range(kk, topk, SEG):
-        slots = p + tl.arange(0, SEG)
-        tl.store(out_row + slots, tl.full((SEG,), -1, tl.int64), mask=slots < topk)
 
 
 @triton.jit
@@ -249,15 +228,39 @@ def _bisect_stream(base, start, end, kk, BK: tl.constexpr):
 
 
 @triton.jit
+def _rank_taken(key, valid, thr, need_eq, gt_seen, eq_seen):
+    """``(sel, slot, total)`` of keys in id order: which are taken (every valid key above ``thr``, and those equal
+    to it while fewer than ``need_eq`` equal ones come before them: the lowest ids), and each taken key's slot in
+    the list, after ``gt_seen`` keys above and ``eq_seen`` equal ones in earlier tiles. One scan ranks both kinds,
+    keys above in the low 16 bits and keys equal in the high 16 (at most 2^14 keys a call); ``total`` packs the
+    tile's two counts the same way."""
+    gt = valid & (key > thr)
+    eq = valid & (key == thr)
+    code = gt.to(tl.int32) | (eq.to(tl.int32) << 16)
+    ranks = tl.cumsum(code, axis=0)
+    eq_upto = eq_seen + (ranks >> 16)  # keys equal to thr up to this one, itself included
+    sel = gt | (eq & (eq_upto <= need_eq))
+    slot = gt_seen + (ranks & 0xFFFF) + tl.minimum(eq_upto, need_eq) - 1
+    return sel, slot, tl.sum(code, axis=0)
+
+
+@triton.jit
+def _fill_unused(out_row, kk, topk, SEG: tl.constexpr):
+    """``-1`` in the slots ``[kk, topk)`` of the row's list."""
+    for p in range(kk, topk, SEG):
+        slots = p + tl.arange(0, SEG)
+        tl.store(out_row + slots, tl.full((SEG,), -1, tl.int64), mask=slots < topk)
+
+
+@triton.jit
 def _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, topk, SEG: tl.constexpr):
     """Write the row's ids in ascending order: every key above ``thr`` and the first ``need_eq`` keys equal to it
     (the lowest ids), then ``-1`` up to ``topk`` (a row taking all its keys passes INT32_MIN and ``need_eq = kk``).
 
     The row is read again in ``SEG`` tiles (from L2: the threshold search has just read it), so only one tile's
-    ranks, keys and addresses are live at a time and the search keeps the row alone in registers. One scan a
-    tile ranks both kinds, keys above in the low 16 bits and keys equal in the high 16 (``SEG <= 2^14``): a
-    taken key's slot is the number of taken keys up to it. The tiles' loads are pipelined (``tl.range`` stages):
-    the scan of one tile overlaps the L2 reads of the next.
+    ranks, keys and addresses are live at a time and the search keeps the row alone in registers; the ranks
+    (:func:`_rank_taken`) carry from tile to tile. The tiles' loads are pipelined (``tl.range`` stages): the scan
+    of one tile overlaps the L2 reads of the next.
     """
     gt_seen = tl.zeros((), dtype=tl.int32)
     eq_seen = tl.zeros((), dtype=tl.int32)
@@ -265,20 +268,28 @@ def _compact(base, start, end, thr, need_eq, kk, key_lo, out_row, topk, SEG: tl.
         offs = j + tl.arange(0, SEG)
         inside = offs < end
         key = tl.load(base + offs, mask=inside, other=-(2**31))
-        gt = inside & (key > thr)
-        eq = inside & (key == thr)
-        code = gt.to(tl.int32) | (eq.to(tl.int32) << 16)
-        ranks = tl.cumsum(code, axis=0)
-        eq_upto = eq_seen + (ranks >> 16)  # keys equal to thr up to this one, itself included
-        sel = gt | (eq & (eq_upto <= need_eq))
-        slot = gt_seen + (ranks & 0xFFFF) + tl.minimum(eq_upto, need_eq) - 1
+        sel, slot, total = _rank_taken(key, inside, thr, need_eq, gt_seen, eq_seen)
         tl.store(out_row + slot, key_lo + offs.to(tl.int64), mask=sel)
-        total = tl.sum(code, axis=0)
         gt_seen += total & 0xFFFF
         eq_seen += total >> 16
-    for p in range(kk, topk, SEG):
-        slots = p + tl.arange(0, SEG)
-        tl.store(out_row + slots, tl.full((SEG,), -1, tl.int64), mask=slots < topk)
+    _fill_unused(out_row, kk, topk, SEG)
+
+
+@triton.jit
+def _compact_gathered(row, ids, count, thr, need_eq, kk, id_lo, out_row, topk, MB: tl.constexpr,
+                      SEG: tl.constexpr):
+    """:func:`_compact` over the ``count`` gathered ids (ascending, ``count <= MB``; their keys read back from
+    ``row``) instead of the whole row. ``ids`` may share memory with ``out_row``: every id is read before any is
+    written."""
+    offs = tl.arange(0, MB)
+    real = offs < count
+    rel = tl.load(ids + offs, mask=real, other=0)
+    key = tl.load(row + rel, mask=real, other=-(2**31))
+    zero = tl.zeros((), dtype=tl.int32)
+    sel, slot, _ = _rank_taken(key, real, thr, need_eq, zero, zero)
+    tl.debug_barrier()  # the ids share memory with the list
+    tl.store(out_row + slot, id_lo + rel.to(tl.int64), mask=sel)
+    _fill_unused(out_row, kk, topk, SEG)
 
 
 @triton.jit
@@ -286,13 +297,16 @@ def indexer_topk_select_kernel(
     scores, vis_start, vis_end, out,
     row_lo, key_lo, stride_s, topk,
     BK: tl.constexpr, RB: tl.constexpr, IN_REGS: tl.constexpr, SEG: tl.constexpr, CAND: tl.constexpr,
-    MB: tl.constexpr, RADIX: tl.constexpr = False,
+    MB: tl.constexpr, GATHER: tl.constexpr = True, RADIX: tl.constexpr = False,
 ):
     """Row ``row_lo + program`` of ``out``: the ids of its ``min(visible, topk)`` best keys in ascending order
     (ties to the lower id), then -1. The row of ``out`` (``8 * topk`` bytes: ``2 * topk`` int32 slots) is also the
     threshold search's scratch until the ids are written: the gathered ids (fewer than ``topk + CAND <= MB``) from
-    slot 0, the bracket's keys in the last ``CAND`` slots (``2 * CAND <= topk + 1``, so the two never meet)."""
+    slot 0, the bracket's keys in the last ``CAND`` slots (``2 * CAND <= topk + 1``, so the two never meet). The
+    gathered list is ranked in one scan of 16-bit counts, so ``GATHER`` is off where it would exceed ``2^14`` ids
+    (k above 16k; ``MB`` is then unused)."""
     tl.static_assert(SEG <= 2**14, "the compaction packs two ranks into the 16-bit halves of an int32")
+    tl.static_assert(MB <= 2**14, "the gathered list is ranked in one scan of 16-bit counts")
     t = tl.program_id(0)
     row = row_lo + t
     start = (tl.load(vis_start + row) - key_lo).to(tl.int32)
@@ -316,7 +330,7 @@ def indexer_topk_select_kernel(
                 thr, above = _radix_regs(key, kk)
             else:
                 thr, above, gathered = _bisect_regs(key, kk, n, base + start, scratch, scratch + 2 * topk - CAND,
-                                                    CAND, SEG)
+                                                    CAND, SEG, GATHER)
         else:
             thr, above = _bisect_stream(base, start, end, kk, BK)
         need_eq = kk - above
@@ -487,10 +501,12 @@ def select_topk(scores: Tensor, vis_start: Tensor, vis_end: Tensor, out: Tensor,
     in_regs = rb <= cfg.register_row
     # the gathered ids (fewer than topk + cand) and the bracket's keys (cand) share the row of out (2 * topk int32)
     cand = 1 << (min(cfg.cand, (topk + 1) // 2).bit_length() - 1)
+    mb = triton.next_power_of_2(topk + cand)
+    gather = mb <= 2**14
     indexer_topk_select_kernel[(scores.shape[0],)](
         scores, vis_start, vis_end, out, row_lo, key_lo, scores.stride(0), topk,
         BK=1024, RB=rb if in_regs else 16, IN_REGS=in_regs, SEG=cfg.seg, CAND=cand,
-        MB=triton.next_power_of_2(topk + cand), RADIX=bool(cfg.radix),
+        MB=mb if gather else 16, GATHER=gather, RADIX=bool(cfg.radix),
         num_warps=max(cfg.select_warps, rb // 4096) if in_regs else 16,
     )
 
