@@ -34,8 +34,9 @@ strides = ("qt", "qh", "kvn", "it", "ot", "oh", "lt")
 if which == "fwd":
     fn = sparse_attn_fwd_gluon_kernel
     sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
-           "lse": "*fp32", **{f"stride_{n}": "i64" for n in strides}, "K": "i32", "qk_scale_log2": "fp32"}
-    consts = {"HAS_LEN": has_len, "BH": 64, "BD": d, "BK": bk, "STAGES": stages}
+           "lse": "*fp32", **{f"stride_{n}": "i64" for n in strides}, "K": "i32", "qk_scale_log2": "fp32",
+           "n_work": "i32", "n_hb": "i32"}
+    consts = {"HAS_LEN": has_len, "BH": 64, "BD": d, "BK": bk}
 else:
     fn = sparse_attn_bwd_gluon_kernel
     sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
@@ -154,7 +155,7 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "bwd_gluon=0", "bwd_persistent=0"],
+@pytest.mark.parametrize("variant", ["", "bwd_gluon=0", "bwd_persistent=0,fwd_persistent=0"],
                          ids=["gluon", "gluon_fwd_only", "gluon_program_per_item"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))

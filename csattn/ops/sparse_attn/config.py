@@ -35,6 +35,10 @@ class SparseAttnConfig(KernelConfig):
     # (sm_90, bf16/fp16, 64-head blocks, d in 64..512 a power of two); 0: the Triton kernels.
     fwd_gluon: int = 1
     bwd_gluon: int = 1
+    # Gluon forward: n programs per SM, each looping over (row, 64-head block) items with the next item's q and
+    # first key tile loaded under the previous item's last tile; 0: one program per item (the Gluon forward's
+    # two-slot key ring ignores stages_fwd).
+    fwd_persistent: int = 1
     # Gluon backward: n programs per SM, each looping over (row, 64-head block) items, the next item's first
     # gather and row terms under the previous item's last key-side chunks; 0: one program per item. Measured
     # (H200, d = 512, 8k / 32k): 1: 4.49 / 18.36 ms, 0: 4.58 / 18.85, 2: 4.42 / 20.72 (two waves).

@@ -9,12 +9,17 @@ of it, because its result feeds the second product from registers. Here the layo
 - the softmax runs on that split tile (row max and row sum cross warpgroups through the compiler's reduction);
 - ``P`` goes once through shared memory (``[64, BK]`` bf16) and is the shared-memory A operand of ``P V``,
   whose ``[64, d]`` accumulator is split by columns between the warpgroups;
-- the key gather is a ring of ``STAGES`` shared-memory tiles filled with ``cp.async`` one tile ahead, issued
-  while the score product of the current tile runs (asynchronous warpgroup MMA), and the index list of the tile
-  after that is read one iteration early, so neither latency sits on the critical path.
+- the key gather is a two-slot shared-memory ring filled with ``cp.async`` one tile ahead, issued while the
+  score product of the current tile runs (asynchronous warpgroup MMA);
+- a program loops over work items (one query row x 64 heads; ``fwd_persistent`` programs an SM) and the ring
+  runs on across items: under an item's last tile it gathers the next item's first key tile, and once both
+  warpgroups' last score products are done it loads the next item's q into the freed q buffer, so the next item
+  starts on landed data instead of waiting for its q and first keys. One program per item (205 KB of shared
+  memory, one program an SM) left that wait and the epilogue exposed: at 32k the time was 2.29 ms + 0.585 ms a
+  64-key tile (4 / 10 / 20 tiles a row: 4.63 / 8.14 / 13.98 ms), 28 % of it per item at k + W = 640.
 
-Measured on the H200 (bf16, H = 64, d = 512, k + W = 640, 32k tokens): 8.1 ms, 338 TFLOP/s, against 11.3 ms
-(244 TFLOP/s) for the Triton kernel (BENCHMARKS.md).
+Measured on the H200 (bf16, H = 64, d = 512, k + W = 640, 32k tokens), one program per item: 8.1 ms,
+338 TFLOP/s, against 11.3 ms (244 TFLOP/s) for the Triton kernel (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -63,12 +68,35 @@ def row_keys(idx, topk_len, t, stride_it, K, BK: gl.constexpr, HAS_LEN: gl.const
 
 
 @gluon.jit
+def item_keys(topk_len, w, n_work, n_hb, K, HAS_LEN: gl.constexpr):
+    """The key count of work item ``w`` (row ``w // n_hb``; 0 past the last item)."""
+    n_keys = K
+    if HAS_LEN:
+        n_keys = gl.minimum(gl.load(topk_len + gl.minimum(w, n_work - 1) // n_hb).to(gl.int32), K)
+    return gl.where(w < n_work, n_keys, 0)
+
+
+@gluon.jit
+def issue_rows(row_ptrs, mask, buf, BD: gl.constexpr):
+    """cp.async the rows starting at ``row_ptrs`` ([R] in the row layout; masked rows are zero-filled) into
+    ``buf``, as one commit group."""
+    offs_d = gl.arange(0, BD, layout=gl.SliceLayout(0, row_layout()))
+    _cp_async(buf, gl.expand_dims(row_ptrs, 1) + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(mask, 1))
+    async_copy.commit_group()
+
+
+@gluon.jit
 def issue_gather(kv, ids, stride_kvn, buf, BD: gl.constexpr):
     """cp.async the key rows ``ids`` ([BK] in the row layout; -1 = none, zero-filled) into ``buf``."""
-    offs_d = gl.arange(0, BD, layout=gl.SliceLayout(0, row_layout()))
-    ptrs = gl.expand_dims(kv + ids.to(gl.int64) * stride_kvn, 1) + gl.expand_dims(offs_d, 0)
-    _cp_async(buf, ptrs, mask=gl.expand_dims(ids >= 0, 1))
-    async_copy.commit_group()
+    issue_rows(kv + ids.to(gl.int64) * stride_kvn, ids >= 0, buf, BD)
+
+
+@gluon.jit
+def issue_q(q, t, h0, stride_qt, stride_qh, valid, buf, BH: gl.constexpr, BD: gl.constexpr):
+    """cp.async the ``[BH, d]`` query block of row ``t``, heads from ``h0``, into ``buf`` (zeros if not valid)."""
+    offs_h = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, row_layout()))
+    mask = gl.full([BH], 1, gl.int1, layout=gl.SliceLayout(1, row_layout())) & valid
+    issue_rows(q + t * stride_qt + offs_h.to(gl.int64) * stride_qh, mask, buf, BD)
 
 
 @gluon.jit
@@ -81,8 +109,8 @@ def tile_ids(idx_row, start, n_keys, BK: gl.constexpr, layout: gl.constexpr):
 def sparse_attn_fwd_gluon_kernel(
     q, kv, idx, topk_len, sink, o, lse,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
-    K, qk_scale_log2,
-    HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+    K, qk_scale_log2, n_work, n_hb,
+    HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
 ):
     # The score tile split by keys, the accumulator by columns, both between the two warpgroups.
     S_L: gl.constexpr = mma_layout(BK // 2, 2)
@@ -90,67 +118,97 @@ def sparse_attn_fwd_gluon_kernel(
     ROWS: gl.constexpr = row_layout()
     dtype: gl.constexpr = q.dtype.element_ty
 
-    t = gl.program_id(0).to(gl.int64)
-    h0 = gl.program_id(1) * BH
-    idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
-
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BD], mma_smem(BD * 2))
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    # Two key slots (a third does not fit next to q at d = 512), q, P.
+    k_bufs = gl.allocate_shared_memory(dtype, [2, BK, BD], mma_smem(BD * 2))
     p_smem = gl.allocate_shared_memory(dtype, [BH, BK], mma_smem(BK * 2))
-    # Start the first gathers before anything else so they overlap the q load.
-    ids_g = tile_ids(idx_row, 0, n_keys, BK, gl.SliceLayout(1, ROWS))
-    for s in gl.static_range(STAGES - 1):
-        issue_gather(kv, ids_g, stride_kvn, k_bufs.index(s), BD)
-        ids_g = tile_ids(idx_row, (s + 1) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
-
-    offs_hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ROWS))
-    offs_dr = gl.arange(0, BD, layout=gl.SliceLayout(0, ROWS))
-    q_regs = gl.load(q + t * stride_qt + gl.expand_dims(offs_hr, 1) * stride_qh + gl.expand_dims(offs_dr, 0))
-    q_smem = gl.allocate_shared_memory(dtype, [BH, BD], mma_smem(BD * 2), q_regs)
-
-    # The sink is the softmax's starting state (max = sink, sum = 1), as in the Triton kernel.
-    offs_hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, S_L))
-    m_i = gl.load(sink + offs_hs).to(gl.float32) * 1.4426950408889634
-    l_sink = gl.full([BH], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
-    l_acc = gl.zeros([BH, BK], gl.float32, layout=S_L)
-    acc = gl.zeros([BH, BD], gl.float32, layout=O_L)
+    q_smem = gl.allocate_shared_memory(dtype, [BH, BD], mma_smem(BD * 2))
     s_zero = gl.zeros([BH, BK], gl.float32, layout=S_L)
 
-    for i in range(n_tiles):
-        slot = i % STAGES
-        # Tile i has landed (this thread's copies), then every thread's copies are visible and every warpgroup
-        # is done with tile i - 1: its ring slot may be refilled.
-        async_copy.wait_group(STAGES - 2)
-        fence_async_shared()
-        _cta_barrier()
-        k_tile = k_bufs.index(slot)
-        # The score product runs on the tensor cores while the threads issue the next gather.
-        s_tok = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        issue_gather(kv, ids_g, stride_kvn, k_bufs.index((i + STAGES - 1) % STAGES), BD)
-        ids_g = tile_ids(idx_row, (i + STAGES) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
-        ids_s = tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(0, S_L))
-        s_tile = warpgroup_mma_wait(0, deps=[s_tok])
-        bias = gl.where(ids_s >= 0, 0.0, float("-inf"))
-        s_tile = s_tile * qk_scale_log2 + gl.expand_dims(bias, 0)
-        m_new = gl.maximum(m_i, gl.max(s_tile, axis=1))
-        p = gl.exp2(s_tile - gl.expand_dims(m_new, 1))
-        alpha = gl.exp2(m_i - m_new)
-        # The row sum is kept per element and reduced once after the loop: a row's columns live on both
-        # warpgroups, so a per-tile sum would cost a cross-warpgroup exchange (measured 8.5 -> 8.1 ms at 32k).
-        l_sink = l_sink * alpha
-        l_acc = l_acc * gl.expand_dims(alpha, 1) + p
-        m_i = m_new
-        p_smem.store(p.to(dtype))
-        fence_async_shared()
-        _cta_barrier()
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-        acc = warpgroup_mma(p_smem, k_tile, acc)
-    async_copy.wait_group(0)
-    l_i = l_sink + gl.sum(l_acc, axis=1)
+    g = 0  # key tiles this program has consumed: tile g sits in ring slot g % 2
+    ready = 0  # whether the item before issued this item's q and first key tile
+    # Key counts of this item and the next, read an item ahead so that no item waits on them.
+    n_keys = item_keys(topk_len, pid, n_work, n_hb, K, HAS_LEN)
+    n_keys_next = item_keys(topk_len, pid + n_prog, n_work, n_hb, K, HAS_LEN)
+    for w in range(pid, n_work, n_prog):
+        n_keys_after = item_keys(topk_len, w + 2 * n_prog, n_work, n_hb, K, HAS_LEN)
+        t = (w // n_hb).to(gl.int64)
+        h0 = (w % n_hb) * BH
+        idx_row = idx + t * stride_it
+        n_tiles = gl.cdiv(n_keys, BK)
+        if (ready == 0) & (n_tiles > 0):
+            # This program's first item, or the one after an item without keys (which issued nothing): drain
+            # whatever that item's predecessor issued into these buffers, then load q and the first tile here.
+            async_copy.wait_group(0)
+            issue_gather(kv, tile_ids(idx_row, 0, n_keys, BK, gl.SliceLayout(1, ROWS)), stride_kvn,
+                         k_bufs.index(g % 2), BD)
+            issue_q(q, t, h0, stride_qt, stride_qh, True, q_smem, BH, BD)
+        # The next item of this program, whose q and first key tile this item's last tile issues.
+        w_next = gl.minimum(w + n_prog, n_work - 1)
+        t_next = (w_next // n_hb).to(gl.int64)
+        h0_next = (w_next % n_hb) * BH
+        # The index list of the tile the first iteration gathers: this item's second, or the next item's first.
+        more = n_tiles > 1
+        ids_g = tile_ids(idx + gl.where(more, t, t_next) * stride_it, gl.where(more, BK, 0),
+                         gl.where(more, n_keys, n_keys_next), BK, gl.SliceLayout(1, ROWS))
 
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
-    out = acc / gl.expand_dims(l_o, 1)
-    offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
-    offs_do = gl.arange(0, BD, layout=gl.SliceLayout(0, O_L))
-    gl.store(o + t * stride_ot + gl.expand_dims(offs_ho, 1) * stride_oh + gl.expand_dims(offs_do, 0),
-             out.to(dtype))
-    gl.store(lse + t * stride_lt + offs_hs, m_i * 0.6931471805599453 + gl.log(l_i))
+        # The sink is the softmax's starting state (max = sink, sum = 1), as in the Triton kernel.
+        offs_hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, S_L))
+        m_i = gl.load(sink + offs_hs).to(gl.float32) * 1.4426950408889634
+        l_sink = gl.full([BH], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
+        l_acc = gl.zeros([BH, BK], gl.float32, layout=S_L)
+        acc = gl.zeros([BH, BD], gl.float32, layout=O_L)
+
+        for i in range(n_tiles):
+            # Tile i (and at i = 0 this item's q) has landed (this thread's copies), then every thread's copies
+            # are visible and both warpgroups are done with tile i - 1: its slot may be refilled.
+            async_copy.wait_group(0)
+            fence_async_shared()
+            _cta_barrier()
+            k_tile = k_bufs.index(g % 2)
+            # The score product runs on the tensor cores while the threads issue the next gather (this item's
+            # tile i + 1, or after its last tile the next item's first) and read the index list of the gather
+            # after it, so no load latency sits between the two products.
+            s_tok = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            ids_s = tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(0, S_L))
+            issue_gather(kv, ids_g, stride_kvn, k_bufs.index((g + 1) % 2), BD)
+            ahead = i + 2 < n_tiles
+            ids_g = tile_ids(idx + gl.where(ahead, t, t_next) * stride_it, gl.where(ahead, (i + 2) * BK, 0),
+                             gl.where(ahead, n_keys, gl.where(i + 2 == n_tiles, n_keys_next, 0)), BK,
+                             gl.SliceLayout(1, ROWS))
+            last = i + 1 == n_tiles
+            s_tile = warpgroup_mma_wait(0, deps=[s_tok])
+            bias = gl.where(ids_s >= 0, 0.0, float("-inf"))
+            s_tile = s_tile * qk_scale_log2 + gl.expand_dims(bias, 0)
+            m_new = gl.maximum(m_i, gl.max(s_tile, axis=1))
+            p = gl.exp2(s_tile - gl.expand_dims(m_new, 1))
+            alpha = gl.exp2(m_i - m_new)
+            # The row sum is kept per element and reduced once after the loop: a row's columns live on both
+            # warpgroups, so a per-tile sum would cost a cross-warpgroup exchange (measured 8.5 -> 8.1 ms at 32k).
+            l_sink = l_sink * alpha
+            l_acc = l_acc * gl.expand_dims(alpha, 1) + p
+            m_i = m_new
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+            _cta_barrier()
+            if last:
+                # Both warpgroups' score products are done (the barrier above): q's buffer takes the next item's
+                # q while this tile's P V and the epilogue run.
+                issue_q(q, t_next, h0_next, stride_qt, stride_qh, n_keys_next > 0, q_smem, BH, BD)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+            acc = warpgroup_mma(p_smem, k_tile, acc)
+            g += 1
+        ready = (n_tiles > 0).to(gl.int32)
+        n_keys = n_keys_next
+        n_keys_next = n_keys_after
+        l_i = l_sink + gl.sum(l_acc, axis=1)
+
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+        out = acc / gl.expand_dims(l_o, 1)
+        offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
+        offs_do = gl.arange(0, BD, layout=gl.SliceLayout(0, O_L))
+        gl.store(o + t * stride_ot + gl.expand_dims(offs_ho, 1) * stride_oh + gl.expand_dims(offs_do, 0),
+                 out.to(dtype))
+        gl.store(lse + t * stride_lt + offs_hs, m_i * 0.6931471805599453 + gl.log(l_i))
+    async_copy.wait_group(0)

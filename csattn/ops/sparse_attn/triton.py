@@ -344,12 +344,13 @@ def sparse_attn_fwd(
     if T == 0:
         return o, lse
     if uses_gluon_fwd(q, kv, cfg):
-        kernel = _gluon_kernel("fwd")[(T, H // 64)](
+        n_work = T * (H // 64)
+        programs = min(n_work, sm_count(q.device) * cfg.fwd_persistent) if cfg.fwd_persistent else n_work
+        kernel = _gluon_kernel("fwd")[(programs,)](
             q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
-            K, scale * LOG2E,
-            HAS_LEN=topk_length is not None, BH=64, BD=D, BK=cfg.bk_fwd, STAGES=max(2, cfg.stages_fwd),
-            num_warps=8,
+            K, scale * LOG2E, n_work, H // 64,
+            HAS_LEN=topk_length is not None, BH=64, BD=D, BK=cfg.bk_fwd, num_warps=8,
         )
         _report("fwd_gluon", kernel, cfg)
         return o, lse
