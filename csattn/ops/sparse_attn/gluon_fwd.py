@@ -204,11 +204,25 @@ def sparse_attn_fwd_gluon_kernel(
         n_keys_next = n_keys_after
         l_i = l_sink + gl.sum(l_acc, axis=1)
 
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
-        out = acc / gl.expand_dims(l_o, 1)
-        offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
-        offs_do = gl.arange(0, BD, layout=gl.SliceLayout(0, O_L))
-        gl.store(o + t * stride_ot + gl.expand_dims(offs_ho, 1) * stride_oh + gl.expand_dims(offs_do, 0),
-                 out.to(dtype))
+        # One reciprocal a row instead of a division an element.
+        out = (acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L)), 1)).to(dtype)
+        if BK == BH:
+            # The o block leaves through the key slot the last tile used (free once both warpgroups are past
+            # their last P V: the barrier; next written by the next item's second gather, after that item's
+            # first barrier), so the global stores are whole 16-byte pieces of contiguous rows. Stored from the
+            # MMA layout they were 4-byte pieces, half a sector each: 15 % of the kernel's time at 32k went to
+            # the epilogue, most of it waiting to issue those stores (ncu, dfd9e2d).
+            o_smem = k_bufs.index((g + 1) % 2)
+            _cta_barrier()
+            o_smem.store(out)
+            _cta_barrier()
+            offs_hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ROWS))
+            offs_dr = gl.arange(0, BD, layout=gl.SliceLayout(0, ROWS))
+            gl.store(o + t * stride_ot + gl.expand_dims(offs_hr, 1) * stride_oh + gl.expand_dims(offs_dr, 0),
+                     o_smem.load(ROWS))
+        else:
+            offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
+            offs_do = gl.arange(0, BD, layout=gl.SliceLayout(0, O_L))
+            gl.store(o + t * stride_ot + gl.expand_dims(offs_ho, 1) * stride_oh + gl.expand_dims(offs_do, 0), out)
         gl.store(lse + t * stride_lt + offs_hs, m_i * 0.6931471805599453 + gl.log(l_i))
     async_copy.wait_group(0)
