@@ -37,8 +37,9 @@ class SparseAttnConfig(KernelConfig):
     bwd_gluon: int = 1
     # Gluon forward: n programs per SM, each looping over (row, 64-head block) items with the next item's q and
     # first key tile loaded under the previous item's last tile; 0: one program per item (the Gluon forward's
-    # two-slot key ring ignores stages_fwd). Measured (H200, d = 512, 640 keys a row, 8k / 32k): 1: 1.98 / 7.72 ms,
-    # 0: 2.06 / 8.11 (a second program an SM does not fit next to the first's 205 KB of shared memory).
+    # two-slot key ring ignores stages_fwd). Measured (H200, d = 512, 640 keys a row, 8k / 32k, before the row-piece
+    # o stores): 1: 1.98 / 7.72 ms, 0: 2.06 / 8.11 (a second program an SM does not fit next to the first's 205 KB
+    # of shared memory).
     fwd_persistent: int = 1
     # Gluon backward: n programs per SM, each looping over (row, 64-head block) items, the next item's first
     # gather and row terms under the previous item's last key-side chunks; 0: one program per item. Measured

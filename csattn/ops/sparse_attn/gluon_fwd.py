@@ -18,8 +18,11 @@ of it, because its result feeds the second product from registers. Here the layo
   memory, one program an SM) left that wait and the epilogue exposed: at 32k the time was 2.29 ms + 0.585 ms a
   64-key tile (4 / 10 / 20 tiles a row: 4.63 / 8.14 / 13.98 ms), 28 % of it per item at k + W = 640.
 
-Measured on the H200 (bf16, H = 64, d = 512, k + W = 640, 32k tokens), one program per item: 8.1 ms,
-338 TFLOP/s, against 11.3 ms (244 TFLOP/s) for the Triton kernel (BENCHMARKS.md).
+- the ``o`` block leaves through the key slot its last tile used, so its global stores are 16-byte pieces of
+  contiguous rows (from the MMA layout they were 4-byte pieces, and that epilogue took 15 % of the time).
+
+Measured on the H200 (bf16, H = 64, d = 512, k + W = 640, 32k tokens): 6.96 ms, 395 TFLOP/s (one program per
+item with the MMA-layout stores: 8.1 ms, 338 TFLOP/s; the Triton kernel 11.3 ms, 244 TFLOP/s; BENCHMARKS.md).
 """
 
 from __future__ import annotations
