@@ -13,7 +13,7 @@
 #   python -m csattn report --merge report-a.json report-b.json report-c.json --out docs/report   # anywhere
 #   STAGES=peers-unpack (carry .peerwhl/c1), then at once STAGES=peers (carry .peerwhl/c2): csattn against cuDNN
 #   Frontend's DSA kernels (bundles from ../shared/peers/make_bundles.sh; /.peerwhl/ in .git/info/exclude);
-#   providers PEER_BWD, PEER_TOPK, PEER_SELECT (default triton,cudnn)
+#   providers PEER_BWD, PEER_TOPK, PEER_SELECT (default triton,cudnn), PEER_FWD (default triton: the forward target)
 #   BEFORE=<old tree> BEFORE_COMMIT=<sha> STAGES=layer-ab: the layer benchmarks of an older tree and this one
 #
 # report-a: CP = 1, every path (reference and unfused up to 32k, HF eager up to 8k); report-b: CP = 2 and 4,
@@ -185,7 +185,7 @@ for s in ${STAGES:-tests layer profile}; do
       mkdir -p /tmp/cu13 && tar -xJf .peerwhl/c1/cutlass_dsl_libs_cu13.tar.xz -C /tmp/cu13 && echo unpacked >> "$LOG" ;;
     peers)
       # run 2, right after peers-unpack (carry .peerwhl/c2): cuDNN's DSA kernels beside csattn's, one run
-      stage "csattn vs cuDNN Frontend DSA: sparse-attention backward, indexer top-k, agreement tests"
+      stage "csattn vs cuDNN Frontend DSA: sparse-attention backward, indexer top-k, agreement tests; the forward"
       if [ ! -d /tmp/cu13/nvidia_cutlass_dsl ]; then echo "a fresh machine: run STAGES=peers-unpack first" >> "$LOG"
       else
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peerwhl/c2/*.whl >> "$LOG" 2>&1
@@ -199,6 +199,11 @@ for s in ${STAGES:-tests layer profile}; do
         # the selection alone (scores computed beforehand), csattn's beside cuDNN's radix top-k
         timeout 120 python3 -m benchmarks.run --op indexer_select --mode fwd --providers "${PEER_SELECT:-triton,cudnn}" \
           --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/peers_select.json" >> "$LOG" 2>&1
+        # the forward target (no SM90 peer kernel in cuDNN): csattn alone, 640 keys a row, and the per-tile /
+        # per-item split over 256 / 640 / 1280 keys a row
+        timeout 120 python3 -m benchmarks.run --op sparse_attn --mode fwd --providers "${PEER_FWD:-triton}" \
+          --shape tokens=8192,32768 --shape topk=128,512,1152 --warmup-ms 10 --rep-ms 100 --commit "$C" \
+          --json "$OUT/peers_fwd.json" >> "$LOG" 2>&1
         echo "peers rc=$?" >> "$LOG"
       fi ;;
     *) echo "unknown stage $s" >> "$LOG" ;;
