@@ -28,6 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from csattn.ops.sparse_attn.gluon_bwd import sparse_attn_bwd_gluon_kernel
 from csattn.ops.sparse_attn.gluon_fwd import sparse_attn_fwd_gluon_kernel
+from csattn.ops.sparse_attn.gluon_fwd_seesaw import sparse_attn_fwd_seesaw_kernel
 
 which, bk, stages, d, has_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 strides = ("qt", "qh", "kvn", "it", "ot", "oh", "lt")
@@ -37,6 +38,12 @@ if which == "fwd":
            "lse": "*fp32", **{f"stride_{n}": "i64" for n in strides}, "K": "i32", "qk_scale_log2": "fp32",
            "n_work": "i32", "n_hb": "i32"}
     consts = {"HAS_LEN": has_len, "BH": 64, "BD": d, "BK": bk}
+elif which == "seesaw":
+    fn = sparse_attn_fwd_seesaw_kernel
+    sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
+           "lse": "*fp32", **{f"stride_{n}": "i64" for n in strides}, "K": "i32", "qk_scale_log2": "fp32",
+           "n_hb": "i32"}
+    consts = {"HAS_LEN": has_len, "BH": 64, "BD": d, "BK": bk, "SIDE1_REGS": 240}
 else:
     fn = sparse_attn_bwd_gluon_kernel
     sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
@@ -91,6 +98,21 @@ def test_forward_compiles_for_sm90_with_split_score_product(bk, d, has_len):
     # width on both warpgroups.
     assert wgmma.count(str(bk // 2)) == d // 16, wgmma
     assert wgmma.count(str(d // 2)) == bk // 16, wgmma
+    assert info["shared"] <= 227 * 1024
+    assert info["cp_async"]
+
+
+@pytest.mark.parametrize("d,has_len", [(512, False), (256, True)])
+def test_seesaw_forward_compiles_for_sm90(d, has_len):
+    info = _compile_sm90("seesaw", 64, 1, d, has_len)
+    wgmma = info["wgmma_n"]
+    # Each side: its whole score tile (m64n64, d / 16 k-steps), its P and the other side's against its column
+    # half (N = d / 2, 4 k-steps each); two register budgets (the odd side gives some back).
+    assert wgmma.count("64") == 2 * d // 16, wgmma
+    assert wgmma.count(str(d // 2)) == 2 * 2 * 4, wgmma
+    assert ["dec", "240"] in info["setmaxnreg"], info["setmaxnreg"]
+    if info["spill_stores"] is not None:
+        assert info["spill_stores"] == 0, info["spill_stores"]
     assert info["shared"] <= 227 * 1024
     assert info["cp_async"]
 
@@ -155,8 +177,8 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "bwd_gluon=0", "bwd_persistent=0,fwd_persistent=0"],
-                         ids=["gluon", "gluon_fwd_only", "gluon_program_per_item"])
+@pytest.mark.parametrize("variant", ["", "bwd_gluon=0", "bwd_persistent=0,fwd_persistent=0", "fwd_seesaw=1"],
+                         ids=["gluon", "gluon_fwd_only", "gluon_program_per_item", "gluon_fwd_seesaw"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
 def test_gpu_gluon_kernels(case, dtype, variant):

@@ -41,6 +41,9 @@ class SparseAttnConfig(KernelConfig):
     # o stores): 1: 1.98 / 7.72 ms, 0: 2.06 / 8.11 (a second program an SM does not fit next to the first's 205 KB
     # of shared memory).
     fwd_persistent: int = 1
+    # 1: the Gluon forward runs the "seesaw" schedule (gluon_fwd_seesaw.py: the warpgroups own alternate key
+    # tiles; d >= 128, 64-key tiles, one program per item). Work in progress: not yet run on a GPU.
+    fwd_seesaw: int = 0
     # Gluon backward: n programs per SM, each looping over (row, 64-head block) items, the next item's first
     # gather and row terms under the previous item's last key-side chunks; 0: one program per item. Measured
     # (H200, d = 512, 8k / 32k): 1: 4.49 / 18.36 ms, 0: 4.58 / 18.85, 2: 4.42 / 20.72 (two waves).

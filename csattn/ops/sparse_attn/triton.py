@@ -343,6 +343,17 @@ def sparse_attn_fwd(
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32)
     if T == 0:
         return o, lse
+    if uses_gluon_fwd(q, kv, cfg) and cfg.fwd_seesaw and cfg.bk_fwd == 64 and D >= 128:
+        from .gluon_fwd_seesaw import sparse_attn_fwd_seesaw_kernel
+
+        kernel = sparse_attn_fwd_seesaw_kernel[(T * (H // 64),)](
+            q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
+            K, scale * LOG2E, H // 64,
+            HAS_LEN=topk_length is not None, BH=64, BD=D, BK=64, SIDE1_REGS=240, num_warps=4,
+        )
+        _report("fwd_seesaw", kernel, cfg)
+        return o, lse
     if uses_gluon_fwd(q, kv, cfg):
         n_work = T * (H // 64)
         programs = min(n_work, sm_count(q.device) * cfg.fwd_persistent) if cfg.fwd_persistent else n_work

@@ -1,0 +1,243 @@
+"""Hopper sparse attention forward, "seesaw" schedule (work in progress, not yet run on a GPU).
+
+Same contract as ``sparse_attn_fwd_gluon_kernel`` (``gluon_fwd.py``). The two warpgroups are warp-specialized
+partitions that own alternate 64-key tiles of a row instead of splitting every tile: side 0 the even tiles (key
+slot 0), side 1 the odd ones (slot 1). Each computes its whole ``[64, 64]`` score tile over d (m64n64: less
+shared-memory traffic than two m64n32 halves), and ``O`` stays split by columns (side 0 ``[:, :d/2]``, side 1
+``[:, d/2:]``): each side multiplies its own ``P`` from registers into its column half (RS) and the other side's
+``P`` from shared memory (SS). The online-softmax maximum runs along a chain, side 0 -> side 1 -> side 0 per
+pair of tiles, through 256-byte buffers; so one side's softmax runs while the other side's products hold the
+tensor cores, with no CTA-wide barrier in the loop (mbarriers, one producer and one consumer each).
+
+Each key slot is refilled in halves by its owner: the half the owner reads in its own ``P V`` as soon as that is
+done, the other half once the other side's ``P V`` has read it; the next score product starts on the half that
+landed first. q, both slots, two ``P`` buffers: 209 KB at d = 512.
+
+One program per (row, 64-head) item (not persistent yet); ``o`` is stored from the MMA layout.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .gluon_fwd import _cp_async, mma_layout, mma_smem, row_layout, tile_ids
+
+__all__ = ["sparse_attn_fwd_seesaw_kernel"]
+
+# mbarriers, by index
+_Q = gl.constexpr(0)  # q landed (side 0's copies)
+_READY = gl.constexpr(1)  # + 2 * slot + half: that half of the slot landed (the owner's copies)
+_FREE = gl.constexpr(5)  # + 2 * slot + half: the other side is done reading that half of the slot
+_MX = gl.constexpr(9)  # + side: that side's running maximum is in its buffer
+_P_FULL = gl.constexpr(11)  # + side: that side's P is in its buffer
+_P_EMPTY = gl.constexpr(13)  # + side: the other side is done with that side's P buffer
+_L = gl.constexpr(15)  # + side: that side's row sum is in its buffer
+_N_BARS = gl.constexpr(17)
+_EVEN = gl.constexpr(0)  # the sides
+_ODD = gl.constexpr(1)
+
+
+@gluon.jit
+def _gather_half(kv, idx_row, tile, n_keys, stride_kvn, slot, HALF_I: gl.constexpr, bar,
+                 BK: gl.constexpr, BD: gl.constexpr):
+    """cp.async columns ``[HALF_I * d/2, (HALF_I + 1) * d/2)`` of key tile ``tile``'s rows into ``slot``, then
+    arrive on ``bar`` once they land (every thread of the side arrives: the barrier counts 128)."""
+    ROWS: gl.constexpr = row_layout(4)
+    ids = tile_ids(idx_row, tile * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
+    offs_d = HALF_I * (BD // 2) + gl.arange(0, BD // 2, layout=gl.SliceLayout(0, ROWS))
+    ptrs = gl.expand_dims(kv + ids.to(gl.int64) * stride_kvn, 1) + gl.expand_dims(offs_d, 0)
+    _cp_async(slot.slice(HALF_I * (BD // 2), BD // 2, dim=1), ptrs, mask=gl.expand_dims(ids >= 0, 1))
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _side(
+    q, kv, idx, topk_len, sink, o, lse,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
+    K, qk_scale_log2, n_hb,
+    smem,
+    SIDE: gl.constexpr, HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
+):
+    S_L: gl.constexpr = mma_layout(BK, 1)
+    O_L: gl.constexpr = mma_layout(BD // 2, 1)
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_V: gl.constexpr = gl.SliceLayout(1, S_L)
+    HALF: gl.constexpr = BD // 2
+    OWN: gl.constexpr = SIDE  # the column half this side accumulates and reads in its own P V
+    OTHER: gl.constexpr = 1 - SIDE
+    dtype: gl.constexpr = q.dtype.element_ty
+    k_all, q_all, p_all, mx_all, l_all, bars = smem
+
+    w = gl.program_id(0)
+    t = (w // n_hb).to(gl.int64)
+    h0 = (w % n_hb) * BH
+    idx_row = idx + t * stride_it
+    n_keys = K
+    if HAS_LEN:
+        n_keys = gl.minimum(gl.load(topk_len + t).to(gl.int32), K)
+    n_pairs = gl.cdiv(gl.cdiv(n_keys, BK), 2)
+
+    if n_pairs > 0:
+        q_smem = q_all.index(0)
+        my_slot = k_all.index(SIDE)
+        if SIDE == 0:
+            offs_h = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, row_layout(4)))
+            offs_d = gl.arange(0, BD, layout=gl.SliceLayout(0, row_layout(4)))
+            q_ptrs = (q + t * stride_qt + gl.expand_dims(offs_h.to(gl.int64) * stride_qh, 1)
+                      + gl.expand_dims(offs_d, 0))
+            _cp_async(q_smem, q_ptrs)
+            async_copy.mbarrier_arrive(bars.index(_Q), increment_count=False)
+        # This side's first tile, its own half first (the score product starts there).
+        _gather_half(kv, idx_row, SIDE, n_keys, stride_kvn, my_slot, OWN, bars.index(_READY + 2 * SIDE + OWN),
+                     BK, BD)
+        _gather_half(kv, idx_row, SIDE, n_keys, stride_kvn, my_slot, OTHER,
+                     bars.index(_READY + 2 * SIDE + OTHER), BK, BD)
+        mbarrier.wait(bars.index(_Q), 0)
+
+    offs_hs = h0 + gl.arange(0, BH, layout=ROW_V)
+    # The sink is the softmax's starting state (max = sink, sum = 1), its 1 counted on side 0 only.
+    m_run = gl.load(sink + offs_hs).to(gl.float32) * 1.4426950408889634
+    l_run = gl.full([BH], 1.0 - SIDE, gl.float32, layout=ROW_V)
+    acc = gl.zeros([BH, HALF], gl.float32, layout=O_L)
+    s_zero = gl.zeros([BH, BK], gl.float32, layout=S_L)
+    mx_mine = mx_all.index(SIDE)
+    mx_theirs = mx_all.index(OTHER)
+
+    for j in range(n_pairs):
+        ph = j & 1
+        tile = 2 * j + SIDE
+        # The MMAs' shared-memory operands through an index the compiler cannot fold (as in gluon_bwd.py):
+        # otherwise it hoists their descriptors out of the loop and spills them.
+        z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [j], dtype=gl.int32, is_pure=False, pack=1)
+        q_smem = q_all.index(z)
+        my_slot = k_all.index(z + SIDE)
+        other_slot = k_all.index(z + OTHER)
+        p_mine = p_all.index(z + SIDE)
+        p_theirs = p_all.index(z + OTHER)
+        # S = q K^T over this side's tile, the own half of d first
+        mbarrier.wait(bars.index(_READY + 2 * SIDE + OWN), ph)
+        fence_async_shared()
+        s_tok = warpgroup_mma(q_smem.slice(OWN * HALF, HALF, dim=1),
+                              my_slot.slice(OWN * HALF, HALF, dim=1).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        mbarrier.wait(bars.index(_READY + 2 * SIDE + OTHER), ph)
+        fence_async_shared()
+        s_tok = warpgroup_mma(q_smem.slice(OTHER * HALF, HALF, dim=1),
+                              my_slot.slice(OTHER * HALF, HALF, dim=1).permute((1, 0)), s_tok, is_async=True)
+        ids_s = tile_ids(idx_row, tile * BK, n_keys, BK, gl.SliceLayout(0, S_L))
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        s = s * qk_scale_log2 + gl.expand_dims(gl.where(ids_s >= 0, 0.0, float("-inf")), 0)
+        v_mine = my_slot.slice(OWN * HALF, HALF, dim=1)  # this tile's V, this side's columns
+        if SIDE == 0:
+            # Publish max(m_run, this tile's max), then P V into this side's columns under the other side's
+            # softmax; rescale to the pair's maximum once it comes back.
+            m_e = gl.maximum(m_run, gl.max(s, axis=1))
+            mx_mine.store(m_e)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(_MX + SIDE), count=1)
+            alpha = gl.exp2(m_run - m_e)
+            p = gl.exp2(s - gl.expand_dims(m_e, 1))
+            l_run = l_run * alpha + gl.sum(p, axis=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), A_L), v_mine, acc, is_async=True)
+            mbarrier.wait(bars.index(_MX + OTHER), ph)
+            m_pair = mx_theirs.load(ROW_V)
+            c = gl.exp2(m_e - m_pair)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            acc = acc * gl.expand_dims(gl.convert_layout(c, gl.SliceLayout(1, O_L)), 1)
+            l_run = l_run * c
+            p_out = (p * gl.expand_dims(c, 1)).to(dtype)
+            mbarrier.wait(bars.index(_P_EMPTY + SIDE), ph ^ 1)
+            p_mine.store(p_out)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(_P_FULL + SIDE), count=1)
+        else:
+            mbarrier.wait(bars.index(_MX + OTHER), ph)
+            m_pair = gl.maximum(mx_theirs.load(ROW_V), gl.max(s, axis=1))
+            mx_mine.store(m_pair)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(_MX + SIDE), count=1)
+            alpha = gl.exp2(m_run - m_pair)
+            p16 = gl.exp2(s - gl.expand_dims(m_pair, 1))
+            l_run = l_run * alpha + gl.sum(p16, axis=1)
+            p16 = p16.to(dtype)
+            mbarrier.wait(bars.index(_P_EMPTY + SIDE), ph ^ 1)
+            p_mine.store(p16)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(_P_FULL + SIDE), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+            acc = warpgroup_mma(gl.convert_layout(p16, A_L), v_mine, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        more = j + 1 < n_pairs
+        # This side's own half of its slot is done (its score product and its P V): refill it.
+        if more:
+            _gather_half(kv, idx_row, tile + 2, n_keys, stride_kvn, my_slot, OWN,
+                         bars.index(_READY + 2 * SIDE + OWN), BK, BD)
+        # The other side's P against the other side's tile, this side's columns.
+        mbarrier.wait(bars.index(_P_FULL + OTHER), ph)
+        fence_async_shared()
+        acc = warpgroup_mma(p_theirs, other_slot.slice(OWN * HALF, HALF, dim=1), acc)
+        mbarrier.arrive(bars.index(_P_EMPTY + OTHER), count=1)
+        mbarrier.arrive(bars.index(_FREE + 2 * OTHER + OWN), count=1)
+        m_run = m_pair
+        # The other half of this side's slot, once the other side's P V has read it.
+        if more:
+            mbarrier.wait(bars.index(_FREE + 2 * SIDE + OTHER), ph)
+            _gather_half(kv, idx_row, tile + 2, n_keys, stride_kvn, my_slot, OTHER,
+                         bars.index(_READY + 2 * SIDE + OTHER), BK, BD)
+
+    # The row sum is split between the sides: exchange the two halves.
+    l_all.index(SIDE).store(l_run)
+    fence_async_shared()
+    mbarrier.arrive(bars.index(_L + SIDE), count=1)
+    mbarrier.wait(bars.index(_L + OTHER), 0)
+    l_i = l_run + l_all.index(OTHER).load(ROW_V)
+    out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L)), 1)
+    offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
+    offs_do = OWN * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
+    gl.store(o + t * stride_ot + gl.expand_dims(offs_ho, 1) * stride_oh + gl.expand_dims(offs_do, 0),
+             out.to(dtype))
+    if SIDE == 0:
+        gl.store(lse + t * stride_lt + offs_hs, m_run * 0.6931471805599453 + gl.log(l_i))
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def sparse_attn_fwd_seesaw_kernel(
+    q, kv, idx, topk_len, sink, o, lse,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
+    K, qk_scale_log2, n_hb,
+    HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, SIDE1_REGS: gl.constexpr,
+):
+    dtype: gl.constexpr = q.dtype.element_ty
+    k_all = gl.allocate_shared_memory(dtype, [2, BK, BD], mma_smem(BD * 2))
+    q_all = gl.allocate_shared_memory(dtype, [1, BH, BD], mma_smem(BD * 2))
+    p_all = gl.allocate_shared_memory(dtype, [2, BH, BK], mma_smem(BK * 2))
+    vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    mx_all = gl.allocate_shared_memory(gl.float32, [2, BH], vec_sl)
+    l_all = gl.allocate_shared_memory(gl.float32, [2, BH], vec_sl)
+    bars = gl.allocate_shared_memory(gl.int64, [_N_BARS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(_Q), count=128)
+    for b in gl.static_range(4):
+        mbarrier.init(bars.index(_READY + b), count=128)  # every thread of the owner arrives (cp.async)
+        mbarrier.init(bars.index(_FREE + b), count=1)
+    for s in gl.static_range(2):
+        mbarrier.init(bars.index(_MX + s), count=1)
+        mbarrier.init(bars.index(_P_FULL + s), count=1)
+        mbarrier.init(bars.index(_P_EMPTY + s), count=1)
+        mbarrier.init(bars.index(_L + s), count=1)
+    smem = (k_all, q_all, p_all, mx_all, l_all, bars)
+    gl.warp_specialize([
+        (_side, (q, kv, idx, topk_len, sink, o, lse, stride_qt, stride_qh, stride_kvn, stride_it, stride_ot,
+                 stride_oh, stride_lt, K, qk_scale_log2, n_hb, smem, _EVEN, HAS_LEN, BH, BD, BK)),
+        (_side, (q, kv, idx, topk_len, sink, o, lse, stride_qt, stride_qh, stride_kvn, stride_it, stride_ot,
+                 stride_oh, stride_lt, K, qk_scale_log2, n_hb, smem, _ODD, HAS_LEN, BH, BD, BK)),
+    ], [4], [SIDE1_REGS])
