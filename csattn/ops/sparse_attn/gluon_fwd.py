@@ -6,7 +6,8 @@ of it, because its result feeds the second product from registers. Here the layo
 
 - the score tile ``S = Q K^T`` is split by keys between the two warpgroups (``warps_per_cta = [4, 2]``), so
   each warpgroup issues half of the score product instead of all of it;
-- the softmax runs on that split tile (row max and row sum cross warpgroups through the compiler's reduction);
+- the softmax runs on that split tile (the row max crosses warpgroups through the compiler's reduction; the row
+  sum is kept per element and reduced once after the loop);
 - ``P`` goes once through shared memory (``[64, BK]`` bf16) and is the shared-memory A operand of ``P V``,
   whose ``[64, d]`` accumulator is split by columns between the warpgroups;
 - the key gather is a two-slot shared-memory ring filled with ``cp.async`` one tile ahead, issued while the
@@ -16,8 +17,7 @@ of it, because its result feeds the second product from registers. Here the layo
   warpgroups' last score products are done it loads the next item's q into the freed q buffer, so the next item
   starts on landed data instead of waiting for its q and first keys. One program per item (205 KB of shared
   memory, one program an SM) left that wait and the epilogue exposed: at 32k the time was 2.29 ms + 0.585 ms a
-  64-key tile (4 / 10 / 20 tiles a row: 4.63 / 8.14 / 13.98 ms), 28 % of it per item at k + W = 640.
-
+  64-key tile (4 / 10 / 20 tiles a row: 4.63 / 8.14 / 13.98 ms), 28 % of it per item at k + W = 640;
 - the ``o`` block leaves through the key slot its last tile used, so its global stores are 16-byte pieces of
   contiguous rows (from the MMA layout they were 4-byte pieces, and that epilogue took 15 % of the time).
 
