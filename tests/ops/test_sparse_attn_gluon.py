@@ -19,7 +19,7 @@ import torch
 
 from csattn.ops.sparse_attn import sparse_attn, sparse_attn_ref
 from tests.helpers import rel_err
-from tests.ops.test_sparse_attn_triton import NAMES, grads_of, lowp_attn, packed_indices
+from tests.ops.sparse_attn_cases import NAMES, grads_of, lowp_attn, packed_indices
 
 _COMPILE_SM90 = r"""
 import json, re, sys
