@@ -8,7 +8,7 @@ indexer losses of the W / CSA / HCA stack, on ragged, padded and degenerate pack
 import pytest
 
 from tests import cp_tasks
-from tests.cp.test_cp_parity import PACKS, check
+from tests.cp.parity_cases import PACKS, check
 from tests.cp_pool import shared_pool
 
 

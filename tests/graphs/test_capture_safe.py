@@ -28,11 +28,6 @@ PACKS = {
     "padded_empty_real": ([9, 0, 7], [12, 4, 8]),
     "one_doc": ([37], None),
 }
-REPLAY = [  # T = 52, 3 documents, max_seqlen 24
-    ([20, 9, 13], [24, 12, 16]),
-    ([3, 24, 17], [4, 24, 24]),
-    ([21, 0, 22], [24, 4, 24]),
-]
 
 
 def _static(real, padded, max_seqlen=None):

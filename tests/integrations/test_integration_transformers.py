@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 from transformers import DataCollatorWithFlattening  # noqa: E402
 
 from csattn.integrations.transformers import batch_layout, is_patched, patch, unpatch  # noqa: E402
-from tests.models.test_model_utils import hf_model, one_thread, tiny_config_dict  # noqa: E402, F401
+from tests.models.model_utils import hf_model, tiny_config_dict  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

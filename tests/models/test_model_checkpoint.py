@@ -9,7 +9,7 @@ import torch
 
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig, load_pretrained
 from csattn.packing import PackedSeqs
-from tests.models.test_model_utils import one_thread, tiny_config_dict, tiny_model  # noqa: F401
+from tests.models.model_utils import tiny_config_dict, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -20,7 +20,7 @@ def _ids(n=30, vocab=64, seed=0):
 
 def test_load_checkpoint_saved_by_transformers(tmp_path, assert_close):
     pytest.importorskip("transformers")
-    from tests.models.test_model_utils import hf_model
+    from tests.models.model_utils import hf_model
 
     cfg = tiny_config_dict("flash", mtp=1)  # HF does not build MTP: the checkpoint has no mtp.* tensors
     hf = hf_model(cfg, seed=4)

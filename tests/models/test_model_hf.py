@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig  # noqa: E402
 from csattn.packing import PackedSeqs  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
-from tests.models.test_model_utils import hf_model, one_thread, tiny_config_dict  # noqa: E402, F401
+from tests.models.model_utils import hf_model, tiny_config_dict  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -24,7 +24,6 @@ from csattn import PackedSeqs
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
 from csattn.models.deepseek_v4.model import future_tokens
 from csattn.report.model import proxy_config, proxy_lengths
-from tests.models.test_model_utils import one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

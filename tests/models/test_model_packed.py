@@ -6,7 +6,7 @@ import torch
 
 from csattn.models.deepseek_v4 import future_tokens
 from csattn.packing import PackedSeqs
-from tests.models.test_model_utils import one_thread, tiny_model  # noqa: F401
+from tests.models.model_utils import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

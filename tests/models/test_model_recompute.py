@@ -9,7 +9,6 @@ from csattn import PackedSeqs
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from csattn.models.deepseek_v4.model import future_tokens
 from csattn.train.loop import tiny_model_config
-from tests.models.test_model_utils import one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,7 +15,7 @@ from csattn.models.deepseek_v4.checkpoint import experts_filter
 from csattn.models.deepseek_v4.names import internal_name, to_disk
 from csattn.models.deepseek_v4.quant import E2M1_VALUES, dequantize_fp8, dequantize_mxfp4
 from csattn.packing import PackedSeqs
-from tests.models.test_model_utils import one_thread, randomize_model_, tiny_config_dict  # noqa: F401
+from tests.models.model_utils import randomize_model_, tiny_config_dict
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

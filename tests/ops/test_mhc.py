@@ -16,7 +16,7 @@ from csattn.models.deepseek_v4.model import future_tokens
 from csattn.ops.mhc import hc_pre_ref, resolve_backend
 from csattn.packing import PackedSeqs
 from tests.helpers import rel_err
-from tests.models.test_model_utils import one_thread, randomize_model_, tiny_config_dict  # noqa: F401
+from tests.models.model_utils import randomize_model_, tiny_config_dict
 
 pytest.importorskip("csattn.ops.mhc.triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest)

@@ -19,7 +19,7 @@ from csattn.models.deepseek_v4.moe import MoE
 from csattn.nosync import HostSyncError, NoHostSync
 from csattn.ops.moe import expert_load, gather_sum_ref, moe_experts, resolve_backend, swiglu_bwd_ref, swiglu_fwd_ref
 from tests.helpers import rel_err
-from tests.models.test_model_utils import one_thread, tiny_model  # noqa: F401  (one_thread: a fixture)
+from tests.models.model_utils import tiny_model
 
 LIMIT = 1.5  # small enough that the clamps bind on a good share of the unit-scale activations below
 

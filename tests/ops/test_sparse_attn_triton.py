@@ -12,6 +12,7 @@ import torch
 
 from csattn.ops.sparse_attn import SparseAttnConfig, sparse_attn, sparse_attn_ref
 from tests.helpers import poison_kernel_outputs, rel_err
+from tests.ops.sparse_attn_cases import NAMES, grads_of, lowp_attn, packed_indices
 
 
 @pytest.fixture(autouse=True)
@@ -20,49 +21,6 @@ def _poisoned_kernel_outputs(monkeypatch):
     import csattn.ops.sparse_attn.triton
 
     poison_kernel_outputs(monkeypatch, csattn.ops.sparse_attn.triton)
-
-
-def packed_indices(doc_lens: list[int], window: int, topk: int, ratio: int, pad_rows: int,
-                   gen: torch.Generator) -> tuple[torch.Tensor, int]:
-    """Index lists shaped like the layer's: ``[window keys | selected compressed keys]`` per row, -1 padded.
-
-    Rows of ``kv`` are the raw rows (``T`` of them, padding rows last) then each document's compressed
-    entries (entry ``e`` of a document closes at position ``ratio*e + ratio-1``). The selection is random
-    among the visible entries (stands in for the indexer's top-k). Returns ``(indices [T, W+k], N)``.
-    """
-    T = sum(doc_lens) + pad_rows
-    rows, comp_base, n_comp = [], sum(doc_lens) + pad_rows, 0
-    start = 0
-    for L in doc_lens:
-        pos = torch.arange(L)
-        win = start + pos[:, None] - torch.arange(window - 1, -1, -1)[None, :]
-        win = torch.where(win >= start, win, -1)
-        ne = L // ratio
-        visible = (pos + 1) // ratio  # entries e < visible[p] are complete at position p
-        if topk > 0:
-            score = torch.rand(L, max(ne, 1), generator=gen)
-            score = score.masked_fill(torch.arange(max(ne, 1))[None, :] >= visible[:, None], -1.0)
-            k_eff = min(topk, max(ne, 1))
-            val, sel = score.topk(k_eff, dim=1)
-            sel = torch.where(val >= 0, sel + comp_base + n_comp, -1)
-            sel = torch.cat([sel, sel.new_full((L, topk - k_eff), -1)], dim=1)
-            win = torch.cat([win, sel], dim=1)
-        rows.append(win)
-        n_comp += ne
-        start += L
-    rows.append(torch.full((pad_rows, window + topk), -1, dtype=torch.int64))
-    return torch.cat(rows), T + n_comp
-
-
-def grads_of(fn, q, kv, sink, do, dlse):
-    """Run ``fn`` on fresh leaves; return ``[o, lse, dq, dkv, dsink]``."""
-    leaves = [x.detach().clone().requires_grad_() for x in (q, kv, sink)]
-    o, lse = fn(*leaves)
-    torch.autograd.backward([o, lse], [do.to(o.dtype), dlse.to(lse.dtype)])
-    return [o, lse] + [x.grad for x in leaves]
-
-
-NAMES = ["o", "lse", "dq", "dkv", "dsink"]
 
 
 def random_case(T, H, d, N, K, gen, p_skip=0.3, dtype=torch.float64):
@@ -210,17 +168,6 @@ def test_layer_with_triton_backend(layer_type, assert_close):
 # ------------------------------------------------------------------------------------------------------
 # GPU: bf16 at the real geometry
 # ------------------------------------------------------------------------------------------------------
-
-
-def lowp_attn(q, kv, idx, sink, scale):
-    """Same-dtype PyTorch computation (products in q's dtype, softmax in fp32): the error yardstick."""
-    valid = idx >= 0
-    keys = kv[idx.clamp(min=0)]
-    s = torch.einsum("thd,tkd->thk", q, keys).float() * scale
-    s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(torch.cat([s, sink[None, :, None].expand(s.shape[0], -1, 1)], -1), -1)
-    p = torch.exp(s - lse[..., None]).to(q.dtype)
-    return torch.einsum("thk,tkd->thd", p, keys), lse
 
 
 @pytest.mark.gpu

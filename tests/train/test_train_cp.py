@@ -6,7 +6,6 @@ import torch
 
 from csattn.train.demo import run_spawned
 from csattn.train.loop import TrainConfig, train
-from tests.models.test_model_utils import one_thread  # noqa: F401
 
 try:
     import csattn.cp  # noqa: F401

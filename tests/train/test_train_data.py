@@ -13,7 +13,7 @@ import torch
 from csattn.train.data import JsonlCorpus, ParquetCorpus, TokenEncoder, build_corpus, load_tokenizer
 from csattn.train.loop import TrainConfig, loss_history, train
 from csattn.train.packer import DocumentPacker
-from tests.models.test_model_utils import one_thread, tiny_config_dict  # noqa: F401
+from tests.models.model_utils import tiny_config_dict
 
 pq = pytest.importorskip("pyarrow.parquet")
 pa = pytest.importorskip("pyarrow")

@@ -12,7 +12,6 @@ import torch
 from csattn.cli import build_parser, main
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
 from csattn.train.loop import TrainConfig, build_model_config, train
-from tests.models.test_model_utils import one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -96,7 +95,7 @@ def test_cli_runs(tmp_path, capsys):
 
 
 def test_init_from_hf_format_checkpoint(tmp_path):
-    from tests.models.test_model_utils import tiny_model
+    from tests.models.model_utils import tiny_model
 
     start = tiny_model("pro", seed=9, mtp=1)
     start.save_pretrained(str(tmp_path / "init"))

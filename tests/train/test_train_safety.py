@@ -11,7 +11,6 @@ import torch
 from csattn.train.checkpointing import LEGACY_STATE_NAME, STATE_NAME, load_checkpoint
 from csattn.train.loop import TrainConfig, train
 from csattn.train.safe_state import load_state, save_state
-from tests.models.test_model_utils import one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -113,7 +112,7 @@ def test_output_alone_saves_the_final_checkpoint_and_prints_paths(tmp_path, caps
 
 
 def test_init_from_without_mtp_tensors_warns(tmp_path):
-    from tests.models.test_model_utils import tiny_model
+    from tests.models.model_utils import tiny_model
 
     tiny_model("pro", seed=3, mtp=0).save_pretrained(str(tmp_path / "init"))
     with pytest.warns(UserWarning, match=r"--init-from .*no mtp\.\* tensors; the 1 MTP block\(s\) start from fresh"):
