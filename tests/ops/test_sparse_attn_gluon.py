@@ -227,7 +227,8 @@ def test_gpu_gluon_kernels(case, dtype, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "fwd_persistent=0", "fwd_seesaw=1"], ids=["persistent", "program_per_item", "seesaw"])
+@pytest.mark.parametrize("variant", ["", "fwd_persistent=0", "fwd_seesaw=1"],
+                         ids=["persistent", "program_per_item", "seesaw"])
 def test_gpu_gluon_forward_is_deterministic(variant):
     """The forward has a fixed summation order and no atomics, so repeated runs on the same inputs give the same
     bits; a shared-memory race in the key ring, the q reload or the o staging shows up as a run that differs.
