@@ -71,11 +71,9 @@ def row_keys(idx, topk_len, t, stride_it, K, BK: gl.constexpr, HAS_LEN: gl.const
 
 
 @gluon.jit
-def item_keys(topk_len, w, n_work, n_hb, K, HAS_LEN: gl.constexpr):
+def item_keys(idx, topk_len, w, n_work, n_hb, K, HAS_LEN: gl.constexpr):
     """The key count of work item ``w`` (row ``w // n_hb``; 0 past the last item)."""
-    n_keys = K
-    if HAS_LEN:
-        n_keys = gl.minimum(gl.load(topk_len + gl.minimum(w, n_work - 1) // n_hb).to(gl.int32), K)
+    _, n_keys, _ = row_keys(idx, topk_len, gl.minimum(w, n_work - 1) // n_hb, 0, K, 1, HAS_LEN)
     return gl.where(w < n_work, n_keys, 0)
 
 
@@ -115,7 +113,9 @@ def sparse_attn_fwd_gluon_kernel(
     K, qk_scale_log2, n_work, n_hb,
     HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
 ):
-    # The score tile split by keys, the accumulator by columns, both between the two warpgroups.
+    # The score tile split by keys, the accumulator by columns, both between the two warpgroups. A key slot holds
+    # as many rows as the o block (BK = BH), so the epilogue can stage o in it.
+    gl.static_assert(BK == BH, "the epilogue stages the o block in a key slot")
     S_L: gl.constexpr = mma_layout(BK // 2, 2)
     O_L: gl.constexpr = mma_layout(BD // 2, 2)
     ROWS: gl.constexpr = row_layout()
@@ -132,10 +132,10 @@ def sparse_attn_fwd_gluon_kernel(
     g = 0  # key tiles this program has consumed: tile g sits in ring slot g % 2
     ready = 0  # whether the item before issued this item's q and first key tile
     # Key counts of this item and the next, read an item ahead so that no item waits on them.
-    n_keys = item_keys(topk_len, pid, n_work, n_hb, K, HAS_LEN)
-    n_keys_next = item_keys(topk_len, pid + n_prog, n_work, n_hb, K, HAS_LEN)
+    n_keys = item_keys(idx, topk_len, pid, n_work, n_hb, K, HAS_LEN)
+    n_keys_next = item_keys(idx, topk_len, pid + n_prog, n_work, n_hb, K, HAS_LEN)
     for w in range(pid, n_work, n_prog):
-        n_keys_after = item_keys(topk_len, w + 2 * n_prog, n_work, n_hb, K, HAS_LEN)
+        n_keys_after = item_keys(idx, topk_len, w + 2 * n_prog, n_work, n_hb, K, HAS_LEN)
         t = (w // n_hb).to(gl.int64)
         h0 = (w % n_hb) * BH
         idx_row = idx + t * stride_it
@@ -209,23 +209,18 @@ def sparse_attn_fwd_gluon_kernel(
 
         # One reciprocal a row instead of a division an element.
         out = (acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L)), 1)).to(dtype)
-        if BK == BH:
-            # The o block leaves through the key slot the last tile used (free once both warpgroups are past
-            # their last P V: the barrier; next written by the next item's second gather, after that item's
-            # first barrier), so the global stores are whole 16-byte pieces of contiguous rows. Stored from the
-            # MMA layout they were 4-byte pieces, half a sector each: 15 % of the kernel's time at 32k went to
-            # the epilogue, most of it waiting to issue those stores (ncu, dfd9e2d).
-            o_smem = k_bufs.index((g + 1) % 2)
-            _cta_barrier()
-            o_smem.store(out)
-            _cta_barrier()
-            offs_hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ROWS))
-            offs_dr = gl.arange(0, BD, layout=gl.SliceLayout(0, ROWS))
-            gl.store(o + t * stride_ot + gl.expand_dims(offs_hr, 1) * stride_oh + gl.expand_dims(offs_dr, 0),
-                     o_smem.load(ROWS))
-        else:
-            offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
-            offs_do = gl.arange(0, BD, layout=gl.SliceLayout(0, O_L))
-            gl.store(o + t * stride_ot + gl.expand_dims(offs_ho, 1) * stride_oh + gl.expand_dims(offs_do, 0), out)
+        # The o block leaves through the key slot the last tile used (free once both warpgroups are past their
+        # last P V: the barrier; next written by the next item's second gather, after that item's first barrier),
+        # so the global stores are whole 16-byte pieces of contiguous rows. Stored from the MMA layout they were
+        # 4-byte pieces, half a sector each: 15 % of the kernel's time at 32k went to the epilogue, most of it
+        # waiting to issue those stores (ncu, dfd9e2d).
+        o_smem = k_bufs.index((g + 1) % 2)
+        _cta_barrier()
+        o_smem.store(out)
+        _cta_barrier()
+        offs_hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ROWS))
+        offs_dr = gl.arange(0, BD, layout=gl.SliceLayout(0, ROWS))
+        gl.store(o + t * stride_ot + gl.expand_dims(offs_hr, 1) * stride_oh + gl.expand_dims(offs_dr, 0),
+                 o_smem.load(ROWS))
         gl.store(lse + t * stride_lt + offs_hs, m_i * 0.6931471805599453 + gl.log(l_i))
     async_copy.wait_group(0)

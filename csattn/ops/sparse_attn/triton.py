@@ -316,9 +316,16 @@ def _gluon_applies(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
     return torch.cuda.get_device_capability(q.device) == (9, 0)
 
 
+def _programs(n_work: int, device: torch.device, per_sm: int) -> int:
+    """Grid of a persistent Gluon kernel: ``per_sm`` programs an SM looping over ``n_work`` items (0: one program
+    per item)."""
+    return min(n_work, sm_count(device) * per_sm) if per_sm else n_work
+
+
 def uses_gluon_fwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
-    """Whether :func:`sparse_attn_fwd` runs the Gluon kernel for these inputs (else the Triton kernel)."""
-    return (bool(cfg.fwd_gluon) and cfg.bk_fwd in (32, 64) and _gluon_applies(q, kv, cfg)
+    """Whether :func:`sparse_attn_fwd` runs the Gluon kernel for these inputs (else the Triton kernel; its 64-key
+    tiles hold as many rows as the o block it stages in one)."""
+    return (bool(cfg.fwd_gluon) and cfg.bk_fwd == 64 and _gluon_applies(q, kv, cfg)
             and _gluon_kernel("fwd") is not None)
 
 
@@ -356,8 +363,7 @@ def sparse_attn_fwd(
         return o, lse
     if uses_gluon_fwd(q, kv, cfg):
         n_work = T * (H // 64)
-        programs = min(n_work, sm_count(q.device) * cfg.fwd_persistent) if cfg.fwd_persistent else n_work
-        kernel = _gluon_kernel("fwd")[(programs,)](
+        kernel = _gluon_kernel("fwd")[(_programs(n_work, q.device, cfg.fwd_persistent),)](
             q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
             K, scale * LOG2E, n_work, H // 64,
@@ -423,8 +429,7 @@ def sparse_attn_bwd(
             # warpgroup keeps 240 registers of the 256 a thread may have (232 measured 11 % slower at 32k).
             del common["D"], common["BH"], common["BD"], common["DOT_PREC"]
             n_work = T * (H // 64)
-            programs = min(n_work, sm_count(q.device) * cfg.bwd_persistent) if cfg.bwd_persistent else n_work
-            kernel = _gluon_kernel("bwd")[(programs,)](
+            kernel = _gluon_kernel("bwd")[(_programs(n_work, q.device, cfg.bwd_persistent),)](
                 sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, n_work=n_work, n_hb=H // 64, BH=64, BD=D,
                 BK=64, KEY_REGS=240, num_warps=4, **common)
             _report("bwd_gluon", kernel, cfg)
