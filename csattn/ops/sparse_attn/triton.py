@@ -350,7 +350,7 @@ def sparse_attn_fwd(
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32)
     if T == 0:
         return o, lse
-    if uses_gluon_fwd(q, kv, cfg) and cfg.fwd_seesaw and cfg.bk_fwd == 64 and D >= 128:
+    if uses_gluon_fwd(q, kv, cfg) and cfg.fwd_seesaw and D >= 128:
         from .gluon_fwd_seesaw import sparse_attn_fwd_seesaw_kernel
 
         kernel = sparse_attn_fwd_seesaw_kernel[(T * (H // 64),)](
