@@ -30,7 +30,7 @@ from csattn.ops.sparse_attn.gluon_bwd import sparse_attn_bwd_gluon_kernel
 from csattn.ops.sparse_attn.gluon_fwd import sparse_attn_fwd_gluon_kernel
 from csattn.ops.sparse_attn.gluon_fwd_seesaw import sparse_attn_fwd_seesaw_kernel
 
-which, bk, stages, d, has_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+which, bk, d, has_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 strides = ("qt", "qh", "kvn", "it", "ot", "oh", "lt")
 if which == "fwd":
     fn = sparse_attn_fwd_gluon_kernel
@@ -75,12 +75,12 @@ print(json.dumps({"spill_stores": int(spills[0]) if spills else None,
 """
 
 
-def _compile_sm90(which: str, bk: int, stages: int, d: int, has_len: bool) -> dict:
+def _compile_sm90(which: str, bk: int, d: int, has_len: bool) -> dict:
     """Compile the kernel for sm_90 in a fresh process: the suite runs under TRITON_INTERPRET=1, which turns
     the Gluon library's own jit helpers into interpreter objects that the Gluon compiler refuses."""
     pytest.importorskip("triton.experimental.gluon")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    args = [which, str(bk), str(stages), str(d), "1" if has_len else "0"]
+    args = [which, str(bk), str(d), "1" if has_len else "0"]
     run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, *args],
                          capture_output=True, text=True, env=env, timeout=300)
     if "has no attribute" in run.stderr and "gluon" in run.stderr:
@@ -91,7 +91,7 @@ def _compile_sm90(which: str, bk: int, stages: int, d: int, has_len: bool) -> di
 
 @pytest.mark.parametrize("bk,d,has_len", [(64, 512, False), (64, 128, True)])
 def test_forward_compiles_for_sm90_with_split_score_product(bk, d, has_len):
-    info = _compile_sm90("fwd", bk, 2, d, has_len)
+    info = _compile_sm90("fwd", bk, d, has_len)
     wgmma = info["wgmma_n"]
     # Per key tile and warpgroup: the score product over d in k16 steps at N = BK / 2 (half of the keys), and
     # P V over BK in k16 steps at N = d / 2 (half of the columns). Triton issues the score product at full
@@ -119,7 +119,7 @@ def test_seesaw_forward_compiles_for_sm90(d, has_len):
 
 @pytest.mark.parametrize("d,has_len", [(512, True), (256, False)])
 def test_backward_compiles_for_sm90_warp_specialized(d, has_len):
-    info = _compile_sm90("bwd", 64, 1, d, has_len)
+    info = _compile_sm90("bwd", 64, d, has_len)
     wgmma = info["wgmma_n"]
     # Score warpgroup: S and dP whole (N = 64 keys, d / 16 k-steps each), its half of dS K at N = d / 2 (4 k-steps
     # over the 64 keys). Key warpgroup: the other half of dS K, then d / 64 chunks of P^T dO + dS^T Q at N = 64
