@@ -104,7 +104,7 @@ def test_forward_compiles_for_sm90_with_split_score_product(bk, d, has_len):
 
 @pytest.mark.parametrize("d,has_len", [(512, False), (256, True)])
 def test_seesaw_forward_compiles_for_sm90(d, has_len):
-    info = _compile_sm90("seesaw", 64, 1, d, has_len)
+    info = _compile_sm90("seesaw", 64, d, has_len)
     wgmma = info["wgmma_n"]
     # Each side: its whole score tile (m64n64, d / 16 k-steps), its P and the other side's against its column
     # half (N = d / 2, 4 k-steps each); two register budgets (the odd side gives some back).
