@@ -42,7 +42,7 @@ elif which == "seesaw":
     fn = sparse_attn_fwd_seesaw_kernel
     sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
            "lse": "*fp32", **{f"stride_{n}": "i64" for n in strides}, "K": "i32", "qk_scale_log2": "fp32",
-           "n_hb": "i32"}
+           "n_work": "i32", "n_hb": "i32"}
     consts = {"HAS_LEN": has_len, "BH": 64, "BD": d, "BK": bk, "SIDE1_REGS": 240}
 else:
     fn = sparse_attn_bwd_gluon_kernel
@@ -177,8 +177,10 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "bwd_gluon=0", "bwd_persistent=0,fwd_persistent=0", "fwd_seesaw=1"],
-                         ids=["gluon", "gluon_fwd_only", "gluon_program_per_item", "gluon_fwd_seesaw"])
+@pytest.mark.parametrize("variant", ["", "bwd_gluon=0", "bwd_persistent=0,fwd_persistent=0", "fwd_seesaw=1",
+                                     "fwd_seesaw=1,fwd_persistent=0"],
+                         ids=["gluon", "gluon_fwd_only", "gluon_program_per_item", "gluon_fwd_seesaw",
+                              "gluon_fwd_seesaw_program_per_item"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
 def test_gpu_gluon_kernels(case, dtype, variant):
@@ -227,8 +229,8 @@ def test_gpu_gluon_kernels(case, dtype, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "fwd_persistent=0", "fwd_seesaw=1"],
-                         ids=["persistent", "program_per_item", "seesaw"])
+@pytest.mark.parametrize("variant", ["", "fwd_persistent=0", "fwd_seesaw=1", "fwd_seesaw=1,fwd_persistent=0"],
+                         ids=["persistent", "program_per_item", "seesaw", "seesaw_program_per_item"])
 def test_gpu_gluon_forward_is_deterministic(variant):
     """The forward has a fixed summation order and no atomics, so repeated runs on the same inputs give the same
     bits; a shared-memory race in the key ring, the q reload or the o staging shows up as a run that differs.

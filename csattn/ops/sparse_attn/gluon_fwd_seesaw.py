@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_fwd import _cp_async, mma_layout, mma_smem, row_layout, tile_ids
+from .gluon_fwd import _cp_async, item_keys, mma_layout, mma_smem, row_layout, tile_ids
 
 __all__ = ["sparse_attn_fwd_seesaw_kernel"]
 
@@ -58,11 +58,35 @@ def _gather_half(kv, idx_row, tile, n_keys, stride_kvn, slot, HALF_I: gl.constex
     async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
+@gluon.constexpr_function
+def o_store_layout(half):
+    """Register layout of a side's ``[64, half]`` o block for its global store: the MMA layout with one lane bit
+    and one register bit swapped, so that each thread holds 4 contiguous columns (8 bytes) instead of pairs and
+    a quad of lanes a whole 32-byte sector of a row. The change is one transposition within each warp (shuffles:
+    no shared memory is free at d = 512; the compiler takes at most one such swap without going through shared
+    memory). From the MMA layout the stores were 4-byte pieces, half a sector each."""
+    col_regs = [[0, 1 << b] for b in range(4, half.bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]] + col_regs,
+        lane_bases=[[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, half])
+
+
+@gluon.jit
+def _load_q(q, t, h0, stride_qt, stride_qh, buf, bar, BH: gl.constexpr, BD: gl.constexpr):
+    """cp.async row ``t``'s ``[BH, d]`` query block (heads from ``h0``) into ``buf``; arrive on ``bar`` once it
+    lands (side 0's 128 threads)."""
+    offs_h = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, row_layout(4)))
+    offs_d = gl.arange(0, BD, layout=gl.SliceLayout(0, row_layout(4)))
+    _cp_async(buf, q + t * stride_qt + gl.expand_dims(offs_h.to(gl.int64) * stride_qh, 1) + gl.expand_dims(offs_d, 0))
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
 @gluon.jit
 def _side(
     q, kv, idx, topk_len, sink, o, lse,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
-    K, qk_scale_log2, n_hb,
+    K, qk_scale_log2, n_work, n_hb,
     smem,
     SIDE: gl.constexpr, HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
 ):
@@ -71,142 +95,171 @@ def _side(
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW_V: gl.constexpr = gl.SliceLayout(1, S_L)
     HALF: gl.constexpr = BD // 2
+    ST_L: gl.constexpr = o_store_layout(HALF)
     OWN: gl.constexpr = SIDE  # the column half this side accumulates and reads in its own P V
     OTHER: gl.constexpr = 1 - SIDE
     dtype: gl.constexpr = q.dtype.element_ty
     k_all, q_all, p_all, mx_all, l_all, bars = smem
-
-    w = gl.program_id(0)
-    t = (w // n_hb).to(gl.int64)
-    h0 = (w % n_hb) * BH
-    idx_row = idx + t * stride_it
-    n_keys = K
-    if HAS_LEN:
-        n_keys = gl.minimum(gl.load(topk_len + t).to(gl.int32), K)
-    n_pairs = gl.cdiv(gl.cdiv(n_keys, BK), 2)
-
-    if n_pairs > 0:
-        q_smem = q_all.index(0)
-        my_slot = k_all.index(SIDE)
-        if SIDE == 0:
-            offs_h = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, row_layout(4)))
-            offs_d = gl.arange(0, BD, layout=gl.SliceLayout(0, row_layout(4)))
-            q_ptrs = (q + t * stride_qt + gl.expand_dims(offs_h.to(gl.int64) * stride_qh, 1)
-                      + gl.expand_dims(offs_d, 0))
-            _cp_async(q_smem, q_ptrs)
-            async_copy.mbarrier_arrive(bars.index(_Q), increment_count=False)
-        # This side's first tile, its own half first (the score product starts there).
-        _gather_half(kv, idx_row, SIDE, n_keys, stride_kvn, my_slot, OWN, bars.index(_READY + 2 * SIDE + OWN),
-                     BK, BD)
-        _gather_half(kv, idx_row, SIDE, n_keys, stride_kvn, my_slot, OTHER,
-                     bars.index(_READY + 2 * SIDE + OTHER), BK, BD)
-        mbarrier.wait(bars.index(_Q), 0)
-
-    offs_hs = h0 + gl.arange(0, BH, layout=ROW_V)
-    # The sink is the softmax's starting state (max = sink, sum = 1), its 1 counted on side 0 only.
-    m_run = gl.load(sink + offs_hs).to(gl.float32) * 1.4426950408889634
-    l_run = gl.full([BH], 1.0 - SIDE, gl.float32, layout=ROW_V)
-    acc = gl.zeros([BH, HALF], gl.float32, layout=O_L)
-    s_zero = gl.zeros([BH, BK], gl.float32, layout=S_L)
     mx_mine = mx_all.index(SIDE)
     mx_theirs = mx_all.index(OTHER)
+    s_zero = gl.zeros([BH, BK], gl.float32, layout=S_L)
 
-    for j in range(n_pairs):
-        ph = j & 1
-        tile = 2 * j + SIDE
-        # The MMAs' shared-memory operands through an index the compiler cannot fold (as in gluon_bwd.py):
-        # otherwise it hoists their descriptors out of the loop and spills them.
-        z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [j], dtype=gl.int32, is_pure=False, pack=1)
-        q_smem = q_all.index(z)
-        my_slot = k_all.index(z + SIDE)
-        other_slot = k_all.index(z + OTHER)
-        p_mine = p_all.index(z + SIDE)
-        p_theirs = p_all.index(z + OTHER)
-        # S = q K^T over this side's tile, the own half of d first
-        mbarrier.wait(bars.index(_READY + 2 * SIDE + OWN), ph)
-        fence_async_shared()
-        s_tok = warpgroup_mma(q_smem.slice(OWN * HALF, HALF, dim=1),
-                              my_slot.slice(OWN * HALF, HALF, dim=1).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-        mbarrier.wait(bars.index(_READY + 2 * SIDE + OTHER), ph)
-        fence_async_shared()
-        s_tok = warpgroup_mma(q_smem.slice(OTHER * HALF, HALF, dim=1),
-                              my_slot.slice(OTHER * HALF, HALF, dim=1).permute((1, 0)), s_tok, is_async=True)
-        ids_s = tile_ids(idx_row, tile * BK, n_keys, BK, gl.SliceLayout(0, S_L))
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        s = s * qk_scale_log2 + gl.expand_dims(gl.where(ids_s >= 0, 0.0, float("-inf")), 0)
-        v_mine = my_slot.slice(OWN * HALF, HALF, dim=1)  # this tile's V, this side's columns
-        if SIDE == 0:
-            # Publish max(m_run, this tile's max), then P V into this side's columns under the other side's
-            # softmax; rescale to the pair's maximum once it comes back.
-            m_e = gl.maximum(m_run, gl.max(s, axis=1))
-            mx_mine.store(m_e)
-            fence_async_shared()
-            mbarrier.arrive(bars.index(_MX + SIDE), count=1)
-            alpha = gl.exp2(m_run - m_e)
-            p = gl.exp2(s - gl.expand_dims(m_e, 1))
-            l_run = l_run * alpha + gl.sum(p, axis=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), A_L), v_mine, acc, is_async=True)
-            mbarrier.wait(bars.index(_MX + OTHER), ph)
-            m_pair = mx_theirs.load(ROW_V)
-            c = gl.exp2(m_e - m_pair)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            acc = acc * gl.expand_dims(gl.convert_layout(c, gl.SliceLayout(1, O_L)), 1)
-            l_run = l_run * c
-            p_out = (p * gl.expand_dims(c, 1)).to(dtype)
-            mbarrier.wait(bars.index(_P_EMPTY + SIDE), ph ^ 1)
-            p_mine.store(p_out)
-            fence_async_shared()
-            mbarrier.arrive(bars.index(_P_FULL + SIDE), count=1)
-        else:
-            mbarrier.wait(bars.index(_MX + OTHER), ph)
-            m_pair = gl.maximum(mx_theirs.load(ROW_V), gl.max(s, axis=1))
-            mx_mine.store(m_pair)
-            fence_async_shared()
-            mbarrier.arrive(bars.index(_MX + SIDE), count=1)
-            alpha = gl.exp2(m_run - m_pair)
-            p16 = gl.exp2(s - gl.expand_dims(m_pair, 1))
-            l_run = l_run * alpha + gl.sum(p16, axis=1)
-            p16 = p16.to(dtype)
-            mbarrier.wait(bars.index(_P_EMPTY + SIDE), ph ^ 1)
-            p_mine.store(p16)
-            fence_async_shared()
-            mbarrier.arrive(bars.index(_P_FULL + SIDE), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-            acc = warpgroup_mma(gl.convert_layout(p16, A_L), v_mine, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-        more = j + 1 < n_pairs
-        # This side's own half of its slot is done (its score product and its P V): refill it.
-        if more:
-            _gather_half(kv, idx_row, tile + 2, n_keys, stride_kvn, my_slot, OWN,
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    # Both sides walk the same items and count the same pairs, so each barrier's phase is a shared count: the
+    # per-pair barriers complete once a pair (gp), _Q and _L once an item with keys (gi).
+    gp = 0
+    gi = 0
+    ready = 0  # whether the item before loaded this item's q and first pair of key tiles
+    # Key counts of this item and the next, read an item ahead so that no item waits on them.
+    n_keys = item_keys(idx, topk_len, pid, n_work, n_hb, K, HAS_LEN)
+    n_keys_next = item_keys(idx, topk_len, pid + n_prog, n_work, n_hb, K, HAS_LEN)
+    for w in range(pid, n_work, n_prog):
+        n_keys_after = item_keys(idx, topk_len, w + 2 * n_prog, n_work, n_hb, K, HAS_LEN)
+        t = (w // n_hb).to(gl.int64)
+        h0 = (w % n_hb) * BH
+        idx_row = idx + t * stride_it
+        n_pairs = gl.cdiv(gl.cdiv(n_keys, BK), 2)
+        w_next = gl.minimum(w + n_prog, n_work - 1)
+        t_next = (w_next // n_hb).to(gl.int64)
+        has_next = n_keys_next > 0
+        if (ready == 0) & (n_pairs > 0):
+            # This program's first item, or the one after an item without keys: load q and this side's first
+            # tile here, its own half first (the score product starts there).
+            my_slot = k_all.index(SIDE)
+            if SIDE == 0:
+                _load_q(q, t, h0, stride_qt, stride_qh, q_all.index(0), bars.index(_Q), BH, BD)
+            _gather_half(kv, idx_row, SIDE, n_keys, stride_kvn, my_slot, OWN,
                          bars.index(_READY + 2 * SIDE + OWN), BK, BD)
-        # The other side's P against the other side's tile, this side's columns.
-        mbarrier.wait(bars.index(_P_FULL + OTHER), ph)
-        fence_async_shared()
-        acc = warpgroup_mma(p_theirs, other_slot.slice(OWN * HALF, HALF, dim=1), acc)
-        mbarrier.arrive(bars.index(_P_EMPTY + OTHER), count=1)
-        mbarrier.arrive(bars.index(_FREE + 2 * OTHER + OWN), count=1)
-        m_run = m_pair
-        # The other half of this side's slot, once the other side's P V has read it.
-        if more:
-            mbarrier.wait(bars.index(_FREE + 2 * SIDE + OTHER), ph)
-            _gather_half(kv, idx_row, tile + 2, n_keys, stride_kvn, my_slot, OTHER,
+            _gather_half(kv, idx_row, SIDE, n_keys, stride_kvn, my_slot, OTHER,
                          bars.index(_READY + 2 * SIDE + OTHER), BK, BD)
+        if n_pairs > 0:
+            mbarrier.wait(bars.index(_Q), gi & 1)
 
-    # The row sum is split between the sides: exchange the two halves.
-    l_all.index(SIDE).store(l_run)
-    fence_async_shared()
-    mbarrier.arrive(bars.index(_L + SIDE), count=1)
-    mbarrier.wait(bars.index(_L + OTHER), 0)
-    l_i = l_run + l_all.index(OTHER).load(ROW_V)
-    out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L)), 1)
-    offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
-    offs_do = OWN * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
-    gl.store(o + t * stride_ot + gl.expand_dims(offs_ho, 1) * stride_oh + gl.expand_dims(offs_do, 0),
-             out.to(dtype))
-    if SIDE == 0:
-        gl.store(lse + t * stride_lt + offs_hs, m_run * 0.6931471805599453 + gl.log(l_i))
+        offs_hs = h0 + gl.arange(0, BH, layout=ROW_V)
+        # The sink is the softmax's starting state (max = sink, sum = 1), its 1 counted on side 0 only.
+        m_run = gl.load(sink + offs_hs).to(gl.float32) * 1.4426950408889634
+        l_run = gl.full([BH], 1.0 - SIDE, gl.float32, layout=ROW_V)
+        acc = gl.zeros([BH, HALF], gl.float32, layout=O_L)
+
+        for j in range(n_pairs):
+            ph = (gp + j) & 1
+            tile = 2 * j + SIDE
+            more = j + 1 < n_pairs
+            last = j + 1 == n_pairs
+            # What this side's slot is refilled with: this item's next tile of this side, or after its last pair
+            # the next item's first (nothing if that item has no keys).
+            refill = more | has_next
+            r_idx = idx + gl.where(more, t, t_next) * stride_it
+            r_tile = gl.where(more, tile + 2, SIDE)
+            r_keys = gl.where(more, n_keys, n_keys_next)
+            # The MMAs' shared-memory operands through an index the compiler cannot fold (as in gluon_bwd.py):
+            # otherwise it hoists their descriptors out of the loop and spills them.
+            z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [j], dtype=gl.int32, is_pure=False, pack=1)
+            q_smem = q_all.index(z)
+            my_slot = k_all.index(z + SIDE)
+            other_slot = k_all.index(z + OTHER)
+            p_mine = p_all.index(z + SIDE)
+            p_theirs = p_all.index(z + OTHER)
+            # S = q K^T over this side's tile, the own half of d first
+            mbarrier.wait(bars.index(_READY + 2 * SIDE + OWN), ph)
+            fence_async_shared()
+            s_tok = warpgroup_mma(q_smem.slice(OWN * HALF, HALF, dim=1),
+                                  my_slot.slice(OWN * HALF, HALF, dim=1).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            mbarrier.wait(bars.index(_READY + 2 * SIDE + OTHER), ph)
+            fence_async_shared()
+            s_tok = warpgroup_mma(q_smem.slice(OTHER * HALF, HALF, dim=1),
+                                  my_slot.slice(OTHER * HALF, HALF, dim=1).permute((1, 0)), s_tok, is_async=True)
+            ids_s = tile_ids(idx_row, tile * BK, n_keys, BK, gl.SliceLayout(0, S_L))
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            s = s * qk_scale_log2 + gl.expand_dims(gl.where(ids_s >= 0, 0.0, float("-inf")), 0)
+            v_mine = my_slot.slice(OWN * HALF, HALF, dim=1)  # this tile's V, this side's columns
+            if SIDE == 0:
+                # Publish max(m_run, this tile's max), then P V into this side's columns under the other side's
+                # softmax; rescale to the pair's maximum once it comes back.
+                m_e = gl.maximum(m_run, gl.max(s, axis=1))
+                mx_mine.store(m_e)
+                fence_async_shared()
+                mbarrier.arrive(bars.index(_MX + SIDE), count=1)
+                alpha = gl.exp2(m_run - m_e)
+                p = gl.exp2(s - gl.expand_dims(m_e, 1))
+                l_run = l_run * alpha + gl.sum(p, axis=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), A_L), v_mine, acc, is_async=True)
+                mbarrier.wait(bars.index(_MX + OTHER), ph)
+                if last & has_next:
+                    # Side 1 publishes its maximum after its score product: both sides are done with q, whose
+                    # buffer takes the next item's q under the rest of this pair and the epilogue.
+                    _load_q(q, t_next, (w_next % n_hb) * BH, stride_qt, stride_qh, q_smem, bars.index(_Q), BH, BD)
+                m_pair = mx_theirs.load(ROW_V)
+                c = gl.exp2(m_e - m_pair)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                acc = acc * gl.expand_dims(gl.convert_layout(c, gl.SliceLayout(1, O_L)), 1)
+                l_run = l_run * c
+                p_out = (p * gl.expand_dims(c, 1)).to(dtype)
+                mbarrier.wait(bars.index(_P_EMPTY + SIDE), ph ^ 1)
+                p_mine.store(p_out)
+                fence_async_shared()
+                mbarrier.arrive(bars.index(_P_FULL + SIDE), count=1)
+            else:
+                mbarrier.wait(bars.index(_MX + OTHER), ph)
+                m_pair = gl.maximum(mx_theirs.load(ROW_V), gl.max(s, axis=1))
+                mx_mine.store(m_pair)
+                fence_async_shared()
+                mbarrier.arrive(bars.index(_MX + SIDE), count=1)
+                alpha = gl.exp2(m_run - m_pair)
+                p16 = gl.exp2(s - gl.expand_dims(m_pair, 1))
+                l_run = l_run * alpha + gl.sum(p16, axis=1)
+                p16 = p16.to(dtype)
+                mbarrier.wait(bars.index(_P_EMPTY + SIDE), ph ^ 1)
+                p_mine.store(p16)
+                fence_async_shared()
+                mbarrier.arrive(bars.index(_P_FULL + SIDE), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+                acc = warpgroup_mma(gl.convert_layout(p16, A_L), v_mine, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+            # This side's own half of its slot is done (its score product and its P V): refill it.
+            if refill:
+                _gather_half(kv, r_idx, r_tile, r_keys, stride_kvn, my_slot, OWN,
+                             bars.index(_READY + 2 * SIDE + OWN), BK, BD)
+            # The other side's P against the other side's tile, this side's columns.
+            mbarrier.wait(bars.index(_P_FULL + OTHER), ph)
+            fence_async_shared()
+            acc = warpgroup_mma(p_theirs, other_slot.slice(OWN * HALF, HALF, dim=1), acc)
+            mbarrier.arrive(bars.index(_P_EMPTY + OTHER), count=1)
+            mbarrier.arrive(bars.index(_FREE + 2 * OTHER + OWN), count=1)
+            m_run = m_pair
+            # The other half of this side's slot, once the other side's P V has read it.
+            if refill:
+                mbarrier.wait(bars.index(_FREE + 2 * SIDE + OTHER), ph)
+                _gather_half(kv, r_idx, r_tile, r_keys, stride_kvn, my_slot, OTHER,
+                             bars.index(_READY + 2 * SIDE + OTHER), BK, BD)
+
+        if n_pairs > 0:
+            # The row sum is split between the sides: exchange the two halves.
+            l_all.index(SIDE).store(l_run)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(_L + SIDE), count=1)
+            mbarrier.wait(bars.index(_L + OTHER), gi & 1)
+            l_i = l_run + l_all.index(OTHER).load(ROW_V)
+            gi += 1
+        else:
+            # No keys: o = 0 and lse = sink; the sides agree without an exchange (and skipping it keeps the
+            # exchange buffers' one-writer-one-reader order: every exchanged item has a pair between).
+            l_i = gl.full([BH], 1.0, gl.float32, layout=ROW_V)
+        gp += n_pairs
+        ready = (n_pairs > 0).to(gl.int32)
+        n_keys = n_keys_next
+        n_keys_next = n_keys_after
+        # One reciprocal a row instead of a division an element.
+        out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L)), 1)
+        out = gl.convert_layout(out.to(dtype), ST_L)
+        offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ST_L))
+        offs_do = OWN * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ST_L))
+        gl.store(o + t * stride_ot + gl.expand_dims(offs_ho, 1) * stride_oh + gl.expand_dims(offs_do, 0), out)
+        if SIDE == 0:
+            gl.store(lse + t * stride_lt + offs_hs, m_run * 0.6931471805599453 + gl.log(l_i))
     async_copy.wait_group(0)
 
 
@@ -214,7 +267,7 @@ def _side(
 def sparse_attn_fwd_seesaw_kernel(
     q, kv, idx, topk_len, sink, o, lse,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
-    K, qk_scale_log2, n_hb,
+    K, qk_scale_log2, n_work, n_hb,
     HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, SIDE1_REGS: gl.constexpr,
 ):
     dtype: gl.constexpr = q.dtype.element_ty
@@ -237,7 +290,7 @@ def sparse_attn_fwd_seesaw_kernel(
     smem = (k_all, q_all, p_all, mx_all, l_all, bars)
     gl.warp_specialize([
         (_side, (q, kv, idx, topk_len, sink, o, lse, stride_qt, stride_qh, stride_kvn, stride_it, stride_ot,
-                 stride_oh, stride_lt, K, qk_scale_log2, n_hb, smem, _EVEN, HAS_LEN, BH, BD, BK)),
+                 stride_oh, stride_lt, K, qk_scale_log2, n_work, n_hb, smem, _EVEN, HAS_LEN, BH, BD, BK)),
         (_side, (q, kv, idx, topk_len, sink, o, lse, stride_qt, stride_qh, stride_kvn, stride_it, stride_ot,
-                 stride_oh, stride_lt, K, qk_scale_log2, n_hb, smem, _ODD, HAS_LEN, BH, BD, BK)),
+                 stride_oh, stride_lt, K, qk_scale_log2, n_work, n_hb, smem, _ODD, HAS_LEN, BH, BD, BK)),
     ], [4], [SIDE1_REGS])

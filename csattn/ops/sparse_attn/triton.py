@@ -353,10 +353,11 @@ def sparse_attn_fwd(
     if uses_gluon_fwd(q, kv, cfg) and cfg.fwd_seesaw and D >= 128:
         from .gluon_fwd_seesaw import sparse_attn_fwd_seesaw_kernel
 
-        kernel = sparse_attn_fwd_seesaw_kernel[(T * (H // 64),)](
+        n_work = T * (H // 64)
+        kernel = sparse_attn_fwd_seesaw_kernel[(_programs(n_work, q.device, cfg.fwd_persistent),)](
             q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
-            K, scale * LOG2E, H // 64,
+            K, scale * LOG2E, n_work, H // 64,
             HAS_LEN=topk_length is not None, BH=64, BD=D, BK=64, SIDE1_REGS=240, num_warps=4,
         )
         _report("fwd_seesaw", kernel, cfg)
