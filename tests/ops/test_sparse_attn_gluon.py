@@ -43,7 +43,7 @@ elif which == "seesaw":
     sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
            "lse": "*fp32", **{f"stride_{n}": "i64" for n in strides}, "K": "i32", "qk_scale_log2": "fp32",
            "n_work": "i32", "n_hb": "i32"}
-    consts = {"HAS_LEN": has_len, "BH": 64, "BD": d, "BK": bk, "SIDE1_REGS": 240}
+    consts = {"HAS_LEN": has_len, "BH": 64, "BD": d, "BK": bk, "SIDE1_REGS": 216, "PRODUCER_REGS": 64}
 else:
     fn = sparse_attn_bwd_gluon_kernel
     sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
@@ -107,10 +107,10 @@ def test_seesaw_forward_compiles_for_sm90(d, has_len):
     info = _compile_sm90("seesaw", 64, d, has_len)
     wgmma = info["wgmma_n"]
     # Each side: its whole score tile (m64n64, d / 16 k-steps), its P and the other side's against its column
-    # half (N = d / 2, 4 k-steps each); two register budgets (the odd side gives some back).
+    # half (N = d / 2, 4 k-steps each); the producer warpgroup gives registers back, the odd side some.
     assert wgmma.count("64") == 2 * d // 16, wgmma
     assert wgmma.count(str(d // 2)) == 2 * 2 * 4, wgmma
-    assert ["dec", "240"] in info["setmaxnreg"], info["setmaxnreg"]
+    assert ["dec", "64"] in info["setmaxnreg"] and ["inc", "216"] in info["setmaxnreg"], info["setmaxnreg"]
     if info["spill_stores"] is not None:
         assert info["spill_stores"] == 0, info["spill_stores"]
     assert info["shared"] <= 227 * 1024

@@ -42,8 +42,12 @@ class SparseAttnConfig(KernelConfig):
     # of shared memory).
     fwd_persistent: int = 1
     # 1: the Gluon forward runs the "seesaw" schedule (gluon_fwd_seesaw.py: the warpgroups own alternate key
-    # tiles; d >= 128, 64-key tiles, one program per item). Work in progress: not yet run on a GPU.
+    # tiles, a producer warpgroup does the copies; d >= 128). Work in progress.
     fwd_seesaw: int = 0
+    # Registers of the seesaw's odd side and of its producer (the even side gets the rest of 512 a thread slot,
+    # at most 256).
+    fwd_side_regs: int = 216
+    fwd_producer_regs: int = 64
     # Gluon backward: n programs per SM, each looping over (row, 64-head block) items, the next item's first
     # gather and row terms under the previous item's last key-side chunks; 0: one program per item. Measured
     # (H200, d = 512, 8k / 32k): 1: 4.49 / 18.36 ms, 0: 4.58 / 18.85, 2: 4.42 / 20.72 (two waves).

@@ -1,19 +1,24 @@
-"""Hopper sparse attention forward, "seesaw" schedule (work in progress, not yet run on a GPU).
+"""Hopper sparse attention forward, "seesaw" schedule.
 
-Same contract as ``sparse_attn_fwd_gluon_kernel`` (``gluon_fwd.py``). The two warpgroups are warp-specialized
-partitions that own alternate 64-key tiles of a row instead of splitting every tile: side 0 the even tiles (key
-slot 0), side 1 the odd ones (slot 1). Each computes its whole ``[64, 64]`` score tile over d (m64n64: less
-shared-memory traffic than two m64n32 halves), and ``O`` stays split by columns (side 0 ``[:, :d/2]``, side 1
-``[:, d/2:]``): each side multiplies its own ``P`` from registers into its column half (RS) and the other side's
-``P`` from shared memory (SS). The online-softmax maximum runs along a chain, side 0 -> side 1 -> side 0 per
-pair of tiles, through 256-byte buffers; so one side's softmax runs while the other side's products hold the
-tensor cores, with no CTA-wide barrier in the loop (mbarriers, one producer and one consumer each).
+Same contract as ``sparse_attn_fwd_gluon_kernel`` (``gluon_fwd.py``). Three warp-specialized partitions: two math
+sides that own alternate 64-key tiles of a row instead of splitting every tile (side 0 the even tiles, in key
+slot 0; side 1 the odd ones, slot 1), and a producer warpgroup that does every copy. Each side computes its whole
+``[64, 64]`` score tile over d (m64n64: less shared-memory traffic than two m64n32 halves), and ``O`` stays split
+by columns (side 0 ``[:, :d/2]``, side 1 ``[:, d/2:]``): each side multiplies its own ``P`` from registers into
+its column half (RS) and the other side's ``P`` from shared memory (SS). The online-softmax maximum runs along a
+chain, side 0 -> side 1 -> side 0 per pair of tiles, through 256-byte buffers; so one side's softmax runs while
+the other side's products hold the tensor cores, with no CTA-wide barrier in the loop (mbarriers, one producer
+and one consumer each).
 
-Each key slot is refilled in halves by its owner: the half the owner reads in its own ``P V`` as soon as that is
-done, the other half once the other side's ``P V`` has read it; the next score product starts on the half that
-landed first. q, both slots, two ``P`` buffers: 209 KB at d = 512.
+The producer refills each key slot in halves, each as soon as its last reader is done: the half a slot's owner
+reads in its own ``P V`` after that product, the other half after the other side's ``P V`` has read it; the next
+score product starts on the half that lands first. The math sides issue no copies, so a refill waits only for the
+product that frees it. q, both slots, two ``P`` buffers: 209 KB at d = 512.
 
-One program per (row, 64-head) item (not persistent yet); ``o`` is stored from the MMA layout.
+A program loops over (row, 64-head) items (``fwd_persistent`` programs an SM) and everything runs on across
+items: the producer loads the next item's q as soon as both sides' last score products of this item are done,
+and its first pair of key tiles as the slots free up; the per-pair barriers' phases count pairs over the whole
+program. Each side stores its half of ``o`` from registers after one in-warp swap (8-byte row pieces).
 """
 
 from __future__ import annotations
@@ -28,30 +33,29 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_fwd import _cp_async, item_keys, mma_layout, mma_smem, row_layout, tile_ids
+from .gluon_fwd import _cp_async, mma_layout, mma_smem, row_keys, row_layout, tile_ids
 
 __all__ = ["sparse_attn_fwd_seesaw_kernel"]
 
 # mbarriers, by index
-_Q = gl.constexpr(0)  # q landed (side 0's copies)
-_READY = gl.constexpr(1)  # + 2 * slot + half: that half of the slot landed (the owner's copies)
-_FREE = gl.constexpr(5)  # + 2 * slot + half: the other side is done reading that half of the slot
+_Q = gl.constexpr(0)  # q landed (the producer's copies)
+_READY = gl.constexpr(1)  # + 2 * slot + half: that half of the slot landed (the producer's copies)
+_FREE = gl.constexpr(5)  # + 2 * slot + half: its last reader is done with that half of the slot
 _MX = gl.constexpr(9)  # + side: that side's running maximum is in its buffer
 _P_FULL = gl.constexpr(11)  # + side: that side's P is in its buffer
 _P_EMPTY = gl.constexpr(13)  # + side: the other side is done with that side's P buffer
 _L = gl.constexpr(15)  # + side: that side's row sum is in its buffer
-_N_BARS = gl.constexpr(17)
+_Q_FREE = gl.constexpr(17)  # both sides' last score products of an item are done (one arrival each)
+_N_BARS = gl.constexpr(18)
 _EVEN = gl.constexpr(0)  # the sides
 _ODD = gl.constexpr(1)
 
 
 @gluon.jit
-def _gather_half(kv, idx_row, tile, n_keys, stride_kvn, slot, HALF_I: gl.constexpr, bar,
-                 BK: gl.constexpr, BD: gl.constexpr):
-    """cp.async columns ``[HALF_I * d/2, (HALF_I + 1) * d/2)`` of key tile ``tile``'s rows into ``slot``, then
-    arrive on ``bar`` once they land (every thread of the side arrives: the barrier counts 128)."""
+def _gather_half(kv, ids, stride_kvn, slot, HALF_I: gl.constexpr, bar, BD: gl.constexpr):
+    """cp.async columns ``[HALF_I * d/2, (HALF_I + 1) * d/2)`` of the key rows ``ids`` (-1: none, zero-filled)
+    into ``slot``, then arrive on ``bar`` once they land (every producer thread arrives: the barrier counts 128)."""
     ROWS: gl.constexpr = row_layout(4)
-    ids = tile_ids(idx_row, tile * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
     offs_d = HALF_I * (BD // 2) + gl.arange(0, BD // 2, layout=gl.SliceLayout(0, ROWS))
     ptrs = gl.expand_dims(kv + ids.to(gl.int64) * stride_kvn, 1) + gl.expand_dims(offs_d, 0)
     _cp_async(slot.slice(HALF_I * (BD // 2), BD // 2, dim=1), ptrs, mask=gl.expand_dims(ids >= 0, 1))
@@ -83,9 +87,52 @@ def _load_q(q, t, h0, stride_qt, stride_qh, buf, bar, BH: gl.constexpr, BD: gl.c
 
 
 @gluon.jit
+def _producer(
+    q, kv, idx, topk_len, stride_qt, stride_qh, stride_kvn, stride_it, K, n_work, n_hb, smem,
+    HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
+):
+    """Every copy: each item's q once both sides' score products of the item before are done, then per pair of
+    key tiles the four slot halves in the order their last readers finish (a free barrier's first wait, on the
+    phase before the first, passes at once)."""
+    ROW_I: gl.constexpr = gl.SliceLayout(1, row_layout(4))
+    k_all, q_all, p_all, mx_all, l_all, bars = smem
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    g = 0  # pairs issued
+    c = 0  # items with keys issued
+    for w in range(pid, n_work, n_prog):
+        t = (w // n_hb).to(gl.int64)
+        idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
+        n_pairs = gl.cdiv(n_tiles, 2)
+        if n_pairs > 0:
+            mbarrier.wait(bars.index(_Q_FREE), (c & 1) ^ 1)
+            _load_q(q, t, (w % n_hb) * BH, stride_qt, stride_qh, q_all.index(0), bars.index(_Q), BH, BD)
+            c += 1
+        for j in range(n_pairs):
+            ph = ((g + j) & 1) ^ 1
+            # the pair's index lists first, so their latency is behind the waits
+            ids0 = tile_ids(idx_row, 2 * j * BK, n_keys, BK, ROW_I)
+            ids1 = tile_ids(idx_row, (2 * j + 1) * BK, n_keys, BK, ROW_I)
+            k0 = k_all.index(0)
+            k1 = k_all.index(1)
+            # slot 0's half 0 after side 0's own P V, slot 1's half 1 after side 1's, then the halves the other
+            # side's P V reads
+            mbarrier.wait(bars.index(_FREE + 0), ph)
+            _gather_half(kv, ids0, stride_kvn, k0, 0, bars.index(_READY + 0), BD)
+            mbarrier.wait(bars.index(_FREE + 3), ph)
+            _gather_half(kv, ids1, stride_kvn, k1, 1, bars.index(_READY + 3), BD)
+            mbarrier.wait(bars.index(_FREE + 1), ph)
+            _gather_half(kv, ids0, stride_kvn, k0, 1, bars.index(_READY + 1), BD)
+            mbarrier.wait(bars.index(_FREE + 2), ph)
+            _gather_half(kv, ids1, stride_kvn, k1, 0, bars.index(_READY + 2), BD)
+        g += n_pairs
+    async_copy.wait_group(0)
+
+
+@gluon.jit
 def _side(
-    q, kv, idx, topk_len, sink, o, lse,
-    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
+    kv, idx, topk_len, sink, o, lse,
+    stride_it, stride_ot, stride_oh, stride_lt,
     K, qk_scale_log2, n_work, n_hb,
     smem,
     SIDE: gl.constexpr, HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
@@ -98,7 +145,7 @@ def _side(
     ST_L: gl.constexpr = o_store_layout(HALF)
     OWN: gl.constexpr = SIDE  # the column half this side accumulates and reads in its own P V
     OTHER: gl.constexpr = 1 - SIDE
-    dtype: gl.constexpr = q.dtype.element_ty
+    dtype: gl.constexpr = kv.dtype.element_ty
     k_all, q_all, p_all, mx_all, l_all, bars = smem
     mx_mine = mx_all.index(SIDE)
     mx_theirs = mx_all.index(OTHER)
@@ -106,53 +153,26 @@ def _side(
 
     pid = gl.program_id(0)
     n_prog = gl.num_programs(0)
-    # Both sides walk the same items and count the same pairs, so each barrier's phase is a shared count: the
-    # per-pair barriers complete once a pair (gp), _Q and _L once an item with keys (gi).
+    # The sides and the producer walk the same items and count the same pairs, so each barrier's phase is a
+    # shared count: the per-pair barriers complete once a pair (gp), _Q, _Q_FREE and _L once an item with keys (gi).
     gp = 0
     gi = 0
-    ready = 0  # whether the item before loaded this item's q and first pair of key tiles
-    # Key counts of this item and the next, read an item ahead so that no item waits on them.
-    n_keys = item_keys(idx, topk_len, pid, n_work, n_hb, K, HAS_LEN)
-    n_keys_next = item_keys(idx, topk_len, pid + n_prog, n_work, n_hb, K, HAS_LEN)
     for w in range(pid, n_work, n_prog):
-        n_keys_after = item_keys(idx, topk_len, w + 2 * n_prog, n_work, n_hb, K, HAS_LEN)
         t = (w // n_hb).to(gl.int64)
         h0 = (w % n_hb) * BH
-        idx_row = idx + t * stride_it
-        n_pairs = gl.cdiv(gl.cdiv(n_keys, BK), 2)
-        w_next = gl.minimum(w + n_prog, n_work - 1)
-        t_next = (w_next // n_hb).to(gl.int64)
-        has_next = n_keys_next > 0
-        if (ready == 0) & (n_pairs > 0):
-            # This program's first item, or the one after an item without keys: load q and this side's first
-            # tile here, its own half first (the score product starts there).
-            my_slot = k_all.index(SIDE)
-            if SIDE == 0:
-                _load_q(q, t, h0, stride_qt, stride_qh, q_all.index(0), bars.index(_Q), BH, BD)
-            _gather_half(kv, idx_row, SIDE, n_keys, stride_kvn, my_slot, OWN,
-                         bars.index(_READY + 2 * SIDE + OWN), BK, BD)
-            _gather_half(kv, idx_row, SIDE, n_keys, stride_kvn, my_slot, OTHER,
-                         bars.index(_READY + 2 * SIDE + OTHER), BK, BD)
-        if n_pairs > 0:
-            mbarrier.wait(bars.index(_Q), gi & 1)
-
+        idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
+        n_pairs = gl.cdiv(n_tiles, 2)
         offs_hs = h0 + gl.arange(0, BH, layout=ROW_V)
         # The sink is the softmax's starting state (max = sink, sum = 1), its 1 counted on side 0 only.
         m_run = gl.load(sink + offs_hs).to(gl.float32) * 1.4426950408889634
         l_run = gl.full([BH], 1.0 - SIDE, gl.float32, layout=ROW_V)
         acc = gl.zeros([BH, HALF], gl.float32, layout=O_L)
+        if n_pairs > 0:
+            mbarrier.wait(bars.index(_Q), gi & 1)
 
         for j in range(n_pairs):
             ph = (gp + j) & 1
             tile = 2 * j + SIDE
-            more = j + 1 < n_pairs
-            last = j + 1 == n_pairs
-            # What this side's slot is refilled with: this item's next tile of this side, or after its last pair
-            # the next item's first (nothing if that item has no keys).
-            refill = more | has_next
-            r_idx = idx + gl.where(more, t, t_next) * stride_it
-            r_tile = gl.where(more, tile + 2, SIDE)
-            r_keys = gl.where(more, n_keys, n_keys_next)
             # The MMAs' shared-memory operands through an index the compiler cannot fold (as in gluon_bwd.py):
             # otherwise it hoists their descriptors out of the loop and spills them.
             z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [j], dtype=gl.int32, is_pure=False, pack=1)
@@ -161,7 +181,7 @@ def _side(
             other_slot = k_all.index(z + OTHER)
             p_mine = p_all.index(z + SIDE)
             p_theirs = p_all.index(z + OTHER)
-            # S = q K^T over this side's tile, the own half of d first
+            # S = q K^T over this side's tile, the half of d the producer fills first (the own half) first
             mbarrier.wait(bars.index(_READY + 2 * SIDE + OWN), ph)
             fence_async_shared()
             s_tok = warpgroup_mma(q_smem.slice(OWN * HALF, HALF, dim=1),
@@ -173,6 +193,9 @@ def _side(
                                   my_slot.slice(OTHER * HALF, HALF, dim=1).permute((1, 0)), s_tok, is_async=True)
             ids_s = tile_ids(idx_row, tile * BK, n_keys, BK, gl.SliceLayout(0, S_L))
             s = warpgroup_mma_wait(0, deps=[s_tok])
+            if j + 1 == n_pairs:
+                # this item's last score product: once both sides' are done, q's buffer takes the next item's q
+                mbarrier.arrive(bars.index(_Q_FREE), count=1)
             s = s * qk_scale_log2 + gl.expand_dims(gl.where(ids_s >= 0, 0.0, float("-inf")), 0)
             v_mine = my_slot.slice(OWN * HALF, HALF, dim=1)  # this tile's V, this side's columns
             if SIDE == 0:
@@ -188,13 +211,10 @@ def _side(
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
                 acc = warpgroup_mma(gl.convert_layout(p.to(dtype), A_L), v_mine, acc, is_async=True)
                 mbarrier.wait(bars.index(_MX + OTHER), ph)
-                if last & has_next:
-                    # Side 1 publishes its maximum after its score product: both sides are done with q, whose
-                    # buffer takes the next item's q under the rest of this pair and the epilogue.
-                    _load_q(q, t_next, (w_next % n_hb) * BH, stride_qt, stride_qh, q_smem, bars.index(_Q), BH, BD)
                 m_pair = mx_theirs.load(ROW_V)
                 c = gl.exp2(m_e - m_pair)
                 acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(bars.index(_FREE + 2 * SIDE + OWN), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(c, gl.SliceLayout(1, O_L)), 1)
                 l_run = l_run * c
                 p_out = (p * gl.expand_dims(c, 1)).to(dtype)
@@ -219,22 +239,15 @@ def _side(
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
                 acc = warpgroup_mma(gl.convert_layout(p16, A_L), v_mine, acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
-            # This side's own half of its slot is done (its score product and its P V): refill it.
-            if refill:
-                _gather_half(kv, r_idx, r_tile, r_keys, stride_kvn, my_slot, OWN,
-                             bars.index(_READY + 2 * SIDE + OWN), BK, BD)
-            # The other side's P against the other side's tile, this side's columns.
+                mbarrier.arrive(bars.index(_FREE + 2 * SIDE + OWN), count=1)
+            # The other side's P against the other side's tile, this side's columns: then that half of the other
+            # side's slot and the other side's P buffer are free.
             mbarrier.wait(bars.index(_P_FULL + OTHER), ph)
             fence_async_shared()
             acc = warpgroup_mma(p_theirs, other_slot.slice(OWN * HALF, HALF, dim=1), acc)
             mbarrier.arrive(bars.index(_P_EMPTY + OTHER), count=1)
             mbarrier.arrive(bars.index(_FREE + 2 * OTHER + OWN), count=1)
             m_run = m_pair
-            # The other half of this side's slot, once the other side's P V has read it.
-            if refill:
-                mbarrier.wait(bars.index(_FREE + 2 * SIDE + OTHER), ph)
-                _gather_half(kv, r_idx, r_tile, r_keys, stride_kvn, my_slot, OTHER,
-                             bars.index(_READY + 2 * SIDE + OTHER), BK, BD)
 
         if n_pairs > 0:
             # The row sum is split between the sides: exchange the two halves.
@@ -249,9 +262,6 @@ def _side(
             # exchange buffers' one-writer-one-reader order: every exchanged item has a pair between).
             l_i = gl.full([BH], 1.0, gl.float32, layout=ROW_V)
         gp += n_pairs
-        ready = (n_pairs > 0).to(gl.int32)
-        n_keys = n_keys_next
-        n_keys_next = n_keys_after
         # One reciprocal a row instead of a division an element.
         out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L)), 1)
         out = gl.convert_layout(out.to(dtype), ST_L)
@@ -260,7 +270,6 @@ def _side(
         gl.store(o + t * stride_ot + gl.expand_dims(offs_ho, 1) * stride_oh + gl.expand_dims(offs_do, 0), out)
         if SIDE == 0:
             gl.store(lse + t * stride_lt + offs_hs, m_run * 0.6931471805599453 + gl.log(l_i))
-    async_copy.wait_group(0)
 
 
 @gluon.jit
@@ -269,6 +278,7 @@ def sparse_attn_fwd_seesaw_kernel(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
     K, qk_scale_log2, n_work, n_hb,
     HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, SIDE1_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
 ):
     dtype: gl.constexpr = q.dtype.element_ty
     k_all = gl.allocate_shared_memory(dtype, [2, BK, BD], mma_smem(BD * 2))
@@ -280,17 +290,20 @@ def sparse_attn_fwd_seesaw_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [_N_BARS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(bars.index(_Q), count=128)
     for b in gl.static_range(4):
-        mbarrier.init(bars.index(_READY + b), count=128)  # every thread of the owner arrives (cp.async)
+        mbarrier.init(bars.index(_READY + b), count=128)  # every producer thread arrives (cp.async)
         mbarrier.init(bars.index(_FREE + b), count=1)
     for s in gl.static_range(2):
         mbarrier.init(bars.index(_MX + s), count=1)
         mbarrier.init(bars.index(_P_FULL + s), count=1)
         mbarrier.init(bars.index(_P_EMPTY + s), count=1)
         mbarrier.init(bars.index(_L + s), count=1)
+    mbarrier.init(bars.index(_Q_FREE), count=2)
     smem = (k_all, q_all, p_all, mx_all, l_all, bars)
     gl.warp_specialize([
-        (_side, (q, kv, idx, topk_len, sink, o, lse, stride_qt, stride_qh, stride_kvn, stride_it, stride_ot,
-                 stride_oh, stride_lt, K, qk_scale_log2, n_work, n_hb, smem, _EVEN, HAS_LEN, BH, BD, BK)),
-        (_side, (q, kv, idx, topk_len, sink, o, lse, stride_qt, stride_qh, stride_kvn, stride_it, stride_ot,
-                 stride_oh, stride_lt, K, qk_scale_log2, n_work, n_hb, smem, _ODD, HAS_LEN, BH, BD, BK)),
-    ], [4], [SIDE1_REGS])
+        (_side, (kv, idx, topk_len, sink, o, lse, stride_it, stride_ot, stride_oh, stride_lt, K, qk_scale_log2,
+                 n_work, n_hb, smem, _EVEN, HAS_LEN, BH, BD, BK)),
+        (_side, (kv, idx, topk_len, sink, o, lse, stride_it, stride_ot, stride_oh, stride_lt, K, qk_scale_log2,
+                 n_work, n_hb, smem, _ODD, HAS_LEN, BH, BD, BK)),
+        (_producer, (q, kv, idx, topk_len, stride_qt, stride_qh, stride_kvn, stride_it, K, n_work, n_hb, smem,
+                     HAS_LEN, BH, BD, BK)),
+    ], [4, 4], [SIDE1_REGS, PRODUCER_REGS])

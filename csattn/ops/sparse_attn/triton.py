@@ -358,7 +358,8 @@ def sparse_attn_fwd(
             q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
             K, scale * LOG2E, n_work, H // 64,
-            HAS_LEN=topk_length is not None, BH=64, BD=D, BK=64, SIDE1_REGS=240, num_warps=4,
+            HAS_LEN=topk_length is not None, BH=64, BD=D, BK=64, SIDE1_REGS=cfg.fwd_side_regs,
+            PRODUCER_REGS=cfg.fwd_producer_regs, num_warps=4,
         )
         _report("fwd_seesaw", kernel, cfg)
         return o, lse
