@@ -35,17 +35,14 @@ class SparseAttnConfig(KernelConfig):
     # (sm_90, bf16/fp16, 64-head blocks, d in 64..512 a power of two); 0: the Triton kernels.
     fwd_gluon: int = 1
     bwd_gluon: int = 1
-    # Gluon forward: n programs per SM, each looping over (row, 64-head block) items with the next item's q and
-    # first key tile loaded under the previous item's last tile; 0: one program per item (the Gluon forward's
-    # two-slot key ring ignores stages_fwd). Measured (H200, d = 512, 640 keys a row, 8k / 32k, before the row-piece
-    # o stores): 1: 1.98 / 7.72 ms, 0: 2.06 / 8.11 (a second program an SM does not fit next to the first's 205 KB
-    # of shared memory).
+    # Gluon forward: n programs per SM, each looping over (row, 64-head block) items, the next item's q and first
+    # pair of key tiles loaded while this item's last pair is computed; 0: one program per item. Measured (H200,
+    # d = 512, 640 keys a row, 32k, the two-side build before its producer warpgroup): 1: 6.38 ms, 0: 7.06 (a second
+    # program an SM does not fit next to the first's 209 KB of shared memory).
     fwd_persistent: int = 1
-    # 1: the Gluon forward runs the "seesaw" schedule (gluon_fwd_seesaw.py: the warpgroups own alternate key
-    # tiles, a producer warpgroup does the copies; d >= 128). Work in progress.
-    fwd_seesaw: int = 0
-    # Registers of the seesaw's odd side and of its producer (the even side gets the rest of 512 a thread slot,
-    # at most 256).
+    # Registers (per thread) of the Gluon forward's odd side and of its producer warpgroup; the even side gets the
+    # rest of the 512 a thread slot has (224 with these). Both sides and the producer compile without spills here
+    # (Triton 3.6 and 3.9); the producer spills at 56, the odd side at 208.
     fwd_side_regs: int = 216
     fwd_producer_regs: int = 64
     # Gluon backward: n programs per SM, each looping over (row, 64-head block) items, the next item's first

@@ -1,28 +1,31 @@
-"""Hopper sparse attention forward written in Gluon (Triton's explicit-layout dialect).
+"""Hopper sparse attention forward written in Gluon (Triton's explicit-layout dialect), "seesaw" schedule.
 
 Same contract and math as ``sparse_attn_fwd_kernel`` in ``triton.py`` (README.md); this kernel exists for speed
-on sm_90. Triton lays the ``[64, BK]`` score product of that kernel out on both warpgroups, each computing all
-of it, because its result feeds the second product from registers. Here the layouts are chosen by hand:
+on sm_90. Three warp-specialized partitions: two math sides that own alternate 64-key tiles of a row (side 0 the
+even tiles, in key slot 0; side 1 the odd ones, slot 1) and a producer warpgroup that does every copy.
 
-- the score tile ``S = Q K^T`` is split by keys between the two warpgroups (``warps_per_cta = [4, 2]``), so
-  each warpgroup issues half of the score product instead of all of it;
-- the softmax runs on that split tile (the row max crosses warpgroups through the compiler's reduction; the row
-  sum is kept per element and reduced once after the loop);
-- ``P`` goes once through shared memory (``[64, BK]`` bf16) and is the shared-memory A operand of ``P V``,
-  whose ``[64, d]`` accumulator is split by columns between the warpgroups;
-- the key gather is a two-slot shared-memory ring filled with ``cp.async`` one tile ahead, issued while the
-  score product of the current tile runs (asynchronous warpgroup MMA);
-- a program loops over work items (one query row x 64 heads; ``fwd_persistent`` programs an SM) and the ring
-  runs on across items: under an item's last tile it gathers the next item's first key tile, and once both
-  warpgroups' last score products are done it loads the next item's q into the freed q buffer, so the next item
-  starts on landed data instead of waiting for its q and first keys. One program per item (205 KB of shared
-  memory, one program an SM) left that wait and the epilogue exposed: at 32k the time was 2.29 ms + 0.585 ms a
-  64-key tile (4 / 10 / 20 tiles a row: 4.63 / 8.14 / 13.98 ms), 28 % of it per item at k + W = 640;
-- the ``o`` block leaves through the key slot its last tile used, so its global stores are 16-byte pieces of
-  contiguous rows (from the MMA layout they were 4-byte pieces, and that epilogue took 15 % of the time).
+- Each side computes its whole ``[64, 64]`` score tile over d (m64n64 products with q and the keys in shared
+  memory); ``O`` is split by columns (side 0 ``[:, :d/2]``, side 1 ``[:, d/2:]``): each side multiplies its own
+  ``P`` from registers into its column half (RS) and the other side's ``P`` from shared memory (SS).
+- The online-softmax maximum runs along a chain, side 0 -> side 1 -> side 0 per pair of tiles, through 256-byte
+  buffers, so one side's softmax runs while the other side's products hold the tensor cores; no CTA-wide barrier
+  in the loop (mbarriers, one producer and one consumer each). Row sums stay per side until the item ends.
+- The producer refills each key slot in halves, each as soon as its last reader is done: the half a slot's owner
+  reads in its own ``P V`` after that product, the other half after the other side's ``P V`` has read it; the
+  next score product starts on the half that lands first. q, two 64-key slots and two ``P`` buffers: 209 KB at
+  d = 512 (a third slot does not fit; the halves are what let two slots hold the two tiles in flight and still
+  prefetch).
+- A program loops over (row, 64-head) items (``fwd_persistent`` programs an SM) and everything runs on across
+  items: the producer loads the next item's q as soon as both sides' last score products of this item are done,
+  and the next item's first pair of key tiles as the slots free up; the per-pair barriers' phases count pairs
+  over the whole program.
+- Each side stores its half of ``o`` from registers after one in-warp swap (8-byte row pieces; from the MMA layout
+  they were 4-byte pieces, half a sector each).
 
-Measured on the H200 (bf16, H = 64, d = 512, k + W = 640, 32k tokens): 6.96 ms, 395 TFLOP/s (one program per
-item with the MMA-layout stores: 8.1 ms, 338 TFLOP/s; the Triton kernel 11.3 ms, 244 TFLOP/s; BENCHMARKS.md).
+The schedule is FlashMLA's SM90 sparse prefill's (docs/peers/flashmla_sm90_sparse_fwd.md). Measured on the H200
+(bf16, H = 64, d = 512, k + W = 640, 32k tokens): 5.64 ms, 488 TFLOP/s; the lockstep build it replaced (both
+warpgroups on every tile, CTA barriers between the products) 7.02 ms, 392 TFLOP/s; the Triton kernel 11.3 ms
+(BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -30,14 +33,17 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 __all__ = ["sparse_attn_fwd_gluon_kernel"]
 
 # The cp.async builtin was renamed (Triton 3.6: async_copy_global_to_shared, later: async_load).
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-# The CTA-wide barrier likewise (3.6: thread_barrier, later: barrier).
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.constexpr_function
@@ -71,39 +77,258 @@ def row_keys(idx, topk_len, t, stride_it, K, BK: gl.constexpr, HAS_LEN: gl.const
 
 
 @gluon.jit
-def item_keys(idx, topk_len, w, n_work, n_hb, K, HAS_LEN: gl.constexpr):
-    """The key count of work item ``w`` (row ``w // n_hb``; 0 past the last item)."""
-    _, n_keys, _ = row_keys(idx, topk_len, gl.minimum(w, n_work - 1) // n_hb, 0, K, 1, HAS_LEN)
-    return gl.where(w < n_work, n_keys, 0)
-
-
-@gluon.jit
-def issue_rows(row_ptrs, mask, buf, BD: gl.constexpr):
-    """cp.async the rows starting at ``row_ptrs`` ([R] in the row layout; masked rows are zero-filled) into
-    ``buf``, as one commit group."""
-    offs_d = gl.arange(0, BD, layout=gl.SliceLayout(0, row_layout()))
-    _cp_async(buf, gl.expand_dims(row_ptrs, 1) + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(mask, 1))
-    async_copy.commit_group()
-
-
-@gluon.jit
-def issue_gather(kv, ids, stride_kvn, buf, BD: gl.constexpr):
-    """cp.async the key rows ``ids`` ([BK] in the row layout; -1 = none, zero-filled) into ``buf``."""
-    issue_rows(kv + ids.to(gl.int64) * stride_kvn, ids >= 0, buf, BD)
-
-
-@gluon.jit
-def issue_q(q, t, h0, stride_qt, stride_qh, valid, buf, BH: gl.constexpr, BD: gl.constexpr):
-    """cp.async the ``[BH, d]`` query block of row ``t``, heads from ``h0``, into ``buf`` (zeros if not valid)."""
-    offs_h = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, row_layout()))
-    mask = gl.full([BH], 1, gl.int1, layout=gl.SliceLayout(1, row_layout())) & valid
-    issue_rows(q + t * stride_qt + offs_h.to(gl.int64) * stride_qh, mask, buf, BD)
-
-
-@gluon.jit
 def tile_ids(idx_row, start, n_keys, BK: gl.constexpr, layout: gl.constexpr):
     offs = start + gl.arange(0, BK, layout=layout)
     return gl.load(idx_row + offs, mask=offs < n_keys, other=-1)
+
+
+# mbarriers, by index
+_Q = gl.constexpr(0)  # q landed (the producer's copies)
+_READY = gl.constexpr(1)  # + 2 * slot + half: that half of the slot landed (the producer's copies)
+_FREE = gl.constexpr(5)  # + 2 * slot + half: its last reader is done with that half of the slot
+_MX = gl.constexpr(9)  # + side: that side's running maximum is in its buffer
+_P_FULL = gl.constexpr(11)  # + side: that side's P is in its buffer
+_P_EMPTY = gl.constexpr(13)  # + side: the other side is done with that side's P buffer
+_L = gl.constexpr(15)  # + side: that side's row sum is in its buffer
+_Q_FREE = gl.constexpr(17)  # both sides' last score products of an item are done (one arrival each)
+_N_BARS = gl.constexpr(18)
+_EVEN = gl.constexpr(0)  # the sides
+_ODD = gl.constexpr(1)
+
+
+@gluon.jit
+def _gather_half(kv, ids, stride_kvn, slot, HALF_I: gl.constexpr, bar, BD: gl.constexpr):
+    """cp.async columns ``[HALF_I * d/2, (HALF_I + 1) * d/2)`` of the key rows ``ids`` (-1: none, zero-filled)
+    into ``slot``, then arrive on ``bar`` once they land (every producer thread arrives: the barrier counts 128)."""
+    ROWS: gl.constexpr = row_layout(4)
+    offs_d = HALF_I * (BD // 2) + gl.arange(0, BD // 2, layout=gl.SliceLayout(0, ROWS))
+    ptrs = gl.expand_dims(kv + ids.to(gl.int64) * stride_kvn, 1) + gl.expand_dims(offs_d, 0)
+    _cp_async(slot.slice(HALF_I * (BD // 2), BD // 2, dim=1), ptrs, mask=gl.expand_dims(ids >= 0, 1))
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.constexpr_function
+def o_store_layout(half):
+    """Register layout of a side's ``[64, half]`` o block for its global store: the MMA layout with one lane bit
+    and one register bit swapped, so that each thread holds 4 contiguous columns (8 bytes) instead of pairs and
+    a quad of lanes a whole 32-byte sector of a row. The change is one transposition within each warp (shuffles:
+    no shared memory is free at d = 512; the compiler takes at most one such swap without going through shared
+    memory). From the MMA layout the stores were 4-byte pieces, half a sector each."""
+    col_regs = [[0, 1 << b] for b in range(4, half.bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]] + col_regs,
+        lane_bases=[[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, half])
+
+
+@gluon.jit
+def _load_q(q, t, h0, stride_qt, stride_qh, buf, bar, BH: gl.constexpr, BD: gl.constexpr):
+    """cp.async row ``t``'s ``[BH, d]`` query block (heads from ``h0``) into ``buf``; arrive on ``bar`` once it
+    lands (side 0's 128 threads)."""
+    offs_h = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, row_layout(4)))
+    offs_d = gl.arange(0, BD, layout=gl.SliceLayout(0, row_layout(4)))
+    _cp_async(buf, q + t * stride_qt + gl.expand_dims(offs_h.to(gl.int64) * stride_qh, 1) + gl.expand_dims(offs_d, 0))
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _keys_valid(idx_row, start, n_keys, BK: gl.constexpr, layout: gl.constexpr):
+    """Whether each key of the tile at ``start`` exists (index >= 0, within the row's count). Only the sign is
+    needed, so an int64 list is read as its low 32-bit words (little-endian; -1 stays -1 and kv rows are far
+    below 2^31): the 16 indices a thread holds then take 16 registers instead of 32, which keeps the math sides
+    free of spills."""
+    offs = start + gl.arange(0, BK, layout=layout)
+    if idx_row.dtype.element_ty == gl.int64:
+        low = gl.load(idx_row.to(gl.pointer_type(gl.int32)) + 2 * offs, mask=offs < n_keys, other=-1)
+    else:
+        low = gl.load(idx_row + offs, mask=offs < n_keys, other=-1)
+    return low >= 0
+
+
+@gluon.jit
+def _producer(
+    q, kv, idx, topk_len, stride_qt, stride_qh, stride_kvn, stride_it, K, n_work, n_hb, smem,
+    HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
+):
+    """Every copy: each item's q once both sides' score products of the item before are done, then per pair of
+    key tiles the four slot halves in the order their last readers finish (a free barrier's first wait, on the
+    phase before the first, passes at once)."""
+    ROW_I: gl.constexpr = gl.SliceLayout(1, row_layout(4))
+    k_all, q_all, p_all, mx_all, l_all, bars = smem
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    g = 0  # pairs issued
+    c = 0  # items with keys issued
+    for w in range(pid, n_work, n_prog):
+        t = (w // n_hb).to(gl.int64)
+        idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
+        n_pairs = gl.cdiv(n_tiles, 2)
+        if n_pairs > 0:
+            mbarrier.wait(bars.index(_Q_FREE), (c & 1) ^ 1)
+            _load_q(q, t, (w % n_hb) * BH, stride_qt, stride_qh, q_all.index(0), bars.index(_Q), BH, BD)
+            c += 1
+        for j in range(n_pairs):
+            ph = ((g + j) & 1) ^ 1
+            # the pair's index lists first, so their latency is behind the waits
+            ids0 = tile_ids(idx_row, 2 * j * BK, n_keys, BK, ROW_I)
+            ids1 = tile_ids(idx_row, (2 * j + 1) * BK, n_keys, BK, ROW_I)
+            k0 = k_all.index(0)
+            k1 = k_all.index(1)
+            # slot 0's half 0 after side 0's own P V, slot 1's half 1 after side 1's, then the halves the other
+            # side's P V reads
+            mbarrier.wait(bars.index(_FREE + 0), ph)
+            _gather_half(kv, ids0, stride_kvn, k0, 0, bars.index(_READY + 0), BD)
+            mbarrier.wait(bars.index(_FREE + 3), ph)
+            _gather_half(kv, ids1, stride_kvn, k1, 1, bars.index(_READY + 3), BD)
+            mbarrier.wait(bars.index(_FREE + 1), ph)
+            _gather_half(kv, ids0, stride_kvn, k0, 1, bars.index(_READY + 1), BD)
+            mbarrier.wait(bars.index(_FREE + 2), ph)
+            _gather_half(kv, ids1, stride_kvn, k1, 0, bars.index(_READY + 2), BD)
+        g += n_pairs
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _side(
+    kv, idx, topk_len, sink, o, lse,
+    stride_it, stride_ot, stride_oh, stride_lt,
+    K, qk_scale_log2, n_work, n_hb,
+    smem,
+    SIDE: gl.constexpr, HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
+):
+    S_L: gl.constexpr = mma_layout(BK, 1)
+    O_L: gl.constexpr = mma_layout(BD // 2, 1)
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_V: gl.constexpr = gl.SliceLayout(1, S_L)
+    HALF: gl.constexpr = BD // 2
+    ST_L: gl.constexpr = o_store_layout(HALF)
+    OWN: gl.constexpr = SIDE  # the column half this side accumulates and reads in its own P V
+    OTHER: gl.constexpr = 1 - SIDE
+    dtype: gl.constexpr = kv.dtype.element_ty
+    k_all, q_all, p_all, mx_all, l_all, bars = smem
+    mx_mine = mx_all.index(SIDE)
+    mx_theirs = mx_all.index(OTHER)
+    s_zero = gl.zeros([BH, BK], gl.float32, layout=S_L)
+
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    # The sides and the producer walk the same items and count the same pairs, so each barrier's phase is a
+    # shared count: the per-pair barriers complete once a pair (gp), _Q, _Q_FREE and _L once an item with keys (gi).
+    gp = 0
+    gi = 0
+    for w in range(pid, n_work, n_prog):
+        t = (w // n_hb).to(gl.int64)
+        h0 = (w % n_hb) * BH
+        idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
+        n_pairs = gl.cdiv(n_tiles, 2)
+        offs_hs = h0 + gl.arange(0, BH, layout=ROW_V)
+        # The sink is the softmax's starting state (max = sink, sum = 1), its 1 counted on side 0 only.
+        m_run = gl.load(sink + offs_hs).to(gl.float32) * 1.4426950408889634
+        l_run = gl.full([BH], 1.0 - SIDE, gl.float32, layout=ROW_V)
+        acc = gl.zeros([BH, HALF], gl.float32, layout=O_L)
+        if n_pairs > 0:
+            mbarrier.wait(bars.index(_Q), gi & 1)
+
+        for j in range(n_pairs):
+            ph = (gp + j) & 1
+            tile = 2 * j + SIDE
+            # The MMAs' shared-memory operands through an index the compiler cannot fold (as in gluon_bwd.py):
+            # otherwise it hoists their descriptors out of the loop and spills them.
+            z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [j], dtype=gl.int32, is_pure=False, pack=1)
+            q_smem = q_all.index(z)
+            my_slot = k_all.index(z + SIDE)
+            other_slot = k_all.index(z + OTHER)
+            p_mine = p_all.index(z + SIDE)
+            p_theirs = p_all.index(z + OTHER)
+            # S = q K^T over this side's tile, the half of d the producer fills first (the own half) first
+            mbarrier.wait(bars.index(_READY + 2 * SIDE + OWN), ph)
+            fence_async_shared()
+            s_tok = warpgroup_mma(q_smem.slice(OWN * HALF, HALF, dim=1),
+                                  my_slot.slice(OWN * HALF, HALF, dim=1).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            mbarrier.wait(bars.index(_READY + 2 * SIDE + OTHER), ph)
+            fence_async_shared()
+            s_tok = warpgroup_mma(q_smem.slice(OTHER * HALF, HALF, dim=1),
+                                  my_slot.slice(OTHER * HALF, HALF, dim=1).permute((1, 0)), s_tok, is_async=True)
+            valid = _keys_valid(idx_row, tile * BK, n_keys, BK, gl.SliceLayout(0, S_L))
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            if j + 1 == n_pairs:
+                # this item's last score product: once both sides' are done, q's buffer takes the next item's q
+                mbarrier.arrive(bars.index(_Q_FREE), count=1)
+            s = s * qk_scale_log2 + gl.expand_dims(gl.where(valid, 0.0, float("-inf")), 0)
+            v_mine = my_slot.slice(OWN * HALF, HALF, dim=1)  # this tile's V, this side's columns
+            if SIDE == 0:
+                # Publish max(m_run, this tile's max), then P V into this side's columns under the other side's
+                # softmax; rescale to the pair's maximum once it comes back.
+                m_e = gl.maximum(m_run, gl.max(s, axis=1))
+                mx_mine.store(m_e)
+                fence_async_shared()
+                mbarrier.arrive(bars.index(_MX + SIDE), count=1)
+                alpha = gl.exp2(m_run - m_e)
+                p = gl.exp2(s - gl.expand_dims(m_e, 1))
+                l_run = l_run * alpha + gl.sum(p, axis=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), A_L), v_mine, acc, is_async=True)
+                mbarrier.wait(bars.index(_MX + OTHER), ph)
+                m_pair = mx_theirs.load(ROW_V)
+                c = gl.exp2(m_e - m_pair)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(bars.index(_FREE + 2 * SIDE + OWN), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(c, gl.SliceLayout(1, O_L)), 1)
+                l_run = l_run * c
+                p_out = (p * gl.expand_dims(c, 1)).to(dtype)
+                mbarrier.wait(bars.index(_P_EMPTY + SIDE), ph ^ 1)
+                p_mine.store(p_out)
+                fence_async_shared()
+                mbarrier.arrive(bars.index(_P_FULL + SIDE), count=1)
+            else:
+                mbarrier.wait(bars.index(_MX + OTHER), ph)
+                m_pair = gl.maximum(mx_theirs.load(ROW_V), gl.max(s, axis=1))
+                mx_mine.store(m_pair)
+                fence_async_shared()
+                mbarrier.arrive(bars.index(_MX + SIDE), count=1)
+                alpha = gl.exp2(m_run - m_pair)
+                p16 = gl.exp2(s - gl.expand_dims(m_pair, 1))
+                l_run = l_run * alpha + gl.sum(p16, axis=1)
+                p16 = p16.to(dtype)
+                mbarrier.wait(bars.index(_P_EMPTY + SIDE), ph ^ 1)
+                p_mine.store(p16)
+                fence_async_shared()
+                mbarrier.arrive(bars.index(_P_FULL + SIDE), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+                acc = warpgroup_mma(gl.convert_layout(p16, A_L), v_mine, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(bars.index(_FREE + 2 * SIDE + OWN), count=1)
+            # The other side's P against the other side's tile, this side's columns: then that half of the other
+            # side's slot and the other side's P buffer are free.
+            mbarrier.wait(bars.index(_P_FULL + OTHER), ph)
+            fence_async_shared()
+            acc = warpgroup_mma(p_theirs, other_slot.slice(OWN * HALF, HALF, dim=1), acc)
+            mbarrier.arrive(bars.index(_P_EMPTY + OTHER), count=1)
+            mbarrier.arrive(bars.index(_FREE + 2 * OTHER + OWN), count=1)
+            m_run = m_pair
+
+        if n_pairs > 0:
+            # The row sum is split between the sides: exchange the two halves.
+            l_all.index(SIDE).store(l_run)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(_L + SIDE), count=1)
+            mbarrier.wait(bars.index(_L + OTHER), gi & 1)
+            l_i = l_run + l_all.index(OTHER).load(ROW_V)
+            gi += 1
+        else:
+            # No keys: o = 0 and lse = sink; the sides agree without an exchange (and skipping it keeps the
+            # exchange buffers' one-writer-one-reader order: every exchanged item has a pair between).
+            l_i = gl.full([BH], 1.0, gl.float32, layout=ROW_V)
+        gp += n_pairs
+        # One reciprocal a row instead of a division an element.
+        out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L)), 1)
+        out = gl.convert_layout(out.to(dtype), ST_L)
+        offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ST_L))
+        offs_do = OWN * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ST_L))
+        gl.store(o + t * stride_ot + gl.expand_dims(offs_ho, 1) * stride_oh + gl.expand_dims(offs_do, 0), out)
+        if SIDE == 0:
+            gl.store(lse + t * stride_lt + offs_hs, m_run * 0.6931471805599453 + gl.log(l_i))
 
 
 @gluon.jit
@@ -111,116 +336,33 @@ def sparse_attn_fwd_gluon_kernel(
     q, kv, idx, topk_len, sink, o, lse,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
     K, qk_scale_log2, n_work, n_hb,
-    HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
+    HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, SIDE1_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
 ):
-    # The score tile split by keys, the accumulator by columns, both between the two warpgroups. A key slot holds
-    # as many rows as the o block (BK = BH), so the epilogue can stage o in it.
-    gl.static_assert(BK == BH, "the epilogue stages the o block in a key slot")
-    S_L: gl.constexpr = mma_layout(BK // 2, 2)
-    O_L: gl.constexpr = mma_layout(BD // 2, 2)
-    ROWS: gl.constexpr = row_layout()
     dtype: gl.constexpr = q.dtype.element_ty
-
-    pid = gl.program_id(0)
-    n_prog = gl.num_programs(0)
-    # Two key slots (a third does not fit next to q at d = 512), q, P.
-    k_bufs = gl.allocate_shared_memory(dtype, [2, BK, BD], mma_smem(BD * 2))
-    p_smem = gl.allocate_shared_memory(dtype, [BH, BK], mma_smem(BK * 2))
-    q_smem = gl.allocate_shared_memory(dtype, [BH, BD], mma_smem(BD * 2))
-    s_zero = gl.zeros([BH, BK], gl.float32, layout=S_L)
-
-    g = 0  # key tiles this program has consumed: tile g sits in ring slot g % 2
-    ready = 0  # whether the item before issued this item's q and first key tile
-    # Key counts of this item and the next, read an item ahead so that no item waits on them.
-    n_keys = item_keys(idx, topk_len, pid, n_work, n_hb, K, HAS_LEN)
-    n_keys_next = item_keys(idx, topk_len, pid + n_prog, n_work, n_hb, K, HAS_LEN)
-    for w in range(pid, n_work, n_prog):
-        n_keys_after = item_keys(idx, topk_len, w + 2 * n_prog, n_work, n_hb, K, HAS_LEN)
-        t = (w // n_hb).to(gl.int64)
-        h0 = (w % n_hb) * BH
-        idx_row = idx + t * stride_it
-        n_tiles = gl.cdiv(n_keys, BK)
-        if (ready == 0) & (n_tiles > 0):
-            # This program's first item, or the one after an item without keys (which issued nothing): drain
-            # whatever that item's predecessor issued into these buffers, then load q and the first tile here.
-            async_copy.wait_group(0)
-            issue_gather(kv, tile_ids(idx_row, 0, n_keys, BK, gl.SliceLayout(1, ROWS)), stride_kvn,
-                         k_bufs.index(g % 2), BD)
-            issue_q(q, t, h0, stride_qt, stride_qh, True, q_smem, BH, BD)
-        # The next item of this program, whose q and first key tile this item's last tile issues.
-        w_next = gl.minimum(w + n_prog, n_work - 1)
-        t_next = (w_next // n_hb).to(gl.int64)
-        h0_next = (w_next % n_hb) * BH
-        # The index list of the tile the first iteration gathers: this item's second, or the next item's first.
-        more = n_tiles > 1
-        ids_g = tile_ids(idx + gl.where(more, t, t_next) * stride_it, gl.where(more, BK, 0),
-                         gl.where(more, n_keys, n_keys_next), BK, gl.SliceLayout(1, ROWS))
-
-        # The sink is the softmax's starting state (max = sink, sum = 1), as in the Triton kernel.
-        offs_hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, S_L))
-        m_i = gl.load(sink + offs_hs).to(gl.float32) * 1.4426950408889634
-        l_sink = gl.full([BH], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
-        l_acc = gl.zeros([BH, BK], gl.float32, layout=S_L)
-        acc = gl.zeros([BH, BD], gl.float32, layout=O_L)
-
-        for i in range(n_tiles):
-            # Tile i (and at i = 0 this item's q) has landed (this thread's copies), then every thread's copies
-            # are visible and both warpgroups are done with tile i - 1: its slot may be refilled.
-            async_copy.wait_group(0)
-            fence_async_shared()
-            _cta_barrier()
-            k_tile = k_bufs.index(g % 2)
-            # The score product runs on the tensor cores while the threads issue the next gather (this item's
-            # tile i + 1, or after its last tile the next item's first) and read the index list of the gather
-            # after it, so no load latency sits between the two products.
-            s_tok = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            ids_s = tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(0, S_L))
-            issue_gather(kv, ids_g, stride_kvn, k_bufs.index((g + 1) % 2), BD)
-            ahead = i + 2 < n_tiles
-            ids_g = tile_ids(idx + gl.where(ahead, t, t_next) * stride_it, gl.where(ahead, (i + 2) * BK, 0),
-                             gl.where(ahead, n_keys, gl.where(i + 2 == n_tiles, n_keys_next, 0)), BK,
-                             gl.SliceLayout(1, ROWS))
-            last = i + 1 == n_tiles
-            s_tile = warpgroup_mma_wait(0, deps=[s_tok])
-            bias = gl.where(ids_s >= 0, 0.0, float("-inf"))
-            s_tile = s_tile * qk_scale_log2 + gl.expand_dims(bias, 0)
-            m_new = gl.maximum(m_i, gl.max(s_tile, axis=1))
-            p = gl.exp2(s_tile - gl.expand_dims(m_new, 1))
-            alpha = gl.exp2(m_i - m_new)
-            # The row sum is kept per element and reduced once after the loop: a row's columns live on both
-            # warpgroups, so a per-tile sum would cost a cross-warpgroup exchange (measured 8.5 -> 8.1 ms at 32k).
-            l_sink = l_sink * alpha
-            l_acc = l_acc * gl.expand_dims(alpha, 1) + p
-            m_i = m_new
-            p_smem.store(p.to(dtype))
-            fence_async_shared()
-            _cta_barrier()
-            if last:
-                # Both warpgroups' score products are done (the barrier above): q's buffer takes the next item's
-                # q while this tile's P V and the epilogue run.
-                issue_q(q, t_next, h0_next, stride_qt, stride_qh, n_keys_next > 0, q_smem, BH, BD)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-            acc = warpgroup_mma(p_smem, k_tile, acc)
-            g += 1
-        ready = (n_tiles > 0).to(gl.int32)
-        n_keys = n_keys_next
-        n_keys_next = n_keys_after
-        l_i = l_sink + gl.sum(l_acc, axis=1)
-
-        # One reciprocal a row instead of a division an element.
-        out = (acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L)), 1)).to(dtype)
-        # The o block leaves through the key slot the last tile used (free once both warpgroups are past their
-        # last P V: the barrier; next written by the next item's second gather, after that item's first barrier),
-        # so the global stores are whole 16-byte pieces of contiguous rows. Stored from the MMA layout they were
-        # 4-byte pieces, half a sector each: 15 % of the kernel's time at 32k went to the epilogue, most of it
-        # waiting to issue those stores (ncu, dfd9e2d).
-        o_smem = k_bufs.index((g + 1) % 2)
-        _cta_barrier()
-        o_smem.store(out)
-        _cta_barrier()
-        offs_hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ROWS))
-        offs_dr = gl.arange(0, BD, layout=gl.SliceLayout(0, ROWS))
-        gl.store(o + t * stride_ot + gl.expand_dims(offs_hr, 1) * stride_oh + gl.expand_dims(offs_dr, 0),
-                 o_smem.load(ROWS))
-        gl.store(lse + t * stride_lt + offs_hs, m_i * 0.6931471805599453 + gl.log(l_i))
-    async_copy.wait_group(0)
+    k_all = gl.allocate_shared_memory(dtype, [2, BK, BD], mma_smem(BD * 2))
+    q_all = gl.allocate_shared_memory(dtype, [1, BH, BD], mma_smem(BD * 2))
+    p_all = gl.allocate_shared_memory(dtype, [2, BH, BK], mma_smem(BK * 2))
+    vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    mx_all = gl.allocate_shared_memory(gl.float32, [2, BH], vec_sl)
+    l_all = gl.allocate_shared_memory(gl.float32, [2, BH], vec_sl)
+    bars = gl.allocate_shared_memory(gl.int64, [_N_BARS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(_Q), count=128)
+    for b in gl.static_range(4):
+        mbarrier.init(bars.index(_READY + b), count=128)  # every producer thread arrives (cp.async)
+        mbarrier.init(bars.index(_FREE + b), count=1)
+    for s in gl.static_range(2):
+        mbarrier.init(bars.index(_MX + s), count=1)
+        mbarrier.init(bars.index(_P_FULL + s), count=1)
+        mbarrier.init(bars.index(_P_EMPTY + s), count=1)
+        mbarrier.init(bars.index(_L + s), count=1)
+    mbarrier.init(bars.index(_Q_FREE), count=2)
+    smem = (k_all, q_all, p_all, mx_all, l_all, bars)
+    gl.warp_specialize([
+        (_side, (kv, idx, topk_len, sink, o, lse, stride_it, stride_ot, stride_oh, stride_lt, K, qk_scale_log2,
+                 n_work, n_hb, smem, _EVEN, HAS_LEN, BH, BD, BK)),
+        (_side, (kv, idx, topk_len, sink, o, lse, stride_it, stride_ot, stride_oh, stride_lt, K, qk_scale_log2,
+                 n_work, n_hb, smem, _ODD, HAS_LEN, BH, BD, BK)),
+        (_producer, (q, kv, idx, topk_len, stride_qt, stride_qh, stride_kvn, stride_it, K, n_work, n_hb, smem,
+                     HAS_LEN, BH, BD, BK)),
+    ], [4, 4], [SIDE1_REGS, PRODUCER_REGS])

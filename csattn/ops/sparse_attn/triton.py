@@ -323,9 +323,9 @@ def _programs(n_work: int, device: torch.device, per_sm: int) -> int:
 
 
 def uses_gluon_fwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
-    """Whether :func:`sparse_attn_fwd` runs the Gluon kernel for these inputs (else the Triton kernel; its 64-key
-    tiles hold as many rows as the o block it stages in one)."""
-    return (bool(cfg.fwd_gluon) and cfg.bk_fwd == 64 and _gluon_applies(q, kv, cfg)
+    """Whether :func:`sparse_attn_fwd` runs the Gluon kernel for these inputs (else the Triton kernel): 64-key
+    tiles (``bk_fwd``), d >= 128 (each side's half of o is at least an m64n64 product)."""
+    return (bool(cfg.fwd_gluon) and cfg.bk_fwd == 64 and q.shape[-1] >= 128 and _gluon_applies(q, kv, cfg)
             and _gluon_kernel("fwd") is not None)
 
 
@@ -350,26 +350,14 @@ def sparse_attn_fwd(
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32)
     if T == 0:
         return o, lse
-    if uses_gluon_fwd(q, kv, cfg) and cfg.fwd_seesaw and D >= 128:
-        from .gluon_fwd_seesaw import sparse_attn_fwd_seesaw_kernel
-
-        n_work = T * (H // 64)
-        kernel = sparse_attn_fwd_seesaw_kernel[(_programs(n_work, q.device, cfg.fwd_persistent),)](
-            q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
-            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
-            K, scale * LOG2E, n_work, H // 64,
-            HAS_LEN=topk_length is not None, BH=64, BD=D, BK=64, SIDE1_REGS=cfg.fwd_side_regs,
-            PRODUCER_REGS=cfg.fwd_producer_regs, num_warps=4,
-        )
-        _report("fwd_seesaw", kernel, cfg)
-        return o, lse
     if uses_gluon_fwd(q, kv, cfg):
         n_work = T * (H // 64)
         kernel = _gluon_kernel("fwd")[(_programs(n_work, q.device, cfg.fwd_persistent),)](
             q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
             K, scale * LOG2E, n_work, H // 64,
-            HAS_LEN=topk_length is not None, BH=64, BD=D, BK=cfg.bk_fwd, num_warps=8,
+            HAS_LEN=topk_length is not None, BH=64, BD=D, BK=64, SIDE1_REGS=cfg.fwd_side_regs,
+            PRODUCER_REGS=cfg.fwd_producer_regs, num_warps=4,
         )
         _report("fwd_gluon", kernel, cfg)
         return o, lse
