@@ -37,8 +37,8 @@ class SparseAttnConfig(KernelConfig):
     bwd_gluon: int = 1
     # Gluon forward: n programs per SM, each looping over (row, 64-head block) items, the next item's q and first
     # pair of key tiles loaded while this item's last pair is computed; 0: one program per item. Measured (H200,
-    # d = 512, 640 keys a row, 32k, the two-side build before its producer warpgroup): 1: 6.38 ms, 0: 7.06 (a second
-    # program an SM does not fit next to the first's 209 KB of shared memory).
+    # d = 512, 640 keys a row, 8k / 32k): 1: 1.19 / 5.34 ms, 0: 1.41 / 5.70 (a second program an SM does not fit
+    # next to the first's 209 KB of shared memory).
     fwd_persistent: int = 1
     # Registers (per thread) of the Gluon forward's odd side and of its producer warpgroup; the even side gets the
     # rest of the 512 a thread slot has (224 with these). Both sides and the producer compile without spills here
