@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_fwd import _cp_async, mma_layout, mma_smem, row_keys, row_layout, tile_ids
+from .gluon_fwd import _cp_async, keys_valid, mma_layout, mma_smem, row_keys, row_layout, tile_ids
 
 __all__ = ["sparse_attn_bwd_gluon_kernel"]
 
@@ -173,9 +173,9 @@ def _score_partition(
             k_t = k_smem.permute((1, 0))
             s_tok = warpgroup_mma(q_smem, k_t, s_zero, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(do_smem, k_t, s_zero, use_acc=False, is_async=True)
-            ids_s = tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(0, S_L))
+            valid = keys_valid(idx_row, i * BK, n_keys, BK, gl.SliceLayout(0, S_L))
             s_tile = warpgroup_mma_wait(1, deps=[s_tok])
-            bias = gl.expand_dims(gl.where(ids_s >= 0, 0.0, float("-inf")), 0)
+            bias = gl.expand_dims(gl.where(valid, 0.0, float("-inf")), 0)
             p = gl.exp2(s_tile * qk_scale_log2 + bias - lse2)
             dp = warpgroup_mma_wait(0, deps=[dp_tok])
             ds = (p * (dp - delta2) * scale).to(dtype)

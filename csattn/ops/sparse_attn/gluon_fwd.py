@@ -132,7 +132,7 @@ def _load_q(q, t, h0, stride_qt, stride_qh, buf, bar, BH: gl.constexpr, BD: gl.c
 
 
 @gluon.jit
-def _keys_valid(idx_row, start, n_keys, BK: gl.constexpr, layout: gl.constexpr):
+def keys_valid(idx_row, start, n_keys, BK: gl.constexpr, layout: gl.constexpr):
     """Whether each key of the tile at ``start`` exists (index >= 0, within the row's count). Only the sign is
     needed, so an int64 list is read as its low 32-bit words (little-endian; -1 stays -1 and kv rows are far
     below 2^31): the 16 indices a thread holds then take 16 registers instead of 32, which keeps the math sides
@@ -250,7 +250,7 @@ def _side(
             fence_async_shared()
             s_tok = warpgroup_mma(q_smem.slice(OTHER * HALF, HALF, dim=1),
                                   my_slot.slice(OTHER * HALF, HALF, dim=1).permute((1, 0)), s_tok, is_async=True)
-            valid = _keys_valid(idx_row, tile * BK, n_keys, BK, gl.SliceLayout(0, S_L))
+            valid = keys_valid(idx_row, tile * BK, n_keys, BK, gl.SliceLayout(0, S_L))
             s = warpgroup_mma_wait(0, deps=[s_tok])
             if j + 1 == n_pairs:
                 # this item's last score product: once both sides' are done, q's buffer takes the next item's q
