@@ -119,9 +119,10 @@ def test_backward_compiles_for_sm90_warp_specialized(d, has_len):
     # Two partitions with their own register budgets: the key warpgroup gives some back, the score one takes 256.
     assert ["dec", "240"] in info["setmaxnreg"] and ["inc", "256"] in info["setmaxnreg"], info["setmaxnreg"]
     # The MMAs' shared-memory descriptors stay in the tile loop (gluon_bwd._buffers): hoisted, they spill 1.3 KB
-    # with Triton 3.6 (the kernel ran 30 % slower) and 660 bytes with 3.9; 100 / 136 bytes remain.
+    # with Triton 3.6 (the kernel ran 30 % slower) and 660 bytes with 3.9; 12 / 44 bytes remain (100 / 136 before
+    # the score mask read int64 index lists by their low words).
     if info["spill_stores"] is not None:
-        assert info["spill_stores"] <= 384, info["spill_stores"]
+        assert info["spill_stores"] <= 64, info["spill_stores"]
     assert info["shared"] <= 227 * 1024
     assert info["cp_async"]
 
