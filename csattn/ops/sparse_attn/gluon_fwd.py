@@ -23,8 +23,8 @@ even tiles, in key slot 0; side 1 the odd ones, slot 1) and a producer warpgroup
   they were 4-byte pieces, half a sector each).
 
 The schedule is FlashMLA's SM90 sparse prefill's (docs/peers/flashmla_sm90_sparse_fwd.md). Measured on the H200
-(bf16, H = 64, d = 512, k + W = 640, 32k tokens): 5.64 ms, 488 TFLOP/s; the lockstep build it replaced (both
-warpgroups on every tile, CTA barriers between the products) 7.02 ms, 392 TFLOP/s; the Triton kernel 11.3 ms
+(bf16, H = 64, d = 512, k + W = 640, 32k tokens): 5.34 ms, 515 TFLOP/s; the lockstep build it replaced (both
+warpgroups on every tile, CTA barriers between the products) 6.96 ms, 395 TFLOP/s; the Triton kernel 11.3 ms
 (BENCHMARKS.md).
 """
 
@@ -124,7 +124,7 @@ def o_store_layout(half):
 @gluon.jit
 def _load_q(q, t, h0, stride_qt, stride_qh, buf, bar, BH: gl.constexpr, BD: gl.constexpr):
     """cp.async row ``t``'s ``[BH, d]`` query block (heads from ``h0``) into ``buf``; arrive on ``bar`` once it
-    lands (side 0's 128 threads)."""
+    lands (the producer's 128 threads)."""
     offs_h = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, row_layout(4)))
     offs_d = gl.arange(0, BD, layout=gl.SliceLayout(0, row_layout(4)))
     _cp_async(buf, q + t * stride_qt + gl.expand_dims(offs_h.to(gl.int64) * stride_qh, 1) + gl.expand_dims(offs_d, 0))
