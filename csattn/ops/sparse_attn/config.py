@@ -42,7 +42,7 @@ class SparseAttnConfig(KernelConfig):
     fwd_persistent: int = 1
     # Registers (per thread) of the Gluon forward's odd side and of its producer warpgroup; the even side gets the
     # rest of the 512 a thread slot has (224 with these). Both sides and the producer compile without spills here
-    # (Triton 3.6 and 3.9); the producer spills at 56, the odd side at 208.
+    # (Triton 3.6 and 3.9); the producer spills at 56 (8 / 16 bytes), the odd side at 208 with Triton 3.9 (68).
     fwd_side_regs: int = 216
     fwd_producer_regs: int = 64
     # Gluon backward: n programs per SM, each looping over (row, 64-head block) items, the next item's first
