@@ -14,6 +14,9 @@
 #   STAGES=peers-unpack (carry .peerwhl/c1), then at once STAGES=peers (carry .peerwhl/c2): csattn against cuDNN
 #   Frontend's DSA kernels (bundles from ../shared/peers/make_bundles.sh; /.peerwhl/ in .git/info/exclude);
 #   providers PEER_BWD, PEER_TOPK, PEER_SELECT (default triton,cudnn), PEER_FWD (default triton: the forward target)
+#   The unpack call carries a 64 MB bundle, and what a device call carries (tracked tree included) is capped at
+#   64 MiB: for that call only, take the result files out of the working tree and put them back after:
+#     rm -rf benchmarks/results docs/report   # then the peers-unpack call, then: git checkout -- benchmarks docs
 #   BEFORE=<old tree> BEFORE_COMMIT=<sha> STAGES=layer-ab: the layer benchmarks of an older tree and this one
 #
 # report-a: CP = 1, every path (reference and unfused up to 32k, HF eager up to 8k); report-b: CP = 2 and 4,
