@@ -32,7 +32,7 @@ class SparseAttnConfig(KernelConfig):
     warps_dkv: int = 8
     stages_dkv: int = 1
     # 1: the forward / the backward run the Gluon kernels (gluon_fwd.py, gluon_bwd.py) where they apply
-    # (sm_90, bf16/fp16, 64-head blocks, d in 64..512 a power of two); 0: the Triton kernels.
+    # (sm_90, bf16/fp16, 64-head blocks, d in 128..512 a power of two); 0: the Triton kernels.
     fwd_gluon: int = 1
     bwd_gluon: int = 1
     # Gluon forward: n programs per SM, each looping over (row, 64-head block) items, the next item's q and first

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_fwd import _cp_async, keys_valid, mma_layout, mma_smem, row_keys, row_layout, tile_ids
+from .gluon_fwd import _cp_async, keys_valid, mma_layout, mma_smem, row_keys, row_layout, row_piece_layout, tile_ids
 
 __all__ = ["sparse_attn_bwd_gluon_kernel"]
 
@@ -49,12 +49,11 @@ def red_layout(full_lines):
     instruction covers 4 rows x 128 bytes (whole L2 lines), else 8 rows x 64 bytes. Rows stay with the warp
     that computed them, and each step from the MMA layout trades one lane bit for one register bit, so the
     conversions are shuffles within a warp (no shared memory)."""
-    if full_lines:
-        reg, lane = [[0, 1], [0, 2], [8, 0], [1, 0], [0, 32]], [[0, 8], [0, 4], [0, 16], [2, 0], [4, 0]]
-    else:
-        reg, lane = [[0, 1], [0, 2], [8, 0], [0, 16], [0, 32]], [[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]]
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[[16, 0], [32, 0]],
-                                      block_bases=[], shape=[64, 64])
+    if not full_lines:
+        return row_piece_layout(64)  # the first trade
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0], [1, 0], [0, 32]],
+                                      lane_bases=[[0, 8], [0, 4], [0, 16], [2, 0], [4, 0]],
+                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])
 
 
 @gluon.jit

@@ -108,17 +108,17 @@ def _gather_half(kv, ids, stride_kvn, slot, HALF_I: gl.constexpr, bar, BD: gl.co
 
 
 @gluon.constexpr_function
-def o_store_layout(half):
-    """Register layout of a side's ``[64, half]`` o block for its global store: the MMA layout with one lane bit
-    and one register bit swapped, so that each thread holds 4 contiguous columns (8 bytes) instead of pairs and
-    a quad of lanes a whole 32-byte sector of a row. The change is one transposition within each warp (shuffles:
-    no shared memory is free at d = 512; the compiler takes at most one such swap without going through shared
-    memory). From the MMA layout the stores were 4-byte pieces, half a sector each."""
-    col_regs = [[0, 1 << b] for b in range(4, half.bit_length() - 1)]
+def row_piece_layout(n):
+    """Register layout of a warpgroup's ``[64, n]`` MMA result for global stores or reductions: the MMA layout
+    with one lane bit and one register bit swapped, so that each thread holds 4 contiguous columns (8 bytes, or
+    one ``v4`` of fp32) instead of pairs and a quad of lanes a whole 32-byte sector of a row. The change is one
+    transposition within each warp (shuffles: no shared memory is free at d = 512; the compiler takes at most one
+    such swap without going through shared memory). From the MMA layout the pieces are 4 bytes, half a sector."""
+    col_regs = [[0, 1 << b] for b in range(4, n.bit_length() - 1)]
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [8, 0]] + col_regs,
         lane_bases=[[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, half])
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, n])
 
 
 @gluon.jit
@@ -185,7 +185,29 @@ def _producer(
             mbarrier.wait(bars.index(_FREE + 2), ph)
             _gather_half(kv, ids1, stride_kvn, k1, 0, bars.index(_READY + 2), BD)
         g += n_pairs
-    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _publish(buf, val, bar):
+    """Write ``val`` into ``buf`` for the other side and arrive on ``bar`` (one writer, one reader)."""
+    buf.store(val)
+    fence_async_shared()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _online_step(s, m_run, l_run, m_new):
+    """One online-softmax step onto the maximum ``m_new`` (base 2): ``P``, the factor ``alpha`` the running sums
+    take, and the updated row sum."""
+    alpha = gl.exp2(m_run - m_new)
+    p = gl.exp2(s - gl.expand_dims(m_new, 1))
+    return p, alpha, l_run * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _scale_rows(acc, f, O_L: gl.constexpr):
+    """``acc * f[:, None]`` for a row vector ``f`` in the score layout and ``acc`` in ``O_L``."""
+    return acc * gl.expand_dims(gl.convert_layout(f, gl.SliceLayout(1, O_L)), 1)
 
 
 @gluon.jit
@@ -201,7 +223,7 @@ def _side(
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW_V: gl.constexpr = gl.SliceLayout(1, S_L)
     HALF: gl.constexpr = BD // 2
-    ST_L: gl.constexpr = o_store_layout(HALF)
+    ST_L: gl.constexpr = row_piece_layout(HALF)
     OWN: gl.constexpr = SIDE  # the column half this side accumulates and reads in its own P V
     OTHER: gl.constexpr = 1 - SIDE
     dtype: gl.constexpr = kv.dtype.element_ty
@@ -261,41 +283,29 @@ def _side(
                 # Publish max(m_run, this tile's max), then P V into this side's columns under the other side's
                 # softmax; rescale to the pair's maximum once it comes back.
                 m_e = gl.maximum(m_run, gl.max(s, axis=1))
-                mx_mine.store(m_e)
-                fence_async_shared()
-                mbarrier.arrive(bars.index(_MX + SIDE), count=1)
-                alpha = gl.exp2(m_run - m_e)
-                p = gl.exp2(s - gl.expand_dims(m_e, 1))
-                l_run = l_run * alpha + gl.sum(p, axis=1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+                _publish(mx_mine, m_e, bars.index(_MX + SIDE))
+                p, alpha, l_run = _online_step(s, m_run, l_run, m_e)
+                acc = _scale_rows(acc, alpha, O_L)
                 acc = warpgroup_mma(gl.convert_layout(p.to(dtype), A_L), v_mine, acc, is_async=True)
                 mbarrier.wait(bars.index(_MX + OTHER), ph)
                 m_pair = mx_theirs.load(ROW_V)
                 c = gl.exp2(m_e - m_pair)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(bars.index(_FREE + 2 * SIDE + OWN), count=1)
-                acc = acc * gl.expand_dims(gl.convert_layout(c, gl.SliceLayout(1, O_L)), 1)
+                acc = _scale_rows(acc, c, O_L)
                 l_run = l_run * c
                 p_out = (p * gl.expand_dims(c, 1)).to(dtype)
                 mbarrier.wait(bars.index(_P_EMPTY + SIDE), ph ^ 1)
-                p_mine.store(p_out)
-                fence_async_shared()
-                mbarrier.arrive(bars.index(_P_FULL + SIDE), count=1)
+                _publish(p_mine, p_out, bars.index(_P_FULL + SIDE))
             else:
                 mbarrier.wait(bars.index(_MX + OTHER), ph)
                 m_pair = gl.maximum(mx_theirs.load(ROW_V), gl.max(s, axis=1))
-                mx_mine.store(m_pair)
-                fence_async_shared()
-                mbarrier.arrive(bars.index(_MX + SIDE), count=1)
-                alpha = gl.exp2(m_run - m_pair)
-                p16 = gl.exp2(s - gl.expand_dims(m_pair, 1))
-                l_run = l_run * alpha + gl.sum(p16, axis=1)
-                p16 = p16.to(dtype)
+                _publish(mx_mine, m_pair, bars.index(_MX + SIDE))
+                p, alpha, l_run = _online_step(s, m_run, l_run, m_pair)
+                p16 = p.to(dtype)
                 mbarrier.wait(bars.index(_P_EMPTY + SIDE), ph ^ 1)
-                p_mine.store(p16)
-                fence_async_shared()
-                mbarrier.arrive(bars.index(_P_FULL + SIDE), count=1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+                _publish(p_mine, p16, bars.index(_P_FULL + SIDE))
+                acc = _scale_rows(acc, alpha, O_L)
                 acc = warpgroup_mma(gl.convert_layout(p16, A_L), v_mine, acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(bars.index(_FREE + 2 * SIDE + OWN), count=1)
@@ -310,9 +320,7 @@ def _side(
 
         if n_pairs > 0:
             # The row sum is split between the sides: exchange the two halves.
-            l_all.index(SIDE).store(l_run)
-            fence_async_shared()
-            mbarrier.arrive(bars.index(_L + SIDE), count=1)
+            _publish(l_all.index(SIDE), l_run, bars.index(_L + SIDE))
             mbarrier.wait(bars.index(_L + OTHER), gi & 1)
             l_i = l_run + l_all.index(OTHER).load(ROW_V)
             gi += 1
@@ -322,7 +330,7 @@ def _side(
             l_i = gl.full([BH], 1.0, gl.float32, layout=ROW_V)
         gp += n_pairs
         # One reciprocal a row instead of a division an element.
-        out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, O_L)), 1)
+        out = _scale_rows(acc, 1.0 / l_i, O_L)
         out = gl.convert_layout(out.to(dtype), ST_L)
         offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ST_L))
         offs_do = OWN * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ST_L))

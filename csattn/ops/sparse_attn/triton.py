@@ -303,12 +303,13 @@ def _gluon_kernel(name: str):
 
 def _gluon_applies(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
     """The Gluon kernels are written for Hopper's warpgroup MMA: sm_90, bf16/fp16, whole 64-head blocks, d a
-    power of two in 64..512, 16-byte aligned rows for their cp.async gathers."""
+    power of two in 128..512 (each warpgroup's half of o / dq is at least an m64n64 product), 16-byte aligned rows
+    for their cp.async gathers."""
     if q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
     T, H, D = q.shape
     if (q.dtype not in (torch.bfloat16, torch.float16) or H % 64 or cfg.bh not in (None, 64)
-            or D not in (64, 128, 256, 512)):
+            or D not in (128, 256, 512)):
         return False
     if (q.stride(2) != 1 or q.stride(1) % 8 or q.stride(0) % 8 or kv.stride(1) != 1 or kv.stride(0) % 8
             or q.data_ptr() % 16 or kv.data_ptr() % 16):
@@ -323,17 +324,15 @@ def _programs(n_work: int, device: torch.device, per_sm: int) -> int:
 
 
 def uses_gluon_fwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
-    """Whether :func:`sparse_attn_fwd` runs the Gluon kernel for these inputs (else the Triton kernel): 64-key
-    tiles (``bk_fwd``), d >= 128 (each side's half of o is at least an m64n64 product)."""
-    return (bool(cfg.fwd_gluon) and cfg.bk_fwd == 64 and q.shape[-1] >= 128 and _gluon_applies(q, kv, cfg)
+    """Whether :func:`sparse_attn_fwd` runs the Gluon kernel for these inputs (else the Triton kernel; it takes
+    64-key tiles, ``bk_fwd``)."""
+    return (bool(cfg.fwd_gluon) and cfg.bk_fwd == 64 and _gluon_applies(q, kv, cfg)
             and _gluon_kernel("fwd") is not None)
 
 
 def uses_gluon_bwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
-    """Whether :func:`sparse_attn_bwd` runs the one Gluon kernel (dq, dkv, dsink) instead of the Triton pair
-    (d >= 128: each warpgroup's half of dq is at least an m64n64 product)."""
-    return (bool(cfg.bwd_gluon) and q.shape[-1] >= 128 and _gluon_applies(q, kv, cfg)
-            and _gluon_kernel("bwd") is not None)
+    """Whether :func:`sparse_attn_bwd` runs the one Gluon kernel (dq, dkv, dsink) instead of the Triton pair."""
+    return bool(cfg.bwd_gluon) and _gluon_applies(q, kv, cfg) and _gluon_kernel("bwd") is not None
 
 
 def sparse_attn_fwd(
