@@ -47,7 +47,8 @@ else:
            "do": "*bf16", "lse": "*fp32", "dlse": "*fp32", "dq": "*bf16", "dkv": "*fp32", "dsink_rows": "*fp32",
            **{f"stride_{n}": "i64" for n in strides + ("dlt",)}, "H": "i32", "K": "i32", "scale": "fp32",
            "n_work": "i32", "n_hb": "i32"}
-    consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "BH": 64, "BD": d, "BK": bk, "KEY_REGS": 240}
+    consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "BH": 64, "BD": d, "BK": bk, "KEY_REGS": 240,
+              "FULL_LINES": bool(SparseAttnConfig().bwd_full_lines)}
 sig.update({k: "constexpr" for k in consts})
 # what the launcher's specialization sees at run time: 16-aligned pointers and strides
 attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
@@ -109,20 +110,24 @@ def test_backward_compiles_for_sm90_warp_specialized(d, has_len):
     wgmma = info["wgmma_n"]
     # Score warpgroup: S and dP whole (N = 64 keys, d / 16 k-steps each), its half of dS K at N = d / 2 (4 k-steps
     # over the 64 keys). Key warpgroup: the other half of dS K, then d / 64 chunks of P^T dO + dS^T Q at N = 64
-    # (2 products x 4 k-steps over the 64 heads).
-    assert wgmma.count(str(d // 2)) == 2 * 4, wgmma
-    assert wgmma.count("64") == 2 * d // 16 + (d // 64) * 2 * 4, wgmma
+    # (2 products x 4 k-steps over the 64 heads). The key warpgroup's tile is built twice: an item's last tile is
+    # its own instance (it also hands q and dO over to the next item).
+    assert wgmma.count(str(d // 2)) == 4 + 2 * 4, wgmma
+    assert wgmma.count("64") == 2 * d // 16 + 2 * (d // 64) * 2 * 4, wgmma
     # The reductions into dkv are whole-line vectors: one v4 per thread, chunk and row it holds (8 rows); Triton
     # 3.6 writes them as atom (ptxas makes them reductions, REDG, as the result is unused), later ones as red.
     assert {a.split(".", 1)[1] for a in info["atomics"]} == {"global.gpu.relaxed.add.v4.f32"}, info["atomics"]
-    assert len(info["atomics"]) == (d // 64) * 8
+    assert len(info["atomics"]) == 2 * (d // 64) * 8
     # Two partitions with their own register budgets: the key warpgroup gives some back, the score one takes 256.
     assert ["dec", "240"] in info["setmaxnreg"] and ["inc", "256"] in info["setmaxnreg"], info["setmaxnreg"]
     # The MMAs' shared-memory descriptors stay in the tile loop (gluon_bwd._buffers): hoisted, they spill 1.3 KB
-    # with Triton 3.6 (the kernel ran 30 % slower) and 660 bytes with 3.9; 12 / 44 bytes remain (100 / 136 before
-    # the score mask read int64 index lists by their low words).
+    # with Triton 3.6 (the kernel ran 30 % slower) and 660 bytes with 3.9. What remains: with 3.6 (what the kernel is
+    # measured with) 36 bytes, outside the tile loops; with 3.9 72 bytes at d = 512, a few values of the score
+    # warpgroup's tile loop among them.
+    import triton
+
     if info["spill_stores"] is not None:
-        assert info["spill_stores"] <= 64, info["spill_stores"]
+        assert info["spill_stores"] <= (64 if triton.__version__.startswith("3.6") else 128), info["spill_stores"]
     assert info["shared"] <= 227 * 1024
     assert info["cp_async"]
 
@@ -156,6 +161,25 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+def test_dkv_columns_puts_the_kernels_column_order_back():
+    """The backward's sums keep each 64-column chunk in the order of ``_stored_columns`` (stored column f holds
+    column (f & 49) | (f & 2) << 2 | (f & 12) >> 1); ``dkv_columns`` writes or adds them in true order."""
+    pytest.importorskip("triton.experimental.gluon")
+    from csattn.ops.sparse_attn.gluon_bwd import dkv_columns
+
+    f = torch.arange(64)
+    true_of_stored = (f & 49) | (f & 2) << 2 | (f & 12) >> 1
+    assert sorted(true_of_stored.tolist()) == list(range(64))
+    N, D = 3, 256
+    true = torch.arange(N * D, dtype=torch.float32).view(N, D)
+    stored = true.view(N, D // 64, 64)[:, :, true_of_stored].reshape(N, D)
+    out = torch.empty(N, D, dtype=torch.float64)
+    dkv_columns(stored, out, accumulate=False)
+    assert torch.equal(out, true.double())
+    dkv_columns(stored, out, accumulate=True)
+    assert torch.equal(out, 2 * true.double())
+
+
 GPU_CASES = {
     "real_geometry": dict(docs=[700, 37, 1500, 1800], H=64, d=512, W=128, k=512, pad=60, lengths=False),
     "two_head_blocks_d128": dict(docs=[300, 211, 5], H=128, d=128, W=64, k=64, pad=7, lengths=False),
@@ -164,8 +188,8 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "bwd_gluon=0", "bwd_persistent=0,fwd_persistent=0"],
-                         ids=["gluon", "gluon_fwd_only", "gluon_program_per_item"])
+@pytest.mark.parametrize("variant", ["", "bwd_gluon=0", "bwd_persistent=0,fwd_persistent=0", "bwd_full_lines=0"],
+                         ids=["gluon", "gluon_fwd_only", "gluon_program_per_item", "gluon_half_lines"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
 def test_gpu_gluon_kernels(case, dtype, variant):

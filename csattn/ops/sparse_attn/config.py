@@ -49,5 +49,8 @@ class SparseAttnConfig(KernelConfig):
     # gather and row terms under the previous item's last key-side chunks; 0: one program per item. Measured
     # (H200, d = 512, 8k / 32k): 1: 4.49 / 18.36 ms, 0: 4.58 / 18.85, 2: 4.42 / 20.72 (two waves).
     bwd_persistent: int = 1
+    # Gluon backward: 1: the dkv reductions cover whole L2 lines (4 rows x 128 bytes a warp instruction), one
+    # lane / register trade away from the MMA layout; 0: 8 rows x 64 bytes straight from the MMA registers.
+    bwd_full_lines: int = 1
     # 1: print registers, spills and shared memory of each launched kernel, once per config (tuning runs)
     verbose: int = 0

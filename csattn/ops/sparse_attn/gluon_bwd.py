@@ -13,20 +13,24 @@ mbarriers:
 - the *key* warpgroup (a worker partition) adds ``dS K`` into the right half of ``dq`` from shared memory, then
   computes the key-side tile ``P^T dO + (scale dS)^T Q`` in 64-column chunks, two chunks in flight on the tensor
   cores while the previous chunk's fp32 reductions into ``dkv`` go out as whole-line ``red.v4`` (``red_rows``).
+  ``dkv`` keeps each 64-column chunk in the order the MMA registers already have (``_stored_columns``), so the
+  reductions need one lane / register trade instead of two; the host puts the columns back (``dkv_columns``,
+  one pass over the fp32 sums, which the cast to kv's dtype made anyway).
 
-Barriers: ``kv_full`` (the tile's copies landed: one ``cp.async`` arrive per score thread; its first phase also
-covers the q and dO copies), ``kv_empty`` (both halves of ``dS K`` are done with the tile, so the next gather
-starts while the key warpgroup is still on its chunks), ``pds_full`` / ``pds_empty`` (the ``P`` / ``dS`` slot).
-q and dO are copied once per row; one key slot and one ``P`` / ``dS`` slot: 208 KB of shared memory at d = 512.
-``dkv`` is not bitwise reproducible run to run (atomics); dq and dsink are.
+Barriers: ``kv_full`` (the tile's copies landed: one ``cp.async`` arrive per score thread; an item's first phase
+also covers its q and dO copies), ``kv_empty`` (both halves of ``dS K`` are done with the tile, so the next gather
+starts while the key warpgroup is still on its chunks), ``pds_full`` / ``pds_empty`` (two ``P`` / ``dS`` slots
+used by turns, so the score warpgroup writes tile i + 1's while the key warpgroup reads tile i's), ``qdo_free``
+(four, one per 128 columns: the key warpgroup's last chunks over those columns of an item's last tile are done,
+so the next item's q and dO come in piece by piece under its remaining chunks). One key slot: 230 KB of shared
+memory at d = 512. ``dkv`` is not bitwise reproducible run to run (atomics); dq and dsink are.
 
-Measured on the H200 (bf16, H = 64, d = 512, k + W = 640): 4.49 ms at 8k tokens, 18.36 ms at 32k (374 TFLOP/s),
-against 6.38 / 26.26 ms for the earlier lockstep Gluon kernel (both warpgroups splitting every product), 39.9 ms at
-32k for the Triton pair, and 4.04 / 17.56 ms for cuDNN Frontend 1.32's SM90 kernel in the same run (BENCHMARKS.md).
+Measured on the H200 (bf16, H = 64, d = 512, k + W = 640) beside cuDNN Frontend 1.32's SM90 kernel: BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -41,31 +45,58 @@ from .gluon_fwd import _cp_async, keys_valid, mma_layout, mma_smem, row_keys, ro
 
 __all__ = ["sparse_attn_bwd_gluon_kernel"]
 
+# q and dO of the next item come in this many columns at a time, each piece once the key warpgroup's last chunks
+# over it are done
+_QDO_COLS = gl.constexpr(128)
+
 
 @gluon.constexpr_function
 def red_layout(full_lines):
-    """Register layout of a ``[64, 64]`` fp32 key-side tile of one warpgroup for its reductions into ``dkv``:
-    each thread holds 4 adjacent columns in consecutive registers (one ``red.v4``); ``full_lines``: a warp
-    instruction covers 4 rows x 128 bytes (whole L2 lines), else 8 rows x 64 bytes. Rows stay with the warp
-    that computed them, and each step from the MMA layout trades one lane bit for one register bit, so the
-    conversions are shuffles within a warp (no shared memory)."""
-    if not full_lines:
-        return row_piece_layout(64)  # the first trade
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0], [1, 0], [0, 32]],
-                                      lane_bases=[[0, 8], [0, 4], [0, 16], [2, 0], [4, 0]],
-                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])
+    """Register layout of a ``[64, 64]`` fp32 key-side tile in stored column order (see ``_stored_columns``)
+    for its reductions into ``dkv``: each thread holds 4 adjacent columns in consecutive registers (one
+    ``red.v4``). Without ``full_lines`` it is the MMA layout's own registers renamed, and a warp instruction
+    covers 8 rows x 64 bytes; ``full_lines`` trades one lane bit (a row) for one register bit (a column) by
+    warp shuffles, for 4 rows x 128 bytes (whole L2 lines)."""
+    if full_lines:
+        reg, lane = [[0, 1], [0, 2], [8, 0], [1, 0], [0, 32]], [[0, 4], [0, 8], [0, 16], [2, 0], [4, 0]]
+    else:
+        reg, lane = [[0, 1], [0, 2], [8, 0], [0, 16], [0, 32]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[[16, 0], [32, 0]],
+                                      block_bases=[], shape=[64, 64])
 
 
 @gluon.jit
-def red_rows(dkv, ids, tile, col0, BD: gl.constexpr):
-    """``dkv[ids[r], col0 + c] += tile[r, c]`` for a ``[64, 64]`` MMA-layout tile (fp32 relaxed reductions,
-    ``-1`` ids skipped).
+def _stored_columns(tile):
+    """The ``[64, 64]`` MMA-layout tile with its columns in the order ``dkv`` keeps them (``dkv_columns``):
+    stored column ``f`` holds column ``(f & 49) | (f & 2) << 2 | (f & 12) >> 1``. No data moves: in the MMA
+    layout a thread's registers hold columns ``{0, 1} + 8 j`` of its quad's ``2 a``, and in this order they
+    are ``4 j' + {0, 1, 2, 3}``, i.e. whole ``red.v4`` pieces, without the two lane / register trades (768
+    selects and 260 shuffles a tile and warp) the true order needs."""
+    x = gl.reshape(tile, [64, 2, 2, 2, 2, 2, 2])  # column bits 32, 16, 8, 4, 2, 1
+    x = gl.permute(x, (0, 1, 2, 4, 5, 3, 6))  # bit 8 becomes bit 2; bits 4, 2 become 8, 4
+    return gl.reshape(x, [64, 64])
 
-    In the MMA layout thread ``a`` of a quad holds columns ``8 j + 2 a + {0, 1}``: a warp's reduction adds 8 rows
-    x 32 bytes, which L2 serves as 8 one-sector requests, and that request rate bounded the kernel (L2 at 72-78 %
-    of peak). Whole lines cut the requests 4x (measured 22.7 -> 18.3 ms at 32k tokens)."""
-    layout: gl.constexpr = red_layout(True)
-    vals = gl.convert_layout(gl.convert_layout(tile, red_layout(False)), layout)
+
+def dkv_columns(stored: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """``out`` ([N, d], d a multiple of 64) = (or += with ``accumulate``) the kernel's ``dkv`` sums ``stored``
+    ([N, d] fp32, each 64-column chunk in the order ``_stored_columns`` writes) in true column order; one pass,
+    cast to ``out``'s dtype on the way."""
+    N, D = stored.shape
+    src = stored.view(N, D // 64, 2, 2, 2, 2, 2, 2).permute(0, 1, 2, 3, 6, 4, 5, 7)
+    dst = out.view(N, D // 64, 2, 2, 2, 2, 2, 2)
+    dst.add_(src) if accumulate else dst.copy_(src)
+
+
+@gluon.jit
+def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr):
+    """``dkv[ids[r], col0 + f] += tile[r, c(f)]`` for a ``[64, 64]`` MMA-layout tile, ``c(f)`` the stored
+    column order of ``_stored_columns`` (fp32 relaxed reductions, ``-1`` ids skipped).
+
+    In true column order a warp's reduction from the MMA layout adds 8 rows x 32 bytes, which L2 serves as 8
+    one-sector requests, and that request rate bounded the kernel (L2 at 72-78 % of peak); two trades made them
+    whole lines (22.7 -> 18.3 ms at 32k tokens) but cost the key warpgroup more than half its instructions."""
+    layout: gl.constexpr = red_layout(FULL_LINES)
+    vals = gl.convert_layout(_stored_columns(tile), layout)
     ids_r = gl.convert_layout(ids, gl.SliceLayout(1, layout))
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
     ptrs = gl.expand_dims(dkv + ids_r.to(gl.int64) * BD + col0, 1) + gl.expand_dims(cols, 0)
@@ -85,14 +116,38 @@ def _copy_rows(dst, base, offs_r, stride_r, BD: gl.constexpr, mask):
 
 
 @gluon.jit
-def _buffers(q_all, do_all, k_all, p_all, ds_all, i):
+def _store_half(dst, t, h0, stride_t, stride_h, half, HALF_I: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr):
+    """Store a warpgroup's ``[BH, d/2]`` half of row ``t``'s dq block (columns from ``HALF_I * d/2``) after one
+    in-warp swap to 8-byte row pieces (``row_piece_layout``, as the forward stores o); from the MMA layout they are
+    4-byte pieces, half a sector each, 64 store instructions a thread."""
+    ST_L: gl.constexpr = row_piece_layout(BD // 2)
+    vals = gl.convert_layout(half, ST_L)
+    offs_h = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ST_L))
+    offs_d = HALF_I * (BD // 2) + gl.arange(0, BD // 2, layout=gl.SliceLayout(0, ST_L))
+    gl.store(dst + t * stride_t + gl.expand_dims(offs_h, 1) * stride_h + gl.expand_dims(offs_d, 0), vals)
+
+
+@gluon.jit
+def _copy_cols(dst, base, offs_r, stride_r, col0, NC: gl.constexpr, mask):
+    """cp.async columns ``[col0, col0 + NC)`` of the rows ``base + offs_r * stride_r`` ([R] in the row layout;
+    masked rows are zero-filled) into the same columns of ``dst``; 16 bytes a thread, ``NC / 8`` threads a row."""
+    COLS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // (NC // 8), NC // 8],
+                                          warps_per_cta=[4, 1], order=[1, 0])
+    offs_d = gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(0, COLS)), 0)
+    rows = gl.expand_dims(base + gl.convert_layout(offs_r, gl.SliceLayout(1, COLS)).to(gl.int64) * stride_r, 1)
+    mask2 = gl.expand_dims(gl.convert_layout(mask, gl.SliceLayout(1, COLS)), 1)
+    _cp_async(dst.slice(col0, NC, dim=1), rows + (offs_d + col0), mask=mask2)
+
+
+@gluon.jit
+def _buffers(q_all, do_all, k_all, p_all, ds_all, i, slot):
     """The shared-memory operands for key tile ``i``, through an index that is always 0 but opaque to the
     compiler (inline asm; a loop-guarded expression it folds). Otherwise it hoists every MMA's shared-memory
     descriptor out of the tile loop (about a hundred 64-bit values) and spills them, and each MMA then waits
     on a local-memory reload: that was the top stall (ncu); 1.3 KB of spills -> 104 bytes, 30.0 -> 22.7 ms
     at 32k tokens."""
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
-    return q_all.index(z), do_all.index(z), k_all.index(z), p_all.index(z), ds_all.index(z)
+    return q_all.index(z), do_all.index(z), k_all.index(z), p_all.index(z + slot), ds_all.index(z + slot)
 
 
 @gluon.jit
@@ -120,7 +175,8 @@ def _score_partition(
     ROWS: gl.constexpr = row_layout(4)
     CH: gl.constexpr = 128 if BD > 128 else BD
     dtype: gl.constexpr = q.dtype.element_ty
-    q_all, do_all, k_all, p_all, ds_all, kv_full, kv_empty, pds_full, pds_empty = smem
+    QC: gl.constexpr = _QDO_COLS  # q and dO come in these many columns at a time
+    q_all, do_all, k_all, p_all, ds_all, kv_full, kv_empty, pds_full, pds_empty, qdo_free = smem
     pid = gl.program_id(0)
     n_prog = gl.num_programs(0)
     qk_scale_log2 = scale * 1.4426950408889634
@@ -130,7 +186,8 @@ def _score_partition(
     t, h0, idx_row, n_keys, n_tiles = _work_item(pid, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN)
     ids_g = tile_ids(idx_row, 0, n_keys, BK, gl.SliceLayout(1, ROWS))
     _copy_rows(k_all.index(0), kv, ids_g, stride_kvn, BD, ids_g >= 0)
-    g = 0  # key tiles done so far by this program: the barriers' phases
+    g = 0  # key tiles done so far by this program: the per-tile barriers' phases
+    it = 0  # items done so far: the phases of qdo_free
     for w in range(pid, n_work, n_prog):
         t, h0, idx_row, n_keys, n_tiles = _work_item(w, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN)
         offs_hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ROWS))
@@ -153,19 +210,27 @@ def _score_partition(
         lse2 = gl.expand_dims(lse_t * 1.4426950408889634, 1)
         delta2 = gl.expand_dims(delta, 1)
 
-        # q and dO once the previous item's key-side products are done with them; each thread's arrive on
-        # kv_full covers all of its copies, so this phase also tells the key warpgroup that q and dO are there.
-        mbarrier.wait(pds_empty, (g & 1) ^ 1)
+        # q and dO, 64 columns at a time, each as soon as the previous item's last key-side chunk over those
+        # columns is done with them (the first item's waits pass at once): the loads run under the key
+        # warpgroup's last chunks instead of after them. Each thread's arrive on kv_full covers all of its copies,
+        # so this phase also tells the key warpgroup that q and dO are there.
         all_rows = offs_hr >= 0
-        _copy_rows(q_all.index(0), q + t * stride_qt, offs_hr, stride_qh, BD, all_rows)
-        _copy_rows(do_all.index(0), do + t * stride_ot, offs_hr, stride_oh, BD, all_rows)
+        for c in gl.static_range(BD // QC):
+            mbarrier.wait(qdo_free.index(c), (it & 1) ^ 1)
+            _copy_cols(q_all.index(0), q + t * stride_qt, offs_hr, stride_qh, c * QC, QC, all_rows)
+            _copy_cols(do_all.index(0), do + t * stride_ot, offs_hr, stride_oh, c * QC, QC, all_rows)
         async_copy.mbarrier_arrive(kv_full, increment_count=False)
+        it += 1
         ids_g = tile_ids(idx_row, BK, n_keys, BK, gl.SliceLayout(1, ROWS))
 
         dq_acc = gl.zeros([BH, BD // 2], gl.float32, layout=O_L)
         for i in range(n_tiles):
             phase = g & 1
-            q_smem, do_smem, k_smem, p_smem, ds_smem = _buffers(q_all, do_all, k_all, p_all, ds_all, i)
+            # P / dS take two slots by turns: the score warpgroup writes tile i + 1's while the key warpgroup
+            # still reads tile i's, so the key warpgroup finds its next tile ready when it finishes one.
+            slot = g & 1
+            pds_phase = (g >> 1) & 1
+            q_smem, do_smem, k_smem, p_smem, ds_smem = _buffers(q_all, do_all, k_all, p_all, ds_all, i, slot)
             k_lo = k_smem.slice(0, BD // 2, dim=1)
             mbarrier.wait(kv_full, phase)
             fence_async_shared()
@@ -179,11 +244,11 @@ def _score_partition(
             dp = warpgroup_mma_wait(0, deps=[dp_tok])
             ds = (p * (dp - delta2) * scale).to(dtype)
             # The key warpgroup is done with the previous tile's P and dS (the first wait passes at once).
-            mbarrier.wait(pds_empty, phase ^ 1)
+            mbarrier.wait(pds_empty.index(slot), pds_phase ^ 1)
             p_smem.store(p.to(dtype))
             ds_smem.store(ds)
             fence_async_shared()
-            mbarrier.arrive(pds_full, count=1)
+            mbarrier.arrive(pds_full.index(slot), count=1)
             dq_acc = warpgroup_mma(gl.convert_layout(ds, A_L), k_lo, dq_acc)
             mbarrier.arrive(kv_empty, count=1)
             # Both halves of dS K are done with the tile: gather the next one (of this item, or the first of
@@ -201,61 +266,77 @@ def _score_partition(
                 _copy_rows(k_smem, kv, ids_n, stride_kvn, BD, ids_n >= 0)
             g += 1
 
-        offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
-        offs_do = gl.arange(0, BD // 2, layout=gl.SliceLayout(0, O_L))
-        gl.store(dq + t * stride_qt + gl.expand_dims(offs_ho, 1) * stride_qh + gl.expand_dims(offs_do, 0),
-                 dq_acc.to(dtype))
+        _store_half(dq, t, h0, stride_qt, stride_qh, dq_acc.to(dtype), 0, BH, BD)
+
+
+@gluon.jit
+def _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, i, g, LAST: gl.constexpr, BD: gl.constexpr,
+              BK: gl.constexpr, FULL_LINES: gl.constexpr):
+    """The key warpgroup's share of key tile ``i`` (the program's ``g``-th): its half of dS K into ``dq_acc``
+    and the tile's dkv rows, ``P^T dO + dS^T q`` in 64-column chunks, two in flight, each reduced into ``dkv``
+    as the next one runs. ``LAST``: the item's last tile, which also frees q and dO column piece by piece for
+    the next item; a separate instance, because a runtime branch among the chunks puts partition barriers
+    between them (measured 7 % slower a tile)."""
+    DC: gl.constexpr = 64  # key-side column chunk: [BK = 64, 64] tiles, the shape red_rows takes
+    C_L: gl.constexpr = mma_layout(DC, 1)
+    q_all, do_all, k_all, p_all, ds_all, kv_full, kv_empty, pds_full, pds_empty, qdo_free = smem
+    # P / dS take two slots by turns: the score warpgroup writes tile i + 1's while the key warpgroup
+    # still reads tile i's, so the key warpgroup finds its next tile ready when it finishes one.
+    slot = g & 1
+    q_smem, do_smem, k_smem, p_smem, ds_smem = _buffers(q_all, do_all, k_all, p_all, ds_all, i, slot)
+    k_hi = k_smem.slice(BD // 2, BD // 2, dim=1)
+    p_t = p_smem.permute((1, 0))
+    ds_t = ds_smem.permute((1, 0))
+    mbarrier.wait(kv_full, g & 1)
+    mbarrier.wait(pds_full.index(slot), (g >> 1) & 1)
+    fence_async_shared()
+    dq_tok = warpgroup_mma(ds_smem, k_hi, dq_acc, is_async=True)
+    ids_c = tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(1, C_L))
+    prev = warpgroup_mma(p_t, do_smem.slice(0, DC, dim=1), c_zero, use_acc=False, is_async=True)
+    prev = warpgroup_mma(ds_t, q_smem.slice(0, DC, dim=1), prev, is_async=True)
+    dq_acc = warpgroup_mma_wait(2, deps=[dq_tok])
+    mbarrier.arrive(kv_empty, count=1)
+    for c in gl.static_range(1, BD // DC):
+        cur = warpgroup_mma(p_t, do_smem.slice(c * DC, DC, dim=1), c_zero, use_acc=False, is_async=True)
+        cur = warpgroup_mma(ds_t, q_smem.slice(c * DC, DC, dim=1), cur, is_async=True)
+        done = warpgroup_mma_wait(2, deps=[prev])
+        if LAST and (c * DC) % _QDO_COLS == 0:
+            # the item's last reads of the q and dO columns before c * DC: the next item's may come in
+            mbarrier.arrive(qdo_free.index(c * DC // _QDO_COLS - 1), count=1)
+        red_rows(dkv, ids_c, done, (c - 1) * DC, BD, FULL_LINES)
+        prev = cur
+    done = warpgroup_mma_wait(0, deps=[prev])
+    mbarrier.arrive(pds_empty.index(slot), count=1)
+    if LAST:
+        mbarrier.arrive(qdo_free.index(BD // _QDO_COLS - 1), count=1)
+    red_rows(dkv, ids_c, done, BD - DC, BD, FULL_LINES)
+    return dq_acc
 
 
 @gluon.jit
 def _key_partition(
     idx, topk_len, dq, dkv, stride_qt, stride_qh, stride_it, K, n_work, n_hb,
     smem,
-    HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
+    HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, FULL_LINES: gl.constexpr,
 ):
-    DC: gl.constexpr = 64  # key-side column chunk: [BK = 64, 64] tiles, the shape red_rows takes
-    C_L: gl.constexpr = mma_layout(DC, 1)
+    C_L: gl.constexpr = mma_layout(64, 1)
     O_L: gl.constexpr = mma_layout(BD // 2, 1)
-    q_all, do_all, k_all, p_all, ds_all, kv_full, kv_empty, pds_full, pds_empty = smem
-    dtype: gl.constexpr = q_all.dtype
+    dtype: gl.constexpr = smem[0].dtype
     pid = gl.program_id(0)
     n_prog = gl.num_programs(0)
-    c_zero = gl.zeros([BK, DC], gl.float32, layout=C_L)
+    c_zero = gl.zeros([BK, 64], gl.float32, layout=C_L)
 
     g = 0
     for w in range(pid, n_work, n_prog):
-        t, h0, idx_row, n_keys, n_tiles = _work_item(w, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN)
+        _, _, idx_row, n_keys, n_tiles = _work_item(w, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN)
         dq_acc = gl.zeros([BH, BD // 2], gl.float32, layout=O_L)
-        for i in range(n_tiles):
-            phase = g & 1
-            q_smem, do_smem, k_smem, p_smem, ds_smem = _buffers(q_all, do_all, k_all, p_all, ds_all, i)
-            k_hi = k_smem.slice(BD // 2, BD // 2, dim=1)
-            p_t = p_smem.permute((1, 0))
-            ds_t = ds_smem.permute((1, 0))
-            mbarrier.wait(kv_full, phase)
-            mbarrier.wait(pds_full, phase)
-            fence_async_shared()
-            dq_tok = warpgroup_mma(ds_smem, k_hi, dq_acc, is_async=True)
-            ids_c = tile_ids(idx_row, i * BK, n_keys, BK, gl.SliceLayout(1, C_L))
-            prev = warpgroup_mma(p_t, do_smem.slice(0, DC, dim=1), c_zero, use_acc=False, is_async=True)
-            prev = warpgroup_mma(ds_t, q_smem.slice(0, DC, dim=1), prev, is_async=True)
-            dq_acc = warpgroup_mma_wait(2, deps=[dq_tok])
-            mbarrier.arrive(kv_empty, count=1)
-            for c in gl.static_range(1, BD // DC):
-                cur = warpgroup_mma(p_t, do_smem.slice(c * DC, DC, dim=1), c_zero, use_acc=False, is_async=True)
-                cur = warpgroup_mma(ds_t, q_smem.slice(c * DC, DC, dim=1), cur, is_async=True)
-                done = warpgroup_mma_wait(2, deps=[prev])
-                red_rows(dkv, ids_c, done, (c - 1) * DC, BD)
-                prev = cur
-            done = warpgroup_mma_wait(0, deps=[prev])
-            mbarrier.arrive(pds_empty, count=1)
-            red_rows(dkv, ids_c, done, BD - DC, BD)
+        for i in range(n_tiles - 1):
+            dq_acc = _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, i, g, False, BD, BK, FULL_LINES)
             g += 1
-
-        offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
-        offs_do = BD // 2 + gl.arange(0, BD // 2, layout=gl.SliceLayout(0, O_L))
-        gl.store(dq + t * stride_qt + gl.expand_dims(offs_ho, 1) * stride_qh + gl.expand_dims(offs_do, 0),
-                 dq_acc.to(dtype))
+        dq_acc = _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, n_tiles - 1, g, True, BD, BK, FULL_LINES)
+        g += 1
+        # the row and head block again from w, rather than kept live through the tiles
+        _store_half(dq, (w // n_hb).to(gl.int64), (w % n_hb) * BH, stride_qt, stride_qh, dq_acc.to(dtype), 1, BH, BD)
 
 
 @gluon.jit
@@ -264,7 +345,7 @@ def sparse_attn_bwd_gluon_kernel(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
     H, K, scale, n_work, n_hb,
     HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr,
-    BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr,
+    BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr, FULL_LINES: gl.constexpr,
 ):
     dtype: gl.constexpr = q.dtype.element_ty
     KV_SL: gl.constexpr = mma_smem(BD * 2)
@@ -272,22 +353,26 @@ def sparse_attn_bwd_gluon_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [1, BH, BD], KV_SL)
     do_smem = gl.allocate_shared_memory(dtype, [1, BH, BD], KV_SL)
     k_smem = gl.allocate_shared_memory(dtype, [1, BK, BD], KV_SL)
-    p_smem = gl.allocate_shared_memory(dtype, [1, BH, BK], P_SL)
-    ds_smem = gl.allocate_shared_memory(dtype, [1, BH, BK], P_SL)
-    bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    p_smem = gl.allocate_shared_memory(dtype, [2, BH, BK], P_SL)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BH, BK], P_SL)
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    qdo_free = gl.allocate_shared_memory(gl.int64, [BD // _QDO_COLS, 1], mbarrier.MBarrierLayout())
     kv_full = bars.index(0)
     kv_empty = bars.index(1)
-    pds_full = bars.index(2)
-    pds_empty = bars.index(3)
+    pds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # by slot: it is written
+    pds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # by slot: it was read
     mbarrier.init(kv_full, count=128)  # one cp.async arrive per thread of the score warpgroup
     mbarrier.init(kv_empty, count=2)  # one arrive per warpgroup
-    mbarrier.init(pds_full, count=1)
-    mbarrier.init(pds_empty, count=1)
-    smem = (q_smem, do_smem, k_smem, p_smem, ds_smem, kv_full, kv_empty, pds_full, pds_empty)
+    for b in gl.static_range(2):
+        mbarrier.init(pds_full.index(b), count=1)
+        mbarrier.init(pds_empty.index(b), count=1)
+    for c in gl.static_range(BD // _QDO_COLS):
+        mbarrier.init(qdo_free.index(c), count=1)  # the key warpgroup, once an item
+    smem = (q_smem, do_smem, k_smem, p_smem, ds_smem, kv_full, kv_empty, pds_full, pds_empty, qdo_free)
     gl.warp_specialize([
         (_score_partition, (q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dsink_rows,
                             stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
                             stride_dlt, H, K, scale, n_work, n_hb, smem, HAS_LEN, HAS_DLSE, BH, BD, BK)),
         (_key_partition, (idx, topk_len, dq, dkv, stride_qt, stride_qh, stride_it, K, n_work, n_hb, smem,
-                          HAS_LEN, BH, BD, BK)),
+                          HAS_LEN, BH, BD, BK, FULL_LINES)),
     ], [4], [KEY_REGS])

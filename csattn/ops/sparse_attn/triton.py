@@ -399,7 +399,11 @@ def sparse_attn_bwd(
                                   or not dkv_accum.is_contiguous()):
         raise ValueError(f"dkv_accum must be contiguous fp32 {tuple(kv.shape)}, got {tuple(dkv_accum.shape)} "
                          f"{dkv_accum.dtype}")
-    dkv32 = dkv_accum if dkv_accum is not None else torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
+    gluon = T > 0 and uses_gluon_bwd(q, kv, cfg)
+    # The Gluon kernel keeps each 64-column chunk of its sums in its own column order (dkv_columns puts them
+    # back), so it always sums into a buffer of its own.
+    dkv32 = dkv_accum if dkv_accum is not None and not gluon else torch.zeros(kv.shape, device=kv.device,
+                                                                             dtype=torch.float32)
     dsink_rows = torch.empty(T, H, device=q.device, dtype=torch.float32)
     if T > 0:
         bh = _head_block(H, cfg)
@@ -413,14 +417,14 @@ def sparse_attn_bwd(
             H=H, D=D, K=K, scale=scale, HAS_LEN=topk_length is not None, HAS_DLSE=dlse is not None,
             BH=bh, BD=max(triton.next_power_of_2(D), 16), DOT_PREC=_dot_prec(q.dtype),
         )
-        if uses_gluon_bwd(q, kv, cfg):
+        if gluon:
             # One warp-specialized kernel for dq, dkv and dsink (64-head blocks, d = BD, 64-key tiles); the key
             # warpgroup keeps 240 registers of the 256 a thread may have (232 measured 11 % slower at 32k).
             del common["D"], common["BH"], common["BD"], common["DOT_PREC"]
             n_work = T * (H // 64)
             kernel = _gluon_kernel("bwd")[(_programs(n_work, q.device, cfg.bwd_persistent),)](
                 sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, n_work=n_work, n_hb=H // 64, BH=64, BD=D,
-                BK=64, KEY_REGS=240, num_warps=4, **common)
+                BK=64, KEY_REGS=240, FULL_LINES=bool(cfg.bwd_full_lines), num_warps=4, **common)
             _report("bwd_gluon", kernel, cfg)
         else:
             kernel = sparse_attn_bwd_kernel_dq[grid](
@@ -432,6 +436,12 @@ def sparse_attn_bwd(
                 dkv=dkv32, BK=cfg.bk_dkv, num_warps=cfg.warps_dkv, num_stages=cfg.stages_dkv, **common)
             _report("bwd_dkv", kernel, cfg)
     dsink = dsink_rows.sum(0).to(sink.dtype)
+    if gluon:
+        from .gluon_bwd import dkv_columns  # loaded: uses_gluon_bwd found the kernel
+
+        dkv = dkv_accum if dkv_accum is not None else torch.empty_like(kv)
+        dkv_columns(dkv32, dkv, accumulate=dkv_accum is not None)
+        return dq, None if dkv_accum is not None else dkv, dsink
     return dq, None if dkv_accum is not None else dkv32.to(kv.dtype), dsink
 
 
