@@ -150,14 +150,25 @@ def _attn_forward(q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, geo: Core
     return sparse_attn_ref(q, keys, ids, sinks, geo.scale, chunk_rows=geo.ref_chunk_rows)
 
 
+def _keys_in_stored_order(q: Tensor, keys: Tensor, geo: CoreGeometry) -> bool:
+    """Whether the fused attention backward sums the key gradient in its own column order (the Gluon kernel), so
+    that ``dkeys`` is kept in that order over the blocks and put in order once (a pass per block otherwise)."""
+    if geo.backend != "triton":
+        return False
+    from ..ops.sparse_attn.triton import dkv_in_stored_order
+
+    return dkv_in_stored_order(q, keys, geo.sparse_attn)
+
+
 def _attn_backward(q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, o: Tensor, lse: Tensor, do: Tensor,
-                   dkeys: Tensor, geo: CoreGeometry) -> tuple[Tensor, Tensor]:
-    """``(dq, dsink)`` of one block; the key gradient is added into ``dkeys`` (fp32 or fp64)."""
+                   dkeys: Tensor, stored: bool, geo: CoreGeometry) -> tuple[Tensor, Tensor]:
+    """``(dq, dsink)`` of one block; the key gradient is added into ``dkeys`` (fp32 or fp64; in the kernel's
+    stored column order where ``stored``, see :func:`_keys_in_stored_order`)."""
     if geo.backend == "triton":
         from ..ops.sparse_attn.triton import sparse_attn_bwd
 
         dq, _, dsink = sparse_attn_bwd(q, keys, ids, sinks, geo.scale, o, lse, do, config=geo.sparse_attn,
-                                       dkv_accum=dkeys)
+                                       dkv_accum=dkeys, dkv_accum_stored=stored)
         return dq, dsink
     # Reference: differentiate one row chunk at a time (no torch.utils.checkpoint: its RNG bookkeeping is not
     # allowed under CUDA graph capture, and the chunk is recomputed here anyway).
@@ -208,6 +219,7 @@ class _AttentionCore(torch.autograd.Function):
         total = qr.shape[0]
         w_q, w_oa, w_ob = w_q.detach(), w_oa.detach(), w_ob.detach()
         w_g = w_oa.view(geo.groups, -1, w_oa.shape[-1])  # [G, o_lora, i]
+        stored = None  # whether dkeys is in the attention kernel's column order: the same answer for every block
         for lo in range(0, total, geo.block_rows):
             hi = min(lo + geo.block_rows, total)
             ids = ids_fn(lo, hi)
@@ -235,13 +247,22 @@ class _AttentionCore(torch.autograd.Function):
             del u, u_g, dz
             do = _unrope_grad(du, c, s, geo.heads, geo.fused_elementwise)
             del du
-            dq, dsink = _attn_backward(q_d, keys, ids, sinks, o, lse, do, dkeys, geo)
+            if stored is None:
+                stored = _keys_in_stored_order(q_d, keys, geo)
+            dq, dsink = _attn_backward(q_d, keys, ids, sinks, o, lse, do, dkeys, stored, geo)
             del do, o
             (dqp,) = torch.autograd.grad(q, qp, dq)
             dqr[lo:hi] = dqp @ w_q
             _add_product(dw[0], dqp.t(), qr_b)
             dsinks += dsink
-        grads = (dqr, None, None, dkeys.to(keys.dtype), dsinks.to(sinks.dtype),
+        if stored:
+            from ..ops.sparse_attn.triton import dkv_columns
+
+            dkeys_out = torch.empty_like(keys)
+            dkv_columns(dkeys, dkeys_out, accumulate=False)
+        else:
+            dkeys_out = dkeys.to(keys.dtype)
+        grads = (dqr, None, None, dkeys_out, dsinks.to(sinks.dtype),
                  *(g.to(w.dtype) for g, w in zip(dw, (w_q, w_oa, w_ob))))
         return (None, None, None, *grads)
 

@@ -164,8 +164,7 @@ def _hopper() -> bool:
 def test_dkv_columns_puts_the_kernels_column_order_back():
     """The backward's sums keep each 64-column chunk in the order of ``_stored_columns`` (stored column f holds
     column (f & 49) | (f & 2) << 2 | (f & 12) >> 1); ``dkv_columns`` writes or adds them in true order."""
-    pytest.importorskip("triton.experimental.gluon")
-    from csattn.ops.sparse_attn.gluon_bwd import dkv_columns
+    from csattn.ops.sparse_attn.triton import dkv_columns
 
     f = torch.arange(64)
     true_of_stored = (f & 49) | (f & 2) << 2 | (f & 12) >> 1
@@ -178,6 +177,100 @@ def test_dkv_columns_puts_the_kernels_column_order_back():
     assert torch.equal(out, true.double())
     dkv_columns(stored, out, accumulate=True)
     assert torch.equal(out, 2 * true.double())
+
+
+class _StoredOrderBackward:
+    """Stands in for the Gluon backward on a CPU: ``[grid](**launch args)`` computes dq, dkv and dsink with the
+    fp64 reference and adds dkv into the launch's buffer in the kernel's stored column order, so the host's
+    bookkeeping around it (which buffer, when ``dkv_columns`` runs) is what a test then checks."""
+
+    calls = 0
+
+    def __getitem__(self, grid):
+        return self._run
+
+    def _run(self, q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows, scale, HAS_LEN, HAS_DLSE,
+             **_):
+        type(self).calls += 1
+        if HAS_LEN:
+            idx = torch.where(torch.arange(idx.shape[1])[None, :] < topk_len[:, None], idx, -1)
+        leaves = [t.detach().double().requires_grad_() for t in (q, kv, sink)]
+        with torch.enable_grad():
+            o_ref, lse_ref = sparse_attn_ref(*leaves[:2], idx.long(), leaves[2], scale)
+            g = torch.autograd.grad((o_ref, lse_ref), leaves, (do.double(), dlse.double() if HAS_DLSE else
+                                                                torch.zeros_like(lse_ref)))
+        f = torch.arange(64)
+        N, D = kv.shape
+        dq.copy_(g[0])
+        dkv += g[1].view(N, D // 64, 64)[:, :, (f & 49) | (f & 2) << 2 | (f & 12) >> 1].reshape(N, D).float()
+        dsink_rows.zero_()
+        dsink_rows[0] = g[2]
+
+
+def _fake_gluon_backward(monkeypatch):
+    from csattn.ops.sparse_attn import triton as kernels
+
+    monkeypatch.setattr(kernels, "uses_gluon_bwd", lambda q, kv, cfg: True)
+    monkeypatch.setattr(kernels, "_gluon_kernel", lambda name: _StoredOrderBackward())
+    monkeypatch.setattr(kernels, "_programs", lambda n_work, device, per_sm: 1)
+    _StoredOrderBackward.calls = 0
+
+
+def test_sparse_attn_bwd_sums_stored_order_into_a_callers_buffer(monkeypatch):
+    """With the Gluon backward, ``dkv`` comes back in true order from the kernel's stored order, whether returned,
+    added into ``dkv_accum``, or kept in stored order there (``dkv_accum_stored``) and put in order by the caller;
+    ``dkv_accum_stored`` without the Gluon backward is refused."""
+    from csattn.ops.sparse_attn.triton import dkv_columns, dkv_in_stored_order, sparse_attn_bwd
+
+    gen = torch.Generator().manual_seed(7)
+    idx, N = packed_indices([40, 9], window=8, topk=12, ratio=4, pad_rows=2, gen=gen)
+    T, H, d = idx.shape[0], 2, 128
+    q, kv, sink = torch.randn(T, H, d, generator=gen), torch.randn(N, d, generator=gen), torch.randn(H, generator=gen)
+    o, lse = (t.float() for t in sparse_attn_ref(q.double(), kv.double(), idx.long(), sink.double(), d**-0.5))
+    do = torch.randn(T, H, d, generator=gen)
+    with pytest.raises(ValueError, match="dkv_accum_stored"):
+        sparse_attn_bwd(q, kv, idx, sink, d**-0.5, o, lse, do, dkv_accum=torch.zeros(N, d), dkv_accum_stored=True)
+    plain = sparse_attn_bwd(q, kv, idx, sink, d**-0.5, o, lse, do)[1]  # the Triton kernels
+    _fake_gluon_backward(monkeypatch)
+    assert dkv_in_stored_order(q, kv)
+    returned = sparse_attn_bwd(q, kv, idx, sink, d**-0.5, o, lse, do)[1]
+    start = torch.randn(N, d, generator=gen)
+    added = start.clone()
+    assert sparse_attn_bwd(q, kv, idx, sink, d**-0.5, o, lse, do, dkv_accum=added)[1] is None
+    stored = torch.zeros(N, d)
+    for lo, hi in ((0, 20), (20, T)):  # block by block, as the layer core runs it
+        sparse_attn_bwd(q[lo:hi], kv, idx[lo:hi], sink, d**-0.5, o[lo:hi], lse[lo:hi], do[lo:hi], dkv_accum=stored,
+                        dkv_accum_stored=True)
+    in_order = torch.empty(N, d)
+    dkv_columns(stored, in_order, accumulate=False)
+    assert _StoredOrderBackward.calls == 4
+    for got in (returned, added - start, in_order):
+        assert rel_err(got, plain) < 1e-5, rel_err(got, plain)
+
+
+def test_layer_core_keeps_the_key_gradient_in_stored_order(monkeypatch):
+    """The layer core, block by block, with a backward that sums the key gradient in the Gluon kernel's stored
+    column order: the same gradients as with the Triton kernels (the core keeps its sum in that order and puts it
+    in order once)."""
+    from csattn import PackedSeqs
+    from tests.helpers import random_layer, tiny_config
+
+    cfg = tiny_config("csa", backend="triton", head_dim=64, workspace_bytes=1 << 12)
+    packed = PackedSeqs.from_lengths([30, 3, 27], [32, 4, 28])
+
+    def grads():
+        layer = random_layer(cfg).float()
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        layer(x, packed=packed).square().sum().backward()
+        return {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters() if p.grad is not None}}
+
+    plain = grads()
+    _fake_gluon_backward(monkeypatch)
+    faked = grads()
+    assert _StoredOrderBackward.calls >= 2  # several blocks
+    assert faked.keys() == plain.keys()
+    for name in plain:  # fp32 kernels against the fp64 stand-in: 1e-7 apart; a column mix-up is O(1)
+        assert rel_err(faked[name], plain[name]) < 1e-5, (name, rel_err(faked[name], plain[name]))
 
 
 GPU_CASES = {

@@ -14,7 +14,7 @@ mbarriers:
   computes the key-side tile ``P^T dO + (scale dS)^T Q`` in 64-column chunks, two chunks in flight on the tensor
   cores while the previous chunk's fp32 reductions into ``dkv`` go out as whole-line ``red.v4`` (``red_rows``).
   ``dkv`` keeps each 64-column chunk in the order the MMA registers already have (``_stored_columns``), so the
-  reductions need one lane / register trade instead of two; the host puts the columns back (``dkv_columns``,
+  reductions need one lane / register trade instead of two; the host puts the columns back (``triton.dkv_columns``,
   one pass over the fp32 sums, which the cast to kv's dtype made anyway).
 
 Barriers: ``kv_full`` (the tile's copies landed: one ``cp.async`` arrive per score thread; an item's first phase
@@ -30,7 +30,6 @@ Measured on the H200 (bf16, H = 64, d = 512, k + W = 640) beside cuDNN Frontend 
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -67,7 +66,7 @@ def red_layout(full_lines):
 
 @gluon.jit
 def _stored_columns(tile):
-    """The ``[64, 64]`` MMA-layout tile with its columns in the order ``dkv`` keeps them (``dkv_columns``):
+    """The ``[64, 64]`` MMA-layout tile with its columns in the order ``dkv`` keeps them (``triton.dkv_columns``):
     stored column ``f`` holds column ``(f & 49) | (f & 2) << 2 | (f & 12) >> 1``. No data moves: in the MMA
     layout a thread's registers hold columns ``{0, 1} + 8 j`` of its quad's ``2 a``, and in this order they
     are ``4 j' + {0, 1, 2, 3}``, i.e. whole ``red.v4`` pieces, without the two lane / register trades (768
@@ -75,16 +74,6 @@ def _stored_columns(tile):
     x = gl.reshape(tile, [64, 2, 2, 2, 2, 2, 2])  # column bits 32, 16, 8, 4, 2, 1
     x = gl.permute(x, (0, 1, 2, 4, 5, 3, 6))  # bit 8 becomes bit 2; bits 4, 2 become 8, 4
     return gl.reshape(x, [64, 64])
-
-
-def dkv_columns(stored: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-    """``out`` ([N, d], d a multiple of 64) = (or += with ``accumulate``) the kernel's ``dkv`` sums ``stored``
-    ([N, d] fp32, each 64-column chunk in the order ``_stored_columns`` writes) in true column order; one pass,
-    cast to ``out``'s dtype on the way."""
-    N, D = stored.shape
-    src = stored.view(N, D // 64, 2, 2, 2, 2, 2, 2).permute(0, 1, 2, 3, 6, 4, 5, 7)
-    dst = out.view(N, D // 64, 2, 2, 2, 2, 2, 2)
-    dst.add_(src) if accumulate else dst.copy_(src)
 
 
 @gluon.jit

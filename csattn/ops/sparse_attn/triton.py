@@ -27,6 +27,8 @@ __all__ = [
     "sparse_attn_fwd",
     "sparse_attn_triton",
     "uses_gluon_bwd",
+    "dkv_in_stored_order",
+    "dkv_columns",
     "uses_gluon_fwd",
 ]
 
@@ -374,17 +376,38 @@ def sparse_attn_fwd(
     return o, lse
 
 
+def dkv_columns(stored: Tensor, out: Tensor, accumulate: bool) -> None:
+    """``out`` ([N, d], d a multiple of 64) = (or += with ``accumulate``) the Gluon backward's ``dkv`` sums
+    ``stored`` ([N, d] fp32, each 64-column chunk in the order ``gluon_bwd._stored_columns`` writes: stored column
+    ``f`` holds column ``(f & 49) | (f & 2) << 2 | (f & 12) >> 1``) in true column order; one pass, cast to
+    ``out``'s dtype on the way."""
+    N, D = stored.shape
+    src = stored.view(N, D // 64, 2, 2, 2, 2, 2, 2).permute(0, 1, 2, 3, 6, 4, 5, 7)
+    dst = out.view(N, D // 64, 2, 2, 2, 2, 2, 2)
+    dst.add_(src) if accumulate else dst.copy_(src)
+
+
+def dkv_in_stored_order(q: Tensor, kv: Tensor, config: SparseAttnConfig | None = None) -> bool:
+    """Whether :func:`sparse_attn_bwd` on these inputs sums ``dkv`` in the Gluon kernel's stored column order, so
+    that a caller keeping its own sum over blocks may pass ``dkv_accum_stored=True`` and call :func:`dkv_columns`
+    once at the end (the same answer for every block of the same q / kv dtypes, heads, d and config)."""
+    return uses_gluon_bwd(q, kv, _fit(config or _DEFAULT, q.dtype, q.shape[-1]))
+
+
 def sparse_attn_bwd(
     q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float, o: Tensor, lse: Tensor,
     do: Tensor, dlse: Tensor | None = None, topk_length: Tensor | None = None,
-    config: SparseAttnConfig | None = None, dkv_accum: Tensor | None = None,
+    config: SparseAttnConfig | None = None, dkv_accum: Tensor | None = None, dkv_accum_stored: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """Launch the backward. Returns ``(dq [T,H,d] q.dtype, dkv [N,d] kv.dtype, dsink [H] sink.dtype)``.
 
     ``dkv`` is accumulated with fp32 atomics (``N * d * 4`` bytes of workspace); the summation order
     of those atomics is not fixed, so ``dkv`` is not bitwise deterministic. ``dsink`` is reduced from
     per-row partials in a fixed order. With ``dkv_accum`` (fp32 ``[N, d]``) the atomics add into it and
-    ``dkv`` is returned as None: a caller running the backward block by block keeps one fp32 sum.
+    ``dkv`` is returned as None: a caller running the backward block by block keeps one fp32 sum. The Gluon
+    kernel sums in a column order of its own: without ``dkv_accum_stored`` it sums into a buffer of its own and
+    adds that to ``dkv_accum`` in true order (a pass over ``[N, d]`` per call); with it (only where
+    :func:`dkv_in_stored_order`), it sums into ``dkv_accum`` directly and :func:`dkv_columns` puts the sum in order.
     ``config``: launch settings (None: the defaults); pass the forward's to reproduce its ``(o, lse)``.
     """
     T, H, D = q.shape
@@ -399,11 +422,15 @@ def sparse_attn_bwd(
                                   or not dkv_accum.is_contiguous()):
         raise ValueError(f"dkv_accum must be contiguous fp32 {tuple(kv.shape)}, got {tuple(dkv_accum.shape)} "
                          f"{dkv_accum.dtype}")
-    gluon = T > 0 and uses_gluon_bwd(q, kv, cfg)
+    gluon = uses_gluon_bwd(q, kv, cfg)
+    if dkv_accum_stored and (dkv_accum is None or not gluon):
+        raise ValueError("dkv_accum_stored=True takes a dkv_accum and the Gluon backward: ask "
+                         "dkv_in_stored_order(q, kv, config) first")
+    gluon = gluon and T > 0
     # The Gluon kernel keeps each 64-column chunk of its sums in its own column order (dkv_columns puts them
-    # back), so it always sums into a buffer of its own.
-    dkv32 = dkv_accum if dkv_accum is not None and not gluon else torch.zeros(kv.shape, device=kv.device,
-                                                                             dtype=torch.float32)
+    # back), so it sums into a caller's buffer only where the caller keeps that order.
+    own = dkv_accum is None or (gluon and not dkv_accum_stored)
+    dkv32 = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32) if own else dkv_accum
     dsink_rows = torch.empty(T, H, device=q.device, dtype=torch.float32)
     if T > 0:
         bh = _head_block(H, cfg)
@@ -436,9 +463,7 @@ def sparse_attn_bwd(
                 dkv=dkv32, BK=cfg.bk_dkv, num_warps=cfg.warps_dkv, num_stages=cfg.stages_dkv, **common)
             _report("bwd_dkv", kernel, cfg)
     dsink = dsink_rows.sum(0).to(sink.dtype)
-    if gluon:
-        from .gluon_bwd import dkv_columns  # loaded: uses_gluon_bwd found the kernel
-
+    if gluon and own:
         dkv = dkv_accum if dkv_accum is not None else torch.empty_like(kv)
         dkv_columns(dkv32, dkv, accumulate=dkv_accum is not None)
         return dq, None if dkv_accum is not None else dkv, dsink
