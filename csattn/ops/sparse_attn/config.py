@@ -51,6 +51,7 @@ class SparseAttnConfig(KernelConfig):
     bwd_persistent: int = 1
     # Gluon backward: 1: the dkv reductions cover whole L2 lines (4 rows x 128 bytes a warp instruction), one
     # lane / register trade away from the MMA layout; 0: 8 rows x 64 bytes straight from the MMA registers.
+    # Measured (H200, d = 512, 640 keys a row, 32k / 8k): 1: 17.40 / 4.13 ms, 0: 18.08 / 4.34.
     bwd_full_lines: int = 1
     # 1: print registers, spills and shared memory of each launched kernel, once per config (tuning runs)
     verbose: int = 0
