@@ -207,6 +207,8 @@ for s in ${STAGES:-tests layer profile}; do
         timeout 120 python3 -m benchmarks.run --op sparse_attn --mode fwd --providers "${PEER_FWD:-triton}" \
           --shape tokens=8192,32768 --shape topk=128,512,1152 --warmup-ms 10 --rep-ms 100 --commit "$C" \
           --json "$OUT/peers_fwd.json" >> "$LOG" 2>&1
+        # what bounds the backward: the rate L2 takes its dkv reductions at, alone (benchmarks/l2_reduction_probe.py)
+        timeout 90 python3 -m benchmarks.l2_reduction_probe --json "$OUT/l2_reduction_probe.json" >> "$LOG" 2>&1
         echo "peers rc=$?" >> "$LOG"
       fi ;;
     *) echo "unknown stage $s" >> "$LOG" ;;
