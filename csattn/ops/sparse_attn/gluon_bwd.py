@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_fwd import _cp_async, keys_valid, mma_layout, mma_smem, row_keys, row_layout, row_piece_layout, tile_ids
+from .gluon_fwd import _cp_async, keys_valid, mma_layout, mma_smem, row_keys, row_layout, store_half, tile_ids
 
 __all__ = ["sparse_attn_bwd_gluon_kernel"]
 
@@ -93,30 +93,6 @@ def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr):
 
 
 @gluon.jit
-def _copy_rows(dst, base, offs_r, stride_r, BD: gl.constexpr, mask):
-    """cp.async rows ``base + offs_r * stride_r`` ([R] in the row layout; masked rows are zero-filled) into
-    ``dst`` ([R, BD]), 128 columns at a time so that only one chunk's addresses are live."""
-    CH: gl.constexpr = 128 if BD > 128 else BD
-    offs_d = gl.expand_dims(gl.arange(0, CH, layout=gl.SliceLayout(0, row_layout(4))), 0)
-    rows = gl.expand_dims(base + offs_r.to(gl.int64) * stride_r, 1)
-    mask2 = gl.expand_dims(mask, 1)
-    for c in gl.static_range(BD // CH):
-        _cp_async(dst.slice(c * CH, CH, dim=1), rows + (offs_d + c * CH), mask=mask2)
-
-
-@gluon.jit
-def _store_half(dst, t, h0, stride_t, stride_h, half, HALF_I: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr):
-    """Store a warpgroup's ``[BH, d/2]`` half of row ``t``'s dq block (columns from ``HALF_I * d/2``) after one
-    in-warp swap to 8-byte row pieces (``row_piece_layout``, as the forward stores o); from the MMA layout they are
-    4-byte pieces, half a sector each, 64 store instructions a thread."""
-    ST_L: gl.constexpr = row_piece_layout(BD // 2)
-    vals = gl.convert_layout(half, ST_L)
-    offs_h = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ST_L))
-    offs_d = HALF_I * (BD // 2) + gl.arange(0, BD // 2, layout=gl.SliceLayout(0, ST_L))
-    gl.store(dst + t * stride_t + gl.expand_dims(offs_h, 1) * stride_h + gl.expand_dims(offs_d, 0), vals)
-
-
-@gluon.jit
 def _copy_cols(dst, base, offs_r, stride_r, col0, NC: gl.constexpr, mask):
     """cp.async columns ``[col0, col0 + NC)`` of the rows ``base + offs_r * stride_r`` ([R] in the row layout;
     masked rows are zero-filled) into the same columns of ``dst``; 16 bytes a thread, ``NC / 8`` threads a row."""
@@ -126,6 +102,15 @@ def _copy_cols(dst, base, offs_r, stride_r, col0, NC: gl.constexpr, mask):
     rows = gl.expand_dims(base + gl.convert_layout(offs_r, gl.SliceLayout(1, COLS)).to(gl.int64) * stride_r, 1)
     mask2 = gl.expand_dims(gl.convert_layout(mask, gl.SliceLayout(1, COLS)), 1)
     _cp_async(dst.slice(col0, NC, dim=1), rows + (offs_d + col0), mask=mask2)
+
+
+@gluon.jit
+def _copy_rows(dst, base, offs_r, stride_r, BD: gl.constexpr, mask):
+    """cp.async rows ``base + offs_r * stride_r`` ([R] in the row layout; masked rows are zero-filled) into
+    ``dst`` ([R, BD]), 128 columns at a time so that only one chunk's addresses are live."""
+    CH: gl.constexpr = 128 if BD > 128 else BD
+    for c in gl.static_range(BD // CH):
+        _copy_cols(dst, base, offs_r, stride_r, c * CH, CH, mask)
 
 
 @gluon.jit
@@ -255,7 +240,7 @@ def _score_partition(
                 _copy_rows(k_smem, kv, ids_n, stride_kvn, BD, ids_n >= 0)
             g += 1
 
-        _store_half(dq, t, h0, stride_qt, stride_qh, dq_acc.to(dtype), 0, BH, BD)
+        store_half(dq, t, h0, stride_qt, stride_qh, dq_acc.to(dtype), 0, BH, BD)
 
 
 @gluon.jit
@@ -325,7 +310,7 @@ def _key_partition(
         dq_acc = _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, n_tiles - 1, g, True, BD, BK, FULL_LINES)
         g += 1
         # the row and head block again from w, rather than kept live through the tiles
-        _store_half(dq, (w // n_hb).to(gl.int64), (w % n_hb) * BH, stride_qt, stride_qh, dq_acc.to(dtype), 1, BH, BD)
+        store_half(dq, (w // n_hb).to(gl.int64), (w % n_hb) * BH, stride_qt, stride_qh, dq_acc.to(dtype), 1, BH, BD)
 
 
 @gluon.jit

@@ -122,6 +122,18 @@ def row_piece_layout(n):
 
 
 @gluon.jit
+def store_half(dst, t, h0, stride_t, stride_h, half, HALF_I: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr):
+    """Store a warpgroup's ``[BH, d/2]`` half (columns from ``HALF_I * d/2``) of row ``t``'s block of heads
+    ``h0..`` (o in the forward, dq in the backward) after one in-warp swap to 8-byte row pieces
+    (``row_piece_layout``); from the MMA layout they are 4-byte pieces, half a sector each."""
+    ST_L: gl.constexpr = row_piece_layout(BD // 2)
+    vals = gl.convert_layout(half, ST_L)
+    offs_h = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ST_L))
+    offs_d = HALF_I * (BD // 2) + gl.arange(0, BD // 2, layout=gl.SliceLayout(0, ST_L))
+    gl.store(dst + t * stride_t + gl.expand_dims(offs_h, 1) * stride_h + gl.expand_dims(offs_d, 0), vals)
+
+
+@gluon.jit
 def _load_q(q, t, h0, stride_qt, stride_qh, buf, bar, BH: gl.constexpr, BD: gl.constexpr):
     """cp.async row ``t``'s ``[BH, d]`` query block (heads from ``h0``) into ``buf``; arrive on ``bar`` once it
     lands (the producer's 128 threads)."""
@@ -223,7 +235,6 @@ def _side(
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW_V: gl.constexpr = gl.SliceLayout(1, S_L)
     HALF: gl.constexpr = BD // 2
-    ST_L: gl.constexpr = row_piece_layout(HALF)
     OWN: gl.constexpr = SIDE  # the column half this side accumulates and reads in its own P V
     OTHER: gl.constexpr = 1 - SIDE
     dtype: gl.constexpr = kv.dtype.element_ty
@@ -331,10 +342,7 @@ def _side(
         gp += n_pairs
         # One reciprocal a row instead of a division an element.
         out = _scale_rows(acc, 1.0 / l_i, O_L)
-        out = gl.convert_layout(out.to(dtype), ST_L)
-        offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ST_L))
-        offs_do = OWN * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ST_L))
-        gl.store(o + t * stride_ot + gl.expand_dims(offs_ho, 1) * stride_oh + gl.expand_dims(offs_do, 0), out)
+        store_half(o, t, h0, stride_ot, stride_oh, out.to(dtype), OWN, BH, BD)
         if SIDE == 0:
             gl.store(lse + t * stride_lt + offs_hs, m_run * 0.6931471805599453 + gl.log(l_i))
 

@@ -384,13 +384,17 @@ def dkv_columns(stored: Tensor, out: Tensor, accumulate: bool) -> None:
     N, D = stored.shape
     src = stored.view(N, D // 64, 2, 2, 2, 2, 2, 2).permute(0, 1, 2, 3, 6, 4, 5, 7)
     dst = out.view(N, D // 64, 2, 2, 2, 2, 2, 2)
-    dst.add_(src) if accumulate else dst.copy_(src)
+    if accumulate:
+        dst.add_(src)
+    else:
+        dst.copy_(src)
 
 
 def dkv_in_stored_order(q: Tensor, kv: Tensor, config: SparseAttnConfig | None = None) -> bool:
     """Whether :func:`sparse_attn_bwd` on these inputs sums ``dkv`` in the Gluon kernel's stored column order, so
     that a caller keeping its own sum over blocks may pass ``dkv_accum_stored=True`` and call :func:`dkv_columns`
-    once at the end (the same answer for every block of the same q / kv dtypes, heads, d and config)."""
+    once at the end (the same answer for every block of the same q / kv dtypes, heads, d and config whose rows are
+    16-byte aligned; a block that is not is refused by ``dkv_accum_stored``, never summed in the wrong order)."""
     return uses_gluon_bwd(q, kv, _fit(config or _DEFAULT, q.dtype, q.shape[-1]))
 
 
@@ -422,11 +426,10 @@ def sparse_attn_bwd(
                                   or not dkv_accum.is_contiguous()):
         raise ValueError(f"dkv_accum must be contiguous fp32 {tuple(kv.shape)}, got {tuple(dkv_accum.shape)} "
                          f"{dkv_accum.dtype}")
-    gluon = uses_gluon_bwd(q, kv, cfg)
-    if dkv_accum_stored and (dkv_accum is None or not gluon):
+    if dkv_accum_stored and (dkv_accum is None or not uses_gluon_bwd(q, kv, cfg)):
         raise ValueError("dkv_accum_stored=True takes a dkv_accum and the Gluon backward: ask "
                          "dkv_in_stored_order(q, kv, config) first")
-    gluon = gluon and T > 0
+    gluon = T > 0 and uses_gluon_bwd(q, kv, cfg)
     # The Gluon kernel keeps each 64-column chunk of its sums in its own column order (dkv_columns puts them
     # back), so it sums into a caller's buffer only where the caller keeps that order.
     own = dkv_accum is None or (gluon and not dkv_accum_stored)
