@@ -114,6 +114,27 @@ def _copy_rows(dst, base, offs_r, stride_r, BD: gl.constexpr, mask):
 
 
 @gluon.jit
+def _prefetch_item(q, do, o, w, n_hb, stride_qt, stride_qh, stride_ot, stride_oh, BH: gl.constexpr,
+                   BD: gl.constexpr):
+    """Ask L2 for item ``w``'s q, dO and o rows (``cp.async.bulk.prefetch.L2``, one head row of ``BD`` elements
+    each; nothing waits on them). The item's row terms load o and dO at its start and its q / dO copies follow:
+    from HBM those take about 10 us a row and SM (192 KB at an SM's share of 4.3 TB/s), which the tiles of the
+    item before can cover. One element a thread: threads ``e < BH`` take q's and o's row ``e``, the others dO's."""
+    L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
+    e = gl.arange(0, 2 * BH, layout=L)
+    t = (w // n_hb).to(gl.int64)
+    h = ((w % n_hb) * BH + e % BH).to(gl.int64)
+    first = e < BH
+    row_a = gl.where(first, q + t * stride_qt + h * stride_qh, do + t * stride_ot + h * stride_oh)
+    row_b = o + t * stride_ot + h * stride_oh
+    nbytes = gl.full([2 * BH], BD * q.dtype.element_ty.primitive_bitwidth // 8, gl.int32, layout=L)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $4, 0; cp.async.bulk.prefetch.L2.global [$1], $3; "
+        "@p cp.async.bulk.prefetch.L2.global [$2], $3; mov.b32 $0, 0; }",
+        "=r,l,l,r,r", [row_a, row_b, nbytes, first.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _buffers(q_all, do_all, k_all, p_all, ds_all, i, slot):
     """The shared-memory operands for key tile ``i``, through an index that is always 0 but opaque to the
     compiler (inline asm; a loop-guarded expression it folds). Otherwise it hoists every MMA's shared-memory
@@ -142,6 +163,7 @@ def _score_partition(
     H, K, scale, n_work, n_hb,
     smem,
     HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):
     S_L: gl.constexpr = mma_layout(BK, 1)
     O_L: gl.constexpr = mma_layout(BD // 2, 1)
@@ -238,6 +260,12 @@ def _score_partition(
                 ids_n = tile_ids(idx_n, 0, n_keys_n, BK, gl.SliceLayout(1, ROWS))
                 mbarrier.wait(kv_empty, phase)
                 _copy_rows(k_smem, kv, ids_n, stride_kvn, BD, ids_n >= 0)
+            if PREFETCH > 0:
+                # the next item's rows into L2, PREFETCH tiles before this item ends (or at its first tile)
+                if i == gl.maximum(n_tiles - PREFETCH, 0):
+                    if w + n_prog < n_work:
+                        _prefetch_item(q, do, o, w + n_prog, n_hb, stride_qt, stride_qh, stride_ot, stride_oh,
+                                       BH, BD)
             g += 1
 
         store_half(dq, t, h0, stride_qt, stride_qh, dq_acc.to(dtype), 0, BH, BD)
@@ -320,6 +348,7 @@ def sparse_attn_bwd_gluon_kernel(
     H, K, scale, n_work, n_hb,
     HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr,
     BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr, FULL_LINES: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):
     dtype: gl.constexpr = q.dtype.element_ty
     KV_SL: gl.constexpr = mma_smem(BD * 2)
@@ -346,7 +375,8 @@ def sparse_attn_bwd_gluon_kernel(
     gl.warp_specialize([
         (_score_partition, (q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dsink_rows,
                             stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
-                            stride_dlt, H, K, scale, n_work, n_hb, smem, HAS_LEN, HAS_DLSE, BH, BD, BK)),
+                            stride_dlt, H, K, scale, n_work, n_hb, smem, HAS_LEN, HAS_DLSE, BH, BD, BK,
+                            PREFETCH)),
         (_key_partition, (idx, topk_len, dq, dkv, stride_qt, stride_qh, stride_it, K, n_work, n_hb, smem,
                           HAS_LEN, BH, BD, BK, FULL_LINES)),
     ], [4], [KEY_REGS])
