@@ -53,9 +53,5 @@ class SparseAttnConfig(KernelConfig):
     # lane / register trade away from the MMA layout; 0: 8 rows x 64 bytes straight from the MMA registers.
     # Measured (H200, d = 512, 640 keys a row, 32k / 8k): 1: 17.40 / 4.13 ms, 0: 18.08 / 4.34.
     bwd_full_lines: int = 1
-    # Gluon backward: n > 0: the score warpgroup asks L2 for the next item's q, dO and o rows n key tiles before
-    # this item ends (one bulk prefetch a head row), so the next item's row terms and copies read L2, not HBM;
-    # 0: no prefetch.
-    bwd_prefetch: int = 2
     # 1: print registers, spills and shared memory of each launched kernel, once per config (tuning runs)
     verbose: int = 0

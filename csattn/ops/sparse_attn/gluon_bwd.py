@@ -76,20 +76,40 @@ def _stored_columns(tile):
     return gl.reshape(x, [64, 64])
 
 
+@gluon.constexpr_function
+def _red_v4_asm(byte_offset):
+    """One predicated whole-vector fp32 reduction at ``[$4 + byte_offset]`` (4 values a thread, ``pack=4``),
+    no result: Triton 3.6 writes a masked ``gl.atomic_add`` as an ``atom`` with a result, which ptxas wraps in a
+    branch and a convergence region (BSSY / BSYNC) per instruction, and its address is computed again for every
+    chunk; here a chunk's offset from the tile's row pointers is an immediate."""
+    return ("{ .reg .pred p; setp.ne.b32 p, $12, 0; "
+            f"@p red.global.gpu.relaxed.add.v4.f32 [$4+{byte_offset}], {{$8, $9, $10, $11}}; "
+            "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }")
+
+
 @gluon.jit
 def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr):
     """``dkv[ids[r], col0 + f] += tile[r, c(f)]`` for a ``[64, 64]`` MMA-layout tile, ``c(f)`` the stored
-    column order of ``_stored_columns`` (fp32 relaxed reductions, ``-1`` ids skipped).
+    column order of ``_stored_columns`` (fp32 relaxed reductions, ``-1`` ids skipped). ``col0`` is a
+    compile-time column; the row pointers do not depend on it, so a tile's chunks share them.
 
     In true column order a warp's reduction from the MMA layout adds 8 rows x 32 bytes, which L2 serves as 8
     one-sector requests, and that request rate bounded the kernel (L2 at 72-78 % of peak); two trades made them
     whole lines (22.7 -> 18.3 ms at 32k tokens) but cost the key warpgroup more than half its instructions."""
     layout: gl.constexpr = red_layout(FULL_LINES)
     vals = gl.convert_layout(_stored_columns(tile), layout)
-    ids_r = gl.convert_layout(ids, gl.SliceLayout(1, layout))
-    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-    ptrs = gl.expand_dims(dkv + ids_r.to(gl.int64) * BD + col0, 1) + gl.expand_dims(cols, 0)
-    gl.atomic_add(ptrs, vals, mask=gl.expand_dims(ids_r >= 0, 1), sem="relaxed")
+    # the two 32-column halves (a register bit in this layout) share row pointers, +128 bytes as an immediate
+    lo, hi = gl.split(gl.permute(gl.reshape(vals, [64, 2, 32]), (0, 2, 1)))
+    half: gl.constexpr = lo.type.layout
+    ids_r = gl.convert_layout(ids, gl.SliceLayout(1, half))
+    cols = gl.arange(0, 32, layout=gl.SliceLayout(0, half))
+    ptrs = (gl.expand_dims(dkv + ids_r.to(gl.int64) * BD, 1) + gl.expand_dims(cols, 0)).to(gl.int64)
+    valid = gl.expand_dims((ids_r >= 0).to(gl.int32), 1) + gl.zeros([64, 32], gl.int32, half)
+    # (as integers: the asm's arguments are broadcast together, which refuses a pointer beside a float)
+    gl.inline_asm_elementwise(_red_v4_asm(col0 * 4), "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
+                              [ptrs, lo.to(gl.int32, bitcast=True), valid], dtype=gl.int32, is_pure=False, pack=4)
+    gl.inline_asm_elementwise(_red_v4_asm(col0 * 4 + 128), "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
+                              [ptrs, hi.to(gl.int32, bitcast=True), valid], dtype=gl.int32, is_pure=False, pack=4)
 
 
 @gluon.jit
@@ -111,27 +131,6 @@ def _copy_rows(dst, base, offs_r, stride_r, BD: gl.constexpr, mask):
     CH: gl.constexpr = 128 if BD > 128 else BD
     for c in gl.static_range(BD // CH):
         _copy_cols(dst, base, offs_r, stride_r, c * CH, CH, mask)
-
-
-@gluon.jit
-def _prefetch_item(q, do, o, w, n_hb, stride_qt, stride_qh, stride_ot, stride_oh, BH: gl.constexpr,
-                   BD: gl.constexpr):
-    """Ask L2 for item ``w``'s q, dO and o rows (``cp.async.bulk.prefetch.L2``, one head row of ``BD`` elements
-    each; nothing waits on them). The item's row terms load o and dO at its start and its q / dO copies follow:
-    from HBM those take about 10 us a row and SM (192 KB at an SM's share of 4.3 TB/s), which the tiles of the
-    item before can cover. One element a thread: threads ``e < BH`` take q's and o's row ``e``, the others dO's."""
-    L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
-    e = gl.arange(0, 2 * BH, layout=L)
-    t = (w // n_hb).to(gl.int64)
-    h = ((w % n_hb) * BH + e % BH).to(gl.int64)
-    first = e < BH
-    row_a = gl.where(first, q + t * stride_qt + h * stride_qh, do + t * stride_ot + h * stride_oh)
-    row_b = o + t * stride_ot + h * stride_oh
-    nbytes = gl.full([2 * BH], BD * q.dtype.element_ty.primitive_bitwidth // 8, gl.int32, layout=L)
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $4, 0; cp.async.bulk.prefetch.L2.global [$1], $3; "
-        "@p cp.async.bulk.prefetch.L2.global [$2], $3; mov.b32 $0, 0; }",
-        "=r,l,l,r,r", [row_a, row_b, nbytes, first.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -163,7 +162,6 @@ def _score_partition(
     H, K, scale, n_work, n_hb,
     smem,
     HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
-    PREFETCH: gl.constexpr,
 ):
     S_L: gl.constexpr = mma_layout(BK, 1)
     O_L: gl.constexpr = mma_layout(BD // 2, 1)
@@ -260,12 +258,6 @@ def _score_partition(
                 ids_n = tile_ids(idx_n, 0, n_keys_n, BK, gl.SliceLayout(1, ROWS))
                 mbarrier.wait(kv_empty, phase)
                 _copy_rows(k_smem, kv, ids_n, stride_kvn, BD, ids_n >= 0)
-            if PREFETCH > 0:
-                # the next item's rows into L2, PREFETCH tiles before this item ends (or at its first tile)
-                if i == gl.maximum(n_tiles - PREFETCH, 0):
-                    if w + n_prog < n_work:
-                        _prefetch_item(q, do, o, w + n_prog, n_hb, stride_qt, stride_qh, stride_ot, stride_oh,
-                                       BH, BD)
             g += 1
 
         store_half(dq, t, h0, stride_qt, stride_qh, dq_acc.to(dtype), 0, BH, BD)
@@ -348,7 +340,6 @@ def sparse_attn_bwd_gluon_kernel(
     H, K, scale, n_work, n_hb,
     HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr,
     BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr, FULL_LINES: gl.constexpr,
-    PREFETCH: gl.constexpr,
 ):
     dtype: gl.constexpr = q.dtype.element_ty
     KV_SL: gl.constexpr = mma_smem(BD * 2)
@@ -375,8 +366,7 @@ def sparse_attn_bwd_gluon_kernel(
     gl.warp_specialize([
         (_score_partition, (q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dsink_rows,
                             stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
-                            stride_dlt, H, K, scale, n_work, n_hb, smem, HAS_LEN, HAS_DLSE, BH, BD, BK,
-                            PREFETCH)),
+                            stride_dlt, H, K, scale, n_work, n_hb, smem, HAS_LEN, HAS_DLSE, BH, BD, BK)),
         (_key_partition, (idx, topk_len, dq, dkv, stride_qt, stride_qh, stride_it, K, n_work, n_hb, smem,
                           HAS_LEN, BH, BD, BK, FULL_LINES)),
     ], [4], [KEY_REGS])

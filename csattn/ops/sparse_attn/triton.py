@@ -454,8 +454,7 @@ def sparse_attn_bwd(
             n_work = T * (H // 64)
             kernel = _gluon_kernel("bwd")[(_programs(n_work, q.device, cfg.bwd_persistent),)](
                 sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, n_work=n_work, n_hb=H // 64, BH=64, BD=D,
-                BK=64, KEY_REGS=240, FULL_LINES=bool(cfg.bwd_full_lines), PREFETCH=cfg.bwd_prefetch, num_warps=4,
-                **common)
+                BK=64, KEY_REGS=240, FULL_LINES=bool(cfg.bwd_full_lines), num_warps=4, **common)
             _report("bwd_gluon", kernel, cfg)
         else:
             kernel = sparse_attn_bwd_kernel_dq[grid](
