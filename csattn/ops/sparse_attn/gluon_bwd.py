@@ -78,10 +78,9 @@ def _stored_columns(tile):
 
 @gluon.constexpr_function
 def _red_v4_asm(byte_offset):
-    """One predicated whole-vector fp32 reduction at ``[$4 + byte_offset]`` (4 values a thread, ``pack=4``),
-    no result: Triton 3.6 writes a masked ``gl.atomic_add`` as an ``atom`` with a result, which ptxas wraps in a
-    branch and a convergence region (BSSY / BSYNC) per instruction, and its address is computed again for every
-    chunk; here a chunk's offset from the tile's row pointers is an immediate."""
+    """One predicated whole-vector fp32 reduction at ``[$4 + byte_offset]`` (4 values a thread, ``pack=4``), no
+    result. ``gl.atomic_add`` (Triton 3.6) writes an ``atom`` whose address is computed again for every chunk; here a
+    chunk's offset from the tile's row pointers is an immediate (32k: -1 %, BENCHMARKS.md)."""
     return ("{ .reg .pred p; setp.ne.b32 p, $12, 0; "
             f"@p red.global.gpu.relaxed.add.v4.f32 [$4+{byte_offset}], {{$8, $9, $10, $11}}; "
             "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }")
@@ -105,11 +104,16 @@ def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr):
     cols = gl.arange(0, 32, layout=gl.SliceLayout(0, half))
     ptrs = (gl.expand_dims(dkv + ids_r.to(gl.int64) * BD, 1) + gl.expand_dims(cols, 0)).to(gl.int64)
     valid = gl.expand_dims((ids_r >= 0).to(gl.int32), 1) + gl.zeros([64, 32], gl.int32, half)
-    # (as integers: the asm's arguments are broadcast together, which refuses a pointer beside a float)
-    gl.inline_asm_elementwise(_red_v4_asm(col0 * 4), "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
-                              [ptrs, lo.to(gl.int32, bitcast=True), valid], dtype=gl.int32, is_pure=False, pack=4)
-    gl.inline_asm_elementwise(_red_v4_asm(col0 * 4 + 128), "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
-                              [ptrs, hi.to(gl.int32, bitcast=True), valid], dtype=gl.int32, is_pure=False, pack=4)
+    _red_v4(ptrs, lo, valid, col0 * 4)
+    _red_v4(ptrs, hi, valid, col0 * 4 + 128)
+
+
+@gluon.jit
+def _red_v4(ptrs, vals, valid, byte_offset: gl.constexpr):
+    """``_red_v4_asm`` over a tile: ``ptrs`` as int64 and ``vals`` as their bits (the asm's arguments are broadcast
+    together, which refuses a pointer beside a float)."""
+    gl.inline_asm_elementwise(_red_v4_asm(byte_offset), "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
+                              [ptrs, vals.to(gl.int32, bitcast=True), valid], dtype=gl.int32, is_pure=False, pack=4)
 
 
 @gluon.jit
