@@ -48,12 +48,13 @@ class CudnnBackward(torch.autograd.Function):
     with -1 for no key, ``sink [H]`` fp32). Returns ``(o, lse)``; only ``o`` carries a gradient."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, kv: Tensor, idx: Tensor, sink: Tensor, scale: float):
+    def forward(ctx, q: Tensor, kv: Tensor, idx: Tensor, sink: Tensor, scale: float, length: Tensor | None):
         from csattn.ops.sparse_attn.triton import sparse_attn_fwd
 
         o, lse = sparse_attn_fwd(q, kv, idx, sink, scale)
         ctx.save_for_backward(q, kv, idx, sink, o, lse)
         ctx.scale = scale
+        ctx.length = length
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -61,22 +62,33 @@ class CudnnBackward(torch.autograd.Function):
     def backward(ctx, do: Tensor, _dlse: Tensor | None):
         q, kv, idx, sink, o, lse = ctx.saved_tensors
         res = dsa().sparse_attention_backward_wrapper(q, kv, o, do.contiguous(), kv_only_lse(lse, sink),
-                                                      sink.float(), idx, softmax_scale=ctx.scale)
-        return res["dq"], res["dkv"], None, res["d_sink"].to(sink.dtype), None
+                                                      sink.float(), idx, softmax_scale=ctx.scale,
+                                                      topk_length=ctx.length)
+        return res["dq"], res["dkv"], None, res["d_sink"].to(sink.dtype), None, None
+
+
+def valid_prefix(idx: Tensor) -> Tensor:
+    """``[T]`` int32: 1 + the position of each row's last id >= 0 (0 for none), the ``topk_length`` that lets a
+    kernel stop at a row's last valid key without changing its result."""
+    pos = torch.arange(1, idx.shape[1] + 1, device=idx.device, dtype=torch.int32)
+    return torch.where(idx >= 0, pos, 0).amax(1).to(torch.int32)
 
 
 @register("sparse_attn", "cudnn", DEFAULTS)
 def sparse_attn_cudnn(shape, device, dtype, variant=""):
+    """variant ``len``: cuDNN is also given each row's valid prefix as ``topk_length`` (computed once, untimed), so
+    it skips the tiles of ``-1`` after a row's last id as csattn's kernels find for themselves."""
     dsa()
-    if variant:
-        raise Skip(f"the cudnn provider takes no variant, got {variant!r}")
+    if variant not in ("", "len"):
+        raise Skip(f"the cudnn provider takes the variant 'len' or none, got {variant!r}")
     if dtype not in (torch.bfloat16, torch.float16):
         raise Skip("cuDNN's DSA backward takes bf16 / fp16")
     q, kv, sink, idx, flops, info = attn_inputs(shape, device, dtype)
     scale = shape["dim"] ** -0.5
+    length = valid_prefix(idx) if variant == "len" else None
 
     def forward():
-        return CudnnBackward.apply(q, kv, idx, sink, scale)
+        return CudnnBackward.apply(q, kv, idx, sink, scale, length)
 
     return Case(forward=forward, leaves=[q, kv, sink], flops=flops, info={**info, "forward": "csattn (triton)"})
 

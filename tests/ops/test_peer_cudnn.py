@@ -26,7 +26,7 @@ def _dsa():
 
 def test_sparse_attention_backward_agrees_with_cudnn():
     _dsa()
-    from benchmarks.providers.cudnn import CudnnBackward
+    from benchmarks.providers.cudnn import CudnnBackward, valid_prefix
     from benchmarks.providers.sparse_attn import packed_indices
     from csattn.ops.sparse_attn import sparse_attn, sparse_attn_ref
 
@@ -46,11 +46,13 @@ def test_sparse_attention_backward_agrees_with_cudnn():
 
     exact = grads(lambda a, b, s: sparse_attn_ref(a, b, idx.long(), s, scale)[0], torch.float64)
     ours = grads(lambda a, b, s: sparse_attn(a, b, idx, s, scale, backend="triton")[0], torch.bfloat16)
-    peer = grads(lambda a, b, s: CudnnBackward.apply(a, b, idx, s, scale)[0], torch.bfloat16)
-    for name, e, a, b in zip(["dq", "dkv", "dsink"], exact, ours, peer):
-        err_ours, err_peer = rel_err(a, e), rel_err(b, e)
-        assert err_ours <= 2 * err_peer + 1e-6 and err_peer <= 2 * err_ours + 1e-6, (name, err_ours, err_peer)
-        assert rel_err(a, b) <= 2 * max(err_ours, err_peer) + 1e-6, name
+    # cuDNN over every tile, and told each row's valid prefix (the benchmark's cudnn[len])
+    for length in (None, valid_prefix(idx)):
+        peer = grads(lambda a, b, s, n=length: CudnnBackward.apply(a, b, idx, s, scale, n)[0], torch.bfloat16)
+        for name, e, a, b in zip(["dq", "dkv", "dsink"], exact, ours, peer):
+            err_ours, err_peer = rel_err(a, e), rel_err(b, e)
+            assert err_ours <= 2 * err_peer + 1e-6 and err_peer <= 2 * err_ours + 1e-6, (name, err_ours, err_peer)
+            assert rel_err(a, b) <= 2 * max(err_ours, err_peer) + 1e-6, name
 
 
 def test_indexer_topk_agrees_with_cudnn():

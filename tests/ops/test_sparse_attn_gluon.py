@@ -39,7 +39,7 @@ if which == "fwd":
            "lse": "*fp32", **{f"stride_{n}": "i64" for n in strides}, "K": "i32", "qk_scale_log2": "fp32",
            "n_work": "i32", "n_hb": "i32"}
     cfg = SparseAttnConfig()
-    consts = {"HAS_LEN": has_len, "BH": 64, "BD": d, "BK": bk, "SIDE1_REGS": cfg.fwd_side_regs,
+    consts = {"HAS_LEN": has_len, "TRIM": True, "BH": 64, "BD": d, "BK": bk, "SIDE1_REGS": cfg.fwd_side_regs,
               "PRODUCER_REGS": cfg.fwd_producer_regs}
 else:
     fn = sparse_attn_bwd_gluon_kernel
@@ -47,7 +47,8 @@ else:
            "do": "*bf16", "lse": "*fp32", "dlse": "*fp32", "dq": "*bf16", "dkv": "*fp32", "dsink_rows": "*fp32",
            **{f"stride_{n}": "i64" for n in strides + ("dlt",)}, "H": "i32", "K": "i32", "scale": "fp32",
            "n_work": "i32", "n_hb": "i32"}
-    consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "BH": 64, "BD": d, "BK": bk, "KEY_REGS": 240,
+    consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "TRIM": True, "QDO_PIECES": True, "BH": 64, "BD": d, "BK": bk,
+              "KEY_REGS": 240,
               "FULL_LINES": bool(SparseAttnConfig().bwd_full_lines)}
 sig.update({k: "constexpr" for k in consts})
 # what the launcher's specialization sees at run time: 16-aligned pointers and strides
@@ -281,8 +282,10 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "bwd_gluon=0", "bwd_persistent=0,fwd_persistent=0", "bwd_full_lines=0"],
-                         ids=["gluon", "gluon_fwd_only", "gluon_program_per_item", "gluon_half_lines"])
+@pytest.mark.parametrize("variant", ["", "bwd_gluon=0", "bwd_persistent=0,fwd_persistent=0", "bwd_full_lines=0",
+                                     "skip_empty_tiles=0"],
+                         ids=["gluon", "gluon_fwd_only", "gluon_program_per_item", "gluon_half_lines",
+                              "gluon_every_tile"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
 def test_gpu_gluon_kernels(case, dtype, variant):
@@ -358,3 +361,63 @@ def test_gpu_gluon_forward_is_deterministic(variant):
     assert torch.isfinite(o0).all() and torch.isfinite(lse0).all()
     o32, lse32 = sparse_attn_fwd(q, kv, idx.int(), sink, d**-0.5, topk_length=length, config=config)
     assert torch.equal(o32, o0) and torch.equal(lse32, lse0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+def test_gpu_gluon_skips_only_empty_tiles(dtype, ids_dtype):
+    """``skip_empty_tiles``: a row ends at its last tile holding an id >= 0. Rows here hold their ids in one, two or
+    none of ten 64-key tiles (first, middle, last, only the last slot of the list, trailing / leading / interior
+    tiles of -1), beside full rows. A tile of -1 adds exact zeros, so skipping it changes no bit of o, lse, dq or
+    dsink: they must equal the run over every tile bitwise (a valid tile skipped breaks that), and both stay within
+    2x the same-dtype error of fp64; dkv (fp32 atomics in any order) within rounding."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels are built for sm_90")
+    from csattn.ops.sparse_attn.triton import SparseAttnConfig
+
+    gen = torch.Generator().manual_seed(11)
+    T, H, d, K, BK, N = 700, 64, 512, 640, 64, 3000
+    idx = torch.randint(0, N, (T, K), generator=gen)
+    keep = torch.zeros(T, K // BK, dtype=torch.bool)
+    pattern = torch.arange(T) % 8
+    keep[pattern == 0] = True  # full rows
+    keep[pattern == 1, 0] = True  # the first tile only: nine trailing tiles of -1
+    keep[pattern == 2, 4] = True  # a middle tile only
+    keep[pattern == 3, -1] = True  # the last tile only: nine leading tiles of -1
+    keep[pattern == 4, 2] = keep[pattern == 4, 7] = True  # tiles of -1 between and after
+    rand = torch.rand(T, K // BK, generator=gen) < 0.3
+    keep[pattern == 5] = rand[pattern == 5]  # random tiles, some rows none
+    # pattern 6: no ids at all; pattern 7: only the list's last slot
+    idx = torch.where(keep.repeat_interleave(BK, dim=1), idx, -1)
+    # within kept tiles, some ids -1 too, the tile's last ones included
+    idx = torch.where(torch.rand(T, K, generator=gen) < 0.2, -1, idx)
+    idx[pattern == 7] = -1
+    idx[pattern == 7, -1] = 5
+    q = torch.randn(T, H, d, generator=gen).cuda()
+    kv = torch.randn(N, d, generator=gen).cuda()
+    sink = torch.randn(H, generator=gen).cuda()
+    do = torch.randn(T, H, d, generator=gen).cuda()
+    dlse = torch.randn(T, H, generator=gen).cuda() * 0.1
+    idx = idx.cuda()
+    scale = d**-0.5
+
+    def fused(spec):
+        config = SparseAttnConfig.parse(spec)
+        return grads_of(lambda a, b, s: sparse_attn(a, b, idx.to(ids_dtype), s, scale, backend="triton",
+                                                    config=config),
+                        q.to(dtype), kv.to(dtype), sink, do, dlse)
+
+    skip, every = fused("skip_empty_tiles=1"), fused("skip_empty_tiles=0")
+    ref = grads_of(lambda a, b, s: sparse_attn_ref(a, b, idx, s, scale, chunk_rows=512),
+                   q.double(), kv.double(), sink.double(), do.double(), dlse.double())
+    base = grads_of(lambda a, b, s: lowp_attn(a, b, idx, s, scale), q.to(dtype), kv.to(dtype), sink, do, dlse)
+    for name, a, e, b, r in zip(NAMES, skip, every, base, ref):
+        assert torch.isfinite(a).all(), name
+        if name != "dkv":
+            assert torch.equal(a, e), f"{name}: skipping empty tiles changed bits"
+        err, bound = rel_err(a, r), rel_err(b, r)
+        assert err <= 2 * bound + 1e-5, f"{name}: gluon {err:.2e} vs same-dtype torch {bound:.2e}"
+    assert rel_err(skip[3], every[3]) < 1e-6
+    empty = (idx < 0).all(1)
+    assert empty.sum() >= 80 and torch.all(skip[0][empty] == 0)

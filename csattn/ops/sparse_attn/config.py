@@ -53,5 +53,12 @@ class SparseAttnConfig(KernelConfig):
     # lane / register trade away from the MMA layout; 0: 8 rows x 64 bytes straight from the MMA registers.
     # Measured (H200, d = 512, 640 keys a row, 32k / 8k): 1: 17.40 / 4.13 ms, 0: 18.08 / 4.34.
     bwd_full_lines: int = 1
+    # Gluon forward and backward: 1: a row ends at its last tile holding an id >= 0 (read from the index list at
+    # the row's start), so the tiles of -1 after it are not run: rows whose selection is not full (a document's
+    # first k * ratio rows), padding rows, HCA's ranges. 0: every row runs cdiv(K, 64) tiles.
+    skip_empty_tiles: int = 1
+    # Gluon backward: 1: an item's first tile multiplies each 128-column piece of q and dO as it lands (they come in
+    # under the key warpgroup's last chunks of the item before); 0: it waits for all of them.
+    bwd_first_tile_pieces: int = 1
     # 1: print registers, spills and shared memory of each launched kernel, once per config (tuning runs)
     verbose: int = 0

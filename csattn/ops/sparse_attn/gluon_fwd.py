@@ -66,13 +66,48 @@ def mma_smem(row_bytes):
     return gl.NVMMASharedLayout(swizzle_byte_width=min(row_bytes, 128), element_bitwidth=16, rank=2)
 
 
+@gluon.constexpr_function
+def scan_layout(n):
+    """A ``[n]`` layout that every warp of a 4-warp partition holds whole (the warps repeat it), ``n / 32``
+    contiguous ids a thread: a reduction over it stays within each warp (shuffles, no shared memory, which the
+    kernels have none of to spare)."""
+    per = n // 32
+    return gl.DistributedLinearLayout(reg_bases=[[1 << b] for b in range(per.bit_length() - 1)],
+                                      lane_bases=[[per << b] for b in range(5)], warp_bases=[[0], [0]],
+                                      block_bases=[], shape=[n])
+
+
 @gluon.jit
-def row_keys(idx, topk_len, t, stride_it, K, BK: gl.constexpr, HAS_LEN: gl.constexpr):
-    """Row ``t``'s index list, its key count (``topk_len`` limits it when given) and its number of key tiles."""
+def _key_count(idx_row, n_keys, SCAN: gl.constexpr):
+    """1 + the position of the last id >= 0 among the row's first ``n_keys`` (0 if there is none), read from the
+    end ``SCAN`` ids at a time: a row's valid ids usually reach into its last ``SCAN``, so one read. An int64 list
+    is read by its low words (see ``keys_valid``)."""
+    offs0 = gl.arange(0, SCAN, layout=scan_layout(SCAN))
+    last = n_keys * 0
+    c = gl.cdiv(n_keys, SCAN)
+    while (last == 0) & (c > 0):
+        c -= 1
+        offs = c * SCAN + offs0
+        if idx_row.dtype.element_ty == gl.int64:
+            low = gl.load(idx_row.to(gl.pointer_type(gl.int32)) + 2 * offs, mask=offs < n_keys, other=-1)
+        else:
+            low = gl.load(idx_row + offs, mask=offs < n_keys, other=-1)
+        last = gl.max(gl.where(low >= 0, offs + 1, 0), axis=0)
+    return last
+
+
+@gluon.jit
+def row_keys(idx, topk_len, t, stride_it, K, BK: gl.constexpr, HAS_LEN: gl.constexpr, TRIM: gl.constexpr):
+    """Row ``t``'s index list, its key count (``topk_len`` limits it when given) and its number of key tiles.
+    ``TRIM``: the count ends at the row's last valid id, so the tiles of ``-1`` after it are not run (they add
+    nothing: rows whose selection is not full, such as a document's first ``k * ratio`` rows, padding rows, HCA's
+    ranges)."""
     idx_row = idx + t * stride_it
     n_keys = K
     if HAS_LEN:
         n_keys = gl.minimum(gl.load(topk_len + t).to(gl.int32), K)
+    if TRIM:
+        n_keys = _key_count(idx_row, n_keys, 512)
     return idx_row, n_keys, gl.cdiv(n_keys, BK)
 
 
@@ -160,7 +195,7 @@ def keys_valid(idx_row, start, n_keys, BK: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def _producer(
     q, kv, idx, topk_len, stride_qt, stride_qh, stride_kvn, stride_it, K, n_work, n_hb, smem,
-    HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
+    HAS_LEN: gl.constexpr, TRIM: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
 ):
     """Every copy: each item's q once both sides' score products of the item before are done, then per pair of
     key tiles the four slot halves in the order their last readers finish (a free barrier's first wait, on the
@@ -173,7 +208,7 @@ def _producer(
     c = 0  # items with keys issued
     for w in range(pid, n_work, n_prog):
         t = (w // n_hb).to(gl.int64)
-        idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
+        idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN, TRIM)
         n_pairs = gl.cdiv(n_tiles, 2)
         if n_pairs > 0:
             mbarrier.wait(bars.index(_Q_FREE), (c & 1) ^ 1)
@@ -228,7 +263,7 @@ def _side(
     stride_it, stride_ot, stride_oh, stride_lt,
     K, qk_scale_log2, n_work, n_hb,
     smem,
-    SIDE: gl.constexpr, HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
+    SIDE: gl.constexpr, HAS_LEN: gl.constexpr, TRIM: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
 ):
     S_L: gl.constexpr = mma_layout(BK, 1)
     O_L: gl.constexpr = mma_layout(BD // 2, 1)
@@ -252,7 +287,7 @@ def _side(
     for w in range(pid, n_work, n_prog):
         t = (w // n_hb).to(gl.int64)
         h0 = (w % n_hb) * BH
-        idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
+        idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN, TRIM)
         n_pairs = gl.cdiv(n_tiles, 2)
         offs_hs = h0 + gl.arange(0, BH, layout=ROW_V)
         # The sink is the softmax's starting state (max = sink, sum = 1), its 1 counted on side 0 only.
@@ -352,8 +387,8 @@ def sparse_attn_fwd_gluon_kernel(
     q, kv, idx, topk_len, sink, o, lse,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
     K, qk_scale_log2, n_work, n_hb,
-    HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, SIDE1_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
+    HAS_LEN: gl.constexpr, TRIM: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
+    SIDE1_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     dtype: gl.constexpr = q.dtype.element_ty
     k_all = gl.allocate_shared_memory(dtype, [2, BK, BD], mma_smem(BD * 2))
@@ -376,9 +411,9 @@ def sparse_attn_fwd_gluon_kernel(
     smem = (k_all, q_all, p_all, mx_all, l_all, bars)
     gl.warp_specialize([
         (_side, (kv, idx, topk_len, sink, o, lse, stride_it, stride_ot, stride_oh, stride_lt, K, qk_scale_log2,
-                 n_work, n_hb, smem, _EVEN, HAS_LEN, BH, BD, BK)),
+                 n_work, n_hb, smem, _EVEN, HAS_LEN, TRIM, BH, BD, BK)),
         (_side, (kv, idx, topk_len, sink, o, lse, stride_it, stride_ot, stride_oh, stride_lt, K, qk_scale_log2,
-                 n_work, n_hb, smem, _ODD, HAS_LEN, BH, BD, BK)),
+                 n_work, n_hb, smem, _ODD, HAS_LEN, TRIM, BH, BD, BK)),
         (_producer, (q, kv, idx, topk_len, stride_qt, stride_qh, stride_kvn, stride_it, K, n_work, n_hb, smem,
-                     HAS_LEN, BH, BD, BK)),
+                     HAS_LEN, TRIM, BH, BD, BK)),
     ], [4, 4], [SIDE1_REGS, PRODUCER_REGS])

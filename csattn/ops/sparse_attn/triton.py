@@ -357,7 +357,8 @@ def sparse_attn_fwd(
             q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
             K, scale * LOG2E, n_work, H // 64,
-            HAS_LEN=topk_length is not None, BH=64, BD=D, BK=64, SIDE1_REGS=cfg.fwd_side_regs,
+            HAS_LEN=topk_length is not None, TRIM=bool(cfg.skip_empty_tiles), BH=64, BD=D, BK=64,
+            SIDE1_REGS=cfg.fwd_side_regs,
             PRODUCER_REGS=cfg.fwd_producer_regs, num_warps=4,
         )
         _report("fwd_gluon", kernel, cfg)
@@ -454,7 +455,8 @@ def sparse_attn_bwd(
             n_work = T * (H // 64)
             kernel = _gluon_kernel("bwd")[(_programs(n_work, q.device, cfg.bwd_persistent),)](
                 sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, n_work=n_work, n_hb=H // 64, BH=64, BD=D,
-                BK=64, KEY_REGS=240, FULL_LINES=bool(cfg.bwd_full_lines), num_warps=4, **common)
+                BK=64, KEY_REGS=240, FULL_LINES=bool(cfg.bwd_full_lines), TRIM=bool(cfg.skip_empty_tiles),
+                QDO_PIECES=bool(cfg.bwd_first_tile_pieces), num_warps=4, **common)
             _report("bwd_gluon", kernel, cfg)
         else:
             kernel = sparse_attn_bwd_kernel_dq[grid](
