@@ -47,7 +47,7 @@ else:
            "do": "*bf16", "lse": "*fp32", "dlse": "*fp32", "dq": "*bf16", "dkv": "*fp32", "dsink_rows": "*fp32",
            **{f"stride_{n}": "i64" for n in strides + ("dlt",)}, "H": "i32", "K": "i32", "scale": "fp32",
            "n_work": "i32", "n_hb": "i32"}
-    consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "TRIM": True, "QDO_PIECES": True, "BH": 64, "BD": d, "BK": bk,
+    consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "TRIM": True, "BH": 64, "BD": d, "BK": bk,
               "KEY_REGS": 240,
               "FULL_LINES": bool(SparseAttnConfig().bwd_full_lines)}
 sig.update({k: "constexpr" for k in consts})

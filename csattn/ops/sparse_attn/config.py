@@ -57,8 +57,5 @@ class SparseAttnConfig(KernelConfig):
     # the row's start), so the tiles of -1 after it are not run: rows whose selection is not full (a document's
     # first k * ratio rows), padding rows, HCA's ranges. 0: every row runs cdiv(K, 64) tiles.
     skip_empty_tiles: int = 1
-    # Gluon backward: 1: an item's first tile multiplies each 128-column piece of q and dO as it lands (they come in
-    # under the key warpgroup's last chunks of the item before); 0: it waits for all of them.
-    bwd_first_tile_pieces: int = 1
     # 1: print registers, spills and shared memory of each launched kernel, once per config (tuning runs)
     verbose: int = 0

@@ -166,8 +166,8 @@ def _score_partition(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
     H, K, scale, n_work, n_hb,
     smem,
-    HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, TRIM: gl.constexpr, QDO_PIECES: gl.constexpr,
-    BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
+    HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, TRIM: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr,
+    BK: gl.constexpr,
 ):
     S_L: gl.constexpr = mma_layout(BK, 1)
     O_L: gl.constexpr = mma_layout(BD // 2, 1)
@@ -176,7 +176,7 @@ def _score_partition(
     CH: gl.constexpr = 128 if BD > 128 else BD
     dtype: gl.constexpr = q.dtype.element_ty
     QC: gl.constexpr = _QDO_COLS  # q and dO come in these many columns at a time
-    q_all, do_all, k_all, p_all, ds_all, kv_full, kv_empty, pds_full, pds_empty, qdo_free, qdo_full = smem
+    q_all, do_all, k_all, p_all, ds_all, kv_full, kv_empty, pds_full, pds_empty, qdo_free = smem
     pid = gl.program_id(0)
     n_prog = gl.num_programs(0)
     qk_scale_log2 = scale * 1.4426950408889634
@@ -226,11 +226,7 @@ def _score_partition(
             mbarrier.wait(qdo_free.index(c), (it & 1) ^ 1)
             _copy_cols(q_all.index(0), q + t * stride_qt, offs_hr, stride_qh, c * QC, QC, all_rows)
             _copy_cols(do_all.index(0), do + t * stride_ot, offs_hr, stride_oh, c * QC, QC, all_rows)
-            if QDO_PIECES:
-                # this piece and everything copied before it (the item's first gather too) landed
-                async_copy.mbarrier_arrive(qdo_full.index(c), increment_count=False)
         async_copy.mbarrier_arrive(kv_full, increment_count=False)
-        qdo_phase = it & 1
         it += 1
         ids_g = tile_ids(idx_row, BK, n_keys, BK, gl.SliceLayout(1, ROWS))
 
@@ -243,27 +239,11 @@ def _score_partition(
             pds_phase = (g >> 1) & 1
             q_smem, do_smem, k_smem, p_smem, ds_smem = _buffers(q_all, do_all, k_all, p_all, ds_all, i, slot)
             k_lo = k_smem.slice(0, BD // 2, dim=1)
+            mbarrier.wait(kv_full, phase)
+            fence_async_shared()
             k_t = k_smem.permute((1, 0))
-            if QDO_PIECES:
-                # An item's first tile starts on the q / dO pieces that have landed, under the key warpgroup's last
-                # chunks of the item before, instead of after all of them: its kv_full phase is carried by the
-                # pieces' barriers (waiting on the phase before passes at once); later tiles find them complete.
-                mbarrier.wait(kv_full, phase ^ (i == 0).to(gl.int32))
-                s_tok = s_zero
-                dp_tok = s_zero
-                for c in gl.static_range(BD // QC):
-                    mbarrier.wait(qdo_full.index(c), qdo_phase)
-                    fence_async_shared()
-                    k_c = k_t.slice(c * QC, QC, dim=0)
-                    s_tok = warpgroup_mma(q_smem.slice(c * QC, QC, dim=1), k_c, s_tok, use_acc=c > 0,
-                                          is_async=True)
-                    dp_tok = warpgroup_mma(do_smem.slice(c * QC, QC, dim=1), k_c, dp_tok, use_acc=c > 0,
-                                           is_async=True)
-            else:
-                mbarrier.wait(kv_full, phase)
-                fence_async_shared()
-                s_tok = warpgroup_mma(q_smem, k_t, s_zero, use_acc=False, is_async=True)
-                dp_tok = warpgroup_mma(do_smem, k_t, s_zero, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(q_smem, k_t, s_zero, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(do_smem, k_t, s_zero, use_acc=False, is_async=True)
             valid = keys_valid(idx_row, i * BK, n_keys, BK, gl.SliceLayout(0, S_L))
             s_tile = warpgroup_mma_wait(1, deps=[s_tok])
             bias = gl.expand_dims(gl.where(valid, 0.0, float("-inf")), 0)
@@ -306,7 +286,7 @@ def _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, i, g, LAST: gl.constex
     between them (measured 7 % slower a tile)."""
     DC: gl.constexpr = 64  # key-side column chunk: [BK = 64, 64] tiles, the shape red_rows takes
     C_L: gl.constexpr = mma_layout(DC, 1)
-    q_all, do_all, k_all, p_all, ds_all, kv_full, kv_empty, pds_full, pds_empty, qdo_free, _ = smem
+    q_all, do_all, k_all, p_all, ds_all, kv_full, kv_empty, pds_full, pds_empty, qdo_free = smem
     # P / dS take two slots by turns: the score warpgroup writes tile i + 1's while the key warpgroup
     # still reads tile i's, so the key warpgroup finds its next tile ready when it finishes one.
     slot = g & 1
@@ -372,7 +352,7 @@ def sparse_attn_bwd_gluon_kernel(
     q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
     H, K, scale, n_work, n_hb,
-    HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, TRIM: gl.constexpr, QDO_PIECES: gl.constexpr,
+    HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, TRIM: gl.constexpr,
     BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr, FULL_LINES: gl.constexpr,
 ):
     dtype: gl.constexpr = q.dtype.element_ty
@@ -394,16 +374,14 @@ def sparse_attn_bwd_gluon_kernel(
     for b in gl.static_range(2):
         mbarrier.init(pds_full.index(b), count=1)
         mbarrier.init(pds_empty.index(b), count=1)
-    qdo_full = gl.allocate_shared_memory(gl.int64, [BD // _QDO_COLS, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(BD // _QDO_COLS):
         mbarrier.init(qdo_free.index(c), count=1)  # the key warpgroup, once an item
-        mbarrier.init(qdo_full.index(c), count=128)  # one cp.async arrive per score thread, once an item
-    smem = (q_smem, do_smem, k_smem, p_smem, ds_smem, kv_full, kv_empty, pds_full, pds_empty, qdo_free, qdo_full)
+    smem = (q_smem, do_smem, k_smem, p_smem, ds_smem, kv_full, kv_empty, pds_full, pds_empty, qdo_free)
     gl.warp_specialize([
         (_score_partition, (q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dsink_rows,
                             stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
-                            stride_dlt, H, K, scale, n_work, n_hb, smem, HAS_LEN, HAS_DLSE, TRIM, QDO_PIECES,
-                            BH, BD, BK)),
+                            stride_dlt, H, K, scale, n_work, n_hb, smem, HAS_LEN, HAS_DLSE, TRIM, BH, BD,
+                            BK)),
         (_key_partition, (idx, topk_len, dq, dkv, stride_qt, stride_qh, stride_it, K, n_work, n_hb, smem,
                           HAS_LEN, TRIM, BH, BD, BK, FULL_LINES)),
     ], [4], [KEY_REGS])

@@ -456,7 +456,7 @@ def sparse_attn_bwd(
             kernel = _gluon_kernel("bwd")[(_programs(n_work, q.device, cfg.bwd_persistent),)](
                 sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, n_work=n_work, n_hb=H // 64, BH=64, BD=D,
                 BK=64, KEY_REGS=240, FULL_LINES=bool(cfg.bwd_full_lines), TRIM=bool(cfg.skip_empty_tiles),
-                QDO_PIECES=bool(cfg.bwd_first_tile_pieces), num_warps=4, **common)
+                num_warps=4, **common)
             _report("bwd_gluon", kernel, cfg)
         else:
             kernel = sparse_attn_bwd_kernel_dq[grid](
