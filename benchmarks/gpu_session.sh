@@ -204,19 +204,24 @@ for s in ${STAGES:-tests layer profile}; do
             --commit "${BEFORE_COMMIT:-before}" --json "$OUT/peers_bwd_before.json") >> "$LOG" 2>&1
         fi
         # PEER_INDEXER=0: leave out the indexer's two comparisons (a call that changed no indexer kernel)
-        [ "${PEER_INDEXER:-1}" = 1 ] && timeout 150 python3 -m benchmarks.run --op indexer_topk --mode fwd --providers "${PEER_TOPK:-triton,cudnn}" \
-          --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/peers_topk.json" >> "$LOG" 2>&1
-        # the selection alone (scores computed beforehand), csattn's beside cuDNN's radix top-k
-        [ "${PEER_INDEXER:-1}" = 1 ] && timeout 120 python3 -m benchmarks.run --op indexer_select --mode fwd --providers "${PEER_SELECT:-triton,cudnn}" \
-          --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/peers_select.json" >> "$LOG" 2>&1
+        if [ "${PEER_INDEXER:-1}" = 1 ]; then
+          timeout 150 python3 -m benchmarks.run --op indexer_topk --mode fwd --providers "${PEER_TOPK:-triton,cudnn}" \
+            --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/peers_topk.json" >> "$LOG" 2>&1
+          # the selection alone (scores computed beforehand), csattn's beside cuDNN's radix top-k
+          timeout 120 python3 -m benchmarks.run --op indexer_select --mode fwd --providers "${PEER_SELECT:-triton,cudnn}" \
+            --shape tokens=8192,32768 --warmup-ms 10 --rep-ms 100 --commit "$C" --json "$OUT/peers_select.json" >> "$LOG" 2>&1
+        fi
         # the forward target (no SM90 peer kernel in cuDNN): csattn alone, 640 keys a row, and the per-tile /
         # per-item split over 256 / 640 / 1280 keys a row
         timeout 120 python3 -m benchmarks.run --op sparse_attn --mode fwd --providers "${PEER_FWD:-triton}" \
           --shape tokens=8192,32768 --shape topk=128,512,1152 --warmup-ms 10 --rep-ms 100 --commit "$C" \
           --json "$OUT/peers_fwd.json" >> "$LOG" 2>&1
         # what bounds the backward: the rate L2 takes its dkv reductions at, alone (benchmarks/l2_reduction_probe.py)
-        [ "${PEER_PROBE:-1}" = 1 ] && timeout 90 python3 -m benchmarks.l2_reduction_probe --json "$OUT/l2_reduction_probe.json" >> "$LOG" 2>&1
-        echo "peers rc=$?" >> "$LOG"
+        if [ "${PEER_PROBE:-1}" = 1 ]; then
+          timeout 90 python3 -m benchmarks.l2_reduction_probe --json "$OUT/l2_reduction_probe.json" >> "$LOG" 2>&1
+          echo "l2 probe rc=$?" >> "$LOG"
+        fi
+        echo "peers done" >> "$LOG"
       fi ;;
     *) echo "unknown stage $s" >> "$LOG" ;;
   esac

@@ -274,6 +274,16 @@ def test_layer_core_keeps_the_key_gradient_in_stored_order(monkeypatch):
         assert rel_err(faked[name], plain[name]) < 1e-5, (name, rel_err(faked[name], plain[name]))
 
 
+def _gpu_inputs(T: int, H: int, d: int, N: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """fp32 ``q [T, H, d]``, ``kv [N, d]``, ``sink [H]``, ``do [T, H, d]``, ``dlse [T, H]`` on the GPU, drawn from
+    ``gen`` in that order."""
+    q = torch.randn(T, H, d, generator=gen).cuda()
+    kv = torch.randn(N, d, generator=gen).cuda()
+    sink = torch.randn(H, generator=gen).cuda()
+    do = torch.randn(T, H, d, generator=gen).cuda()
+    return q, kv, sink, do, torch.randn(T, H, generator=gen).cuda() * 0.1
+
+
 GPU_CASES = {
     "real_geometry": dict(docs=[700, 37, 1500, 1800], H=64, d=512, W=128, k=512, pad=60, lengths=False),
     "two_head_blocks_d128": dict(docs=[300, 211, 5], H=128, d=128, W=64, k=64, pad=7, lengths=False),
@@ -298,11 +308,7 @@ def test_gpu_gluon_kernels(case, dtype, variant):
     gen = torch.Generator().manual_seed(3)
     idx, N = packed_indices(c["docs"], window=c["W"], topk=c["k"], ratio=4, pad_rows=c["pad"], gen=gen)
     T, H, d = idx.shape[0], c["H"], c["d"]
-    q = torch.randn(T, H, d, generator=gen).cuda()
-    kv = torch.randn(N, d, generator=gen).cuda()
-    sink = torch.randn(H, generator=gen).cuda()
-    do = torch.randn(T, H, d, generator=gen).cuda()
-    dlse = torch.randn(T, H, generator=gen).cuda() * 0.1
+    q, kv, sink, do, dlse = _gpu_inputs(T, H, d, N, gen)
     idx = idx.cuda()
     length = None
     ref_idx = idx
@@ -394,11 +400,7 @@ def test_gpu_gluon_skips_only_empty_tiles(dtype, ids_dtype):
     idx = torch.where(torch.rand(T, K, generator=gen) < 0.2, -1, idx)
     idx[pattern == 7] = -1
     idx[pattern == 7, -1] = 5
-    q = torch.randn(T, H, d, generator=gen).cuda()
-    kv = torch.randn(N, d, generator=gen).cuda()
-    sink = torch.randn(H, generator=gen).cuda()
-    do = torch.randn(T, H, d, generator=gen).cuda()
-    dlse = torch.randn(T, H, generator=gen).cuda() * 0.1
+    q, kv, sink, do, dlse = _gpu_inputs(T, H, d, N, gen)
     idx = idx.cuda()
     scale = d**-0.5
 

@@ -149,15 +149,26 @@ def _buffers(q_all, do_all, k_all, p_all, ds_all, i, slot):
 
 
 @gluon.jit
+def _item_row(w, n_hb, idx, stride_it, BH: gl.constexpr):
+    """Work item ``w`` = (query row, 64-head block): the row, the first head and the row's index list."""
+    t = (w // n_hb).to(gl.int64)
+    return t, (w % n_hb) * BH, idx + t * stride_it
+
+
+@gluon.jit
+def _item_tiles(n_keys, BK: gl.constexpr):
+    """Key tiles of an item: at least one, so that every item takes the same barrier phases in both partitions
+    (a tile of ``-1`` ids adds nothing)."""
+    return gl.maximum(gl.cdiv(n_keys, BK), 1)
+
+
+@gluon.jit
 def _work_item(w, n_hb, idx, topk_len, stride_it, K, BH: gl.constexpr, BK: gl.constexpr, HAS_LEN: gl.constexpr,
                TRIM: gl.constexpr):
-    """Work item ``w`` = (query row, 64-head block): the row, the first head, the row's index list, key count and
-    number of key tiles (at least one, so that every item takes the same barrier phases in both partitions; a
-    tile of ``-1`` ids adds nothing)."""
-    t = (w // n_hb).to(gl.int64)
-    h0 = (w % n_hb) * BH
-    idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN, TRIM)
-    return t, h0, idx_row, n_keys, gl.maximum(n_tiles, 1)
+    """Work item ``w``: its row, first head and index list (``_item_row``), key count and key tiles."""
+    t, h0, _ = _item_row(w, n_hb, idx, stride_it, BH)
+    idx_row, n_keys, _ = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN, TRIM)
+    return t, h0, idx_row, n_keys, _item_tiles(n_keys, BK)
 
 
 @gluon.jit
@@ -183,7 +194,7 @@ def _score_partition(
     s_zero = gl.zeros([BH, BK], gl.float32, layout=S_L)
 
     # The first item's first key tile; later items' first tiles are gathered at the end of the item before.
-    t, h0, idx_row, n_keys, n_tiles = _work_item(pid, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN, TRIM)
+    _, _, idx_row, n_keys, _ = _work_item(pid, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN, TRIM)
     ids_g = tile_ids(idx_row, 0, n_keys, BK, gl.SliceLayout(1, ROWS))
     _copy_rows(k_all.index(0), kv, ids_g, stride_kvn, BD, ids_g >= 0)
     g = 0  # key tiles done so far by this program: the per-tile barriers' phases
@@ -191,10 +202,8 @@ def _score_partition(
     for w in range(pid, n_work, n_prog):
         # This item's key count was read with the item before (its first gather); the next item's is read now,
         # once (with TRIM a scan of its list), and carried over: one register through the tile loop.
-        t = (w // n_hb).to(gl.int64)
-        h0 = (w % n_hb) * BH
-        idx_row = idx + t * stride_it
-        n_tiles = gl.maximum(gl.cdiv(n_keys, BK), 1)
+        t, h0, idx_row = _item_row(w, n_hb, idx, stride_it, BH)
+        n_tiles = _item_tiles(n_keys, BK)
         w_n = gl.minimum(w + n_prog, n_work - 1)  # the last item again at the end (its gather is skipped then)
         _, _, _, n_keys_n, _ = _work_item(w_n, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN, TRIM)
         offs_hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ROWS))
@@ -266,8 +275,7 @@ def _score_partition(
                 async_copy.mbarrier_arrive(kv_full, increment_count=False)
                 ids_g = tile_ids(idx_row, (i + 2) * BK, n_keys, BK, gl.SliceLayout(1, ROWS))
             elif w + n_prog < n_work:
-                ids_n = tile_ids(idx + (w_n // n_hb).to(gl.int64) * stride_it, 0, n_keys_n, BK,
-                                 gl.SliceLayout(1, ROWS))
+                ids_n = tile_ids(_item_row(w_n, n_hb, idx, stride_it, BH)[2], 0, n_keys_n, BK, gl.SliceLayout(1, ROWS))
                 mbarrier.wait(kv_empty, phase)
                 _copy_rows(k_smem, kv, ids_n, stride_kvn, BD, ids_n >= 0)
             g += 1

@@ -78,21 +78,28 @@ def scan_layout(n):
 
 
 @gluon.jit
+def _low_ids(idx_row, offs, n_keys):
+    """The ids at ``offs`` of a row's list (-1 at and past ``n_keys``), for their sign only: an int64 list is read
+    as its low 32-bit words (little-endian; -1 stays -1 and kv rows are far below 2^31), so the ids a thread holds
+    take one register each instead of two, which keeps the forward's math sides free of spills."""
+    if idx_row.dtype.element_ty == gl.int64:
+        low = gl.load(idx_row.to(gl.pointer_type(gl.int32)) + 2 * offs, mask=offs < n_keys, other=-1)
+    else:
+        low = gl.load(idx_row + offs, mask=offs < n_keys, other=-1)
+    return low
+
+
+@gluon.jit
 def _key_count(idx_row, n_keys, SCAN: gl.constexpr):
     """1 + the position of the last id >= 0 among the row's first ``n_keys`` (0 if there is none), read from the
-    end ``SCAN`` ids at a time: a row's valid ids usually reach into its last ``SCAN``, so one read. An int64 list
-    is read by its low words (see ``keys_valid``)."""
+    end ``SCAN`` ids at a time: a row's valid ids usually reach into its last ``SCAN``, so one read."""
     offs0 = gl.arange(0, SCAN, layout=scan_layout(SCAN))
     last = n_keys * 0
     c = gl.cdiv(n_keys, SCAN)
     while (last == 0) & (c > 0):
         c -= 1
         offs = c * SCAN + offs0
-        if idx_row.dtype.element_ty == gl.int64:
-            low = gl.load(idx_row.to(gl.pointer_type(gl.int32)) + 2 * offs, mask=offs < n_keys, other=-1)
-        else:
-            low = gl.load(idx_row + offs, mask=offs < n_keys, other=-1)
-        last = gl.max(gl.where(low >= 0, offs + 1, 0), axis=0)
+        last = gl.max(gl.where(_low_ids(idx_row, offs, n_keys) >= 0, offs + 1, 0), axis=0)
     return last
 
 
@@ -180,16 +187,8 @@ def _load_q(q, t, h0, stride_qt, stride_qh, buf, bar, BH: gl.constexpr, BD: gl.c
 
 @gluon.jit
 def keys_valid(idx_row, start, n_keys, BK: gl.constexpr, layout: gl.constexpr):
-    """Whether each key of the tile at ``start`` exists (index >= 0, within the row's count). Only the sign is
-    needed, so an int64 list is read as its low 32-bit words (little-endian; -1 stays -1 and kv rows are far
-    below 2^31): the 16 indices a thread holds then take 16 registers instead of 32, which keeps the math sides
-    free of spills."""
-    offs = start + gl.arange(0, BK, layout=layout)
-    if idx_row.dtype.element_ty == gl.int64:
-        low = gl.load(idx_row.to(gl.pointer_type(gl.int32)) + 2 * offs, mask=offs < n_keys, other=-1)
-    else:
-        low = gl.load(idx_row + offs, mask=offs < n_keys, other=-1)
-    return low >= 0
+    """Whether each key of the tile at ``start`` exists (index >= 0, within the row's count)."""
+    return _low_ids(idx_row, start + gl.arange(0, BK, layout=layout), n_keys) >= 0
 
 
 @gluon.jit
