@@ -27,15 +27,18 @@ from csattn.ops.sparse_attn.gluon_fwd import mma_layout
 
 
 @gluon.jit
-def _reductions(dkv, idx, n_rows, K: gl.constexpr, BD: gl.constexpr, FULL_LINES: gl.constexpr):
-    """Each program (one warpgroup) takes rows ``pid, pid + n_programs, ...`` as the persistent backward does and
-    adds a constant ``[64, 64]`` tile into every chunk of every 64-key tile's rows."""
+def _reductions(dkv, idx, n_rows, row_stride, K: gl.constexpr, BD: gl.constexpr, FULL_LINES: gl.constexpr):
+    """Each program (one warpgroup) takes work items ``pid, pid + n_programs, ...`` as the persistent backward does
+    and adds a constant ``[64, 64]`` tile into every chunk of every 64-key tile's rows. Item ``w`` is row
+    ``w * row_stride mod n_rows`` (``row_stride`` prime to ``n_rows``): with 1, the programs at work at one time
+    hold neighbouring rows, whose window keys are mostly the same rows of ``dkv``."""
     C_L: gl.constexpr = mma_layout(64, 1)
     pid = gl.program_id(0)
     tile = gl.full([64, 64], 1.0, gl.float32, C_L)
     for w in range(pid, n_rows, gl.num_programs(0)):
+        row = (w.to(gl.int64) * row_stride) % n_rows
         for i in range(K // 64):
-            ids = gl.load(idx + w * K + i * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, C_L)))
+            ids = gl.load(idx + row * K + i * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, C_L)))
             for c in gl.static_range(BD // 64):
                 red_rows(dkv, ids, tile, c * 64, BD, FULL_LINES)
 
@@ -81,6 +84,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--row-strides", default="1,257",
+                    help="whole-line red.v4 again with item w on row w * stride mod T (strides prime to T)")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
@@ -89,11 +94,13 @@ def main() -> None:
         idx, N = packed_indices(T, 0, 128, 512, 4, "cuda", gen)
         dkv = torch.zeros(N, 512, device="cuda", dtype=torch.float32)
         nbytes = float((idx >= 0).sum()) * 512 * 4
-        variants = {"red_v4_full_lines": (_reductions, dict(FULL_LINES=True)),
-                    "red_v4_half_lines": (_reductions, dict(FULL_LINES=False)),
+        variants = {"red_v4_full_lines": (_reductions, dict(FULL_LINES=True, row_stride=1)),
+                    "red_v4_half_lines": (_reductions, dict(FULL_LINES=False, row_stride=1)),
                     "bulk_256B": (_bulk_reductions, dict(NB=256, STORE=False)),
                     "bulk_128B": (_bulk_reductions, dict(NB=128, STORE=False)),
                     "bulk_256B_staged": (_bulk_reductions, dict(NB=256, STORE=True))}
+        variants.update({f"red_v4_full_lines_row_stride_{s}": (_reductions, dict(FULL_LINES=True, row_stride=int(s)))
+                         for s in args.row_strides.split(",") if int(s) != 1})
         ref = None
         for per_sm in (1, 2):
             for name, (kernel, consts) in variants.items():
