@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 
 import torch
 import triton
@@ -87,6 +88,10 @@ def main() -> None:
     ap.add_argument("--row-strides", default="1,257",
                     help="whole-line red.v4 again with item w on row w * stride mod T (strides prime to T)")
     args = ap.parse_args()
+    strides = [int(s) for s in args.row_strides.split(",")]
+    for T in (int(t) for t in args.tokens.split(",")):
+        if any(math.gcd(s, T) != 1 for s in strides):
+            ap.error(f"--row-strides {args.row_strides}: each stride must be prime to every token count ({T})")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     for T in (int(t) for t in args.tokens.split(",")):
@@ -99,8 +104,8 @@ def main() -> None:
                     "bulk_256B": (_bulk_reductions, dict(NB=256, STORE=False)),
                     "bulk_128B": (_bulk_reductions, dict(NB=128, STORE=False)),
                     "bulk_256B_staged": (_bulk_reductions, dict(NB=256, STORE=True))}
-        variants.update({f"red_v4_full_lines_row_stride_{s}": (_reductions, dict(FULL_LINES=True, row_stride=int(s)))
-                         for s in args.row_strides.split(",") if int(s) != 1})
+        variants.update({f"red_v4_full_lines_row_stride_{s}": (_reductions, dict(FULL_LINES=True, row_stride=s))
+                         for s in strides if s != 1})
         ref = None
         for per_sm in (1, 2):
             for name, (kernel, consts) in variants.items():

@@ -423,9 +423,9 @@ def test_gpu_gluon_skips_only_empty_tiles(dtype, ids_dtype):
     # dkv: the fp32 sums before the cast (atomics in any order: fp32 rounding apart, where a skipped valid tile is
     # O(1)); the cast results above may differ by one ulp of the output dtype where a sum sits on a rounding edge
     sums = []
+    o, lse = every[0].detach(), every[1].detach()
     for spec in ("skip_empty_tiles=1", "skip_empty_tiles=0"):
         acc = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
-        o, lse = every[0].detach(), every[1].detach()
         sparse_attn_bwd(q.to(dtype), kv.to(dtype), idx.to(ids_dtype), sink, scale, o, lse, do.to(dtype), dlse,
                         config=SparseAttnConfig.parse(spec), dkv_accum=acc)
         sums.append(acc)
