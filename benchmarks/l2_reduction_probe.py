@@ -88,13 +88,14 @@ def main() -> None:
     ap.add_argument("--row-strides", default="1,257",
                     help="whole-line red.v4 again with item w on row w * stride mod T (strides prime to T)")
     args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
     strides = [int(s) for s in args.row_strides.split(",")]
-    for T in (int(t) for t in args.tokens.split(",")):
+    for T in tokens:
         if any(math.gcd(s, T) != 1 for s in strides):
             ap.error(f"--row-strides {args.row_strides}: each stride must be prime to every token count ({T})")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
-    for T in (int(t) for t in args.tokens.split(",")):
+    for T in tokens:
         gen = torch.Generator(device="cuda").manual_seed(0)
         idx, N = packed_indices(T, 0, 128, 512, 4, "cuda", gen)
         dkv = torch.zeros(N, 512, device="cuda", dtype=torch.float32)
