@@ -17,7 +17,7 @@ from torch import Tensor
 from ..ops.compressor.custom_ops import compress_pool_op
 from ..ops.indexer import IndexerConfig, indexer_topk
 from ..ops.indexer.custom_ops import indexer_topk_static_op
-from ..ops.indexer_loss import IndexerLossAutoScaler, IndexerLossConfig, indexer_kl_loss
+from ..ops.indexer_loss import IndexerLossConfig, indexer_kl_loss
 from ..ops.indexer_loss.custom_ops import indexer_kl_loss_op
 from ..ops.recompute import row_chunked
 from ..ops.sparse_attn import SparseAttnConfig, sparse_attn
@@ -27,12 +27,6 @@ from .modules import Compressor, RowPieces, map_rows
 from .projections import output_proj_op, query_heads_op
 
 __all__ = ["OpSet", "EagerOps", "CustomOps", "EAGER", "CUSTOM"]
-
-
-@torch.compiler.assume_constant_result
-def _frozen_loss_scale() -> float:
-    scale = IndexerLossAutoScaler.main_loss_backward_scale
-    return 1.0 if scale is None else float(scale)
 
 
 class EagerOps:
@@ -123,7 +117,9 @@ class CustomOps(EagerOps):
 
     def loss_scale(self) -> float | None:
         """Read when the forward runs, so a captured graph or compiled function keeps the scale it was built with."""
-        return _frozen_loss_scale()
+        from .frozen_scale import frozen_loss_scale  # lazy: it imports torch._dynamo (see its module)
+
+        return frozen_loss_scale()
 
     def unblocked(self, layer_type: str, loss_type: str, want_loss: bool) -> bool:
         """Also under ``torch.compile``: the block-recomputed core calls ``torch.autograd.grad``, which the compiler
