@@ -60,11 +60,12 @@ def _build(shape: dict, device, dtype, backend: str, variant: str) -> Case:
     scale = shape["dim"] ** -0.5
     config = None
     if backend == "triton":
-        from csattn.ops.sparse_attn import SparseAttnConfig
+        from csattn.ops.sparse_attn.config import SparseAttnAblation
 
-        # variant "bk_fwd=32,fwd_gluon=0": the kernels' launch settings (the defaults otherwise)
+        # variant "bk_fwd=32,fwd_gluon=0": the kernels' launch settings, or the lab's switches ("fwd_persistent=0";
+        # SparseAttnAblation); the defaults otherwise
         try:
-            config = SparseAttnConfig.parse(variant)
+            config = SparseAttnAblation.parse(variant)
         except ValueError as e:
             raise Skip(f"bad variant {variant!r}: {e}") from e
         info["config"] = config.as_dict()

@@ -23,26 +23,23 @@ try:
     import triton
     import triton.language as tl
 
-    from csattn.ops.indexer.triton import _bisect_regs, _radix_regs
+    from csattn.ops.indexer.triton import _bisect_regs
 except ImportError:  # pragma: no cover - the kernel tests need Triton
     triton = None
 
 if triton is not None:
     @triton.jit
-    def _both_searches(keys, n, out, scratch, RB: tl.constexpr, CAND: tl.constexpr, GATHER: tl.constexpr):
-        """Program ``p`` runs both threshold searches for ``kk = p + 1`` on one int32 row (the bisection gathers
-        its ids to the first ``RB`` slots of the program's scratch row, its bracket's keys after them)."""
+    def _bisection(keys, n, out, scratch, RB: tl.constexpr, CAND: tl.constexpr, GATHER: tl.constexpr):
+        """Program ``p`` runs the threshold search for ``kk = p + 1`` on one int32 row (it gathers its ids to the
+        first ``RB`` slots of the program's scratch row, its bracket's keys after them)."""
         kk = tl.program_id(0) + 1
         rel = tl.arange(0, RB)
         key = tl.load(keys + rel, mask=rel < n, other=-(2**31))
         ids = scratch + tl.program_id(0) * (RB + CAND)
         t1, a1, gathered = _bisect_regs(key, kk, n, keys, ids, ids + RB, CAND, 16, GATHER)
-        t2, a2 = _radix_regs(key, kk)
         base = out + tl.program_id(0) * 5
         tl.store(base, t1)
         tl.store(base + 1, a1)
-        tl.store(base + 2, t2)
-        tl.store(base + 3, a2)
         tl.store(base + 4, gathered)
 
 
@@ -88,38 +85,15 @@ def test_topk_equals_reference_exact(lengths, padded, topk, workspace, search, s
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize(
-    "lengths,padded,topk,workspace",
-    [
-        pytest.param([37, 58, 5, 23], [40, 60, 8, 24], 6, 1 << 30, id="ragged_padded_ties"),
-        pytest.param([64, 3], [64, 3], 32, 1 << 30, id="topk_gt_visible"),
-        pytest.param([50, 29], [52, 29], 5, 1, id="tiny_workspace_chunks"),
-    ],
-)
-def test_topk_radix_select_equals_reference_exact(lengths, padded, topk, workspace):
-    """``IndexerConfig(radix=1)``: the threshold by radix-histogram passes selects exactly the reference's ids
-    in its order (integer inputs: exact scores, many ties)."""
-    from csattn.ops.indexer import IndexerConfig
-
-    gen = torch.Generator().manual_seed(sum(lengths) + topk)
-    packed, meta = _pack(lengths, padded)
-    q, w, k = _int_inputs(packed.num_rows, meta.num_entries, 3, 16, gen)
-    expected = indexer_topk_ref(q, w, k, meta.vis_start, meta.vis_end, topk)
-    got = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, topk, workspace_bytes=workspace, backend="triton",
-                       config=IndexerConfig(radix=1))
-    assert torch.equal(got, expected)
-
-
 @pytest.mark.parametrize("gather", [True, False], ids=["gather", "no_gather"])
 @pytest.mark.parametrize("cand", [2, 8, 64], ids=["cand2", "cand8", "cand64"])
 @pytest.mark.parametrize("case", ["random", "extremes", "ties", "clustered"])
-def test_radix_threshold_equals_bisection(case, cand, gather):
-    """The radix search and the bisection return the same ``(threshold, count above)`` on int32 rows across
-    the whole range (negative keys, INT32_MIN / INT32_MAX, long runs of equal keys, keys one apart, padding),
-    for every kk; the bisection hands over to its parked-candidate phase at brackets of 2, 8 or 64 keys (64: the
-    whole row from the start). Without ``GATHER`` (lists of more than 2^14 ids) it gathers no ids, the same
-    threshold."""
-    both = _both_searches
+def test_bisection_threshold_exact(case, cand, gather):
+    """The bisection returns the exact ``(threshold, count above)`` on int32 rows across the whole range (negative
+    keys, INT32_MIN / INT32_MAX, long runs of equal keys, keys one apart, padding), for every kk; it hands over to
+    its parked-candidate phase at brackets of 2, 8 or 64 keys (64: the whole row from the start). Without
+    ``GATHER`` (lists of more than 2^14 ids) it gathers no ids, the same threshold."""
+    search = _bisection
     gen = torch.Generator().manual_seed(3)
     n = 45
     if case == "random":
@@ -134,11 +108,11 @@ def test_radix_threshold_equals_bisection(case, cand, gather):
     keys = keys.to(torch.int32).to(DEVICE)
     out = torch.full((n, 5), 7, dtype=torch.int32, device=DEVICE)
     scratch = torch.full((n, 64 + cand), 7, dtype=torch.int32, device=DEVICE)
-    both[(n,)](keys, n, out, scratch, RB=64, CAND=cand, GATHER=gather)
+    search[(n,)](keys, n, out, scratch, RB=64, CAND=cand, GATHER=gather)
     out, scratch, keys = out.cpu(), scratch.cpu(), keys.cpu()
-    assert torch.equal(out[:, :2], out[:, 2:4]), out
     ordered = torch.sort(keys, descending=True).values
     assert torch.equal(out[:, 0], ordered[:n])  # the kk-th largest
+    assert torch.equal(out[:, 1], (keys[None, :] > out[:, :1]).sum(1).to(torch.int32)), out  # the count above
     # Gathered ids: those of every key at or above some bound no greater than the threshold, ascending, fewer
     # than kk + cand (0: the whole-row counts found the threshold themselves).
     if not gather:
@@ -285,7 +259,7 @@ def test_topk_gpu_bf16_real_geometry():
     assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton", config=streamed),
                        got)
     # So do the other search and sort settings the benchmark compares, in the same order.
-    for spec in ("seg=1024", "seg=2048", "seg=2048,select_warps=8", "radix=1", "cand=2", "tma=1",
+    for spec in ("seg=1024", "seg=2048", "seg=2048,select_warps=8", "cand=2", "tma=1",
                  "bt=128,warps=8,stages=3"):
         config = IndexerConfig.parse(spec)
         assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton", config=config),
@@ -307,7 +281,4 @@ def test_topk_gpu_rows_of_32k_keys_exact():
     assert torch.equal(got, expected)
     streamed = IndexerConfig(register_row=16384)
     assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton", config=streamed),
-                       expected)
-    radix = IndexerConfig(radix=1)
-    assert torch.equal(indexer_topk(q, w, k, meta.vis_start, meta.vis_end, 512, backend="triton", config=radix),
                        expected)

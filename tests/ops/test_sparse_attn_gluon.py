@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from csattn.ops.sparse_attn import sparse_attn, sparse_attn_ref
-from csattn.ops.sparse_attn.config import SparseAttnConfig
+from csattn.ops.sparse_attn.config import SparseAttnAblation, SparseAttnConfig
 from tests.helpers import rel_err
 from tests.ops.sparse_attn_cases import NAMES, grads_of, lowp_attn, packed_indices
 
@@ -49,7 +49,7 @@ else:
            "n_work": "i32", "n_hb": "i32"}
     consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "TRIM": True, "BH": 64, "BD": d, "BK": bk,
               "KEY_REGS": 240,
-              "FULL_LINES": bool(SparseAttnConfig().bwd_full_lines)}
+              "FULL_LINES": True}
 sig.update({k: "constexpr" for k in consts})
 # what the launcher's specialization sees at run time: 16-aligned pointers and strides
 attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
@@ -321,7 +321,7 @@ def test_gpu_gluon_kernels(case, dtype, variant):
     assert uses_gluon_bwd(q.to(dtype), kv.to(dtype), SparseAttnConfig())
 
     def fused(spec):
-        config = SparseAttnConfig.parse(spec)
+        config = SparseAttnAblation.parse(spec)
         return grads_of(lambda a, b, s: sparse_attn(a, b, idx, s, scale, topk_length=length, backend="triton",
                                                     config=config),
                         q.to(dtype), kv.to(dtype), sink, do, dlse)
@@ -348,7 +348,7 @@ def test_gpu_gluon_forward_is_deterministic(variant):
     whole, where int64 ones are read by their low words for the score mask) give the same bits."""
     if not _hopper():
         pytest.skip("the Gluon kernels are built for sm_90")
-    from csattn.ops.sparse_attn.triton import SparseAttnConfig, sparse_attn_fwd
+    from csattn.ops.sparse_attn.triton import sparse_attn_fwd
 
     gen = torch.Generator().manual_seed(5)
     idx, N = packed_indices([3000, 17, 2100, 900], window=128, topk=512, ratio=4, pad_rows=40, gen=gen)
@@ -359,7 +359,7 @@ def test_gpu_gluon_forward_is_deterministic(variant):
     idx = idx.cuda()
     length = torch.randint(0, idx.shape[1] + 1, (T,), generator=gen).cuda()
     length[::5] = 0
-    config = SparseAttnConfig.parse(variant)
+    config = SparseAttnAblation.parse(variant)
     o0, lse0 = sparse_attn_fwd(q, kv, idx, sink, d**-0.5, topk_length=length, config=config)
     for _ in range(20):
         o, lse = sparse_attn_fwd(q, kv, idx, sink, d**-0.5, topk_length=length, config=config)
@@ -380,7 +380,7 @@ def test_gpu_gluon_skips_only_empty_tiles(dtype, ids_dtype):
     2x the same-dtype error of fp64; dkv's fp32 sums (atomics in any order) within fp32 rounding."""
     if not _hopper():
         pytest.skip("the Gluon kernels are built for sm_90")
-    from csattn.ops.sparse_attn.triton import SparseAttnConfig, sparse_attn_bwd
+    from csattn.ops.sparse_attn.triton import sparse_attn_bwd
 
     gen = torch.Generator().manual_seed(11)
     T, H, d, K, BK, N = 700, 64, 512, 640, 64, 3000
@@ -405,7 +405,7 @@ def test_gpu_gluon_skips_only_empty_tiles(dtype, ids_dtype):
     scale = d**-0.5
 
     def fused(spec):
-        config = SparseAttnConfig.parse(spec)
+        config = SparseAttnAblation.parse(spec)
         return grads_of(lambda a, b, s: sparse_attn(a, b, idx.to(ids_dtype), s, scale, backend="triton",
                                                     config=config),
                         q.to(dtype), kv.to(dtype), sink, do, dlse)
@@ -427,7 +427,7 @@ def test_gpu_gluon_skips_only_empty_tiles(dtype, ids_dtype):
     for spec in ("skip_empty_tiles=1", "skip_empty_tiles=0"):
         acc = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
         sparse_attn_bwd(q.to(dtype), kv.to(dtype), idx.to(ids_dtype), sink, scale, o, lse, do.to(dtype), dlse,
-                        config=SparseAttnConfig.parse(spec), dkv_accum=acc)
+                        config=SparseAttnAblation.parse(spec), dkv_accum=acc)
         sums.append(acc)
     assert rel_err(sums[0], sums[1]) < 1e-6, rel_err(sums[0], sums[1])
     empty = (idx < 0).all(1)

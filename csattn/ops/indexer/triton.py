@@ -170,44 +170,6 @@ def _bisect_regs(key, kk, n, row, ids, ck, CAND: tl.constexpr, SEG: tl.constexpr
 
 
 @triton.jit
-def _radix_digit(hist, need, NB: tl.constexpr):
-    """One radix pass: in ``hist`` (counts of a digit among the keys still in play), the digit ``b`` of the
-    need-th largest key and how many keys in play have a larger digit."""
-    bins = tl.arange(0, NB)
-    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys in play with digit >= j
-    b = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1  # non-increasing in j: the last j that holds need
-    return b, tl.sum(tl.where(bins > b, hist, 0), axis=0)
-
-
-@triton.jit
-def _radix_pass(u, prefix, need, SHIFT: tl.constexpr, BITS: tl.constexpr):
-    """Histogram of bits ``[SHIFT, SHIFT + BITS)`` of the keys whose higher bits are ``prefix`` (the others are
-    counted out of bin 0), then :func:`_radix_digit`."""
-    play = (u >> (SHIFT + BITS)) == prefix
-    digit = tl.where(play, (u >> SHIFT) & ((1 << BITS) - 1), 0).to(tl.int32)
-    out = tl.sum((~play).to(tl.int32), axis=0)
-    hist = tl.histogram(digit, 1 << BITS)
-    hist = hist - tl.where(tl.arange(0, 1 << BITS) == 0, out, 0)
-    b, above = _radix_digit(hist, need, 1 << BITS)
-    return (prefix << BITS) | b.to(tl.int64), need - above
-
-
-@triton.jit
-def _radix_regs(key, kk):
-    """:func:`_bisect_regs` by a radix select: three histogram passes over the in-register row (11, 11 and 10
-    bits, most significant first, of the key with its sign bit flipped, so that unsigned order is the keys'
-    order) instead of up to 32 block-wide counts. Padding keys (INT32_MIN) sort last and never reach the
-    kk-th place of a row with at least kk real keys."""
-    u = key.to(tl.int64) + 2**31
-    prefix = tl.zeros((), dtype=tl.int64)
-    need = kk.to(tl.int32)
-    prefix, need = _radix_pass(u, prefix, need, 21, 11)
-    prefix, need = _radix_pass(u, prefix, need, 10, 11)
-    prefix, need = _radix_pass(u, prefix, need, 0, 10)
-    return (prefix - 2**31).to(tl.int32), kk - need
-
-
-@triton.jit
 def _bisect_stream(base, start, end, kk, BK: tl.constexpr):
     """``_bisect_regs`` for a row too long for registers: every step streams the row in ``BK`` tiles."""
     lo = tl.full((), -(2**31), tl.int64)
@@ -297,7 +259,7 @@ def indexer_topk_select_kernel(
     scores, vis_start, vis_end, out,
     row_lo, key_lo, stride_s, topk,
     BK: tl.constexpr, RB: tl.constexpr, IN_REGS: tl.constexpr, SEG: tl.constexpr, CAND: tl.constexpr,
-    MB: tl.constexpr, GATHER: tl.constexpr = True, RADIX: tl.constexpr = False,
+    MB: tl.constexpr, GATHER: tl.constexpr = True,
 ):
     """Row ``row_lo + program`` of ``out``: the ids of its ``min(visible, topk)`` best keys in ascending order
     (ties to the lower id), then -1. The row of ``out`` (``8 * topk`` bytes: ``2 * topk`` int32 slots) is also the
@@ -326,11 +288,8 @@ def indexer_topk_select_kernel(
             # Keys past the row read as INT32_MIN: every threshold tried is above it, so counts need no mask.
             rel = tl.arange(0, RB)
             key = tl.load(base + start + rel, mask=rel < n, other=-(2**31))
-            if RADIX:
-                thr, above = _radix_regs(key, kk)
-            else:
-                thr, above, gathered = _bisect_regs(key, kk, n, base + start, scratch, scratch + 2 * topk - CAND,
-                                                    CAND, SEG, GATHER)
+            thr, above, gathered = _bisect_regs(key, kk, n, base + start, scratch, scratch + 2 * topk - CAND,
+                                                CAND, SEG, GATHER)
         else:
             thr, above = _bisect_stream(base, start, end, kk, BK)
         need_eq = kk - above
@@ -506,7 +465,7 @@ def select_topk(scores: Tensor, vis_start: Tensor, vis_end: Tensor, out: Tensor,
     indexer_topk_select_kernel[(scores.shape[0],)](
         scores, vis_start, vis_end, out, row_lo, key_lo, scores.stride(0), topk,
         BK=1024, RB=rb if in_regs else 16, IN_REGS=in_regs, SEG=cfg.seg, CAND=cand,
-        MB=mb if gather else 16, GATHER=gather, RADIX=bool(cfg.radix),
+        MB=mb if gather else 16, GATHER=gather,
         num_warps=max(cfg.select_warps, rb // 4096) if in_regs else 16,
     )
 

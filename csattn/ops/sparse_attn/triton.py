@@ -10,6 +10,7 @@ matrix product. Only ``o`` and ``lse`` are saved; the backward recomputes the sc
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 
@@ -245,20 +246,22 @@ def sparse_attn_bwd_kernel_dkv(
 
 
 _DEFAULT = SparseAttnConfig()
+_log = logging.getLogger(__name__)
 _REPORTED: set = set()
 
 
 def _report(what: str, kernel, cfg: SparseAttnConfig) -> None:
-    """With ``cfg.verbose``, print registers, spills and shared memory once per config."""
-    if not cfg.verbose or kernel is None:
+    """At DEBUG level of this module's logger, log registers, spills and shared memory once per kernel and config
+    (for tuning runs: ``logging.getLogger("csattn.ops.sparse_attn.triton").setLevel(logging.DEBUG)``)."""
+    if kernel is None or not _log.isEnabledFor(logging.DEBUG):
         return
-    key = (what, tuple(sorted(cfg.as_dict().items())))
+    key = (what, type(cfg), tuple(sorted(cfg.as_dict().items())))
     if key in _REPORTED:
         return
     _REPORTED.add(key)
     shared = getattr(getattr(kernel, "metadata", None), "shared", None)
-    print(f"[sparse_attn {what}] {cfg.as_dict()} regs={getattr(kernel, 'n_regs', '?')} "
-          f"spills={getattr(kernel, 'n_spills', '?')} shared={shared}", flush=True)
+    _log.debug("sparse_attn %s %s: regs=%s spills=%s shared=%s", what, cfg.as_dict(), getattr(kernel, "n_regs", "?"),
+               getattr(kernel, "n_spills", "?"), shared)
 
 
 def _head_block(h: int, cfg: SparseAttnConfig) -> int:
