@@ -15,6 +15,7 @@ place (or assigning a new one) empties it, so a stale layout is never reused.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +100,36 @@ def entry_layout(
     return cu_comp, local, rows.doc_start[entry_doc] + local * ratio, vis_start, vis_start + visible
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _prefix_sum(lengths: Any, name: str) -> Tensor:
+    """``[0, cumsum(lengths)]`` int64 after checking ``lengths`` are non-negative integers whose total fits the
+    int32 ``cu_seqlens`` (a float would be truncated and an overflow wrap around without a word)."""
+    if isinstance(lengths, Tensor):
+        if lengths.dim() != 1 or lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+            raise ValueError(f"{name} must be a list of ints or a 1-D integer tensor, got a {lengths.dtype} tensor of "
+                             f"shape {tuple(lengths.shape)}")
+        values = lengths.tolist()
+    else:
+        try:
+            values = list(lengths)
+        except TypeError:
+            raise ValueError(f"{name} must be a list of ints (one per document), got "
+                             f"{type(lengths).__name__}") from None
+    for i, n in enumerate(values):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise ValueError(f"{name}[{i}] = {n!r} is not an integer: {name} counts tokens (got a "
+                             f"{type(n).__name__}; round it yourself, e.g. int({n!r}), if that is what you mean)")
+        if n < 0:
+            raise ValueError(f"{name}[{i}] = {n} must be >= 0")
+    total = sum(int(n) for n in values)
+    if total > _INT32_MAX:
+        raise ValueError(f"{name} sum to {total} tokens, past the int32 range of cu_seqlens (at most {_INT32_MAX}): "
+                         "split the pack")
+    return torch.tensor([0, *(int(n) for n in values)], dtype=torch.int64).cumsum(0)
+
+
 @dataclass
 class RowMeta:
     """Per-row facts of a packed stream (all ``[T]`` unless noted)."""
@@ -167,9 +198,20 @@ class PackedSeqs:
         padded_lengths: list[int] | None = None,
         device: torch.device | str | None = None,
     ) -> PackedSeqs:
-        """Build from per-document real lengths (and optional physical lengths >= real)."""
-        real = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
-        padded = real if padded_lengths is None else torch.tensor([0, *padded_lengths]).cumsum(0)
+        """Build from per-document real lengths (and optional physical lengths >= real).
+
+        Args:
+            lengths: ``N`` non-negative ints (a list, or a 1-D integer tensor), the real tokens of each document.
+            padded_lengths: optional ``N`` ints >= ``lengths``, the rows each document occupies.
+            device: where the prefix sums go.
+
+        Raises ``ValueError`` naming the argument for a non-integer or negative length, or a total past the int32
+        range of the prefix sums.
+        """
+        real = _prefix_sum(lengths, "lengths")
+        padded = real if padded_lengths is None else _prefix_sum(padded_lengths, "padded_lengths")
+        if padded_lengths is not None and padded.numel() != real.numel():
+            raise ValueError(f"padded_lengths has {padded.numel() - 1} documents but lengths has {real.numel() - 1}")
         out = cls(
             cu_seqlens=real.to(torch.int32).to(device),
             cu_seqlens_padded=padded.to(torch.int32).to(device),

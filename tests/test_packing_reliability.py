@@ -95,3 +95,31 @@ def test_static_packed_seqs_inside_no_host_sync_reads_nothing():
     with NoHostSync():
         inside = StaticPackedSeqs(cu, cu_pad, num_rows=12, max_seqlen=6)  # the capture stand-in: no check
         layer(x, packed=inside).sum().backward()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lengths=[10.7, 3]), r"lengths\[0\] = 10.7 is not an integer"),
+    (dict(lengths=[4, 3.0]), r"lengths\[1\] = 3.0 is not an integer"),
+    (dict(lengths=[4, True]), r"lengths\[1\] = True is not an integer"),
+    (dict(lengths=torch.tensor([4.0, 3.0])), r"lengths must be a list of ints or a 1-D integer tensor"),
+    (dict(lengths=[4, -1]), r"lengths\[1\] = -1 must be >= 0"),
+    (dict(lengths=[2**31]), r"lengths sum to 2147483648 tokens, past the int32 range"),
+    (dict(lengths=[2**30, 2**30]), r"lengths sum to 2147483648 tokens"),
+    (dict(lengths=[4, 3], padded_lengths=[4, 2**31]), r"padded_lengths sum to .* past the int32 range"),
+    (dict(lengths=[4, 3], padded_lengths=[4.5, 3]), r"padded_lengths\[0\] = 4.5 is not an integer"),
+    (dict(lengths=[4, 3], padded_lengths=[4]), r"padded_lengths has 1 documents but lengths has 2"),
+], ids=["float", "integral_float", "bool", "float_tensor", "negative", "past_int32", "sum_past_int32",
+        "padded_past_int32", "padded_float", "padded_count"])
+def test_from_lengths_refuses_what_would_be_truncated_or_wrap(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PackedSeqs.from_lengths(**kwargs)
+
+
+def test_from_lengths_takes_integer_tensors_and_numpy_ints():
+    import numpy as np
+
+    expected = [0, 4, 7]
+    assert PackedSeqs.from_lengths(torch.tensor([4, 3])).cu_seqlens.tolist() == expected
+    assert PackedSeqs.from_lengths(np.array([4, 3])).cu_seqlens.tolist() == expected
+    assert PackedSeqs.from_lengths([np.int64(4), 3], padded_lengths=[4, 5]).cu_seqlens_padded.tolist() == [0, 4, 9]
+    assert PackedSeqs.from_lengths([2**31 - 1]).cu_seqlens.tolist() == [0, 2**31 - 1]
