@@ -13,9 +13,10 @@ __all__ = ["IndexerLossConfig"]
 class IndexerLossConfig(KernelConfig):
     """Candidates per tile and warps of the forward / backward programs.
 
-    Measured on the H200 at 32k tokens, k=512: forward 8.7 ms with 32 x 4 warps (12.5 ms with 64 x 8),
-    backward 7.5 ms with 64 x 8 warps (10.7 ms with 32 x 8). The benchmark's variants
-    (``IndexerLossConfig.parse("bk_fwd=64,warps_fwd=8")``) override these.
+    Defaults are the fastest measured on an H200 at k = 512 (BENCHMARKS.md): the forward keeps one row's
+    candidates in small tiles on 4 warps (its per-row softmax state is the cost), the backward's key-gradient
+    products want larger tiles on 8. ``IndexerLossConfig.parse("bk_fwd=64,warps_fwd=8")`` is how a variant is
+    written.
     """
 
     bk_fwd: int = 32

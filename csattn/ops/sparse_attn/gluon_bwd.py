@@ -25,7 +25,7 @@ used by turns, so the score warpgroup writes tile i + 1's while the key warpgrou
 so the next item's q and dO come in piece by piece under its remaining chunks). One key slot: 230 KB of shared
 memory at d = 512. ``dkv`` is not bitwise reproducible run to run (atomics); dq and dsink are.
 
-Measured on the H200 (bf16, H = 64, d = 512, k + W = 640) beside cuDNN Frontend 1.32's SM90 kernel: BENCHMARKS.md.
+BENCHMARKS.md has it beside cuDNN Frontend's SM90 kernel.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _stored_columns(tile):
 def _red_v4_asm(byte_offset):
     """One predicated whole-vector fp32 reduction at ``[$4 + byte_offset]`` (4 values a thread, ``pack=4``), no
     result. ``gl.atomic_add`` (Triton 3.6) writes an ``atom`` whose address is computed again for every chunk; here a
-    chunk's offset from the tile's row pointers is an immediate (32k: -1 %, BENCHMARKS.md)."""
+    chunk's offset from the tile's row pointers is an immediate (fewer instructions and spills)."""
     return ("{ .reg .pred p; setp.ne.b32 p, $12, 0; "
             f"@p red.global.gpu.relaxed.add.v4.f32 [$4+{byte_offset}], {{$8, $9, $10, $11}}; "
             "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }")
@@ -93,8 +93,8 @@ def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr):
     compile-time column; the row pointers do not depend on it, so a tile's chunks share them.
 
     In true column order a warp's reduction from the MMA layout adds 8 rows x 32 bytes, which L2 serves as 8
-    one-sector requests, and that request rate bounded the kernel (L2 at 72-78 % of peak); two trades made them
-    whole lines (22.7 -> 18.3 ms at 32k tokens) but cost the key warpgroup more than half its instructions."""
+    one-sector requests, and that request rate bounded the kernel; two trades make them whole lines (faster,
+    though the key warpgroup spends more than half its instructions on them)."""
     layout: gl.constexpr = red_layout(FULL_LINES)
     vals = gl.convert_layout(_stored_columns(tile), layout)
     # the two 32-column halves (a register bit in this layout) share row pointers, +128 bytes as an immediate
@@ -142,8 +142,7 @@ def _buffers(q_all, do_all, k_all, p_all, ds_all, i, slot):
     """The shared-memory operands for key tile ``i``, through an index that is always 0 but opaque to the
     compiler (inline asm; a loop-guarded expression it folds). Otherwise it hoists every MMA's shared-memory
     descriptor out of the tile loop (about a hundred 64-bit values) and spills them, and each MMA then waits
-    on a local-memory reload: that was the top stall (ncu); 1.3 KB of spills -> 104 bytes, 30.0 -> 22.7 ms
-    at 32k tokens."""
+    on a local-memory reload, the kernel's top stall (ncu) before this index."""
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
     return q_all.index(z), do_all.index(z), k_all.index(z), p_all.index(z + slot), ds_all.index(z + slot)
 
@@ -291,7 +290,7 @@ def _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, i, g, LAST: gl.constex
     and the tile's dkv rows, ``P^T dO + dS^T q`` in 64-column chunks, two in flight, each reduced into ``dkv``
     as the next one runs. ``LAST``: the item's last tile, which also frees q and dO column piece by piece for
     the next item; a separate instance, because a runtime branch among the chunks puts partition barriers
-    between them (measured 7 % slower a tile)."""
+    between them (slower)."""
     DC: gl.constexpr = 64  # key-side column chunk: [BK = 64, 64] tiles, the shape red_rows takes
     C_L: gl.constexpr = mma_layout(DC, 1)
     q_all, do_all, k_all, p_all, ds_all, kv_full, kv_empty, pds_full, pds_empty, qdo_free = smem

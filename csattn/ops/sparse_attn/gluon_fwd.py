@@ -15,17 +15,16 @@ even tiles, in key slot 0; side 1 the odd ones, slot 1) and a producer warpgroup
   next score product starts on the half that lands first. q, two 64-key slots and two ``P`` buffers: 209 KB at
   d = 512 (a third slot does not fit; the halves are what let two slots hold the two tiles in flight and still
   prefetch).
-- A program loops over (row, 64-head) items (``fwd_persistent`` programs an SM) and everything runs on across
+- A program loops over (row, 64-head) items (one program an SM) and everything runs on across
   items: the producer loads the next item's q as soon as both sides' last score products of this item are done,
   and the next item's first pair of key tiles as the slots free up; the per-pair barriers' phases count pairs
   over the whole program.
 - Each side stores its half of ``o`` from registers after one in-warp swap (8-byte row pieces; from the MMA layout
   they were 4-byte pieces, half a sector each).
 
-The schedule is FlashMLA's SM90 sparse prefill's (docs/peers/flashmla_sm90_sparse_fwd.md). Measured on the H200
-(bf16, H = 64, d = 512, k + W = 640, 32k tokens): 5.34 ms, 515 TFLOP/s; the lockstep build it replaced (both
-warpgroups on every tile, CTA barriers between the products) 6.96 ms, 395 TFLOP/s; the Triton kernel 11.3 ms
-(BENCHMARKS.md).
+The schedule is FlashMLA's SM90 sparse prefill's (lab/peers/flashmla_sm90_sparse_fwd.md); it is faster than a
+lockstep build (both warpgroups on every tile, CTA barriers between the products) and about twice the Triton
+kernel (BENCHMARKS.md).
 """
 
 from __future__ import annotations

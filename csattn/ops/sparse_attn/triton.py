@@ -51,7 +51,7 @@ def sparse_attn_fwd_kernel(
 ):
     # The [BH = 64, BK] score tile feeds P V straight from registers; Triton lays it out on both warpgroups, each
     # computing all of it (3 MMA units issued per 2 counted). Taking it key-major (S^T = K Q^T, P through a
-    # transpose) avoids that but measured slower on the H200 (178 vs 244 TFLOP/s at 32k tokens): README.
+    # transpose) avoids that but is slower (README, "Why this design").
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
@@ -117,7 +117,7 @@ def sparse_attn_bwd_kernel_dq(
     BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # Row-major products: q and do are A operands, the key tile the B operand of all three dots (the key-major
-    # form, S^T and dP^T with the key tile as shared A operand, measured slower: README).
+    # form, S^T and dP^T with the key tile as shared A operand, is slower: README).
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
@@ -453,7 +453,7 @@ def sparse_attn_bwd(
         )
         if gluon:
             # One warp-specialized kernel for dq, dkv and dsink (64-head blocks, d = BD, 64-key tiles); the key
-            # warpgroup keeps 240 registers of the 256 a thread may have (232 measured 11 % slower at 32k).
+            # warpgroup keeps 240 registers of the 256 a thread may have (fewer spill in its tile loop).
             del common["D"], common["BH"], common["BD"], common["DOT_PREC"]
             n_work = T * (H // 64)
             kernel = _gluon_kernel("bwd")[(_programs(n_work, q.device, cfg.bwd_persistent),)](
