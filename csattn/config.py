@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -14,6 +16,10 @@ __all__ = ["AttentionConfig", "LAYER_TYPES"]
 
 LayerType = Literal["sliding", "csa", "hca"]
 LAYER_TYPES: tuple[str, ...] = ("sliding", "csa", "hca")
+
+# integer fields (compress_ratio is checked with the layer type: 0 on sliding layers)
+_INT_FIELDS = ("hidden_size", "num_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+               "sliding_window", "index_n_heads", "index_head_dim", "index_topk", "workspace_bytes", "attn_chunk_rows")
 
 _HF_LAYER_TYPES = {
     "sliding_attention": "sliding",
@@ -82,9 +88,23 @@ class AttentionConfig:
         """Raise ``ValueError`` naming the field on inconsistent settings."""
         if self.layer_type not in LAYER_TYPES:
             raise ValueError(f"layer_type must be one of {LAYER_TYPES}, got {self.layer_type!r}")
+        # sizes must be ints: a float slips through the range checks below and fails deep inside an op
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        for name, low in (("rope_theta", 0.0), ("rms_norm_eps", 0.0), ("indexer_loss_coeff", None)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or (
+                    value < 0 if low is None else value <= low):
+                need = ">= 0" if low is None else "> 0"
+                raise ValueError(f"{name} must be a finite number {need}, got {value!r}")
+        if self.workspace_bytes < 1 or self.attn_chunk_rows < 1:
+            raise ValueError(f"workspace_bytes and attn_chunk_rows must be >= 1, got {self.workspace_bytes}, "
+                             f"{self.attn_chunk_rows}")
         for name in ("hidden_size", "num_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
                      "sliding_window"):
-            if int(getattr(self, name)) < 1:
+            if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.rope_head_dim < 0 or self.rope_head_dim % 2 or self.rope_head_dim > self.head_dim:
             raise ValueError(

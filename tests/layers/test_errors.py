@@ -86,6 +86,15 @@ def test_checkpoint_head_dims_not_matching(layer):
         (dict(o_groups=3), "o_groups"),
         (dict(num_heads=0), "num_heads must be >= 1"),
         (dict(indexer_loss_type="mse"), "indexer_loss_type"),
+        # non-integer sizes are refused here, not by a TypeError deep inside the indexer
+        (dict(index_topk=1.5), r"index_topk must be an int, got 1.5 \(float\)"),
+        (dict(index_topk=4.0), r"index_topk must be an int, got 4.0"),
+        (dict(index_n_heads=2.5), "index_n_heads must be an int"),
+        (dict(sliding_window=8.5), "sliding_window must be an int"),
+        (dict(num_heads=True), "num_heads must be an int, got True"),
+        (dict(workspace_bytes=1e9), "workspace_bytes must be an int"),
+        (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number > 0"),
+        (dict(indexer_loss_coeff=-0.1), "indexer_loss_coeff must be a finite number >= 0"),
     ],
 )
 def test_bad_config(kwargs, match):

@@ -134,3 +134,10 @@ def test_config_roundtrip_and_validation():
         DeepseekV4ModelConfig.from_hf({**tiny_config_dict("pro"), "mlp_layer_types": ["moe"]})
     with pytest.raises(ValueError, match="model_type"):
         DeepseekV4ModelConfig.from_hf({"model_type": "llama"})
+
+
+@pytest.mark.parametrize("field,value", [("index_topk", 1.5), ("num_experts_per_tok", 2.0), ("hc_mult", 4.5),
+                                         ("vocab_size", 64.0), ("moe_chunk_rows", True)])
+def test_config_refuses_non_integer_sizes(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be an int, got {value!r}"):
+        DeepseekV4ModelConfig.from_hf({**tiny_config_dict("flash"), field: value})

@@ -5,6 +5,7 @@ training-only settings. Reads and writes the ``config.json`` of an HF-format che
 from __future__ import annotations
 
 import copy
+import numbers
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -32,6 +33,10 @@ _TRAINING_FIELDS = ("indexer_loss_coeff", "mtp_loss_coeff", "mtp_layer_types", "
 #   full  - block, with mhc and moe inside each recomputed block: the block's backward holds one sub-block's state
 #           at a time (the longest sequences; the mHC sites and the MoE run three forwards).
 RECOMPUTE_CHOICES = ("none", "mhc", "moe", "block", "full")
+# the decoder's own integer fields (a float would slip through the range checks and fail deep inside a module)
+_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "moe_intermediate_size", "n_routed_experts",
+               "n_shared_experts", "num_experts_per_tok", "hc_mult", "hc_sinkhorn_iters", "num_nextn_predict_layers",
+               "moe_chunk_rows")
 
 
 @dataclass
@@ -136,9 +141,15 @@ class DeepseekV4ModelConfig:
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field on inconsistent settings."""
+        for name in _INT_FIELDS:  # the attention's sizes are checked by AttentionConfig (attention_config below)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
         n = self.num_hidden_layers
-        if n < 1:
-            raise ValueError(f"num_hidden_layers must be >= 1, got {n}")
+        if n < 1 or self.vocab_size < 1 or self.moe_intermediate_size < 1 or self.num_nextn_predict_layers < 0:
+            raise ValueError(f"num_hidden_layers, vocab_size and moe_intermediate_size must be >= 1 and "
+                             f"num_nextn_predict_layers >= 0, got {n}, {self.vocab_size}, "
+                             f"{self.moe_intermediate_size}, {self.num_nextn_predict_layers}")
         for name, types, allowed in (("layer_types", self.layer_types, HF_LAYER_TYPES),
                                      ("mlp_layer_types", self.mlp_layer_types, MLP_LAYER_TYPES)):
             if len(types) != n:
