@@ -19,8 +19,6 @@ and the runner reports GB/s against it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..registry import Case, Skip, register
@@ -52,10 +50,11 @@ def _bytes(part: str, t: int, n: int, d: int, es: int) -> dict[str, float]:
 
 
 def _case(shape: dict, device, dtype, backend: str, variant: str) -> Case:
+    from csattn.ops.backend import interpreting
     from csattn.ops.mhc import hc_combine, hc_head, hc_pre
 
     if backend == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type != "cuda" and not interpreting():
             raise Skip("the Triton path is timed on CUDA only (TRITON_INTERPRET=1 runs it on the CPU, slowly)")
         _tiles(variant)
     elif variant:

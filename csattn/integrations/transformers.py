@@ -49,13 +49,13 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 from ..config import AttentionConfig
 from ..layers import HybridAttention
 from ..ops import mhc as mhc_ops
+from ..ops.backend import BACKENDS, check_backend
 from ..ops.moe import moe_experts
 from ..ops.rope import rope_inv_freq
 from ..packing import PackedSeqs
 
 __all__ = ["BACKENDS", "BatchLayout", "batch_layout", "is_patched", "patch", "unpatch"]
 
-BACKENDS = ("auto", "reference", "triton")
 _UNPATCH = "call csattn.integrations.transformers.unpatch(model) first (same parameters, HF's own modules)"
 
 
@@ -376,8 +376,7 @@ def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float 
     backbone = _backbone(model)
     if isinstance(backbone, _PatchedModel):
         raise ValueError(f"model is already patched by csattn; {_UNPATCH.replace('first', 'to patch it again')}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend)
     if not indexer_loss_coeff >= 0:
         raise ValueError(f"indexer_loss_coeff must be >= 0, got {indexer_loss_coeff}")
     config = backbone.config

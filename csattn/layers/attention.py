@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import AttentionConfig
+from ..ops.backend import resolve_backend
 from ..ops.indexer_loss import SparseTeacher, attach_indexer_loss, indexer_kl_from_teacher, sparse_teacher_block
 from ..ops.indices import combine_indices, range_indices
 from ..ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -228,11 +229,7 @@ class HybridAttention(nn.Module):
 
     def backend_for(self, t: Tensor | RowPieces) -> str:
         """``"triton"`` on CUDA by default (``backend="auto"``), the reference elsewhere."""
-        backend = self.config.backend
-        if backend == "auto":
-            device = t.pieces[-1].device if isinstance(t, RowPieces) else t.device
-            return "triton" if device.type == "cuda" else "reference"
-        return backend
+        return resolve_backend(self.config.backend, t.pieces[-1] if isinstance(t, RowPieces) else t)
 
     def indexer_query_rows(self) -> int:
         """Rows per chunk of the indexer queries: their projection and fp32 RoPE temporaries (~16 bytes per

@@ -1,24 +1,56 @@
-"""The one backend choice every op's dispatch point makes: the plain-PyTorch reference or the fused Triton
-kernels (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``)."""
+"""The one backend choice every op makes: the plain-PyTorch reference or the fused Triton kernels (CUDA, or the
+CPU interpreter under ``TRITON_INTERPRET=1``), with ``"auto"`` resolved on the tensors' device.
+
+Every op and module that takes a ``backend`` resolves it here (:func:`resolve_backend`): the attention ops'
+dispatch points take the resolved ``"reference"`` / ``"triton"`` (:func:`use_triton`); the layer, mHC, MoE,
+RMSNorm and the HF integration take ``"auto"`` too. :func:`interpreting` is the one reading of
+``TRITON_INTERPRET``.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Literal
 
 import torch
 
-__all__ = ["Backend", "sm_count", "use_triton"]
+__all__ = ["BACKENDS", "Backend", "BackendChoice", "check_backend", "interpreting", "resolve_backend", "sm_count",
+           "use_triton"]
 
 Backend = Literal["reference", "triton"]
-BACKENDS: tuple[str, ...] = ("reference", "triton")
+BackendChoice = Literal["auto", "reference", "triton"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "triton")
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET`` set to a true value), read at
+    each call so a test may set it."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes", "y")
+
+
+def check_backend(backend: str, choices: tuple[str, ...] = BACKENDS) -> str:
+    """``backend`` itself if it is one of ``choices``, else a ``ValueError`` naming them."""
+    if backend not in choices:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, choices))}, got {backend!r}")
+    return backend
+
+
+def resolve_backend(backend: str, where: torch.Tensor | torch.device | str, *, choices: tuple[str, ...] = BACKENDS,
+                    off_cuda: str = "reference") -> str:
+    """The path ``backend`` takes on ``where`` (a tensor or its device): ``"auto"`` is ``"triton"`` on CUDA and
+    ``off_cuda`` elsewhere (the reference; MoE's grouped GEMMs); any other value of ``choices`` is itself."""
+    check_backend(backend, choices)
+    if backend != "auto":
+        return backend
+    device = where.device if isinstance(where, torch.Tensor) else torch.device(where)
+    return "triton" if device.type == "cuda" else off_cuda
 
 
 def use_triton(backend: str) -> bool:
-    """True for ``"triton"``, False for ``"reference"``; anything else is a ``ValueError`` naming the choices."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
-    return backend == "triton"
+    """True for ``"triton"``, False for ``"reference"`` (an attention op's dispatch point takes a resolved
+    backend); anything else is a ``ValueError`` naming the choices."""
+    return check_backend(backend, ("reference", "triton")) == "triton"
 
 
 @functools.cache

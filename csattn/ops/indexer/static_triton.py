@@ -7,13 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .triton import (
-    _MAX_WORKSPACE,
-    _compute_dtype,
-    _interpreting,
-    indexer_scores_fwd,
-    select_topk,
-)
+from ..backend import interpreting
+from .triton import _MAX_WORKSPACE, _compute_dtype, indexer_scores_fwd, select_topk
 
 __all__ = ["indexer_topk_static_triton"]
 
@@ -25,7 +20,7 @@ def indexer_topk_static_triton(
 ) -> Tensor:
     """Same contract as :func:`csattn.ops.indexer.static.indexer_topk_static` (fused kernels, CUDA or the
     interpreter); ``config``: an ``IndexerConfig`` (None: the defaults)."""
-    interpret = _interpreting()
+    interpret = interpreting()
     if not q.is_cuda and not interpret:
         raise ValueError("indexer_topk_static_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
     num_rows, num_keys = q.shape[0], k.shape[0]

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..backend import interpreting
 from .config import IndexerConfig
 
 __all__ = ["IndexerConfig", "indexer_scores_fwd", "indexer_topk_triton", "select_topk"]
@@ -419,7 +420,7 @@ def indexer_topk_triton(
                          f"{tuple(w.shape)}, {tuple(k.shape)}")
     if vis_start.shape != (q.shape[0],) or vis_end.shape != (q.shape[0],):
         raise ValueError("vis_start and vis_end must be [T]")
-    interpret = _interpreting()
+    interpret = interpreting()
     if not q.is_cuda and not interpret:
         raise ValueError("indexer_topk_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
     num_rows = q.shape[0]
@@ -468,9 +469,3 @@ def select_topk(scores: Tensor, vis_start: Tensor, vis_end: Tensor, out: Tensor,
         MB=mb if gather else 16, GATHER=gather,
         num_warps=max(cfg.select_warps, rb // 4096) if in_regs else 16,
     )
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"

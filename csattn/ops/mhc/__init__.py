@@ -14,22 +14,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..backend import BACKENDS, resolve_backend
 from ..rms_norm import rms_norm
 from .naive import hc_combine_ref, hc_head_ref, hc_pre_ref, sinkhorn_ref
 
-__all__ = ["Site", "hc_site", "hc_pre", "hc_head", "hc_combine", "resolve_backend", "hc_pre_ref", "hc_head_ref",
-           "hc_combine_ref", "sinkhorn_ref"]
+__all__ = ["BACKENDS", "Site", "hc_site", "hc_pre", "hc_head", "hc_combine", "resolve_backend", "hc_pre_ref",
+           "hc_head_ref", "hc_combine_ref", "sinkhorn_ref"]
 
-BACKENDS = ("auto", "reference", "triton")
-
-
-def resolve_backend(backend: str, t: Tensor) -> str:
-    """``"auto"`` -> ``"triton"`` on CUDA tensors, else ``"reference"``; other values are checked and returned."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if t.device.type == "cuda" else "reference"
-    return backend
 
 
 class Site(NamedTuple):

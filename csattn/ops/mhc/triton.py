@@ -33,14 +33,13 @@ looping over channels, writing ``dX``, ``dy`` and reducing ``dpost [T, n]``, ``d
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..backend import sm_count
+from ..backend import interpreting, sm_count
 from ..rms_norm import rms_norm_backward, rms_norm_forward
 
 __all__ = ["hc_site_triton", "hc_pre_triton", "hc_head_triton", "hc_combine_triton", "TILES"]
@@ -440,7 +439,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _interp(t: Tensor) -> bool:
-    return t.device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+    return t.device.type == "cpu" or interpreting()
 
 
 def _geometry(streams: Tensor, width: int) -> dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ..backend import check_backend
+from ..backend import resolve_backend as _resolve
 from .grouped import RoutePlan, grouped_experts, grouped_mm_supported, route_plan
 from .naive import clamped_swiglu, experts_ref, gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
 
@@ -27,13 +29,9 @@ def resolve_backend(backend: str, x: Tensor, gate_up_proj: Tensor, down_proj: Te
     dtypes, non-contiguous weights) every backend runs the reference: it is the exact same math, and the model
     runs in fp64 in the tests.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "reference" or not grouped_mm_supported(x, gate_up_proj, down_proj):
+    if check_backend(backend, BACKENDS) == "reference" or not grouped_mm_supported(x, gate_up_proj, down_proj):
         return "reference"
-    if backend == "auto":
-        return "triton" if x.device.type == "cuda" else "grouped"
-    return backend
+    return _resolve(backend, x, choices=BACKENDS, off_cuda="grouped")
 
 
 def moe_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..backend import resolve_backend
+
 __all__ = ["rms_norm", "rms_norm_forward", "rms_norm_backward"]
 
 CHUNK_BYTES = 64 << 20  # fp32 bytes per temporary per chunk
@@ -28,15 +30,13 @@ def _chunk_rows(channels: int) -> int:
 
 def _use_triton(x: Tensor, backend: str) -> bool:
     """``"auto"``: the Triton kernels on CUDA for rows they take in registers, the PyTorch chunks elsewhere."""
-    if backend not in ("auto", "reference", "triton"):
-        raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
+    if resolve_backend(backend, x) != "triton":
+        return False
     if backend == "auto":
-        if not x.is_cuda:
-            return False
         from .triton import MAX_CHANNELS  # lazy: importing csattn (and its CPU path) must not need Triton
 
         return x.shape[-1] <= MAX_CHANNELS
-    return backend == "triton"
+    return True
 
 
 def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> tuple[Tensor, Tensor]:

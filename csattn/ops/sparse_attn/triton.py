@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
 
 import torch
@@ -19,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..backend import sm_count
+from ..backend import interpreting, sm_count
 from .config import SparseAttnConfig
 
 __all__ = [
@@ -310,7 +309,7 @@ def _gluon_applies(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
     """The Gluon kernels are written for Hopper's warpgroup MMA: sm_90, bf16/fp16, whole 64-head blocks, d a
     power of two in 128..512 (each warpgroup's half of o / dq is at least an m64n64 product), 16-byte aligned rows
     for their cp.async gathers."""
-    if q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if q.device.type != "cuda" or interpreting():
         return False
     T, H, D = q.shape
     if (q.dtype not in (torch.bfloat16, torch.float16) or H % 64 or cfg.bh not in (None, 64)
@@ -535,7 +534,7 @@ def _check(q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, topk_length: Te
     for name, t in (("q", q), ("kv", kv), ("indices", indices), ("sink", sink)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}: put all inputs on one device")
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if q.device.type != "cuda" and not interpreting():
         raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
 
 
