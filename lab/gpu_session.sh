@@ -2,14 +2,14 @@
 # Everything this project measures on a lent H200, in stages that each fit one 10-minute device call; results
 # land in $OUT. .whl/ carries transformers >= 5.23 when the image's is older (HF eager baseline and parity tests).
 #
-#   CSATTN_COMMIT=<sha> STAGES="tests graphs" bash benchmarks/gpu_session.sh            # ~8 min (2 GPUs)
-#   CSATTN_COMMIT=<sha> STAGES="layer profile" bash benchmarks/gpu_session.sh           # ~5 min
-#   CSATTN_COMMIT=<sha> STAGES="attn-variants" bash benchmarks/gpu_session.sh           # ~1 min
-#   CSATTN_COMMIT=<sha> STAGES="topk-vs-fwd" bash benchmarks/gpu_session.sh             # ~1 min
-#   CSATTN_COMMIT=<sha> STAGES="model-tests moe mhc model model-hf model-kept" bash benchmarks/gpu_session.sh
-#   CSATTN_COMMIT=<sha> STAGES="report-a" bash benchmarks/gpu_session.sh                # ~8 min
-#   CSATTN_COMMIT=<sha> STAGES="report-b" bash benchmarks/gpu_session.sh                # ~7 min
-#   CSATTN_COMMIT=<sha> STAGES="hfprobe report-long" bash benchmarks/gpu_session.sh     # ~7 min
+#   CSATTN_COMMIT=<sha> STAGES="tests graphs" bash lab/gpu_session.sh            # ~8 min (2 GPUs)
+#   CSATTN_COMMIT=<sha> STAGES="layer profile" bash lab/gpu_session.sh           # ~5 min
+#   CSATTN_COMMIT=<sha> STAGES="attn-variants" bash lab/gpu_session.sh           # ~1 min
+#   CSATTN_COMMIT=<sha> STAGES="topk-vs-fwd" bash lab/gpu_session.sh             # ~1 min
+#   CSATTN_COMMIT=<sha> STAGES="model-tests moe mhc model model-hf model-kept" bash lab/gpu_session.sh
+#   CSATTN_COMMIT=<sha> STAGES="report-a" bash lab/gpu_session.sh                # ~8 min
+#   CSATTN_COMMIT=<sha> STAGES="report-b" bash lab/gpu_session.sh                # ~7 min
+#   CSATTN_COMMIT=<sha> STAGES="hfprobe report-long" bash lab/gpu_session.sh     # ~7 min
 #   python -m csattn report --merge report-a.json report-b.json report-c.json --out docs/report   # anywhere
 #   STAGES=peers-unpack (carry .peerwhl/c1), then at once STAGES=peers (carry .peerwhl/c2): csattn against cuDNN
 #   Frontend's DSA kernels (bundles from ../shared/peers/make_bundles.sh; /.peerwhl/ in .git/info/exclude);
@@ -23,8 +23,8 @@
 # both partitions, and the isolated per-rank timing at 128k; report-long: 256k to 1M at CP = 1 and 4. On a
 # machine with two GPUs CP = 2 runs on NCCL, CP = 4 as two gloo ranks per GPU. report-cp1 / report-cp4: only the
 # lengths the report's targets name (32k, 128k); on two GPUs run them side by side, one GPU each:
-#   (CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 STAGES="report-cp1 report-long" bash benchmarks/gpu_session.sh) &
-#   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 STAGES="report-cp4 hfprobe" bash benchmarks/gpu_session.sh) & wait
+#   (CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 STAGES="report-cp1 report-long" bash lab/gpu_session.sh) &
+#   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 STAGES="report-cp4 hfprobe" bash lab/gpu_session.sh) & wait
 # A device call brings back at most 8 files from $OUT: reports render into /tmp and only their report.json comes
 # back (as $OUT/<stage>.json); re-render anywhere with `python -m csattn report --merge <json...> --out DIR`.
 set -u
@@ -216,9 +216,9 @@ for s in ${STAGES:-tests layer profile}; do
         timeout 120 python3 -m benchmarks.run --op sparse_attn --mode fwd --providers "${PEER_FWD:-triton}" \
           --shape tokens=8192,32768 --shape topk=128,512,1152 --warmup-ms 10 --rep-ms 100 --commit "$C" \
           --json "$OUT/peers_fwd.json" >> "$LOG" 2>&1
-        # what bounds the backward: the rate L2 takes its dkv reductions at, alone (benchmarks/l2_reduction_probe.py)
+        # what bounds the backward: the rate L2 takes its dkv reductions at, alone (lab/probes/l2_reduction_probe.py)
         if [ "${PEER_PROBE:-1}" = 1 ]; then
-          timeout 90 python3 -m benchmarks.l2_reduction_probe --json "$OUT/l2_reduction_probe.json" >> "$LOG" 2>&1
+          timeout 90 python3 lab/probes/l2_reduction_probe.py --json "$OUT/l2_reduction_probe.json" >> "$LOG" 2>&1
           echo "l2 probe rc=$?" >> "$LOG"
         fi
         echo "peers done" >> "$LOG"

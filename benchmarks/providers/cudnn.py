@@ -12,8 +12,7 @@ DeepSeek sparse-attention kernels (``cudnn.deepseek_sparse_attention``, CuTe-DSL
   computed once beforehand (beside csattn's selection alone).
 
 Skipped, with the reason, where the package or an SM90+ GPU is missing. On a machine without a package index the
-wheels travel with the checkout: ``../shared/peers/make_bundles.sh`` and ``STAGES=peers`` in
-``benchmarks/gpu_session.sh``.
+wheels travel with the checkout (``lab/results_session.sh``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@
   shape option says), bf16 weights with the mHC, norms and biases in fp32, loss without ``[T, V]`` logits;
 - ``hf``: Hugging Face ``transformers.DeepseekV4ForCausalLM`` (eager attention and experts) with the same
   weights and tokens. HF cannot pack: it runs the stream as one sequence ``[1, T]`` (use ``docs=one`` for
-  the side-by-side row, so both see one document).
+  the side-by-side row, so both see one document);
+- ``hf_patched``: the same HF model after :func:`csattn.integrations.transformers.patch` (csattn's attention, mHC
+  and MoE ops under HF's modules, HF's head and loss), on a padding-free ``[1, T]`` batch whose ``position_ids``
+  restart at each document: what a ``transformers.Trainer`` user gets.
 
 The model defaults to the 4-layer V4-Flash proxy of ``benchmarks/configs/v4_flash_proxy.json`` (hidden 4096,
 H 64, d 512, layers W / CSA / HCA / CSA, first MoE layer hash-routed, 8 experts top-2, intermediate 2048,
@@ -106,3 +109,32 @@ def hf_model(shape, device, dtype, variant=""):
 
     return Case(forward=step, leaves=[p for p in hf.parameters() if p.requires_grad],
                 flops=model_flops(cfg, [0, sum(lengths)]), info=_info(cfg, lengths, hf))
+
+
+@register("model", "hf_patched", DEFAULTS)
+def hf_patched_model(shape, device, dtype, variant=""):
+    if device.type != "cuda":
+        raise Skip("the model step is timed on CUDA only")
+    if shape["recompute"] != "none":
+        raise Skip("patch() has no recompute choice")
+    from csattn.report.hf import build_hf_model
+
+    cfg = proxy_config(shape)
+    ours = proxy_model(cfg, torch.float32, "cpu", int(shape["seed"]))
+    try:
+        from csattn.integrations.transformers import patch
+
+        hf = patch(build_hf_model(cfg, ours.state_dict(), device, dtype))
+    except ImportError as e:
+        raise Skip(f"transformers with DeepseekV4 is not installed ({e})") from e
+    del ours
+    lengths, ids, _, _ = _batch(shape, cfg.vocab_size, device)
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
+    ids = ids[None]
+
+    def step():
+        return (hf(input_ids=ids, position_ids=positions, labels=ids, logits_to_keep=0).loss,)
+
+    cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    return Case(forward=step, leaves=[p for p in hf.parameters() if p.requires_grad],
+                flops=model_flops(cfg, cu), info=_info(cfg, lengths, hf))

@@ -3,10 +3,10 @@ whole-line ``red.v4`` from the MMA layout) over the sparse-attention benchmark's
 64-column chunk of d = 512, with nothing else running. The rate it reaches bounds the backward's time from below
 (``T x 640 x 2 KB`` of reductions) unless the bytes fall. Beside it, the same reductions as TMA-unit bulk
 reductions from shared memory (``cp.reduce.async.bulk ... .add.f32``, 128 or 256 bytes of a key row each), the
-other way Hopper has to add into global memory: on the H200 both reach about 3.8 TB/s (BENCHMARKS.md), so the
+other way Hopper has to add into global memory: on the H200 both reach about 3.8 TB/s (lab/LOG.md), so the
 rate is L2's, not the instruction's.
 
-    python -m benchmarks.l2_reduction_probe --json out/l2_reduction_probe.json      # an sm_90 GPU
+    PYTHONPATH=. python lab/probes/l2_reduction_probe.py --json out/l2_reduction_probe.json      # an sm_90 GPU
 """
 
 from __future__ import annotations

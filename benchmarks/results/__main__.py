@@ -1,0 +1,51 @@
+"""``python -m benchmarks.results``: render the results page from its JSON files, or (``--measure``) measure them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+from pathlib import Path
+
+from .measure import run_stages
+from .page import render_page
+from .sources import STAGES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _commit() -> str:
+    """``CSATTN_COMMIT`` (a device's copy of the tree has no git history), else ``git rev-parse``."""
+    if os.environ.get("CSATTN_COMMIT"):
+        return os.environ["CSATTN_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=ROOT).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--json-dir", type=Path, default=ROOT / "benchmarks" / "results" / "h200",
+                    help="the page's JSON files (default %(default)s)")
+    ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md", help="the page (default %(default)s)")
+    ap.add_argument("--plots-dir", type=Path, default=ROOT / "docs" / "benchmarks", help="the page's plots")
+    ap.add_argument("--report-dir", type=Path, default=ROOT / "docs" / "report",
+                    help="where the scaling report's parts are merged (report.json, report.md, plots)")
+    ap.add_argument("--measure", action="store_true", help="run the stages on this machine's GPU instead")
+    ap.add_argument("--stages", nargs="+", default=[s for s in STAGES if STAGES[s]], choices=list(STAGES),
+                    help="with --measure: which stages, in order (default: all)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="with --measure: start no command past this many seconds, clip timeouts to it")
+    ap.add_argument("--commit", default=None, help="with --measure: the commit recorded (default: git rev-parse)")
+    args = ap.parse_args(argv)
+    if args.measure:
+        run_stages(args.stages, args.json_dir, args.commit or _commit(), args.budget_s)
+        return
+    render_page(args.json_dir, args.out, args.plots_dir, args.report_dir)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
