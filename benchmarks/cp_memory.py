@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -28,12 +27,6 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(layer_type: str, backend: str, small: bool, chunk_rows: int, workspace: int):
@@ -142,7 +135,9 @@ class _Pool:
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        port = _free_port()
+        from csattn.cp import free_port
+
+        port = free_port()
         self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
                       for r in range(world)]
         for p in self.procs:

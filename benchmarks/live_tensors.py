@@ -261,7 +261,7 @@ def main() -> None:
     if args.cp == 1:
         _run(0, 1, 0, args)
         return
-    from csattn.report.run import free_port
+    from csattn.cp import free_port
 
     os.environ.setdefault("OMP_NUM_THREADS", "4")
     mp.spawn(_run, args=(args.cp, free_port(), args), nprocs=args.cp)

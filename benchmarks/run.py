@@ -25,6 +25,8 @@ import traceback
 
 import torch
 
+from csattn.report.flops import PEAK_FLOPS
+
 from .registry import PROVIDERS, SHAPE_DEFAULTS, Skip, load_providers
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -164,8 +166,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="time one call after one warm-up call (CUDA events) instead of do_bench's median, for "
                          "cases that take seconds")
     ap.add_argument("--profile-top", type=int, default=6, help="with --profile: how many kernels to list")
-    ap.add_argument("--peak-tflops", type=float, default=790.0,
-                    help="the GPU's dense bf16 matmul rate for MFU (default: 790, measured on the H200)")
+    ap.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS / 1e12,
+                    help=f"the GPU's dense bf16 matmul rate for MFU (default: {PEAK_FLOPS / 1e12:.0f}, measured on "
+                         "the H200)")
     args = ap.parse_args(argv)
 
     modes = [m for m in args.mode.split(",") if m]

@@ -1,6 +1,7 @@
 """Context parallelism: one packed stream split over a ``torch.distributed`` process group."""
 
 from .context import ContextParallel
+from .launch import free_port
 from .partition import PARTITIONS, Layout, flop_imbalance, halo_rows, make_layout, partition_flops, row_flops
 
 __all__ = [
@@ -12,4 +13,5 @@ __all__ = [
     "row_flops",
     "partition_flops",
     "flop_imbalance",
+    "free_port",
 ]

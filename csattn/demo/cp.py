@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ..cp import free_port
 
 __all__ = ["run_cp_demo", "SavedActivations"]
 
@@ -123,9 +124,7 @@ def run_cp_demo(args: argparse.Namespace) -> int:
     """Spawn ``args.cp`` gloo ranks on this machine and run the CP parity demo. Returns 0 when it matches."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     failed = ctx.Value("i", 0)

@@ -1,13 +1,35 @@
 """Matrix-multiply FLOPs of one attention layer, or one model step, on a packed batch (the numerator of reported
-TFLOP/s and MFU)."""
+TFLOP/s and MFU), and the peak FLOP/s of a GPU (the denominator of MFU)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..config import AttentionConfig
 
-__all__ = ["layer_flops", "model_flops"]
+__all__ = ["PEAK_FLOPS", "layer_flops", "model_flops", "peak_flops"]
+
+# Dense bf16 matmul FLOP/s measured on an H100 / H200 (BENCHMARKS.md): the MFU denominator of every report.
+PEAK_FLOPS = 790e12
+_KNOWN_GPUS = ("H100", "H200")
+
+
+def peak_flops(device: torch.device | str | None = None, tflops: float = 0.0) -> float:
+    """FLOP/s of one GPU for the MFU figure: ``tflops`` (a user's ``--peak-tflops``) if given, else
+    :data:`PEAK_FLOPS` on a known GPU (H100 / H200), else 0 (no MFU shown). ``device`` None: the current CUDA
+    device, if any."""
+    if tflops:
+        return tflops * 1e12
+    if device is None:
+        if not torch.cuda.is_available():
+            return 0.0
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type == "cuda" and any(name in torch.cuda.get_device_name(device) for name in _KNOWN_GPUS):
+        return PEAK_FLOPS
+    return 0.0
 
 
 def _sum_min(length: int, w: int) -> int:

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from .flops import model_flops
+from .flops import PEAK_FLOPS, model_flops
 
 __all__ = ["proxy_config", "proxy_lengths", "proxy_model", "proxy_batch", "model_step_record", "PEAK_TFLOPS"]
 
-PEAK_TFLOPS = 790.0  # the H200's measured dense bf16 matmul rate (the MFU denominator)
+PEAK_TFLOPS = PEAK_FLOPS / 1e12  # the MFU denominator in TFLOP/s
 _W, _C, _H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 

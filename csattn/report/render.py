@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
+from .flops import PEAK_FLOPS
+
 __all__ = ["render_report", "summarize"]
 
 
@@ -105,7 +107,8 @@ def _model_rows(records: list[dict], by_commit: bool) -> list[str]:
         return []
     out = ["", "Model step (forward + backward) of the 4-layer DeepSeek-V4 proxy (csattn.report.model): csattn on "
            "ragged documents T/4 - 100, T/4 + 100, T/2; HF eager on one document (it cannot pack). TFLOP/s = "
-           "csattn.report.model_flops per step time; MFU against 790 TFLOP/s (the H200's dense bf16 rate); peak = "
+           f"csattn.report.model_flops per step time; MFU against {PEAK_FLOPS / 1e12:.0f} TFLOP/s (the H200's dense "
+           "bf16 rate); peak = "
            "allocated during the steps beyond the weights.", "",
            "| model | tokens | path | ms/step | tokens/s | TFLOP/s | MFU | peak GiB |"
            + (" commit |" if by_commit else ""),

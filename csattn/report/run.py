@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,9 +15,10 @@ import torch
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
+from ..cp import free_port
 from .worker import Job, run_group, run_isolated
 
-__all__ = ["add_report_args", "run_report", "plan_groups", "free_port"]
+__all__ = ["add_report_args", "run_report", "plan_groups"]
 
 
 def add_report_args(p: argparse.ArgumentParser) -> None:
@@ -61,12 +61,6 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge", nargs="+", default=None, metavar="REPORT_JSON",
                    help="measure nothing: combine these report.json files (a later file's cases replace an "
                         "earlier one's) and write the report into --out")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plan_groups(args) -> list[tuple[int, str, list[Job]]]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 from typing import Any
 
 import torch
 
+from ..cp import free_port
 from .loop import TrainConfig, train
 from .safe_state import load_state, save_state
 
@@ -27,12 +27,6 @@ def add_model_demo_args(parser: argparse.ArgumentParser) -> None:
                         help="context-parallel sizes to compare (with --model)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str) -> None:
     import torch.distributed as dist
 
@@ -41,9 +35,12 @@ def _worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str) -> Non
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result = train(cfg)
+        from ..parallel import full_state_dict
+
+        state = full_state_dict(result.model, result.meshes)  # a collective: every rank gathers
         if rank == 0:
             save_state(out, {"losses": result.losses, "lm_losses": result.lm_losses,
-                             "indexer_losses": result.indexer_losses, "state": result.model.state_dict()})
+                             "indexer_losses": result.indexer_losses, "state": state})
     finally:
         dist.destroy_process_group()
 
@@ -54,7 +51,7 @@ def run_spawned(world: int, cfg: TrainConfig) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.safetensors")
-        mp.start_processes(_worker, args=(world, _free_port(), cfg, out), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, free_port(), cfg, out), nprocs=world, start_method="spawn")
         # a safe format even for our own temp file: the directory is shared, and loading must run no code
         return load_state(out)
 

@@ -91,14 +91,14 @@ def test_cp_step_equals_single_process_fp32(cp, tmp_path):
     """
     import torch.multiprocessing as mp
 
-    from csattn.train.demo import _free_port
+    from csattn.cp import free_port
 
     one = {**BASE, "steps": 1}
     ref64 = train(TrainConfig(**one, dtype="float64"))
     ref32 = train(TrainConfig(**one))
     g64, g32 = _grads(ref64.model), _grads(ref32.model)
     out = str(tmp_path / "grads.pt")
-    mp.start_processes(_grad_worker, args=(cp, _free_port(), TrainConfig(cp=cp, **one), out), nprocs=cp,
+    mp.start_processes(_grad_worker, args=(cp, free_port(), TrainConfig(cp=cp, **one), out), nprocs=cp,
                        start_method="spawn")
     got = torch.load(out)
     assert abs(float(got["losses"][0]) - ref32.losses[0]) <= 1e-5 * abs(ref32.losses[0])
