@@ -60,7 +60,7 @@ def _commits(res: Results, report: list[dict]) -> dict[str, None]:
 
 
 def _header(res: Results, report: list[dict]) -> list[str]:
-    metas = [m for m in (res.meta(n) for n in res.files) if m and m.get("torch")]
+    metas = [m for m in (res.meta(n) for n in res.files) if m and m.get("triton")]  # the runner's: versions
     meta = max(metas, key=lambda m: str(m.get("date", ""))) if metas else {}
     commits = list(_commits(res, report))
     if len(commits) == 1:
