@@ -78,6 +78,11 @@ def _model_rows(res: Results) -> list[dict]:
     return sorted(rows, key=lambda r: (r["shape"]["tokens"], str(r["shape"].get("recompute"))))
 
 
+def _first_step(r: dict) -> bool:
+    """Timed from one step only, kernel compilation included."""
+    return len(r.get("info", {}).get("steps_ms", [])) == 1
+
+
 def model_headline(res: Results) -> list[str]:
     """The proxy's training step at each measured length: the page's first table."""
     rows = []
@@ -86,7 +91,8 @@ def model_headline(res: Results) -> list[str]:
         if r.get("ms") is None:
             rows.append([tok(t), rc, r.get("error", "not measured"), "", ""])
             continue
-        rows.append([tok(t), rc, f"{r['tokens_per_s'] / 1e3:.1f}k", f"{r['mfu']:.1%}" if r.get("mfu") else "-",
+        first = " (first step)" if _first_step(r) else ""
+        rows.append([tok(t), rc, f"{r['tokens_per_s'] / 1e3:.1f}k{first}", f"{r['mfu']:.1%}" if r.get("mfu") else "-",
                      gib(r.get("peak_gib"))])
     return _table(["tokens", "recompute", "tokens/s", "MFU", "GiB"], rows, right_from=2) if rows else []
 
@@ -97,9 +103,8 @@ def model_section(ctx: Context) -> Section | None:
         return None
     rows = []
     for r in recs:
-        first = len(r.get("info", {}).get("steps_ms", [])) == 1  # one step only: kernel compilation included
         rows.append([tok(r["shape"]["tokens"]), r["shape"].get("recompute", "none"),
-                     ms(r.get("ms")) + (" (first step)" if first else ""),
+                     ms(r.get("ms")) + (" (first step)" if _first_step(r) else ""),
                      f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else r.get("error", "-"),
                      num(r.get("tflops")), f"{r['mfu']:.1%}" if r.get("mfu") else "-", gib(r.get("peak_gib"))])
     lines = ["One training step (forward + backward, loss without `[T, V]` logits) of `DeepseekV4ForCausalLM` on "
