@@ -1,10 +1,10 @@
-"""Training checkpoints: an HF-format model directory plus ``trainer_state.safetensors`` (optimizer, LR
-schedule, step, every data-parallel packer position, RNG state, the run's options), so a resumed run
-reproduces the next step exactly.
+"""Training checkpoints: the model and optimizer state as DCP shards (``csattn.parallel.checkpoint``) plus
+``trainer_state.safetensors`` (LR schedule, step, every data stream's position, RNG states, the mesh and the
+run's options), so a resumed run, on the same mesh or another, reproduces the next step exactly.
 
-Layout: ``<output>/checkpoint-<step>/{config.json, model.safetensors, trainer_state.safetensors}`` and
-``<output>/latest`` naming the newest complete checkpoint (written last, so a crash mid-save leaves the
-previous one in place).
+Layout: ``<output>/checkpoint-<step>/{dcp/, trainer_state.safetensors}`` (and the HF-format ``config.json`` +
+safetensors when the run exports them) and ``<output>/latest`` naming the newest complete checkpoint (written
+last, so a crash mid-save leaves the previous one in place).
 
 The trainer state is tensors (safetensors) plus JSON (:mod:`.safe_state`): opening a checkpoint from
 elsewhere runs no code. Checkpoints of earlier versions hold a pickled ``trainer_state.pt`` instead, which
@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM
-from ..models.deepseek_v4.checkpoint import load_state_dict_into, read_safetensors, save_pretrained
+from ..models.deepseek_v4.checkpoint import load_state_dict_into, read_safetensors
 from .safe_state import load_state, save_state
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_checkpoint_weights", "read_trainer_state", "resolve_resume",
+__all__ = ["write_trainer_state", "mark_latest", "load_checkpoint", "load_checkpoint_weights", "read_trainer_state",
+           "resolve_resume",
            "checkpoint_dir", "compare_resume_config"]
 
 STATE_NAME = "trainer_state.safetensors"
@@ -47,16 +48,18 @@ def checkpoint_dir(output: str, step: int) -> str:
     return os.path.join(output, f"checkpoint-{step:06d}")
 
 
-def save_checkpoint(output: str, step: int, model: DeepseekV4ForCausalLM, state: dict[str, Any]) -> str:
-    """Write checkpoint ``step`` (call on one rank) and point ``latest`` at it. Returns its directory."""
-    path = checkpoint_dir(output, step)
-    save_pretrained(model, path)
+def write_trainer_state(path: str, step: int, state: dict[str, Any]) -> None:
+    """``path/trainer_state.safetensors`` (call on one rank)."""
+    os.makedirs(path, exist_ok=True)
     save_state(os.path.join(path, STATE_NAME), {**state, "step": step})
+
+
+def mark_latest(output: str, path: str) -> None:
+    """Point ``output/latest`` at checkpoint ``path`` (atomically; call once every rank has written)."""
     latest_tmp = os.path.join(output, LATEST + ".tmp")
     with open(latest_tmp, "w") as f:
         f.write(os.path.basename(path) + "\n")
     os.replace(latest_tmp, os.path.join(output, LATEST))
-    return path
 
 
 def resolve_resume(resume: str, output: str | None) -> str | None:

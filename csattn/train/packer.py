@@ -22,7 +22,7 @@ from ..models.deepseek_v4.model import future_tokens
 from ..packing import PackedSeqs
 from .data import Corpus
 
-__all__ = ["PackedBatch", "DocumentPacker"]
+__all__ = ["concat_batches", "PackedBatch", "DocumentPacker"]
 
 
 @dataclass
@@ -46,6 +46,16 @@ class PackedBatch:
             raise ValueError(f"{t} rows do not split over {world} context-parallel ranks")
         n = t // world
         return self.input_ids[rank * n:(rank + 1) * n], self.labels[:, rank * n:(rank + 1) * n]
+
+
+def concat_batches(batches: list[PackedBatch]) -> PackedBatch:
+    """The packed streams of ``batches`` back to back (their documents side by side in one stream)."""
+    if len(batches) == 1:
+        return batches[0]
+    lengths = [n for b in batches for n in b.lengths]
+    padded = [n for b in batches for n in b.padded_lengths]
+    return PackedBatch(torch.cat([b.input_ids for b in batches]), torch.cat([b.labels for b in batches], dim=1),
+                       PackedSeqs.from_lengths(lengths, padded), lengths, padded)
 
 
 class DocumentPacker:

@@ -197,19 +197,23 @@ def _part(name: str) -> tuple[str, Any]:
     return "top", p[1] if p[0] == "model" else p[0]
 
 
-def _units(own: Mapping[str, Tensor], num_experts: int) -> dict[str, tuple[str, int | None, int | None]]:
-    """Loadable units of the model -> (parameter, expert, half): one per tensor, one per routed-expert matrix."""
+def _units(own: Mapping[str, Tensor], num_experts: int,
+           experts: range | None = None) -> dict[str, tuple[str, int | None, int | None]]:
+    """Loadable units of the model -> (parameter, expert, half): one per tensor, one per routed-expert matrix.
+    ``experts``: the global ids the model's expert tensors hold (an expert-parallel rank's share; default all);
+    ``expert`` is then the row in the local tensor."""
     out: dict[str, tuple[str, int | None, int | None]] = {}
+    held = range(num_experts) if experts is None else experts
     for name in own:
         if name.endswith("mlp.experts.gate_up_proj"):
             base = name[: -len(".gate_up_proj")]
-            for e in range(num_experts):
-                out[f"{base}.{e}.w1.weight"] = (name, e, 0)
-                out[f"{base}.{e}.w3.weight"] = (name, e, 1)
+            for i, e in enumerate(held):
+                out[f"{base}.{e}.w1.weight"] = (name, i, 0)
+                out[f"{base}.{e}.w3.weight"] = (name, i, 1)
         elif name.endswith("mlp.experts.down_proj"):
             base = name[: -len(".down_proj")]
-            for e in range(num_experts):
-                out[f"{base}.{e}.w2.weight"] = (name, e, None)
+            for i, e in enumerate(held):
+                out[f"{base}.{e}.w2.weight"] = (name, i, None)
         else:
             out[name] = (name, None, None)
     return out
@@ -300,7 +304,7 @@ def _select_layers(layers: Iterable[int] | None, n: int) -> list[int]:
 
 
 def _build(config: DeepseekV4ModelConfig, layers: list[int], mtp: list[int], top: list[str],
-           dtype: torch.dtype) -> DeepseekV4ForCausalLM:
+           dtype: torch.dtype, experts: range | None = None) -> DeepseekV4ForCausalLM:
     """The model on the meta device with real (freshly initialised, ``dtype``) storage for the chosen parts only;
     each part is built in fp32 and cast before the next, so at most one block is ever held in fp32."""
     with torch.device("meta"):
@@ -309,11 +313,11 @@ def _build(config: DeepseekV4ModelConfig, layers: list[int], mtp: list[int], top
     c = config
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
     for i in layers:
-        model.model.layers[i] = DecoderLayer(c, i)
+        model.model.layers[i] = DecoderLayer(c, i, experts)
         model.model.layers[i].mlp.gate.init_hash_table(gen)
         model.to_training_dtype(dtype)
     for j in mtp:
-        model.mtp[j] = MTPBlock(c, j)
+        model.mtp[j] = MTPBlock(c, j, experts)
         model.to_training_dtype(dtype)
     # the same modules and init as DeepseekV4ForCausalLM.__init__
     if "embed_tokens" in top:
@@ -333,9 +337,15 @@ def _build(config: DeepseekV4ModelConfig, layers: list[int], mtp: list[int], top
     return model
 
 
+def _other_rank_expert(unit: str, experts: range | None) -> bool:
+    """Whether ``unit`` is a routed-expert matrix outside ``experts`` (another expert-parallel rank's)."""
+    m = _EXPERT.match(unit) if experts is not None else None
+    return m is not None and int(m.group(2)) not in experts
+
+
 def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | None = None,
                     layers: Iterable[int] | None = None, filter: Callable[[str], bool] | None = None,
-                    **config_overrides: Any) -> DeepseekV4ForCausalLM:
+                    experts: range | None = None, **config_overrides: Any) -> DeepseekV4ForCausalLM:
     """Build :class:`DeepseekV4ForCausalLM` from an HF-format directory, plain or quantized as released.
 
     Tensors are read one at a time (``safetensors.safe_open``) straight into the model's parameters, already in
@@ -357,6 +367,9 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
             ``model.layers.{i}.mlp.experts.{e}.w1.weight`` / ``w3`` / ``w2``; see :func:`experts_filter`): the
             tensors of built modules that it rejects are not read and keep their fresh init (listed in
             ``model.load_report.skipped``).
+        experts: the routed experts to build and read (global ids, e.g. an expert-parallel rank's
+            ``range(r * E / ep, (r + 1) * E / ep)``); each layer's expert tensors then hold only these, in order.
+            Default all.
         config_overrides: fields of :class:`DeepseekV4ModelConfig` (e.g. ``indexer_loss_coeff``).
 
     Returns:
@@ -387,12 +400,14 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
     sel_mtp = list(range(n_mtp)) if last else []
     top = (["embed_tokens"] if layers is None or 0 in sel or (last and (config.tie_word_embeddings or sel_mtp))
            else []) + (["norm", "hc_head", "lm_head"] if last else [])
-    model = _build(config, sel, sel_mtp, top, dtype or torch.float32)
+    if experts is not None and (experts.step != 1 or experts.start < 0 or experts.stop > n_exp):
+        raise ValueError(f"experts={experts} must be a contiguous range inside the checkpoint's {n_exp} experts")
+    model = _build(config, sel, sel_mtp, top, dtype or torch.float32, experts)
 
     own = model.state_dict(keep_vars=True)
-    units = _units(own, n_exp)
+    units = _units(own, n_exp, experts)
     sources = _sources([k for k in data if has_mtp and n_mtp or not internal_name(k).startswith("mtp.")], n_exp)
-    unexpected = [u for u in sources if u not in units]
+    unexpected = [u for u in sources if u not in units and not _other_rank_expert(u, experts)]
     if unexpected:
         raise ValueError(f"checkpoint has unexpected tensor {unexpected[0]!r} (on disk "
                          f"{sources[unexpected[0]].key!r}; {len(unexpected)} in all: {unexpected[:8]}); does its "

@@ -83,7 +83,9 @@ class CausalLMOutput:
 class DecoderLayer(nn.Module):
     """One block: mHC -> RMSNorm -> HybridAttention -> mHC -> RMSNorm -> MoE, on streams ``[T, n, D]``."""
 
-    def __init__(self, config: DeepseekV4ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: DeepseekV4ModelConfig, layer_idx: int, experts: range | None = None) -> None:
+        """``experts``: the routed experts (global ids) this block holds, e.g. an expert-parallel rank's share
+        (default all)."""
         super().__init__()
         c = config
         self.layer_idx = layer_idx
@@ -92,7 +94,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = HybridAttention(c.attention_config(layer_idx))
         self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
                        c.vocab_size, hashed, c.scoring_func, c.routed_scaling_factor, c.swiglu_limit,
-                       backend=c.attention_backend, chunk_rows=c.moe_chunk_rows)
+                       backend=c.attention_backend, chunk_rows=c.moe_chunk_rows, local_experts=experts)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.attn_hc = HyperConnection(c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
@@ -147,8 +149,8 @@ class MTPBlock(DecoderLayer):
     """Multi-token prediction block ``j``: predicts token ``t + j + 2`` from the streams of the previous depth
     and the embedding of token ``t + j + 1``; shares the embedding and the LM head."""
 
-    def __init__(self, config: DeepseekV4ModelConfig, depth: int) -> None:
-        super().__init__(config, config.num_hidden_layers + depth)
+    def __init__(self, config: DeepseekV4ModelConfig, depth: int, experts: range | None = None) -> None:
+        super().__init__(config, config.num_hidden_layers + depth, experts)
         c = config
         self.e_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
         self.h_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False)

@@ -10,6 +10,8 @@ from torch import Tensor, nn
 
 from csattn.ops.moe import clamped_swiglu, expert_load, moe_experts
 
+from .expert_parallel import ExpertParallel, all_to_all_rows, exchange_counts
+
 __all__ = ["Router", "Experts", "SharedExpert", "MoE", "clamped_swiglu", "score_fn"]
 
 
@@ -85,19 +87,36 @@ class Experts(nn.Module):
 
     ``backend`` picks the path of :func:`csattn.ops.moe.moe_experts`: ``"auto"`` (grouped GEMMs, Triton
     SwiGLU on CUDA), ``"reference"`` (the per-expert loop), ``"grouped"`` or ``"triton"``.
+
+    ``local``: the global ids of the experts this module holds (an expert-parallel rank's share; default all
+    ``num_experts``); the tensors then hold ``len(local)`` experts and take local ids. Each expert is drawn from
+    its own generator (seeded from one draw of the global RNG plus its id), so an expert's initial weights do not
+    depend on which rank holds it.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", local: range | None = None) -> None:
         super().__init__()
+        self.local = range(num_experts) if local is None else local
         self.num_experts, self.limit, self.backend = num_experts, limit, backend
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        nn.init.normal_(self.gate_up_proj, std=0.02)
-        nn.init.normal_(self.down_proj, std=0.02)
+        n = len(self.local)
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(n, hidden_size, intermediate_size))
+        self.init_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
+        if not self.gate_up_proj.is_meta:
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``normal(0, 0.02)`` per expert from its own generator (see the class docstring)."""
+        for i, e in enumerate(self.local):
+            gen = torch.Generator().manual_seed(self.init_seed + e)
+            for w in (self.gate_up_proj[i], self.down_proj[i]):
+                w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, 0.02, generator=gen))
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
-        """``x [T, D]``, ``experts [T, k]``, ``weights [T, k]`` -> ``[T, D]`` (weighted sum over the k picks)."""
+        """``x [T, D]``, ``experts [T, k]`` (local ids), ``weights [T, k]`` -> ``[T, D]`` (weighted sum over the
+        k picks)."""
         return moe_experts(x, experts, weights, self.gate_up_proj, self.down_proj, self.limit, self.backend)
 
 
@@ -136,27 +155,71 @@ class MoE(nn.Module):
     After each forward ``last_load [E]`` (int64) holds how many real tokens chose each expert (for
     :meth:`Router.update_bias`). ``backend`` is the routed experts' path (see :class:`Experts`). The experts run
     over row chunks of at most ``chunk_rows`` tokens (each row's result is the same; only the temporaries of one
-    pass shrink).
+    pass shrink). With :meth:`use_expert_parallel` the routed experts are split over a process group and the
+    tokens exchanged around them (``expert_parallel.py``); the router and the shared expert stay local.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, vocab_size: int,
                  hashed: bool, scoring_func: str, routed_scaling_factor: float, swiglu_limit: float,
-                 backend: str = "auto", chunk_rows: int = 65536) -> None:
+                 backend: str = "auto", chunk_rows: int = 65536, local_experts: range | None = None) -> None:
         super().__init__()
         self.chunk_rows = chunk_rows
         self.gate = Router(hidden_size, num_experts, top_k, vocab_size, hashed, scoring_func, routed_scaling_factor)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, swiglu_limit, backend)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, swiglu_limit, backend, local_experts)
         self.shared_experts = SharedExpert(hidden_size, intermediate_size, swiglu_limit, backend)
         self.last_load: Tensor | None = None
+        self.ep: ExpertParallel | None = None
+
+    def use_expert_parallel(self, ep: ExpertParallel) -> None:
+        """Keep only this rank's experts (``ep.local_experts``, sliced from the current tensors, or fresh meta
+        tensors on the meta device) and exchange tokens over ``ep.group`` from now on."""
+        if ep.num_experts != self.gate.num_experts:
+            raise ValueError(f"ep.num_experts ({ep.num_experts}) != the layer's {self.gate.num_experts} experts")
+        old = self.experts
+        if len(old.local) != old.num_experts:
+            raise ValueError("the experts are already split over an expert-parallel group")
+        local = ep.local_experts
+        with torch.device(old.gate_up_proj.device):
+            new = Experts(old.num_experts, old.down_proj.shape[1], old.down_proj.shape[2], old.limit, old.backend,
+                          local=local)
+        new.init_seed = old.init_seed
+        if not old.gate_up_proj.is_meta:
+            with torch.no_grad():
+                new.gate_up_proj.copy_(old.gate_up_proj[local.start:local.stop])
+                new.down_proj.copy_(old.down_proj[local.start:local.stop])
+        new.to(old.gate_up_proj.dtype)
+        self.experts, self.ep = new, ep
 
     def forward(self, x: Tensor, input_ids: Tensor | None = None, real: Tensor | None = None) -> Tensor:
         """``x [T, D]``; ``input_ids [T]`` (hash layers); ``real [T]`` bool marks rows counted in ``last_load``."""
         weights, experts = self.gate(x, input_ids)
         with torch.no_grad():  # a scatter-add on the device: no boolean indexing, no bincount (both read the host)
             self.last_load = expert_load(experts, self.gate.num_experts, real)
+        routed = self.experts if self.ep is None else self._routed_ep
         step = self.chunk_rows
         if x.shape[0] <= step:
-            return self.experts(x, experts, weights) + self.shared_experts(x)
+            return routed(x, experts, weights) + self.shared_experts(x)
         # row views of x: what each chunk's backward saves is x itself, not copies
-        return torch.cat([self.experts(x[lo:lo + step], experts[lo:lo + step], weights[lo:lo + step])
+        return torch.cat([routed(x[lo:lo + step], experts[lo:lo + step], weights[lo:lo + step])
                           + self.shared_experts(x[lo:lo + step]) for lo in range(0, x.shape[0], step)])
+
+    def _routed_ep(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """The routed experts over the expert-parallel group: dispatch, local grouped GEMMs, combine."""
+        ep = self.ep
+        t, k = experts.shape
+        flat = experts.reshape(-1)
+        order = torch.sort(flat, stable=True).indices  # assignments by expert, so by destination rank
+        per_source, send, recv = exchange_counts(expert_load(experts, ep.num_experts), ep)
+        rows = all_to_all_rows(x.index_select(0, order // k), send, recv, ep.group)
+        w = all_to_all_rows(weights.reshape(-1, 1).index_select(0, order), send, recv, ep.group)
+        # local expert of each received row: source-major, then expert-major within a source
+        n_local = len(self.experts.local)
+        ids = torch.arange(n_local, device=x.device).repeat(ep.size)
+        local_ids = torch.repeat_interleave(ids, per_source.reshape(-1), output_size=sum(recv))
+        y = self.experts(rows, local_ids[:, None], w)
+        if sum(recv) == 0:  # no rows here: the experts' gradients are still defined (zeros) on every rank
+            y = y + 0 * (self.experts.gate_up_proj.sum() + self.experts.down_proj.sum()).to(y.dtype)
+        back = all_to_all_rows(y, recv, send, ep.group)  # [T * k, D] in expert order
+        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        compute = torch.promote_types(x.dtype, torch.float32)
+        return back.index_select(0, inv).view(t, k, -1).sum(1, dtype=compute).to(x.dtype)

@@ -1,0 +1,104 @@
+"""Per-step metrics of a run: the JSON-lines file, TensorBoard scalars, the loss plot, the MFU's peak rate."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["metrics_file", "summary_writer", "loss_history", "plot_losses", "peak_flops", "BOARD_TAGS"]
+
+
+def metrics_file(cfg: Any, rank: int) -> Any:
+    """Rank 0's JSON-lines metrics file (appended to, so a resumed run continues it), or None."""
+    path = cfg.metrics or (os.path.join(cfg.output, "metrics.jsonl") if cfg.output else None)
+    if path is None or rank != 0:
+        return None
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return open(path, "a")
+
+
+# TensorBoard tag of each per-step metrics record field
+BOARD_TAGS = {"loss": "loss/total", "lm_loss": "loss/lm", "mtp_loss": "loss/mtp", "indexer_loss": "loss/indexer",
+               "lr": "optim/lr", "grad_norm": "optim/grad_norm", "tokens_per_s": "perf/tokens_per_s",
+               "mfu": "perf/mfu", "peak_gib": "perf/peak_gib"}
+
+
+def summary_writer(cfg: Any, rank: int, start: int) -> Any:
+    """Rank 0's TensorBoard writer for ``--log-dir``, or None."""
+    if not cfg.log_dir or rank != 0:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ImportError("--log-dir needs the tensorboard package: pip install 'csattn[data]' (or tensorboard)") from e
+    # resumed: TensorBoard drops what earlier event files hold from step start + 1 on (the steps are run again)
+    return SummaryWriter(cfg.log_dir, purge_step=start + 1 if start else None, flush_secs=30)
+
+
+def _last_per_step(path: str) -> dict[int, dict[str, Any]]:
+    """The metrics file's records by step; a step logged again (resumed after it) keeps its last record."""
+    records: dict[int, dict[str, Any]] = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                records[int(rec["step"])] = rec
+    return records
+
+
+def loss_history(cfg: Any, start: int, losses: list[float], lm: list[float],
+                 idx: list[float]) -> tuple[list[int], dict[str, list[float]]]:
+    """Steps and losses of every step so far: from the metrics file when there is one (it holds the steps of
+    earlier runs this one resumed; a step run again keeps its last value), else this run's own."""
+    path = cfg.metrics or (os.path.join(cfg.output, "metrics.jsonl") if cfg.output else None)
+    if path and os.path.isfile(path):
+        records = {s: r for s, r in _last_per_step(path).items() if s <= start + len(losses)}
+        steps = sorted(records)
+        return steps, {k: [math.nan if records[s].get(k) is None else records[s][k] for s in steps]
+                       for k in ("loss", "lm_loss", "mtp_loss", "indexer_loss")}
+    return list(range(start + 1, start + len(losses) + 1)), {"loss": losses, "lm_loss": lm, "indexer_loss": idx}
+
+
+def plot_losses(cfg: Any, start: int, losses: list[float], lm: list[float], idx: list[float]) -> None:
+    """``<log-dir or output>/loss.png``: the curves of :func:`loss_history`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed: a file only
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warnings.warn("no loss.png: matplotlib is not installed (pip install 'csattn[data]')", stacklevel=2)
+        return
+    steps, series = loss_history(cfg, start, losses, lm, idx)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for key in ("loss", "lm_loss", "mtp_loss"):
+        if key in series:
+            top.plot(steps, series[key], label=key)
+    top.set_ylabel("loss")
+    top.legend()
+    top.grid(alpha=0.3)
+    bottom.plot(steps, series["indexer_loss"], color="tab:red", label="indexer_loss (KL)")
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("indexer loss")
+    bottom.legend()
+    bottom.grid(alpha=0.3)
+    out_dir = cfg.log_dir or cfg.output
+    os.makedirs(out_dir, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=100)
+    plt.close(fig)
+
+
+def peak_flops(cfg: Any, device: torch.device) -> float:
+    """FLOP/s of one GPU for the MFU figure: ``--peak-tflops``, else the measured dense bf16 matmul rate of a
+    known GPU (H100 / H200: 790 TFLOP/s), else 0 (no MFU shown)."""
+    if cfg.peak_tflops:
+        return cfg.peak_tflops * 1e12
+    if device.type == "cuda" and any(name in torch.cuda.get_device_name(device) for name in ("H100", "H200")):
+        return 790e12
+    return 0.0

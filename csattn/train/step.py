@@ -1,0 +1,119 @@
+"""One optimizer step on a sharded model: forward and backward of this rank's rows, the global gradient norm and
+clipping, AdamW, and the router-bias update from the global expert loads.
+
+Normalization: every rank's loss is its rows' summed cross entropy over the label count of the whole global
+batch (all data replicas), and its indexer-loss gradient is scaled by its replica's share of the global real rows,
+so the sum of the ranks' gradients, which FSDP's reduction forms (divide factor 1), is the gradient of the global
+batch in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..models.deepseek_v4 import DeepseekV4ForCausalLM
+from ..ops.indexer_loss import IndexerLossAutoScaler
+from ..packing import PackedSeqs
+from ..parallel.mesh import Meshes
+from .packer import PackedBatch
+
+__all__ = ["train_step", "clip_grad_norm", "all_sum"]
+
+
+def all_sum(x: Tensor, meshes: Meshes) -> Tensor:
+    """``x`` summed over every rank (in place; identity in one process)."""
+    if meshes.distributed:
+        dist.all_reduce(x)
+    return x
+
+
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, meshes: Meshes) -> Tensor:
+    """The global L2 norm of every gradient (the routed experts summed over ``ep`` too), before clipping; when
+    ``max_norm > 0`` the gradients are scaled to it (the same coefficient on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[bool, list[Tensor]] = {False: [], True: []}
+    params: dict[bool, list[Tensor]] = {False: [], True: []}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            groups[_is_expert(name)].append(p.grad)
+            params[_is_expert(name)].append(p)
+    squares = []
+    for expert, grads in groups.items():
+        if not grads:
+            continue
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        sq = norm.double() ** 2
+        if expert and meshes.dims.ep > 1:  # each ep rank holds other experts
+            dist.all_reduce(sq, group=meshes.ep_group)
+        squares.append(sq)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+    if max_norm > 0:
+        for group in params.values():
+            if group:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].device))
+    return total
+
+
+def _to_device(batch: PackedBatch, device: torch.device) -> tuple[PackedSeqs, Tensor, Tensor]:
+    packed = batch.packed
+    packed = type(packed)(cu_seqlens=packed.cu_seqlens.to(device), cu_seqlens_padded=packed.cu_seqlens_padded
+                          .to(device), max_seqlen=packed.max_seqlen)
+    return packed, batch.input_ids.to(device), batch.labels.to(device)
+
+
+def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: Any, meshes: Meshes,
+               optimizer: torch.optim.Optimizer, grad_clip: float, router_bias_rate: float,
+               device: torch.device) -> Callable[[], dict[str, float]]:
+    """One optimizer step on this rank's data-replica stream ``batch``, launched: returns ``finish()``, which waits
+    for the step and gives its global metrics (identical on every rank). Between the two the host is free while the
+    device runs the step's tail (the loop builds the next batch there)."""
+    packed, ids, labels = _to_device(batch, device)
+    # label counts and real rows of the whole global batch: the loss denominators (CP ranks of a replica hold the
+    # same batch, so their sum counts it cp times)
+    local = torch.cat([(batch.labels != -100).sum(dim=1), torch.tensor([batch.num_tokens])]).double()
+    totals = all_sum(local.clone(), meshes) / meshes.dims.cp
+    counts, share = totals[:-1].float(), float(local[-1] / totals[-1].clamp_min(1))
+    IndexerLossAutoScaler.set_loss_scale(share)
+    if cp is not None:
+        ids = cp.shard(ids, packed)
+        labels = cp.shard(labels.t().contiguous(), packed).t()
+    optimizer.zero_grad(set_to_none=True)
+    out = model(ids, packed=packed, cp=cp, labels=labels[0], mtp_labels=labels[1:] if len(model.mtp) else None,
+                label_counts=counts.to(device), return_logits=False)
+    out.loss.backward()
+    grad_norm = clip_grad_norm(model, grad_clip, meshes)
+    optimizer.step()
+    loads = model.expert_loads()
+    if loads and router_bias_rate > 0:  # load balancing from the loads of every rank: the same bias everywhere
+        stacked = all_sum(torch.stack([x.to(torch.float32) for x in loads]), meshes)
+        model.update_router_biases(list(stacked), router_bias_rate)
+    zero = torch.zeros((), device=device, dtype=torch.float64)
+    metrics = torch.stack([
+        out.loss.detach().double(), out.lm_loss.double(),
+        out.indexer_loss.double() * share if out.indexer_loss is not None else zero,
+        torch.stack(out.mtp_losses).double().mean() if out.mtp_losses else zero,
+        grad_norm.detach().double().reshape(()).to(device),
+    ])
+    has_mtp = bool(out.mtp_losses)
+
+    def finish() -> dict[str, float]:
+        # every rank calls finish once per step, in step order, so the collectives pair up; each rank's losses are
+        # its share of the global ones (the indexer loss weighted by its replica's rows, CP ranks each their part)
+        all_sum(metrics[:4], meshes)
+        loss, lm, idx, mtp, norm = metrics.tolist()
+        return {"loss": loss, "lm_loss": lm, "indexer_loss": idx, "mtp_loss": mtp if has_mtp else None,
+                "grad_norm": norm}
+
+    return finish
