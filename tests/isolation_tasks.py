@@ -1,6 +1,7 @@
 """Per-document isolation checks: a NaN / Inf planted in one row (real or padding) must change nothing outside
-its document, neither outputs nor input-gradient rows. Shared by the single-process tests, the fuzz test and
-the context-parallel ranks (``tests/cp_pool.py``)."""
+its document, neither outputs nor input-gradient rows; planted in padding rows only, it must not reach any
+parameter gradient either (padding is not data). Shared by the single-process tests, the fuzz test and the
+context-parallel ranks (``tests/cp_pool.py``)."""
 
 from __future__ import annotations
 
@@ -55,13 +56,18 @@ def isolation_errors(layers: torch.nn.ModuleList, packed_fn, x: Tensor, g: Tenso
         allowed = allowed[shard]
         x, poisoned, g = cp.shard(x, packed), cp.shard(poisoned, packed), cp.shard(g, packed)
     out_c, dx_c = run_stack(layers, x, g, packed_fn(), cp)
-    for p in layers.parameters():
-        p.grad = None
+    grads_c = _take_grads(layers)
     out_p, dx_p = run_stack(layers, poisoned, g, packed_fn(), cp)
-    for p in layers.parameters():
-        p.grad = None
+    grads_p = _take_grads(layers)
     keep = ~allowed
     problems = []
+    rows = packed.rows(torch.device("cpu"))
+    if not any(bool(rows.real[r]) for r, _ in bad):
+        # only padding poisoned: every parameter gradient (this rank's) is finite and bit for bit the clean one
+        for name, clean in grads_c.items():
+            dirty = grads_p[name]
+            if not torch.isfinite(dirty).all() or not torch.equal(dirty, clean):
+                problems.append(f"parameter gradient {name} changed by poisoned padding rows {bad}")
     for what, clean, dirty in (("output", out_c, out_p), ("input grad", dx_c, dx_p)):
         if not torch.isfinite(clean[keep]).all():
             problems.append(f"clean run: non-finite {what}")
@@ -72,8 +78,19 @@ def isolation_errors(layers: torch.nn.ModuleList, packed_fn, x: Tensor, g: Tenso
     return problems
 
 
-def cp_isolation(group, lengths, pads, partition, types, bad, seed=0, dtype="float64", **over) -> list[str]:
-    """:func:`isolation_errors` on this rank of a CP group (the pack padded to whole chunks)."""
+def _take_grads(layers: torch.nn.ModuleList) -> dict[str, Tensor]:
+    """Every parameter gradient (zeros where none), then cleared for the next run."""
+    out = {}
+    for name, p in layers.named_parameters():
+        out[name] = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        p.grad = None
+    return out
+
+
+def cp_isolation(group, lengths, pads, partition, types, bad, seed=0, dtype="float64", pad_only=False,
+                 **over) -> list[str]:
+    """:func:`isolation_errors` on this rank of a CP group (the pack padded to whole chunks). ``bad`` rows are
+    taken modulo the rows, or with ``pad_only`` modulo the padding rows (at least one: ``pads`` gives some)."""
     import torch.distributed as dist
 
     from .cp_tasks import padded_pack
@@ -92,5 +109,9 @@ def cp_isolation(group, lengths, pads, partition, types, bad, seed=0, dtype="flo
     x = torch.randn(T, 32, generator=gen).to(dt)
     g = torch.randn(T, 32, generator=gen).to(dt)
     layers = build_stack(dt, seed, tuple(types), **over)
-    bad = [(r % T, v) for r, v in bad]
+    if pad_only:
+        pad_rows = (~packed_fn().rows(torch.device("cpu")).real).nonzero().flatten().tolist()
+        bad = [(pad_rows[r % len(pad_rows)], v) for r, v in bad]
+    else:
+        bad = [(r % T, v) for r, v in bad]
     return isolation_errors(layers, packed_fn, x, g, bad, cp)

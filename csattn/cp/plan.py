@@ -208,6 +208,7 @@ def build_plan(packed: PackedSeqs, cfg: AttentionConfig, cp, device: torch.devic
         index = replace(index, num_entries=meta.num_entries, num_owned=int(mine.numel()), max_owned=max_owned,
                         gathered_order=(owner * max_owned + slot).to(device))
     plan = (LayerPlan(pos_local.to(device), real_local.to(device), rows.num_real, window_ids.to(device), IDENTITY,
-                      EAGER, pos_ext=rows.pos[ext_rows_t].to(device), entries=entries), index)
+                      EAGER, pos_ext=rows.pos[ext_rows_t].to(device), entries=entries,
+                      padding=not bool(real_local.all())), index)
     packed.cache()[key] = plan
     return plan

@@ -112,6 +112,11 @@ class HybridAttention(nn.Module):
         single-process, context-parallel and capture-safe runs (see ``layers/README.md``). Each exchange is
         started before, and finished after, a phase that does not need it, so the collective overlaps it."""
         cfg, ops, exchange, entries = self.config, plan.ops, plan.exchange, plan.entries
+        if plan.padding:
+            # Padding is not data (a collator may leave uninitialized memory there): zeroed before any projection,
+            # or a NaN there would reach every weight gradient as 0 * NaN. Each rank zeroes its own rows before the
+            # halo exchange, so halos arrive zeroed too. Saved for the backward in place of x (packs with padding).
+            x = x.masked_fill(~plan.real[:, None], 0)
         halo = exchange.start_halo(x)
         cos, sin = self.rope_tables(plan.pos, x.dtype)
         qr = self.query_latent(x)  # overlaps the halo exchange

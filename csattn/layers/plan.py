@@ -113,6 +113,9 @@ class LayerPlan:
     ops: OpSet  # EAGER or CUSTOM
     pos_ext: Tensor | None = None  # [n_ext] positions of the ext rows; None = the ext rows are the local rows
     entries: Entries | None = None  # None on sliding-window layers
+    # whether the local rows may hold padding (a host fact of the pack; True where unknown, the capture-safe plans):
+    # the layer then zeroes those rows before any projection (see HybridAttention.forward_plan)
+    padding: bool = True
 
 
 def static_pack(packed: Any, num_rows: int) -> StaticPackedSeqs:
@@ -141,7 +144,8 @@ class LocalPlanner:
             meta = packed.compress(config.compress_ratio, x.device)
             entries = Entries(meta, meta.vis_start, meta.vis_end, meta.max_visible)
         window_ids = window_indices(rows.pos, rows.real, config.sliding_window)
-        return LayerPlan(rows.pos, rows.real, rows.num_real, window_ids, IDENTITY, EAGER, entries=entries)
+        return LayerPlan(rows.pos, rows.real, rows.num_real, window_ids, IDENTITY, EAGER, entries=entries,
+                         padding=rows.num_real < x.shape[0])
 
     @staticmethod
     def _static(x: Tensor, static: StaticPackedSeqs, config: AttentionConfig) -> LayerPlan:
