@@ -28,9 +28,14 @@ Batches it accepts (documents never see each other; positions restart at 0 in ev
   Padding tokens change no real token and get zero hidden states. (HF's own eager model numbers a
   left-padded row from the first pad and pools pads into its compressed entries; here a row starts at 0.)
 
+Mixed precision: under ``torch.autocast`` (``Trainer(bf16=True)``, TRL's default) the attention layers and
+routed experts run in the autocast dtype and the mHC in fp32 (:mod:`csattn.amp`); the residual streams stay fp32,
+as in HF. ``output_router_logits=True`` (TRL sets it when ``router_aux_loss_coef`` is not 0) returns the routers'
+logits as HF does, so HF's (or TRL's) load-balancing loss is added to the loss.
+
 Limits: training forwards only. ``past_key_values`` or ``use_cache=True`` (``generate()``) raise a
 ``ValueError``; call :func:`unpatch` first (it puts HF's modules back, the same parameters). No
-``output_attentions`` / ``output_hidden_states`` / ``output_router_logits``. ``position_ids`` must count
+``output_attentions`` / ``output_hidden_states``. ``position_ids`` must count
 0, 1, 2, ... inside each document. The lightning indexer gets no LM gradient (as in HF); with
 ``indexer_loss_coeff > 0`` it trains on csattn's indexer KL loss (under gradient accumulation also call
 ``csattn.IndexerLossAutoScaler.set_loss_scale(1 / gradient_accumulation_steps)``).
@@ -258,8 +263,10 @@ class _PatchedModel(hf.DeepseekV4Model):
         """``input_ids [B, S]`` (or ``inputs_embeds [B, S, D]``) -> ``last_hidden_state [B, S, D]``.
 
         ``attention_mask [B, S]``, ``position_ids`` and ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q``
-        (kwargs) describe the documents (:func:`batch_layout`); other kwargs (``num_items_in_batch``, ...) are the
-        loss's and are ignored here.
+        (kwargs) describe the documents (:func:`batch_layout`); ``output_router_logits`` (default: the config's)
+        also returns every learned router's logits as HF does, ``[B * S, E]`` per layer (zeros at padding, which
+        HF's load-balancing loss masks out), for HF's or TRL's auxiliary loss; other kwargs
+        (``num_items_in_batch``, ...) are the loss's and are ignored here.
         """
         _refuse_unsupported(past_key_values, use_cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
@@ -275,15 +282,27 @@ class _PatchedModel(hf.DeepseekV4Model):
         streams = layout.gather(embeds)
         streams = streams.unsqueeze(-2).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, n, D]
         ids = None if input_ids is None else layout.gather(input_ids)
-        for layer in self.layers:
-            # streams positional: HF's gradient checkpointing (reentrant) needs the grad-carrying input there
-            streams = layer(streams, input_ids=ids, packed=layout.packed)
+        want_router = kwargs.get("output_router_logits")
+        if want_router is None:
+            want_router = bool(getattr(self.config, "output_router_logits", False))
+        router_logits: list[Tensor] = []
+        # HF records the learned routers' logits (output 0) by hooks; hash routers' choice is a table lookup
+        hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: router_logits.append(out[0]))
+                 for layer in self.layers if want_router and isinstance(layer.mlp.gate, hf.DeepseekV4TopKRouter)]
+        try:
+            for layer in self.layers:
+                # streams positional: HF's gradient checkpointing (reentrant) needs the grad-carrying input there
+                streams = layer(streams, input_ids=ids, packed=layout.packed)
+        finally:  # a recomputation in the backward (gradient checkpointing) records nothing
+            for hook in hooks:
+                hook.remove()
         head = self.hc_head
         # the final norm inside the head site (row-wise, so before the scatter to [B, S] as well as after)
         final = mhc_ops.hc_head(streams, head.hc_fn, head.hc_base, head.hc_scale, hc_eps=head.eps,
                                 norm_eps=head.input_norm.eps, norm_weight=self.norm.weight,
                                 rms_eps=self.norm.variance_epsilon, backend=self._csattn_backend)
-        return MoeModelOutputWithPast(last_hidden_state=layout.scatter(final))
+        logits = tuple(layout.scatter(x).reshape(b * s, -1) for x in router_logits) if want_router else None
+        return MoeModelOutputWithPast(last_hidden_state=layout.scatter(final), router_logits=logits)
 
 
 def _hc_pre(site: hf.DeepseekV4HyperConnection, streams: Tensor, backend: str,
@@ -304,7 +323,7 @@ def _refuse_unsupported(past_key_values: Any, use_cache: bool | None, kwargs: di
     if use_cache:
         raise ValueError("use_cache=True: a model patched by csattn.integrations.transformers builds no KV cache; "
                          f"pass use_cache=False, or for generate() {_UNPATCH}")
-    for key in ("output_attentions", "output_hidden_states", "output_router_logits"):
+    for key in ("output_attentions", "output_hidden_states"):
         if kwargs.get(key):
             raise ValueError(f"{key}=True is not supported by the csattn-patched DeepseekV4 model (it runs packed "
                              f"rows, not [B, S] tensors per layer); set it to False (config.{key}), or {_UNPATCH}")
@@ -317,6 +336,7 @@ class _PatchState:
     indexer_loss_coeff: float
     hf_attention: list[nn.Module]  # HF's attention modules, put back by unpatch
     experts_patched: bool
+    num_experts_added: bool = False  # config.num_experts set by patch (see there), removed by unpatch
 
 
 def _backbone(model: nn.Module) -> hf.DeepseekV4Model:
@@ -402,6 +422,11 @@ def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float 
         if experts:
             layer.mlp.experts.__class__ = _PatchedExperts
             layer.mlp.experts._csattn_backend = backend
+    # TRL's load-balancing loss (SFTTrainer's default when router_aux_loss_coef != 0) reads config.num_experts,
+    # a name DeepseekV4Config does not define (num_local_experts / n_routed_experts): give it the alias
+    if not hasattr(config, "num_experts"):
+        config.num_experts = config.num_local_experts
+        state.num_experts_added = True
     backbone.__class__ = _PatchedModel
     backbone._csattn_backend = backend
     backbone._csattn_state = state
@@ -429,5 +454,7 @@ def unpatch(model: nn.Module) -> nn.Module:
             layer.mlp.experts.__class__ = hf.DeepseekV4Experts
             del layer.mlp.experts._csattn_backend
     backbone.__class__ = hf.DeepseekV4Model
+    if state.num_experts_added:
+        del backbone.config.num_experts
     del backbone._csattn_backend, backbone._csattn_state
     return model

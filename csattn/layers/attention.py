@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..amp import autocast_dtype, autocast_off, low_precision_parameters
 from ..config import AttentionConfig
 from ..ops.backend import resolve_backend
 from ..ops.indexer_loss import SparseTeacher, attach_indexer_loss, indexer_kl_from_teacher, sparse_teacher_block
@@ -97,8 +98,16 @@ class HybridAttention(nn.Module):
 
         Returns:
             ``[B, S, D]`` or ``[T, D]``, like the input. Input without rows (``T = 0``, ``B = 0`` or ``S = 0``:
-            an empty pack) gives an output without rows.
+            an empty pack) gives an output without rows. Under ``torch.autocast`` the layer runs in the autocast
+            dtype as a layer cast to it would, and returns that dtype (see :mod:`csattn.amp`).
         """
+        low = autocast_dtype(hidden_states) if isinstance(hidden_states, Tensor) else None
+        if low is not None:
+            # autocast's dtypes decided once for the whole layer: its fused ops recompute in the backward, where
+            # autocast is off
+            x = hidden_states.to(low) if hidden_states.is_floating_point() else hidden_states
+            with autocast_off(hidden_states), low_precision_parameters(self, low):
+                return self.forward(x, packed, cp)
         if isinstance(hidden_states, Tensor) and hidden_states.dim() in (2, 3) and not hidden_states.shape[:-1].numel():
             return self._empty_forward(hidden_states, packed, cp)
         if cp is not None and not callable(getattr(cp, "plan", None)):

@@ -45,10 +45,25 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
     if not os.path.isdir(where):
         raise ValueError(f"checkpoint {path} has no {DCP_DIR}/ (sharded model and optimizer state): it was written "
                          f"by an older csattn; start a new run from its weights with --init-from {path}")
+    reader = SafeReader(where)
     state = _state(model, optimizer, meshes)
-    dcp.load(state, storage_reader=SafeReader(where))
+    _check_shapes(path, reader.read_metadata(), state["model"])
+    dcp.load(state, storage_reader=reader)
     model_sd, optim_sd = _local_view(state["model"], meshes), _local_view(state["optim"], meshes)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def _check_shapes(path: str, metadata: Any, model_sd: dict[str, Any]) -> None:
+    """A checkpoint of another model config fails naming the first tensor whose (global) shape differs."""
+    saved = metadata.state_dict_metadata
+    for name, t in model_sd.items():
+        meta = saved.get(f"model.{name}")
+        size = getattr(meta, "size", None)
+        if isinstance(t, Tensor) and size is not None and tuple(size) != tuple(t.shape):
+            raise ValueError(f"checkpoint {path}: tensor {name!r} has shape {tuple(size)} in the checkpoint but the "
+                             f"model's config gives {tuple(t.shape)}: resume with the checkpoint's model options")
+        if isinstance(t, Tensor) and meta is None:
+            raise ValueError(f"checkpoint {path} has no tensor {name!r}: it was written for another model config")
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, meshes: Meshes) -> dict[str, Any]:
@@ -110,7 +125,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
                 "torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint._extension",
                 "torch.distributed.checkpoint.storage")
-    _NAMES = {("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"), ("builtins", "slice"),
+    # _get_layout maps a layout's name (e.g. "torch.strided") to the layout object, nothing else
+    _NAMES = {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("builtins", "slice"),
               ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "tuple"), ("builtins", "list"),
               ("builtins", "dict"),
               ("enum", "Enum"), ("pathlib", "PosixPath"), ("pathlib", "Path")}

@@ -62,6 +62,11 @@ def export_hf(model: DeepseekV4ForCausalLM, path: str, meshes: Meshes) -> None:
     ``transformers`` alike."""
     from safetensors.torch import save_file
 
+    if not meshes.distributed:  # one process holds the whole model anyway: one file
+        from ..models.deepseek_v4.checkpoint import save_pretrained
+
+        save_pretrained(model, path)
+        return
     state = model.state_dict()
     units = sorted({_unit_of(n) for n in state})
     write = meshes.rank == 0

@@ -40,6 +40,14 @@ class ParallelDims:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         shard = self.dp_shard
+        if self.world == 1 and max(self.dp_replicate, self.cp, self.ep, shard) > 1:
+            # the usual mistake: one process per rank is started by torchrun
+            flags = " ".join(f"--{n.replace('_', '-')} {v}" for n, v in (("dp_replicate", self.dp_replicate),
+                             ("dp_shard", shard), ("cp", self.cp), ("ep", self.ep)) if v > 1)
+            ranks = self.dp_replicate * max(shard, 1) * self.cp
+            ranks = max(ranks, self.ep)
+            raise ValueError(f"{flags} needs {ranks} processes (one per rank) but this is a single process: run "
+                             f"`torchrun --nproc-per-node {ranks} -m csattn train {flags} ...`")
         if shard == -1:
             if self.world % (self.dp_replicate * self.cp):
                 raise ValueError(f"world size {self.world} is not divisible by --dp-replicate {self.dp_replicate} x "

@@ -3,7 +3,8 @@
 Examples::
 
     csattn train --steps 50                                   # tiny model, synthetic data, one CPU process
-    torchrun --nproc-per-node 4 -m csattn train --cp 2        # 2 data-parallel replicas x CP 2 (gloo on CPU)
+    torchrun --nproc-per-node 4 -m csattn train --cp 2        # FSDP over 2 data replicas x CP 2 (gloo on CPU)
+    torchrun --nproc-per-node 8 -m csattn train --config-json v4.json --ep 8 --cp 2   # dp_shard 4 x cp 2, ep 8
     csattn train --init-from ./hf_ckpt --data pysrc --output runs/a --save-every 100
     csattn train --output runs/a --resume auto --steps 200    # continue exactly where runs/a stopped
     csattn train --data parquet --data-path a.parquet b.parquet --tokenizer ./tok --output runs/b --log-dir runs/b/tb
@@ -99,8 +100,23 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--router-bias-rate", type=float, default=_D.router_bias_rate,
                    help="step of the load-balancing router bias update per optimizer step (default %(default)s)")
     p = parser.add_argument_group("parallelism and runtime")
+    p.add_argument("--dp-replicate", type=int, default=_D.dp_replicate,
+                   help="data-parallel replicas that each hold the whole (sharded) model: HSDP across nodes "
+                        "(default %(default)s)")
+    p.add_argument("--dp-shard", type=int, default=_D.dp_shard,
+                   help="data-parallel ranks FSDP2 shards the parameters, gradients and optimizer state over; -1 = "
+                        "the world size / (dp-replicate x cp) (default %(default)s)")
     p.add_argument("--cp", type=int, default=_D.cp,
-                   help="context-parallel size; the rest of the world is data parallel (default %(default)s)")
+                   help="context-parallel size: the ranks that split each packed sequence's rows (default "
+                        "%(default)s); world = dp-replicate x dp-shard x cp")
+    p.add_argument("--ep", type=int, default=_D.ep,
+                   help="expert-parallel size: the routed experts are split over groups of this many ranks taken "
+                        "from dp-shard x cp (it divides that product and the expert count); tokens are exchanged "
+                        "with all-to-all (default %(default)s)")
+    p.add_argument("--batch-seqs", type=int, default=_D.batch_seqs,
+                   help="packed sequences of --seq-len rows per optimizer step, split over the data replicas "
+                        "(default: one per replica); a checkpoint keeps it, so a run resumes on any mesh whose "
+                        "replicas divide it")
     p.add_argument("--cp-partition", choices=["contiguous", "balanced"], default=_D.cp_partition,
                    help="row partition of the CP group (default %(default)s)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=_D.device,
@@ -131,6 +147,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "with `tensorboard --logdir DIR`; needs the tensorboard package), and loss.png; without "
                         "it loss.png goes to --output. loss.png plots every step of the metrics file (resumed "
                         "runs included)")
+    c.add_argument("--export-hf", choices=["final", "every", "never"], default=_D.export_hf,
+                   help="write the HF-format model (config.json + safetensors, gathered unit by unit to rank 0) into "
+                        "the final checkpoint, every checkpoint, or none (default %(default)s)")
     c.add_argument("--peak-tflops", type=float, default=_D.peak_tflops,
                    help="the GPU's dense matmul TFLOP/s, for the MFU shown with tokens/s (default: 790 on H100 / "
                         "H200, the measured bf16 rate; none elsewhere)")

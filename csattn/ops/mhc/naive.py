@@ -2,7 +2,8 @@
 ``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead`` and the oracle of the Triton kernels' tests.
 
 The weights are computed in fp32 (fp64 for fp64 streams) from the RMS-normalized, flattened streams; the
-combine casts ``post`` / ``comb`` to the stream dtype first, as HF does.
+combine casts ``post`` / ``comb`` to the stream dtype first, as HF does. Autocast changes none of it (its GEMMs
+run with autocast off), so the fused kernels, the reference and a site rebuilt in the backward agree under it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ...amp import autocast_off
 
 __all__ = ["hc_pre_ref", "hc_head_ref", "hc_combine_ref", "sinkhorn_ref"]
 
@@ -44,7 +47,8 @@ def hc_pre_ref(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, sinkhor
     """
     n = streams.shape[-2]
     flat = _flat_normed(streams, norm_eps)
-    mix = F.linear(flat, fn.to(flat.dtype))
+    with autocast_off(flat):
+        mix = F.linear(flat, fn.to(flat.dtype))
     pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
     base = base.to(flat.dtype)
     scale = scale.to(flat.dtype)
@@ -65,7 +69,8 @@ def hc_head_ref(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps
         ``[T, D]`` in the stream dtype.
     """
     flat = _flat_normed(streams, norm_eps)
-    mix = F.linear(flat, fn.to(flat.dtype))
+    with autocast_off(flat):
+        mix = F.linear(flat, fn.to(flat.dtype))
     pre = torch.sigmoid(mix * scale.to(flat.dtype) + base.to(flat.dtype)) + hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
 
@@ -81,5 +86,6 @@ def hc_combine_ref(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tenso
         ``[T, n, D]`` in the stream dtype.
     """
     dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), streams)
+    with autocast_off(streams):
+        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ...amp import autocast_dtype, autocast_off
 from ..backend import check_backend
 from ..backend import resolve_backend as _resolve
 from .grouped import RoutePlan, grouped_experts, grouped_mm_supported, route_plan
@@ -47,8 +48,14 @@ def moe_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tenso
 
     Returns:
         ``[T, D]`` in ``x.dtype``: ``sum_j weights[t, j] * down[e_j] @ swiglu(gate_up[e_j] @ x[t])``.
-        Gradients flow to ``x``, ``weights``, ``gate_up_proj`` and ``down_proj``.
+        Gradients flow to ``x``, ``weights``, ``gate_up_proj`` and ``down_proj``. Under ``torch.autocast``
+        ``x`` and the two weights are cast to the autocast dtype first and the result is in it (as for a linear;
+        see :mod:`csattn.amp`).
     """
+    low = autocast_dtype(x)
+    if low is not None:  # the dtypes decided once: the grouped backward recomputes outside autocast
+        with autocast_off(x):
+            return moe_experts(x.to(low), experts, weights, gate_up_proj.to(low), down_proj.to(low), limit, backend)
     path = resolve_backend(backend, x, gate_up_proj, down_proj)
     if path == "reference":
         return experts_ref(x, experts, weights, gate_up_proj, down_proj, limit)
