@@ -267,3 +267,73 @@ def test_gradient_checkpointing_and_save_pretrained(reentrant, tmp_path):
     loaded = DeepseekV4ForCausalLM.from_pretrained(tmp_path)
     for name, p in model.named_parameters():
         assert torch.equal(loaded.get_parameter(name), p), name
+
+
+def test_autocast_within_twice_hf_autocast_error():
+    """Under ``torch.autocast`` (CPU bf16) a flattened batch runs (before: ``bmm(out=)`` met autocast's operands
+    and failed) and is no further from unpatched HF eager in fp32 than twice HF eager under the same autocast is,
+    per document: logits and the gradients of the attention and expert weights. The master weights and their
+    gradients stay fp32."""
+    from tests.helpers import rel_err
+
+    ours, ref, cfg = _models()
+    ref_low = hf_model(cfg, seed=SEED)
+    docs = _docs(LENGTHS, cfg["vocab_size"])
+    batch = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
+    batch.pop("labels")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = ours(**batch).logits[0]
+    assert logits.dtype == torch.bfloat16
+    dy = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
+    (logits.float() * dy).sum().backward()
+    expected = torch.cat(_per_document(ref, docs, dy.split(LENGTHS)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hf_low = torch.cat(_per_document(ref_low, docs, dy.split(LENGTHS)))
+    assert rel_err(logits.float(), expected) <= 2 * rel_err(hf_low.float(), expected), "logits"
+    ref_p, low_p = dict(ref.named_parameters()), dict(ref_low.named_parameters())
+    checked = 0
+    for name, p in ours.named_parameters():
+        assert p.dtype == torch.float32, name
+        if p.grad is not None:
+            assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), name
+        if name.endswith(("self_attn.q_b_proj.weight", "o_b_proj.weight", "self_attn.kv_proj.weight",
+                          "experts.down_proj")):
+            err, hf_err = rel_err(p.grad, ref_p[name].grad), rel_err(low_p[name].grad.float(), ref_p[name].grad)
+            assert err <= 2 * hf_err + 1e-3, f"grad {name}: {err:.3e} vs HF autocast {hf_err:.3e}"
+            checked += 1
+    assert checked >= 12
+
+
+@pytest.mark.parametrize("layout", ["one_document", "right_padded"])
+def test_router_logits_and_aux_loss_equal_hf(layout, assert_close):
+    """``output_router_logits=True`` (TRL sets it; the patched model used to refuse it) returns the learned
+    routers' logits ``[B * S, E]`` per layer as HF does, so HF's load-balancing loss (``aux_loss``, times
+    ``router_aux_loss_coef`` in ``loss``) and its gradient equal unpatched HF eager's. One document, or rows of
+    one document each with right padding (HF's rows then equal ours on the real tokens, and the loss masks the
+    padding)."""
+    ours, ref, cfg = _models("flash")
+    if layout == "one_document":
+        ids, mask = _docs([37], cfg["vocab_size"])[0][None], None
+    else:
+        lengths, s = [30, 17], 30
+        ids = torch.randint(0, cfg["vocab_size"], (2, s), generator=torch.Generator().manual_seed(6))
+        mask = (torch.arange(s)[None] < torch.tensor(lengths)[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100) if mask is not None else ids
+    outs = []
+    for model in (ours, ref):
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        out.loss.backward()
+        outs.append(out)
+    got, want = outs
+    assert len(got.router_logits) == len(want.router_logits) == 2  # the two learned-routing layers ("flash")
+    real = torch.ones(ids.numel(), dtype=torch.bool) if mask is None else mask.reshape(-1).bool()
+    for a, b in zip(got.router_logits, want.router_logits):
+        assert a.shape == b.shape == (ids.numel(), cfg["n_routed_experts"])
+        assert_close(a[real], b[real], TOL, "router logits")
+    assert_close(got.aux_loss, want.aux_loss, TOL, "aux_loss")
+    assert ours.router_aux_loss_coef > 0
+    assert_close(got.loss, want.loss, TOL, "loss with the auxiliary loss")
+    ref_p = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            assert_close(p.grad, ref_p[name].grad, TOL, f"grad {name}")

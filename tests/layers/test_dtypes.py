@@ -24,3 +24,48 @@ def test_low_precision_close_to_fp64(layer_type, dtype, tol, assert_close):
     # bf16 can flip a near-tie in the indexer's top-k, so only the attention weights' grads are compared
     for name in ("q_b_proj.weight", "kv_proj.weight", "o_b_proj.weight", "sinks"):
         assert_close(low.get_parameter(name).grad, ref.get_parameter(name).grad, 3 * tol, name)
+
+
+def _cast_like_training_dtype(layer: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``layer`` cast as ``to_training_dtype`` casts a model: sinks, position biases and norm weights
+    stay fp32."""
+    import copy
+
+    from csattn.amp import keeps_fp32
+
+    low = copy.deepcopy(layer)
+    for name, p in low.named_parameters():
+        if not keeps_fp32(name):
+            p.data = p.data.to(dtype)
+    return low
+
+
+@pytest.mark.parametrize("layer_type", ["sliding", "csa", "hca"])
+@pytest.mark.parametrize("recompute", [True, False], ids=["blocked", "unblocked"])
+def test_autocast_is_the_layer_cast_to_its_dtype(layer_type, recompute):
+    """Under ``torch.autocast`` (CPU bf16 here) the layer with fp32 weights computes, bit for bit, what the same
+    layer cast to bf16 (norms, sinks and position biases fp32) computes on the input cast to bf16, forward and
+    backward: the fused ops' backward recomputations run outside autocast, so the layer fixes its dtypes once.
+    Before, the grouped output projection's ``bmm(out=)`` failed on autocast's operands."""
+    packed = PackedSeqs.from_lengths([19, 2, 33], padded_lengths=[20, 2, 36])
+    layer = random_layer(tiny_config(layer_type, recompute_projections=recompute), dtype=torch.float32)
+    low = _cast_like_training_dtype(layer, torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(58, 32, generator=gen), torch.randn(58, 32, generator=gen)
+    xa, xl = x.clone().requires_grad_(), x.to(torch.bfloat16).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya = layer(xa, packed=packed)
+    yl = low(xl, packed=packed)
+    assert ya.dtype == torch.bfloat16 and torch.equal(ya, yl)
+    (ya.float() * dy).sum().backward()
+    (yl.float() * dy).sum().backward()
+    assert xa.grad.dtype == torch.float32 and torch.equal(xa.grad, xl.grad.float())
+    if layer.last_indexer_loss is not None:
+        assert torch.equal(layer.last_indexer_loss, low.last_indexer_loss)
+    for name, p in layer.named_parameters():
+        q = low.get_parameter(name)
+        assert p.dtype == torch.float32, name  # the master weights are untouched
+        if q.grad is None:
+            assert p.grad is None, name
+            continue
+        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad.float()), name

@@ -113,3 +113,34 @@ def test_model_with_triton_mhc_matches_reference():
     assert set(grads) == set(grads_ref) and any(".attn_hc." in k for k in grads)
     for name, gr in grads_ref.items():
         assert rel_err(grads[name], gr) < 1e-10, f"grad {name}: {rel_err(grads[name], gr):.2e}"
+
+
+def test_reference_ignores_autocast():
+    """The reference mHC computes its weights in fp32 whatever autocast says (its mixing GEMM and the combine's
+    run with autocast off), as the fused kernels do: under autocast a site, the head and the combine give what
+    they give without it, bit for bit, so a site rebuilt in the backward (outside autocast) is the one the
+    forward made."""
+    from csattn.ops.mhc import hc_combine, hc_head, hc_site
+
+    g = torch.Generator().manual_seed(0)
+    n, d, t = 4, 16, 9
+    streams = torch.randn(t, n, d, generator=g)
+    fn, base, scale = 0.1 * torch.randn((2 + n) * n, n * d, generator=g), torch.randn((2 + n) * n, generator=g), \
+        1 + 0.1 * torch.randn(3, generator=g)
+    head_fn, norm_w, y = 0.1 * torch.randn(n, n * d, generator=g), 1 + 0.1 * torch.randn(d, generator=g), \
+        torch.randn(t, d, generator=g).bfloat16()
+    kw = dict(sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6, norm_weight=norm_w, backend="reference")
+
+    def run():
+        site = hc_site(streams, fn, base, scale, **kw)
+        out = hc_combine(site.streams, y, site.post, site.comb, backend="reference")
+        head = hc_head(streams, head_fn, base[:n], scale[:1], hc_eps=1e-6, norm_eps=1e-6, norm_weight=norm_w,
+                       backend="reference")
+        return site.post, site.comb, site.x, out, head, site.again(streams)
+
+    plain = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = run()
+    for name, a, b in zip(("post", "comb", "x", "combine", "head", "again"), plain, under):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), name
+    assert torch.equal(under[2], under[5])  # the rebuilt block input is the forward's

@@ -296,3 +296,21 @@ def test_model_grouped_matches_fp64():
     for name, grad in got[1].items():
         tol = max(3 * rel_err(plain[1][name], exact[1][name]), 1e-5)
         assert rel_err(grad, exact[1][name]) <= tol, name
+
+
+@pytest.mark.parametrize("backend", ["reference", "grouped", "triton"])
+def test_autocast_is_the_op_on_its_dtype(backend):
+    """Under ``torch.autocast`` the experts take ``x`` and both weights in the autocast dtype (a linear's rule)
+    and run with autocast off (the grouped backward recomputes outside it): bit for bit the op on bf16 casts,
+    forward and every gradient, which reach the fp32 leaves through the casts."""
+    (x, w, gate_up, down), ids, dout = _problem(40, 8, 2, d=16, inter=16)
+    fp32 = [t.float().requires_grad_() for t in (x, w, gate_up, down)]
+    low = [t.detach().to(torch.bfloat16 if i != 1 else torch.float32).requires_grad_() for i, t in enumerate(fp32)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya = moe_experts(fp32[0], ids, fp32[1], fp32[2], fp32[3], LIMIT, backend)
+    yl = moe_experts(low[0], ids, low[1], low[2], low[3], LIMIT, backend)
+    assert ya.dtype == torch.bfloat16 and torch.equal(ya, yl)
+    (ya.float() * dout.float()).sum().backward()
+    (yl.float() * dout.float()).sum().backward()
+    for name, a, b in zip(("x", "weights", "gate_up_proj", "down_proj"), fp32, low):
+        assert a.grad.dtype == torch.float32 and torch.equal(a.grad, b.grad.float()), name
