@@ -141,3 +141,64 @@ def test_config_roundtrip_and_validation():
 def test_config_refuses_non_integer_sizes(field, value):
     with pytest.raises(ValueError, match=f"{field} must be an int, got {value!r}"):
         DeepseekV4ModelConfig.from_hf({**tiny_config_dict("flash"), field: value})
+
+
+def _saved(tmp_path, **edits):
+    """A saved tiny model (hash-routed first layers) with ``edits``: on-disk name -> new tensor."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_model("flash", seed=6).save_pretrained(str(tmp_path))
+    weights = os.path.join(tmp_path, "model.safetensors")
+    if edits:
+        tensors = load_file(weights)
+        for key, fn in edits.items():
+            tensors[key] = fn(tensors[key])
+        save_file(tensors, weights, metadata={"format": "pt"})
+    return weights
+
+
+@pytest.mark.parametrize("keep", [0.5, 100], ids=["data_cut", "header_cut"])
+def test_truncated_file_names_the_file(tmp_path, keep):
+    from csattn.models.deepseek_v4.checkpoint import read_safetensors
+
+    weights = _saved(tmp_path)
+    with open(weights, "rb") as f:
+        data = f.read()
+    with open(weights, "wb") as f:
+        f.write(data[: int(len(data) * keep) if keep < 1 else keep])
+    for load in (load_pretrained, read_safetensors):  # the loader, and the resume path's reader
+        with pytest.raises(ValueError, match=r"cannot read '.*model\.safetensors'.*truncated or damaged"):
+            load(str(tmp_path))
+
+
+@pytest.mark.parametrize("key,damage,match,resume_match", [
+    # a damaged hash-routing table used to load and then index past the experts deep inside the MoE
+    ("model.layers.0.ffn.gate.tid2eid", lambda t: torch.full_like(t, 7272736067030267744),
+     r"hash-routing table 'model\.layers\.0\.mlp\.gate\.tid2eid' \('model\.layers\.0\.ffn\.gate\.tid2eid' in "
+     r"'model\.safetensors'\) holds expert ids in \[7272736067030267744, 7272736067030267744\] but the model has 4",
+     r"hash-routing table 'model\.layers\.0\.mlp\.gate\.tid2eid' .* holds expert ids in \[7272736067030267744"),
+    ("model.layers.1.ffn.gate.tid2eid", lambda t: t - 1, r"tid2eid.*holds expert ids in \[-1, ",
+     r"tid2eid.*holds expert ids in \[-1, "),
+    ("model.layers.1.ffn.gate.tid2eid", lambda t: t.float(),
+     r"tid2eid.*is torch\.float32 on disk but the model holds torch\.int64",
+     r"tid2eid.*is torch\.float32 on disk but the model holds torch\.int64"),
+    ("model.layers.2.attn.wq_b.weight", lambda t: t.index_fill(0, torch.tensor([3]), float("nan")),
+     r"tensor 'model\.layers\.2\.self_attn\.q_b_proj\.weight' \('model\.layers\.2\.attn\.wq_b\.weight' in "
+     r"'model\.safetensors'\) holds 24 non-finite values",
+     r"tensor 'model\.layers\.2\.self_attn\.q_b_proj\.weight' .* holds 24 non-finite values"),
+    ("model.layers.3.ffn.experts.1.w2.weight", lambda t: t.index_fill(1, torch.tensor([0]), float("inf")),
+     r"'model\.layers\.3\.mlp\.experts\.1\.w2\.weight' .* holds 32 non-finite values",
+     r"'model\.layers\.3\.mlp\.experts\.down_proj' .* holds 32 non-finite values"),
+], ids=["hash_table_garbage", "hash_table_negative", "hash_table_float", "nan_weight", "inf_expert"])
+def test_damaged_tensor_is_named_on_load(tmp_path, key, damage, match, resume_match):
+    from safetensors.torch import load_file
+
+    from csattn.models.deepseek_v4.checkpoint import load_state_dict_into, read_safetensors
+
+    assert key in load_file(_saved(tmp_path))  # an on-disk name of the tiny model
+    _saved(tmp_path, **{key: damage})
+    with pytest.raises(ValueError, match=match):
+        load_pretrained(str(tmp_path))
+    # the resume path (read_safetensors + load_state_dict_into) checks the same
+    with pytest.raises(ValueError, match=resume_match):
+        load_state_dict_into(tiny_model("flash", seed=6), read_safetensors(str(tmp_path)))

@@ -42,13 +42,48 @@ def read_config(path: str) -> dict[str, Any]:
 
 def read_safetensors(path: str) -> dict[str, Tensor]:
     """All tensors of the directory (single file or sharded via the index), renamed to ``state_dict`` names."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     shards = sorted(set(_list_keys(path, _Shards(path)).values()))  # the files load_pretrained would read
     tensors: dict[str, Tensor] = {}
     for shard in shards:
-        tensors.update(load_file(os.path.join(path, shard)))
+        try:
+            tensors.update(load_file(os.path.join(path, shard)))
+        except SafetensorError as err:
+            raise _unreadable(os.path.join(path, shard), err) from None
     return to_internal(tensors)
+
+
+def _unreadable(file: str, err: Exception, key: str | None = None) -> ValueError:
+    """safetensors' own error on a truncated or damaged file, as one that names the file (and tensor)."""
+    what = f"tensor {key!r} of {file!r}" if key else repr(file)
+    return ValueError(f"cannot read {what}: {err}. The file is truncated or damaged (an interrupted download, copy "
+                      "or save?): fetch or save it again")
+
+
+def _check_values(name: str, where: str, value: Tensor, dest: Tensor, num_experts: int) -> None:
+    """What can be checked of tensor ``name`` read from disk (``where`` says which file and key) before the model
+    trusts it: a number kind the parameter holds, hash-routing expert ids in range (a damaged table would index
+    past the experts deep inside the MoE) and, once copied into ``dest``, finite values. One pass over the tensor,
+    by slices (no full-size temporary)."""
+    if value.is_floating_point() != dest.is_floating_point():
+        raise ValueError(f"tensor {name!r} ({where}) is {value.dtype} on disk but the model holds {dest.dtype}: "
+                         "the file is damaged or was written for another model")
+    if name.endswith("tid2eid"):
+        if value.numel():
+            lo, hi = torch.stack(torch.aminmax(value.long())).tolist()
+            if lo < 0 or hi >= num_experts:
+                raise ValueError(f"hash-routing table {name!r} ({where}) holds expert ids in [{lo}, {hi}] but the "
+                                 f"model has {num_experts} routed experts: the file is damaged, or config.json's "
+                                 "n_routed_experts does not match it")
+        return
+    if dest.is_floating_point():
+        bad = sum(int((~torch.isfinite(part)).sum()) for part in dest.detach().reshape(-1).split(1 << 24))
+        if bad:
+            raise ValueError(f"tensor {name!r} ({where}) holds {bad} non-finite values (NaN / Inf) once read as "
+                             f"{dest.dtype}: the file is damaged, it was saved from a diverged run, or its values "
+                             f"exceed {dest.dtype}'s range")
 
 
 def load_state_dict_into(model: DeepseekV4ForCausalLM, tensors: Mapping[str, Tensor],
@@ -77,6 +112,7 @@ def load_state_dict_into(model: DeepseekV4ForCausalLM, tensors: Mapping[str, Ten
     with torch.no_grad():
         for name, tensor in tensors.items():
             own[name].copy_(tensor)
+            _check_values(name, f"on disk {_disk_name(name)!r}", tensor, own[name], model.config.n_routed_experts)
 
 
 @dataclass
@@ -128,7 +164,11 @@ class _Shards:
         if file not in self.handles:
             import safetensors
 
-            self.handles[file] = safetensors.safe_open(os.path.join(self.path, file), framework="pt")
+            full = os.path.join(self.path, file)
+            try:
+                self.handles[file] = safetensors.safe_open(full, framework="pt")
+            except safetensors.SafetensorError as err:
+                raise _unreadable(full, err) from None
             self.opened.append(file)
         return self.handles[file]
 
@@ -249,14 +289,19 @@ def _read(shards: _Shards, files: Mapping[str, str], src: _Source, scale_key: st
     """One tensor (a fused expert tensor: expert ``src.expert``'s row), dequantized to ``dtype`` when quantized."""
 
     def get(key: str) -> Tensor:
+        from safetensors import SafetensorError
+
         f = shards.get(files[key])
-        if src.expert is None:
-            return f.get_tensor(key)
-        sl = f.get_slice(key)
-        shape = sl.get_shape()
-        if len(shape) < 1 or shape[0] <= src.expert:
-            raise ValueError(f"tensor {key!r} has shape {tuple(shape)}: no row for expert {src.expert}")
-        return sl[src.expert: src.expert + 1][0]
+        try:
+            if src.expert is None:
+                return f.get_tensor(key)
+            sl = f.get_slice(key)
+            shape = sl.get_shape()
+            if len(shape) < 1 or shape[0] <= src.expert:
+                raise ValueError(f"tensor {key!r} has shape {tuple(shape)}: no row for expert {src.expert}")
+            return sl[src.expert: src.expert + 1][0]
+        except SafetensorError as err:
+            raise _unreadable(os.path.join(shards.path, files[key]), err, key) from None
 
     t = get(src.key)
     if scale_key is None:
@@ -377,7 +422,9 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
 
     Raises:
         ValueError: naming the tensor / field, for a missing, unexpected or misshaped tensor, a scale whose shape
-            does not fit its weight, or a ``quantization_config`` this loader cannot read.
+            does not fit its weight, a ``quantization_config`` this loader cannot read; naming the file (and
+            tensor) for a truncated or damaged safetensors file, a tensor of the wrong number kind, hash-routing
+            expert ids out of range or non-finite weights.
     """
     raw = read_config(path)
     quant = QuantConfig.from_config(raw)
@@ -452,6 +499,7 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
                 raise ValueError(f"tensor {unit!r} (on disk {src.key!r}) has shape {tuple(value.shape)} in the "
                                  f"checkpoint but the config gives {tuple(dest.shape)}")
             dest.copy_(value)
+            _check_values(unit, f"{src.key!r} in {files[src.key]!r}", value, dest, n_exp)
             report.loaded.append(unit)
             report.dequantized += int(deq)
     report.shards = list(shards.opened)
