@@ -210,15 +210,19 @@ class MoE(nn.Module):
         flat = experts.reshape(-1)
         order = torch.sort(flat, stable=True).indices  # assignments by expert, so by destination rank
         per_source, send, recv = exchange_counts(expert_load(experts, ep.num_experts), ep)
-        rows = all_to_all_rows(x.index_select(0, order // k), send, recv, ep.group)
-        w = all_to_all_rows(weights.reshape(-1, 1).index_select(0, order), send, recv, ep.group)
+        # rows and their routing weights in one exchange, so every rank's backward runs the same collectives in
+        # the same order whatever its autograd graph looks like
+        packet = torch.cat([x.index_select(0, order // k), weights.reshape(-1, 1).index_select(0, order).to(x.dtype)],
+                           dim=1)
+        got = all_to_all_rows(packet, send, recv, ep.group)
+        rows, w = got[:, :-1], got[:, -1:]
         # local expert of each received row: source-major, then expert-major within a source
         n_local = len(self.experts.local)
         ids = torch.arange(n_local, device=x.device).repeat(ep.size)
         local_ids = torch.repeat_interleave(ids, per_source.reshape(-1), output_size=sum(recv))
         y = self.experts(rows, local_ids[:, None], w)
-        if sum(recv) == 0:  # no rows here: the experts' gradients are still defined (zeros) on every rank
-            y = y + 0 * (self.experts.gate_up_proj.sum() + self.experts.down_proj.sum()).to(y.dtype)
+        if sum(recv) == 0:  # no rows here: the backward must still reach the exchange and the experts (zeros)
+            y = y + 0 * (got.sum() + self.experts.gate_up_proj.sum() + self.experts.down_proj.sum()).to(y.dtype)
         back = all_to_all_rows(y, recv, send, ep.group)  # [T * k, D] in expert order
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         compute = torch.promote_types(x.dtype, torch.float32)
