@@ -35,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Memory and speed scaling of one CSA and one HCA layer (forward + "
                             "backward) over packed tokens, CP sizes, partitions and paths.")
     add_report_args(report)
+    from .parallel.plan import add_plan_args
+
+    plan = sub.add_parser("plan", help="per-rank memory and step time of a sharded run (no GPU)",
+                          description="Per-rank bytes (parameters, gradients, optimizer state, gathered units, "
+                          "kept activations, workspaces, communication buffers), whether it fits an H200, and an "
+                          "estimated step time of DeepSeek-V4 on a dp_replicate x dp_shard x cp mesh with ep.")
+    add_plan_args(plan)
     return parser
 
 
@@ -58,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         from .report import run_report
 
         return run_report(args)
+    if args.command == "plan":
+        from .parallel.plan import run_plan
+
+        try:
+            return run_plan(args)
+        except ValueError as e:
+            print(f"csattn plan: error: {e}", file=sys.stderr)
+            return 2
     return 2
 
 

@@ -123,9 +123,33 @@ def count_params(c: DeepseekV4ModelConfig) -> ParamCounts:
                        unit_dense=unit_dense, unit_experts=E * 3 * D * I, blocks=blocks)
 
 
+_CACHE: dict[tuple[int, str, int], tuple[DeepseekV4ModelConfig, Any]] = {}
+
+
+def _cached(c: DeepseekV4ModelConfig, what: str, key: int, fn: Any) -> Any:
+    """``fn()`` once per config object (held, so its id is not reused) and key: the search plans hundreds of meshes."""
+    k = (id(c), what, key)
+    hit = _CACHE.get(k)
+    if hit is None or hit[0] is not c:
+        hit = _CACHE[k] = (c, fn())
+    return hit[1]
+
+
 def _layer_kinds(c: DeepseekV4ModelConfig) -> list[str]:
     n = c.num_hidden_layers
-    return [c.attention_config(i).layer_type for i in range(n + c.num_nextn_predict_layers)]
+    return _cached(c, "kinds", 0, lambda: [c.attention_config(i).layer_type
+                                           for i in range(n + c.num_nextn_predict_layers)])
+
+
+def _seq_flops(c: DeepseekV4ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs of one sequence of ``seq_len`` tokens, one document."""
+    from ..report.flops import model_flops
+
+    def f() -> float:
+        fl = model_flops(c, [0, seq_len])
+        return fl["fwd"] + fl["bwd"]
+
+    return _cached(c, "flops", seq_len, f)
 
 
 def kept_bytes_per_token(c: DeepseekV4ModelConfig, recompute: str) -> dict[str, float]:
@@ -237,7 +261,7 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
                          "(--dp-replicate x --dp-shard)")
     if seq_len % dims.cp:
         raise ValueError(f"--seq-len {seq_len} must be divisible by --cp {dims.cp}")
-    pc = count_params(c)
+    pc = _cached(c, "params", 0, lambda: count_params(c))
     sharded = dims.world > 1
     rows = seq_len * (batch_seqs // dims.dp) // dims.cp
     p = Plan(config=name, gpus=dims.world, seq_len=seq_len, batch_seqs=batch_seqs,
@@ -256,7 +280,9 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
         # reduce-scatter: the unit's unsharded gradient in the compute dtype and its fp32 copy-in; all-gather:
         # the shard's compute-dtype copy-in (the output is the gathered unit above)
         m["comm buffers"] = (cbytes + 4.0) * unit + cbytes * unit / f
-        grads_at_peak = 0.0  # sharded gradients are counted whole above
+        # gradients are set to None after each step: at the backward's start only the root's and the last
+        # block's exist (sharded)
+        grads_at_peak = 4.0 * (pc.root + pc.unit_dense + pc.unit_experts // dims.ep) / f
     else:
         small = pc.fp32
         big = pc.total - small
@@ -278,8 +304,8 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
     act = sum(kept[t] for t in kinds) * rows + kept["model"] * rows
     if dims.cp > 1:  # each rank holds the whole sequence's compressed entries and indexer keys
         seqs = batch_seqs // dims.dp
+        a = c.attention_config(0)
         for t in kinds:
-            a = c.attention_config(0)
             if t == "csa":
                 act += seqs * seq_len * (1 - 1 / dims.cp) * (a.head_dim + c.index_head_dim) * 2 / c.compress_rates[
                     "compressed_sparse_attention"]
@@ -293,7 +319,11 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
                        + TRANSIENT["kib_per_token"] * 1024 * scale * rows
                        + max(0, c.num_experts_per_tok - _PROXY["k"]) * 2 * c.hidden_size * 2.0 * moe_rows)
     p.total = sum(m.values())
-    p.peak = p.total - m["gradients"] + grads_at_peak
+    # the peak is the backward's start (every kept activation, few gradients) or its end (every gradient, the
+    # activations freed, the fixed workspaces still held)
+    fixed = c.workspace_bytes + TRANSIENT["fixed_gib"] * GiB
+    p.peak = p.total - m["gradients"] - m["activations kept"] - m["workspaces"] + max(
+        m["activations kept"] + m["workspaces"] + grads_at_peak, m["gradients"] + fixed)
     p.fits = p.peak <= (1 - HEADROOM) * H200_BYTES
     step_time(p, c, dims, pc)
     return p
@@ -313,11 +343,8 @@ def step_time(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, pc: ParamCo
       2 more when the MoE's forward is recomputed (moe / block / full); not overlapped;
     - CP: the halo and the compressed entries per layer, not overlapped (small).
     """
-    from ..report.flops import model_flops
-
     seqs = p.batch_seqs // dims.dp
-    fl = model_flops(c, [0, p.seq_len])
-    flops = (fl["fwd"] + fl["bwd"]) * seqs / dims.cp
+    flops = _seq_flops(c, p.seq_len) * seqs / dims.cp
     mfu = mfu_at(p.rows)
     t = p.time
     t["compute"] = flops / (mfu * PEAK_FLOPS) * RECOMPUTE_SLOWDOWN[p.recompute]
@@ -372,8 +399,8 @@ def format_plan(p: Plan) -> str:
         lines.append(f"    {k:<18}{_human(v)}")
     lines.append(f"    {'total':<18}{_human(p.total)}   (every gradient alive at once)")
     limit = (1 - HEADROOM) * H200_BYTES
-    lines.append(f"peak (predicted): {p.peak / GiB:.2f} GiB  ({p.peak / 1e9:.2f} GB; one-process gradients counted "
-                 "as alive at the backward's start only)")
+    lines.append(f"peak (predicted): {p.peak / GiB:.2f} GiB  ({p.peak / 1e9:.2f} GB; the larger of the backward's "
+                 "start, few gradients alive, and its end, no activations)")
     lines.append(f"peak beyond weights/grads/optimizer (predicted): "
                  f"{(p.memory['activations kept'] + p.memory['workspaces']) / GiB:.2f} GiB "
                  "(benchmarks.run --op model's GiB column)")
