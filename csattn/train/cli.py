@@ -113,6 +113,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="expert-parallel size: the routed experts are split over groups of this many ranks taken "
                         "from dp-shard x cp (it divides that product and the expert count); tokens are exchanged "
                         "with all-to-all (default %(default)s)")
+    p.add_argument("--dist-backend", choices=["auto", "nccl", "gloo"], default=_D.dist_backend,
+                   help="process-group backend under torchrun: auto = NCCL on GPUs, gloo on CPU; gloo also runs "
+                        "several ranks on one GPU (default %(default)s)")
+    p.add_argument("--dist-timeout", type=float, default=_D.dist_timeout, metavar="SECONDS",
+                   help="how long a collective waits for the other ranks: a rank that died makes the others fail "
+                        "after at most this long instead of hanging (default %(default)s)")
     p.add_argument("--batch-seqs", type=int, default=_D.batch_seqs,
                    help="packed sequences of --seq-len rows per optimizer step, split over the data replicas "
                         "(default: one per replica); a checkpoint keeps it, so a run resumes on any mesh whose "

@@ -18,6 +18,7 @@ import time
 import warnings
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -120,6 +121,8 @@ class TrainConfig:
     cp: int = 1
     ep: int = 1
     cp_partition: str = "contiguous"
+    dist_backend: str = "auto"  # auto = NCCL on GPUs, gloo on CPU
+    dist_timeout: float = 600.0  # seconds a collective waits for the other ranks before this rank fails
     batch_seqs: int = 0  # packed sequences of seq_len rows per optimizer step; 0 = one per data replica
     device: str = "auto"
     seed: int = 0
@@ -149,6 +152,10 @@ class TrainConfig:
             raise ValueError(f"--dp-shard must be >= 1 or -1 (the ranks the other sizes leave), got {self.dp_shard}")
         if self.batch_seqs < 0:
             raise ValueError(f"--batch-seqs must be >= 0 (0 = one per data replica), got {self.batch_seqs}")
+        if self.dist_backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"--dist-backend must be auto, nccl or gloo, got {self.dist_backend!r}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
         if self.export_hf not in ("final", "every", "never"):
             raise ValueError(f"--export-hf must be final, every or never, got {self.export_hf!r}")
         if self.dtype not in ("float32", "bfloat16", "float64"):
@@ -216,11 +223,13 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Meshes, torch.device]:
                          "a GPU machine, or pass --device cpu (or --device auto)")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        backend = cfg.dist_backend if cfg.dist_backend != "auto" else "nccl" if use_cuda else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout))
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = torch.device("cpu")
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1))))
+    if use_cuda:  # ranks beyond the GPU count share GPUs (gloo only: NCCL takes one rank per GPU)
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local % max(torch.cuda.device_count(), 1))
         torch.cuda.set_device(device)
     dims = ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, ep=cfg.ep)
     return build_meshes(dims, device.type), device
