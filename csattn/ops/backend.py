@@ -39,11 +39,18 @@ def check_backend(backend: str, choices: tuple[str, ...] = BACKENDS) -> str:
 def resolve_backend(backend: str, where: torch.Tensor | torch.device | str, *, choices: tuple[str, ...] = BACKENDS,
                     off_cuda: str = "reference") -> str:
     """The path ``backend`` takes on ``where`` (a tensor or its device): ``"auto"`` is ``"triton"`` on CUDA and
-    ``off_cuda`` elsewhere (the reference; MoE's grouped GEMMs); any other value of ``choices`` is itself."""
+    ``off_cuda`` elsewhere (the reference; MoE's grouped GEMMs); any other value of ``choices`` is itself.
+    ``"triton"`` off CUDA is a ``ValueError`` saying what to use instead, unless Triton's CPU interpreter is on
+    (Triton itself would fail deep inside the first launch with "0 active drivers")."""
     check_backend(backend, choices)
+    device = where.device if isinstance(where, torch.Tensor) else torch.device(where)
+    if backend == "triton" and device.type != "cuda" and not interpreting():
+        raise ValueError(f"backend 'triton' runs the Triton kernels, which need CUDA tensors; these are on "
+                         f"{device.type}: use 'auto' (the reference off CUDA) or 'reference' (csattn train: "
+                         "--attention-backend auto), or set TRITON_INTERPRET=1 for Triton's CPU interpreter "
+                         "(slow; for tests)")
     if backend != "auto":
         return backend
-    device = where.device if isinstance(where, torch.Tensor) else torch.device(where)
     return "triton" if device.type == "cuda" else off_cuda
 
 

@@ -18,28 +18,54 @@ from tqdm import tqdm
 from ..cp import free_port
 from .worker import Job, run_group, run_isolated
 
-__all__ = ["add_report_args", "run_report", "plan_groups"]
+__all__ = ["add_report_args", "run_report", "plan_groups", "resolve_defaults", "GPU_DEFAULTS", "CPU_DEFAULTS"]
+
+
+# The sizing options' defaults (None on the command line = these): sized for a GPU, or for a CPU smoke run
+# (--geometry tiny off CUDA), where the GPU's 100-odd cases up to 128k tokens would run for hours.
+GPU_DEFAULTS: dict[str, object] = dict(
+    tokens=[4096, 8192, 16384, 32768, 65536, 131072], cp=[1, 2, 4], reference_max_tokens=32768, hf_max_tokens=8192,
+    steps=3, model_tokens=[4096, 16384, 65536], model_routing=["8x2", "64x6"], hf_model_max_tokens=6144)
+CPU_DEFAULTS: dict[str, object] = dict(
+    tokens=[128, 256], cp=[1, 2], reference_max_tokens=256, hf_max_tokens=128, steps=1, model_tokens=[256],
+    model_routing=["8x2"], hf_model_max_tokens=256)
+
+
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the sizing options left unset (None) from :data:`CPU_DEFAULTS` for ``--geometry tiny`` off CUDA, from
+    :data:`GPU_DEFAULTS` otherwise; returns ``args``."""
+    table = CPU_DEFAULTS if args.device != "cuda" and args.geometry == "tiny" else GPU_DEFAULTS
+    for key, value in table.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, list(value) if isinstance(value, list) else value)
+    return args
 
 
 def add_report_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072],
-                   help="packed tokens per step (ragged documents)")
+    gpu, cpu = GPU_DEFAULTS, CPU_DEFAULTS
+
+    def sizes(key: str) -> str:
+        return f"(default {gpu[key]}; {cpu[key]} for --geometry tiny on a CPU)"
+
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help=f"packed tokens per step (ragged documents) {sizes('tokens')}")
     p.add_argument("--layers", nargs="+", default=["csa", "hca"], choices=["csa", "hca"])
-    p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="context-parallel sizes")
+    p.add_argument("--cp", type=int, nargs="+", default=None, help=f"context-parallel sizes {sizes('cp')}")
     p.add_argument("--partitions", nargs="+", default=["contiguous", "balanced"],
                    choices=["contiguous", "balanced"])
     p.add_argument("--paths", nargs="+", default=["triton", "reference", "unfused", "hf"],
                    choices=["triton", "reference", "unfused", "hf"],
                    help="fused kernels, PyTorch reference (block-recomputed core), the reference with every "
                         "per-head tensor kept (unfused), HF eager")
-    p.add_argument("--reference-max-tokens", type=int, default=32768,
-                   help="longest stream for the reference and unfused paths")
+    p.add_argument("--reference-max-tokens", type=int, default=None,
+                   help=f"longest stream for the reference and unfused paths {sizes('reference_max_tokens')}")
     p.add_argument("--reference-cp-max-tokens", type=int, default=None,
                    help="longest stream for the reference at CP > 1 (default: --reference-max-tokens)")
-    p.add_argument("--hf-max-tokens", type=int, default=8192, help="longest stream for HF eager (CP=1 only)")
+    p.add_argument("--hf-max-tokens", type=int, default=None,
+                   help=f"longest stream for HF eager (CP=1 only) {sizes('hf_max_tokens')}")
     p.add_argument("--balance-tokens", type=int, nargs="*", default=None,
                    help="token counts for the isolated per-rank timing (default: the largest)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per case (after one warm-up)")
+    p.add_argument("--steps", type=int, default=None, help=f"timed steps per case (after one warm-up) {sizes('steps')}")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--geometry", default="real", choices=["real", "tiny"],
                    help="V4-Flash attention geometry, or a tiny one for CPU smoke runs")
@@ -50,13 +76,14 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
     # a fresh directory by default: the committed report (docs/report) is only written when asked for
     p.add_argument("--out", "--output", dest="out", default="csattn-report",
                    help="output folder (JSON, Markdown, PNG), created if missing (default %(default)s)")
-    p.add_argument("--model-tokens", type=int, nargs="*", default=[4096, 16384, 65536],
+    p.add_argument("--model-tokens", type=int, nargs="*", default=None,
                    help="tokens per step of the model rows: one training step of the 4-layer DeepSeek-V4 proxy "
-                        "(none: no model rows)")
-    p.add_argument("--model-routing", nargs="+", default=["8x2", "64x6"], metavar="ExK",
-                   help="routed experts x experts per token of the model rows")
-    p.add_argument("--hf-model-max-tokens", type=int, default=6144,
-                   help="longest stream for HF eager's model rows (one document; 'hf' in --paths)")
+                        f"(none: no model rows) {sizes('model_tokens')}")
+    p.add_argument("--model-routing", nargs="+", default=None, metavar="ExK",
+                   help=f"routed experts x experts per token of the model rows {sizes('model_routing')}")
+    p.add_argument("--hf-model-max-tokens", type=int, default=None,
+                   help="longest stream for HF eager's model rows (one document; 'hf' in --paths) "
+                        f"{sizes('hf_model_max_tokens')}")
     p.add_argument("--group-timeout", type=int, default=1800, help="seconds before a hung group is killed")
     p.add_argument("--merge", nargs="+", default=None, metavar="REPORT_JSON",
                    help="measure nothing: combine these report.json files (a later file's cases replace an "
@@ -236,6 +263,7 @@ def run_report(args: argparse.Namespace) -> int:
         print(f"wrote the merged report (report.json, report.md, PNG plots) to {os.path.abspath(args.out)}")
         return 0
 
+    resolve_defaults(args)
     opts = {"dtype": args.dtype, "geometry": args.geometry, "device": args.device, "steps": args.steps}
     groups = plan_groups(args)
     total = sum(len(j) for _, _, j in groups)

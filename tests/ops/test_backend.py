@@ -41,3 +41,22 @@ def test_one_reading_of_triton_interpret():
     readers = [p.relative_to(root).as_posix() for p in root.rglob("*.py") if "environ" in p.read_text()
                and "TRITON_INTERPRET" in p.read_text()]
     assert readers == ["ops/backend.py"], readers
+
+
+def test_triton_off_cuda_is_a_clear_error_unless_interpreting(monkeypatch):
+    """``backend="triton"`` (``csattn train --attention-backend triton``) on a CPU used to reach Triton's launch
+    and fail there with "0 active drivers"; it is refused where the backend is resolved, saying what to use, and
+    the model on a CPU fails with that message at its first forward. Triton's CPU interpreter still takes it."""
+    from csattn import PackedSeqs
+    from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from csattn.train.loop import tiny_model_config
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"backend 'triton' .* need CUDA tensors; these are on cpu: use 'auto'"):
+        resolve_backend("triton", torch.zeros(1))
+    assert resolve_backend("auto", torch.zeros(1)) == "reference"
+    model = DeepseekV4ForCausalLM(tiny_model_config(64, attention_backend="triton", num_nextn_predict_layers=0))
+    with pytest.raises(ValueError, match="--attention-backend auto"):
+        model(torch.randint(0, 64, (24,)), packed=PackedSeqs.from_lengths([24]))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend("triton", torch.zeros(1)) == "triton"

@@ -41,6 +41,7 @@ def test_plan_groups_caps_paths():
     assert max(j.tokens for j in groups[1][2] if j.path == "reference") == 4096
 
 
+@pytest.mark.slow  # spawned ranks
 @pytest.mark.timeout(300)
 def test_report_runs_tiny(tmp_path, capsys):
     from csattn.report import run_report
@@ -115,3 +116,25 @@ def test_merge_reports_later_cases_replace_earlier(tmp_path):
     assert "| commit |" in md and "| 2 | contiguous |" in md
     row_cp2 = next(line for line in md.splitlines() if "| 2 | contiguous |" in line)
     assert row_cp2.endswith(" aaa |")
+
+
+def test_tiny_report_on_cpu_queues_what_a_cpu_runs():
+    """``csattn report --geometry tiny`` on a CPU (the README's hint) used to queue the GPU's 116 cases up to 128k
+    tokens and write nothing for ten minutes; it now takes CPU-sized defaults (a minute or two end to end), while
+    every option given on the command line, and the GPU's defaults, stay as they are."""
+    from csattn.report.run import GPU_DEFAULTS, plan_model_jobs, resolve_defaults
+
+    args = resolve_defaults(build_parser().parse_args(["report", "--geometry", "tiny", "--device", "cpu"]))
+    groups, model = plan_groups(args), plan_model_jobs(args)
+    jobs = [j for _, _, js in groups for j in js]
+    assert len(jobs) + len(model) <= 40, (len(jobs), len(model))
+    assert max(j.tokens for j in jobs) <= 256 and max(t for _, t, _, _ in model) <= 256
+    assert all(j.path != "triton" for j in jobs) and args.steps == 1
+    # what the user sets wins; the GPU keeps its sizes
+    args = resolve_defaults(build_parser().parse_args(["report", "--geometry", "tiny", "--device", "cpu", "--tokens",
+                                                       "512", "--steps", "2"]))
+    assert args.tokens == [512] and args.steps == 2 and args.cp == [1, 2]
+    args = resolve_defaults(build_parser().parse_args(["report", "--device", "cuda"]))
+    assert {k: getattr(args, k) for k in GPU_DEFAULTS} == GPU_DEFAULTS
+    args = resolve_defaults(build_parser().parse_args(["report", "--geometry", "tiny", "--device", "cuda"]))
+    assert args.tokens == GPU_DEFAULTS["tokens"]
