@@ -13,7 +13,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from ..ops.autograd import autograd_vjp
+from ..ops.autograd import autograd_vjp, named_grads
 from ..ops.recompute import row_chunked
 from .core import output_projection, query_heads
 
@@ -66,9 +66,10 @@ def _query_setup(ctx, inputs, output):
 def _query_backward(ctx, grad):
     qr, cos, sin, weight = ctx.saved_tensors
     dqr, dw = query_heads_bwd_op(qr, cos, sin, weight, *ctx.args, grad)
-    return dqr, None, None, dw, None, None, None
+    return _QueryGrads(qr=dqr, weight=dw)
 
 
+_QueryGrads = named_grads(query_heads_op)
 query_heads_op.register_autograd(_query_backward, setup_context=_query_setup)
 
 
@@ -110,7 +111,8 @@ def _output_setup(ctx, inputs, output):
 def _output_backward(ctx, grad):
     o, cos, sin, w_a, w_b = ctx.saved_tensors
     do, da, db = output_proj_bwd_op(o, cos, sin, w_a, w_b, *ctx.args, grad)
-    return do, None, None, da, db, None, None
+    return _OutputGrads(o=do, w_a=da, w_b=db)
 
 
+_OutputGrads = named_grads(output_proj_op)
 output_proj_op.register_autograd(_output_backward, setup_context=_output_setup)

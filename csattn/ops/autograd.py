@@ -1,17 +1,20 @@
-"""Recomputing backward ops: the gradients of a function computed by running it again under autograd, inside a
-``torch.library`` custom op's implementation (where autograd is normally off). Shared by the ops'
-``custom_ops.py`` files and ``csattn.graphs``.
+"""Autograd helpers shared by the ops: recomputing backward ops (the gradients of a function computed by running it
+again under autograd, inside a ``torch.library`` custom op's implementation, where autograd is normally off; used
+by the ops' ``custom_ops.py`` files and ``csattn.graphs``), and the named gradient tuples a backward returns
+(:func:`named_grads`).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["autograd_vjp", "recording_autograd"]
+__all__ = ["autograd_vjp", "named_grads", "recording_autograd"]
 
 _K = torch._C.DispatchKey
 _AUTOGRAD_KEYS = (_K.AutogradOther, _K.AutogradNestedTensor, _K.AutogradCPU, _K.AutogradCUDA)
@@ -57,3 +60,31 @@ def autograd_vjp(
         g = next(grads, None) if t.requires_grad else None
         result.append(torch.zeros_like(t) if g is None else g.detach())
     return result
+
+
+def named_grads(fn: Any) -> Callable[..., tuple]:
+    """What a backward returns for ``fn``'s inputs, by name: ``grads(q=dq, kv=dkv)`` is a tuple with one slot per
+    input of ``fn``, each named gradient in its input's slot, None in the others.
+
+    ``fn``: a ``torch.autograd.Function`` class (its ``forward``'s arguments after ``ctx``) or a ``torch.library``
+    custom op (its schema's arguments). Built once beside the function (``_Grads = named_grads(MyFunction)``), so a
+    backward names its gradients instead of writing a positional tail of ``None``: a name that is not an input
+    raises, and an input added to the forward cannot shift the gradients after it. The result is a plain tuple,
+    not a named one: ``torch.compile`` drops the gradients of a backward that returns a named tuple.
+    """
+    if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
+        names = tuple(inspect.signature(fn.forward).parameters)[1:]
+    else:
+        names = tuple(arg.name for arg in fn._opoverload._schema.arguments)
+    slot = {name: i for i, name in enumerate(names)}
+
+    def grads(**given: Tensor | None) -> tuple[Tensor | None, ...]:
+        out: list[Tensor | None] = [None] * len(names)
+        for name, grad in given.items():
+            if name not in slot:
+                raise TypeError(f"{name!r} is not an input of {fn!r} (its inputs: {', '.join(names)})")
+            out[slot[name]] = grad
+        return tuple(out)
+
+    grads.inputs = names  # type: ignore[attr-defined]
+    return grads

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..autograd import autograd_vjp
+from ..autograd import autograd_vjp, named_grads
 from . import compress_pool as _compress_pool
 
 __all__ = ["compress_pool_op"]
@@ -55,7 +55,8 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dout):
     kv, gate, position_bias, entry_row, entry_first = ctx.saved_tensors
     dkv, dgate, dpb = compress_pool_bwd_op(kv, gate, position_bias, entry_row, entry_first, *ctx.args, dout)
-    return dkv, dgate, dpb, None, None, None, None, None
+    return _Grads(kv=dkv, gate=dgate, position_bias=dpb)
 
 
+_Grads = named_grads(compress_pool_op)
 compress_pool_op.register_autograd(_backward, setup_context=_setup)

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..autograd import named_grads
+
 __all__ = ["compress_pool_triton", "compress_pool_fwd", "compress_pool_bwd"]
 
 
@@ -187,7 +189,10 @@ class CompressPoolFunction(torch.autograd.Function):
         kv, gate, position_bias, entry_row, entry_first = ctx.saved_tensors
         dkv, dgate, dpb = compress_pool_bwd(dout, kv, gate, position_bias, entry_row, entry_first, ctx.ratio,
                                             ctx.overlap)
-        return dkv, dgate, dpb.to(position_bias.dtype), None, None, None, None
+        return _CompressPoolGrads(kv=dkv, gate=dgate, position_bias=dpb.to(position_bias.dtype))
+
+
+_CompressPoolGrads = named_grads(CompressPoolFunction)
 
 
 def compress_pool_triton(

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..autograd import named_grads
 from .config import IndexerLossConfig
 
 __all__ = ["IndexerLossConfig", "indexer_kl_loss_triton", "indexer_kl_fwd", "indexer_kl_bwd",
@@ -266,8 +267,10 @@ class IndexerKLLossFunction(torch.autograd.Function):
         q_idx, w, k_idx, q, ckv, lse, row_weight, selected, vis_start, vis_end, stats, mass = ctx.saved_tensors
         dq, dw, dk = indexer_kl_bwd(grad.float().reshape(1).contiguous(), q_idx, w, k_idx, q, ckv, lse, ctx.scale,
                                     row_weight, selected, vis_start, vis_end, stats, mass, config=ctx.config)
-        grads = {"q_idx": dq.to(q_idx.dtype), "w": dw.to(w.dtype), "k_idx": dk.to(k_idx.dtype)}
-        return (grads["q_idx"], grads["w"], grads["k_idx"]) + (None,) * 9
+        return _KLLossGrads(q_idx=dq.to(q_idx.dtype), w=dw.to(w.dtype), k_idx=dk.to(k_idx.dtype))
+
+
+_KLLossGrads = named_grads(IndexerKLLossFunction)
 
 
 def indexer_kl_loss_triton(
@@ -417,8 +420,11 @@ class IndexerKLFromTeacher(torch.autograd.Function):
                     dqr[lo:hi] = next(got)
                 if need_weight:
                     dweight += next(got)
-        return (None, None, None, None, dqr, None, None, None if dweight is None else dweight.to(weight.dtype), dw,
-                dk.to(k_idx.dtype) if need_k else None, None, None, None, None, None, None)
+        return _FromTeacherGrads(qr=dqr, weight=None if dweight is None else dweight.to(weight.dtype), w=dw,
+                                 k_idx=dk.to(k_idx.dtype) if need_k else None)
+
+
+_FromTeacherGrads = named_grads(IndexerKLFromTeacher)
 
 
 def indexer_kl_from_teacher_triton(queries, w: Tensor, k_idx: Tensor, teacher, row_weight: Tensor,

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..autograd import named_grads
 from ..backend import interpreting, sm_count
 from ..rms_norm import rms_norm_backward, rms_norm_forward
 
@@ -607,8 +608,11 @@ class _HcPre(torch.autograd.Function):
             del collapsed
         dx, dfn, dbase, dscale = _pre_backward(streams, fn_c, base_c, scale_c, mix, rstd, dout.contiguous(), dpost,
                                                dcomb, iters, hc_eps, head, dx_in)
-        return (dx, dfn.to(fn.dtype), dbase.to(base.dtype), dscale.to(scale.dtype), None, None, None, None, dnorm_w,
-                None, None)
+        return _HcPreGrads(streams=dx, fn=dfn.to(fn.dtype), base=dbase.to(base.dtype), scale=dscale.to(scale.dtype),
+                           norm_w=dnorm_w)
+
+
+_HcPreGrads = named_grads(_HcPre)
 
 
 class _HcCombine(torch.autograd.Function):

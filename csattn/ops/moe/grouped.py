@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..autograd import named_grads
 from .naive import gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
 
 __all__ = ["RoutePlan", "route_plan", "grouped_mm_supported", "grouped_experts"]
@@ -144,7 +145,10 @@ class _GroupedExperts(torch.autograd.Function):
             del xp
         dx = gather_sum(_grouped_mm(dgu, gate_up_proj, offs=offs), inv, k) if need_x else None
         dweights = dw.index_select(0, inv).view(-1, k).to(ctx.weights_dtype) if need_w else None
-        return dx, dweights, d_gate_up, d_down, None, None, None
+        return _GroupedExpertsGrads(x=dx, weights=dweights, gate_up_proj=d_gate_up, down_proj=d_down)
+
+
+_GroupedExpertsGrads = named_grads(_GroupedExperts)
 
 
 def _elementwise(use_triton: bool):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..autograd import named_grads
 from ..backend import resolve_backend
 
 __all__ = ["rms_norm", "rms_norm_forward", "rms_norm_backward"]
@@ -103,7 +104,10 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = rms_norm_backward(x, weight, rstd, dy, *ctx.needs_input_grad[:2], backend=ctx.backend)
-        return dx, dw, None, None
+        return _RMSNormGrads(x=dx, weight=dw)
+
+
+_RMSNormGrads = named_grads(_RMSNorm)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> Tensor:

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..autograd import named_grads
+
 __all__ = ["head_norm_rope_triton", "rope_heads_triton", "rope_heads_triton_"]
 
 HEADS_PER_PROGRAM = 4
@@ -134,7 +136,10 @@ class _HeadNormRope(torch.autograd.Function):
             head_norm_rope_bwd_kernel[grid](x, dy, cos, sin, dx, x.stride(0), cos.stride(0), ctx.eps, heads, D=dim,
                                             P=2 * cos.shape[1], BH=HEADS_PER_PROGRAM,
                                             BD=triton.next_power_of_2(dim), num_warps=4)
-        return dx, None, None, None
+        return _HeadNormRopeGrads(x=dx)
+
+
+_HeadNormRopeGrads = named_grads(_HeadNormRope)
 
 
 class _RopeHeads(torch.autograd.Function):
@@ -147,7 +152,10 @@ class _RopeHeads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         cos, sin = ctx.saved_tensors
-        return _launch_fwd(dy.contiguous(), cos, sin, 0.0, norm=False, inverse=not ctx.inverse), None, None, None
+        return _RopeHeadsGrads(x=_launch_fwd(dy.contiguous(), cos, sin, 0.0, norm=False, inverse=not ctx.inverse))
+
+
+_RopeHeadsGrads = named_grads(_RopeHeads)
 
 
 def _check(x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:

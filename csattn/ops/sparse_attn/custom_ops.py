@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..autograd import autograd_vjp
+from ..autograd import autograd_vjp, named_grads
 from . import sparse_attn as _sparse_attn
 from .config import SparseAttnAblation, SparseAttnConfig
 from .naive import sparse_attn_chunk
@@ -99,7 +99,8 @@ def _backward(ctx, do, dlse):
     if dlse is None:
         dlse = torch.zeros(q.shape[:2], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
     dq, dkv, dsink = sparse_attn_bwd_op(q, kv, indices, sink, scale, chunk_rows, backend, do, dlse, config)
-    return dq, dkv, None, dsink, None, None, None, None
+    return _Grads(q=dq, kv=dkv, sink=dsink)
 
 
+_Grads = named_grads(sparse_attn_op)
 sparse_attn_op.register_autograd(_backward, setup_context=_setup)

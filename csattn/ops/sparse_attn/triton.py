@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..autograd import named_grads
 from ..backend import interpreting, sm_count
 from .config import SparseAttnConfig
 
@@ -499,9 +500,10 @@ class SparseAttnFunction(torch.autograd.Function):
             do = torch.zeros_like(o)
         dq, dkv, dsink = sparse_attn_bwd(q, kv, indices, sink, ctx.scale, o, lse, do, dlse, topk_length,
                                          ctx.config)
-        grads = {"q": dq, "kv": dkv, "indices": None, "sink": dsink, "scale": None, "topk_length": None,
-                 "config": None}
-        return tuple(grads.values())
+        return _SparseAttnGrads(q=dq, kv=dkv, sink=dsink)
+
+
+_SparseAttnGrads = named_grads(SparseAttnFunction)
 
 
 # ----------------------------------------------------------------------------------------------------------
