@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.csattn-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --timeout 900
+
+# the fast lane: everything but the slow tests (context-parallel ranks on the CPU); CI runs `test`
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 --timeout 900 -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check csattn tests benchmarks

@@ -18,6 +18,24 @@ def assert_close():
     return check
 
 
+def _pytest_timeout(item) -> float | None:
+    """The test's pytest-timeout: its ``timeout`` marker, else ``--timeout`` / the ini value (None: none)."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+        if value is not None:
+            return float(value)
+    # pytest-timeout's value from --timeout, the ini file or PYTEST_TIMEOUT
+    value = getattr(item.config, "_env_timeout", None) or getattr(item.config.option, "timeout", None)
+    return float(value) if value else None
+
+
+def pytest_runtest_setup(item):
+    from tests import cp_pool
+
+    cp_pool.set_test_deadline(_pytest_timeout(item))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

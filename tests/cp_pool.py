@@ -2,14 +2,18 @@
 
 Spawning processes costs seconds on a small CPU, so the tests start ``world`` ranks once (free port, spawn
 context), create one process group per CP size (ranks ``0 .. P-1``), and send them tasks through queues.
-Every task result comes back per rank; a rank that does not answer within the timeout fails the test and
-the pool is torn down, so a hang can never block the suite.
+Every task result comes back per rank; a rank that does not answer in time fails the test and the pool is torn
+down, so a hang can never block the suite. "In time" is derived from pytest's timeout of the running test
+(``pytest-timeout``: its ``timeout`` marker, else ``--timeout``; conftest calls :func:`set_test_deadline`): the
+pool gives up a margin before pytest would kill the test, so the failure names the hang instead of dumping
+stacks.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import time
 import traceback
 from datetime import timedelta
 
@@ -17,6 +21,25 @@ import torch
 import torch.multiprocessing as mp
 
 from csattn.cp import free_port
+
+FALLBACK_WAIT_S = 360.0  # a rank's answer, where pytest sets no timeout
+_DEADLINE: tuple[float, float] | None = None  # (monotonic deadline, the test's whole timeout) of the running test
+
+
+def set_test_deadline(timeout_s: float | None) -> None:
+    """Called as each test starts with its pytest timeout (None or 0: none)."""
+    global _DEADLINE
+    _DEADLINE = (time.monotonic() + timeout_s, timeout_s) if timeout_s else None
+
+
+def wait_s(cap: float | None = None) -> float:
+    """How long a rank's answer may take now: until a margin (a tenth of the test's timeout, at most 30 s) before
+    the running test's pytest deadline, at most ``cap``; ``cap`` or :data:`FALLBACK_WAIT_S` without a deadline."""
+    if _DEADLINE is None:
+        return cap or FALLBACK_WAIT_S
+    deadline, total = _DEADLINE
+    left = max(1.0, deadline - time.monotonic() - min(30.0, 0.1 * total))
+    return min(cap, left) if cap else left
 
 
 def _worker(rank: int, world: int, port: int, tasks, results, pg_timeout_s: float = 240.0) -> None:
@@ -48,7 +71,8 @@ def _worker(rank: int, world: int, port: int, tasks, results, pg_timeout_s: floa
 class RankPool:
     """``world`` gloo ranks serving tasks ``fn(group, **kwargs)`` on the first ``size`` of them."""
 
-    def __init__(self, world: int = 4, timeout: float = 360.0, pg_timeout_s: float = 240.0) -> None:
+    def __init__(self, world: int = 4, timeout: float | None = None, pg_timeout_s: float = 240.0) -> None:
+        # timeout: the most a rank's answer may take (None: until shortly before pytest's deadline, wait_s);
         # pg_timeout_s: the process groups' collective timeout; a short one turns a hang into a rank error
         self.world, self.timeout = world, timeout
         ctx = mp.get_context("spawn")
@@ -66,11 +90,12 @@ class RankPool:
             q.put((fn, size, kwargs))
         out: list = [None] * self.world
         for _ in range(self.world):
+            wait = wait_s(self.timeout)
             try:
-                rank, status, value = self.results.get(timeout=self.timeout)
+                rank, status, value = self.results.get(timeout=wait)
             except queue.Empty:
                 self.close(force=True)
-                raise TimeoutError(f"a CP rank did not answer within {self.timeout:.0f} s (hang?)") from None
+                raise TimeoutError(f"a CP rank did not answer within {wait:.0f} s (hang?)") from None
             out[rank] = (status, value)
         return out[:size]
 

@@ -11,6 +11,8 @@ from tests import cp_tasks
 from tests.cp.parity_cases import PACKS, check
 from tests.cp_pool import shared_pool
 
+pytestmark = pytest.mark.slow  # ranks on the CPU
+
 
 @pytest.fixture(scope="module")
 def pool():

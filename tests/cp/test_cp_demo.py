@@ -6,7 +6,7 @@ import pytest
 
 from csattn.cli import main
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # ranks on the CPU
 
 
 def test_demo_cp_prints_parity_table(capfd):

@@ -17,6 +17,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("case,phrase", CASES, ids=[c[0] for c in CASES])
 def test_cp_bad_input_same_error_everywhere(case, phrase, size):

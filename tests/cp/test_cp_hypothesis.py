@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tests import cp_tasks
 from tests.cp_pool import shared_pool
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # ranks on the CPU
 
 
 @st.composite

@@ -9,7 +9,7 @@ from tests import cp_tasks
 from tests.cp.parity_cases import PACKS, check
 from tests.cp_pool import shared_pool
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # ranks on the CPU
 
 SIZES = [2, 3, 4]
 PARTITIONS = ["contiguous", "balanced"]

@@ -13,7 +13,7 @@ import pytest
 from tests.cp_pool import RankPool
 from tests.cp_reliability_tasks import LENGTHS, OTHER, cache_mismatch, fresh_run
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # ranks on the CPU
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
         pytest.param([50, 0, 29], [52, 4, 29], 5, 1, id="tiny_workspace_chunks"),
     ],
 )
-@pytest.mark.parametrize("streamed", [False, True], ids=["row_in_registers", "row_streamed"])
+@pytest.mark.parametrize("streamed", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["row_in_registers", "row_streamed"])
 def test_static_topk_triton_equals_reference(lengths, padded, topk, workspace, streamed):
     from csattn.ops.indexer import IndexerConfig
 
@@ -44,6 +45,7 @@ def test_static_topk_triton_equals_reference(lengths, padded, topk, workspace, s
     assert torch.equal(got, expected)
 
 
+@pytest.mark.slow  # a layer or model through the Triton interpreter
 @pytest.mark.parametrize("layer_type", ["csa", "hca"])
 def test_capture_safe_layer_triton_equals_default(layer_type, assert_close):
     if torch.cuda.is_available():

@@ -103,6 +103,7 @@ def test_block_ids_freed_after_the_core_backward(layer_type):
     assert row_ids() == [] and y.requires_grad
 
 
+@pytest.mark.slow  # a layer or model through the Triton interpreter
 @pytest.mark.parametrize("layer_type", ["csa", "hca"])
 def test_fused_core_matches_reference(layer_type):
     pytest.importorskip("triton")

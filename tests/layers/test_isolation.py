@@ -26,6 +26,7 @@ def _pack() -> PackedSeqs:
     return PackedSeqs.from_lengths(LENGTHS, padded_lengths=PADDED)
 
 
+@pytest.mark.slow  # a layer or model through the Triton interpreter
 @pytest.mark.parametrize("types,value", [
     (("sliding",), float("nan")), (("csa",), float("nan")), (("hca",), float("nan")),
     (("sliding", "csa", "hca"), float("inf")), (("sliding", "csa", "hca"), -float("inf")),
@@ -42,6 +43,7 @@ def test_poisoned_row_stays_in_its_document_reference(types, value):
     assert isolation_errors(layers, _pack, x, g, [(0, value), (46, value)]) == []
 
 
+@pytest.mark.slow  # a layer or model through the Triton interpreter
 @pytest.mark.parametrize("types", [("sliding",), ("csa",), ("hca",)])
 def test_poisoned_row_stays_in_its_document_triton(types):
     layers = build_stack(torch.float32, 0, types, backend="triton")

@@ -34,6 +34,7 @@ def largest_tensor(layer_type: str, seqlen: int, **cfg) -> int:
     return mode.largest
 
 
+@pytest.mark.slow  # several lengths of each layer
 @pytest.mark.parametrize("layer_type", ["sliding", "csa", "hca"])
 def test_largest_tensor_is_linear_in_length(layer_type):
     # small budgets so that chunking is what bounds the workspaces at these lengths

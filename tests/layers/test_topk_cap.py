@@ -39,6 +39,7 @@ def test_index_topk_above_the_cap_is_the_cap():
     _same(topk_run(None, 9), topk_run(None, 7))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("static", [False, True], ids=["default", "capture_safe"])
 def test_cp_huge_index_topk_is_capped_by_the_global_count(static):
     pool = shared_pool()

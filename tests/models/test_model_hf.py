@@ -30,7 +30,8 @@ IDS = ["flash-W-W-C-H", "pro-H-H-C-H-B2", "mixed-tied-noyarn", "pro-r128-hc2"]
 # backend "reference": every op in plain PyTorch, the MoE as HF's per-expert loop (HF's rounding order);
 # "auto": the CPU default, the grouped MoE; "triton": the fused attention and mHC kernels under the Triton
 # interpreter and the grouped MoE (the first case only: the interpreter is slow)
-PARAMS = ([(*c, "reference") for c in CASES] + [(*c, "auto") for c in CASES] + [(*CASES[0], "triton")])
+PARAMS = ([(*c, "reference") for c in CASES] + [(*c, "auto") for c in CASES]
+          + [pytest.param(*CASES[0], "triton", marks=pytest.mark.slow)])
 PARAM_IDS = [f"{i}-reference" for i in IDS] + [f"{i}-auto" for i in IDS] + [f"{IDS[0]}-triton"]
 
 

@@ -40,6 +40,7 @@ def _model():
     return cfg, model
 
 
+@pytest.mark.slow  # the whole model, every component measured
 def test_model_keeps_what_its_design_states():
     cfg, model = _model()
     T = 128

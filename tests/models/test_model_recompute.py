@@ -42,6 +42,7 @@ def test_recompute_changes_no_value(recompute):
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-14, msg=name)
 
 
+@pytest.mark.slow  # five model runs
 def test_recompute_keeps_less_in_order():
     ids, packed, labels = _batch()
     kept = {}

@@ -112,6 +112,7 @@ def test_loss_gpu_bf16_real_geometry(dense):
         assert rel_err(g, r) <= 2 * rel_err(s, r) + 2e-3, (name, rel_err(g, r), rel_err(s, r))
 
 
+@pytest.mark.slow  # a layer or model through the Triton interpreter
 @pytest.mark.parametrize("layer_type", ["csa", "hca"])
 def test_layer_triton_matches_reference(layer_type, assert_close):
     """The whole layer on ``backend="triton"`` (compressor, indexer top-k, indexer loss, sparse attention):

@@ -65,7 +65,7 @@ def _int_inputs(T, Nc, HI, CI, gen):
         pytest.param([50, 29], [52, 29], 5, 1, id="tiny_workspace_chunks"),
     ],
 )
-@pytest.mark.parametrize("search", ["row_in_registers", "row_streamed", "cand_2"])
+@pytest.mark.parametrize("search", ["row_in_registers", pytest.param("row_streamed", marks=pytest.mark.slow), "cand_2"])
 @pytest.mark.parametrize("seg", [1024, 16], ids=["one_tile", "16_key_tiles"])
 def test_topk_equals_reference_exact(lengths, padded, topk, workspace, search, seg):
     from csattn.ops.indexer import IndexerConfig
@@ -85,7 +85,7 @@ def test_topk_equals_reference_exact(lengths, padded, topk, workspace, search, s
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("gather", [True, False], ids=["gather", "no_gather"])
+@pytest.mark.parametrize("gather", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["gather", "no_gather"])
 @pytest.mark.parametrize("cand", [2, 8, 64], ids=["cand2", "cand8", "cand64"])
 @pytest.mark.parametrize("case", ["random", "extremes", "ties", "clustered"])
 def test_bisection_threshold_exact(case, cand, gather):
@@ -127,7 +127,9 @@ def test_bisection_threshold_exact(case, cand, gather):
         assert torch.equal(got, torch.nonzero(keys >= bound).flatten().to(torch.int32)), (p, got)
 
 
-@pytest.mark.parametrize("topk,cand", [(16, 8), (16, 2), (33, 16)], ids=["k16_cand8", "k16_cand2", "k33_cand16"])
+@pytest.mark.parametrize("topk,cand", [pytest.param(16, 8, marks=pytest.mark.slow),
+                                       pytest.param(16, 2, marks=pytest.mark.slow), (33, 16)],
+                         ids=["k16_cand8", "k16_cand2", "k33_cand16"])
 def test_topk_gathered_list_equals_reference(topk, cand):
     """Rows of up to 60 keys with few ties (integer scores over a wide range): most rows stop their whole-row
     counts with a bracket of several keys, gather the ids at or above it and write the list from those; the bound

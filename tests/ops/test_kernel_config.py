@@ -128,6 +128,7 @@ def test_backward_uses_the_forward_config(given, monkeypatch, assert_close):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow  # a layer or model through the Triton interpreter
 def test_layer_core_launches_with_the_layer_config(monkeypatch):
     """``AttentionConfig.sparse_attn_kernel`` reaches the core's forward, the backward's recomputed forward and
     the backward (through ``CoreGeometry``), also when the module default changes after the forward."""
@@ -204,6 +205,7 @@ def _spy_config(monkeypatch, module, name, seen):
     monkeypatch.setattr(module, name, wrapped)
 
 
+@pytest.mark.slow  # a layer or model through the Triton interpreter
 @pytest.mark.parametrize("capture_safe", [False, True], ids=["eager", "capture-safe"])
 def test_layer_indexer_kernels_launch_with_the_layer_config(capture_safe, monkeypatch):
     """``AttentionConfig.indexer_kernel`` / ``indexer_loss_kernel`` reach every launch of the indexer's scores and

@@ -90,6 +90,7 @@ def _step(model, ids, packed, dy):
     return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow  # a layer or model through the Triton interpreter
 @pytest.mark.usefixtures("one_thread")
 def test_model_with_triton_mhc_matches_reference():
     """fp64 model, attention and MoE on the reference; every mHC site, combine and head on the kernels."""

@@ -69,6 +69,7 @@ SMALL_TILES = dict(fwd_rows=16, fwd_k=16, fwd_k_fma=16, fwd_d=8, coef_rows=4, co
                    comb_rows=2, comb_d=8)
 
 
+@pytest.mark.slow  # many small tiles under the interpreter
 @pytest.mark.parametrize("head", [False, True], ids=["pre", "head"])
 def test_site_fp64_small_tiles(head, monkeypatch):
     """Many programs per kernel: row blocks, channel tiles, backward scratch chunks."""

@@ -88,6 +88,7 @@ def _compile_sm90(which: str, bk: int, d: int, has_len: bool) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a Triton build in a subprocess
 @pytest.mark.parametrize("d,has_len", [(512, False), (256, True)])
 def test_forward_compiles_for_sm90_warp_specialized(d, has_len):
     info = _compile_sm90("fwd", 64, d, has_len)
@@ -105,6 +106,7 @@ def test_forward_compiles_for_sm90_warp_specialized(d, has_len):
     assert info["cp_async"]
 
 
+@pytest.mark.slow  # a Triton build in a subprocess
 @pytest.mark.parametrize("d,has_len", [(512, True), (256, False)])
 def test_backward_compiles_for_sm90_warp_specialized(d, has_len):
     info = _compile_sm90("bwd", 64, d, has_len)
@@ -249,6 +251,7 @@ def test_sparse_attn_bwd_sums_stored_order_into_a_callers_buffer(monkeypatch):
         assert rel_err(got, plain) < 1e-5, rel_err(got, plain)
 
 
+@pytest.mark.slow  # a layer or model through the Triton interpreter
 def test_layer_core_keeps_the_key_gradient_in_stored_order(monkeypatch):
     """The layer core, block by block, with a backward that sums the key gradient in the Gluon kernel's stored
     column order: the same gradients as with the Triton kernels (the core keeps its sum in that order and puts it

@@ -142,6 +142,7 @@ def test_bad_arguments(mutate, match):
         sparse_attn(q, kv, idx, sink, 0.25, backend="flash")
 
 
+@pytest.mark.slow  # a layer or model through the Triton interpreter
 @pytest.mark.parametrize("layer_type", ["sliding", "csa", "hca"])
 def test_layer_with_triton_backend(layer_type, assert_close):
     """The layer's sparse attention call (window + compressed keys, packed, padded) through the dispatch:
