@@ -21,7 +21,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --timeout 900
 
-# the fast lane: everything but the slow tests (context-parallel ranks on the CPU); CI runs `test`
+# the fast lane: everything but the slow tests (spawned ranks, layers and models under the Triton interpreter,
+# compiler runs); CI runs `test`
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 --timeout 900 -m "not slow"
 
