@@ -3,8 +3,9 @@
 from torch import Tensor
 
 from ..backend import Backend, use_triton
+from .chunks import row_chunks
 from .config import IndexerConfig
-from .naive import indexer_scores_ref, indexer_topk_ref, row_chunks
+from .naive import indexer_scores_ref, indexer_topk_ref
 
 __all__ = ["IndexerConfig", "indexer_scores_ref", "indexer_topk_ref", "indexer_topk", "row_chunks"]
 

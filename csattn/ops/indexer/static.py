@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .naive import fixed_row_chunks, ids_ascending, indexer_scores_ref
+from .chunks import fixed_row_chunks, ids_ascending
+from .naive import indexer_scores_ref
 
 __all__ = ["indexer_topk_static", "static_window"]
 

@@ -3,17 +3,10 @@
 from torch import Tensor
 
 from ..backend import Backend, use_triton
+from .attach import IndexerLossAutoScaler, attach_indexer_loss
 from .config import IndexerLossConfig
-from .naive import (
-    IndexerLossAutoScaler,
-    SparseTeacher,
-    StudentQueries,
-    attach_indexer_loss,
-    indexer_kl_from_teacher_ref,
-    indexer_kl_loss_ref,
-    kl_from_logits,
-    sparse_teacher_block_ref,
-)
+from .naive import indexer_kl_from_teacher_ref, indexer_kl_loss_ref, kl_from_logits, sparse_teacher_block_ref
+from .teacher import SparseTeacher, StudentQueries
 
 __all__ = [
     "IndexerLossConfig", "IndexerLossAutoScaler", "SparseTeacher", "StudentQueries", "attach_indexer_loss",

@@ -1,23 +1,23 @@
-"""Reference indexer KL loss (sparse over the selected top-k, or dense over every visible entry) and the
-identity autograd function that injects its gradient during the main backward pass."""
+"""Reference indexer KL loss: sparse over the selected top-k, or dense over every visible entry; the sparse one
+also from a teacher filled block by block (``teacher.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ..indexer.naive import fixed_row_chunks, indexer_scores_ref, row_chunks
+from ..indexer.chunks import fixed_row_chunks, row_chunks
+from ..indexer.naive import indexer_scores_ref
 from ..indices.naive import gather_rows_masked
 from ..recompute import row_chunked
+from .teacher import SparseTeacher, StudentQueries
 
 __all__ = [
-    "indexer_kl_loss_ref", "sparse_loss_chunks", "kl_from_logits", "IndexerLossAutoScaler", "attach_indexer_loss",
-    "SparseTeacher", "StudentQueries", "sparse_teacher_block_ref", "indexer_kl_from_teacher_ref",
+    "indexer_kl_loss_ref", "sparse_loss_chunks", "kl_from_logits", "sparse_teacher_block_ref",
+    "indexer_kl_from_teacher_ref",
 ]
 
 
@@ -139,23 +139,6 @@ def indexer_kl_loss_ref(
     return total
 
 
-class SparseTeacher:
-    """Per-row teacher results of the sparse loss, filled one block of rows at a time while the attention
-    forward has that block's ``q`` and ``lse`` (see ``csattn.layers.core``), so the loss never needs all of
-    ``q [T, H, d]`` at once.
-
-    ``mass [T, k]``: head-summed teacher masses (fp32, or fp64 for fp64 inputs; 0 where no id). The fused
-    path also fills ``loss_rows [T]`` (the weighted per-row KL, its student computed in the same pass) and
-    ``stats [T, 2]`` (student log-sum-exp and mass total) for its backward kernel.
-    """
-
-    def __init__(self, num_rows: int, topk: int, dtype: torch.dtype, device: torch.device, fused: bool) -> None:
-        self.mass = torch.zeros(num_rows, topk, dtype=dtype, device=device)
-        self.loss_rows = torch.zeros(num_rows, dtype=dtype, device=device) if fused else None
-        self.stats = torch.zeros(num_rows, 2, dtype=dtype, device=device) if fused else None
-        self.geometry: tuple | None = None  # (H, d, dtype) of the attention queries, set by the fused path
-
-
 def sparse_teacher_block_ref(teacher: SparseTeacher, lo: int, q: Tensor, ckv: Tensor, lse: Tensor,
                              selected: Tensor, scale: float) -> None:
     """Fill ``teacher.mass[lo:lo+R]`` from a block's ``q [R, H, d]``, ``lse [R, H]`` and ``selected [R, k]``."""
@@ -163,21 +146,6 @@ def sparse_teacher_block_ref(teacher: SparseTeacher, lo: int, q: Tensor, ckv: Te
     valid = selected >= 0
     mass = _teacher_mass(q.to(compute), gather_rows_masked(ckv, selected).to(compute), lse.to(compute), scale)
     teacher.mass[lo:lo + q.shape[0]] = mass.masked_fill(~valid, 0.0)
-
-
-class StudentQueries(NamedTuple):
-    """The indexer queries as a recipe, so the loss can recompute them block by block in its backward instead of
-    keeping ``q_idx [T, HI, cI]`` alive from the forward (512 MiB at 32k tokens for HI = 64, cI = 128, a third
-    of a CSA layer's activations). ``fn(qr[lo:hi], cos[lo:hi], sin[lo:hi], weight)`` gives rows lo..hi of
-    ``q_idx``; gradients reach ``weight`` (and ``qr`` if it requires them). ``chunk_rows``: rows per recomputed
-    block of the fused backward (the layer's bound on the queries' temporaries)."""
-
-    fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-    qr: Tensor  # [T, q_lora]
-    cos: Tensor  # [T, rope / 2]
-    sin: Tensor  # [T, rope / 2]
-    weight: Tensor  # the indexer's q_b_proj.weight [HI cI, q_lora]
-    chunk_rows: int
 
 
 def _student_rows(q_idx, w, mass, selected, row_weight, k_idx):
@@ -209,39 +177,3 @@ def indexer_kl_from_teacher_ref(queries: StudentQueries, w: Tensor, k_idx: Tenso
     rows = fixed_row_chunks(qr.shape[0], per_row, workspace_bytes)[0][1]
     fn = partial(_student_rows_from_latent, queries.fn)
     return row_chunked(fn, (qr, cos, sin, w, teacher.mass, selected, row_weight), (weight, k_idx), rows).sum()
-
-
-class IndexerLossAutoScaler(torch.autograd.Function):
-    """Identity on the attention output whose backward also sends ``d loss = loss_scale`` into the indexer
-    loss, so one ``backward()`` of the language-model loss trains the indexer without the KL appearing in
-    the reported LM loss. ``set_loss_scale`` sets the main loss's scale (e.g. ``1 / num_microbatches``); it is
-    read in the backward unless ``apply`` is given a fixed ``scale`` (captured graphs, ``torch.compile``)."""
-
-    main_loss_backward_scale: float | Tensor | None = None
-
-    @staticmethod
-    def forward(ctx, output: Tensor, loss: Tensor, scale: float | None = None) -> Tensor:
-        ctx.scale = scale
-        ctx.save_for_backward(loss)
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        (loss,) = ctx.saved_tensors
-        scale = ctx.scale if ctx.scale is not None else IndexerLossAutoScaler.main_loss_backward_scale
-        grad_loss = torch.ones_like(loss)
-        if scale is not None:
-            grad_loss = grad_loss * (scale.to(loss) if isinstance(scale, Tensor) else scale)
-        return grad_output, grad_loss, None
-
-    @staticmethod
-    def set_loss_scale(scale: float | Tensor) -> None:
-        """Scale of the gradient injected into every attached indexer loss (default 1). A number is kept as a
-        number, so the capture-safe forward, which reads the scale on the host, never reads a tensor for it."""
-        IndexerLossAutoScaler.main_loss_backward_scale = scale if isinstance(scale, Tensor) else float(scale)
-
-
-def attach_indexer_loss(output: Tensor, loss: Tensor, scale: float | None = None) -> Tensor:
-    """Return ``output`` unchanged; its backward also back-propagates ``loss`` with the loss scale (the one
-    set by ``IndexerLossAutoScaler.set_loss_scale`` at backward time, or ``scale`` when given)."""
-    return IndexerLossAutoScaler.apply(output, loss, scale)

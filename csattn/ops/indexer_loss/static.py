@@ -9,7 +9,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..autograd import autograd_vjp
-from ..indexer.naive import fixed_row_chunks, indexer_scores_ref
+from ..indexer.chunks import fixed_row_chunks
+from ..indexer.naive import indexer_scores_ref
 from ..indexer.static import static_window
 from ..indices.naive import gather_rows_masked
 from .naive import _sparse_chunk, _teacher_mass, kl_from_logits, sparse_loss_chunks

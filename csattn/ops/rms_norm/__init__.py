@@ -19,8 +19,9 @@ from torch import Tensor
 
 from ..autograd import named_grads
 from ..backend import resolve_backend
+from .naive import rms_norm_ref
 
-__all__ = ["rms_norm", "rms_norm_forward", "rms_norm_backward"]
+__all__ = ["rms_norm", "rms_norm_backward", "rms_norm_forward", "rms_norm_ref"]
 
 CHUNK_BYTES = 64 << 20  # fp32 bytes per temporary per chunk
 

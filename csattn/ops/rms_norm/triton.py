@@ -1,9 +1,9 @@
 """RMSNorm forward and backward as Triton kernels: one read of the rows and one write each way.
 
 Why: the PyTorch form (:mod:`csattn.ops.rms_norm`) runs five or six elementwise kernels over fp32 copies of its
-input in each direction; at the V4-Flash geometry the twelve norms of a layer (the mHC sites' and the final ones
-``[T, 4096]``, the query latent's ``[T, 1024]``, the K = V rows' ``[T, 512]``) spent about a millisecond each per
-16k rows that way. Same math: fp32 (fp64 for fp64 rows), ``w * (x * rsqrt(mean(x^2) + eps))`` rounded once.
+input in each direction, and a layer of the V4-Flash geometry runs twelve norms (the mHC sites' and the final
+ones ``[T, 4096]``, the query latent's ``[T, 1024]``, the K = V rows' ``[T, 512]``). Same math: fp32 (fp64 for
+fp64 rows), ``w * (x * rsqrt(mean(x^2) + eps))`` rounded once.
 
 - forward, one program per row: ``rstd`` and the normed row;
 - backward, ``P`` programs each looping over rows ``p, p + P, ...``: ``dx = r (g w) - x r^3 mean(g w x)`` per row,
