@@ -13,6 +13,7 @@ from csattn.integrations.transformers import batch_layout, is_patched, patch, un
 from tests.models.model_utils import hf_model, tiny_config_dict  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+GPU = pytest.mark.gpu
 
 TOL = 1e-4  # fp32
 SEED = 3
@@ -269,25 +270,29 @@ def test_gradient_checkpointing_and_save_pretrained(reentrant, tmp_path):
         assert torch.equal(loaded.get_parameter(name), p), name
 
 
-def test_autocast_within_twice_hf_autocast_error():
-    """Under ``torch.autocast`` (CPU bf16) a flattened batch runs (before: ``bmm(out=)`` met autocast's operands
-    and failed) and is no further from unpatched HF eager in fp32 than twice HF eager under the same autocast is,
-    per document: logits and the gradients of the attention and expert weights. The master weights and their
-    gradients stay fp32."""
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.bfloat16), pytest.param("cuda", torch.bfloat16, marks=GPU),
+                                          pytest.param("cuda", torch.float16, marks=GPU)],
+                         ids=["cpu_bf16", "cuda_bf16", "cuda_fp16"])
+def test_autocast_within_twice_hf_autocast_error(device, dtype):
+    """Under ``torch.autocast`` a flattened batch runs (before: ``bmm(out=)`` met autocast's operands and failed)
+    and is no further from unpatched HF eager in fp32 than twice HF eager under the same autocast is, per document:
+    logits and the gradients of the attention and expert weights. The master weights and their gradients stay
+    fp32. On CUDA: csattn's Triton kernels, grouped GEMMs and fused mHC."""
     from tests.helpers import rel_err
 
     ours, ref, cfg = _models()
     ref_low = hf_model(cfg, seed=SEED)
-    docs = _docs(LENGTHS, cfg["vocab_size"])
+    ours, ref, ref_low = ours.to(device), ref.to(device), ref_low.to(device)
+    docs = [d.to(device) for d in _docs(LENGTHS, cfg["vocab_size"])]
     batch = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
-    batch.pop("labels")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    batch = {k: v.to(device) for k, v in batch.items() if k != "labels"}
+    with torch.autocast(device, dtype=dtype):
         logits = ours(**batch).logits[0]
-    assert logits.dtype == torch.bfloat16
-    dy = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
+    assert logits.dtype == dtype
+    dy = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)).to(device)
     (logits.float() * dy).sum().backward()
     expected = torch.cat(_per_document(ref, docs, dy.split(LENGTHS)))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=dtype):
         hf_low = torch.cat(_per_document(ref_low, docs, dy.split(LENGTHS)))
     assert rel_err(logits.float(), expected) <= 2 * rel_err(hf_low.float(), expected), "logits"
     ref_p, low_p = dict(ref.named_parameters()), dict(ref_low.named_parameters())

@@ -50,13 +50,18 @@ def _check_close(bf16: list[float], fp32: list[float]) -> None:
         assert abs(a - b) <= 2e-2 * abs(b), f"step {step}: bf16 loss {a} vs fp32 {b}"
 
 
-def test_trainer_bf16_equals_fp32_within_rounding(tmp_path):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_trainer_bf16_equals_fp32_within_rounding(tmp_path, device):
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     cfg = tiny_config_dict("flash")
     runs = {}
     for bf16 in (True, False):
-        args = TrainingArguments(output_dir=str(tmp_path / str(bf16)), use_cpu=True, report_to=[], max_steps=3,
+        args = TrainingArguments(output_dir=str(tmp_path / str(bf16)), use_cpu=device == "cpu", report_to=[],
+                                 max_steps=3,
                                  per_device_train_batch_size=2, learning_rate=1e-3, bf16=bf16, save_strategy="no",
                                  logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, seed=0)
         trainer = Trainer(model=patch(hf_model(cfg, seed=3)), args=args, data_collator=DataCollatorWithFlattening(),
@@ -70,7 +75,8 @@ def test_trainer_bf16_equals_fp32_within_rounding(tmp_path):
     dict(activation_checkpointing=False),
     dict(packing=True, max_length=48),
 ], ids=["padding_free", "no_checkpointing", "packing"])
-def test_sft_trainer_defaults_padding_free(options, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_sft_trainer_defaults_padding_free(options, tmp_path, device):
     """SFTTrainer's defaults: bf16 autocast, gradient checkpointing, the MoE auxiliary loss
     (``output_router_logits=True``), its fused LM head; padding-free batches (``position_ids`` and
     ``cu_seq_lens_*``), or packed ones (BFD packing); and without gradient checkpointing."""
@@ -86,7 +92,7 @@ def test_sft_trainer_defaults_padding_free(options, tmp_path):
     for bf16 in (True, False):
         model = patch(hf_model(cfg, seed=3))
         assert model.config.router_aux_loss_coef > 0  # HF's default: TRL asks for the router logits
-        args = SFTConfig(output_dir=str(tmp_path / str(bf16)), use_cpu=True, report_to=[], max_steps=2,
+        args = SFTConfig(output_dir=str(tmp_path / str(bf16)), use_cpu=device == "cpu", report_to=[], max_steps=2,
                          per_device_train_batch_size=2, padding_free=True, max_length=max_length, save_strategy="no",
                          logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, seed=0, **extra,
                          **({} if bf16 else {"bf16": False}))

@@ -64,3 +64,30 @@ def test_autocast_keeps_fp32_masters_and_the_fp32_loss(reference):
             assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), name
             grads += 1
     assert grads > 100
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_autocast_block_recompute_and_fp32_loss(dtype):
+    """On CUDA (Triton kernels, grouped GEMMs, fused mHC) under autocast: block recompute gives the loss of no
+    recompute bit for bit (the forward is deterministic) and gradients to the order of the backward's fp32
+    atomics, and the loss is the fp32 model's within the dtype's rounding."""
+    from tests.helpers import rel_err
+
+    ids, packed, labels = (t.cuda() if isinstance(t, torch.Tensor) else t for t in _batch())
+    packed = PackedSeqs.from_lengths([37, 1, 50], padded_lengths=[40, 4, 52], device="cuda")
+    runs = []
+    for recompute, autocast in (("none", True), ("block", True), ("none", False)):
+        torch.manual_seed(0)
+        model = DeepseekV4ForCausalLM(tiny_model_config(64, num_nextn_predict_layers=1, recompute=recompute)).cuda()
+        with torch.autocast("cuda", dtype=dtype, enabled=autocast):
+            out = model(ids, packed=packed, labels=labels[0], mtp_labels=labels[1:], return_logits=False)
+        out.loss.backward()
+        runs.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (none, g_none), (block, g_block), (fp32, _) = runs
+    assert torch.equal(none, block)
+    assert g_none.keys() == g_block.keys() and len(g_none) > 100
+    for name in g_none:
+        assert g_none[name].dtype == torch.float32 and torch.isfinite(g_none[name]).all(), name
+        assert rel_err(g_block[name], g_none[name]) <= 1e-2, name
+    torch.testing.assert_close(none, fp32, rtol=1e-2, atol=0)

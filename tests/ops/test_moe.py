@@ -298,19 +298,24 @@ def test_model_grouped_matches_fp64():
         assert rel_err(grad, exact[1][name]) <= tol, name
 
 
-@pytest.mark.parametrize("backend", ["reference", "grouped", "triton"])
-def test_autocast_is_the_op_on_its_dtype(backend):
+@pytest.mark.parametrize("backend,device,dtype", [
+    ("reference", "cpu", torch.bfloat16), ("grouped", "cpu", torch.bfloat16), ("triton", "cpu", torch.bfloat16),
+    pytest.param("auto", "cuda", torch.bfloat16, marks=pytest.mark.gpu),
+    pytest.param("auto", "cuda", torch.float16, marks=pytest.mark.gpu),
+], ids=["reference", "grouped", "triton", "cuda_bf16", "cuda_fp16"])
+def test_autocast_is_the_op_on_its_dtype(backend, device, dtype):
     """Under ``torch.autocast`` the experts take ``x`` and both weights in the autocast dtype (a linear's rule)
     and run with autocast off (the grouped backward recomputes outside it): bit for bit the op on bf16 casts,
     forward and every gradient, which reach the fp32 leaves through the casts."""
     (x, w, gate_up, down), ids, dout = _problem(40, 8, 2, d=16, inter=16)
-    fp32 = [t.float().requires_grad_() for t in (x, w, gate_up, down)]
-    low = [t.detach().to(torch.bfloat16 if i != 1 else torch.float32).requires_grad_() for i, t in enumerate(fp32)]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    ids, dout = ids.to(device), dout.float().to(device)
+    fp32 = [t.float().to(device).requires_grad_() for t in (x, w, gate_up, down)]
+    low = [t.detach().to(dtype if i != 1 else torch.float32).requires_grad_() for i, t in enumerate(fp32)]
+    with torch.autocast(device, dtype=dtype):
         ya = moe_experts(fp32[0], ids, fp32[1], fp32[2], fp32[3], LIMIT, backend)
     yl = moe_experts(low[0], ids, low[1], low[2], low[3], LIMIT, backend)
-    assert ya.dtype == torch.bfloat16 and torch.equal(ya, yl)
-    (ya.float() * dout.float()).sum().backward()
-    (yl.float() * dout.float()).sum().backward()
+    assert ya.dtype == dtype and torch.equal(ya, yl)
+    (ya.float() * dout).sum().backward()
+    (yl.float() * dout).sum().backward()
     for name, a, b in zip(("x", "weights", "gate_up_proj", "down_proj"), fp32, low):
         assert a.grad.dtype == torch.float32 and torch.equal(a.grad, b.grad.float()), name
