@@ -74,7 +74,7 @@ class AttentionConfig:
     indexer_kernel: IndexerConfig | None = None
     indexer_loss_kernel: IndexerLossConfig | None = None
     # no host sync and no data-dependent shape in the forward/backward (CUDA graphs, torch.compile): static
-    # metadata from device cu_seqlens (csattn.graphs); needs max_seqlen on the host; with cp=, the contiguous
+    # metadata from device cu_seqlens (csattn.capture_safe); needs max_seqlen on the host; with cp=, the contiguous
     # partition only
     capture_safe: bool = False
 

@@ -17,9 +17,9 @@ def _pack(lengths=LENGTHS, static: bool = False):
     packed = PackedSeqs.from_lengths(list(lengths), padded_lengths=PADDED)
     if not static:
         return packed
-    from csattn.graphs import StaticPackedSeqs
+    from csattn.capture_safe import CaptureSafePackedSeqs
 
-    return StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=packed.num_rows,
+    return CaptureSafePackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=packed.num_rows,
                             max_seqlen=max(PADDED))
 
 
@@ -106,7 +106,7 @@ class Largest:
 def topk_run(group, topk: int, static: bool = False, lengths=(30, 30)) -> dict:
     """One CSA layer (forward + backward) with ``index_topk = topk``: the largest tensor created, the output,
     the input and parameter grads and the indexer loss. ``group`` None = single process."""
-    from csattn.graphs import StaticPackedSeqs
+    from csattn.capture_safe import CaptureSafePackedSeqs
 
     layer = build_stack(torch.float64, 0, ("csa",), index_topk=topk)[0]
     packed = PackedSeqs.from_lengths(list(lengths))
@@ -117,7 +117,7 @@ def topk_run(group, topk: int, static: bool = False, lengths=(30, 30)) -> dict:
     cp = ContextParallel(group) if group is not None else None
     if cp is not None:
         x, g = cp.shard(x, packed), cp.shard(g, packed)
-    run_packed = StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=T,
+    run_packed = CaptureSafePackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=T,
                                   max_seqlen=max(lengths)) if static else packed
     x = x.requires_grad_()
     with Largest() as probe:

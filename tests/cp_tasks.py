@@ -69,7 +69,7 @@ def parity(group, lengths, pads=None, partition="contiguous", dtype="float64", s
     """Relative errors (CP vs single process) of the stack output, each layer's output, the input grad, every
     parameter grad (summed over ranks) and each indexer loss (summed over ranks). Returns them on rank 0.
 
-    ``capture_safe``: the CP run takes the capture-safe path (a ``StaticPackedSeqs`` of the same pack), and a
+    ``capture_safe``: the CP run takes the capture-safe path (a ``CaptureSafePackedSeqs`` of the same pack), and a
     second forward + backward under ``NoHostSync`` must not read a device value on the host."""
     dt = getattr(torch, dtype)
     cp = ContextParallel(group, partition=partition, chunks_per_rank=chunks_per_rank)
@@ -92,10 +92,10 @@ def parity(group, lengths, pads=None, partition="contiguous", dtype="float64", s
     xl = cp.shard(x, packed_cp).requires_grad_()
     packed_run = packed_cp
     if capture_safe:
-        from csattn.graphs import NoHostSync, StaticPackedSeqs
+        from csattn.capture_safe import CaptureSafePackedSeqs, NoHostSync
 
         phys = (packed_cp.cu_seqlens_padded[1:] - packed_cp.cu_seqlens_padded[:-1]).max().item()
-        packed_run = StaticPackedSeqs(packed_cp.cu_seqlens, packed_cp.cu_seqlens_padded, num_rows=T,
+        packed_run = CaptureSafePackedSeqs(packed_cp.cu_seqlens, packed_cp.cu_seqlens_padded, num_rows=T,
                                       max_seqlen=int(phys))
     out_l, outs_l, losses_l = _run(layers, xl, packed_run, cp.shard(g, packed_cp), cp)
     if capture_safe:  # the agreement check ran on the first call; now nothing may read the device
@@ -221,12 +221,12 @@ def saved_input_copies(group, num_rows: int, partition: str) -> list[tuple]:
 
 def capture_safe_rejects(group, partition: str) -> None:
     """The capture-safe CP path must raise the same ValueError on every rank (here: the balanced partition)."""
-    from csattn.graphs import StaticPackedSeqs
+    from csattn.capture_safe import CaptureSafePackedSeqs
 
     cp = ContextParallel(group, partition=partition)
     layer = build_stack(torch.float64, 0, ("csa",))[0]
     packed = PackedSeqs.from_lengths([40 * cp.size])
-    static = StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=40 * cp.size,
+    static = CaptureSafePackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=40 * cp.size,
                               max_seqlen=40 * cp.size)
     x = torch.randn(40, 32, dtype=torch.float64, requires_grad=True)
     layer(x, packed=static, cp=cp).sum().backward()

@@ -2,7 +2,7 @@
 climbs up, and the areas' import graph has no circle.
 
 From the bottom: ``amp`` / ``nosync`` (leaf helpers) -> ``ops`` (kernels and references: know nothing of layers,
-CP, models or training) -> ``config``, ``packing``, ``graphs`` -> ``layers`` (no process groups, no model) ->
+CP, models or training) -> ``config``, ``packing``, ``capture_safe`` -> ``layers`` (no process groups, no model) ->
 ``cp`` -> ``models`` (no trainer, no ``parallel``) -> ``parallel`` (wires the model; may count FLOPs with
 ``report.flops``; not the trainer) -> ``train``, ``report``, ``integrations`` -> ``demo``, ``cli``. Nothing in
 ``csattn`` imports ``benchmarks``, ``lab`` or ``tests``, nor the package root (the public API re-exports; it is
@@ -26,10 +26,11 @@ ALLOWED: dict[str, set[str]] = {
     "ops": {"amp", "nosync"},
     "config": {"ops"},
     "packing": {"ops", "nosync", "config"},
-    "packing_static": {"ops", "nosync", "packing", "config"},
-    "graphs": {"amp", "nosync", "ops", "config", "packing", "packing_static"},
-    "layers": {"amp", "nosync", "ops", "config", "packing", "packing_static", "graphs"},
-    "cp": {"amp", "nosync", "ops", "config", "packing", "packing_static", "graphs", "layers"},
+    "packing_capture_safe": {"ops", "nosync", "packing", "config"},
+    "capture_safe": {"amp", "nosync", "ops", "config", "packing", "packing_capture_safe"},
+    "graphs": {"capture_safe"},  # the older name of capture_safe, re-exporting it
+    "layers": {"amp", "nosync", "ops", "config", "packing", "packing_capture_safe", "capture_safe"},
+    "cp": {"amp", "nosync", "ops", "config", "packing", "packing_capture_safe", "capture_safe", "layers"},
 }
 FORBIDDEN: dict[str, set[str]] = {
     "models": {"train", "parallel", "report", "integrations", "demo", "cli", "__main__"},

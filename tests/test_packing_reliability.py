@@ -1,4 +1,4 @@
-"""Packed metadata: errors name what the caller passed, in-place edits are seen, and ``StaticPackedSeqs``
+"""Packed metadata: errors name what the caller passed, in-place edits are seen, and ``CaptureSafePackedSeqs``
 rejects bad prefix sums when it is built (its capture path stays free of host reads)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from csattn import PackedSeqs
-from csattn.graphs import NoHostSync, StaticPackedSeqs
+from csattn.capture_safe import CaptureSafePackedSeqs, NoHostSync
 from tests.cp_tasks import build_stack
 
 
@@ -81,19 +81,19 @@ def test_static_packed_seqs_checks_at_construction():
     ]
     for kwargs, phrase in cases:
         with pytest.raises(ValueError, match=phrase) as info:
-            StaticPackedSeqs(**kwargs)
+            CaptureSafePackedSeqs(**kwargs)
         if "cu_seqlens_padded" not in kwargs:
             assert "cu_seqlens_padded" not in str(info.value)  # only cu_seqlens was passed
 
 
 def test_static_packed_seqs_inside_no_host_sync_reads_nothing():
     cu, cu_pad = torch.tensor([0, 4, 9]), torch.tensor([0, 6, 12])
-    checked = StaticPackedSeqs(cu, cu_pad, num_rows=12, max_seqlen=6)  # outside: checked
+    checked = CaptureSafePackedSeqs(cu, cu_pad, num_rows=12, max_seqlen=6)  # outside: checked
     layer = build_stack(torch.float64, 0, ("csa",), capture_safe=True)[0]
     x = torch.randn(12, 32, dtype=torch.float64, requires_grad=True)
     layer(x, packed=checked).sum().backward()  # eager warm-up
     with NoHostSync():
-        inside = StaticPackedSeqs(cu, cu_pad, num_rows=12, max_seqlen=6)  # the capture stand-in: no check
+        inside = CaptureSafePackedSeqs(cu, cu_pad, num_rows=12, max_seqlen=6)  # the capture stand-in: no check
         layer(x, packed=inside).sum().backward()
 
 

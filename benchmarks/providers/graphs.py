@@ -3,8 +3,8 @@ fixed output gradient) per call, eager vs CUDA graph replay. Run with ``--mode f
 whole step; the other modes would add a second backward).
 
 - ``eager``: the default path (``PackedSeqs``; host-side metadata, row chunks and top-k slabs);
-- ``capture_safe``: the capture-safe path run eagerly (``StaticPackedSeqs``, static bounds, custom ops);
-- ``graph``: the capture-safe step captured once in a CUDA graph (:class:`csattn.graphs.CapturedLayerStep`)
+- ``capture_safe``: the capture-safe path run eagerly (``CaptureSafePackedSeqs``, static bounds, custom ops);
+- ``graph``: the capture-safe step captured once in a CUDA graph (:class:`csattn.capture_safe.CapturedLayerStep`)
   and replayed; the pack's ``cu_seqlens`` are copied into the graph's buffers on every call, so the time
   includes rebuilding the metadata on the device.
 
@@ -65,21 +65,21 @@ def eager_step(shape, device, dtype, variant=""):
 
 @register("layer_step", "capture_safe", STEP_DEFAULTS)
 def capture_safe_step(shape, device, dtype, variant=""):
-    from csattn.graphs import StaticPackedSeqs
+    from csattn.capture_safe import CaptureSafePackedSeqs
 
     layer, packed, lengths, x, dy, flops = _setup(shape, device, dtype)
     t, m = shape["tokens"], max(lengths)
 
     def make_packed():
         # built every step, as inside a captured graph: the metadata is recomputed from the device cu_seqlens
-        return StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=t, max_seqlen=m)
+        return CaptureSafePackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=t, max_seqlen=m)
 
     return _eager_case(layer, make_packed, x, dy, flops, {"docs": len(lengths), "path": "capture_safe"})
 
 
 @register("layer_step", "graph", STEP_DEFAULTS)
 def graph_step(shape, device, dtype, variant=""):
-    from csattn.graphs import CapturedLayerStep
+    from csattn.capture_safe import CapturedLayerStep
 
     if device.type != "cuda":
         raise Skip("CUDA graphs need a CUDA device")

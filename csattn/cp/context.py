@@ -11,13 +11,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..config import AttentionConfig
-from ..layers.plan import LayerPlan, static_pack
+from ..layers.plan import LayerPlan, capture_safe_pack
 from ..packing import PackedSeqs
+from .capture_safe_plan import build_capture_safe_plan
 from .exchange import GatherExchange
 from .gather import gather_rows
 from .partition import PARTITIONS, Layout, make_layout
 from .plan import build_plan, check_inputs
-from .static_plan import build_static_plan
 
 __all__ = ["ContextParallel"]
 
@@ -74,14 +74,15 @@ class ContextParallel:
         Args:
             x_local: ``[T / P, D]`` this rank's rows of the global stream (``cp.shard(x, packed)``).
             packed: metadata of the whole ``T``-row stream, identical on every rank; a
-                :class:`~csattn.packing_static.StaticPackedSeqs` (or ``config.capture_safe``) asks for the
+                :class:`~csattn.packing_capture_safe.CaptureSafePackedSeqs` (or ``config.capture_safe``) asks for the
                 capture-safe plan.
             config: the layer's geometry.
 
         Raises the same ``ValueError`` on every rank on bad input (one collective check).
         """
         if config.capture_safe or getattr(packed, "capture_safe", False):
-            return build_static_plan(x_local, static_pack(packed, x_local.shape[0] * self.size), config, self)
+            pack = capture_safe_pack(packed, x_local.shape[0] * self.size)
+            return build_capture_safe_plan(x_local, pack, config, self)
         packed = PackedSeqs.coerce(packed)
         check_inputs(x_local, packed, config, self)
         plan, index = build_plan(packed, config, self, x_local.device)

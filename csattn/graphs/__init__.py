@@ -1,17 +1,21 @@
-"""Capture-safe execution (CUDA graphs, ``torch.compile``): one training step captured in a CUDA graph, and the
-names a capture-safe user needs in one place (static packed metadata, the host-sync check, the static ops).
+"""The older name of :mod:`csattn.capture_safe`, with its older names (``StaticPackedSeqs``, ...), for code written
+against it; new code imports :mod:`csattn.capture_safe`."""
 
-The capture-safe forward itself is the layer's one flow over a capture-safe plan (``csattn/layers/plan.py``,
-``csattn/cp/static_plan.py``)."""
+from ..capture_safe import *  # noqa: F403
+from ..capture_safe import (
+    CaptureSafeCompressMeta,
+    CaptureSafePackedSeqs,
+    CaptureSafeRowMeta,
+    indexer_kl_loss_dense_capture_safe,
+    indexer_topk_capture_safe,
+)
+from ..capture_safe import __all__ as _current
 
-from ..nosync import HostSyncError, NoHostSync
-from ..ops.indexer.static import indexer_topk_static
-from ..ops.indexer_loss.static import indexer_kl_loss_dense_static
-from ..packing_static import StaticCompressMeta, StaticPackedSeqs, StaticRowMeta, compressed_capacity
-from .capture import CapturedLayerStep
+StaticPackedSeqs = CaptureSafePackedSeqs
+StaticRowMeta = CaptureSafeRowMeta
+StaticCompressMeta = CaptureSafeCompressMeta
+indexer_topk_static = indexer_topk_capture_safe
+indexer_kl_loss_dense_static = indexer_kl_loss_dense_capture_safe
 
-__all__ = [
-    "StaticPackedSeqs", "StaticRowMeta", "StaticCompressMeta", "compressed_capacity",
-    "indexer_topk_static", "indexer_kl_loss_dense_static",
-    "NoHostSync", "HostSyncError", "CapturedLayerStep",
-]
+__all__ = [*_current, "StaticPackedSeqs", "StaticRowMeta", "StaticCompressMeta", "indexer_topk_static",
+           "indexer_kl_loss_dense_static"]

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..ops.compressor.custom_ops import compress_pool_op
 from ..ops.indexer import IndexerConfig, indexer_topk
-from ..ops.indexer.custom_ops import indexer_topk_static_op
+from ..ops.indexer.custom_ops import indexer_topk_capture_safe_op
 from ..ops.indexer_loss import IndexerLossConfig, indexer_kl_loss
 from ..ops.indexer_loss.custom_ops import indexer_kl_loss_op
 from ..ops.recompute import row_chunked
@@ -26,7 +26,7 @@ from .core import output_projection, query_heads
 from .modules import Compressor, RowPieces, map_rows
 from .projections import output_proj_op, query_heads_op
 
-__all__ = ["OpSet", "EagerOps", "CustomOps", "EAGER", "CUSTOM"]
+__all__ = ["OpSet", "EagerOps", "CaptureSafeOps", "EAGER", "CAPTURE_SAFE"]
 
 
 class EagerOps:
@@ -74,7 +74,7 @@ class EagerOps:
         return want_loss and loss_type == "dense"
 
 
-class CustomOps(EagerOps):
+class CaptureSafeOps(EagerOps):
     """The custom ops over static bounds: no host sync, no data-dependent shape (CUDA graphs, compile)."""
 
     def compress(self, comp: Compressor, x: Tensor | RowPieces, entries, inv_freq: Tensor, backend: str) -> Tensor:
@@ -93,7 +93,7 @@ class CustomOps(EagerOps):
 
     def indexer_topk(self, q_idx: Tensor, w: Tensor, keys: Tensor, vis_start: Tensor, vis_end: Tensor, topk: int,
                      width: int, workspace_bytes: int, backend: str, config: IndexerConfig | None = None) -> Tensor:
-        return indexer_topk_static_op(q_idx, w, keys, vis_start, vis_end, topk, width, workspace_bytes, backend,
+        return indexer_topk_capture_safe_op(q_idx, w, keys, vis_start, vis_end, topk, width, workspace_bytes, backend,
                                       config.spec() if config else "")
 
     def sparse_attn(self, q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, scale: float, chunk_rows: int,
@@ -129,4 +129,4 @@ class CustomOps(EagerOps):
 
 OpSet = EagerOps  # the interface: an op set is an EagerOps or a subclass
 EAGER = EagerOps()
-CUSTOM = CustomOps()
+CAPTURE_SAFE = CaptureSafeOps()

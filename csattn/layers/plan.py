@@ -20,12 +20,12 @@ from torch import Tensor
 from ..config import AttentionConfig
 from ..ops.indices import window_indices
 from ..packing import CompressMeta, PackedSeqs
-from ..packing_static import StaticCompressMeta, StaticPackedSeqs
+from ..packing_capture_safe import CaptureSafeCompressMeta, CaptureSafePackedSeqs
 from .modules import RowPieces
-from .op_sets import CUSTOM, EAGER, OpSet
+from .op_sets import CAPTURE_SAFE, EAGER, OpSet
 
 __all__ = ["CompressedRange", "IndexerLossInputs", "Entries", "Exchange", "IDENTITY", "LayerPlan", "LocalPlanner",
-           "LOCAL", "static_pack"]
+           "LOCAL", "capture_safe_pack"]
 
 
 class CompressedRange(NamedTuple):
@@ -67,7 +67,7 @@ class Entries:
     rank owns) pool a zero scratch block placed after the ``ext_rows`` rows, so they come out exactly zero.
     """
 
-    meta: CompressMeta | StaticCompressMeta
+    meta: CompressMeta | CaptureSafeCompressMeta
     vis_start: Tensor  # [L] int64 first global id row t sees
     vis_end: Tensor  # [L] int64 one past its last
     max_visible: int  # host bound on vis_end - vis_start over the whole stream
@@ -110,7 +110,7 @@ class LayerPlan:
     num_real: int | Tensor  # real rows of the whole stream (host int, or device scalar when capture-safe)
     window_ids: Tensor  # [L, W] ext row ids, -1 = none
     exchange: Exchange  # IDENTITY on one process
-    ops: OpSet  # EAGER or CUSTOM
+    ops: OpSet  # EAGER or CAPTURE_SAFE
     pos_ext: Tensor | None = None  # [n_ext] positions of the ext rows; None = the ext rows are the local rows
     entries: Entries | None = None  # None on sliding-window layers
     # whether the local rows may hold padding (a host fact of the pack; True where unknown, the capture-safe plans):
@@ -118,11 +118,11 @@ class LayerPlan:
     padding: bool = True
 
 
-def static_pack(packed: Any, num_rows: int) -> StaticPackedSeqs:
-    """``packed`` as :class:`StaticPackedSeqs` of a ``num_rows``-row stream (a static pack is kept as is)."""
-    if isinstance(packed, StaticPackedSeqs):
+def capture_safe_pack(packed: Any, num_rows: int) -> CaptureSafePackedSeqs:
+    """``packed`` as :class:`CaptureSafePackedSeqs` of a ``num_rows``-row stream (a static pack is kept as is)."""
+    if isinstance(packed, CaptureSafePackedSeqs):
         return packed
-    return StaticPackedSeqs.from_packed(packed, num_rows)
+    return CaptureSafePackedSeqs.from_packed(packed, num_rows)
 
 
 class LocalPlanner:
@@ -131,11 +131,11 @@ class LocalPlanner:
     def plan(self, x: Tensor, packed: Any, config: AttentionConfig) -> LayerPlan:
         """Args:
             x: ``[T, D]`` the packed stream.
-            packed: its metadata (``PackedSeqs``, or a :class:`StaticPackedSeqs` for the capture-safe plan).
+            packed: its metadata (``PackedSeqs``, or a :class:`CaptureSafePackedSeqs` for the capture-safe plan).
             config: the layer's geometry; ``config.capture_safe`` also asks for the capture-safe plan.
         """
         if config.capture_safe or getattr(packed, "capture_safe", False):
-            return self._static(x, static_pack(packed, x.shape[0]), config)
+            return self._capture_safe(x, capture_safe_pack(packed, x.shape[0]), config)
         packed = PackedSeqs.coerce(packed)
         packed.validate(x.shape[0], x.device)
         rows = packed.rows(x.device)
@@ -148,7 +148,7 @@ class LocalPlanner:
                          padding=rows.num_real < x.shape[0])
 
     @staticmethod
-    def _static(x: Tensor, static: StaticPackedSeqs, config: AttentionConfig) -> LayerPlan:
+    def _capture_safe(x: Tensor, static: CaptureSafePackedSeqs, config: AttentionConfig) -> LayerPlan:
         """No host sync and no data-dependent shape: entries over the static capacity, visible ranges bounded by
         ``max_seqlen // r``, the real-row count on the device, the custom op set."""
         if static.num_rows != x.shape[0]:
@@ -163,7 +163,7 @@ class LocalPlanner:
             entries = Entries(meta, meta.vis_start, meta.vis_end, meta.max_visible, keep=meta.entry_valid,
                               ext_rows=x.shape[0])
         window_ids = window_indices(rows.pos, rows.real, config.sliding_window)
-        return LayerPlan(rows.pos, rows.real, rows.num_real, window_ids, IDENTITY, CUSTOM, entries=entries)
+        return LayerPlan(rows.pos, rows.real, rows.num_real, window_ids, IDENTITY, CAPTURE_SAFE, entries=entries)
 
 
 LOCAL = LocalPlanner()

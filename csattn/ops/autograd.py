@@ -1,6 +1,6 @@
 """Autograd helpers shared by the ops: recomputing backward ops (the gradients of a function computed by running it
 again under autograd, inside a ``torch.library`` custom op's implementation, where autograd is normally off; used
-by the ops' ``custom_ops.py`` files and ``csattn.graphs``), and the named gradient tuples a backward returns
+by the ops' ``custom_ops.py`` files and ``csattn.capture_safe``), and the named gradient tuples a backward returns
 (:func:`named_grads`).
 """
 

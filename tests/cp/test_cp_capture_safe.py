@@ -1,4 +1,4 @@
-"""Capture-safe context parallelism (contiguous partition; ``csattn/graphs/cp_forward.py``) on gloo ranks.
+"""Capture-safe context parallelism (contiguous partition; ``csattn/capture_safe/cp_forward.py``) on gloo ranks.
 
 Against the single-process layer (fp64 1e-10): outputs, input grads, parameter grads summed over ranks and
 indexer losses of the W / CSA / HCA stack, on ragged, padded and degenerate packs; a second step under

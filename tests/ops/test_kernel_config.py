@@ -222,10 +222,10 @@ def test_layer_indexer_kernels_launch_with_the_layer_config(capture_safe, monkey
     for name in ("indexer_kl_fwd", "indexer_kl_bwd"):
         _spy_config(monkeypatch, loss_kernels, name, seen)
     if capture_safe:  # the static top-k imported the kernel functions by name
-        from csattn.ops.indexer import static_triton
+        from csattn.ops.indexer import capture_safe_triton
 
         for name in ("indexer_scores_fwd", "select_topk"):
-            _spy_config(monkeypatch, static_triton, name, seen)
+            _spy_config(monkeypatch, capture_safe_triton, name, seen)
     topk_cfg, loss_cfg = "bt=128,seg=1024", "bk_fwd=16,bk_bwd=32"
     cfg = tiny_config("csa", backend="triton", indexer_kernel=topk_cfg, indexer_loss_kernel=loss_cfg,
                       indexer_loss_coeff=0.1, capture_safe=capture_safe)

@@ -8,13 +8,13 @@ from torch import Tensor
 
 from ..autograd import autograd_vjp
 from . import indexer_kl_loss as _indexer_kl_loss
+from .capture_safe import indexer_kl_loss_capture_safe_bwd_ref, indexer_kl_loss_dense_capture_safe
 from .config import IndexerLossConfig
-from .static import indexer_kl_loss_dense_static, indexer_kl_loss_static_bwd_ref
 
-__all__ = ["indexer_kl_loss_op", "indexer_kl_loss_static"]
+__all__ = ["indexer_kl_loss_op", "indexer_kl_loss_capture_safe"]
 
 
-def indexer_kl_loss_static(
+def indexer_kl_loss_capture_safe(
     q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor, ckv: Tensor, lse: Tensor, scale: float,
     row_weight: Tensor, selected: Tensor | None, vis_start: Tensor, vis_end: Tensor, width: int,
     workspace_bytes: int, backend: str, config: str = "",
@@ -23,7 +23,7 @@ def indexer_kl_loss_static(
     over the static candidate window of width ``width`` (``max_seqlen // r``). ``config``: the fused kernels'
     :meth:`IndexerLossConfig.parse` string ("" = the defaults)."""
     if selected is None and backend == "reference":
-        return indexer_kl_loss_dense_static(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, vis_start, vis_end,
+        return indexer_kl_loss_dense_capture_safe(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, vis_start, vis_end,
                                             width, workspace_bytes)
     return _indexer_kl_loss(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected=selected,
                             vis_start=vis_start, vis_end=vis_end, workspace_bytes=workspace_bytes, backend=backend,
@@ -36,9 +36,9 @@ def indexer_kl_loss_op(
     row_weight: Tensor, selected: Tensor | None, vis_start: Tensor, vis_end: Tensor, width: int,
     workspace_bytes: int, backend: str, config: str = "",
 ) -> Tensor:
-    """Scalar loss: :func:`indexer_kl_loss_static` as one op (gradients to ``q_idx``, ``w``, ``k_idx``)."""
+    """Scalar loss: :func:`indexer_kl_loss_capture_safe` as one op (gradients to ``q_idx``, ``w``, ``k_idx``)."""
     with torch.no_grad():
-        return indexer_kl_loss_static(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected, vis_start,
+        return indexer_kl_loss_capture_safe(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected, vis_start,
                                       vis_end, width, workspace_bytes, backend, config).clone()
 
 
@@ -57,11 +57,11 @@ def indexer_kl_loss_bwd_op(
     """``(dq_idx, dw, dk_idx)`` by recomputation (the reference one row chunk at a time, without
     ``torch.utils.checkpoint``, which CUDA graph capture does not allow)."""
     if backend == "reference":
-        return indexer_kl_loss_static_bwd_ref(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected,
+        return indexer_kl_loss_capture_safe_bwd_ref(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected,
                                               vis_start, vis_end, width, workspace_bytes, grad)
 
     def fwd(q_idx_, w_, k_idx_):
-        return indexer_kl_loss_static(q_idx_, w_, k_idx_, q, ckv, lse, scale, row_weight, selected, vis_start,
+        return indexer_kl_loss_capture_safe(q_idx_, w_, k_idx_, q, ckv, lse, scale, row_weight, selected, vis_start,
                                       vis_end, width, workspace_bytes, backend, config)
 
     dq_idx, dw, dk_idx = autograd_vjp(fwd, (q_idx, w, k_idx), (True, True, True), (grad,))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from csattn import PackedSeqs
-from csattn.graphs import StaticPackedSeqs, indexer_topk_static
+from csattn.capture_safe import CaptureSafePackedSeqs, indexer_topk_capture_safe
 from csattn.ops.indexer import indexer_topk_ref
 from tests.helpers import grads, random_layer, tiny_config
 
@@ -32,7 +32,7 @@ def test_static_topk_triton_equals_reference(lengths, padded, topk, workspace, s
     config = IndexerConfig(register_row=8) if streamed else None
     packed = PackedSeqs.from_lengths(lengths, padded_lengths=padded, device=DEVICE)
     t = packed.num_rows
-    static = StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=t, max_seqlen=max(padded))
+    static = CaptureSafePackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=t, max_seqlen=max(padded))
     meta, smeta = packed.compress(4), static.compress(4)
     gen = torch.Generator().manual_seed(sum(lengths) + topk)
     # small integers: exact scores in any summation order, and many ties (the lower-id rule)
@@ -40,7 +40,7 @@ def test_static_topk_triton_equals_reference(lengths, padded, topk, workspace, s
     w = torch.randint(-2, 3, (t, 3), generator=gen).float().to(DEVICE)
     k = torch.randint(-1, 2, (smeta.capacity, 16), generator=gen).float().to(DEVICE)
     expected = indexer_topk_ref(q, w, k[: meta.num_entries], meta.vis_start, meta.vis_end, topk)
-    got = indexer_topk_static(q, w, k, smeta.vis_start, smeta.vis_end, topk, smeta.max_visible,
+    got = indexer_topk_capture_safe(q, w, k, smeta.vis_start, smeta.vis_end, topk, smeta.max_visible,
                               workspace_bytes=workspace, backend="triton", config=config)
     assert torch.equal(got, expected)
 
@@ -49,7 +49,7 @@ def test_static_topk_triton_equals_reference(lengths, padded, topk, workspace, s
 @pytest.mark.parametrize("layer_type", ["csa", "hca"])
 def test_capture_safe_layer_triton_equals_default(layer_type, assert_close):
     if torch.cuda.is_available():
-        pytest.skip("fp32 wiring check for the CPU interpreter; tests/graphs/test_graphs_gpu.py covers the GPU")
+        pytest.skip("fp32 wiring check for the CPU interpreter; tests/capture_safe/test_graphs_gpu.py covers the GPU")
     packed = PackedSeqs.from_lengths([13, 30, 3], padded_lengths=[16, 32, 4])
     results = {}
     for capture_safe in (False, True):

@@ -10,19 +10,19 @@ from torch import Tensor
 from ..backend import interpreting
 from .triton import _MAX_WORKSPACE, _compute_dtype, indexer_scores_fwd, select_topk
 
-__all__ = ["indexer_topk_static_triton"]
+__all__ = ["indexer_topk_capture_safe_triton"]
 
 
 @torch.no_grad()
-def indexer_topk_static_triton(
+def indexer_topk_capture_safe_triton(
     q: Tensor, w: Tensor, k: Tensor, vis_start: Tensor, vis_end: Tensor, topk: int, width: int,
     workspace_bytes: int = 1 << 30, config=None,
 ) -> Tensor:
-    """Same contract as :func:`csattn.ops.indexer.static.indexer_topk_static` (fused kernels, CUDA or the
+    """Same contract as :func:`csattn.ops.indexer.capture_safe.indexer_topk_capture_safe` (fused kernels, CUDA or the
     interpreter); ``config``: an ``IndexerConfig`` (None: the defaults)."""
     interpret = interpreting()
     if not q.is_cuda and not interpret:
-        raise ValueError("indexer_topk_static_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
+        raise ValueError("indexer_topk_capture_safe_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
     num_rows, num_keys = q.shape[0], k.shape[0]
     if num_rows == 0 or num_keys == 0 or width < 1:
         return torch.full((num_rows, topk), -1, dtype=torch.int64, device=q.device)

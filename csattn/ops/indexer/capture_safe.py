@@ -14,7 +14,7 @@ from torch import Tensor
 from .chunks import fixed_row_chunks, ids_ascending
 from .naive import indexer_scores_ref
 
-__all__ = ["indexer_topk_static", "static_window"]
+__all__ = ["indexer_topk_capture_safe", "static_window"]
 
 
 def static_window(vis_start: Tensor, vis_end: Tensor, width: int, num_keys: int) -> tuple[Tensor, Tensor]:
@@ -25,7 +25,7 @@ def static_window(vis_start: Tensor, vis_end: Tensor, width: int, num_keys: int)
 
 
 @torch.no_grad()
-def indexer_topk_static(
+def indexer_topk_capture_safe(
     q: Tensor,
     w: Tensor,
     k: Tensor,
@@ -53,9 +53,10 @@ def indexer_topk_static(
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
     if backend == "triton":
-        from .static_triton import indexer_topk_static_triton
+        from .capture_safe_triton import indexer_topk_capture_safe_triton
 
-        return indexer_topk_static_triton(q, w, k, vis_start, vis_end, topk, width, workspace_bytes, config=config)
+        return indexer_topk_capture_safe_triton(q, w, k, vis_start, vis_end, topk, width, workspace_bytes,
+                                                config=config)
     if backend != "reference":
         raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
     num_rows = q.shape[0]

@@ -1,5 +1,5 @@
 """Capture-safe dense indexer loss and the reference backward of the loss's custom op: row chunks of a static
-height, candidates read over the static window of :func:`csattn.ops.indexer.static.static_window` (ids
+height, candidates read over the static window of :func:`csattn.ops.indexer.capture_safe.static_window` (ids
 ``vis_start[t] + j``, ``j < width``, masked at or past ``vis_end[t]``)."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..autograd import autograd_vjp
+from ..indexer.capture_safe import static_window
 from ..indexer.chunks import fixed_row_chunks
 from ..indexer.naive import indexer_scores_ref
-from ..indexer.static import static_window
 from ..indices.naive import gather_rows_masked
 from .naive import _sparse_chunk, _teacher_mass, kl_from_logits, sparse_loss_chunks
 
-__all__ = ["indexer_kl_loss_dense_static", "indexer_kl_loss_static_bwd_ref"]
+__all__ = ["indexer_kl_loss_dense_capture_safe", "indexer_kl_loss_capture_safe_bwd_ref"]
 
 
 def _dense_window_chunks(q_idx: Tensor, q: Tensor, width: int, workspace_bytes: int) -> list[tuple[int, int]]:
@@ -36,7 +36,7 @@ def _dense_window_chunk(q_idx, w, k_idx, q, ckv, lse, vis_start, vis_end, row_we
     return (kl_from_logits(student, mass, valid) * row_weight.to(compute)).sum()
 
 
-def indexer_kl_loss_dense_static(
+def indexer_kl_loss_dense_capture_safe(
     q_idx: Tensor,
     w: Tensor,
     k_idx: Tensor,
@@ -66,7 +66,7 @@ def indexer_kl_loss_dense_static(
     return total
 
 
-def indexer_kl_loss_static_bwd_ref(
+def indexer_kl_loss_capture_safe_bwd_ref(
     q_idx: Tensor, w: Tensor, k_idx: Tensor, q: Tensor, ckv: Tensor, lse: Tensor, scale: float,
     row_weight: Tensor, selected: Tensor | None, vis_start: Tensor, vis_end: Tensor, width: int,
     workspace_bytes: int, grad: Tensor,

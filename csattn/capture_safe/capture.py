@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..packing_static import StaticPackedSeqs
+from ..packing_capture_safe import CaptureSafePackedSeqs
 
 __all__ = ["CapturedLayerStep"]
 
@@ -22,7 +22,7 @@ class CapturedLayerStep:
 
     Args:
         layer: a ``HybridAttention`` on a CUDA device (its ``capture_safe`` flag need not be set: a
-            :class:`StaticPackedSeqs` routes to the capture-safe path).
+            :class:`CaptureSafePackedSeqs` routes to the capture-safe path).
         x, dy: ``[T, D]`` example hidden states and output gradient (copied into static buffers).
         cu_seqlens, cu_seqlens_padded: ``[N+1]`` example pack (copied into static buffers).
         max_seqlen: host bound on the longest physical document of every pack to be replayed.
@@ -78,7 +78,7 @@ class CapturedLayerStep:
             p.grad = None
 
     def _step(self) -> Tensor:
-        packed = StaticPackedSeqs(self.cu, self.cu_pad, num_rows=self.num_rows, max_seqlen=self.max_seqlen)
+        packed = CaptureSafePackedSeqs(self.cu, self.cu_pad, num_rows=self.num_rows, max_seqlen=self.max_seqlen)
         y = self.layer(self.x, packed=packed, cp=self.cp)
         y.backward(self.dy)
         return y.detach()

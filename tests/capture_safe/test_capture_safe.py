@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from csattn import PackedSeqs
-from csattn.graphs import (
+from csattn.capture_safe import (
+    CaptureSafePackedSeqs,
     HostSyncError,
     NoHostSync,
-    StaticPackedSeqs,
     compressed_capacity,
-    indexer_kl_loss_dense_static,
-    indexer_topk_static,
+    indexer_kl_loss_dense_capture_safe,
+    indexer_topk_capture_safe,
 )
 from csattn.ops.indexer import indexer_topk
 from csattn.ops.indexer_loss import indexer_kl_loss
@@ -33,7 +33,7 @@ PACKS = {
 def _static(real, padded, max_seqlen=None):
     packed = PackedSeqs.from_lengths(real, padded)
     t = int(packed.cu_seqlens_padded[-1])
-    return packed, StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=t,
+    return packed, CaptureSafePackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=t,
                                     max_seqlen=max_seqlen or packed.max_seqlen)
 
 
@@ -83,20 +83,20 @@ def test_no_host_sync_mode_catches_syncs():
 def test_static_packed_errors():
     cu = torch.tensor([0, 4, 9])
     with pytest.raises(ValueError, match="cu_seqlens_padded"):
-        StaticPackedSeqs(cu, torch.tensor([0, 9]), num_rows=9, max_seqlen=5)
+        CaptureSafePackedSeqs(cu, torch.tensor([0, 9]), num_rows=9, max_seqlen=5)
     with pytest.raises(ValueError, match="max_seqlen"):
-        StaticPackedSeqs(cu, num_rows=9, max_seqlen=-1)
+        CaptureSafePackedSeqs(cu, num_rows=9, max_seqlen=-1)
     with pytest.raises(ValueError, match="num_rows"):
-        StaticPackedSeqs(cu, num_rows=9.0, max_seqlen=5)
+        CaptureSafePackedSeqs(cu, num_rows=9.0, max_seqlen=5)
     with pytest.raises(ValueError, match="max_seqlen"):
-        StaticPackedSeqs(cu, num_rows=9, max_seqlen=4).check()
+        CaptureSafePackedSeqs(cu, num_rows=9, max_seqlen=4).check()
     with pytest.raises(ValueError, match="max_seqlen"):
-        StaticPackedSeqs.from_packed(PackedSeqs(cu_seqlens=cu), num_rows=9)
+        CaptureSafePackedSeqs.from_packed(PackedSeqs(cu_seqlens=cu), num_rows=9)
     layer = random_layer(tiny_config("csa", capture_safe=True))
     with pytest.raises(ValueError, match="num_rows"):
-        layer(torch.randn(8, 32, dtype=torch.float64), packed=StaticPackedSeqs(cu, num_rows=9, max_seqlen=5))
+        layer(torch.randn(8, 32, dtype=torch.float64), packed=CaptureSafePackedSeqs(cu, num_rows=9, max_seqlen=5))
     with pytest.raises(ValueError, match="cp="):
-        layer(torch.randn(9, 32, dtype=torch.float64), packed=StaticPackedSeqs(cu, num_rows=9, max_seqlen=5),
+        layer(torch.randn(9, 32, dtype=torch.float64), packed=CaptureSafePackedSeqs(cu, num_rows=9, max_seqlen=5),
               cp=object())
 
 
@@ -114,7 +114,7 @@ def test_static_topk_and_dense_loss_match_reference(pack, assert_close):
     for topk in (2, 5, 40):
         ref = indexer_topk(q, w, k, meta.vis_start, meta.vis_end, topk)
         # a tiny workspace forces several chunks
-        got = indexer_topk_static(q, w, k_cap, smeta.vis_start, smeta.vis_end, topk, smeta.max_visible,
+        got = indexer_topk_capture_safe(q, w, k_cap, smeta.vis_start, smeta.vis_end, topk, smeta.max_visible,
                                   workspace_bytes=2048)
         assert torch.equal(ref, got), topk
     qa = torch.randn(t, 2, 16, generator=g, dtype=torch.float64)
@@ -123,7 +123,7 @@ def test_static_topk_and_dense_loss_match_reference(pack, assert_close):
     rw = packed.rows().real.double() / packed.rows().num_real
     ref = indexer_kl_loss(q, w, k, qa, ckv[:n], lse, 0.25, rw, vis_start=meta.vis_start, vis_end=meta.vis_end)
     ref_g = torch.autograd.grad(ref, (q, w, k))
-    got = indexer_kl_loss_dense_static(q, w, k_cap, qa, ckv, lse, 0.25, rw, smeta.vis_start, smeta.vis_end,
+    got = indexer_kl_loss_dense_capture_safe(q, w, k_cap, qa, ckv, lse, 0.25, rw, smeta.vis_start, smeta.vis_end,
                                        smeta.max_visible, workspace_bytes=4096)
     got_g = torch.autograd.grad(got, (q, w, k_cap))
     assert_close(got, ref, 1e-12, "dense loss")
@@ -158,7 +158,7 @@ def test_capture_safe_equals_default(layer_type, extra, pack, assert_close):
     dy = torch.randn(t, 32, generator=g, dtype=torch.float64)
     ref, ref_loss = layer_step(layer, x, dy, packed)
     layer.config = dataclasses.replace(cfg, capture_safe=True)
-    for p in (static, packed):  # a StaticPackedSeqs, or a PackedSeqs turned into one
+    for p in (static, packed):  # a CaptureSafePackedSeqs, or a PackedSeqs turned into one
         got, loss = layer_step(layer, x, dy, p)
         _compare(got, ref, assert_close)
         if ref_loss is not None:
@@ -176,11 +176,11 @@ def test_capture_safe_has_no_host_sync(layer_type, extra, monkeypatch):
     def no_checkpoint(*args, **kwargs):
         raise AssertionError("torch.utils.checkpoint saves the RNG state, which CUDA graph capture forbids")
 
+    import csattn.ops.indexer_loss.capture_safe
     import csattn.ops.indexer_loss.naive
-    import csattn.ops.indexer_loss.static
     import csattn.ops.sparse_attn.naive
 
-    for module in (csattn.ops.indexer_loss.static, csattn.ops.indexer_loss.naive, csattn.ops.sparse_attn.naive):
+    for module in (csattn.ops.indexer_loss.capture_safe, csattn.ops.indexer_loss.naive, csattn.ops.sparse_attn.naive):
         monkeypatch.setattr(module, "checkpoint", no_checkpoint)
     with NoHostSync():
         y = layer(x, packed=static)
@@ -229,3 +229,16 @@ def test_capture_safe_keeps_the_indexer_loss_scale(assert_close):
     _compare(got, ref, assert_close)
     name = "compressor.indexer.q_b_proj.weight"  # trained by the indexer loss only
     assert_close(got[name], 0.25 * unscaled[name], 1e-12, name)
+
+
+def test_older_names_still_import():
+    """``csattn.graphs`` and its ``Static*`` names (the capture-safe mode's older names) are the same objects."""
+    import csattn.capture_safe as current
+    import csattn.graphs as older
+
+    assert older.StaticPackedSeqs is current.CaptureSafePackedSeqs
+    assert older.StaticRowMeta is current.CaptureSafeRowMeta
+    assert older.StaticCompressMeta is current.CaptureSafeCompressMeta
+    assert older.indexer_topk_static is current.indexer_topk_capture_safe
+    assert older.indexer_kl_loss_dense_static is current.indexer_kl_loss_dense_capture_safe
+    assert older.CapturedLayerStep is current.CapturedLayerStep and set(current.__all__) <= set(older.__all__)

@@ -32,7 +32,7 @@ def _worker(rank: int, world: int, port: int, layer_type: str, backend: str, out
     import torch.distributed as dist
 
     from csattn import ContextParallel, PackedSeqs
-    from csattn.graphs import CapturedLayerStep, StaticPackedSeqs
+    from csattn.capture_safe import CapturedLayerStep, CaptureSafePackedSeqs
     from tests.helpers import grads, random_layer, rel_err, tiny_config
 
     log = open(log_path, "w", buffering=1)
@@ -64,7 +64,8 @@ def _worker(rank: int, world: int, port: int, layer_type: str, backend: str, out
             got = {"y": step.y.clone(), "x": step.x_grad.clone(), **{n: g.clone() for n, g in step.grads.items()}}
             layer.zero_grad(set_to_none=True)
             x = xl.detach().clone().requires_grad_()
-            static = StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=t, max_seqlen=MAX_SEQLEN)
+            static = CaptureSafePackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=t,
+                                           max_seqlen=MAX_SEQLEN)
             y = layer(x, packed=static, cp=cp)
             y.backward(dyl)
             eager = {"y": y.detach(), "x": x.grad, **{n: g for n, g in grads(layer).items() if g is not None}}

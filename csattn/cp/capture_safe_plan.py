@@ -30,19 +30,20 @@ from typing import Any
 from torch import Tensor
 
 from ..config import AttentionConfig
-from ..layers.op_sets import CUSTOM
+from ..layers.op_sets import CAPTURE_SAFE
 from ..layers.plan import Entries, LayerPlan
 from ..nosync import host_reads_forbidden
 from ..ops.indices import window_indices
-from ..packing_static import StaticPackedSeqs
+from ..packing_capture_safe import CaptureSafePackedSeqs
 from .exchange import AllReduceExchange
 from .partition import contiguous_layout, halo_rows
 from .plan import _fingerprint, agree
 
-__all__ = ["build_static_plan", "check_static_inputs"]
+__all__ = ["build_capture_safe_plan", "check_capture_safe_inputs"]
 
 
-def check_static_inputs(x_local: Tensor, static: StaticPackedSeqs, cfg: AttentionConfig, cp: Any) -> tuple[int, int]:
+def check_capture_safe_inputs(x_local: Tensor, static: CaptureSafePackedSeqs, cfg: AttentionConfig,
+                              cp: Any) -> tuple[int, int]:
     """``(L, Hh)``; every rank raises the same ValueError on bad input (eager calls only)."""
     size, total = cp.size, static.num_rows
     halo = halo_rows(cfg)
@@ -82,16 +83,16 @@ def check_static_inputs(x_local: Tensor, static: StaticPackedSeqs, cfg: Attentio
     return rows, halo
 
 
-def build_static_plan(x_local: Tensor, static: StaticPackedSeqs, cfg: AttentionConfig, cp: Any) -> LayerPlan:
+def build_capture_safe_plan(x_local: Tensor, static: CaptureSafePackedSeqs, cfg: AttentionConfig, cp: Any) -> LayerPlan:
     """This rank's capture-safe plan: local rows, halo rows and the entries it owns from its rows of the
     contiguous layout; visible ranges, window ids and the global real-row count from the static global metadata.
 
     Args:
         x_local: ``[T / P, D]`` this rank's rows (``cp.shard`` with the contiguous partition).
-        static: the global stream's :class:`StaticPackedSeqs`, identical on every rank.
+        static: the global stream's :class:`CaptureSafePackedSeqs`, identical on every rank.
         cfg: the layer's geometry. cp: a ``csattn.ContextParallel`` with ``partition="contiguous"``.
     """
-    _, halo = check_static_inputs(x_local, static, cfg, cp)
+    _, halo = check_capture_safe_inputs(x_local, static, cfg, cp)
     device = x_local.device
     (lo, hi), = contiguous_layout(static.num_rows, cp.size).segments(cp.rank)
     h = halo if lo > 0 else 0
@@ -107,4 +108,5 @@ def build_static_plan(x_local: Tensor, static: StaticPackedSeqs, cfg: AttentionC
         entries = Entries(meta, meta.vis_start[lo:hi], meta.vis_end[lo:hi], meta.max_visible, keep=owned,
                           ext_rows=hi - lo + h, shift=lo - h)
     return LayerPlan(rows.pos[lo:hi], rows.real[lo:hi], rows.num_real, window_ids,
-                     AllReduceExchange(cp.rank, cp.size, halo, cp.group), CUSTOM, pos_ext=pos_ext, entries=entries)
+                     AllReduceExchange(cp.rank, cp.size, halo, cp.group), CAPTURE_SAFE, pos_ext=pos_ext,
+                     entries=entries)

@@ -3,8 +3,8 @@
 One graph, captured on one pack, is replayed on three packs with different padded document boundaries
 (same T, number of documents and max_seqlen): output, input gradient and every parameter gradient equal
 the eager capture-safe run bitwise on the reference backend (deterministic algorithms), and match the
-default eager path within fp32 / bf16 rounding. Context parallelism under capture: tests/graphs/test_graphs_cp_gpu.py
-(NCCL, two GPUs or more).
+default eager path within fp32 / bf16 rounding. Context parallelism under capture:
+tests/capture_safe/test_graphs_cp_gpu.py (NCCL, two GPUs or more).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from csattn import PackedSeqs
-from csattn.graphs import CapturedLayerStep, StaticPackedSeqs
+from csattn.capture_safe import CapturedLayerStep, CaptureSafePackedSeqs
 from tests.helpers import grads, random_layer, rel_err, tiny_config
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -70,7 +70,7 @@ def test_graph_replay_equals_eager_on_three_packs(layer_type, backend, dtype, de
         packed = _pack(real, padded)
         step.replay(x, dy, packed.cu_seqlens, packed.cu_seqlens_padded)
         got = _replayed(step)
-        static = StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=t, max_seqlen=MAX_SEQLEN)
+        static = CaptureSafePackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=t, max_seqlen=MAX_SEQLEN)
         eager = _eager(layer, x, dy, static)
         default = _eager(layer, x, dy, packed)
         assert got.keys() == eager.keys() == default.keys()
@@ -89,7 +89,7 @@ def test_capture_safe_step_has_no_cuda_sync(layer_type, backend):
     cfg = tiny_config(layer_type, backend=backend, capture_safe=True)
     layer = random_layer(cfg, dtype=torch.float32).to("cuda")
     packed = _pack(*PACKS[1])
-    static = StaticPackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=256, max_seqlen=MAX_SEQLEN)
+    static = CaptureSafePackedSeqs(packed.cu_seqlens, packed.cu_seqlens_padded, num_rows=256, max_seqlen=MAX_SEQLEN)
     x = torch.randn(256, 32, device="cuda", requires_grad=True)
     layer(x, packed=static).sum().backward()  # warm-up: Triton compiles outside the check
     torch.cuda.synchronize()

@@ -24,7 +24,7 @@ from torch import Tensor
 from .nosync import host_reads_forbidden
 from .packing import PackedSeqs, entry_layout, row_layout
 
-__all__ = ["StaticPackedSeqs", "StaticRowMeta", "StaticCompressMeta", "compressed_capacity"]
+__all__ = ["CaptureSafePackedSeqs", "CaptureSafeRowMeta", "CaptureSafeCompressMeta", "compressed_capacity"]
 
 
 def compressed_capacity(num_rows: int, num_docs: int, max_seqlen: int, ratio: int) -> int:
@@ -35,7 +35,7 @@ def compressed_capacity(num_rows: int, num_docs: int, max_seqlen: int, ratio: in
 
 
 @dataclass
-class StaticRowMeta:
+class CaptureSafeRowMeta:
     """Per-row facts (``[T]`` unless noted), all on the device; same values as :class:`csattn.packing.RowMeta`."""
 
     doc: Tensor  # int64 document id of each row
@@ -47,7 +47,7 @@ class StaticRowMeta:
 
 
 @dataclass
-class StaticCompressMeta:
+class CaptureSafeCompressMeta:
     """Compressed entries of ratio ``r`` over a static ``capacity``; the real count stays on the device.
 
     Entry ids ``< num_entries`` are exactly those of ``PackedSeqs.compress(r)``; ids in
@@ -68,7 +68,7 @@ class StaticCompressMeta:
 
 
 @dataclass
-class StaticPackedSeqs:
+class CaptureSafePackedSeqs:
     """Packed-sequence metadata for capture-safe execution (CUDA graphs, ``torch.compile``).
 
     Args:
@@ -83,7 +83,7 @@ class StaticPackedSeqs:
     a tensor on the host.
 
     Example:
-        >>> packed = StaticPackedSeqs(cu, cu_pad, num_rows=4096, max_seqlen=2048)
+        >>> packed = CaptureSafePackedSeqs(cu, cu_pad, num_rows=4096, max_seqlen=2048)
         >>> out = attn(x, packed=packed)   # with AttentionConfig(capture_safe=True)
     """
 
@@ -121,9 +121,9 @@ class StaticPackedSeqs:
             self.check()
 
     @classmethod
-    def from_packed(cls, packed: Any, num_rows: int) -> StaticPackedSeqs:
+    def from_packed(cls, packed: Any, num_rows: int) -> CaptureSafePackedSeqs:
         """From a :class:`PackedSeqs` (or Megatron ``PackedSeqParams``) whose ``max_seqlen`` is set on the host."""
-        if isinstance(packed, StaticPackedSeqs):
+        if isinstance(packed, CaptureSafePackedSeqs):
             return packed
         packed = PackedSeqs.coerce(packed)
         if packed.max_seqlen is None:
@@ -147,17 +147,17 @@ class StaticPackedSeqs:
             self.num_rows, device or self.cu_seqlens_padded.device)
 
     # ------------------------------------------------------------------ derived metadata (no host sync)
-    def rows(self, device: torch.device | None = None) -> StaticRowMeta:
+    def rows(self, device: torch.device | None = None) -> CaptureSafeRowMeta:
         """Per-row document id, position and real flag (cached on this object)."""
         device = device or self.cu_seqlens_padded.device
         key = ("rows", str(device))
         if key not in self._cache:
             doc, pos, real, doc_start, real_len = row_layout(
                 self.cu_seqlens_padded.to(device), self.cu_seqlens, self.num_rows)
-            self._cache[key] = StaticRowMeta(doc, pos, real, doc_start, real_len, real_len.sum())
+            self._cache[key] = CaptureSafeRowMeta(doc, pos, real, doc_start, real_len, real_len.sum())
         return self._cache[key]
 
-    def compress(self, ratio: int, device: torch.device | None = None) -> StaticCompressMeta:
+    def compress(self, ratio: int, device: torch.device | None = None) -> CaptureSafeCompressMeta:
         """Compressed-entry layout for ``ratio`` over the static capacity (cached on this object)."""
         if ratio < 1:
             raise ValueError(f"compress ratio must be >= 1, got {ratio}")
@@ -168,7 +168,7 @@ class StaticPackedSeqs:
             cu_comp, local, entry_row, vis_start, vis_end = entry_layout(self.rows(device), ratio, capacity)
             valid = torch.arange(capacity, device=cu_comp.device) < cu_comp[-1]
             zero = local.new_zeros(())
-            self._cache[key] = StaticCompressMeta(
+            self._cache[key] = CaptureSafeCompressMeta(
                 ratio=ratio,
                 capacity=capacity,
                 max_visible=min(self.max_seqlen // ratio, capacity),

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from csattn import PackedSeqs
-from csattn.graphs import StaticPackedSeqs
+from csattn.capture_safe import CaptureSafePackedSeqs
 from tests.helpers import layer_step, random_layer, tiny_config
 
 # one traced function replayed on each: T = 52, 3 documents, max_seqlen 24
@@ -41,7 +41,7 @@ def test_compiled_layer_reused_on_three_packs(case, assert_close):
     t = int(packs[0].cu_seqlens_padded[-1])
 
     def step(x, cu, cu_pad):
-        return layer(x, packed=StaticPackedSeqs(cu, cu_pad, num_rows=t, max_seqlen=MAX_SEQLEN))
+        return layer(x, packed=CaptureSafePackedSeqs(cu, cu_pad, num_rows=t, max_seqlen=MAX_SEQLEN))
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
