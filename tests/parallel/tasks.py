@@ -105,3 +105,10 @@ def moe_ep_task(group: Any, ep: int, hashed_to: list[int] | None, seed: int = 0)
     loads = moe.last_load.clone()
     dist.all_reduce(loads)
     return {"errs": errs, "received": int(loads[local.start:local.stop].sum())}
+
+
+def error_task(group: Any, **kwargs: Any) -> str:
+    """``train`` expected to fail: returns the error every rank raised (the pool reports it as this rank's error)."""
+    torch.set_num_threads(1)
+    train(TrainConfig(**{**BASE, "steps": 1, **kwargs}))
+    return "no error"
