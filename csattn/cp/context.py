@@ -4,14 +4,13 @@ and a rank's shard."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..config import AttentionConfig
-from ..layers.plan import LayerPlan, capture_safe_pack
+from ..layers.plan import LayerPlan, Packed, capture_safe_pack
 from ..packing import PackedSeqs
 from .capture_safe_plan import build_capture_safe_plan
 from .exchange import GatherExchange
@@ -47,7 +46,7 @@ class ContextParallel:
         >>> out = cp.gather(out_local, packed)                           # doctest: +SKIP
     """
 
-    group: Any = None
+    group: dist.ProcessGroup | None = None
     partition: str = "contiguous"
     chunks_per_rank: int = 4
     cost_config: AttentionConfig | None = None
@@ -68,7 +67,7 @@ class ContextParallel:
     def size(self) -> int:
         return dist.get_world_size(self.group)
 
-    def plan(self, x_local: Tensor, packed: Any, config: AttentionConfig) -> LayerPlan:
+    def plan(self, x_local: Tensor, packed: Packed, config: AttentionConfig) -> LayerPlan:
         """This rank's plan of one layer call (the planner :class:`csattn.HybridAttention` asks).
 
         Args:
@@ -88,23 +87,23 @@ class ContextParallel:
         plan, index = build_plan(packed, config, self, x_local.device)
         return replace(plan, exchange=GatherExchange(index, self.group))
 
-    def layout(self, packed: Any) -> Layout:
+    def layout(self, packed: Packed) -> Layout:
         """Row ownership of the global stream described by ``packed`` (cached on it)."""
         return make_layout(PackedSeqs.coerce(packed), self.partition, self.size, self.chunks_per_rank,
                            self.cost_config)
 
-    def local_rows(self, packed: Any, device: torch.device | str | None = None) -> Tensor:
+    def local_rows(self, packed: Packed, device: torch.device | str | None = None) -> Tensor:
         """``[T / P]`` int64 global row index of each local row, in local order."""
         return self.layout(packed).local_rows(self.rank, device)
 
-    def shard(self, tensor: Tensor, packed: Any) -> Tensor:
+    def shard(self, tensor: Tensor, packed: Packed) -> Tensor:
         """This rank's rows of a global ``[T, ...]`` tensor (differentiable), ``[T / P, ...]``."""
         layout = self.layout(packed)
         if tensor.shape[0] != layout.num_rows:
             raise ValueError(f"tensor has {tensor.shape[0]} rows but packed describes {layout.num_rows}")
         return torch.cat([tensor[a:b] for a, b in layout.segments(self.rank)], dim=0)
 
-    def gather(self, local: Tensor, packed: Any) -> Tensor:
+    def gather(self, local: Tensor, packed: Packed) -> Tensor:
         """The global ``[T, ...]`` tensor from every rank's ``[T / P, ...]`` shard (collective).
 
         Differentiable: the backward sums, over ranks, the gradients of each rank's rows (reduce-scatter).

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import partial
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +18,7 @@ from ..packing import PackedSeqs
 from .core import BlockIds, CoreGeometry, attention_core, output_projection, query_heads
 from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, RowPieces, _linear, map_rows
 from .op_sets import EAGER, OpSet
-from .plan import LOCAL, CompressedRange, IndexerLossInputs, LayerPlan
+from .plan import LOCAL, CompressedRange, IndexerLossInputs, LayerPlan, Packed, Planner
 
 __all__ = ["HybridAttention"]
 
@@ -89,12 +88,12 @@ class HybridAttention(nn.Module):
         self.last_indexer_loss: Tensor | None = None
 
     # ------------------------------------------------------------------ public API
-    def forward(self, hidden_states: Tensor, packed: Any = None, cp: Any = None) -> Tensor:
+    def forward(self, hidden_states: Tensor, packed: Packed | None = None, cp: Planner | None = None) -> Tensor:
         """Args:
             hidden_states: ``[B, S, D]`` or packed ``[T, D]`` (the normalized block input).
             packed: packed metadata for ``[T, D]`` input (None = one document). Under ``cp`` it describes
                 the global stream and ``hidden_states`` holds this rank's rows.
-            cp: optional ``csattn.ContextParallel``.
+            cp: optional ``csattn.ContextParallel`` (any :class:`~csattn.layers.plan.Planner`).
 
         Returns:
             ``[B, S, D]`` or ``[T, D]``, like the input. Input without rows (``T = 0``, ``B = 0`` or ``S = 0``:
@@ -110,7 +109,7 @@ class HybridAttention(nn.Module):
                 return self.forward(x, packed, cp)
         if isinstance(hidden_states, Tensor) and hidden_states.dim() in (2, 3) and not hidden_states.shape[:-1].numel():
             return self._empty_forward(hidden_states, packed, cp)
-        if cp is not None and not callable(getattr(cp, "plan", None)):
+        if cp is not None and not callable(getattr(cp, "plan", None)):  # a Planner (no isinstance: traced code)
             raise ValueError(f"cp= must be a csattn.ContextParallel, got {type(cp).__name__}")
         x, packed, batch_shape = self._flatten(hidden_states, packed, cp)
         out = self.forward_plan(x, (LOCAL if cp is None else cp).plan(x, packed, self.config))
@@ -127,18 +126,18 @@ class HybridAttention(nn.Module):
             # halo exchange, so halos arrive zeroed too. Saved for the backward in place of x (packs with padding).
             x = x.masked_fill(~plan.real[:, None], 0)
         halo = exchange.start_halo(x)
-        cos, sin = self.rope_tables(plan.pos, x.dtype)
-        qr = self.query_latent(x)  # overlaps the halo exchange
+        cos, sin = self._rope_tables(plan.pos, x.dtype)
+        qr = self._query_latent(x)  # overlaps the halo exchange
         x_ext = exchange.finish_halo(x, halo)
         pending = None
         if entries is not None:  # this rank's entries: compressed KV and (CSA) the indexer's own keys
-            backend = self.backend_for(x)
+            backend = self._backend_for(x)
             parts = [ops.compress(self.compressor, x_ext, entries, self.inv_freq, backend)]
             if cfg.layer_type == "csa":  # from detached rows: the indexer learns from its loss only
                 parts.append(ops.compress(self.compressor.indexer, x_ext.detach(), entries, self.inv_freq, backend))
             pending = exchange.start_entries(parts)
-        cos_e, sin_e = (cos, sin) if plan.pos_ext is None else self.rope_tables(plan.pos_ext, x.dtype)
-        kv = self.raw_kv(x_ext, cos_e, sin_e)  # overlaps the entry gather
+        cos_e, sin_e = (cos, sin) if plan.pos_ext is None else self._rope_tables(plan.pos_ext, x.dtype)
+        kv = self._raw_kv(x_ext, cos_e, sin_e)  # overlaps the entry gather
 
         ckv = compressed_ids = loss = None
         if entries is not None:
@@ -147,8 +146,8 @@ class HybridAttention(nn.Module):
                 # expanded one row chunk at a time inside attend: never [T, T / r] ids at once
                 compressed_ids = CompressedRange(entries.vis_start, entries.vis_end, entries.max_visible)
             else:
-                compressed_ids, loss = self.select(x, qr, cos, sin, keys[0], plan)
-        return self.heads(qr, cos, sin, kv, ckv, plan.window_ids, compressed_ids, loss, ops)
+                compressed_ids, loss = self._select(x, qr, cos, sin, keys[0], plan)
+        return self._heads(qr, cos, sin, kv, ckv, plan.window_ids, compressed_ids, loss, ops)
 
     def load_hf_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
         """Load the state dict of a Hugging Face ``DeepseekV4Attention`` (same names).
@@ -171,45 +170,45 @@ class HybridAttention(nn.Module):
                 if name in own:
                     own[name].copy_(tensor)
 
-    # ------------------------------------------------------------------ phases (shared with the CP path)
-    def rope_tables(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    # ------------------------------------------------------------------ phases (private; the flow above runs them)
+    def _rope_tables(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(pos, self.inv_freq, torch.promote_types(dtype, torch.float32))
 
-    def query_latent(self, x: Tensor) -> Tensor:
+    def _query_latent(self, x: Tensor) -> Tensor:
         """The shared query latent ``qr [T, q_lora]`` (``q_a_proj`` then RMSNorm)."""
         return self.q_a_norm(self.q_a_proj(x))
 
-    def queries(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    def _queries(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """``q [T, H, d]`` (normed, roped) and the shared latent ``qr [T, q_lora]``."""
-        qr = self.query_latent(x)
-        return self.query_heads(qr, cos, sin), qr
+        qr = self._query_latent(x)
+        return self._query_heads(qr, cos, sin), qr
 
-    def query_heads(self, qr: Tensor, cos: Tensor, sin: Tensor, ops: OpSet = EAGER) -> Tensor:
+    def _query_heads(self, qr: Tensor, cos: Tensor, sin: Tensor, ops: OpSet = EAGER) -> Tensor:
         """``q [T, H, d]`` from the latent; block-recomputed in the backward with ``recompute_projections``."""
         cfg = self.config
         if not cfg.recompute_projections:
             return query_heads(qr, cos, sin, self.q_b_proj.weight, cfg.num_heads, cfg.rms_norm_eps)
         return ops.query_heads(qr, cos, sin, self.q_b_proj.weight, cfg.num_heads, cfg.rms_norm_eps,
-                               self.recompute_rows())
+                               self._recompute_rows())
 
-    def raw_kv(self, x: Tensor | RowPieces, cos: Tensor, sin: Tensor) -> Tensor:
+    def _raw_kv(self, x: Tensor | RowPieces, cos: Tensor, sin: Tensor) -> Tensor:
         """The single K = V head of every row, ``[T, d]``."""
         return apply_rope(self.kv_norm(map_rows(self.kv_proj, x)), cos, sin)
 
-    def output(self, o: Tensor, cos: Tensor, sin: Tensor, ops: OpSet = EAGER) -> Tensor:
+    def _output(self, o: Tensor, cos: Tensor, sin: Tensor, ops: OpSet = EAGER) -> Tensor:
         """Inverse RoPE on ``o [T, H, d]`` (values carried absolute rope), then the grouped projection."""
         cfg = self.config
         weights = (self.o_a_proj.weight, self.o_b_proj.weight)
         if not cfg.recompute_projections:
             return output_projection(o, cos, sin, *weights, groups=cfg.o_groups)
-        return ops.output(o, cos, sin, *weights, cfg.o_groups, self.recompute_rows())
+        return ops.output(o, cos, sin, *weights, cfg.o_groups, self._recompute_rows())
 
-    def recompute_rows(self) -> int:
+    def _recompute_rows(self) -> int:
         """Rows per recomputed block: about a quarter of the workspace for ~4 fp32 ``[H, d]`` temporaries."""
         cfg = self.config
         return max(16, (cfg.workspace_bytes // 4) // (cfg.num_heads * cfg.head_dim * 16))
 
-    def attend(
+    def _attend(
         self,
         q: Tensor,
         kv: Tensor,
@@ -225,13 +224,13 @@ class HybridAttention(nn.Module):
         ``T * T / r`` memory. ``ops`` runs the sparse attention (eager, or its custom op).
         """
         cfg = self.config
-        backend = self.backend_for(q)
+        backend = self._backend_for(q)
 
         def run(q_: Tensor, keys: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
             return ops.sparse_attn(q_, keys, ids, self.sinks, cfg.scale, cfg.attn_chunk_rows, backend,
                                    cfg.sparse_attn_kernel)
 
-        keys, ids_fn = self.key_ids(kv, ckv, window_ids, compressed_ids)
+        keys, ids_fn = self._key_ids(kv, ckv, window_ids, compressed_ids)
         total = q.shape[0]
         if not isinstance(compressed_ids, CompressedRange):
             return run(q, keys, ids_fn(0, total))
@@ -241,24 +240,24 @@ class HybridAttention(nn.Module):
         parts = [run(q[lo:lo + step], keys, ids_fn(lo, min(lo + step, total))) for lo in range(0, total, step)]
         return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
 
-    def backend_for(self, t: Tensor | RowPieces) -> str:
+    def _backend_for(self, t: Tensor | RowPieces) -> str:
         """``"triton"`` on CUDA by default (``backend="auto"``), the reference elsewhere."""
         return resolve_backend(self.config.backend, t.pieces[-1] if isinstance(t, RowPieces) else t)
 
-    def indexer_query_rows(self) -> int:
+    def _indexer_query_rows(self) -> int:
         """Rows per chunk of the indexer queries: their projection and fp32 RoPE temporaries (~16 bytes per
         channel) within the workspace."""
         cfg = self.config
         return max(64, cfg.workspace_bytes // (16 * cfg.index_n_heads * cfg.index_head_dim))
 
-    def wants_indexer_loss(self) -> bool:
+    def _wants_indexer_loss(self) -> bool:
         return (
             self.config.layer_type == "csa"
             and self.config.compute_indexer_loss
             and torch.is_grad_enabled()
         )
 
-    def heads(
+    def _heads(
         self,
         qr: Tensor,
         cos: Tensor,
@@ -283,19 +282,19 @@ class HybridAttention(nn.Module):
         """
         cfg = self.config
         self.last_indexer_loss = None
-        want_loss = loss is not None and ckv is not None and self.wants_indexer_loss()
+        want_loss = loss is not None and ckv is not None and self._wants_indexer_loss()
         loss_scale = ops.loss_scale()
         if not cfg.recompute_projections or ops.unblocked(cfg.layer_type, cfg.indexer_loss_type, want_loss):
-            q = self.query_heads(qr, cos, sin, ops)
-            o, lse = self.attend(q, kv, ckv, window_ids, compressed_ids, ops)
+            q = self._query_heads(qr, cos, sin, ops)
+            o, lse = self._attend(q, kv, ckv, window_ids, compressed_ids, ops)
             if want_loss:
-                o = self.with_indexer_loss(o, loss, q, ckv, lse, compressed_ids, loss_scale, ops)
-            return self.output(o, cos, sin, ops)
+                o = self._with_indexer_loss(o, loss, q, ckv, lse, compressed_ids, loss_scale, ops)
+            return self._output(o, cos, sin, ops)
 
-        keys, ids_fn = self.key_ids(kv, ckv, window_ids, compressed_ids)
-        backend = self.backend_for(qr)
+        keys, ids_fn = self._key_ids(kv, ckv, window_ids, compressed_ids)
+        backend = self._backend_for(qr)
         geo = CoreGeometry(heads=cfg.num_heads, groups=cfg.o_groups, eps=cfg.rms_norm_eps, scale=cfg.scale,
-                           block_rows=self.core_block_rows(window_ids, compressed_ids), backend=backend,
+                           block_rows=self._core_block_rows(window_ids, compressed_ids), backend=backend,
                            ref_chunk_rows=cfg.attn_chunk_rows, sparse_attn=cfg.sparse_attn_kernel)
         on_block = teacher = None
         if want_loss:
@@ -312,7 +311,7 @@ class HybridAttention(nn.Module):
         out = attention_core(qr, cos, sin, keys, self.sinks, *weights, ids_fn, geo, on_block)
         if teacher is not None:
             # the backward recomputes the indexer queries block by block instead of keeping q_idx [T, HI, cI]
-            queries = self.compressor.indexer.student_queries(qr.detach(), cos, sin, self.indexer_query_rows(),
+            queries = self.compressor.indexer.student_queries(qr.detach(), cos, sin, self._indexer_query_rows(),
                                                               fused=backend == "triton")
             kl = indexer_kl_from_teacher(queries, loss.w, loss.k_idx, teacher, row_weight, compressed_ids,
                                          workspace_bytes=cfg.workspace_bytes, backend=backend,
@@ -321,7 +320,7 @@ class HybridAttention(nn.Module):
             out = attach_indexer_loss(out, kl * cfg.indexer_loss_coeff, loss_scale)
         return out
 
-    def key_ids(
+    def _key_ids(
         self, kv: Tensor, ckv: Tensor | None, window_ids: Tensor, compressed_ids: Tensor | CompressedRange | None
     ) -> tuple[Tensor, BlockIds]:
         """The key rows ``[kv; ckv]`` and ``ids_fn(lo, hi)`` giving rows ``lo..hi``'s ids into them."""
@@ -334,13 +333,13 @@ class HybridAttention(nn.Module):
         start, end, width = compressed_ids
         return keys, BlockIds(partial(_range_block, raw_rows=n, width=width), (window_ids, start, end))
 
-    def core_block_rows(self, window_ids: Tensor, compressed_ids: Tensor | CompressedRange | None) -> int:
+    def _core_block_rows(self, window_ids: Tensor, compressed_ids: Tensor | CompressedRange | None) -> int:
         """Rows per block of the fused core: its per-head temporaries (``q``, ``o``, ``do``, ``dq``, the
         projection outputs around them and, on the reference backend, fp32 RMSNorm / RoPE temporaries: about
         16 bytes per head channel with the Triton kernels, 24 without) and the block's int64 ids within the
         workspace."""
         cfg = self.config
-        per_channel = 16 if self.backend_for(window_ids) == "triton" else 24
+        per_channel = 16 if self._backend_for(window_ids) == "triton" else 24
         width = window_ids.shape[1]
         if isinstance(compressed_ids, CompressedRange):
             width += compressed_ids.width
@@ -350,7 +349,7 @@ class HybridAttention(nn.Module):
         rows = max(16, cfg.workspace_bytes // per_row)
         return rows if rows < 256 else rows // 128 * 128  # whole waves of row programs on the GPU
 
-    def effective_topk(self, max_visible: int) -> int:
+    def _effective_topk(self, max_visible: int) -> int:
         """Width of the top-k lists: ``index_topk`` capped by the most entries any row can see (HF's
         ``min(index_topk, compressed_len)``). Columns past that are -1 on every row, so dropping them changes
         no result, while keeping them would make every per-row tensor (ids, gathered keys, teacher masses)
@@ -358,7 +357,7 @@ class HybridAttention(nn.Module):
         or its static bound on the capture-safe path. At least 1 (the top-k needs a column)."""
         return max(1, min(self.config.index_topk, int(max_visible)))
 
-    def select(self, x: Tensor, qr: Tensor, cos: Tensor, sin: Tensor, index_keys: Tensor,
+    def _select(self, x: Tensor, qr: Tensor, cos: Tensor, sin: Tensor, index_keys: Tensor,
                plan: LayerPlan) -> tuple[Tensor, IndexerLossInputs]:
         """Lightning-indexer top-k for the local rows of ``x`` / ``qr`` (CSA) over ``index_keys [Nc, cI]``.
 
@@ -370,16 +369,16 @@ class HybridAttention(nn.Module):
         """
         cfg, entries = self.config, plan.entries
         indexer: Indexer = self.compressor.indexer
-        q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=self.indexer_query_rows(),
-                                fused=self.backend_for(qr) == "triton")
+        q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=self._indexer_query_rows(),
+                                fused=self._backend_for(qr) == "triton")
         w = indexer.scorer(x.detach())
         selected = plan.ops.indexer_topk(q_idx, w, index_keys, entries.vis_start, entries.vis_end,
-                                         self.effective_topk(entries.max_visible), entries.max_visible,
-                                         cfg.workspace_bytes, self.backend_for(q_idx), cfg.indexer_kernel)
+                                         self._effective_topk(entries.max_visible), entries.max_visible,
+                                         cfg.workspace_bytes, self._backend_for(q_idx), cfg.indexer_kernel)
         return selected, IndexerLossInputs(q_idx, w, index_keys, plan.real, plan.num_real, entries.vis_start,
                                            entries.vis_end, entries.max_visible)
 
-    def with_indexer_loss(self, o: Tensor, loss: IndexerLossInputs, q: Tensor, ckv: Tensor, lse: Tensor,
+    def _with_indexer_loss(self, o: Tensor, loss: IndexerLossInputs, q: Tensor, ckv: Tensor, lse: Tensor,
                           selected: Tensor, loss_scale: float | None = None, ops: OpSet = EAGER) -> Tensor:
         """Attach ``coeff * sum_t KL_t / num_real`` over the real rows to ``o`` (its gradient flows in ``o``'s
         backward) and log the KL in ``last_indexer_loss``.
@@ -389,12 +388,12 @@ class HybridAttention(nn.Module):
         """
         cfg = self.config
         kl = ops.indexer_kl_loss(loss, q, ckv, lse, cfg.scale, selected if cfg.indexer_loss_type == "sparse" else None,
-                                 cfg.workspace_bytes, self.backend_for(loss.q_idx), cfg.indexer_loss_kernel)
+                                 cfg.workspace_bytes, self._backend_for(loss.q_idx), cfg.indexer_loss_kernel)
         self.last_indexer_loss = kl.detach()
         return attach_indexer_loss(o, kl * cfg.indexer_loss_coeff, loss_scale)
 
     # ------------------------------------------------------------------ input handling
-    def _empty_forward(self, hidden_states: Tensor, packed: Any, cp: Any) -> Tensor:
+    def _empty_forward(self, hidden_states: Tensor, packed: Packed | None, cp: Planner | None) -> Tensor:
         """No rows in, no rows out (an empty pack, e.g. a data loader's last batch): every position-dependent
         step would divide by or index into zero documents, so nothing is computed. The output is still a
         function of ``hidden_states`` so that a backward through it runs (and gives empty gradients)."""
@@ -435,7 +434,8 @@ class HybridAttention(nn.Module):
                 f"(hidden_states.to({weight})) or the layer (layer.to({hidden_states.dtype}))"
             )
 
-    def _flatten(self, hidden_states: Tensor, packed: Any, cp: Any) -> tuple[Tensor, Any, tuple | None]:
+    def _flatten(self, hidden_states: Tensor, packed: Packed | None,
+                 cp: Planner | None) -> tuple[Tensor, Packed, tuple | None]:
         """``[T, D]`` rows, their packed metadata (a planner coerces it) and the ``(B, S)`` to restore, if any."""
         self._check_input(hidden_states)
         if hidden_states.dim() == 2:

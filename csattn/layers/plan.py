@@ -5,14 +5,15 @@ A plan says which rows are local (their positions and real flags), which *ext* r
 compressors read (the local rows, or each segment's left halo followed by its rows), the window ids into the
 ext rows, which compressed entries this rank pools and every local row's visible range of global entry ids,
 the exchange steps between the phases (the identity on one process) and the op set (eager ops, or their
-``torch.library`` custom ops on the capture-safe path). A planner builds it: :data:`LOCAL` here, or a
-``csattn.ContextParallel`` (``csattn/cp``), both with ``plan(x, packed, config)``.
+``torch.library`` custom ops on the capture-safe path). A :class:`Planner` builds it: :data:`LOCAL` here, or a
+``csattn.ContextParallel`` (``csattn/cp``), both with ``plan(x, packed, config)``; ``packed`` is any
+:data:`Packed`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -25,7 +26,19 @@ from .modules import RowPieces
 from .op_sets import CAPTURE_SAFE, EAGER, OpSet
 
 __all__ = ["CompressedRange", "IndexerLossInputs", "Entries", "Exchange", "IDENTITY", "LayerPlan", "LocalPlanner",
-           "LOCAL", "capture_safe_pack"]
+           "LOCAL", "Packed", "PackedSeqParamsLike", "Planner", "capture_safe_pack"]
+
+
+class PackedSeqParamsLike(Protocol):
+    """Megatron's ``PackedSeqParams`` as the layer reads it (:meth:`PackedSeqs.coerce`)."""
+
+    cu_seqlens_q: Tensor | None
+    cu_seqlens_q_padded: Tensor | None
+
+
+#: The packed metadata a layer call takes (``packed=``): a :class:`PackedSeqs`, a :class:`CaptureSafePackedSeqs`
+#: (which asks for the capture-safe plan), or Megatron's ``PackedSeqParams``; None on the layer: one document.
+Packed: TypeAlias = "PackedSeqs | CaptureSafePackedSeqs | PackedSeqParamsLike"
 
 
 class CompressedRange(NamedTuple):
@@ -118,7 +131,17 @@ class LayerPlan:
     padding: bool = True
 
 
-def capture_safe_pack(packed: Any, num_rows: int) -> CaptureSafePackedSeqs:
+@runtime_checkable
+class Planner(Protocol):
+    """What builds one rank's :class:`LayerPlan` of a layer call: :data:`LOCAL` (one process) or a
+    ``csattn.ContextParallel``; the layer's ``cp=`` takes any object with this method."""
+
+    def plan(self, x: Tensor, packed: Packed, config: AttentionConfig) -> LayerPlan:
+        """This rank's plan for its rows ``x [L, D]`` of the stream ``packed`` describes."""
+        ...
+
+
+def capture_safe_pack(packed: Packed, num_rows: int) -> CaptureSafePackedSeqs:
     """``packed`` as :class:`CaptureSafePackedSeqs` of a ``num_rows``-row stream (a static pack is kept as is)."""
     if isinstance(packed, CaptureSafePackedSeqs):
         return packed
@@ -128,7 +151,7 @@ def capture_safe_pack(packed: Any, num_rows: int) -> CaptureSafePackedSeqs:
 class LocalPlanner:
     """Plans of one process: the whole stream is local, the exchange is the identity."""
 
-    def plan(self, x: Tensor, packed: Any, config: AttentionConfig) -> LayerPlan:
+    def plan(self, x: Tensor, packed: Packed, config: AttentionConfig) -> LayerPlan:
         """Args:
             x: ``[T, D]`` the packed stream.
             packed: its metadata (``PackedSeqs``, or a :class:`CaptureSafePackedSeqs` for the capture-safe plan).

@@ -13,9 +13,9 @@ def brute_force_loss(layer, x, lengths, dense: bool):
     packed = PackedSeqs.from_lengths(lengths)
     rows = packed.rows()
     meta = packed.compress(cfg.compress_ratio)
-    cos, sin = layer.rope_tables(rows.pos, x.dtype)
-    q, qr = layer.queries(x, cos, sin)
-    kv = layer.raw_kv(x, cos, sin)
+    cos, sin = layer._rope_tables(rows.pos, x.dtype)
+    q, qr = layer._queries(x, cos, sin)
+    kv = layer._raw_kv(x, cos, sin)
     ckv = layer.compressor.compress(x, meta, layer.inv_freq)
     idx = layer.compressor.indexer
     k_idx = idx.compress(x, meta, layer.inv_freq)  # not detached here: we differentiate the loss by hand
