@@ -126,7 +126,8 @@ class _MetadataUnpickler(pickle.Unpickler):
                 "torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint._extension",
                 "torch.distributed.checkpoint.storage")
     # _get_layout maps a layout's name (e.g. "torch.strided") to the layout object, nothing else
-    _NAMES = {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("builtins", "slice"),
+    _NAMES = {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout"),
+              ("collections", "OrderedDict"), ("builtins", "slice"),
               ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "tuple"), ("builtins", "list"),
               ("builtins", "dict"),
               ("enum", "Enum"), ("pathlib", "PosixPath"), ("pathlib", "Path")}

@@ -19,7 +19,7 @@ from csattn.train.loop import TrainConfig, tiny_model_config, train
 from tests.cp_pool import RankPool
 from tests.parallel.tasks import BASE, error_task
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
 RUN = {**BASE, "steps": 4}
 
