@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfig
+from ..report.flops import PEAK_FLOPS
 from .mesh import ParallelDims
 
 __all__ = ["H200_BYTES", "HEADROOM", "KEPT_KIB", "MFU_BY_ROWS", "ParamCounts", "Plan", "count_params", "plan",
@@ -33,7 +34,6 @@ __all__ = ["H200_BYTES", "HEADROOM", "KEPT_KIB", "MFU_BY_ROWS", "ParamCounts", "
 GiB = 2**30
 H200_BYTES = 141e9  # the H200's memory (141 GB)
 HEADROOM = 0.05  # left to the caching allocator (fragmentation, reserved-but-free blocks)
-PEAK_FLOPS = 790e12  # the H200's measured dense bf16 rate (csattn.report.flops.PEAK_FLOPS)
 NVLINK_BPS = 900e9  # bytes/s per GPU within a node
 IB_BPS = 50e9  # bytes/s per GPU across nodes (400 Gb/s)
 GPUS_PER_NODE = 8

@@ -38,7 +38,7 @@ from ..parallel import (
     save_sharded,
 )
 from ..parallel import parallelize as parallelize_model
-from ..report.flops import model_flops
+from ..report.flops import model_flops, peak_flops
 from .checkpointing import (
     checkpoint_dir,
     compare_resume_config,
@@ -49,7 +49,7 @@ from .checkpointing import (
     write_trainer_state,
 )
 from .data import build_corpus, load_tokenizer
-from .metrics import BOARD_TAGS, loss_history, metrics_file, peak_flops, plot_losses, summary_writer
+from .metrics import BOARD_TAGS, loss_history, metrics_file, plot_losses, summary_writer
 from .packer import DocumentPacker, PackedBatch, concat_batches
 from .step import train_step
 
@@ -357,7 +357,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
-    peak = peak_flops(cfg, device)
+    peak = peak_flops(device, cfg.peak_tflops)
     log = metrics_file(cfg, rank)
     board = summary_writer(cfg, rank, start)
     tokens, t0 = 0, time.perf_counter()

@@ -8,9 +8,7 @@ import os
 import warnings
 from typing import Any
 
-import torch
-
-__all__ = ["metrics_file", "summary_writer", "loss_history", "plot_losses", "peak_flops", "BOARD_TAGS"]
+__all__ = ["metrics_file", "summary_writer", "loss_history", "plot_losses", "BOARD_TAGS"]
 
 
 def metrics_file(cfg: Any, rank: int) -> Any:
@@ -92,13 +90,3 @@ def plot_losses(cfg: Any, start: int, losses: list[float], lm: list[float], idx:
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "loss.png"), dpi=100)
     plt.close(fig)
-
-
-def peak_flops(cfg: Any, device: torch.device) -> float:
-    """FLOP/s of one GPU for the MFU figure: ``--peak-tflops``, else the measured dense bf16 matmul rate of a
-    known GPU (H100 / H200: 790 TFLOP/s), else 0 (no MFU shown)."""
-    if cfg.peak_tflops:
-        return cfg.peak_tflops * 1e12
-    if device.type == "cuda" and any(name in torch.cuda.get_device_name(device) for name in ("H100", "H200")):
-        return 790e12
-    return 0.0

@@ -41,17 +41,15 @@ def clip_grad_norm(model: nn.Module, max_norm: float, meshes: Meshes) -> Tensor:
     ``max_norm > 0`` the gradients are scaled to it (the same coefficient on every rank)."""
     from torch.distributed.tensor import DTensor
 
-    groups: dict[bool, list[Tensor]] = {False: [], True: []}
-    params: dict[bool, list[Tensor]] = {False: [], True: []}
+    params: dict[bool, list[Tensor]] = {False: [], True: []}  # DTensors of one mesh per call
     for name, p in model.named_parameters():
         if p.grad is not None:
-            groups[_is_expert(name)].append(p.grad)
             params[_is_expert(name)].append(p)
     squares = []
-    for expert, grads in groups.items():
-        if not grads:
+    for expert, group in params.items():
+        if not group:
             continue
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         sq = norm.double() ** 2
@@ -82,9 +80,10 @@ def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: Any, meshes
     packed, ids, labels = _to_device(batch, device)
     # label counts and real rows of the whole global batch: the loss denominators (CP ranks of a replica hold the
     # same batch, so their sum counts it cp times)
-    local = torch.cat([(batch.labels != -100).sum(dim=1), torch.tensor([batch.num_tokens])]).double()
+    # on the device (NCCL reduces device tensors only); the scale stays a tensor, read by the backward, no host sync
+    local = torch.cat([(labels != -100).sum(dim=1), labels.new_tensor([batch.num_tokens])]).double()
     totals = all_sum(local.clone(), meshes) / meshes.dims.cp
-    counts, share = totals[:-1].float(), float(local[-1] / totals[-1].clamp_min(1))
+    counts, share = totals[:-1].float(), local[-1] / totals[-1].clamp_min(1)
     IndexerLossAutoScaler.set_loss_scale(share)
     if cp is not None:
         ids = cp.shard(ids, packed)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from csattn.ops.moe import clamped_swiglu, expert_load, moe_experts
+from csattn.ops.moe import clamped_swiglu, expert_load, moe_experts, route_plan
 
 from .expert_parallel import ExpertParallel, all_to_all_rows, exchange_counts
 
@@ -207,12 +207,13 @@ class MoE(nn.Module):
         """The routed experts over the expert-parallel group: dispatch, local grouped GEMMs, combine."""
         ep = self.ep
         t, k = experts.shape
-        flat = experts.reshape(-1)
-        order = torch.sort(flat, stable=True).indices  # assignments by expert, so by destination rank
-        per_source, send, recv = exchange_counts(expert_load(experts, ep.num_experts), ep)
+        plan = route_plan(experts, ep.num_experts)  # assignments by expert, so by destination rank
+        order, inv = plan.order, plan.inv
+        counts = torch.diff(plan.offs.long(), prepend=plan.offs.new_zeros(1, dtype=torch.long))
+        per_source, send, recv = exchange_counts(counts, ep)
         # rows and their routing weights in one exchange, so every rank's backward runs the same collectives in
         # the same order whatever its autograd graph looks like
-        packet = torch.cat([x.index_select(0, order // k), weights.reshape(-1, 1).index_select(0, order).to(x.dtype)],
+        packet = torch.cat([x.index_select(0, plan.token), weights.reshape(-1, 1).index_select(0, order).to(x.dtype)],
                            dim=1)
         got = all_to_all_rows(packet, send, recv, ep.group)
         rows, w = got[:, :-1], got[:, -1:]
@@ -224,6 +225,5 @@ class MoE(nn.Module):
         if sum(recv) == 0:  # no rows here: the backward must still reach the exchange and the experts (zeros)
             y = y + 0 * (got.sum() + self.experts.gate_up_proj.sum() + self.experts.down_proj.sum()).to(y.dtype)
         back = all_to_all_rows(y, recv, send, ep.group)  # [T * k, D] in expert order
-        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         compute = torch.promote_types(x.dtype, torch.float32)
         return back.index_select(0, inv).view(t, k, -1).sum(1, dtype=compute).to(x.dtype)
