@@ -37,9 +37,7 @@ def reference():
 
 @pytest.mark.parametrize("config", [
     dict(recompute="mhc"), dict(recompute="moe"), dict(recompute="block"), dict(recompute="full"),
-    pytest.param(dict(recompute="block", offload_block_inputs=True), marks=pytest.mark.xfail(
-        strict=True, reason="_HostCheckpoint (model.py) recomputes its block in the backward without the "
-        "forward's autocast state")),
+    dict(recompute="block", offload_block_inputs=True),
 ], ids=["mhc", "moe", "block", "full", "block_offload"])
 def test_every_recompute_choice_equals_none_under_autocast(reference, config):
     ref_out, ref = reference

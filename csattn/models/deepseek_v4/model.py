@@ -16,6 +16,7 @@ Data flow of one step::
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -444,6 +445,9 @@ class _HostCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, x, *args):
         ctx.run, ctx.args, ctx.device = run, args, x.device
+        # the backward runs outside the forward's autocast region: keep its state (the CPU's and the device's) so
+        # the recomputation casts exactly as the forward did (else its activations, and the gradients, differ)
+        ctx.autocast = _autocast_state(x.device.type)
         host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
         host.copy_(x, non_blocking=x.is_cuda)  # stream-ordered: x's memory is reused only after the copy
         ctx.host = host
@@ -455,10 +459,19 @@ class _HostCheckpoint(torch.autograd.Function):
     def backward(ctx, dout):
         x = ctx.host.to(ctx.device, non_blocking=True).requires_grad_()
         ctx.host = None
-        with torch.enable_grad():
+        with torch.enable_grad(), ExitStack() as stack:
+            for device_type, kwargs in ctx.autocast.items():
+                stack.enter_context(torch.autocast(device_type, **kwargs))
             out = ctx.run(x, *ctx.args)
         torch.autograd.backward(out, dout)
         return (None, x.grad, *([None] * len(ctx.args)))
+
+
+def _autocast_state(device_type: str) -> dict[str, dict[str, Any]]:
+    """The autocast settings in force for the CPU and ``device_type``, as ``torch.autocast`` keyword arguments."""
+    return {d: dict(enabled=torch.is_autocast_enabled(d), dtype=torch.get_autocast_dtype(d),
+                    cache_enabled=torch.is_autocast_cache_enabled())
+            for d in dict.fromkeys(("cpu", device_type))}
 
 
 def _block_step(layer: DecoderLayer, expand: int, head: nn.Module | None, x: Tensor, *args: Any) -> Tensor:
