@@ -31,14 +31,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_save_on_4_ranks_resume_on_2_and_on_1(tmp_path):
     """Saved at step 2 by dp_shard 2 x cp 2, resumed by dp_shard 2 x ep 2 (2 ranks) and by one process: steps 3
-    and 4 and the final weights equal the uninterrupted 4-rank run (fp64; the meshes differ only in summation
-    order)."""
+    and 4 equal the uninterrupted 4-rank run to 1e-12 (fp64), and so does every final weight, except where two
+    uninterrupted runs on the two meshes already differ by more (the meshes sum gradients in different orders,
+    which Adam's normalization turns into relative weight differences of a few 1e-12 on the mHC bases): there
+    the resumed weights are no further from the 4-rank run than the other mesh's uninterrupted run is."""
     out = str(tmp_path / "run")
     full = run_spawned(4, TrainConfig(**RUN, dp_shard=2, cp=2, output=out, save_every=2))
     ckpt = os.path.join(out, "checkpoint-000002")
     assert os.path.isdir(os.path.join(ckpt, "dcp"))
     two = run_spawned(2, TrainConfig(**RUN, dp_shard=2, ep=2, resume=ckpt))
+    two_straight = run_spawned(2, TrainConfig(**RUN, dp_shard=2, ep=2))
     one = train(TrainConfig(**RUN, resume=ckpt))
+    one_straight = train(TrainConfig(**RUN)).model.state_dict()
     one_state = one.model.state_dict()
     for got in (two["losses"], one.losses):
         assert len(got) == 2
@@ -46,8 +50,8 @@ def test_save_on_4_ranks_resume_on_2_and_on_1(tmp_path):
             assert abs(a - b) <= 1e-12 * abs(b)
     for k, v in full["state"].items():
         if v.is_floating_point():
-            assert _rel(two["state"][k], v) <= 1e-10, k
-            assert _rel(one_state[k], v) <= 1e-10, k
+            assert _rel(two["state"][k], v) <= max(1e-12, _rel(two_straight["state"][k], v)), k
+            assert _rel(one_state[k], v) <= max(1e-12, _rel(one_straight[k], v)), k
         else:
             assert torch.equal(two["state"][k], v) and torch.equal(one_state[k], v), k
 
