@@ -13,14 +13,35 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import fields
+from typing import Any
 
 from ..models.deepseek_v4.config import RECOMPUTE_CHOICES
-from .loop import TrainConfig, train
+from .errors import TrainingStopped, UserError
+from .loop import RULES, TrainConfig, train
 
 __all__ = ["add_train_args", "config_from_args", "run_train"]
 
 _D = TrainConfig()
+
+
+def _checked(kind: type, name: str) -> Any:
+    """An argparse type: ``kind(text)`` within ``TrainConfig``'s rule for option ``name`` (``loop.RULES``, which
+    ``TrainConfig.validate`` checks too), so a bad value fails at parse time naming the flag and the valid range."""
+    ok, what = RULES[name]
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +53,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "default: a tiny random model (4 layers W/CSA/HCA/CSA, hash + learned MoE, 1 MTP block)")
     m.add_argument("--config-json", metavar="FILE", default=None,
                    help="build a random model from this HF config.json instead of the tiny default")
-    m.add_argument("--mtp-layers", type=int, default=None,
+    m.add_argument("--mtp-layers", type=_checked(int, "mtp_layers"), default=None,
                    help="number of MTP blocks (default: the config's num_nextn_predict_layers; the tiny model has 1)")
     m.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=_D.dtype,
                    help="parameter dtype; mHC, sinks, biases and norms stay at least fp32 (default %(default)s)")
@@ -66,60 +87,68 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "--data jsonl / parquet: BOS + tokens + EOS per document (those the tokenizer defines); "
                         "a model built from scratch gets the tokenizer's vocabulary size (--vocab-size is then "
                         "unused); default: byte-level tokens (vocabulary 256)")
-    d.add_argument("--vocab-size", type=int, default=_D.vocab_size,
+    d.add_argument("--vocab-size", type=_checked(int, "vocab_size"), default=_D.vocab_size,
                    help="vocabulary of the tiny model and the synthetic data; with --tokenizer the tokenizer's size "
                         "is used (default %(default)s)")
-    d.add_argument("--doc-min-len", type=int, default=_D.doc_min_len,
+    d.add_argument("--doc-min-len", type=_checked(int, "doc_min_len"), default=_D.doc_min_len,
                    help="shortest synthetic document (default %(default)s)")
-    d.add_argument("--doc-max-len", type=int, default=_D.doc_max_len,
+    d.add_argument("--doc-max-len", type=_checked(int, "doc_max_len"), default=_D.doc_max_len,
                    help="longest synthetic document (default %(default)s)")
-    d.add_argument("--seq-len", type=int, default=_D.seq_len,
+    d.add_argument("--seq-len", type=_checked(int, "seq_len"), default=_D.seq_len,
                    help="rows of one packed batch per data-parallel replica; divisible by --cp (default %(default)s)")
-    d.add_argument("--pad-multiple", type=int, default=_D.pad_multiple,
+    d.add_argument("--pad-multiple", type=_checked(int, "pad_multiple"), default=_D.pad_multiple,
                    help="pad every document to a multiple of this many rows (cu_seqlens_padded) (default %(default)s)")
     d.add_argument("--no-split", action="store_true",
                    help="do not cut documents at batch ends: close the batch with padding instead")
     o = parser.add_argument_group("optimization")
-    o.add_argument("--steps", type=int, default=_D.steps, help="total optimizer steps (default %(default)s)")
-    o.add_argument("--lr", type=float, default=_D.lr, help="peak AdamW learning rate (default %(default)s)")
-    o.add_argument("--min-lr", type=float, default=_D.min_lr,
+    o.add_argument("--steps", type=_checked(int, "steps"), default=_D.steps,
+                   help="total optimizer steps (default %(default)s)")
+    o.add_argument("--lr", type=_checked(float, "lr"), default=_D.lr,
+                   help="peak AdamW learning rate (default %(default)s)")
+    o.add_argument("--min-lr", type=_checked(float, "min_lr"), default=_D.min_lr,
                    help="learning rate at the end of the cosine decay (default %(default)s)")
-    o.add_argument("--warmup-steps", type=int, default=_D.warmup_steps,
+    o.add_argument("--warmup-steps", type=_checked(int, "warmup_steps"), default=_D.warmup_steps,
                    help="linear warmup steps (default %(default)s)")
-    o.add_argument("--weight-decay", type=float, default=_D.weight_decay,
+    o.add_argument("--weight-decay", type=_checked(float, "weight_decay"), default=_D.weight_decay,
                    help="AdamW weight decay of matrices (not of norms, biases, mHC) (default %(default)s)")
-    o.add_argument("--beta1", type=float, default=_D.beta1, help="AdamW beta1 (default %(default)s)")
-    o.add_argument("--beta2", type=float, default=_D.beta2, help="AdamW beta2 (default %(default)s)")
-    o.add_argument("--adam-eps", type=float, default=_D.adam_eps, help="AdamW epsilon (default %(default)s)")
-    o.add_argument("--grad-clip", type=float, default=_D.grad_clip,
-                   help="clip the global gradient norm to this (0 = off) (default %(default)s)")
-    o.add_argument("--indexer-loss-coeff", type=float, default=_D.indexer_loss_coeff,
+    o.add_argument("--beta1", type=_checked(float, "beta1"), default=_D.beta1, help="AdamW beta1 (default %(default)s)")
+    o.add_argument("--beta2", type=_checked(float, "beta2"), default=_D.beta2, help="AdamW beta2 (default %(default)s)")
+    o.add_argument("--adam-eps", type=_checked(float, "adam_eps"), default=_D.adam_eps,
+                   help="AdamW epsilon (default %(default)s)")
+    o.add_argument("--grad-clip", type=_checked(float, "grad_clip"), default=_D.grad_clip,
+                   help="clip the global gradient norm to this (0 = no clipping) (default %(default)s)")
+    o.add_argument("--indexer-loss-coeff", type=_checked(float, "indexer_loss_coeff"), default=_D.indexer_loss_coeff,
                    help="weight of the CSA indexer KL loss (trains the lightning indexer) (default %(default)s)")
-    o.add_argument("--mtp-loss-coeff", type=float, default=_D.mtp_loss_coeff,
+    o.add_argument("--mtp-loss-coeff", type=_checked(float, "mtp_loss_coeff"), default=_D.mtp_loss_coeff,
                    help="weight of the mean MTP loss (default %(default)s)")
-    o.add_argument("--router-bias-rate", type=float, default=_D.router_bias_rate,
+    o.add_argument("--max-bad-steps", type=_checked(int, "max_bad_steps"), default=_D.max_bad_steps, metavar="N",
+                   help="a step whose loss or gradient norm is NaN / inf is skipped (weights and optimizer state "
+                        "unchanged, a warning line; the LR schedule still advances); after N such steps in a row the "
+                        "run stops with an error: resume from the last checkpoint with a lower --lr, more "
+                        "--warmup-steps or a --grad-clip (default %(default)s)")
+    o.add_argument("--router-bias-rate", type=_checked(float, "router_bias_rate"), default=_D.router_bias_rate,
                    help="step of the load-balancing router bias update per optimizer step (default %(default)s)")
     p = parser.add_argument_group("parallelism and runtime")
-    p.add_argument("--dp-replicate", type=int, default=_D.dp_replicate,
+    p.add_argument("--dp-replicate", type=_checked(int, "dp_replicate"), default=_D.dp_replicate,
                    help="data-parallel replicas that each hold the whole (sharded) model: HSDP across nodes "
                         "(default %(default)s)")
     p.add_argument("--dp-shard", type=int, default=_D.dp_shard,
                    help="data-parallel ranks FSDP2 shards the parameters, gradients and optimizer state over; -1 = "
                         "the world size / (dp-replicate x cp) (default %(default)s)")
-    p.add_argument("--cp", type=int, default=_D.cp,
+    p.add_argument("--cp", type=_checked(int, "cp"), default=_D.cp,
                    help="context-parallel size: the ranks that split each packed sequence's rows (default "
                         "%(default)s); world = dp-replicate x dp-shard x cp")
-    p.add_argument("--ep", type=int, default=_D.ep,
+    p.add_argument("--ep", type=_checked(int, "ep"), default=_D.ep,
                    help="expert-parallel size: the routed experts are split over groups of this many ranks taken "
                         "from dp-shard x cp (it divides that product and the expert count); tokens are exchanged "
                         "with all-to-all (default %(default)s)")
     p.add_argument("--dist-backend", choices=["auto", "nccl", "gloo"], default=_D.dist_backend,
                    help="process-group backend under torchrun: auto = NCCL on GPUs, gloo on CPU; gloo also runs "
                         "several ranks on one GPU (default %(default)s)")
-    p.add_argument("--dist-timeout", type=float, default=_D.dist_timeout, metavar="SECONDS",
+    p.add_argument("--dist-timeout", type=_checked(float, "dist_timeout"), default=_D.dist_timeout, metavar="SECONDS",
                    help="how long a collective waits for the other ranks: a rank that died makes the others fail "
                         "after at most this long instead of hanging (default %(default)s)")
-    p.add_argument("--batch-seqs", type=int, default=_D.batch_seqs,
+    p.add_argument("--batch-seqs", type=_checked(int, "batch_seqs"), default=_D.batch_seqs,
                    help="packed sequences of --seq-len rows per optimizer step, split over the data replicas "
                         "(default: one per replica); a checkpoint keeps it, so a run resumes on any mesh whose "
                         "replicas divide it")
@@ -131,18 +160,26 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("checkpoints and logging")
     c.add_argument("--output", metavar="DIR", default=None,
                    help="directory for checkpoints: the final step is always saved there (DIR/checkpoint-<step>)")
-    c.add_argument("--save-every", type=int, default=_D.save_every,
-                   help="also write a checkpoint every N steps (needs --output; 0 = only the final one) "
-                        "(default %(default)s)")
-    c.add_argument("--keep-last", type=int, default=_D.keep_last, metavar="N",
-                   help="keep only the newest N checkpoints under --output (default: all)")
+    c.add_argument("--save-every", type=_checked(int, "save_every"), default=_D.save_every,
+                   help="also write a checkpoint every N steps (needs --output; 0 = no step interval: the final "
+                        "checkpoint and the time-based ones of --save-every-minutes) (default %(default)s)")
+    c.add_argument("--save-every-minutes", type=_checked(float, "save_every_minutes"), default=_D.save_every_minutes,
+                   metavar="M",
+                   help="also write a checkpoint once M minutes have passed since the start or the last one (needs "
+                        "--output; 0 = none); default: 30 with --output and no --save-every, so a killed run loses "
+                        "at most about 30 minutes, else none")
+    c.add_argument("--keep-last", type=_checked(int, "keep_last"), default=_D.keep_last, metavar="N",
+                   help="keep only the newest N checkpoints under --output (N >= 1; older ones are removed only "
+                        "once a new one is complete, and the newest is never removed) (default: all)")
     c.add_argument("--resume", metavar="DIR|auto", default=None,
-                   help="resume exactly from a checkpoint directory, or 'auto' = the latest under --output; "
-                        "refuses other data options than the checkpoint's, warns on other LR-schedule options")
+                   help="resume exactly from a checkpoint directory, or 'auto' = the latest under --output (none "
+                        "there: starts from step 0 and says so); refuses other data options than the checkpoint's, "
+                        "warns on other LR-schedule options; the metrics file's lines after the resumed step are "
+                        "dropped (TensorBoard's too)")
     c.add_argument("--trust-checkpoint", action="store_true",
                    help="also resume from checkpoints of older csattn versions, whose trainer_state.pt is a "
                         "pickle that can run arbitrary code when loaded: only for checkpoints you trust")
-    c.add_argument("--log-every", type=int, default=_D.log_every,
+    c.add_argument("--log-every", type=_checked(int, "log_every"), default=_D.log_every,
                    help="print a log line every N steps (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.add_argument("--metrics", default=None, metavar="FILE",
@@ -156,7 +193,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--export-hf", choices=["final", "every", "never"], default=_D.export_hf,
                    help="write the HF-format model (config.json + safetensors, gathered unit by unit to rank 0) into "
                         "the final checkpoint, every checkpoint, or none (default %(default)s)")
-    c.add_argument("--peak-tflops", type=float, default=_D.peak_tflops,
+    c.add_argument("--peak-tflops", type=_checked(float, "peak_tflops"), default=_D.peak_tflops,
                    help="the GPU's dense matmul TFLOP/s, for the MFU shown with tokens/s (default: 790 on H100 / "
                         "H200, the measured bf16 rate; none elsewhere)")
 
@@ -168,12 +205,21 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    result = train(config_from_args(args))
+    """Train; a user mistake (:class:`UserError`: exit 2) or a run that stopped itself (:class:`TrainingStopped`:
+    exit 1) ends in one line on stderr, without a traceback; any other exception is a bug and keeps its own."""
     import torch.distributed as dist
 
+    try:
+        result = train(config_from_args(args))
+    except (UserError, TrainingStopped) as e:
+        where = f" (rank {dist.get_rank()})" if dist.is_initialized() else ""
+        print(f"csattn train: {'error' if isinstance(e, UserError) else 'stopped'}{where}: {e}", file=sys.stderr,
+              flush=True)
+        return 2 if isinstance(e, UserError) else 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     if (not dist.is_initialized() or dist.get_rank() == 0) and result.losses:
         print(f"steps {result.start_step + 1}..{result.start_step + len(result.losses)}: loss "
               f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}, {result.tokens_per_second:.0f} tokens/s")
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return 0

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from .errors import UserError
+
 __all__ = ["Corpus", "SyntheticCorpus", "TextCorpus", "JsonlCorpus", "ParquetCorpus", "TokenEncoder",
            "load_tokenizer", "python_source_corpus", "build_corpus"]
 
@@ -125,7 +127,7 @@ def load_tokenizer(path: str) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
-        raise ImportError("--tokenizer needs the transformers package: pip install 'csattn[data]'") from e
+        raise UserError("--tokenizer needs the transformers package: pip install 'csattn[data]'") from e
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:  # no tokenizer files there, or files transformers cannot read
@@ -289,7 +291,7 @@ class ParquetCorpus(_StreamCorpus):
         try:
             import pyarrow.parquet as pq
         except ImportError as e:
-            raise ImportError("--data parquet needs the pyarrow package: pip install 'csattn[data]'") from e
+            raise UserError("--data parquet needs the pyarrow package: pip install 'csattn[data]'") from e
         self._pq = pq
         super().__init__(paths, text_field, tokenizer)
 

@@ -49,6 +49,7 @@ from .checkpointing import (
     write_trainer_state,
 )
 from .data import build_corpus, load_tokenizer
+from .errors import TrainingStopped, UserError, user_errors
 from .metrics import BOARD_TAGS, loss_history, metrics_file, plot_losses, summary_writer
 from .packer import DocumentPacker, PackedBatch, concat_batches
 from .step import train_step
@@ -75,6 +76,55 @@ def tiny_model_config(vocab_size: int = 256, **overrides: Any) -> DeepseekV4Mode
     )
     kwargs.update(overrides)
     return DeepseekV4ModelConfig(**kwargs)
+
+
+DEFAULT_SAVE_MINUTES = 30.0  # time-based checkpoints of a run with --output and no --save-every
+
+
+def _finite(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = True) -> Any:
+    def ok(v: float) -> bool:
+        return math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    return ok
+
+
+def _at_least(lo: int) -> Any:
+    return lambda v: v >= lo
+
+
+# the range of each option, checked by TrainConfig.validate and, at parse time, by the command line's types (one
+# table, so the API and `csattn train` refuse the same values): name -> (check, what a valid value is)
+RULES: dict[str, tuple[Any, str]] = {
+    "steps": (_at_least(1), "an integer >= 1"),
+    "seq_len": (_at_least(2), "an integer >= 2 (a packed sequence needs an input row and its next token)"),
+    "pad_multiple": (_at_least(1), "an integer >= 1"),
+    "doc_min_len": (_at_least(2), "an integer >= 2"),
+    "doc_max_len": (_at_least(2), "an integer >= 2"),
+    "vocab_size": (_at_least(4), "an integer >= 4"),
+    "mtp_layers": (_at_least(0), "an integer >= 0"),
+    "lr": (_finite(0, lo_open=True), "a finite number > 0 (the peak learning rate)"),
+    "min_lr": (_finite(0), "a finite number >= 0 and <= --lr"),
+    "warmup_steps": (_at_least(0), "an integer >= 0"),
+    "weight_decay": (_finite(0), "a finite number >= 0"),
+    "beta1": (_finite(0, 1), "a finite number in [0, 1)"),
+    "beta2": (_finite(0, 1), "a finite number in [0, 1)"),
+    "adam_eps": (_finite(0, lo_open=True), "a finite number > 0"),
+    "grad_clip": (_finite(0), "a finite number >= 0 (0 = no clipping)"),
+    "indexer_loss_coeff": (_finite(0), "a finite number >= 0"),
+    "mtp_loss_coeff": (_finite(0), "a finite number >= 0"),
+    "router_bias_rate": (_finite(0), "a finite number >= 0 (0 = no load balancing)"),
+    "max_bad_steps": (_at_least(1), "an integer >= 1"),
+    "dp_replicate": (_at_least(1), "an integer >= 1"),
+    "cp": (_at_least(1), "an integer >= 1"),
+    "ep": (_at_least(1), "an integer >= 1"),
+    "batch_seqs": (_at_least(0), "an integer >= 0 (0 = one per data replica)"),
+    "dist_timeout": (_finite(0, lo_open=True), "a finite number of seconds > 0"),
+    "save_every": (_at_least(0), "an integer >= 0 (0 = no step interval: the final checkpoint and the time-based "
+                   "ones of --save-every-minutes)"),
+    "save_every_minutes": (_finite(0), "a finite number >= 0 (0 = no time-based checkpoints)"),
+    "keep_last": (_at_least(1), "an integer >= 1 (leave it out to keep every checkpoint)"),
+    "log_every": (_at_least(1), "an integer >= 1"),
+    "peak_tflops": (_finite(0), "a finite number >= 0 (0 = known GPUs only)"),
+}
 
 
 @dataclass
@@ -115,6 +165,7 @@ class TrainConfig:
     indexer_loss_coeff: float = 0.01
     mtp_loss_coeff: float = 0.3
     router_bias_rate: float = 1e-3
+    max_bad_steps: int = 5  # consecutive non-finite (skipped) steps after which the run stops
     # parallelism / runtime
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: the ranks the other sizes leave
@@ -128,8 +179,9 @@ class TrainConfig:
     seed: int = 0
     # checkpoints / logging
     output: str | None = None
-    save_every: int = 0
-    keep_last: int = 0  # keep only the newest N checkpoints under output (0 = all)
+    save_every: int = 0  # also a checkpoint every N steps (0 = no step interval)
+    save_every_minutes: float | None = None  # also one when this many minutes passed; None = 30 without save_every
+    keep_last: int | None = None  # keep only the newest N checkpoints under output (None = all)
     resume: str | None = None
     trust_checkpoint: bool = False  # also load old pickled trainer_state.pt files (they can run code)
     log_every: int = 10
@@ -140,35 +192,43 @@ class TrainConfig:
     export_hf: str = "final"  # HF-format model files in checkpoints: "final", "every" or "never"
 
     def validate(self) -> None:
-        for name in ("steps", "seq_len", "pad_multiple", "cp", "log_every"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        """Raise :class:`UserError` naming the first option out of range (``RULES``) or inconsistent with another.
+        Deterministic from the options: under torch.distributed every rank raises alike, before any collective."""
+        for name, (ok, what) in RULES.items():
+            value = getattr(self, name)
+            if value is not None and not ok(value):
+                raise UserError(f"--{name.replace('_', '-')} must be {what}, got {value!r}")
+        if self.min_lr > self.lr:
+            raise UserError(f"--min-lr {self.min_lr} is above --lr {self.lr}: the cosine decay ends at --min-lr, "
+                            "so pass a --min-lr <= --lr")
+        if self.doc_min_len > self.doc_max_len:
+            raise UserError(f"--doc-min-len {self.doc_min_len} is above --doc-max-len {self.doc_max_len}")
         if self.seq_len % self.cp:
-            raise ValueError(f"seq_len ({self.seq_len}) must be divisible by cp ({self.cp})")
-        for name in ("dp_replicate", "ep"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+            raise UserError(f"--seq-len {self.seq_len} must be divisible by --cp {self.cp}: each rank of a CP group "
+                            "takes an equal share of the rows")
         if self.dp_shard != -1 and self.dp_shard < 1:
-            raise ValueError(f"--dp-shard must be >= 1 or -1 (the ranks the other sizes leave), got {self.dp_shard}")
-        if self.batch_seqs < 0:
-            raise ValueError(f"--batch-seqs must be >= 0 (0 = one per data replica), got {self.batch_seqs}")
-        if self.dist_backend not in ("auto", "nccl", "gloo"):
-            raise ValueError(f"--dist-backend must be auto, nccl or gloo, got {self.dist_backend!r}")
-        if not self.dist_timeout > 0:
-            raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
-        if self.export_hf not in ("final", "every", "never"):
-            raise ValueError(f"--export-hf must be final, every or never, got {self.export_hf!r}")
-        if self.dtype not in ("float32", "bfloat16", "float64"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float64, got {self.dtype!r}")
-        if self.save_every and not self.output:
-            raise ValueError("--save-every (save_every) needs --output DIR: the directory the checkpoints go to")
-        if self.warmup_steps < 0 or self.grad_clip < 0:
-            raise ValueError("warmup_steps and grad_clip must be >= 0")
+            raise UserError(f"--dp-shard must be >= 1 or -1 (the ranks the other sizes leave), got {self.dp_shard}")
+        for name, choices in (("dist_backend", ("auto", "nccl", "gloo")), ("export_hf", ("final", "every", "never")),
+                              ("dtype", ("float32", "bfloat16", "float64"))):
+            if getattr(self, name) not in choices:
+                raise UserError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, got "
+                                f"{getattr(self, name)!r}")
+        for name in ("save_every", "save_every_minutes", "keep_last"):
+            if getattr(self, name) and not self.output:
+                raise UserError(f"--{name.replace('_', '-')} needs --output DIR: the directory the checkpoints go to")
         if self.data_path and self.data not in ("jsonl", "parquet"):
-            raise ValueError(f"--data-path is read by --data jsonl / parquet, not --data {self.data} (text files: "
-                             "--data text --text-path)")
+            raise UserError(f"--data-path is read by --data jsonl / parquet, not --data {self.data} (text files: "
+                            "--data text --text-path)")
         if self.tokenizer and self.data not in ("jsonl", "parquet"):
-            raise ValueError(f"--tokenizer applies to --data jsonl / parquet, not --data {self.data}")
+            raise UserError(f"--tokenizer applies to --data jsonl / parquet, not --data {self.data}")
+
+    @property
+    def save_minutes(self) -> float:
+        """Minutes between time-based checkpoints (0 = none): ``save_every_minutes``, by default 30 when the run
+        saves (``output``) without a step interval (``save_every``), so a killed run loses at most that."""
+        if self.save_every_minutes is not None:
+            return self.save_every_minutes
+        return DEFAULT_SAVE_MINUTES if self.output and not self.save_every else 0.0
 
 
 @dataclass
@@ -182,10 +242,13 @@ class TrainResult:
     meshes: Meshes | None = None
 
 
-def build_model_config(cfg: TrainConfig, tokenizer_vocab: int | None = None) -> DeepseekV4ModelConfig:
+def build_model_config(cfg: TrainConfig, tokenizer_vocab: int | None = None,
+                       special_ids: dict[str, Any] | None = None) -> DeepseekV4ModelConfig:
     """The model to train; from scratch its vocabulary is the tokenizer's (``tokenizer_vocab``, loaded from
-    ``cfg.tokenizer`` if not given) or ``cfg.vocab_size``."""
-    overrides: dict[str, Any] = dict(indexer_loss_coeff=cfg.indexer_loss_coeff, mtp_loss_coeff=cfg.mtp_loss_coeff,
+    ``cfg.tokenizer`` if not given) or ``cfg.vocab_size``. ``special_ids``: the tokenizer's BOS / EOS / PAD ids,
+    which replace the config's (the data carries the tokenizer's)."""
+    overrides: dict[str, Any] = dict(**(special_ids or {}), indexer_loss_coeff=cfg.indexer_loss_coeff,
+                                     mtp_loss_coeff=cfg.mtp_loss_coeff,
                                      attention_backend=cfg.attention_backend,
                                      recompute="block" if cfg.activation_checkpointing else cfg.recompute,
                                      offload_block_inputs=cfg.offload_block_inputs)
@@ -222,6 +285,12 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Meshes, torch.device]:
         raise ValueError(f"--device cuda: {why} (torch {torch.__version__}); install the CUDA build of torch on "
                          "a GPU machine, or pass --device cpu (or --device auto)")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.attention_backend == "triton" and not use_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        # checked here: Triton would fail at the first kernel with "0 active drivers"
+        where = "--device cpu" if cfg.device == "cpu" else "no CUDA GPU is visible"
+        raise ValueError(f"--attention-backend triton needs a CUDA GPU ({where}): pass --attention-backend auto "
+                         "(Triton on CUDA, the reference kernels on the CPU) or reference, or set TRITON_INTERPRET=1 "
+                         "to run the Triton kernels in Triton's (slow) CPU interpreter")
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         backend = cfg.dist_backend if cfg.dist_backend != "auto" else "nccl" if use_cuda else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout))
@@ -258,7 +327,8 @@ def build_model(cfg: TrainConfig, model_cfg: DeepseekV4ModelConfig, meshes: Mesh
     n_mtp = model_cfg.num_nextn_predict_layers
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load_hf_sharded(model, cfg.init_from, device, seed=cfg.seed)
+        with user_errors():  # missing or misshaped tensors of the --init-from directory
+            load_hf_sharded(model, cfg.init_from, device, seed=cfg.seed)
     if meshes.rank == 0:
         for message in dict.fromkeys(str(w.message) for w in caught):
             fresh = "no mtp.* tensors" in message
@@ -307,9 +377,13 @@ class BatchReader:
 
 
 def train(cfg: TrainConfig) -> TrainResult:
-    """Run ``cfg.steps`` optimizer steps (counting any resumed ones). Works in one process or under torchrun."""
+    """Run ``cfg.steps`` optimizer steps (counting any resumed ones). Works in one process or under torchrun.
+
+    Raises :class:`UserError` on a mistake in the options, checkpoints or data files, and :class:`TrainingStopped`
+    after ``max_bad_steps`` non-finite steps in a row or when the weights to save are not finite."""
     cfg.validate()
-    meshes, device = setup_distributed(cfg)
+    with user_errors():
+        meshes, device = setup_distributed(cfg)
     dims, rank = meshes.dims, meshes.rank
     if cfg.offload_block_inputs and device.type == "cuda" and rank == 0 and \
             "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
@@ -317,36 +391,42 @@ def train(cfg: TrainConfig) -> TrainResult:
         print("note: --offload-block-inputs is for the longest sequences; there PyTorch's allocator may fail on "
               "fragments (tens of GiB reserved but unallocated): run with "
               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", flush=True)
-    resume = resolve_resume(cfg.resume, cfg.output) if cfg.resume else None
-    state = read_trainer_state(resume, trust_checkpoint=cfg.trust_checkpoint) if resume else None
-    if state is not None:
-        # raises on other data options, before the weights (another --tokenizer also changes the vocab shape)
-        notes = compare_resume_config(resume, state.get("train_config"), asdict(cfg))
-        if rank == 0:
-            for note in notes:
-                warnings.warn(note, stacklevel=2)
-    batch_seqs = int(state.get("batch_seqs", state.get("dp", 1))) if state else (cfg.batch_seqs or dims.dp)
-    if batch_seqs % dims.dp:
-        saved = " (the checkpoint's)" if state else ""
-        raise ValueError(f"{batch_seqs} packed sequences per step{saved} do not split over {dims.dp} data replicas "
-                         f"(--dp-replicate x --dp-shard): pick sizes whose data replicas divide {batch_seqs}")
-    tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
-    model_cfg = build_model_config(cfg, len(tokenizer) if tokenizer is not None else None)
+    with user_errors():  # the checkpoint to resume, its options against these, the tokenizer
+        resume = _resume_path(cfg, rank)
+        state = read_trainer_state(resume, trust_checkpoint=cfg.trust_checkpoint) if resume else None
+        if state is not None:
+            # raises on other data options, before the weights (another --tokenizer also changes the vocab shape)
+            notes = compare_resume_config(resume, state.get("train_config"), asdict(cfg))
+            if rank == 0:
+                for note in notes:
+                    warnings.warn(note, stacklevel=2)
+        batch_seqs = int(state.get("batch_seqs", state.get("dp", 1))) if state else (cfg.batch_seqs or dims.dp)
+        if batch_seqs % dims.dp:
+            saved = " (the checkpoint's)" if state else ""
+            raise ValueError(f"{batch_seqs} packed sequences per step{saved} do not split over {dims.dp} data "
+                             f"replicas (--dp-replicate x --dp-shard): pick sizes whose data replicas divide "
+                             f"{batch_seqs}")
+        tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+        model_cfg = build_model_config(cfg, len(tokenizer) if tokenizer is not None else None,
+                                       special_ids=_special_ids(tokenizer))
     model, cp = build_model(cfg, model_cfg, meshes, device)
     per = batch_seqs // dims.dp
     dp_rank = meshes.coords["dp"]
-    reader = BatchReader(cfg, model_cfg, tokenizer, 1 + len(model.mtp), batch_seqs,
-                         range(dp_rank * per, (dp_rank + 1) * per))
+    with user_errors():  # the data files
+        reader = BatchReader(cfg, model_cfg, tokenizer, 1 + len(model.mtp), batch_seqs,
+                             range(dp_rank * per, (dp_rank + 1) * per))
     optimizer = _optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
 
     start = 0
     if state is not None:
-        load_sharded(resume, model, optimizer, meshes)
+        with user_errors():  # a checkpoint of another model config names the tensor
+            load_sharded(resume, model, optimizer, meshes)
         if rank == 0:
             print(f"resuming from {resume} at step {int(state['step'])}", flush=True)
         scheduler.load_state_dict(state["scheduler"])
-        reader.load_state_dict(state["packers"])
+        with user_errors():
+            reader.load_state_dict(state["packers"])
         rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
         torch.set_rng_state(rngs[rank] if len(rngs) == dims.world else rngs[0])
         start = int(state["step"])
@@ -358,13 +438,16 @@ def train(cfg: TrainConfig) -> TrainResult:
 
         bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
     peak = peak_flops(device, cfg.peak_tflops)
-    log = metrics_file(cfg, rank)
+    log = metrics_file(cfg, rank, start if state is not None else None)
     board = summary_writer(cfg, rank, start)
     tokens, t0 = 0, time.perf_counter()
     # throughput over the last steps (the first steps also compile kernels: a rate since the start would
     # understate the steady state for hundreds of steps)
     recent: deque[tuple[float, int, float]] = deque([(t0, 0, 0.0)], maxlen=RATE_WINDOW + 1)
-    batch = next(reader) if start < cfg.steps else None
+    clock = _SaveClock(cfg.save_minutes if cfg.output else 0.0, meshes, device)
+    bad_run = 0  # non-finite steps in a row
+    with user_errors():  # the data files
+        batch = next(reader) if start < cfg.steps else None
     try:
         for step in range(start, cfg.steps):
             if device.type == "cuda":
@@ -373,8 +456,11 @@ def train(cfg: TrainConfig) -> TrainResult:
             # the next batch is built on the host while the device runs this step; a checkpoint of this step holds
             # the readers' position before it
             consumed = reader.state_dict()
-            upcoming = next(reader) if step + 1 < cfg.steps else None
+            with user_errors():
+                upcoming = next(reader) if step + 1 < cfg.steps else None
             metrics = finish()
+            # a skipped (non-finite) step advances the schedule too: the LR stays a function of the step number,
+            # so --steps ends the decay where it says and a resumed run continues the same curve
             scheduler.step()
             losses.append(metrics["loss"])
             lm_losses.append(metrics["lm_loss"])
@@ -410,17 +496,16 @@ def train(cfg: TrainConfig) -> TrainResult:
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", idx=f"{metrics['indexer_loss']:.3g}",
                                 tok_s=f"{tps:.0f}", **({"mfu": mfu} if mfu else {}))
             if rank == 0 and (step + 1) % cfg.log_every == 0:
-                line = (f"step {step + 1}: loss {metrics['loss']:.4f} lm {metrics['lm_loss']:.4f} "
-                        f"indexer {metrics['indexer_loss']:.4g} lr {scheduler.get_last_lr()[0]:.3g} tok/s {tps:.0f}"
-                        + (f" MFU {mfu}" if mfu else ""))
-                if bar is not None:
-                    bar.write(line)
-                else:
-                    print(line, flush=True)
-            # with --output the final step is always saved; --save-every adds the intermediate checkpoints
+                _say(bar, f"step {step + 1}: loss {metrics['loss']:.4f} lm {metrics['lm_loss']:.4f} "
+                     f"indexer {metrics['indexer_loss']:.4g} lr {scheduler.get_last_lr()[0]:.3g} tok/s {tps:.0f}"
+                     + (f" MFU {mfu}" if mfu else ""))
+            bad_run = _check_finite_step(cfg, step + 1, metrics["nonfinite"], bad_run, bar if rank == 0 else False)
+            # with --output the final step is always saved; --save-every and --save-every-minutes add the
+            # intermediate checkpoints (the clock is asked on every rank alike: it is a collective)
             last = step + 1 == cfg.steps
-            if cfg.output and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or last):
-                _save(cfg, step + 1, model, optimizer, scheduler, consumed, meshes, batch_seqs, last)
+            if cfg.output and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0) or clock.due()):
+                _save(cfg, step + 1, model, optimizer, scheduler, consumed, meshes, batch_seqs, last, tokenizer)
+                clock.restart()
             batch = upcoming
     finally:
         IndexerLossAutoScaler.main_loss_backward_scale = None
@@ -436,6 +521,85 @@ def train(cfg: TrainConfig) -> TrainResult:
                        meshes)
 
 
+def _say(bar: Any, line: str) -> None:
+    """One log line (rank 0), above the progress bar when there is one."""
+    if bar:
+        bar.write(line)
+    else:
+        print(line, flush=True)
+
+
+def _resume_path(cfg: TrainConfig, rank: int) -> str | None:
+    """The checkpoint to resume (None: start at step 0, said aloud when ``--resume auto`` found none)."""
+    if not cfg.resume:
+        return None
+    resume = resolve_resume(cfg.resume, cfg.output)
+    if resume is None and rank == 0:
+        print(f"--resume auto: no checkpoint under {cfg.output}: starting from step 0", flush=True)
+    return resume
+
+
+def _special_ids(tokenizer: Any) -> dict[str, Any] | None:
+    """The tokenizer's BOS / EOS / PAD ids for the model config (so the saved config.json agrees with the tokenizer
+    saved next to it, and HF ``generate`` stops at its EOS); None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
+
+
+def _check_finite_step(cfg: TrainConfig, step: int, nonfinite: str | None, bad_run: int, bar: Any) -> int:
+    """Count non-finite (skipped) steps in a row: a warning line for each (``bar`` False on ranks other than 0),
+    :class:`TrainingStopped` at ``max_bad_steps``. Returns the new count. Every rank got the same all-reduced
+    verdict from the step, so every rank stops alike."""
+    if nonfinite is None:
+        return 0
+    bad_run += 1
+    if bar is not False:
+        _say(bar, f"warning: step {step}: non-finite {nonfinite}: step skipped (weights, optimizer state and router "
+                  f"biases unchanged; {bad_run} in a row, the run stops at --max-bad-steps {cfg.max_bad_steps})")
+    if bad_run >= cfg.max_bad_steps:
+        where = f"the latest checkpoint under {cfg.output}" if cfg.output else "a checkpoint"
+        raise TrainingStopped(
+            f"steps {step - bad_run + 1}..{step}: {bad_run} non-finite steps in a row (--max-bad-steps "
+            f"{cfg.max_bad_steps}; the last one: non-finite {nonfinite}); the run stopped with the weights of step "
+            f"{step - bad_run}. Resume from {where} (--resume auto) with a lower --lr, more --warmup-steps or a "
+            "--grad-clip; a non-finite loss from the first step on points at the data or the --init-from weights")
+    return bad_run
+
+
+class _SaveClock:
+    """Time-based checkpoints: ``due()`` when ``minutes`` have passed since the start or the last save on any rank
+    (a MAX all-reduce of the verdict, so every rank saves at the same step whatever its clock says)."""
+
+    def __init__(self, minutes: float, meshes: Meshes, device: torch.device) -> None:
+        self.seconds, self.meshes, self.device = minutes * 60, meshes, device
+        self.restart()
+
+    def restart(self) -> None:
+        self.since = time.monotonic()
+
+    def due(self) -> bool:
+        if not self.seconds:
+            return False
+        late = torch.tensor([float(time.monotonic() - self.since >= self.seconds)], device=self.device)
+        if self.meshes.distributed:
+            dist.all_reduce(late, op=dist.ReduceOp.MAX)
+        return bool(late.item())
+
+
+def _weights_finite(model: DeepseekV4ForCausalLM, meshes: Meshes) -> bool:
+    """Whether every weight (parameters and floating buffers: router biases) is finite on every rank: one MAX
+    all-reduce of this rank's verdict on its shards, so every rank decides alike."""
+    from torch.distributed.tensor import DTensor
+
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in (*model.parameters(), *model.buffers())]
+    flags = [~torch.isfinite(t).all() for t in local if t.is_floating_point() and t.numel()]
+    bad = torch.stack(flags).any().float().reshape(1) if flags else torch.zeros(1)
+    if meshes.distributed:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bad.item()
+
+
 def _gather(obj: Any, meshes: Meshes) -> list[Any]:
     if not meshes.distributed:
         return [obj]
@@ -445,10 +609,18 @@ def _gather(obj: Any, meshes: Meshes) -> list[Any]:
 
 
 def _save(cfg: TrainConfig, step: int, model: DeepseekV4ForCausalLM, optimizer: torch.optim.Optimizer,
-          scheduler: Any, reader_state: dict[int, Any], meshes: Meshes, batch_seqs: int, last: bool) -> None:
+          scheduler: Any, reader_state: dict[int, Any], meshes: Meshes, batch_seqs: int, last: bool,
+          tokenizer: Any = None) -> None:
     """Checkpoint ``step`` (a collective): DCP shards of the model and optimizer, the trainer state (rank 0), the
-    HF-format model files when ``--export-hf`` asks, and ``latest`` once everything is written."""
+    HF-format model files when ``--export-hf`` asks, the tokenizer's files, and ``latest`` once everything is
+    written; then ``--keep-last`` prunes the older ones. Refuses non-finite weights before writing anything."""
     path = checkpoint_dir(cfg.output, step)
+    if not _weights_finite(model, meshes):
+        # a checkpoint of them would only resume into the same failure, and --keep-last would prune good ones
+        raise TrainingStopped(
+            f"step {step}: the model's weights hold NaN or inf values: refusing to save {path}; the checkpoints "
+            f"already under {cfg.output} are kept. Resume from the latest (--resume auto) with a lower --lr, more "
+            "--warmup-steps or a --grad-clip")
     save_sharded(path, model, optimizer, meshes)
     packers: list[Any] = [None] * batch_seqs
     for states in _gather(reader_state, meshes):
@@ -458,6 +630,8 @@ def _save(cfg: TrainConfig, step: int, model: DeepseekV4ForCausalLM, optimizer: 
     if cfg.export_hf == "every" or (cfg.export_hf == "final" and last):
         export_hf(model, path, meshes)
     if meshes.rank == 0:
+        if tokenizer is not None:  # the checkpoint decodes and generates on its own (config.json has its ids)
+            tokenizer.save_pretrained(path)
         write_trainer_state(path, step, {
             "scheduler": scheduler.state_dict(), "packers": packers, "rng": rngs, "batch_seqs": batch_seqs,
             "mesh": asdict(meshes.dims), "train_config": asdict(cfg), "model_training": model.config.training_dict(),
@@ -469,7 +643,7 @@ def _save(cfg: TrainConfig, step: int, model: DeepseekV4ForCausalLM, optimizer: 
         from tqdm import tqdm
 
         tqdm.write(f"saved checkpoint {path}")  # above any progress bar
-        if cfg.keep_last:
+        if cfg.keep_last:  # only now that the new checkpoint is complete and named latest
             for old in prune_checkpoints(cfg.output, cfg.keep_last):
                 tqdm.write(f"removed checkpoint {old} (--keep-last {cfg.keep_last})")
     if meshes.distributed:

@@ -8,16 +8,42 @@ import os
 import warnings
 from typing import Any
 
+from .errors import UserError
+
 __all__ = ["metrics_file", "summary_writer", "loss_history", "plot_losses", "BOARD_TAGS"]
 
 
-def metrics_file(cfg: Any, rank: int) -> Any:
-    """Rank 0's JSON-lines metrics file (appended to, so a resumed run continues it), or None."""
+def metrics_file(cfg: Any, rank: int, resumed_step: int | None = None) -> Any:
+    """Rank 0's JSON-lines metrics file (appended to, so a resumed run continues it), or None. Resumed at
+    ``resumed_step``, the lines of later steps are dropped first: the run does those steps again, and the file
+    then holds each step once, as the weights in the checkpoints saw it."""
     path = cfg.metrics or (os.path.join(cfg.output, "metrics.jsonl") if cfg.output else None)
     if path is None or rank != 0:
         return None
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if resumed_step is not None and os.path.isfile(path):
+        _truncate_after(path, resumed_step)
     return open(path, "a")
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Rewrite the metrics file keeping the lines of steps <= ``step`` (atomically: a temporary file, then a
+    rename); lines that do not parse are kept, in place."""
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            later = int(json.loads(line)["step"]) > step
+        except (ValueError, KeyError, TypeError):
+            later = False
+        if not later:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
 
 
 # TensorBoard tag of each per-step metrics record field
@@ -33,7 +59,7 @@ def summary_writer(cfg: Any, rank: int, start: int) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
-        raise ImportError("--log-dir needs the tensorboard package: pip install 'csattn[data]' (or tensorboard)") from e
+        raise UserError("--log-dir needs the tensorboard package: pip install 'csattn[data]' (or tensorboard)") from e
     # resumed: TensorBoard drops what earlier event files hold from step start + 1 on (the steps are run again)
     return SummaryWriter(cfg.log_dir, purge_step=start + 1 if start else None, flush_secs=30)
 

@@ -5,6 +5,11 @@ Normalization: every rank's loss is its rows' summed cross entropy over the labe
 batch (all data replicas), and its indexer-loss gradient is scaled by its replica's share of the global real rows,
 so the sum of the ranks' gradients, which FSDP's reduction forms (divide factor 1), is the gradient of the global
 batch in one process.
+
+Non-finite steps: one flag per step (this rank's loss, the global gradient norm), MAX all-reduced, so every rank
+decides alike; a step whose loss or gradient norm is NaN / inf is skipped: no optimizer step (weights and AdamW
+state unchanged), no router-bias update, gradients dropped. Reading the flag is the step's one host sync; it
+happens in ``finish()``, after the host has built the next batch, and the optimizer step runs after it.
 """
 
 from __future__ import annotations
@@ -92,12 +97,11 @@ def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: Any, meshes
     out = model(ids, packed=packed, cp=cp, labels=labels[0], mtp_labels=labels[1:] if len(model.mtp) else None,
                 label_counts=counts.to(device), return_logits=False)
     out.loss.backward()
-    grad_norm = clip_grad_norm(model, grad_clip, meshes)
-    optimizer.step()
-    loads = model.expert_loads()
-    if loads and router_bias_rate > 0:  # load balancing from the loads of every rank: the same bias everywhere
-        stacked = all_sum(torch.stack([x.to(torch.float32) for x in loads]), meshes)
-        model.update_router_biases(list(stacked), router_bias_rate)
+    grad_norm = clip_grad_norm(model, grad_clip, meshes)  # global (over every rank) already
+    # [loss, gradient norm] non-finite on any rank: one MAX all-reduce of the flags, on the loss's device
+    bad = torch.stack([~torch.isfinite(out.loss.detach()), ~torch.isfinite(grad_norm.to(out.loss.device))]).float()
+    if meshes.distributed:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     zero = torch.zeros((), device=device, dtype=torch.float64)
     metrics = torch.stack([
         out.loss.detach().double(), out.lm_loss.double(),
@@ -107,12 +111,22 @@ def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: Any, meshes
     ])
     has_mtp = bool(out.mtp_losses)
 
-    def finish() -> dict[str, float]:
+    def finish() -> dict[str, Any]:
         # every rank calls finish once per step, in step order, so the collectives pair up; each rank's losses are
         # its share of the global ones (the indexer loss weighted by its replica's rows, CP ranks each their part)
+        loss_bad, norm_bad = bad.tolist()  # the same on every rank: they all step, or all skip
+        nonfinite = " and ".join(n for n, b in (("loss", loss_bad), ("gradient norm", norm_bad)) if b) or None
+        if nonfinite is None:
+            optimizer.step()
+            loads = model.expert_loads()
+            if loads and router_bias_rate > 0:  # load balancing from the loads of every rank: the same bias everywhere
+                stacked = all_sum(torch.stack([x.to(torch.float32) for x in loads]), meshes)
+                model.update_router_biases(list(stacked), router_bias_rate)
+        else:
+            optimizer.zero_grad(set_to_none=True)  # the non-finite gradients reach nothing
         all_sum(metrics[:4], meshes)
         loss, lm, idx, mtp, norm = metrics.tolist()
         return {"loss": loss, "lm_loss": lm, "indexer_loss": idx, "mtp_loss": mtp if has_mtp else None,
-                "grad_norm": norm}
+                "grad_norm": norm, "nonfinite": nonfinite}
 
     return finish
