@@ -8,21 +8,25 @@
 #                bash lab/results_session.sh split         # .peerwhl/c1 -> .peerwhl/c1a + .peerwhl/c1b
 #                (/.peerwhl/ and /.whl/ in .git/info/exclude: ignored paths travel only when carried)
 #   call 1, carry .peerwhl/c1a:                  CSATTN_COMMIT=<sha> bash lab/results_session.sh 1
-#       the model step (16k-512k), the CUDA-graph step, the CP = 4 report                 about 6.5 min
+#       the model step (16k-512k), csattn train on one GPU and on gloo meshes           about 8.5 min
 #   call 2, carry .peerwhl/c1b .peerwhl/c2 .whl: CSATTN_COMMIT=<sha> bash lab/results_session.sh 2
-#       the kernels against cuDNN, the model against HF eager, the CP = 1 report           about 5 min
-#   here:        copy both calls' $OUT/*.json into benchmarks/results/h200/, then
+#       the CUDA-graph step, the kernels against cuDNN, the model against HF eager      about 3.5 min
+#   call 3 (any machine):                        CSATTN_COMMIT=<sha> bash lab/results_session.sh 3
+#       the CP = 4 and CP = 1 reports                                                   about 9.5 min
+#   here:        copy the calls' $OUT/*.json into benchmarks/results/h200/, then
 #                python -m benchmarks.results --out BENCHMARKS.md   # the page, its plot, docs/report
-# Each call stops starting commands after BUDGET_S seconds (default 450) and prints every command's time.
+# To measure a commit while the working tree moves on, carry its `git archive` as .meas as well and run
+# `cd .meas && ln -s ../.peerwhl ../.whl . && ... bash lab/results_session.sh N`.
+# Each call stops starting commands after BUDGET_S seconds (default 570) and prints every command's time.
 set -euo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-out}
-BUDGET_S=${BUDGET_S:-450}
+BUDGET_S=${BUDGET_S:-570}
 measure() {
   python3 -m benchmarks.results --measure --commit "${CSATTN_COMMIT:?set CSATTN_COMMIT: the tree has no git there}" \
     --json-dir "$OUT" --budget-s "$BUDGET_S" --stages "$@"
 }
-case ${1:?usage: results_session.sh split, 1 or 2} in
+case ${1:?usage: results_session.sh split, 1, 2 or 3} in
   split)
     rm -rf .peerwhl/c1a .peerwhl/c1b && mkdir -p .peerwhl/c1a .peerwhl/c1b
     split -b 44M -d .peerwhl/c1/cutlass_dsl_libs_cu13.tar.xz .peerwhl/c1a/cu13.tar.xz.
@@ -31,7 +35,7 @@ case ${1:?usage: results_session.sh split, 1 or 2} in
   1)
     rm -rf /tmp/cu13parts && mkdir -p /tmp/cu13parts && cp .peerwhl/c1a/* /tmp/cu13parts/  # for call 2
     export PYTHONPATH="$PWD"
-    measure model graphs report-cp4 ;;
+    measure model sharded ;;
   2)
     mkdir -p /tmp/site
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .peerwhl/c2/*.whl
@@ -42,6 +46,9 @@ case ${1:?usage: results_session.sh split, 1 or 2} in
     fi
     export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD"
     python3 -c "import cudnn.deepseek_sparse_attention as d; d.DSA" || echo "cuDNN's DSA module does not import"
-    measure kernels hf report-cp1 ;;
-  *) echo "usage: results_session.sh split, 1 or 2" >&2; exit 2 ;;
+    measure graphs kernels hf ;;
+  3)
+    export PYTHONPATH="$PWD"
+    measure report-cp4 report-cp1 ;;
+  *) echo "usage: results_session.sh split, 1, 2 or 3" >&2; exit 2 ;;
 esac

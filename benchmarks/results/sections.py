@@ -322,6 +322,6 @@ def sharded_section(ctx: Context) -> Section | None:
              f"`{meta.get('commit', '?')}`): the mesh, the measured throughput and per-rank peak, and the planner's "
              "per-rank prediction made before launch.", "",
              *_table(["mesh", "ranks", "tokens/s", "MFU", "peak GiB/rank", "planned GiB/rank", "planned / peak"],
-                     rows), "", f"From [`{SHARDED}`]({ctx.json_link}/{SHARDED})"
-             + (f": `{meta['command']}`" if meta.get("command") else ".")]
+                     rows), "", f"From [`{SHARDED}`]({ctx.json_link}/{SHARDED}) (commit `{meta.get('commit', '?')}`):",
+             "", f"    {source(SHARDED).command()}"]
     return Section("Sharded training", lines)

@@ -74,7 +74,7 @@ STAGES: dict[str, tuple[Source, ...]] = {
     "report-cp4": (
         Source("report_cp4.json", "csattn", ("report", "--tokens", "8192", "32768", "131072", "--cp", "4",
                                              "--paths", "triton", "--balance-tokens", "131072", "--steps", "2",
-                                             "--model-tokens"), 240),
+                                             "--model-tokens"), 285),
     ),
     # csattn's kernels beside cuDNN Frontend's (the `cudnn` provider needs nvidia-cudnn-frontend); about 1 min
     "kernels": (
@@ -98,12 +98,13 @@ STAGES: dict[str, tuple[Source, ...]] = {
     "report-cp1": (
         Source("report_cp1.json", "csattn", ("report", "--tokens", "8192", "32768", "131072", "--cp", "1",
                                              "--paths", "triton", "unfused", "hf", "--reference-max-tokens", "32768",
-                                             "--hf-max-tokens", "8192", "--steps", "2", "--model-tokens"), 240),
+                                             "--hf-max-tokens", "8192", "--steps", "2", "--model-tokens"), 285),
     ),
-    # sharded training on several GPUs (FSDP2 / CP / EP meshes): filled by the sharded-training work. Its command
-    # writes SHARDED: {"meta": {...}, "results": [{"mesh", "ranks", "tokens_per_s", "mfu", "peak_gib",
-    # "planned_gib"}, ...]}, one record per mesh; the page renders a table from it when the file exists.
-    "sharded": (),
+    # csattn train on the proxy at world size 1 (16k, 128k) and on 2 and 4 gloo ranks sharing the GPU, beside
+    # the planner's per-rank peak; about 5 min
+    "sharded": (
+        Source("sharded.json", "benchmarks.sharded", (), 360),
+    ),
 }
 
 SHARDED = "sharded.json"

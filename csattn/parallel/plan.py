@@ -277,9 +277,11 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
         m["optimizer"] = 8.0 * pc.total / f
         unit = pc.unit_dense + pc.unit_experts // dims.ep
         m["gathered units"] = cbytes * (pc.root + 2 * unit)
-        # reduce-scatter: the unit's unsharded gradient in the compute dtype and its fp32 copy-in; all-gather:
+        # reduce-scatter: the unit's unsharded gradient in the compute dtype and its fp32 copy-in, alive only
+        # once the backward has reduced a unit (so not at its start, where the activations peak); all-gather:
         # the shard's compute-dtype copy-in (the output is the gathered unit above)
-        m["comm buffers"] = (cbytes + 4.0) * unit + cbytes * unit / f
+        reduce_scatter = (cbytes + 4.0) * unit
+        m["comm buffers"] = reduce_scatter + cbytes * unit / f
         # gradients are set to None after each step: at the backward's start only the root's and the last
         # block's exist (sharded)
         grads_at_peak = 4.0 * (pc.root + pc.unit_dense + pc.unit_experts // dims.ep) / f
@@ -292,6 +294,7 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
         m["optimizer"] = 2.0 * pbytes  # torch AdamW's moments in the parameters' dtype
         m["gathered units"] = 0.0
         m["comm buffers"] = 0.0
+        reduce_scatter = 0.0
         # gradients are set to None after each step: at the peak (the backward's start) only the head's and
         # the last block's exist
         grads_at_peak = cbytes * (pc.root / (1 if c.tie_word_embeddings else 2) + pc.unit_dense + pc.unit_experts)
@@ -319,11 +322,11 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
                        + TRANSIENT["kib_per_token"] * 1024 * scale * rows
                        + max(0, c.num_experts_per_tok - _PROXY["k"]) * 2 * c.hidden_size * 2.0 * moe_rows)
     p.total = sum(m.values())
-    # the peak is the backward's start (every kept activation, few gradients) or its end (every gradient, the
-    # activations freed, the fixed workspaces still held)
+    # the peak is the backward's start (every kept activation, few gradients, no reduce-scatter yet) or its end
+    # (every gradient and the reduce-scatter buffers, the activations freed, the fixed workspaces still held)
     fixed = c.workspace_bytes + TRANSIENT["fixed_gib"] * GiB
-    p.peak = p.total - m["gradients"] - m["activations kept"] - m["workspaces"] + max(
-        m["activations kept"] + m["workspaces"] + grads_at_peak, m["gradients"] + fixed)
+    p.peak = p.total - m["gradients"] - m["activations kept"] - m["workspaces"] - reduce_scatter + max(
+        m["activations kept"] + m["workspaces"] + grads_at_peak, m["gradients"] + fixed + reduce_scatter)
     p.fits = p.peak <= (1 - HEADROOM) * H200_BYTES
     step_time(p, c, dims, pc)
     return p
