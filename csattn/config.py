@@ -77,11 +77,19 @@ class AttentionConfig:
     # metadata from device cu_seqlens (csattn.capture_safe); needs max_seqlen on the host; with cp=, the contiguous
     # partition only
     capture_safe: bool = False
+    # bitwise reproducible backward: the fused kernels sum their scatter-add gradients (sparse attention's key
+    # gradient, the indexer loss's) in exact fixed point instead of fp32 atomics (csattn/ops/fixed_point.py);
+    # sets deterministic=1 on sparse_attn_kernel and indexer_loss_kernel. The torch ops around them need
+    # csattn.set_deterministic() (torch.use_deterministic_algorithms) too
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         self.sparse_attn_kernel = SparseAttnConfig.coerce(self.sparse_attn_kernel)
         self.indexer_kernel = IndexerConfig.coerce(self.indexer_kernel)
         self.indexer_loss_kernel = IndexerLossConfig.coerce(self.indexer_loss_kernel)
+        if self.deterministic:
+            self.sparse_attn_kernel = (self.sparse_attn_kernel or SparseAttnConfig()).replace(deterministic=1)
+            self.indexer_loss_kernel = (self.indexer_loss_kernel or IndexerLossConfig()).replace(deterministic=1)
         self.validate()
 
     def validate(self) -> None:

@@ -337,6 +337,7 @@ class _PatchState:
     hf_attention: list[nn.Module]  # HF's attention modules, put back by unpatch
     experts_patched: bool
     num_experts_added: bool = False  # config.num_experts set by patch (see there), removed by unpatch
+    deterministic: bool = False  # the layers' AttentionConfig.deterministic
 
 
 def _backbone(model: nn.Module) -> hf.DeepseekV4Model:
@@ -359,9 +360,9 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 def _csattn_attention(hf_attn: nn.Module, config: Any, layer_idx: int, backend: str,
-                      indexer_loss_coeff: float) -> _PatchedAttention:
+                      indexer_loss_coeff: float, deterministic: bool = False) -> _PatchedAttention:
     cfg = AttentionConfig.from_hf(config, layer_idx, backend=backend, indexer_loss_coeff=indexer_loss_coeff,
-                                  compute_indexer_loss=indexer_loss_coeff > 0)
+                                  compute_indexer_loss=indexer_loss_coeff > 0, deterministic=deterministic)
     with torch.device("meta"):  # no memory for weights that are replaced right away
         attn = _PatchedAttention(cfg)
     theirs = dict(hf_attn.named_parameters())
@@ -380,7 +381,8 @@ def _csattn_attention(hf_attn: nn.Module, config: Any, layer_idx: int, backend: 
     return attn
 
 
-def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float = 0.0) -> nn.Module:
+def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float = 0.0,
+          deterministic: bool = False) -> nn.Module:
     """Make an HF ``DeepseekV4ForCausalLM`` (or ``DeepseekV4Model``) run csattn's kernels, in place.
 
     Args:
@@ -389,6 +391,8 @@ def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float 
             ``"reference"`` (plain PyTorch everywhere, the per-expert MoE loop) or ``"triton"``.
         indexer_loss_coeff: weight of csattn's indexer KL loss on CSA layers (its gradient trains the lightning
             indexer, which the LM loss never reaches); 0 = none, as in HF.
+        deterministic: the attention kernels' scatter-add gradients in exact fixed point (bitwise reproducible;
+            ``AttentionConfig.deterministic``); call ``csattn.set_deterministic()`` too for the torch ops.
 
     Returns:
         ``model`` itself, patched (see the module docstring for the batches it takes and its limits).
@@ -411,10 +415,11 @@ def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float 
             raise TypeError(f"model.layers[{i}] is a {type(layer).__name__} (experts: "
                             f"{type(layer.mlp.experts).__name__}); patch() takes HF's own DeepseekV4 modules")
     # build every attention before changing anything, so a failure leaves the model as it was
-    attentions = [_csattn_attention(layer.self_attn, config, i, backend, indexer_loss_coeff)
+    attentions = [_csattn_attention(layer.self_attn, config, i, backend, indexer_loss_coeff, bool(deterministic))
                   for i, layer in enumerate(backbone.layers)]
     experts = config.hidden_act == "silu"  # csattn's experts compute a clamped SwiGLU (silu); others stay HF's
-    state = _PatchState(backend, indexer_loss_coeff, [layer.self_attn for layer in backbone.layers], experts)
+    state = _PatchState(backend, indexer_loss_coeff, [layer.self_attn for layer in backbone.layers], experts,
+                        deterministic=bool(deterministic))
     for layer, attn in zip(backbone.layers, attentions):
         layer.self_attn = attn
         layer.__class__ = _PatchedDecoderLayer

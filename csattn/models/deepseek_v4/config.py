@@ -19,7 +19,8 @@ _RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128:
 # Settings that only this library reads; they are not written into ``config.json``.
 _TRAINING_FIELDS = ("indexer_loss_coeff", "mtp_loss_coeff", "mtp_layer_types", "attention_backend",
                     "attn_chunk_rows", "workspace_bytes", "activation_checkpointing", "recompute", "moe_chunk_rows",
-                    "sparse_attn_kernel", "indexer_kernel", "indexer_loss_kernel", "offload_block_inputs")
+                    "sparse_attn_kernel", "indexer_kernel", "indexer_loss_kernel", "offload_block_inputs",
+                    "deterministic")
 # What the backward recomputes instead of keeping (``DeepseekV4ModelConfig.recompute``):
 #   none  - each fused op keeps only what its own backward needs (the mHC and MoE kernels recompute their
 #           elementwise parts by design); the sub-blocks' normed inputs and the first block's streams are rebuilt
@@ -109,6 +110,9 @@ class DeepseekV4ModelConfig:
     sparse_attn_kernel: str = ""
     indexer_kernel: str = ""  # IndexerConfig.parse string, every CSA layer
     indexer_loss_kernel: str = ""  # IndexerLossConfig.parse string, every CSA layer
+    # every layer's AttentionConfig.deterministic: the fused kernels' scatter-add gradients in exact fixed point
+    # (bitwise reproducible backward; with csattn.set_deterministic() for the torch ops)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -198,7 +202,7 @@ class DeepseekV4ModelConfig:
             self, layer_idx, indexer_loss_coeff=self.indexer_loss_coeff, backend=self.attention_backend,
             attn_chunk_rows=self.attn_chunk_rows, workspace_bytes=self.workspace_bytes,
             sparse_attn_kernel=self.sparse_attn_kernel or None, indexer_kernel=self.indexer_kernel or None,
-            indexer_loss_kernel=self.indexer_loss_kernel or None,
+            indexer_loss_kernel=self.indexer_loss_kernel or None, deterministic=self.deterministic,
         )
 
     # ------------------------------------------------------------------ HF interchange

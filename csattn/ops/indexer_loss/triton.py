@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..autograd import named_grads
+from ..fixed_point import abs_max, fixed_point_scale, from_fixed_point, wants_deterministic
 from .config import IndexerLossConfig
 
 __all__ = ["IndexerLossConfig", "indexer_kl_loss_triton", "indexer_kl_fwd", "indexer_kl_bwd",
@@ -125,14 +126,18 @@ def indexer_kl_fwd_kernel(
 @triton.jit
 def indexer_kl_bwd_kernel(
     q_idx, w, k_idx, q, ckv, lse, selected, vis_start, vis_end, row_weight,
-    stats, mass, grad, dq_idx, dw, dk, scale, topk,
+    stats, mass, grad, dq_idx, dw, dk, fx, scale, topk,
     HI: tl.constexpr, HIP: tl.constexpr, CI: tl.constexpr, CIP: tl.constexpr,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     BK: tl.constexpr, BD: tl.constexpr, DENSE: tl.constexpr, STORE_MASS: tl.constexpr, IEEE: tl.constexpr,
-    TIEEE: tl.constexpr,
+    TIEEE: tl.constexpr, FIXED: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.load(grad) * tl.load(row_weight + t)
+    # FIXED (deterministic=1): dk is an int64 buffer of fixed-point sums, fx points at the fp32 2**e
+    fx_scale = 1.0
+    if FIXED:
+        fx_scale = tl.load(fx)
     lse_s = tl.load(stats + t * 2)
     total = tl.load(stats + t * 2 + 1)
     if (g != 0) & (total > 0):
@@ -177,6 +182,8 @@ def indexer_kl_bwd_kernel(
             else:
                 dq_acc += tl.dot(tl.trans(keys), gm)
                 dk_t = tl.dot(gm, tl.trans(q_idx_t))
+            if FIXED:  # exact int64 sums of round(x * 2**e): the same bits in any order (fixed_point.py)
+                dk_t = tl.floor(dk_t * fx_scale + 0.5).to(tl.int64)
             tl.atomic_add(dk + ids_c[:, None] * CI + ch[None, :], dk_t,
                           mask=valid[:, None] & (ch[None, :] < CI), sem="relaxed")
         tl.store(dq_idx + t * HI * CI + heads_i[None, :] * CI + ch[:, None], dq_acc.to(dq_idx.dtype.element_ty),
@@ -232,7 +239,10 @@ def indexer_kl_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq_idx [T, HI, cI], dw [T, HI], dk_idx [Nc, cI])``: dq in ``q_idx.dtype`` and dw in
     ``w.dtype`` (each row is written by one program), dk in fp32 (rows picked by many queries add up), added
-    into ``dk_accum`` when given (blocks of rows in turn). ``config``: tiles and warps (None: the defaults)."""
+    into ``dk_accum`` when given (blocks of rows in turn). ``config``: tiles and warps (None: the defaults).
+    With ``config.deterministic`` (or under ``torch.use_deterministic_algorithms(True)``) the kernel sums ``dk`` exactly in int64 fixed point (``fixed_point.py``; an
+    ``Nc * cI * 8`` bytes buffer of its own, turned into fp32 / added to ``dk_accum`` once): the same bits run to
+    run."""
     cfg = config or _DEFAULT
     num_rows = q_idx.shape[0]
     dense = selected is None
@@ -240,14 +250,28 @@ def indexer_kl_bwd(
     dq = torch.zeros(q_idx.shape, dtype=q_idx.dtype, device=q_idx.device)
     dw = torch.zeros(w.shape, dtype=w.dtype, device=q_idx.device)
     dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=q_idx.device) if dk_accum is None else dk_accum
+    fixed = wants_deterministic(cfg.deterministic) and num_rows > 0
+    fx = fixed_point_scale(_dk_bound(grad, q_idx, w, row_weight)) if fixed else dk
+    dk_sum = torch.zeros(k_idx.shape, dtype=torch.int64, device=q_idx.device) if fixed else dk
     dummy = stats
     indexer_kl_bwd_kernel[(num_rows,)](
         q_idx, w, k_idx, q, ckv, lse, dummy if dense else selected, vis_start, vis_end, row_weight,
-        stats, dummy if dense else mass, grad, dq, dw, dk, scale, topk,
-        BK=cfg.bk_bwd, DENSE=dense, STORE_MASS=not dense, num_warps=cfg.warps_bwd, num_stages=2,
+        stats, dummy if dense else mass, grad, dq, dw, dk_sum, fx, scale, topk,
+        BK=cfg.bk_bwd, DENSE=dense, STORE_MASS=not dense, num_warps=cfg.warps_bwd, num_stages=2, FIXED=fixed,
         **_meta(q_idx, q),
     )
+    if fixed:
+        from_fixed_point(dk_sum, fx, out=dk, accumulate=True)
     return dq, dw, dk
+
+
+def _dk_bound(grad: Tensor, q_idx: Tensor, w: Tensor, row_weight: Tensor) -> Tensor:
+    """A bound on every partial sum of ``dk`` (``fixed_point.py``), on the device: row ``t`` adds ``G_ti q_idx_t``
+    with ``G_ti = sum_h ds_ti w_th [L > 0]`` and ``sum_i |ds_ti| <= 2 |g_t|`` (a difference of two
+    distributions), so ``|dk| <= 2 HI max|w| max|q_idx| sum_t |g_t|``, ``g_t = grad row_weight[t]``; doubled for
+    the rounding of ``G`` to the keys' dtype and of the products."""
+    g_sum = grad.float().abs().reshape(()) * row_weight.float().abs().sum()
+    return 4.0 * q_idx.shape[1] * abs_max(w) * abs_max(q_idx) * g_sum
 
 
 class IndexerKLLossFunction(torch.autograd.Function):

@@ -40,6 +40,9 @@ class SparseAttnConfig(KernelConfig):
     # rest of the 512 a thread slot has (224 with these): the split at which no partition spills.
     fwd_side_regs: int = 216
     fwd_producer_regs: int = 64
+    # 1: the backward sums dkv in exact int64 fixed point (csattn/ops/fixed_point.py), the same bits run to run,
+    # on the Triton pair (the Gluon backward's fp32 reductions are not used then); 0: fp32 atomics (faster)
+    deterministic: int = 0
 
     # The lab's switches at their kept values (SparseAttnAblation makes them settable): not user settings.
     fwd_persistent: ClassVar[int] = 1

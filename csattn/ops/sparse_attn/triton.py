@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..autograd import named_grads
 from ..backend import interpreting, sm_count
+from ..fixed_point import abs_max, fixed_point_scale, from_fixed_point, wants_deterministic
 from .config import SparseAttnConfig
 
 __all__ = [
@@ -166,19 +167,21 @@ def _load_key_chunk(kv, key_off, valid, offs_c, D):
 
 
 @triton.jit
-def _add_dkv_chunk(dkv, w, qd, ids64, valid, offs_c, D, DOT_PREC: tl.constexpr):
+def _add_dkv_chunk(dkv, w, qd, ids64, valid, offs_c, D, DOT_PREC: tl.constexpr, fx_scale, FIXED: tl.constexpr):
     blk = tl.dot(w, qd, input_precision=DOT_PREC)
+    if FIXED:  # deterministic: exact int64 sums of round(x * 2**e), the same bits in any order (fixed_point.py)
+        blk = tl.floor(blk * fx_scale + 0.5).to(tl.int64)
     tl.atomic_add(dkv + ids64[:, None] * D + offs_c[None, :], blk,
                   mask=valid[:, None] & (offs_c < D)[None, :], sem="relaxed")
 
 
 @triton.jit
 def sparse_attn_bwd_kernel_dkv(
-    q, kv, idx, topk_len, o, do, lse, dlse, dkv,
+    q, kv, idx, topk_len, o, do, lse, dlse, dkv, fx,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
     H, D, K, scale,
     HAS_LEN: tl.constexpr, HAS_DLSE: tl.constexpr,
-    BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+    BH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr, FIXED: tl.constexpr = False,
 ):
     # Key-major: [S^T | dP^T] = K [Q; dO]^T and dKV = [dS^T | P^T] [Q; dO], with q and do rows
     # interleaved in one [2*BH, d] operand. That operand is only ever a B operand (one shared-memory
@@ -199,6 +202,10 @@ def sparse_attn_bwd_kernel_dkv(
     lse2 = tl.load(lse + t * stride_lt + offs_h, mask=mask_h, other=float("inf")) * 1.4426950408889634
     qk_scale_log2 = scale * 1.4426950408889634
 
+    # FIXED (deterministic=1): dkv is an int64 buffer of fixed-point sums, fx points at the fp32 2**e
+    fx_scale = 1.0
+    if FIXED:
+        fx_scale = tl.load(fx)
     BDC: tl.constexpr = BD // 4
     r = tl.arange(0, 2 * BH)
     h2 = hb * BH + r // 2
@@ -234,10 +241,10 @@ def sparse_attn_bwd_kernel_dkv(
         dst = pt * (dpt - delta[None, :]) * scale  # gradient w.r.t. the raw score q . k
         # K = V: the key gradient dS^T Q and the value gradient P^T dO land in the same kv row.
         w = tl.reshape(tl.join(dst, pt), [BK, 2 * BH]).to(k0.dtype)
-        _add_dkv_chunk(dkv, w, qd0, ids64, valid, offs_c, D, DOT_PREC)
-        _add_dkv_chunk(dkv, w, qd1, ids64, valid, offs_c + BDC, D, DOT_PREC)
-        _add_dkv_chunk(dkv, w, qd2, ids64, valid, offs_c + 2 * BDC, D, DOT_PREC)
-        _add_dkv_chunk(dkv, w, qd3, ids64, valid, offs_c + 3 * BDC, D, DOT_PREC)
+        _add_dkv_chunk(dkv, w, qd0, ids64, valid, offs_c, D, DOT_PREC, fx_scale, FIXED)
+        _add_dkv_chunk(dkv, w, qd1, ids64, valid, offs_c + BDC, D, DOT_PREC, fx_scale, FIXED)
+        _add_dkv_chunk(dkv, w, qd2, ids64, valid, offs_c + 2 * BDC, D, DOT_PREC, fx_scale, FIXED)
+        _add_dkv_chunk(dkv, w, qd3, ids64, valid, offs_c + 3 * BDC, D, DOT_PREC, fx_scale, FIXED)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -337,7 +344,22 @@ def uses_gluon_fwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
 
 def uses_gluon_bwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
     """Whether :func:`sparse_attn_bwd` runs the one Gluon kernel (dq, dkv, dsink) instead of the Triton pair."""
-    return bool(cfg.bwd_gluon) and _gluon_applies(q, kv, cfg) and _gluon_kernel("bwd") is not None
+    return (bool(cfg.bwd_gluon) and not wants_deterministic(cfg.deterministic) and _gluon_applies(q, kv, cfg)
+            and _gluon_kernel("bwd") is not None)
+
+
+def _dkv_bound(q: Tensor, kv: Tensor, o: Tensor, do: Tensor, dlse: Tensor | None, scale: float) -> Tensor:
+    """A bound on every partial sum of ``dkv`` (``fixed_point.py``), on the device from the inputs' maxima: each
+    ``(t, h)`` adds ``sum_j p_j (do + scale (dp_j - delta) q)`` over its keys with ``sum_j p_j <= 1``, ``|dp_j|,
+    |do . o| <= d max|do| max|kv|`` (``o`` is a convex combination of kv rows), so ``|dkv| <= T H (max|do| + scale
+    max|q| (2 d max|do| max|kv| + max|dlse|))``; doubled for the rounding of ``p`` / ``dS`` to bf16 and of the
+    products."""
+    T, H, D = q.shape
+    m_do = abs_max(do)
+    inner = 2 * D * m_do * abs_max(kv)
+    if dlse is not None:
+        inner = inner + abs_max(dlse)
+    return 2.0 * T * H * (m_do + scale * abs_max(q) * inner)
 
 
 def sparse_attn_fwd(
@@ -417,6 +439,9 @@ def sparse_attn_bwd(
     adds that to ``dkv_accum`` in true order (a pass over ``[N, d]`` per call); with it (only where
     :func:`dkv_in_stored_order`), it sums into ``dkv_accum`` directly and :func:`dkv_columns` puts the sum in order.
     ``config``: launch settings (None: the defaults); pass the forward's to reproduce its ``(o, lse)``.
+    With ``config.deterministic`` or under ``torch.use_deterministic_algorithms(True)`` (the Triton pair, never the Gluon kernel) ``dkv`` is summed exactly in int64
+    fixed point (``fixed_point.py``; an ``N * d * 8`` bytes buffer of its own, added to ``dkv_accum`` in one pass at
+    the end): the same bits run to run.
     """
     T, H, D = q.shape
     cfg = _fit(config or _DEFAULT, q.dtype, D)
@@ -437,7 +462,12 @@ def sparse_attn_bwd(
     # The Gluon kernel keeps each 64-column chunk of its sums in its own column order (dkv_columns puts them
     # back), so it sums into a caller's buffer only where the caller keeps that order.
     own = dkv_accum is None or (gluon and not dkv_accum_stored)
-    dkv32 = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32) if own else dkv_accum
+    fixed = wants_deterministic(cfg.deterministic)
+    if fixed:
+        dkv32 = torch.zeros(kv.shape, device=kv.device, dtype=torch.int64)
+        fx = fixed_point_scale(_dkv_bound(q, kv, o, do, dlse, scale)) if T > 0 else None
+    else:
+        dkv32 = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32) if own else dkv_accum
     dsink_rows = torch.empty(T, H, device=q.device, dtype=torch.float32)
     if T > 0:
         bh = _head_block(H, cfg)
@@ -468,9 +498,17 @@ def sparse_attn_bwd(
             _report("bwd_dq", kernel, cfg)
             common["BD"] = max(common["BD"], 64)  # four column chunks of >= 16
             kernel = sparse_attn_bwd_kernel_dkv[grid](
-                dkv=dkv32, BK=cfg.bk_dkv, num_warps=cfg.warps_dkv, num_stages=cfg.stages_dkv, **common)
+                dkv=dkv32, fx=fx if fixed else dkv32, BK=cfg.bk_dkv, num_warps=cfg.warps_dkv,
+                num_stages=cfg.stages_dkv, FIXED=fixed, **common)
             _report("bwd_dkv", kernel, cfg)
     dsink = dsink_rows.sum(0).to(sink.dtype)
+    if fixed:
+        if T == 0:
+            return dq, None if dkv_accum is not None else torch.zeros_like(kv), dsink
+        if dkv_accum is not None:
+            from_fixed_point(dkv32, fx, out=dkv_accum, accumulate=True)
+            return dq, None, dsink
+        return dq, from_fixed_point(dkv32, fx, dtype=kv.dtype), dsink
     if gluon and own:
         dkv = dkv_accum if dkv_accum is not None else torch.empty_like(kv)
         dkv_columns(dkv32, dkv, accumulate=dkv_accum is not None)
