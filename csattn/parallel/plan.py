@@ -59,7 +59,8 @@ TRANSIENT = {"fixed_gib": 1.493 - 1.0, "kib_per_token": 22.1}
 # Measured one-GPU MFU of the proxy by tokens per step (benchmarks/results/h200/model.json, model_128k.json);
 # interpolated in log(tokens), held outside.
 MFU_BY_ROWS = {16384: 0.436, 65536: 0.420, 131072: 0.424}
-# Step time of each recompute relative to none, the proxy at 16k (lab/LOG.md, f0cc06a and 1a524c3 rows).
+# Step time of each recompute relative to none, the proxy at 16k (benchmarks.run --op model --shape
+# recompute=none,mhc,moe,block,full; ms per step, one H200).
 RECOMPUTE_SLOWDOWN = {"none": 1.0, "mhc": 411.5 / 393.6, "moe": 409.0 / 393.6, "block": 496.8 / 393.6,
                       "full": 575.9 / 408.0}
 _PROXY = {"D": 4096, "n": 4, "k": 2, "I": 2048, "ql": 1024, "topk": 512}
