@@ -290,3 +290,17 @@ def test_grad_norm_is_recorded_with_and_without_clipping(tmp_path):
         with open(path) as f:
             norms[clip] = [json.loads(line)["grad_norm"] for line in f]
     assert norms[0.0] == pytest.approx(norms[1e9], rel=1e-6) and all(n > 0 for n in norms[0.0])
+
+
+def test_checkpoint_holds_the_tokenizer_and_its_special_ids(files, tokenizer_dir, tmp_path):
+    """The saved checkpoint decodes and generates on its own: the tokenizer's files next to config.json, whose
+    BOS / EOS / PAD ids are the tokenizer's (not the model config's defaults 0 / 1 / None)."""
+    out = str(tmp_path / "run")
+    train(TrainConfig(steps=2, output=out, data="jsonl", data_path=files["jsonl"], tokenizer=tokenizer_dir, **SMALL))
+    saved = os.path.join(out, "checkpoint-000002")
+    tok, again = load_tokenizer(tokenizer_dir), load_tokenizer(saved)
+    assert "tokenizer.json" in os.listdir(saved) and again.get_vocab() == tok.get_vocab()
+    with open(os.path.join(saved, "config.json")) as f:
+        config = json.load(f)
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == \
+        (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (2, 3, 0)

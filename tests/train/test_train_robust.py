@@ -1,0 +1,227 @@
+"""``csattn train`` against divergence and user mistakes: non-finite steps are skipped (weights and optimizer
+state unchanged) and stop the run after ``--max-bad-steps``; non-finite weights are never saved and ``--keep-last``
+keeps the last good checkpoint; bad option values fail at parse time naming the flag; user mistakes end in one line
+without a traceback; ``--resume auto`` says when it starts fresh; time-based checkpoints."""
+
+import argparse
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from csattn.cli import build_parser, main
+from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
+from csattn.train import loop
+from csattn.train.errors import TrainingStopped, UserError
+from csattn.train.loop import TrainConfig, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = dict(seq_len=32, device="cpu", progress=False, warmup_steps=1)
+
+
+def _checkpoints(out: str) -> list[str]:
+    return sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
+
+
+def _poison_from(monkeypatch, first_call: int, what: str) -> None:
+    """From the ``first_call``-th forward on, a NaN loss (``what="loss"``) or a finite loss whose gradients are NaN
+    (``what="grad"``)."""
+    forward, calls = DeepseekV4ForCausalLM.forward, []
+
+    def poisoned(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) >= first_call:
+            if what == "loss":
+                out.loss = out.loss * float("nan")
+            else:
+                out.loss.register_hook(lambda g: g * float("nan"))
+        return out
+
+    monkeypatch.setattr(DeepseekV4ForCausalLM, "forward", poisoned)
+
+
+def _record_steps(monkeypatch) -> list[dict]:
+    """After each step: the model's weights and the AdamW step count of its first parameter."""
+    step, seen = loop.train_step, []
+
+    def recorded(model, batch, cp, meshes, optimizer, *args):
+        finish = step(model, batch, cp, meshes, optimizer, *args)
+
+        def done():
+            metrics = finish()
+            first = optimizer.state.get(optimizer.param_groups[0]["params"][0], {})
+            seen.append({"weights": {k: v.clone() for k, v in model.state_dict().items()},
+                         "adam_step": float(first["step"]) if "step" in first else 0.0, **metrics})
+            return metrics
+        return done
+
+    monkeypatch.setattr(loop, "train_step", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("what", ["loss", "grad"])
+def test_nonfinite_steps_are_skipped_then_the_run_stops(what, tmp_path, monkeypatch, capsys):
+    _poison_from(monkeypatch, 3, what)
+    seen = _record_steps(monkeypatch)
+    out = str(tmp_path / "run")
+    name = "loss and gradient norm" if what == "loss" else "gradient norm"  # a NaN loss gives NaN gradients
+    with pytest.raises(TrainingStopped, match=rf"steps 3\.\.5: 3 non-finite steps in a row \(--max-bad-steps 3; "
+                       rf"the last one: non-finite {name}\).*weights of step 2.*lower --lr"):
+        train(TrainConfig(steps=10, output=out, save_every=1, keep_last=2, export_hf="every", max_bad_steps=3,
+                          **SMALL))
+    text = capsys.readouterr().out
+    for step in (3, 4, 5):
+        assert f"warning: step {step}: non-finite {name}: step skipped" in text
+    assert [s["nonfinite"] for s in seen] == [None, None, name, name, name]
+    assert [s["adam_step"] for s in seen] == [1, 2, 2, 2, 2]  # no optimizer step on a skipped step
+    assert any(not torch.equal(seen[0]["weights"][k], v) for k, v in seen[1]["weights"].items())
+    for later in seen[2:]:  # weights and router biases those of step 2
+        for k, v in seen[1]["weights"].items():
+            assert torch.equal(later["weights"][k], v), k
+    # the checkpoints saved on skipped steps hold step 2's weights: finite; --keep-last kept the newest two (the
+    # run stopped before saving step 5)
+    assert _checkpoints(out) == ["checkpoint-000003", "checkpoint-000004"]
+    for name in _checkpoints(out):
+        weights = load_file(os.path.join(out, name, "model.safetensors"))
+        assert all(torch.isfinite(t).all() for t in weights.values()), name
+
+
+def test_a_run_recovers_from_fewer_bad_steps_than_the_limit(monkeypatch, capsys):
+    forward, calls = DeepseekV4ForCausalLM.forward, []
+
+    def one_bad(self, *args, **kwargs):  # the second step's loss only
+        out = forward(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            out.loss = out.loss * float("inf")
+        return out
+
+    monkeypatch.setattr(DeepseekV4ForCausalLM, "forward", one_bad)
+    result = train(TrainConfig(steps=3, max_bad_steps=1 + 1, **SMALL))
+    assert len(result.losses) == 3 and not torch.isfinite(torch.tensor(result.losses[1]))
+    assert "warning: step 2: non-finite loss" in capsys.readouterr().out
+
+
+def test_nonfinite_weights_are_never_saved_and_keep_last_keeps_the_good_one(tmp_path, monkeypatch):
+    step = loop.train_step
+
+    def breaks_weights(model, *args):
+        finish = step(model, *args)
+
+        def done():
+            metrics = finish()
+            if int(model.optimizer_steps) == 2:  # after the second step's update
+                with torch.no_grad():
+                    model.lm_head.weight[0, 0] = float("nan")
+            return metrics
+        model.optimizer_steps = getattr(model, "optimizer_steps", 0) + 1
+        return done
+
+    monkeypatch.setattr(loop, "train_step", breaks_weights)
+    out = str(tmp_path / "run")
+    with pytest.raises(TrainingStopped, match=r"step 2: the model's weights hold NaN or inf values: refusing to save "
+                       r".*checkpoint-000002; the checkpoints already under .* are kept"):
+        train(TrainConfig(steps=3, output=out, save_every=1, keep_last=1, export_hf="every", **SMALL))
+    assert _checkpoints(out) == ["checkpoint-000001"]
+    with open(os.path.join(out, "latest")) as f:
+        assert f.read().strip() == "checkpoint-000001"
+    weights = load_file(os.path.join(out, "checkpoint-000001", "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["train"]
+
+
+BASE = ["train", "--steps", "1", "--seq-len", "32", "--no-progress", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--lr", "nan"], r"argument --lr: must be a finite number > 0"),
+    (["--lr", "inf"], r"argument --lr: must be a finite number > 0"),
+    (["--lr", "0"], r"argument --lr: must be a finite number > 0"),
+    (["--lr=-1e-3"], r"argument --lr: must be a finite number > 0"),
+    (["--lr", "fast"], r"argument --lr: must be a finite number > 0 .*got 'fast'"),
+    (["--grad-clip", "nan"], r"argument --grad-clip: must be a finite number >= 0 \(0 = no clipping\)"),
+    (["--grad-clip", "inf"], r"argument --grad-clip: must be a finite number >= 0"),
+    (["--grad-clip", "-1"], r"argument --grad-clip: must be a finite number >= 0"),
+    (["--min-lr=-1e-4"], r"argument --min-lr: must be a finite number >= 0 and <= --lr"),
+    (["--lr", "1e-3", "--min-lr", "1e-2"], r"--min-lr 0\.01 is above --lr 0\.001: .*pass a --min-lr <= --lr"),
+    (["--save-every", "-1"], r"argument --save-every: must be an integer >= 0 \(0 = no step interval"),
+    (["--save-every-minutes", "-5"], r"argument --save-every-minutes: must be a finite number >= 0"),
+    (["--seq-len", "1"], r"argument --seq-len: must be an integer >= 2"),
+    (["--steps", "0"], r"argument --steps: must be an integer >= 1"),
+    (["--keep-last", "0"], r"argument --keep-last: must be an integer >= 1 \(leave it out to keep every"),
+    (["--beta1", "1"], r"argument --beta1: must be a finite number in \[0, 1\)"),
+    (["--beta2", "nan"], r"argument --beta2: must be a finite number in \[0, 1\)"),
+    (["--adam-eps", "0"], r"argument --adam-eps: must be a finite number > 0"),
+    (["--weight-decay", "inf"], r"argument --weight-decay: must be a finite number >= 0"),
+    (["--max-bad-steps", "0"], r"argument --max-bad-steps: must be an integer >= 1"),
+    (["--dist-timeout", "nan"], r"argument --dist-timeout: must be a finite number of seconds > 0"),
+    (["--save-every", "2"], r"--save-every needs --output DIR"),
+    (["--doc-min-len", "50", "--doc-max-len", "20"], r"--doc-min-len 50 is above --doc-max-len 20"),
+])
+def test_bad_option_values_are_refused_naming_the_flag(argv, expected, capsys):
+    try:
+        rc = main(BASE + argv)
+    except SystemExit as e:  # argparse
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    import re
+
+    assert re.search(expected, err), err
+
+
+def test_option_values_at_their_limits_parse_and_the_api_refuses_alike():
+    args = _train_parser().parse_args(["--grad-clip", "0", "--save-every", "0", "--min-lr", "0", "--beta1", "0"])
+    assert args.grad_clip == 0.0 and args.save_every == 0 and args.min_lr == 0.0  # 0 = off / none
+    for bad in (dict(lr=float("nan")), dict(grad_clip=-1.0), dict(keep_last=0), dict(seq_len=1), dict(steps=0),
+                dict(adam_eps=float("inf")), dict(min_lr=1.0, lr=0.1)):
+        with pytest.raises(UserError):
+            TrainConfig(**bad).validate()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--data", "jsonl", "--data-path", "no/such.jsonl"], r"--data-path 'no/such\.jsonl': no such file"),
+    (["--resume", "no/such/dir"], r"--resume 'no/such/dir' has no trainer_state"),
+    (["--cp", "2"], r"--cp 2 .*torchrun"),
+])
+def test_user_mistakes_end_in_one_line_without_traceback(argv, expected, capsys):
+    assert main(BASE + argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("csattn train: error: "), err
+    import re
+
+    assert re.search(expected, lines[0]), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_triton_backend_without_cuda_is_refused_at_startup(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(BASE + ["--attention-backend", "triton"]) == 2
+    err = capsys.readouterr().err
+    assert "--attention-backend triton needs a CUDA GPU" in err and "TRITON_INTERPRET=1" in err
+    assert "Traceback" not in err and "active drivers" not in err
+
+
+def test_resume_auto_with_nothing_to_resume_says_so(tmp_path, capsys):
+    out = str(tmp_path / "fresh")
+    result = train(TrainConfig(steps=1, output=out, resume="auto", **SMALL))
+    assert result.start_step == 0
+    assert f"--resume auto: no checkpoint under {out}: starting from step 0" in capsys.readouterr().out
+
+
+def test_time_based_checkpoints(tmp_path):
+    assert TrainConfig(output="x").save_minutes == 30.0  # the default with --output and no --save-every
+    assert TrainConfig(output="x", save_every=10).save_minutes == 0.0
+    assert TrainConfig().save_minutes == 0.0  # nothing to save to
+    out = str(tmp_path / "run")
+    train(TrainConfig(steps=3, output=out, save_every_minutes=1e-9, **SMALL))  # due after every step
+    assert _checkpoints(out) == ["checkpoint-000001", "checkpoint-000002", "checkpoint-000003"]
