@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from ..models.deepseek_v4.checkpoint import read_config
+from ..ops.backend import resolve_backend
 from ..ops.indexer_loss import IndexerLossAutoScaler
 from ..parallel import (
     Meshes,
@@ -285,12 +286,9 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Meshes, torch.device]:
         raise ValueError(f"--device cuda: {why} (torch {torch.__version__}); install the CUDA build of torch on "
                          "a GPU machine, or pass --device cpu (or --device auto)")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if cfg.attention_backend == "triton" and not use_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        # checked here: Triton would fail at the first kernel with "0 active drivers"
-        where = "--device cpu" if cfg.device == "cpu" else "no CUDA GPU is visible"
-        raise ValueError(f"--attention-backend triton needs a CUDA GPU ({where}): pass --attention-backend auto "
-                         "(Triton on CUDA, the reference kernels on the CPU) or reference, or set TRITON_INTERPRET=1 "
-                         "to run the Triton kernels in Triton's (slow) CPU interpreter")
+    # at startup, before the process group and the model: --attention-backend triton off CUDA (without Triton's
+    # interpreter) would otherwise fail only at the first forward
+    resolve_backend(cfg.attention_backend, "cuda" if use_cuda else "cpu")
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         backend = cfg.dist_backend if cfg.dist_backend != "auto" else "nccl" if use_cuda else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout))

@@ -205,9 +205,12 @@ def test_user_mistakes_end_in_one_line_without_traceback(argv, expected, capsys)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_triton_backend_without_cuda_is_refused_at_startup(monkeypatch, capsys):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    built = []
+    monkeypatch.setattr(loop, "build_model", lambda *a: built.append(1))  # refused before the model is built
     assert main(BASE + ["--attention-backend", "triton"]) == 2
     err = capsys.readouterr().err
-    assert "--attention-backend triton needs a CUDA GPU" in err and "TRITON_INTERPRET=1" in err
+    assert err.startswith("csattn train: error: backend 'triton' runs the Triton kernels, which need CUDA tensors")
+    assert "--attention-backend auto" in err and "TRITON_INTERPRET=1" in err and not built
     assert "Traceback" not in err and "active drivers" not in err
 
 
