@@ -2,17 +2,20 @@
 
 Several query rows add into the same key row (sparse attention's ``dkv``, the indexer loss's ``dk``), and fp32
 atomics sum in whatever order the GPU schedules them: not bitwise reproducible. With ``deterministic=1`` in the
-kernel configs (or under ``torch.use_deterministic_algorithms(True)``), each contribution ``x`` is rounded once to an integer ``round(x * 2**e)`` and added with int64
-atomics into an int64 buffer. Integer addition is associative, so the sum is the same bits whatever the order
-(also across GPUs with other SM counts and grids); the host turns it back into floats once
-(``sum * 2**-e``). Workspace: an int64 ``[N, d]`` buffer (``N * d * 8`` bytes) instead of the fp32 one.
+kernel configs (or under ``torch.use_deterministic_algorithms(True)``), each contribution ``x`` is rounded once to
+an integer ``round(x * 2**e)`` and added with int64 atomics into an int64 buffer. Integer addition is
+associative, so the sum is the same bits whatever the order (also across GPUs with other SM counts and grids); the
+host turns it back into floats once (``sum * 2**-e``). Workspace: an int64 ``[N, d]`` buffer (``N * d * 8``
+bytes) instead of the fp32 one.
 
 The exponent ``e`` comes from a bound ``B`` on the magnitude of every partial sum, computed on the device from
 maxima of the inputs (one read of each, no host sync): ``e = floor(60 - log2 B)``, so ``|sum| * 2**e <= 2**60``
-and nothing overflows. The result's absolute error is at most ``n_terms * 2**-(e + 1)`` = ``n_terms * B *
-2**-61``: with the kernels' bounds (``B`` is a few ``2**20`` times the largest gradient entry at 32k tokens) that
-is below ``2**-30`` of the largest entry, well under fp32 atomics' own rounding and bf16's. A non-finite bound (an
-inf or NaN among the inputs) makes the whole result NaN, as fp32 atomics would spread it.
+and nothing overflows. Each term is rounded once, by at most ``2**-(e + 1)``, so an entry summing ``n`` terms is off
+by at most ``n * B * 2**-60`` (``B`` as rounded in ``e``), plus one fp32 rounding at the end. The bounds are loose
+(sparse attention's is ``rows * heads`` times a per-(row, head) maximum, some ``2**26`` at 32k tokens), yet with
+``n <= rows = 2**15`` that is ``2**-19`` of the per-(row, head) maximum: about fp32 atomics' own worst case over that
+many terms and far below bf16's rounding of the gradient. A non-finite bound (an inf or NaN among the inputs) makes
+the whole result NaN, as fp32 atomics would spread it.
 """
 
 from __future__ import annotations

@@ -240,9 +240,9 @@ def indexer_kl_bwd(
     """Gradients ``(dq_idx [T, HI, cI], dw [T, HI], dk_idx [Nc, cI])``: dq in ``q_idx.dtype`` and dw in
     ``w.dtype`` (each row is written by one program), dk in fp32 (rows picked by many queries add up), added
     into ``dk_accum`` when given (blocks of rows in turn). ``config``: tiles and warps (None: the defaults).
-    With ``config.deterministic`` (or under ``torch.use_deterministic_algorithms(True)``) the kernel sums ``dk`` exactly in int64 fixed point (``fixed_point.py``; an
-    ``Nc * cI * 8`` bytes buffer of its own, turned into fp32 / added to ``dk_accum`` once): the same bits run to
-    run."""
+    With ``config.deterministic`` (or under ``torch.use_deterministic_algorithms(True)``) the kernel sums ``dk``
+    exactly in int64 fixed point (``fixed_point.py``; an ``Nc * cI * 8`` bytes buffer of its own, turned into fp32
+    / added to ``dk_accum`` once): the same bits run to run."""
     cfg = config or _DEFAULT
     num_rows = q_idx.shape[0]
     dense = selected is None
