@@ -72,7 +72,12 @@ def _info(cfg, lengths: list[int], model) -> dict:
 def csattn_model(shape, device, dtype, variant=""):
     if device.type != "cuda":
         raise Skip("the model step is timed on CUDA only")
+    if variant not in ("", "deterministic"):
+        raise Skip(f"csattn's model takes no variant but 'deterministic', got {variant!r}")
     cfg = proxy_config(shape)
+    # "deterministic": every layer's AttentionConfig.deterministic (the kernels' fixed-point key gradients); torch's
+    # own deterministic mode (csattn.set_deterministic) is process-wide and is left as it is
+    cfg.deterministic = variant == "deterministic"
     model = proxy_model(cfg, dtype, device, int(shape["seed"]))
     lengths, ids, packed, labels = _batch(shape, cfg.vocab_size, device)
     cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
