@@ -228,3 +228,48 @@ def test_time_based_checkpoints(tmp_path):
     out = str(tmp_path / "run")
     train(TrainConfig(steps=3, output=out, save_every_minutes=1e-9, **SMALL))  # due after every step
     assert _checkpoints(out) == ["checkpoint-000001", "checkpoint-000002", "checkpoint-000003"]
+
+
+def _poisoned_rank_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1 alone gets a NaN loss from its second step on; every rank writes how its run ended."""
+    import json
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    forward, calls = DeepseekV4ForCausalLM.forward, []
+
+    def poisoned(self, *args, **kwargs):
+        result = forward(self, *args, **kwargs)
+        calls.append(1)
+        if rank == 1 and len(calls) >= 2:
+            result.loss = result.loss * float("nan")
+        return result
+
+    DeepseekV4ForCausalLM.forward = poisoned
+    try:
+        train(TrainConfig(**{**SMALL, "seq_len": 64}, steps=6, dp_shard=2, max_bad_steps=2))
+        ended = "finished"
+    except TrainingStopped as e:
+        ended = str(e)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(ended, f)
+
+
+@pytest.mark.slow
+def test_every_rank_skips_and_stops_alike_when_one_rank_is_nonfinite(tmp_path):
+    """Under torch.distributed (2 gloo ranks, FSDP over 2) a NaN loss on one rank only: the all-reduced flag makes
+    both ranks skip the same steps and stop together with the same error (no rank left waiting in a collective)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from csattn.cp import free_port
+
+    mp.start_processes(_poisoned_rank_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    ended = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert ended[0] == ended[1] and ended[0].startswith("steps 2..3: 2 non-finite steps in a row"), ended
