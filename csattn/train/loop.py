@@ -221,6 +221,11 @@ class TrainConfig:
         for name in ("save_every", "save_every_minutes", "keep_last"):
             if getattr(self, name) and not self.output:
                 raise UserError(f"--{name.replace('_', '-')} needs --output DIR: the directory the checkpoints go to")
+        if self.config_json and not os.path.isfile(self.config_json):
+            raise UserError(f"--config-json {self.config_json!r}: no such file (an HF config.json)")
+        if self.init_from and not os.path.isdir(self.init_from):
+            raise UserError(f"--init-from {self.init_from!r} is not a directory: pass a local HF-format checkpoint "
+                            "directory (config.json + safetensors)")
         if self.data_path and self.data not in ("jsonl", "parquet"):
             raise UserError(f"--data-path is read by --data jsonl / parquet, not --data {self.data} (text files: "
                             "--data text --text-path)")

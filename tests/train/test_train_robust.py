@@ -191,6 +191,8 @@ def test_option_values_at_their_limits_parse_and_the_api_refuses_alike():
     (["--data", "jsonl", "--data-path", "no/such.jsonl"], r"--data-path 'no/such\.jsonl': no such file"),
     (["--resume", "no/such/dir"], r"--resume 'no/such/dir' has no trainer_state"),
     (["--cp", "2"], r"--cp 2 .*torchrun"),
+    (["--config-json", "no/such.json"], r"--config-json 'no/such\.json': no such file"),
+    (["--init-from", "no/such/dir"], r"--init-from 'no/such/dir' is not a directory"),
 ])
 def test_user_mistakes_end_in_one_line_without_traceback(argv, expected, capsys):
     assert main(BASE + argv) == 2
