@@ -506,7 +506,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 _say(bar, f"step {step + 1}: loss {metrics['loss']:.4f} lm {metrics['lm_loss']:.4f} "
                      f"indexer {metrics['indexer_loss']:.4g} lr {scheduler.get_last_lr()[0]:.3g} tok/s {tps:.0f}"
                      + (f" MFU {mfu}" if mfu else ""))
-            bad_run = _check_finite_step(cfg, step + 1, metrics["nonfinite"], bad_run, bar if rank == 0 else False)
+            bad_run = _check_finite_step(cfg, step + 1, metrics["nonfinite"], bad_run, rank, bar)
             # with --output the final step is always saved; --save-every and --save-every-minutes add the
             # intermediate checkpoints (the clock is asked on every rank alike: it is a collective)
             last = step + 1 == cfg.steps
@@ -554,14 +554,15 @@ def _special_ids(tokenizer: Any) -> dict[str, Any] | None:
     return {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
 
 
-def _check_finite_step(cfg: TrainConfig, step: int, nonfinite: str | None, bad_run: int, bar: Any) -> int:
-    """Count non-finite (skipped) steps in a row: a warning line for each (``bar`` False on ranks other than 0),
-    :class:`TrainingStopped` at ``max_bad_steps``. Returns the new count. Every rank got the same all-reduced
+def _check_finite_step(cfg: TrainConfig, step: int, nonfinite: str | None, bad_run: int, rank: int,
+                       bar: Any) -> int:
+    """Count non-finite (skipped) steps in a row: a warning line for each (rank 0), :class:`TrainingStopped` at
+    ``max_bad_steps``. Returns the new count. Every rank got the same all-reduced
     verdict from the step, so every rank stops alike."""
     if nonfinite is None:
         return 0
     bad_run += 1
-    if bar is not False:
+    if rank == 0:
         _say(bar, f"warning: step {step}: non-finite {nonfinite}: step skipped (weights, optimizer state and router "
                   f"biases unchanged; {bad_run} in a row, the run stops at --max-bad-steps {cfg.max_bad_steps})")
     if bad_run >= cfg.max_bad_steps:

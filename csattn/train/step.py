@@ -8,8 +8,9 @@ batch in one process.
 
 Non-finite steps: one flag per step (this rank's loss, the global gradient norm), MAX all-reduced, so every rank
 decides alike; a step whose loss or gradient norm is NaN / inf is skipped: no optimizer step (weights and AdamW
-state unchanged), no router-bias update, gradients dropped. Reading the flag is the step's one host sync; it
-happens in ``finish()``, after the host has built the next batch, and the optimizer step runs after it.
+state unchanged), no router-bias update, gradients dropped. The flag is read in ``finish()`` (a host sync, like
+the metrics read there), after the host has built the next batch while the device ran the backward; the optimizer
+step is launched after that read, so the device waits only for its first launches.
 """
 
 from __future__ import annotations
