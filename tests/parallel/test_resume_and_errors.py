@@ -103,7 +103,7 @@ def short_pool():
 def _errors(pool: RankPool, **kwargs) -> list[str]:
     res = pool.run(error_task, 4, **kwargs)
     assert all(status == "error" for status, _ in res), res
-    assert all(value[0] == "ValueError" for _, value in res), [v[:2] for _, v in res]
+    assert all(value[0] in ("ValueError", "UserError") for _, value in res), [v[:2] for _, v in res]
     messages = [value[1] for _, value in res]
     assert len(set(messages)) == 1, messages  # the same decision on every rank
     return messages
