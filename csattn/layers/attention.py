@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from ..amp import autocast_dtype, autocast_off, low_precision_parameters
 from ..config import AttentionConfig
+from ..ops.autograd import with_zero_grads
 from ..ops.backend import resolve_backend
 from ..ops.indexer_loss import SparseTeacher, attach_indexer_loss, indexer_kl_from_teacher, sparse_teacher_block
 from ..ops.indices import combine_indices, range_indices
@@ -147,7 +148,12 @@ class HybridAttention(nn.Module):
                 compressed_ids = CompressedRange(entries.vis_start, entries.vis_end, entries.max_visible)
             else:
                 compressed_ids, loss = self._select(x, qr, cos, sin, keys[0], plan)
-        return self._heads(qr, cos, sin, kv, ckv, plan.window_ids, compressed_ids, loss, ops)
+        out = self._heads(qr, cos, sin, kv, ckv, plan.window_ids, compressed_ids, loss, ops)
+        if self.compressor is not None and (entries is None or entries.meta.entry_row.numel() == 0):
+            # no whole window in this rank's rows: the compressor pooled nothing, but every rank of an FSDP mesh
+            # must reduce the same gradients, so its parameters get zeros rather than none (a shape, no sync)
+            out = with_zero_grads(out, list(self.compressor.parameters()))
+        return out
 
     def load_hf_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
         """Load the state dict of a Hugging Face ``DeepseekV4Attention`` (same names).

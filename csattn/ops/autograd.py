@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["autograd_vjp", "named_grads", "recording_autograd"]
+__all__ = ["autograd_vjp", "named_grads", "recording_autograd", "with_zero_grads"]
 
 _K = torch._C.DispatchKey
 _AUTOGRAD_KEYS = (_K.AutogradOther, _K.AutogradNestedTensor, _K.AutogradCPU, _K.AutogradCUDA)
@@ -88,3 +88,26 @@ def named_grads(fn: Any) -> Callable[..., tuple]:
 
     grads.inputs = names  # type: ignore[attr-defined]
     return grads
+
+
+class _WithZeroGrads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, *params: Tensor) -> Tensor:
+        ctx.shapes = [(p.shape, p.dtype, p.device) for p in params]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return (grad, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes))
+
+
+def with_zero_grads(out: Tensor, params: Sequence[Tensor]) -> Tensor:
+    """``out`` unchanged, with zero gradients for ``params`` in its backward.
+
+    For parameters a forward did not use on this rank's rows (a compressor when no document has a whole window):
+    under FSDP every rank must reduce the same gradients, so an unused parameter gets an exact zero gradient
+    instead of none. Unlike adding ``0 * p.sum()``, the output's values never depend on the parameters (an inf
+    weight does not make it NaN)."""
+    if not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
+        return out
+    return _WithZeroGrads.apply(out, *params)
