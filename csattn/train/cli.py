@@ -67,6 +67,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--offload-block-inputs", action="store_true",
                    help="with --recompute block / full: keep each decoder block's input streams in pinned host "
                         "memory until its recomputation (for the longest sequences)")
+    m.add_argument("--deterministic", action="store_true",
+                   help="bitwise-reproducible steps on the same GPU and software: torch's deterministic mode and "
+                        "fixed-point sums in the attention kernels' key gradients (slower: see BENCHMARKS.md)")
     m.add_argument("--activation-checkpointing", action="store_true",
                    help="the same as --recompute block")
     d = parser.add_argument_group("data")

@@ -142,6 +142,7 @@ class TrainConfig:
     mtp_layers: int | None = None
     dtype: str = "float32"
     attention_backend: str = "auto"
+    deterministic: bool = False  # bitwise-reproducible steps (csattn.set_deterministic + fixed-point kernels)
     activation_checkpointing: bool = False  # the same as recompute="block"
     recompute: str = "none"
     offload_block_inputs: bool = False  # with recompute block / full: block inputs in pinned host memory
@@ -260,6 +261,7 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int | None = None,
     overrides: dict[str, Any] = dict(**(special_ids or {}), indexer_loss_coeff=cfg.indexer_loss_coeff,
                                      mtp_loss_coeff=cfg.mtp_loss_coeff,
                                      attention_backend=cfg.attention_backend,
+                                     deterministic=cfg.deterministic,
                                      recompute="block" if cfg.activation_checkpointing else cfg.recompute,
                                      offload_block_inputs=cfg.offload_block_inputs)
     if cfg.mtp_layers is not None:
@@ -387,8 +389,27 @@ def train(cfg: TrainConfig) -> TrainResult:
     """Run ``cfg.steps`` optimizer steps (counting any resumed ones). Works in one process or under torchrun.
 
     Raises :class:`UserError` on a mistake in the options, checkpoints or data files, and :class:`TrainingStopped`
-    after ``max_bad_steps`` non-finite steps in a row or when the weights to save are not finite."""
+    after ``max_bad_steps`` non-finite steps in a row or when the weights to save are not finite.
+
+    ``cfg.deterministic`` turns torch's deterministic mode on for the run (:func:`csattn.set_deterministic`, before
+    any CUDA work) and gives the model's kernels fixed-point sums: two runs, or a run killed and resumed, give the
+    same bits on the same GPU and software. The process's previous mode is restored at the end."""
     cfg.validate()
+    if not cfg.deterministic:
+        return _train(cfg)
+    from ..deterministic import set_deterministic
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    set_deterministic(True)
+    try:
+        return _train(cfg)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+
+
+def _train(cfg: TrainConfig) -> TrainResult:
     with user_errors():
         meshes, device = setup_distributed(cfg)
     dims, rank = meshes.dims, meshes.rank

@@ -275,3 +275,29 @@ def test_every_rank_skips_and_stops_alike_when_one_rank_is_nonfinite(tmp_path):
     mp.start_processes(_poisoned_rank_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     ended = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert ended[0] == ended[1] and ended[0].startswith("steps 2..3: 2 non-finite steps in a row"), ended
+
+
+def test_deterministic_runs_are_bitwise_equal_and_the_mode_is_restored():
+    """``--deterministic``: the model's kernels get fixed-point sums, torch's deterministic mode is on during the run
+    and back off after it, and two runs give the same bits (losses and every weight)."""
+    argv = ["train", "--deterministic", "--steps", "3", "--seq-len", "64", "--device", "cpu", "--no-progress"]
+    args = build_parser().parse_args(argv)
+    assert args.deterministic
+    seen = []
+    real = loop.build_model
+
+    def spy(cfg, model_cfg, *a, **k):
+        seen.append((model_cfg.deterministic, torch.are_deterministic_algorithms_enabled()))
+        return real(cfg, model_cfg, *a, **k)
+
+    runs = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "build_model", spy)
+        for _ in range(2):
+            runs.append(train(TrainConfig(steps=3, seq_len=64, device="cpu", progress=False, deterministic=True)))
+    assert seen == [(True, True), (True, True)]
+    assert not torch.are_deterministic_algorithms_enabled()
+    a, b = runs
+    assert a.losses == b.losses
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
