@@ -169,7 +169,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS / 1e12,
                     help=f"the GPU's dense bf16 matmul rate for MFU (default: {PEAK_FLOPS / 1e12:.0f}, measured on "
                          "the H200)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch's deterministic mode for the whole run (csattn.set_deterministic, before any CUDA "
+                         "work), as csattn train --deterministic sets it")
     args = ap.parse_args(argv)
+    if args.deterministic:
+        from csattn.deterministic import set_deterministic
+
+        set_deterministic()
 
     modes = [m for m in args.mode.split(",") if m]
     for m in modes:

@@ -10,7 +10,8 @@
 #   call 1, carry .peerwhl/c1a:                  CSATTN_COMMIT=<sha> bash lab/results_session.sh 1
 #       the model step (16k-512k), csattn train on one GPU and on gloo meshes           about 8.5 min
 #   call 2, carry .peerwhl/c1b .peerwhl/c2 .whl: CSATTN_COMMIT=<sha> bash lab/results_session.sh 2
-#       the CUDA-graph step, the kernels against cuDNN, the model against HF eager      about 3.5 min
+#       the CUDA-graph step, the kernels against cuDNN, the model against HF eager, the
+#       deterministic mode's cost                                                        about 5.5 min
 #   call 3 (any machine):                        CSATTN_COMMIT=<sha> bash lab/results_session.sh 3
 #       the CP = 4 and CP = 1 reports                                                   about 9.5 min
 #   here:        copy the calls' $OUT/*.json into benchmarks/results/h200/, then
@@ -46,7 +47,7 @@ case ${1:?usage: results_session.sh split, 1, 2 or 3} in
     fi
     export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD"
     python3 -c "import cudnn.deepseek_sparse_attention as d; d.DSA" || echo "cuDNN's DSA module does not import"
-    measure graphs kernels hf ;;
+    measure graphs kernels hf deterministic ;;
   3)
     export PYTHONPATH="$PWD"
     measure report-cp4 report-cp1 ;;

@@ -76,7 +76,7 @@ def csattn_model(shape, device, dtype, variant=""):
         raise Skip(f"csattn's model takes no variant but 'deterministic', got {variant!r}")
     cfg = proxy_config(shape)
     # "deterministic": every layer's AttentionConfig.deterministic (the kernels' fixed-point key gradients); torch's
-    # own deterministic mode (csattn.set_deterministic) is process-wide and is left as it is
+    # own deterministic mode is process-wide: benchmarks.run --deterministic sets it for the whole run
     cfg.deterministic = variant == "deterministic"
     model = proxy_model(cfg, dtype, device, int(shape["seed"]))
     lengths, ids, packed, labels = _batch(shape, cfg.vocab_size, device)

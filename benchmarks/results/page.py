@@ -12,6 +12,7 @@ from .sections import (
     Context,
     Section,
     cp_section,
+    deterministic_section,
     graphs_section,
     hf_section,
     kernels_section,
@@ -24,7 +25,8 @@ from .sources import REPORT_PARTS, STAGES
 
 __all__ = ["render_page"]
 
-SECTIONS = (model_section, hf_section, layer_section, cp_section, kernels_section, graphs_section, sharded_section)
+SECTIONS = (model_section, hf_section, layer_section, cp_section, kernels_section, graphs_section, sharded_section,
+            deterministic_section)
 
 
 def _link(target: Path, page: Path) -> str:

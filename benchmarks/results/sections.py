@@ -10,7 +10,7 @@ from .data import Results, gib, ms, num, times, tok
 from .sources import SHARDED, source
 
 __all__ = ["Section", "Claim", "Context", "model_section", "hf_section", "layer_section", "cp_section",
-           "kernels_section", "graphs_section", "sharded_section"]
+           "kernels_section", "graphs_section", "sharded_section", "deterministic_section"]
 
 PATHS = {"triton": "csattn (fused)", "unfused": "unfused PyTorch", "reference": "PyTorch reference",
          "hf": "HF eager"}
@@ -325,3 +325,34 @@ def sharded_section(ctx: Context) -> Section | None:
                      rows), "", f"From [`{SHARDED}`]({ctx.json_link}/{SHARDED}) (commit `{meta.get('commit', '?')}`):",
              "", f"    {source(SHARDED).command()}"]
     return Section("Sharded training", lines)
+
+
+DETERMINISTIC = (("deterministic_kernels.json", "sparse-attention backward"),
+                 ("deterministic_indexer_loss.json", "indexer-loss backward"))
+
+
+def deterministic_section(ctx: Context) -> Section | None:
+    rows = []
+    for file, name in DETERMINISTIC:
+        by_t: dict[int, dict[str, dict]] = defaultdict(dict)
+        for r in ctx.res.records(file, provider="triton"):
+            if r.get("ms") is not None:
+                by_t[r["shape"]["tokens"]][r.get("variant", "")] = r
+        for t, v in sorted(by_t.items()):
+            base, det = v.get(""), v.get("deterministic=1")
+            if base and det:
+                rows.append([name, tok(t), ms(base["ms"]), ms(det["ms"]), times(det["ms"] / base["ms"])])
+    base = ctx.res.one("model.json", provider="csattn", variant="", tokens=16384, recompute="none")
+    det = ctx.res.one("model_deterministic.json", provider="csattn", variant="deterministic", tokens=16384)
+    if base and det:
+        rows.append(["proxy training step", tok(16384), ms(base["ms"]), ms(det["ms"]), times(det["ms"] / base["ms"])])
+    if not rows:
+        return None
+    lines = ["`deterministic=True` (`csattn train --deterministic`, `csattn.set_deterministic()`): the key gradients "
+             "of the sparse attention and the indexer loss summed in exact int64 fixed point (the same bits in any "
+             "order), and torch's deterministic mode for the proxy step. Time with it over time without "
+             "(the cost); bf16, H200. The deterministic sparse-attention backward runs the Triton kernel, the default "
+             "the Gluon one.", "",
+             *_table(["step", "tokens", "default ms", "deterministic ms", "cost"], rows),
+             *_provenance(ctx, [f for f, _ in DETERMINISTIC] + ["model_deterministic.json"])]
+    return Section("Deterministic mode", lines)

@@ -64,6 +64,11 @@ def json_dir(tmp_path: Path) -> Path:
     _report(d / "report_cp1.json", [_layer("csa", "triton", 1, "contiguous", 0, 40.0, 1.4, 0.2),
                                     _layer("csa", "unfused", 1, "contiguous", 0, 800.0, 7.0, 3.0),
                                     _layer("csa", "hf", 1, "contiguous", 0, 240.0, 9.8, None)])
+    _runner(d / "deterministic_kernels.json", [_kernel("triton", 32768, 16.0, 2.0),
+                                                {**_kernel("triton", 32768, 20.0, 2.1), "variant": "deterministic=1"}])
+    det = {**_kernel("triton", 32768, 9.0, 0.5), "variant": "deterministic=1"}
+    _runner(d / "deterministic_indexer_loss.json", [_kernel("triton", 32768, 7.5, 0.5), det])
+    _runner(d / "model_deterministic.json", [{**_model(16384, 330.0, 9.6), "variant": "deterministic"}])
     parts = [(part, r) for part in ("contiguous", "balanced") for r in range(4)]
     _report(d / "report_cp4.json", [*(_layer("csa", "triton", 4, part, r, 60.0, 1.0, 0.05) for part, r in parts),
                                     *(_layer("csa", "triton", 4, part, r, 10.0 + r, 0.3, None, kind="isolated")
@@ -94,8 +99,12 @@ def test_page_from_json_alone(tmp_path, json_dir):
     assert "CP = 1: 0.20 GiB kept, 1.40 GiB peak | - | 4.00x |" in headline
     assert "eager: 20.0 ms | 1.25x | - |" in headline
     for title in ("Model step", "HF integration", "Layer", "Context parallelism", "Kernels against cuDNN",
-                  "CUDA-graph step", "Method"):
+                  "CUDA-graph step", "Deterministic mode", "Method"):
         assert f"\n## {title}\n" in md
+    for row in ("| sparse-attention backward | 32k | 16.0 | 20.0 | 1.25x |",
+                "| indexer-loss backward | 32k | 7.500 | 9.000 | 1.20x |",
+                "| proxy training step | 16k | 300.0 | 330.0 | 1.10x |"):
+        assert row in md
     # every table names the JSON it comes from and the command that writes it
     for name in ("model.json", "model_512k.json", "model_hf.json", "report_cp1.json", "sparse_attn_bwd.json",
                  "layer_step.json"):
@@ -144,7 +153,8 @@ def test_stages_name_registered_ops_and_providers():
     for src in (s for runs in STAGES.values() for s in runs if s.module == "benchmarks.run"):
         args = list(src.args)
         op, providers = args[args.index("--op") + 1], args[args.index("--providers") + 1].split(",")
-        assert set(providers) <= set(PROVIDERS[op]), (src.file, providers)
+        names = {p.partition("[")[0] for p in providers}  # name[variant]: the variant is the provider's to take
+        assert names <= set(PROVIDERS[op]), (src.file, providers)
 
 
 def test_measure_keeps_budget_and_timeouts(tmp_path, monkeypatch):
