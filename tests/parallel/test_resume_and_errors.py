@@ -30,7 +30,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_save_on_4_ranks_resume_on_2_and_on_1(tmp_path):
-    """Saved at step 2 by dp_shard 2 x cp 2, resumed by dp_shard 2 x ep 2 (2 ranks) and by one process: steps 3
+    """Saved at step 2 by dp_shard 2 x cp 2 and resumed there: bit for bit the uninterrupted run. Resumed by
+    dp_shard 2 x ep 2 (2 ranks) and by one process: steps 3
     and 4 equal the uninterrupted 4-rank run to 1e-12 (fp64), and so does every final weight, except where two
     uninterrupted runs on the two meshes already differ by more (the meshes sum gradients in different orders,
     which Adam's normalization turns into relative weight differences of a few 1e-12 on the mHC bases): there
@@ -39,6 +40,10 @@ def test_save_on_4_ranks_resume_on_2_and_on_1(tmp_path):
     full = run_spawned(4, TrainConfig(**RUN, dp_shard=2, cp=2, output=out, save_every=2))
     ckpt = os.path.join(out, "checkpoint-000002")
     assert os.path.isdir(os.path.join(ckpt, "dcp"))
+    # on the mesh that saved it, the resumed run is the uninterrupted one, bit for bit
+    same = run_spawned(4, TrainConfig(**RUN, dp_shard=2, cp=2, resume=ckpt))
+    assert same["losses"] == full["losses"][2:]
+    assert all(torch.equal(same["state"][k], v) for k, v in full["state"].items())
     two = run_spawned(2, TrainConfig(**RUN, dp_shard=2, ep=2, resume=ckpt))
     two_straight = run_spawned(2, TrainConfig(**RUN, dp_shard=2, ep=2))
     one = train(TrainConfig(**RUN, resume=ckpt))
