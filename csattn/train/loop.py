@@ -106,7 +106,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "doc_max_len": (_at_least(2), "an integer >= 2"),
     "vocab_size": (_at_least(4), "an integer >= 4"),
     "mtp_layers": (_at_least(0), "an integer >= 0"),
-    "lr": (_finite(0, lo_open=True), "a finite number > 0 (the peak learning rate)"),
+    "lr": (_finite(0), "a finite number >= 0 (the peak learning rate; 0 leaves the weights as they are)"),
     "min_lr": (_finite(0), "a finite number >= 0 and <= --lr"),
     "warmup_steps": (_at_least(0), "an integer >= 0"),
     "weight_decay": (_finite(0), "a finite number >= 0"),

@@ -141,11 +141,10 @@ BASE = ["train", "--steps", "1", "--seq-len", "32", "--no-progress", "--device",
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--lr", "nan"], r"argument --lr: must be a finite number > 0"),
-    (["--lr", "inf"], r"argument --lr: must be a finite number > 0"),
-    (["--lr", "0"], r"argument --lr: must be a finite number > 0"),
-    (["--lr=-1e-3"], r"argument --lr: must be a finite number > 0"),
-    (["--lr", "fast"], r"argument --lr: must be a finite number > 0 .*got 'fast'"),
+    (["--lr", "nan"], r"argument --lr: must be a finite number >= 0"),
+    (["--lr", "inf"], r"argument --lr: must be a finite number >= 0"),
+    (["--lr=-1e-3"], r"argument --lr: must be a finite number >= 0"),
+    (["--lr", "fast"], r"argument --lr: must be a finite number >= 0 .*got 'fast'"),
     (["--grad-clip", "nan"], r"argument --grad-clip: must be a finite number >= 0 \(0 = no clipping\)"),
     (["--grad-clip", "inf"], r"argument --grad-clip: must be a finite number >= 0"),
     (["--grad-clip", "-1"], r"argument --grad-clip: must be a finite number >= 0"),
