@@ -100,7 +100,6 @@ def test_init_from_hf_format_checkpoint(tmp_path):
 
     start = tiny_model("pro", seed=9, mtp=1)
     start.save_pretrained(str(tmp_path / "init"))
-    # an LR far below fp32's resolution of the weights (an LR of 0 is refused)
     cfg = TrainConfig(steps=1, lr=0.0, min_lr=0.0, weight_decay=0.0, router_bias_rate=0.0,
                       init_from=str(tmp_path / "init"), **SMALL)
     result = train(cfg)
