@@ -3,8 +3,9 @@ runs of the same options, all three side by side on one GPU, for ``--seconds`` o
 
 The GPU backward accumulates some gradients with fp32 atomics (``ops/sparse_attn``, ``ops/indexer_loss``), so
 two uninterrupted runs are not bitwise equal: the second one measures that noise, and the killed run must
-differ from the first no more than the second does (losses per step, final weights). Memory must stay flat:
-the per-step allocator peak of the uninterrupted run, after its first steps, within a few MiB.
+differ from the first no more than the second does (losses per step, final weights). With ``--deterministic`` among
+the train options all three must be bitwise equal (``bitwise_equal_losses`` and ``bitwise_equal_weights``). Memory
+must stay flat: the per-step allocator peak of the uninterrupted run, after its first steps, within a few MiB.
 
     python -m benchmarks.soak --seconds 540 --kills 2 --out /tmp/soak --json soak.json -- \\
         --config-json benchmarks/configs/v4_flash_proxy.json --device cuda --dtype bfloat16 --seq-len 8192 \\
@@ -116,6 +117,8 @@ def main() -> None:
         "max_rel_loss_diff": {"killed": loss_diff("killed"), "again": loss_diff("again")},
         "rel_weight_diff": {"killed": _rel(w["killed"], w["uninterrupted"]),
                             "again": _rel(w["again"], w["uninterrupted"])},
+        "bitwise_equal_losses": {name: all(m[name][s]["loss"] == m["uninterrupted"][s]["loss"] for s in steps)
+                                 for name in ("killed", "again")},
         "bitwise_equal_weights": {name: all(torch.equal(w[name][k], w["uninterrupted"][k]) for k in w[name])
                                   for name in ("killed", "again")},
         "peak_gib_min_max_after_step_3": [min(peaks), max(peaks)] if peaks else None,
