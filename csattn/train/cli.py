@@ -18,8 +18,9 @@ from dataclasses import fields
 from typing import Any
 
 from ..models.deepseek_v4.config import RECOMPUTE_CHOICES
+from .config import RULES, TrainConfig
 from .errors import TrainingStopped, UserError
-from .loop import RULES, TrainConfig, train
+from .loop import train
 
 __all__ = ["add_train_args", "config_from_args", "run_train"]
 
@@ -27,7 +28,7 @@ _D = TrainConfig()
 
 
 def _checked(kind: type, name: str) -> Any:
-    """An argparse type: ``kind(text)`` within ``TrainConfig``'s rule for option ``name`` (``loop.RULES``, which
+    """An argparse type: ``kind(text)`` within ``TrainConfig``'s rule for option ``name`` (``config.RULES``, which
     ``TrainConfig.validate`` checks too), so a bad value fails at parse time naming the flag and the valid range."""
     ok, what = RULES[name]
 

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from ..cp import free_port
-from .loop import TrainConfig, train
+from .config import TrainConfig
+from .loop import train
 from .safe_state import load_state, save_state
 
 __all__ = ["add_model_demo_args", "run_model_demo", "run_spawned"]
