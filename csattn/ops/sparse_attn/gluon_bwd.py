@@ -24,6 +24,9 @@ used by turns, so the score warpgroup writes tile i + 1's while the key warpgrou
 (four, one per 128 columns: the key warpgroup's last chunks over those columns of an item's last tile are done,
 so the next item's q and dO come in piece by piece under its remaining chunks). One key slot: 230 KB of shared
 memory at d = 512. ``dkv`` is not bitwise reproducible run to run (atomics); dq and dsink are.
+``sparse_attn_bwd_gluon_fixed_kernel`` (the same kernel with ``red_rows``' ``FIXED``) sums ``dkv`` in exact int64
+fixed point instead, the same bits run to run (deterministic mode with ``SparseAttnAblation.gluon_fixed``; not yet
+verified on a GPU).
 
 BENCHMARKS.md has it beside cuDNN Frontend's SM90 kernel.
 """
@@ -42,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .gluon_fwd import _cp_async, keys_valid, mma_layout, mma_smem, row_keys, row_layout, store_half, tile_ids
 
-__all__ = ["sparse_attn_bwd_gluon_kernel"]
+__all__ = ["sparse_attn_bwd_gluon_fixed_kernel", "sparse_attn_bwd_gluon_kernel"]
 
 # q and dO of the next item come in this many columns at a time, each piece once the key warpgroup's last chunks
 # over it are done
@@ -86,15 +89,36 @@ def _red_v4_asm(byte_offset):
             "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }")
 
 
+@gluon.constexpr_function
+def _red_s64_asm(byte_offset, stride):
+    """``FIXED``: one pack of 4 scaled fp32 values (``pack=4``), each rounded to the nearest integer (``cvt.rni``,
+    ties to even; NaN gives 0, out of range saturates) and added by a predicated relaxed ``red.add.u64`` (two's
+    complement: exact for signed values too) at ``[$4 + byte_offset + j * stride]``, ``j`` the value's place in
+    the pack; no result. There is no vector integer ``red``, so a pack is four of them."""
+    reds = " ".join(f"@p red.global.gpu.relaxed.add.u64 [$4+{byte_offset + j * stride}], fxr{j};" for j in range(4))
+    return ("{ .reg .pred p; .reg .b64 fxr0, fxr1, fxr2, fxr3; setp.ne.b32 p, $12, 0; "
+            "cvt.rni.s64.f32 fxr0, $8; cvt.rni.s64.f32 fxr1, $9; cvt.rni.s64.f32 fxr2, $10; "
+            f"cvt.rni.s64.f32 fxr3, $11; {reds} "
+            "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }")
+
+
 @gluon.jit
-def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr):
+def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr, FIXED: gl.constexpr = 0,
+             fx_scale=1.0):
     """``dkv[ids[r], col0 + f] += tile[r, c(f)]`` for a ``[64, 64]`` MMA-layout tile, ``c(f)`` the stored
     column order of ``_stored_columns`` (fp32 relaxed reductions, ``-1`` ids skipped). ``col0`` is a
     compile-time column; the row pointers do not depend on it, so a tile's chunks share them.
 
     In true column order a warp's reduction from the MMA layout adds 8 rows x 32 bytes, which L2 serves as 8
     one-sector requests, and that request rate bounded the kernel; two trades make them whole lines (faster,
-    though the key warpgroup spends more than half its instructions on them)."""
+    though the key warpgroup spends more than half its instructions on them).
+
+    ``FIXED`` (deterministic mode, ``SparseAttnAblation.gluon_fixed``): ``dkv`` is int64 and each value goes in
+    as ``round(x * fx_scale)`` (``fx_scale = 2**e``, ``fixed_point.py``) by ``red.add.u64``, four a pack. 1: a
+    pack's 4 values at adjacent 8-byte places (the stored order above); 2: the 32 columns of each half are
+    interleaved, stored place ``(f & 3) * 8 + (f >> 2)`` for half column ``f`` (``triton._fixed_stored`` undoes it),
+    so that one warp instruction (one place of every pack) adds 64 contiguous bytes a row instead of 8 bytes in
+    each of 8 sectors."""
     layout: gl.constexpr = red_layout(FULL_LINES)
     vals = gl.convert_layout(_stored_columns(tile), layout)
     # the two 32-column halves (a register bit in this layout) share row pointers, +128 bytes as an immediate
@@ -102,10 +126,18 @@ def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr):
     half: gl.constexpr = lo.type.layout
     ids_r = gl.convert_layout(ids, gl.SliceLayout(1, half))
     cols = gl.arange(0, 32, layout=gl.SliceLayout(0, half))
+    if FIXED == 2:
+        cols = (cols & 3) * 8 + (cols >> 2)
     ptrs = (gl.expand_dims(dkv + ids_r.to(gl.int64) * BD, 1) + gl.expand_dims(cols, 0)).to(gl.int64)
     valid = gl.expand_dims((ids_r >= 0).to(gl.int32), 1) + gl.zeros([64, 32], gl.int32, half)
-    _red_v4(ptrs, lo, valid, col0 * 4)
-    _red_v4(ptrs, hi, valid, col0 * 4 + 128)
+    if FIXED:
+        # 8-byte elements: a chunk's offset and the hi half's are twice the fp32 ones
+        STRIDE: gl.constexpr = 64 if FIXED == 2 else 8
+        _red_s64(ptrs, lo * fx_scale, valid, col0 * 8, STRIDE)
+        _red_s64(ptrs, hi * fx_scale, valid, col0 * 8 + 256, STRIDE)
+    else:
+        _red_v4(ptrs, lo, valid, col0 * 4)
+        _red_v4(ptrs, hi, valid, col0 * 4 + 128)
 
 
 @gluon.jit
@@ -113,6 +145,13 @@ def _red_v4(ptrs, vals, valid, byte_offset: gl.constexpr):
     """``_red_v4_asm`` over a tile: ``ptrs`` as int64 and ``vals`` as their bits (the asm's arguments are broadcast
     together, which refuses a pointer beside a float)."""
     gl.inline_asm_elementwise(_red_v4_asm(byte_offset), "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
+                              [ptrs, vals.to(gl.int32, bitcast=True), valid], dtype=gl.int32, is_pure=False, pack=4)
+
+
+@gluon.jit
+def _red_s64(ptrs, vals, valid, byte_offset: gl.constexpr, stride: gl.constexpr):
+    """``_red_s64_asm`` over a tile, arguments as ``_red_v4``'s (``vals`` the scaled fp32 values, as bits)."""
+    gl.inline_asm_elementwise(_red_s64_asm(byte_offset, stride), "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
                               [ptrs, vals.to(gl.int32, bitcast=True), valid], dtype=gl.int32, is_pure=False, pack=4)
 
 
@@ -285,7 +324,7 @@ def _score_partition(
 
 @gluon.jit
 def _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, i, g, LAST: gl.constexpr, BD: gl.constexpr,
-              BK: gl.constexpr, FULL_LINES: gl.constexpr):
+              BK: gl.constexpr, FULL_LINES: gl.constexpr, FIXED: gl.constexpr, fx_scale):
     """The key warpgroup's share of key tile ``i`` (the program's ``g``-th): its half of dS K into ``dq_acc``
     and the tile's dkv rows, ``P^T dO + dS^T q`` in 64-column chunks, two in flight, each reduced into ``dkv``
     as the next one runs. ``LAST``: the item's last tile, which also frees q and dO column piece by piece for
@@ -317,13 +356,13 @@ def _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, i, g, LAST: gl.constex
         if LAST and (c * DC) % _QDO_COLS == 0:
             # the item's last reads of the q and dO columns before c * DC: the next item's may come in
             mbarrier.arrive(qdo_free.index(c * DC // _QDO_COLS - 1), count=1)
-        red_rows(dkv, ids_c, done, (c - 1) * DC, BD, FULL_LINES)
+        red_rows(dkv, ids_c, done, (c - 1) * DC, BD, FULL_LINES, FIXED, fx_scale)
         prev = cur
     done = warpgroup_mma_wait(0, deps=[prev])
     mbarrier.arrive(pds_empty.index(slot), count=1)
     if LAST:
         mbarrier.arrive(qdo_free.index(BD // _QDO_COLS - 1), count=1)
-    red_rows(dkv, ids_c, done, BD - DC, BD, FULL_LINES)
+    red_rows(dkv, ids_c, done, BD - DC, BD, FULL_LINES, FIXED, fx_scale)
     return dq_acc
 
 
@@ -332,7 +371,7 @@ def _key_partition(
     idx, topk_len, dq, dkv, stride_qt, stride_qh, stride_it, K, n_work, n_hb,
     smem,
     HAS_LEN: gl.constexpr, TRIM: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
-    FULL_LINES: gl.constexpr,
+    FULL_LINES: gl.constexpr, FIXED: gl.constexpr, fx,
 ):
     C_L: gl.constexpr = mma_layout(64, 1)
     O_L: gl.constexpr = mma_layout(BD // 2, 1)
@@ -340,15 +379,20 @@ def _key_partition(
     pid = gl.program_id(0)
     n_prog = gl.num_programs(0)
     c_zero = gl.zeros([BK, 64], gl.float32, layout=C_L)
+    fx_scale = 1.0
+    if FIXED:  # dkv is int64 fixed point: 2**e, read once (fixed_point.py)
+        fx_scale = gl.load(fx)
 
     g = 0
     for w in range(pid, n_work, n_prog):
         _, _, idx_row, n_keys, n_tiles = _work_item(w, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN, TRIM)
         dq_acc = gl.zeros([BH, BD // 2], gl.float32, layout=O_L)
         for i in range(n_tiles - 1):
-            dq_acc = _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, i, g, False, BD, BK, FULL_LINES)
+            dq_acc = _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, i, g, False, BD, BK, FULL_LINES,
+                               FIXED, fx_scale)
             g += 1
-        dq_acc = _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, n_tiles - 1, g, True, BD, BK, FULL_LINES)
+        dq_acc = _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, n_tiles - 1, g, True, BD, BK,
+                           FULL_LINES, FIXED, fx_scale)
         g += 1
         # the row and head block again from w, rather than kept live through the tiles
         store_half(dq, (w // n_hb).to(gl.int64), (w % n_hb) * BH, stride_qt, stride_qh, dq_acc.to(dtype), 1, BH, BD)
@@ -362,6 +406,40 @@ def sparse_attn_bwd_gluon_kernel(
     HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, TRIM: gl.constexpr,
     BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr, FULL_LINES: gl.constexpr,
 ):
+    _bwd_kernel(q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
+                stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
+                H, K, scale, n_work, n_hb, HAS_LEN, HAS_DLSE, TRIM, BH, BD, BK, KEY_REGS, FULL_LINES, 0, dkv)
+
+
+@gluon.jit
+def sparse_attn_bwd_gluon_fixed_kernel(
+    q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows, fx,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
+    H, K, scale, n_work, n_hb,
+    HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, TRIM: gl.constexpr,
+    BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr, FULL_LINES: gl.constexpr,
+    FIXED: gl.constexpr,
+):
+    """Deterministic mode's variant (``SparseAttnAblation.gluon_fixed``): ``dkv`` an int64 ``[N, d]`` buffer of
+    fixed-point sums (``red_rows`` with ``FIXED`` = 1 or 2), ``fx`` the fp32 ``[3]`` of
+    ``fixed_point.fixed_point_scale``; the rest as ``sparse_attn_bwd_gluon_kernel`` (a kernel of its own, so that
+    the default kernel keeps its arguments)."""
+    _bwd_kernel(q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
+                stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
+                H, K, scale, n_work, n_hb, HAS_LEN, HAS_DLSE, TRIM, BH, BD, BK, KEY_REGS, FULL_LINES, FIXED, fx)
+
+
+@gluon.jit
+def _bwd_kernel(
+    q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
+    H, K, scale, n_work, n_hb,
+    HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, TRIM: gl.constexpr,
+    BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr, FULL_LINES: gl.constexpr,
+    FIXED: gl.constexpr, fx,
+):
+    # FIXED (1 or 2, red_rows): dkv is an int64 buffer of fixed-point sums and fx the fp32 [3] of
+    # fixed_point.fixed_point_scale; 0 (the default kernel): fp32 sums, fx unused
     dtype: gl.constexpr = q.dtype.element_ty
     KV_SL: gl.constexpr = mma_smem(BD * 2)
     P_SL: gl.constexpr = mma_smem(BK * 2)
@@ -390,5 +468,5 @@ def sparse_attn_bwd_gluon_kernel(
                             stride_dlt, H, K, scale, n_work, n_hb, smem, HAS_LEN, HAS_DLSE, TRIM, BH, BD,
                             BK)),
         (_key_partition, (idx, topk_len, dq, dkv, stride_qt, stride_qh, stride_it, K, n_work, n_hb, smem,
-                          HAS_LEN, TRIM, BH, BD, BK, FULL_LINES)),
+                          HAS_LEN, TRIM, BH, BD, BK, FULL_LINES, FIXED, fx)),
     ], [4], [KEY_REGS])
