@@ -292,7 +292,8 @@ def _train(cfg: TrainConfig) -> TrainResult:
     # throughput over the last steps (the first steps also compile kernels: a rate since the start would
     # understate the steady state for hundreds of steps)
     recent: deque[tuple[float, int, float]] = deque([(t0, 0, 0.0)], maxlen=RATE_WINDOW + 1)
-    clock = _SaveClock(cfg.save_minutes if cfg.output else 0.0, meshes, device)
+    save_s = cfg.save_minutes * 60 if cfg.output else 0.0  # time-based checkpoints (0: none)
+    saved_at = time.monotonic()
     bad_run = 0  # non-finite steps in a row
     with user_errors():  # the data files
         batch = next(reader) if start < cfg.steps else None
@@ -300,13 +301,16 @@ def _train(cfg: TrainConfig) -> TrainResult:
         for step in range(start, cfg.steps):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            finish = train_step(model, batch, cp, meshes, optimizer, cfg.grad_clip, cfg.router_bias_rate, device)
+            late = bool(save_s) and time.monotonic() - saved_at >= save_s  # this rank's clock; the step agrees it
+            finish = train_step(model, batch, cp, meshes, optimizer, cfg.grad_clip, cfg.router_bias_rate, device,
+                                late)
             # the next batch is built on the host while the device runs this step; a checkpoint of this step holds
             # the readers' position before it
             consumed = reader.state_dict()
             with user_errors():
                 upcoming = next(reader) if step + 1 < cfg.steps else None
             metrics = finish()
+            save_due = metrics.pop("save_due")  # any rank's clock: every rank saves at the same step
             # a skipped (non-finite) step advances the schedule too: the LR stays a function of the step number,
             # so --steps ends the decay where it says and a resumed run continues the same curve
             scheduler.step()
@@ -349,11 +353,11 @@ def _train(cfg: TrainConfig) -> TrainResult:
                      + (f" MFU {mfu}" if mfu else ""))
             bad_run = _check_finite_step(cfg, step + 1, metrics["nonfinite"], bad_run, rank, bar)
             # with --output the final step is always saved; --save-every and --save-every-minutes add the
-            # intermediate checkpoints (the clock is asked on every rank alike: it is a collective)
+            # intermediate checkpoints
             last = step + 1 == cfg.steps
-            if cfg.output and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0) or clock.due()):
+            if cfg.output and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0) or save_due):
                 _save(cfg, step + 1, model, optimizer, scheduler, consumed, meshes, batch_seqs, last, tokenizer)
-                clock.restart()
+                saved_at = time.monotonic()
             batch = upcoming
     finally:
         IndexerLossAutoScaler.main_loss_backward_scale = None
@@ -414,26 +418,6 @@ def _check_finite_step(cfg: TrainConfig, step: int, nonfinite: str | None, bad_r
             f"{step - bad_run}. Resume from {where} (--resume auto) with a lower --lr, more --warmup-steps or a "
             "--grad-clip; a non-finite loss from the first step on points at the data or the --init-from weights")
     return bad_run
-
-
-class _SaveClock:
-    """Time-based checkpoints: ``due()`` when ``minutes`` have passed since the start or the last save on any rank
-    (a MAX all-reduce of the verdict, so every rank saves at the same step whatever its clock says)."""
-
-    def __init__(self, minutes: float, meshes: Meshes, device: torch.device) -> None:
-        self.seconds, self.meshes, self.device = minutes * 60, meshes, device
-        self.restart()
-
-    def restart(self) -> None:
-        self.since = time.monotonic()
-
-    def due(self) -> bool:
-        if not self.seconds:
-            return False
-        late = torch.tensor([float(time.monotonic() - self.since >= self.seconds)], device=self.device)
-        if self.meshes.distributed:
-            dist.all_reduce(late, op=dist.ReduceOp.MAX)
-        return bool(late.item())
 
 
 def _weights_finite(model: DeepseekV4ForCausalLM, meshes: Meshes) -> bool:

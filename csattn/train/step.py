@@ -6,11 +6,11 @@ batch (all data replicas), and its indexer-loss gradient is scaled by its replic
 so the sum of the ranks' gradients, which FSDP's reduction forms (divide factor 1), is the gradient of the global
 batch in one process.
 
-Non-finite steps: one flag per step (this rank's loss, the global gradient norm), MAX all-reduced, so every rank
-decides alike; a step whose loss or gradient norm is NaN / inf is skipped: no optimizer step (weights and AdamW
-state unchanged), no router-bias update, gradients dropped. The flag is read in ``finish()`` (a host sync, like
-the metrics read there), after the host has built the next batch while the device ran the backward; the optimizer
-step is launched after that read, so the device waits only for its first launches.
+Non-finite steps: flags for this rank's loss and the global gradient norm, summed over the ranks with the losses in
+one all-reduce, so every rank decides alike; a step whose loss or gradient norm is NaN / inf is skipped: no
+optimizer step (weights and AdamW state unchanged), no router-bias update, gradients dropped. ``finish()`` reads
+flags and metrics in the step's one host sync, after the host has built the next batch while the device ran the
+backward, then launches the optimizer step without waiting for it.
 """
 
 from __future__ import annotations
@@ -79,10 +79,11 @@ def _to_device(batch: PackedBatch, device: torch.device) -> tuple[PackedSeqs, Te
 
 def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: Any, meshes: Meshes,
                optimizer: torch.optim.Optimizer, grad_clip: float, router_bias_rate: float,
-               device: torch.device) -> Callable[[], dict[str, float]]:
+               device: torch.device, save_due: bool = False) -> Callable[[], dict[str, Any]]:
     """One optimizer step on this rank's data-replica stream ``batch``, launched: returns ``finish()``, which waits
     for the step and gives its global metrics (identical on every rank). Between the two the host is free while the
-    device runs the step's tail (the loop builds the next batch there)."""
+    device runs the step's tail (the loop builds the next batch there). ``save_due``: this rank's clock says a
+    time-based checkpoint is due; ``finish()["save_due"]`` is true when any rank's says so."""
     packed, ids, labels = _to_device(batch, device)
     # label counts and real rows of the whole global batch: the loss denominators (CP ranks of a replica hold the
     # same batch, so their sum counts it cp times)
@@ -99,23 +100,24 @@ def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: Any, meshes
                 label_counts=counts.to(device), return_logits=False)
     out.loss.backward()
     grad_norm = clip_grad_norm(model, grad_clip, meshes)  # global (over every rank) already
-    # [loss, gradient norm] non-finite on any rank: one MAX all-reduce of the flags, on the loss's device
-    bad = torch.stack([~torch.isfinite(out.loss.detach()), ~torch.isfinite(grad_norm.to(out.loss.device))]).float()
-    if meshes.distributed:
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     zero = torch.zeros((), device=device, dtype=torch.float64)
-    metrics = torch.stack([
-        out.loss.detach().double(), out.lm_loss.double(),
+    loss = out.loss.detach().double()
+    # this rank's shares of the losses, its non-finite flags (loss, global gradient norm) and its save clock, summed
+    # over the ranks in one collective: a flag above 0 means some rank raised it
+    summed = all_sum(torch.stack([
+        loss, out.lm_loss.double(),
         out.indexer_loss.double() * share if out.indexer_loss is not None else zero,
         torch.stack(out.mtp_losses).double().mean() if out.mtp_losses else zero,
-        grad_norm.detach().double().reshape(()).to(device),
-    ])
+        (~torch.isfinite(loss)).double(), (~torch.isfinite(grad_norm)).double().to(device),
+        torch.full((), float(save_due), device=device, dtype=torch.float64),
+    ]), meshes)
+    values = torch.cat([summed, grad_norm.detach().double().reshape(1).to(device)])
     has_mtp = bool(out.mtp_losses)
 
     def finish() -> dict[str, Any]:
-        # every rank calls finish once per step, in step order, so the collectives pair up; each rank's losses are
-        # its share of the global ones (the indexer loss weighted by its replica's rows, CP ranks each their part)
-        loss_bad, norm_bad = bad.tolist()  # the same on every rank: they all step, or all skip
+        # every rank calls finish once per step, in step order, so the collectives pair up. The one host read of the
+        # step comes before the optimizer step, which the host then only launches.
+        loss, lm, idx, mtp, loss_bad, norm_bad, due, norm = values.tolist()  # the same on every rank
         nonfinite = " and ".join(n for n, b in (("loss", loss_bad), ("gradient norm", norm_bad)) if b) or None
         if nonfinite is None:
             optimizer.step()
@@ -125,9 +127,7 @@ def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: Any, meshes
                 model.update_router_biases(list(stacked), router_bias_rate)
         else:
             optimizer.zero_grad(set_to_none=True)  # the non-finite gradients reach nothing
-        all_sum(metrics[:4], meshes)
-        loss, lm, idx, mtp, norm = metrics.tolist()
         return {"loss": loss, "lm_loss": lm, "indexer_loss": idx, "mtp_loss": mtp if has_mtp else None,
-                "grad_norm": norm, "nonfinite": nonfinite}
+                "grad_norm": norm, "nonfinite": nonfinite, "save_due": due > 0}
 
     return finish
