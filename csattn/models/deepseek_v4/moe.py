@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from csattn.ops.autograd import with_zero_grads
 from csattn.ops.moe import clamped_swiglu, expert_load, moe_experts, route_plan
 
 from .expert_parallel import ExpertParallel, all_to_all_rows, exchange_counts
@@ -223,7 +224,7 @@ class MoE(nn.Module):
         local_ids = torch.repeat_interleave(ids, per_source.reshape(-1), output_size=sum(recv))
         y = self.experts(rows, local_ids[:, None], w)
         if sum(recv) == 0:  # no rows here: the backward must still reach the exchange and the experts (zeros)
-            y = y + 0 * (got.sum() + self.experts.gate_up_proj.sum() + self.experts.down_proj.sum()).to(y.dtype)
+            y = with_zero_grads(y, [got, self.experts.gate_up_proj, self.experts.down_proj])
         back = all_to_all_rows(y, recv, send, ep.group)  # [T * k, D] in expert order
         compute = torch.promote_types(x.dtype, torch.float32)
         return back.index_select(0, inv).view(t, k, -1).sum(1, dtype=compute).to(x.dtype)
