@@ -46,7 +46,7 @@ class Run:
 
     @property
     def batch_seqs(self) -> int:
-        return 4 if "--batch-seqs" in self.extra else 1
+        return int(self.extra[self.extra.index("--batch-seqs") + 1]) if "--batch-seqs" in self.extra else 1
 
 
 RUNS = (
@@ -60,8 +60,7 @@ RUNS = (
 
 def planned_gib(run: Run) -> float:
     """The planner's per-rank peak for ``run`` (no recompute, bf16), in GiB."""
-    dims = ParallelDims(world=run.ranks, **{"dp_shard": 1, **run.dims}) if run.ranks == 1 else \
-        ParallelDims(world=run.ranks, **run.dims)
+    dims = ParallelDims(world=run.ranks, **run.dims)
     p = plan(load_config(CONFIG), dims, run.seq_len, batch_seqs=run.batch_seqs, recompute="none")
     return round(p.peak / 2**30, 2)
 
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
-    meta = {"gpu": torch.cuda.get_device_name(), "device": torch.cuda.get_device_name(),
+    meta = {"device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "commit": args.commit, "command": "python -m benchmarks.sharded",
             "note": "tokens_per_s / mfu: csattn train's last 20-step window; gloo ranks share one GPU, so their "
                     "speed is the gloo transport's, not a scaling figure; planned_gib: csattn plan before launch"}
