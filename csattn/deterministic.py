@@ -21,12 +21,16 @@ __all__ = ["set_deterministic"]
 _CUBLAS_WORKSPACE = ":4096:8"
 
 
-def set_deterministic(enabled: bool = True, warn_only: bool = False) -> None:
+def set_deterministic(enabled: bool = True, warn_only: bool = False, fill_uninitialized_memory: bool = False) -> None:
     """Turn deterministic mode on (or off) for the whole process.
 
     ``torch.use_deterministic_algorithms(enabled, warn_only=warn_only)``, cuDNN deterministic and without
     autotuning, and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment where it is unset (cuBLAS reads it when
     it creates its handle: call this before the first CUDA matrix product, or export the variable in the shell).
+    ``fill_uninitialized_memory``: torch's own setting of that name, which its deterministic mode turns on: every
+    new tensor from ``torch.empty`` (and the like) is filled with NaN, a write pass over every activation and
+    buffer the step allocates. It is off here: it only matters to an op that reads memory it did not write, and
+    csattn's kernels write every element they return (their tests fill outputs with NaN before the launch).
     Under torch's deterministic mode the fused kernels sum their scatter-add gradients in exact fixed point even
     where their configs do not ask for it (``csattn.ops.fixed_point.wants_deterministic``), and a torch op without
     a deterministic implementation raises (``warn_only=True``: warns).
@@ -42,6 +46,7 @@ def set_deterministic(enabled: bool = True, warn_only: bool = False) -> None:
                           stacklevel=2)
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = _CUBLAS_WORKSPACE
     torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized_memory
     torch.backends.cudnn.deterministic = enabled
     if enabled:
         torch.backends.cudnn.benchmark = False

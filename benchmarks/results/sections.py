@@ -339,10 +339,12 @@ def deterministic_section(ctx: Context) -> Section | None:
             if r.get("ms") is not None:
                 by_t[r["shape"]["tokens"]][r.get("variant", "")] = r
         for t, v in sorted(by_t.items()):
-            base, det = v.get(""), v.get("deterministic=1")
-            if base and det:
-                rows.append([name, tok(t), ms(base["ms"]), ms(det["ms"]), times(det["ms"] / base["ms"])])
-    base = ctx.res.one("model.json", provider="csattn", variant="", tokens=16384, recompute="none")
+            base = v.get("")
+            for variant, label in (("deterministic=1", name), ("deterministic=1,bwd_gluon=0", f"{name}, Triton pair")):
+                det = v.get(variant)
+                if base and det:
+                    rows.append([label, tok(t), ms(base["ms"]), ms(det["ms"]), times(det["ms"] / base["ms"])])
+    base = ctx.res.one("model_deterministic_base.json", provider="csattn", variant="", tokens=16384)
     det = ctx.res.one("model_deterministic.json", provider="csattn", variant="deterministic", tokens=16384)
     if base and det:
         rows.append(["proxy training step", tok(16384), ms(base["ms"]), ms(det["ms"]), times(det["ms"] / base["ms"])])
@@ -351,8 +353,10 @@ def deterministic_section(ctx: Context) -> Section | None:
     lines = ["`deterministic=True` (`csattn train --deterministic`, `csattn.set_deterministic()`): the key gradients "
              "of the sparse attention and the indexer loss summed in exact int64 fixed point (the same bits in any "
              "order), and torch's deterministic mode for the proxy step. Time with it over time without "
-             "(the cost); bf16, H200. The deterministic sparse-attention backward runs the Triton kernel, the default "
-             "the Gluon one.", "",
+             "(the cost); bf16, H200. Both sparse-attention backwards run the Gluon kernel (deterministic mode its "
+             "fixed-point variant); the Triton pair's row is the portable path (`bwd_gluon=0`, other GPUs and "
+             "shapes) in fixed point.", "",
              *_table(["step", "tokens", "default ms", "deterministic ms", "cost"], rows),
-             *_provenance(ctx, [f for f, _ in DETERMINISTIC] + ["model_deterministic.json"])]
+             *_provenance(ctx, [f for f, _ in DETERMINISTIC] + ["model_deterministic.json",
+                                                                "model_deterministic_base.json"])]
     return Section("Deterministic mode", lines)

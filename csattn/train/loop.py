@@ -220,13 +220,15 @@ def train(cfg: TrainConfig) -> TrainResult:
     from ..deterministic import set_deterministic
 
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+              torch.utils.deterministic.fill_uninitialized_memory)
     set_deterministic(True)
     try:
         return _train(cfg)
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+        torch.utils.deterministic.fill_uninitialized_memory = before[4]
 
 
 def _train(cfg: TrainConfig) -> TrainResult:

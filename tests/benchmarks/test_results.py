@@ -65,10 +65,13 @@ def json_dir(tmp_path: Path) -> Path:
                                     _layer("csa", "unfused", 1, "contiguous", 0, 800.0, 7.0, 3.0),
                                     _layer("csa", "hf", 1, "contiguous", 0, 240.0, 9.8, None)])
     _runner(d / "deterministic_kernels.json", [_kernel("triton", 32768, 16.0, 2.0),
-                                                {**_kernel("triton", 32768, 20.0, 2.1), "variant": "deterministic=1"}])
+                                                {**_kernel("triton", 32768, 20.0, 2.1), "variant": "deterministic=1"},
+                                                {**_kernel("triton", 32768, 40.0, 2.1),
+                                                 "variant": "deterministic=1,bwd_gluon=0"}])
     det = {**_kernel("triton", 32768, 9.0, 0.5), "variant": "deterministic=1"}
     _runner(d / "deterministic_indexer_loss.json", [_kernel("triton", 32768, 7.5, 0.5), det])
     _runner(d / "model_deterministic.json", [{**_model(16384, 330.0, 9.6), "variant": "deterministic"}])
+    _runner(d / "model_deterministic_base.json", [_model(16384, 300.0, 9.6)])
     parts = [(part, r) for part in ("contiguous", "balanced") for r in range(4)]
     _report(d / "report_cp4.json", [*(_layer("csa", "triton", 4, part, r, 60.0, 1.0, 0.05) for part, r in parts),
                                     *(_layer("csa", "triton", 4, part, r, 10.0 + r, 0.3, None, kind="isolated")
@@ -102,6 +105,7 @@ def test_page_from_json_alone(tmp_path, json_dir):
                   "CUDA-graph step", "Deterministic mode", "Method"):
         assert f"\n## {title}\n" in md
     for row in ("| sparse-attention backward | 32k | 16.0 | 20.0 | 1.25x |",
+                "| sparse-attention backward, Triton pair | 32k | 16.0 | 40.0 | 2.50x |",
                 "| indexer-loss backward | 32k | 7.500 | 9.000 | 1.20x |",
                 "| proxy training step | 16k | 300.0 | 330.0 | 1.10x |"):
         assert row in md
@@ -147,13 +151,15 @@ def test_several_commits_are_named(tmp_path, json_dir):
 
 
 def test_stages_name_registered_ops_and_providers():
+    from benchmarks.run import _split_providers
+
     load_providers()
     files = [s.file for runs in STAGES.values() for s in runs]
     assert len(files) == len(set(files)) and "sharded" in STAGES
     for src in (s for runs in STAGES.values() for s in runs if s.module == "benchmarks.run"):
         args = list(src.args)
-        op, providers = args[args.index("--op") + 1], args[args.index("--providers") + 1].split(",")
-        names = {p.partition("[")[0] for p in providers}  # name[variant]: the variant is the provider's to take
+        op, providers = args[args.index("--op") + 1], _split_providers(args[args.index("--providers") + 1])
+        names = {name for name, _ in providers}  # name[variant]: the variant is the provider's to take
         assert names <= set(PROVIDERS[op]), (src.file, providers)
 
 

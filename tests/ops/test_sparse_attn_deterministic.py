@@ -14,16 +14,11 @@ import pytest
 import torch
 
 from csattn.ops.sparse_attn import SparseAttnConfig, sparse_attn, sparse_attn_ref
-from csattn.ops.sparse_attn.config import SparseAttnAblation
 from tests.helpers import poison_kernel_outputs, rel_err
 from tests.ops.sparse_attn_cases import NAMES, grads_of, lowp_attn, packed_indices
 
-DET = SparseAttnConfig(deterministic=1)
-GLUON_FIXED = [1, 2]  # SparseAttnAblation.gluon_fixed: the two column layouts of gluon_bwd.red_rows
-
-
-def _gluon_det(fixed: int) -> SparseAttnAblation:
-    return SparseAttnAblation(deterministic=1, gluon_fixed=fixed)
+DET = SparseAttnConfig(deterministic=1)  # on sm_90 the Gluon backward's fixed-point variant, elsewhere the Triton pair
+DET_PAIR = SparseAttnConfig(deterministic=1, bwd_gluon=0)  # the Triton pair everywhere
 
 
 @pytest.fixture(autouse=True)
@@ -115,17 +110,15 @@ def test_torch_deterministic_mode_selects_fixed_point(monkeypatch):
     assert not calls, "the default path changed"
 
 
-def _true_of_place(d: int, fixed: int) -> torch.Tensor:
+def _true_of_place(d: int) -> torch.Tensor:
     """The true dkv column at each place of the Gluon fixed-point variant's int64 row (``gluon_bwd.red_rows``): each
     64-column chunk in ``_stored_columns``' order (stored column ``f`` holds ``(f & 49) | (f & 2) << 2 |
-    (f & 12) >> 1``), with ``fixed = 2`` each 32-column half interleaved (place ``(f & 3) * 8 + (f >> 2)`` holds
-    half column ``f``)."""
+    (f & 12) >> 1``), each 32-column half interleaved (place ``(f & 3) * 8 + (f >> 2)`` holds half column ``f``)."""
     f = torch.arange(64)
     true_of_stored = (f & 49) | (f & 2) << 2 | (f & 12) >> 1
     stored_of_place = f.clone()
-    if fixed == 2:
-        h = f & 31
-        stored_of_place[(f & 32) + (h & 3) * 8 + (h >> 2)] = f
+    h = f & 31
+    stored_of_place[(f & 32) + (h & 3) * 8 + (h >> 2)] = f
     chunk = true_of_stored[stored_of_place]
     return (torch.arange(d // 64)[:, None] * 64 + chunk[None, :]).reshape(d)
 
@@ -135,14 +128,14 @@ class _FixedGluonStandIn:
     dsink with the fp64 reference and adds ``round(dkv * 2**e)`` into the int64 launch buffer at the places the
     kernel writes (``_true_of_place``), so the host's side around it is what a test checks."""
 
-    calls: list = []
+    calls: int = 0
 
     def __getitem__(self, grid):
         return self._run
 
     def _run(self, q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows, fx, scale, HAS_LEN, HAS_DLSE,
-             FIXED, **_):
-        type(self).calls.append(FIXED)
+             **_):
+        type(self).calls += 1
         assert dkv.dtype == torch.int64
         if HAS_LEN:
             idx = torch.where(torch.arange(idx.shape[1])[None, :] < topk_len[:, None], idx, -1)
@@ -152,17 +145,15 @@ class _FixedGluonStandIn:
             g = torch.autograd.grad((o_ref, lse_ref), leaves, (do.double(), dlse.double() if HAS_DLSE else
                                                                 torch.zeros_like(lse_ref)))
         dq.copy_(g[0])
-        dkv += torch.round(g[1][:, _true_of_place(kv.shape[1], FIXED)] * fx[0].double()).long()
+        dkv += torch.round(g[1][:, _true_of_place(kv.shape[1])] * fx[0].double()).long()
         dsink_rows.zero_()
         dsink_rows[0] = g[2]
 
 
-@pytest.mark.parametrize("fixed", GLUON_FIXED)
-def test_gluon_fixed_host_side(monkeypatch, fixed):
-    """With ``gluon_fixed`` (and the Gluon backward applying, faked here) deterministic mode launches the Gluon
-    fixed-point kernel with an int64 buffer and ``fx``, and puts its sums back in true column order, returned or
-    added into ``dkv_accum`` (``dkv_accum_stored`` is refused); without ``deterministic`` or with ``gluon_fixed=0``
-    it does not run."""
+def test_gluon_fixed_host_side(monkeypatch):
+    """Where the Gluon backward applies (faked here) deterministic mode launches its fixed-point variant with an
+    int64 buffer and ``fx``, and puts its sums back in true column order, returned or added into ``dkv_accum``
+    (``dkv_accum_stored`` is refused); without ``deterministic`` or with ``bwd_gluon=0`` it does not run."""
     from csattn.ops.sparse_attn import triton as kernels
 
     gen = torch.Generator().manual_seed(5)
@@ -175,10 +166,11 @@ def test_gluon_fixed_host_side(monkeypatch, fixed):
     monkeypatch.setattr(kernels, "_gluon_applies", lambda q, kv, cfg: True)
     monkeypatch.setattr(kernels, "_gluon_kernel", lambda name: _FixedGluonStandIn() if name == "bwd_fixed" else None)
     monkeypatch.setattr(kernels, "_programs", lambda n_work, device, per_sm: 1)
-    _FixedGluonStandIn.calls = []
-    cfg = _gluon_det(fixed)
+    _FixedGluonStandIn.calls = 0
+    cfg = DET
     dq, dkv, dsink = kernels.sparse_attn_bwd(q, kv, idx, sink, d**-0.5, o, lse, do, config=cfg)
-    assert _FixedGluonStandIn.calls == [fixed]
+    assert _FixedGluonStandIn.calls == 1
+    assert not kernels.dkv_in_stored_order(q, kv, cfg)
     start = torch.randn(N, d, generator=gen)
     added = start.clone()
     assert kernels.sparse_attn_bwd(q, kv, idx, sink, d**-0.5, o, lse, do, config=cfg, dkv_accum=added)[1] is None
@@ -188,10 +180,10 @@ def test_gluon_fixed_host_side(monkeypatch, fixed):
     with pytest.raises(ValueError, match="dkv_accum_stored"):
         kernels.sparse_attn_bwd(q, kv, idx, sink, d**-0.5, o, lse, do, config=cfg, dkv_accum=torch.zeros(N, d),
                                 dkv_accum_stored=True)
-    _FixedGluonStandIn.calls = []
-    for other in (SparseAttnAblation(gluon_fixed=fixed), DET, _gluon_det(fixed).replace(bwd_gluon=0)):
+    _FixedGluonStandIn.calls = 0
+    for other in (SparseAttnConfig(), DET_PAIR):
         kernels.sparse_attn_bwd(q, kv, idx, sink, d**-0.5, o, lse, do, config=other)
-    assert _FixedGluonStandIn.calls == []
+    assert _FixedGluonStandIn.calls == 0
 
 
 _COMPILE_FIXED_SM90 = r"""
@@ -202,13 +194,13 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon._runtime import GluonASTSource
 from csattn.ops.sparse_attn.gluon_bwd import sparse_attn_bwd_gluon_fixed_kernel as fn
 
-fixed, d = int(sys.argv[1]), int(sys.argv[2])
+d = int(sys.argv[1])
 sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
        "do": "*bf16", "lse": "*fp32", "dlse": "*fp32", "dq": "*bf16", "dkv": "*i64", "dsink_rows": "*fp32",
        "fx": "*fp32", **{f"stride_{n}": "i64" for n in ("qt", "qh", "kvn", "it", "ot", "oh", "lt", "dlt")},
        "H": "i32", "K": "i32", "scale": "fp32", "n_work": "i32", "n_hb": "i32"}
 consts = {"HAS_LEN": True, "HAS_DLSE": True, "TRIM": True, "BH": 64, "BD": d, "BK": 64, "KEY_REGS": 240,
-          "FULL_LINES": True, "FIXED": fixed}
+          "FULL_LINES": True}
 sig.update({k: "constexpr" for k in consts})
 attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
          for k, v in sig.items() if v.startswith("*") or k.startswith("stride")}
@@ -227,11 +219,10 @@ print(json.dumps({"ptxas_rc": run.returncode, "ptxas": run.stderr[-2000:],
 
 
 @pytest.mark.slow  # a Triton build in a subprocess
-@pytest.mark.parametrize("fixed", GLUON_FIXED)
-def test_gluon_fixed_compiles_for_sm90(fixed):
+def test_gluon_fixed_compiles_for_sm90():
     """The fixed-point variant compiles for sm_90 (and ptxas takes its inline asm): every reduction into dkv is a
     ``red.add.u64`` of a ``cvt.rni``-rounded value, four per pack, at the byte offsets of ``gluon_bwd.red_rows``
-    (8-byte elements: chunk ``c`` at ``512 c``, the hi half at ``+ 256``, a pack's places ``8`` or ``64`` apart)."""
+    (8-byte elements: chunk ``c`` at ``512 c``, the hi half at ``+ 256``, a pack's places ``64`` apart)."""
     import json
     import os
     import subprocess
@@ -240,7 +231,7 @@ def test_gluon_fixed_compiles_for_sm90(fixed):
     pytest.importorskip("triton.experimental.gluon")
     d = 512
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_FIXED_SM90, str(fixed), str(d)], capture_output=True,
+    run = subprocess.run([sys.executable, "-c", _COMPILE_FIXED_SM90, str(d)], capture_output=True,
                          text=True, env=env, timeout=300)
     if "has no attribute" in run.stderr and "gluon" in run.stderr:
         pytest.skip(f"this Triton's Gluon lacks an API the kernel uses: {run.stderr.splitlines()[-1]}")
@@ -251,8 +242,7 @@ def test_gluon_fixed_compiles_for_sm90(fixed):
     # per tile instance (two: an item's last tile has its own): d / 64 chunks x 2 halves x 4 row pairs x 4 places
     assert len(info["atomics"]) == 2 * (d // 64) * 2 * 4 * 4
     assert info["cvt"] == len(info["atomics"])
-    step = 64 if fixed == 2 else 8
-    want = sorted(c * 512 + h * 256 + j * step for c in range(d // 64) for h in range(2) for j in range(4))
+    want = sorted(c * 512 + h * 256 + j * 64 for c in range(d // 64) for h in range(2) for j in range(4))
     assert sorted(set(info["offsets"])) == want
 
 
@@ -265,7 +255,7 @@ def test_gluon_fixed_compiles_for_sm90(fixed):
 def test_gpu_bitwise_with_repeated_keys():
     """H = 64, d = 512, 2048 rows each listing 640 ids drawn (with repeats) from 48 keys: dkv, dq, dsink the same
     bits over five runs with ``deterministic=1``; its accuracy against fp64 within 2x a same-dtype torch run's, as
-    the default path's is (test_sparse_attn_triton.py); the Gluon backward is not used."""
+    the default path's is (test_sparse_attn_triton.py); the Triton pair (``bwd_gluon=0``)."""
     from csattn.ops.sparse_attn.triton import uses_gluon_bwd
 
     gen = torch.Generator().manual_seed(21)
@@ -281,8 +271,8 @@ def test_gpu_bitwise_with_repeated_keys():
     idx = idx.to(dev)
     scale = d**-0.5
     dtype = torch.bfloat16
-    assert not uses_gluon_bwd(q.to(dtype), kv.to(dtype), DET)
-    runs = [grads_of(lambda a, b, c: sparse_attn(a, b, idx, c, scale, backend="triton", config=DET),
+    assert not uses_gluon_bwd(q.to(dtype), kv.to(dtype), DET_PAIR)
+    runs = [grads_of(lambda a, b, c: sparse_attn(a, b, idx, c, scale, backend="triton", config=DET_PAIR),
                      q.to(dtype), kv.to(dtype), sink, do, dlse) for _ in range(5)]
     for r in runs[1:]:
         for name, a, b in zip(NAMES, runs[0], r):
@@ -299,7 +289,7 @@ def test_gpu_bitwise_with_repeated_keys():
 @pytest.mark.gpu
 def test_gpu_real_geometry_bitwise():
     """bf16 at the real geometry (H = 64, d = 512, k = 512, W = 128) on a ragged pack: deterministic dkv equals
-    itself over three runs and is as close to fp64 as the default path's."""
+    itself over three runs and is as close to fp64 as the default path's (the Triton pair: ``bwd_gluon=0``)."""
     gen = torch.Generator().manual_seed(11)
     idx, N = packed_indices([700, 37, 1500, 1800], window=128, topk=512, ratio=4, pad_rows=60, gen=gen)
     T, H, d = idx.shape[0], 64, 512
@@ -311,7 +301,7 @@ def test_gpu_real_geometry_bitwise():
     dlse = torch.randn(T, H, generator=gen).to(dev) * 0.1
     idx = idx.to(dev)
     scale = d**-0.5
-    runs = [grads_of(lambda a, b, c: sparse_attn(a, b, idx, c, scale, backend="triton", config=DET),
+    runs = [grads_of(lambda a, b, c: sparse_attn(a, b, idx, c, scale, backend="triton", config=DET_PAIR),
                      q, kv, sink, do, dlse) for _ in range(3)]
     for r in runs[1:]:
         for name, a, b in zip(NAMES, runs[0], r):
@@ -357,14 +347,13 @@ def _hopper() -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fixed", GLUON_FIXED)
-def test_gpu_gluon_fixed_bitwise_with_repeated_keys(fixed):
+def test_gpu_gluon_fixed_bitwise_with_repeated_keys():
     """The Gluon fixed-point variant at the repeated-keys case of ``test_gpu_bitwise_with_repeated_keys`` (2048 rows
     x 640 ids from 48 keys, H = 64, d = 512, bf16): dkv, dq, dsink the same bits over five runs; accuracy against
     fp64 within 2x a same-dtype torch run's and 1.5x the Triton pair's (deterministic, the same rounding)."""
     if not _hopper():
         pytest.skip("the Gluon kernels are built for sm_90")
-    from csattn.ops.sparse_attn.triton import _gluon_fixed_bwd
+    from csattn.ops.sparse_attn.triton import uses_gluon_bwd
 
     gen = torch.Generator().manual_seed(21)
     T, H, d, N, K = 2048, 64, 512, 48, 640
@@ -379,14 +368,14 @@ def test_gpu_gluon_fixed_bitwise_with_repeated_keys(fixed):
     idx = idx.to(dev)
     scale = d**-0.5
     dtype = torch.bfloat16
-    cfg = _gluon_det(fixed)
-    assert _gluon_fixed_bwd(q.to(dtype), kv.to(dtype), cfg) == fixed
+    cfg = DET
+    assert uses_gluon_bwd(q.to(dtype), kv.to(dtype), cfg)
     runs = [grads_of(lambda a, b, c: sparse_attn(a, b, idx, c, scale, backend="triton", config=cfg),
                      q.to(dtype), kv.to(dtype), sink, do, dlse) for _ in range(5)]
     for r in runs[1:]:
         for name, a, b in zip(NAMES, runs[0], r):
             assert torch.equal(a, b), f"{name}: runs differ"
-    tri = grads_of(lambda a, b, c: sparse_attn(a, b, idx, c, scale, backend="triton", config=DET),
+    tri = grads_of(lambda a, b, c: sparse_attn(a, b, idx, c, scale, backend="triton", config=DET_PAIR),
                    q.to(dtype), kv.to(dtype), sink, do, dlse)
     ref = grads_of(lambda a, b, c: sparse_attn_ref(a, b, idx, c, scale, chunk_rows=256),
                    q.to(dtype).double(), kv.to(dtype).double(), sink.double(), do.double(), dlse.double())
@@ -399,8 +388,7 @@ def test_gpu_gluon_fixed_bitwise_with_repeated_keys(fixed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fixed", GLUON_FIXED)
-def test_gpu_gluon_fixed_real_geometry(fixed):
+def test_gpu_gluon_fixed_real_geometry():
     """The Gluon fixed-point variant at the real geometry (H = 64, d = 512, k = 512, W = 128, a ragged pack, bf16):
     the same bits over three runs, as close to fp64 as the default path's; and through ``dkv_accum`` in two
     blocks of rows (as the layer core runs it) the same bits twice and close to the returned dkv."""
@@ -419,7 +407,7 @@ def test_gpu_gluon_fixed_real_geometry(fixed):
     dlse = torch.randn(T, H, generator=gen).to(dev) * 0.1
     idx = idx.to(dev)
     scale = d**-0.5
-    cfg = _gluon_det(fixed)
+    cfg = DET
     runs = [grads_of(lambda a, b, c: sparse_attn(a, b, idx, c, scale, backend="triton", config=cfg),
                      q, kv, sink, do, dlse) for _ in range(3)]
     for r in runs[1:]:

@@ -40,9 +40,9 @@ class SparseAttnConfig(KernelConfig):
     # rest of the 512 a thread slot has (224 with these): the split at which no partition spills.
     fwd_side_regs: int = 216
     fwd_producer_regs: int = 64
-    # 1: the backward sums dkv in exact int64 fixed point (csattn/ops/fixed_point.py), the same bits run to run,
-    # on the Triton pair (the Gluon backward's fp32 reductions are not used then; its fixed-point variant is
-    # SparseAttnAblation.gluon_fixed, not yet verified on a GPU); 0: fp32 atomics (faster)
+    # 1: the backward sums dkv in exact int64 fixed point (csattn/ops/fixed_point.py), the same bits run to run
+    # (the Gluon backward's fixed-point variant where the Gluon backward applies, else the Triton pair);
+    # 0: fp32 atomics (faster)
     deterministic: int = 0
 
     # The lab's switches at their kept values (SparseAttnAblation makes them settable): not user settings.
@@ -50,7 +50,6 @@ class SparseAttnConfig(KernelConfig):
     bwd_persistent: ClassVar[int] = 1
     bwd_full_lines: ClassVar[int] = 1
     skip_empty_tiles: ClassVar[int] = 1
-    gluon_fixed: ClassVar[int] = 0
 
 
 @dataclass(frozen=True)
@@ -64,15 +63,9 @@ class SparseAttnAblation(SparseAttnConfig):
       from the MMA registers (slower).
     - ``skip_empty_tiles``: 1: a row ends at its last 64-key tile holding an id >= 0; 0: every row runs every tile
       (the same bits but dkv's summation order; slower where selections are not full).
-    - ``gluon_fixed``: deterministic mode's dkv sums on the Gluon backward (where it applies) instead of the Triton
-      pair: int64 fixed point by ``red.add.u64`` (``gluon_bwd.red_rows``); 1: each thread's 4 columns at adjacent
-      8-byte places; 2: the columns interleaved so that a warp instruction adds 64 contiguous bytes a row; 0: the
-      Triton pair (the kept value until this is verified and measured on a GPU). No effect without
-      ``deterministic`` (or torch's deterministic mode).
     """
 
     fwd_persistent: int = 1
     bwd_persistent: int = 1
     bwd_full_lines: int = 1
     skip_empty_tiles: int = 1
-    gluon_fixed: int = 0

@@ -24,9 +24,8 @@ used by turns, so the score warpgroup writes tile i + 1's while the key warpgrou
 (four, one per 128 columns: the key warpgroup's last chunks over those columns of an item's last tile are done,
 so the next item's q and dO come in piece by piece under its remaining chunks). One key slot: 230 KB of shared
 memory at d = 512. ``dkv`` is not bitwise reproducible run to run (atomics); dq and dsink are.
-``sparse_attn_bwd_gluon_fixed_kernel`` (the same kernel with ``red_rows``' ``FIXED``) sums ``dkv`` in exact int64
-fixed point instead, the same bits run to run (deterministic mode with ``SparseAttnAblation.gluon_fixed``; not yet
-verified on a GPU).
+``sparse_attn_bwd_gluon_fixed_kernel`` (the same kernel with ``red_rows``' ``FIXED``) is deterministic mode's: it
+sums ``dkv`` in exact int64 fixed point instead, the same bits run to run.
 
 BENCHMARKS.md has it beside cuDNN Frontend's SM90 kernel.
 """
@@ -103,7 +102,7 @@ def _red_s64_asm(byte_offset, stride):
 
 
 @gluon.jit
-def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr, FIXED: gl.constexpr = 0,
+def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr, FIXED: gl.constexpr = False,
              fx_scale=1.0):
     """``dkv[ids[r], col0 + f] += tile[r, c(f)]`` for a ``[64, 64]`` MMA-layout tile, ``c(f)`` the stored
     column order of ``_stored_columns`` (fp32 relaxed reductions, ``-1`` ids skipped). ``col0`` is a
@@ -113,12 +112,11 @@ def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr, F
     one-sector requests, and that request rate bounded the kernel; two trades make them whole lines (faster,
     though the key warpgroup spends more than half its instructions on them).
 
-    ``FIXED`` (deterministic mode, ``SparseAttnAblation.gluon_fixed``): ``dkv`` is int64 and each value goes in
-    as ``round(x * fx_scale)`` (``fx_scale = 2**e``, ``fixed_point.py``) by ``red.add.u64``, four a pack. 1: a
-    pack's 4 values at adjacent 8-byte places (the stored order above); 2: the 32 columns of each half are
-    interleaved, stored place ``(f & 3) * 8 + (f >> 2)`` for half column ``f`` (``triton._fixed_stored`` undoes it),
-    so that one warp instruction (one place of every pack) adds 64 contiguous bytes a row instead of 8 bytes in
-    each of 8 sectors."""
+    ``FIXED`` (deterministic mode): ``dkv`` is int64 and each value goes in as ``round(x * fx_scale)``
+    (``fx_scale = 2**e``, ``fixed_point.py``) by ``red.add.u64``, four a pack. The 32 columns of each half are
+    interleaved, stored place ``(f & 3) * 8 + (f >> 2)`` for half column ``f`` (``triton._fixed_stored`` undoes
+    it), so that one warp instruction (one place of every pack) adds 64 contiguous bytes a row; a pack's values at
+    adjacent 8-byte places instead add 8 bytes in each of 8 sectors (about 3x slower on the H200)."""
     layout: gl.constexpr = red_layout(FULL_LINES)
     vals = gl.convert_layout(_stored_columns(tile), layout)
     # the two 32-column halves (a register bit in this layout) share row pointers, +128 bytes as an immediate
@@ -126,15 +124,15 @@ def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr, F
     half: gl.constexpr = lo.type.layout
     ids_r = gl.convert_layout(ids, gl.SliceLayout(1, half))
     cols = gl.arange(0, 32, layout=gl.SliceLayout(0, half))
-    if FIXED == 2:
+    if FIXED:
         cols = (cols & 3) * 8 + (cols >> 2)
     ptrs = (gl.expand_dims(dkv + ids_r.to(gl.int64) * BD, 1) + gl.expand_dims(cols, 0)).to(gl.int64)
     valid = gl.expand_dims((ids_r >= 0).to(gl.int32), 1) + gl.zeros([64, 32], gl.int32, half)
     if FIXED:
-        # 8-byte elements: a chunk's offset and the hi half's are twice the fp32 ones
-        STRIDE: gl.constexpr = 64 if FIXED == 2 else 8
-        _red_s64(ptrs, lo * fx_scale, valid, col0 * 8, STRIDE)
-        _red_s64(ptrs, hi * fx_scale, valid, col0 * 8 + 256, STRIDE)
+        # 8-byte elements: a chunk's offset and the hi half's are twice the fp32 ones; a pack's 4 values are 8
+        # places (64 bytes) apart
+        _red_s64(ptrs, lo * fx_scale, valid, col0 * 8, 64)
+        _red_s64(ptrs, hi * fx_scale, valid, col0 * 8 + 256, 64)
     else:
         _red_v4(ptrs, lo, valid, col0 * 4)
         _red_v4(ptrs, hi, valid, col0 * 4 + 128)
@@ -408,7 +406,7 @@ def sparse_attn_bwd_gluon_kernel(
 ):
     _bwd_kernel(q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
                 stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
-                H, K, scale, n_work, n_hb, HAS_LEN, HAS_DLSE, TRIM, BH, BD, BK, KEY_REGS, FULL_LINES, 0, dkv)
+                H, K, scale, n_work, n_hb, HAS_LEN, HAS_DLSE, TRIM, BH, BD, BK, KEY_REGS, FULL_LINES, False, dkv)
 
 
 @gluon.jit
@@ -418,15 +416,14 @@ def sparse_attn_bwd_gluon_fixed_kernel(
     H, K, scale, n_work, n_hb,
     HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, TRIM: gl.constexpr,
     BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr, FULL_LINES: gl.constexpr,
-    FIXED: gl.constexpr,
 ):
-    """Deterministic mode's variant (``SparseAttnAblation.gluon_fixed``): ``dkv`` an int64 ``[N, d]`` buffer of
-    fixed-point sums (``red_rows`` with ``FIXED`` = 1 or 2), ``fx`` the fp32 ``[3]`` of
+    """Deterministic mode's variant: ``dkv`` an int64 ``[N, d]`` buffer of fixed-point sums (``red_rows`` with
+    ``FIXED``, in its stored column order), ``fx`` the fp32 ``[3]`` of
     ``fixed_point.fixed_point_scale``; the rest as ``sparse_attn_bwd_gluon_kernel`` (a kernel of its own, so that
     the default kernel keeps its arguments)."""
     _bwd_kernel(q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
                 stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
-                H, K, scale, n_work, n_hb, HAS_LEN, HAS_DLSE, TRIM, BH, BD, BK, KEY_REGS, FULL_LINES, FIXED, fx)
+                H, K, scale, n_work, n_hb, HAS_LEN, HAS_DLSE, TRIM, BH, BD, BK, KEY_REGS, FULL_LINES, True, fx)
 
 
 @gluon.jit
@@ -438,8 +435,8 @@ def _bwd_kernel(
     BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr, FULL_LINES: gl.constexpr,
     FIXED: gl.constexpr, fx,
 ):
-    # FIXED (1 or 2, red_rows): dkv is an int64 buffer of fixed-point sums and fx the fp32 [3] of
-    # fixed_point.fixed_point_scale; 0 (the default kernel): fp32 sums, fx unused
+    # FIXED (red_rows): dkv is an int64 buffer of fixed-point sums and fx the fp32 [3] of
+    # fixed_point.fixed_point_scale; False (the default kernel): fp32 sums, fx unused
     dtype: gl.constexpr = q.dtype.element_ty
     KV_SL: gl.constexpr = mma_smem(BD * 2)
     P_SL: gl.constexpr = mma_smem(BK * 2)

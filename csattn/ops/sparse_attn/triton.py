@@ -345,32 +345,18 @@ def uses_gluon_fwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
 
 
 def uses_gluon_bwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
-    """Whether :func:`sparse_attn_bwd` runs the one Gluon kernel (dq, dkv, dsink) instead of the Triton pair."""
-    return (bool(cfg.bwd_gluon) and not wants_deterministic(cfg.deterministic) and _gluon_applies(q, kv, cfg)
-            and _gluon_kernel("bwd") is not None)
+    """Whether :func:`sparse_attn_bwd` runs the one Gluon kernel (dq, dkv, dsink) instead of the Triton pair; in
+    deterministic mode its fixed-point variant."""
+    name = "bwd_fixed" if wants_deterministic(cfg.deterministic) else "bwd"
+    return bool(cfg.bwd_gluon) and _gluon_applies(q, kv, cfg) and _gluon_kernel(name) is not None
 
 
-def _gluon_fixed_bwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> int:
-    """The ``FIXED`` of the Gluon backward's fixed-point variant (``gluon_bwd.red_rows``: 1 or 2) where
-    :func:`sparse_attn_bwd` runs it: deterministic mode with the lab's ``SparseAttnAblation.gluon_fixed`` and the
-    Gluon backward otherwise applicable; else 0 (deterministic mode runs the Triton pair, the default)."""
-    if not (cfg.gluon_fixed and cfg.bwd_gluon and wants_deterministic(cfg.deterministic)):
-        return 0
-    if cfg.gluon_fixed not in (1, 2):
-        raise ValueError(f"gluon_fixed must be 0, 1 or 2, got {cfg.gluon_fixed}")
-    applies = _gluon_applies(q, kv, cfg) and _gluon_kernel("bwd_fixed") is not None
-    return int(cfg.gluon_fixed) if applies else 0
-
-
-def _fixed_stored(acc: Tensor, fx: Tensor, fixed: int) -> Tensor:
+def _fixed_stored(acc: Tensor, fx: Tensor) -> Tensor:
     """The Gluon fixed-point variant's int64 sums ``acc`` as fp32 in the kernel's stored column order (what
-    :func:`dkv_columns` takes): ``from_fixed_point``, and with ``fixed = 2`` each 32-column half de-interleaved
-    (stored place ``(f & 3) * 8 + (f >> 2)`` holds half column ``f``, ``gluon_bwd.red_rows``)."""
-    val = from_fixed_point(acc, fx)
-    if fixed == 2:
-        N, D = acc.shape
-        val = val.view(N, D // 64, 2, 4, 8).transpose(3, 4).reshape(N, D)
-    return val
+    :func:`dkv_columns` takes): ``from_fixed_point`` with each 32-column half de-interleaved (stored place
+    ``(f & 3) * 8 + (f >> 2)`` holds half column ``f``, ``gluon_bwd.red_rows``)."""
+    N, D = acc.shape
+    return from_fixed_point(acc, fx).view(N, D // 64, 2, 4, 8).transpose(3, 4).reshape(N, D)
 
 
 def _dkv_bound(q: Tensor, kv: Tensor, o: Tensor, do: Tensor, dlse: Tensor | None, scale: float) -> Tensor:
@@ -446,7 +432,8 @@ def dkv_in_stored_order(q: Tensor, kv: Tensor, config: SparseAttnConfig | None =
     that a caller keeping its own sum over blocks may pass ``dkv_accum_stored=True`` and call :func:`dkv_columns`
     once at the end (the same answer for every block of the same q / kv dtypes, heads, d and config whose rows are
     16-byte aligned; a block that is not is refused by ``dkv_accum_stored``, never summed in the wrong order)."""
-    return uses_gluon_bwd(q, kv, _fit(config or _DEFAULT, q.dtype, q.shape[-1]))
+    cfg = _fit(config or _DEFAULT, q.dtype, q.shape[-1])
+    return uses_gluon_bwd(q, kv, cfg) and not wants_deterministic(cfg.deterministic)
 
 
 def sparse_attn_bwd(
@@ -464,8 +451,8 @@ def sparse_attn_bwd(
     adds that to ``dkv_accum`` in true order (a pass over ``[N, d]`` per call); with it (only where
     :func:`dkv_in_stored_order`), it sums into ``dkv_accum`` directly and :func:`dkv_columns` puts the sum in order.
     ``config``: launch settings (None: the defaults); pass the forward's to reproduce its ``(o, lse)``.
-    With ``config.deterministic`` or under ``torch.use_deterministic_algorithms(True)`` (the Triton pair; the Gluon
-    kernel only with the lab's ``SparseAttnAblation.gluon_fixed``) ``dkv`` is summed exactly in int64 fixed point
+    With ``config.deterministic`` or under ``torch.use_deterministic_algorithms(True)`` (the Gluon kernel's
+    fixed-point variant where the Gluon kernel applies, else the Triton pair) ``dkv`` is summed exactly in int64 fixed point
     (``fixed_point.py``; an ``N * d * 8`` bytes buffer of its own, added to ``dkv_accum`` in one pass at the end):
     the same bits run to run. ``dkv_accum_stored`` is refused in this mode.
     """
@@ -481,13 +468,10 @@ def sparse_attn_bwd(
                                   or not dkv_accum.is_contiguous()):
         raise ValueError(f"dkv_accum must be contiguous fp32 {tuple(kv.shape)}, got {tuple(dkv_accum.shape)} "
                          f"{dkv_accum.dtype}")
-    if dkv_accum_stored and (dkv_accum is None or not uses_gluon_bwd(q, kv, cfg)):
+    if dkv_accum_stored and (dkv_accum is None or not dkv_in_stored_order(q, kv, cfg)):
         raise ValueError("dkv_accum_stored=True takes a dkv_accum and the Gluon backward: ask "
                          "dkv_in_stored_order(q, kv, config) first")
-    # Deterministic mode runs the Triton pair, or with SparseAttnAblation.gluon_fixed the Gluon kernel's
-    # fixed-point variant (gluon_fixed: its FIXED, 1 or 2; 0 otherwise); the one place that picks it.
-    gluon_fixed = _gluon_fixed_bwd(q, kv, cfg) if T > 0 else 0
-    gluon = T > 0 and (uses_gluon_bwd(q, kv, cfg) or gluon_fixed > 0)
+    gluon = T > 0 and uses_gluon_bwd(q, kv, cfg)
     # The Gluon kernel keeps each 64-column chunk of its sums in its own column order (dkv_columns puts them
     # back), so it sums into a caller's buffer only where the caller keeps that order.
     own = dkv_accum is None or (gluon and not dkv_accum_stored)
@@ -515,9 +499,9 @@ def sparse_attn_bwd(
             # warpgroup keeps 240 registers of the 256 a thread may have (fewer spill in its tile loop).
             del common["D"], common["BH"], common["BD"], common["DOT_PREC"]
             n_work = T * (H // 64)
-            if gluon_fixed:  # int64 fixed-point sums into dkv32 (gluon_bwd.red_rows with FIXED)
-                common.update(fx=fx, FIXED=gluon_fixed)
-            kernel = _gluon_kernel("bwd_fixed" if gluon_fixed else "bwd")[
+            if fixed:  # int64 fixed-point sums into dkv32 (gluon_bwd.red_rows with FIXED)
+                common["fx"] = fx
+            kernel = _gluon_kernel("bwd_fixed" if fixed else "bwd")[
                 (_programs(n_work, q.device, cfg.bwd_persistent),)](
                 sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, n_work=n_work, n_hb=H // 64, BH=64, BD=D,
                 BK=64, KEY_REGS=240, FULL_LINES=bool(cfg.bwd_full_lines), TRIM=bool(cfg.skip_empty_tiles),
@@ -539,7 +523,7 @@ def sparse_attn_bwd(
             return dq, None if dkv_accum is not None else torch.zeros_like(kv), dsink
         if gluon:  # the Gluon variant's sums are in its stored column order
             dkv = dkv_accum if dkv_accum is not None else torch.empty_like(kv)
-            dkv_columns(_fixed_stored(dkv32, fx, gluon_fixed), dkv, accumulate=dkv_accum is not None)
+            dkv_columns(_fixed_stored(dkv32, fx), dkv, accumulate=dkv_accum is not None)
             return dq, None if dkv_accum is not None else dkv, dsink
         if dkv_accum is not None:
             from_fixed_point(dkv32, fx, out=dkv_accum, accumulate=True)
