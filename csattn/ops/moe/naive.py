@@ -40,7 +40,10 @@ def experts_ref(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tenso
     counts = torch.bincount(flat_expert, minlength=num_experts).tolist()  # host read: reference only
     token = order // k
     w = weights.reshape(-1)[order]
-    out = torch.zeros_like(x)
+    # the k weighted expert outputs of a row summed in fp32 (at least) and rounded once, as the grouped paths do:
+    # a bf16 / fp16 index_add rounds at every add, and its backward would round the incoming gradient to x's
+    # dtype before the routing weight scales it (a second rounding, and fp16 underflow, in the weights' gradients)
+    out = torch.zeros(x.shape, dtype=_compute_dtype(x.dtype), device=x.device)
     start = 0
     for e, count in enumerate(counts):
         if count == 0:
@@ -50,7 +53,7 @@ def experts_ref(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tenso
         y = F.linear(clamped_swiglu(gate, up, limit), down_proj[e])
         out = out.index_add(0, rows, (y * w[start:start + count, None]).to(out.dtype))
         start += count
-    return out
+    return out.to(x.dtype)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
