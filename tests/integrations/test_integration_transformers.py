@@ -280,7 +280,16 @@ def test_autocast_within_twice_hf_autocast_error(device, dtype):
     fp32. On CUDA: csattn's Triton kernels, grouped GEMMs and fused mHC."""
     from tests.helpers import rel_err
 
-    ours, ref, cfg = _models()
+    if dtype == torch.float16:
+        # fp16's rounding is 8x finer than bf16's, and at this size its errors are small enough that one indexer
+        # top-k choice flipped against fp32 (near-tied scores, 3 of up to 7 entries) decides the comparison: on
+        # the H200 the Triton path came out at 2.5x HF autocast's error for one dy and 1.4x for another, and at
+        # 1.4x for both once the top-k holds every compressed entry (lab/probes/fp16_autocast.py). A flip is a
+        # discrete choice, not rounding, so fp16 is compared without one.
+        cfg = tiny_config_dict("flash", topk=8)
+        ours, ref = patch(hf_model(cfg, seed=SEED)), hf_model(cfg, seed=SEED)
+    else:
+        ours, ref, cfg = _models()
     ref_low = hf_model(cfg, seed=SEED)
     ours, ref, ref_low = ours.to(device), ref.to(device), ref_low.to(device)
     docs = [d.to(device) for d in _docs(LENGTHS, cfg["vocab_size"])]
