@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=2)
     p.add_argument("--out", default="/tmp/csattn-soak")
     p.add_argument("--json", default=None)
+    p.add_argument("--commit", default=None, help="the commit recorded in the JSON (default: git rev-parse)")
     p.add_argument("--save-every", type=int, default=25, help="checkpoint cadence of the killed run")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: the csattn train options")
     a = p.parse_args()
@@ -127,8 +128,12 @@ def main() -> None:
     }
     print(json.dumps(result, indent=1))
     if a.json:
+        from benchmarks.run import _meta
+
+        device = torch.device(train_args[train_args.index("--device") + 1] if "--device" in train_args else "cpu")
         with open(a.json, "w") as f:
-            json.dump({"result": result, "metrics": {k: list(v.values()) for k, v in m.items()}}, f)
+            json.dump({"meta": _meta(device, a.commit), "results": [result],
+                       "metrics": {k: list(v.values()) for k, v in m.items()}}, f)
 
 
 if __name__ == "__main__":

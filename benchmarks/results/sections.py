@@ -348,7 +348,8 @@ def deterministic_section(ctx: Context) -> Section | None:
     det = ctx.res.one("model_deterministic.json", provider="csattn", variant="deterministic", tokens=16384)
     if base and det:
         rows.append(["proxy training step", tok(16384), ms(base["ms"]), ms(det["ms"]), times(det["ms"] / base["ms"])])
-    if not rows:
+    soak = next(iter(ctx.res.records(SOAK)), None)
+    if not rows and soak is None:
         return None
     lines = ["`deterministic=True` (`csattn train --deterministic`, `csattn.set_deterministic()`): the key gradients "
              "of the sparse attention and the indexer loss summed in exact int64 fixed point (the same bits in any "
@@ -359,4 +360,28 @@ def deterministic_section(ctx: Context) -> Section | None:
              *_table(["step", "tokens", "default ms", "deterministic ms", "cost"], rows),
              *_provenance(ctx, [f for f, _ in DETERMINISTIC] + ["model_deterministic.json",
                                                                 "model_deterministic_base.json"])]
+    if soak is not None:
+        lines += ["", *_soak_lines(soak), *_provenance(ctx, [SOAK])]
     return Section("Deterministic mode", lines)
+
+
+SOAK = "soak_deterministic.json"
+
+
+def _soak_lines(r: dict) -> list[str]:
+    """The soak's verdict: a killed and resumed ``csattn train --deterministic`` against uninterrupted runs."""
+    def yes(flags: dict, name: str) -> str:
+        return "yes" if flags.get(name) else "**no**"
+
+    kills = " and ".join(str(k["last_step_logged"]) for k in r.get("kills", []))
+    losses, weights = r.get("bitwise_equal_losses", {}), r.get("bitwise_equal_weights", {})
+    peak = r.get("peak_gib_min_max_after_step_3") or [None, None]
+    return [f"Soak (`benchmarks.soak`): {r['steps']} steps of `csattn train --deterministic` on the proxy, three runs "
+            f"side by side on the one GPU ({num(r['wall_s'], '.0f')} s of wall time): one killed with SIGKILL after "
+            f"steps {kills or '-'} and resumed by `--resume auto` each time, and two uninterrupted. Loss "
+            f"{num(r['loss_first_last'][0], '.2f')} -> {num(r['loss_first_last'][1], '.2f')}; allocator peak "
+            f"{gib(peak[0])} to {gib(peak[1])} GiB per step after step 3.", "",
+            *_table(["run against the uninterrupted one", "losses bitwise equal (every step)",
+                     "final weights bitwise equal"],
+                    [["killed twice and resumed", yes(losses, "killed"), yes(weights, "killed")],
+                     ["a second uninterrupted run", yes(losses, "again"), yes(weights, "again")]])]

@@ -40,13 +40,18 @@ class Source:
         """The arguments after ``python -m module``, writing to ``out`` (the report: a folder)."""
         if self.is_report:
             return [*self.args, "--group-timeout", str(self.timeout_s), "--out", out]
-        return [*self.args, "--commit", commit, "--json", out]
+        return self._before_rest(["--commit", commit, "--json", out])
+
+    def _before_rest(self, extra: list[str]) -> list[str]:
+        """``args`` with ``extra`` put before a ``--`` (after which a command takes another's options), if any."""
+        cut = self.args.index("--") if "--" in self.args else len(self.args)
+        return [*self.args[:cut], *extra, *self.args[cut:]]
 
     def command(self) -> str:
         """The command as a reader would type it (the report writes ``DIR/report.json``, saved as ``file``)."""
         env = " ".join(f"{k}={v}" for k, v in self.env)
-        out = ["--out", "DIR"] if self.is_report else ["--json", self.file]
-        return " ".join(filter(None, [env, "python -m", self.module, shlex.join([*self.args, *out])]))
+        args = [*self.args, "--out", "DIR"] if self.is_report else self._before_rest(["--json", self.file])
+        return " ".join(filter(None, [env, "python -m", self.module, shlex.join(args)]))
 
 
 _RUN = "benchmarks.run"
@@ -117,6 +122,15 @@ STAGES: dict[str, tuple[Source, ...]] = {
         # the default step again in this stage's run, so that the two sit side by side
         Source("model_deterministic_base.json", _RUN, ("--op", "model", "--mode", "fwdbwd", "--providers", "csattn",
                                                        "--shape", "tokens=16384", *_TIMED), 90),
+    ),
+    # deterministic mode end to end: csattn train --deterministic on the proxy at 8k, one run killed twice and
+    # resumed beside two uninterrupted runs, all three on the one GPU; about 5.5 min
+    "soak": (
+        Source("soak_deterministic.json", "benchmarks.soak", (
+            "--seconds", "555", "--kills", "2", "--save-every", "40", "--", "--deterministic", "--config-json",
+            "benchmarks/configs/v4_flash_proxy.json", "--device", "cuda", "--dtype", "bfloat16", "--seq-len", "8192",
+            "--steps", "240", "--lr", "3e-4", "--min-lr", "3e-5", "--warmup-steps", "20", "--doc-min-len", "256",
+            "--doc-max-len", "4096", "--log-every", "20"), 590),
     ),
     # csattn train on the proxy at world size 1 (16k, 128k) and on 2 and 4 gloo ranks sharing the GPU, beside
     # the planner's per-rank peak; about 5 min

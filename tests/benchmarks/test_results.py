@@ -72,6 +72,11 @@ def json_dir(tmp_path: Path) -> Path:
     _runner(d / "deterministic_indexer_loss.json", [_kernel("triton", 32768, 7.5, 0.5), det])
     _runner(d / "model_deterministic.json", [{**_model(16384, 330.0, 9.6), "variant": "deterministic"}])
     _runner(d / "model_deterministic_base.json", [_model(16384, 300.0, 9.6)])
+    _runner(d / "soak_deterministic.json", [{
+        "steps": 240, "wall_s": 316.0, "kills": [{"after_s": 120.5, "last_step_logged": 81},
+                                                {"after_s": 215.8, "last_step_logged": 161}],
+        "loss_first_last": [11.19, 1.82], "bitwise_equal_losses": {"killed": True, "again": True},
+        "bitwise_equal_weights": {"killed": True, "again": False}, "peak_gib_min_max_after_step_3": [14.96, 14.98]}])
     parts = [(part, r) for part in ("contiguous", "balanced") for r in range(4)]
     _report(d / "report_cp4.json", [*(_layer("csa", "triton", 4, part, r, 60.0, 1.0, 0.05) for part, r in parts),
                                     *(_layer("csa", "triton", 4, part, r, 10.0 + r, 0.3, None, kind="isolated")
@@ -106,6 +111,8 @@ def test_page_from_json_alone(tmp_path, json_dir):
         assert f"\n## {title}\n" in md
     for row in ("| sparse-attention backward | 32k | 16.0 | 20.0 | 1.25x |",
                 "| sparse-attention backward, Triton pair | 32k | 16.0 | 40.0 | 2.50x |",
+                "| killed twice and resumed | yes | yes |", "| a second uninterrupted run | yes | **no** |",
+                "killed with SIGKILL after steps 81 and 161",
                 "| indexer-loss backward | 32k | 7.500 | 9.000 | 1.20x |",
                 "| proxy training step | 16k | 300.0 | 330.0 | 1.10x |"):
         assert row in md
