@@ -4,8 +4,8 @@ test_autocast_within_twice_hf_autocast_error, spread out)."""
 import torch
 from transformers import DataCollatorWithFlattening
 
-from tests.helpers import rel_err
 from csattn.integrations.transformers import patch
+from tests.helpers import rel_err
 from tests.integrations.test_integration_transformers import LENGTHS, SEED, _docs, _per_document, hf_model
 from tests.models.model_utils import tiny_config_dict
 
@@ -28,8 +28,8 @@ for dtype in (torch.float16, torch.bfloat16):
             with torch.autocast("cuda", dtype=dtype):
                 hf_low = torch.cat(_per_document(ref_low, docs, dy.split(LENGTHS)))
             ref_p, low_p = dict(ref.named_parameters()), dict(ref_low.named_parameters())
-            print(f"== {dtype} backend={backend} topk={topk} dy_seed={dy_seed} logits ours {rel_err(logits.float(), expected):.2e}"
-                  f" hf {rel_err(hf_low.float(), expected):.2e}")
+            print(f"== {dtype} backend={backend} topk={topk} dy_seed={dy_seed} logits ours "
+                  f"{rel_err(logits.float(), expected):.2e} hf {rel_err(hf_low.float(), expected):.2e}")
             worst = 0.0
             for name, p in ours.named_parameters():
                 if name.endswith(KINDS) and p.grad is not None:

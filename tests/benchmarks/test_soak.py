@@ -20,8 +20,9 @@ def test_soak_killed_deterministic_run_is_bitwise(tmp_path):
     out = tmp_path / "soak.json"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     run = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--seconds", "240", "--kills", "1",
-                          "--save-every", "3", "--out", str(tmp_path / "runs"), "--json", str(out), "--commit", "abc1234",
-                          "--", "--deterministic", "--steps", "8", "--seq-len", "128", "--log-every", "1"],
+                          "--save-every", "3", "--out", str(tmp_path / "runs"), "--json", str(out),
+                          "--commit", "abc1234", "--", "--deterministic", "--steps", "8", "--seq-len", "128",
+                          "--log-every", "1"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     data = json.loads(out.read_text())

@@ -452,9 +452,9 @@ def sparse_attn_bwd(
     :func:`dkv_in_stored_order`), it sums into ``dkv_accum`` directly and :func:`dkv_columns` puts the sum in order.
     ``config``: launch settings (None: the defaults); pass the forward's to reproduce its ``(o, lse)``.
     With ``config.deterministic`` or under ``torch.use_deterministic_algorithms(True)`` (the Gluon kernel's
-    fixed-point variant where the Gluon kernel applies, else the Triton pair) ``dkv`` is summed exactly in int64 fixed point
-    (``fixed_point.py``; an ``N * d * 8`` bytes buffer of its own, added to ``dkv_accum`` in one pass at the end):
-    the same bits run to run. ``dkv_accum_stored`` is refused in this mode.
+    fixed-point variant where the Gluon kernel applies, else the Triton pair) ``dkv`` is summed exactly in int64
+    fixed point (``fixed_point.py``; an ``N * d * 8`` bytes buffer of its own, added to ``dkv_accum`` in one pass at
+    the end): the same bits run to run. ``dkv_accum_stored`` is refused in this mode.
     """
     T, H, D = q.shape
     cfg = _fit(config or _DEFAULT, q.dtype, D)
