@@ -20,7 +20,7 @@ import time
 import torch
 
 from benchmarks.providers.model import _batch, proxy_config
-from benchmarks.run import _meta
+from benchmarks.run import run_meta
 from csattn.report import model_flops
 from csattn.report.model import PEAK_TFLOPS, proxy_model
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(rec))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"meta": _meta(torch.device("cuda"), a.commit), "results": [rec]}, f, indent=1)
+            json.dump({"meta": run_meta(torch.device("cuda"), a.commit), "results": [rec]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -129,7 +129,9 @@ def _kernel_times(fn, device: torch.device, iters: int = 3, top: int = 6) -> dic
     return dict(sorted(times.items(), key=lambda kv: -kv[1])[:top])
 
 
-def _meta(device: torch.device, commit: str | None) -> dict:
+def run_meta(device: torch.device, commit: str | None) -> dict:
+    """The ``meta`` of a benchmark JSON (the results page reads it): commit (``git rev-parse`` if None), versions,
+    device, date, argv."""
     if commit is None:
         try:
             commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     bench = _timer(device, args.warmup_ms, args.rep_ms, args.single)
-    meta = _meta(device, args.commit)
+    meta = run_meta(device, args.commit)
     results: list[dict] = []
     print(f"# {meta['device']}  commit {meta['commit']}  torch {meta['torch']}  triton {meta.get('triton')}")
     header = f"{'provider':<28} {'mode':<7} {'shape':<40} {'ms':>10} {'TFLOP/s':>9} {'GiB':>8}"

@@ -128,11 +128,11 @@ def main() -> None:
     }
     print(json.dumps(result, indent=1))
     if a.json:
-        from benchmarks.run import _meta
+        from benchmarks.run import run_meta
 
         device = torch.device(train_args[train_args.index("--device") + 1] if "--device" in train_args else "cpu")
         with open(a.json, "w") as f:
-            json.dump({"meta": _meta(device, a.commit), "results": [result],
+            json.dump({"meta": run_meta(device, a.commit), "results": [result],
                        "metrics": {k: list(v.values()) for k, v in m.items()}}, f)
 
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
-__all__ = ["set_deterministic"]
+__all__ = ["deterministic_mode", "set_deterministic"]
 
 _CUBLAS_WORKSPACE = ":4096:8"
 
@@ -50,3 +52,25 @@ def set_deterministic(enabled: bool = True, warn_only: bool = False, fill_uninit
     torch.backends.cudnn.deterministic = enabled
     if enabled:
         torch.backends.cudnn.benchmark = False
+
+
+@contextmanager
+def deterministic_mode(enabled: bool = True, warn_only: bool = False) -> Iterator[None]:
+    """:func:`set_deterministic` for the ``with`` block; the process's previous settings (torch's deterministic
+    mode, its warn-only flag and memory fill, cuDNN's two flags) come back after it. ``CUBLAS_WORKSPACE_CONFIG``
+    stays set (cuBLAS reads it once).
+
+    Example:
+        >>> with csattn.deterministic_mode():
+        ...     train(...)
+    """
+    fill = torch.utils.deterministic
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              fill.fill_uninitialized_memory, torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    set_deterministic(enabled, warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        fill.fill_uninitialized_memory = before[2]
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[3], before[4]

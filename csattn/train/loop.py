@@ -17,6 +17,7 @@ import os
 import time
 import warnings
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..deterministic import deterministic_mode
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from ..models.deepseek_v4.checkpoint import read_config
 from ..ops.backend import resolve_backend
@@ -211,24 +213,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     Raises :class:`UserError` on a mistake in the options, checkpoints or data files, and :class:`TrainingStopped`
     after ``max_bad_steps`` non-finite steps in a row or when the weights to save are not finite.
 
-    ``cfg.deterministic`` turns torch's deterministic mode on for the run (:func:`csattn.set_deterministic`, before
+    ``cfg.deterministic`` turns torch's deterministic mode on for the run (:func:`csattn.deterministic_mode`, before
     any CUDA work) and gives the model's kernels fixed-point sums: two runs, or a run killed and resumed, give the
     same bits on the same GPU and software. The process's previous mode is restored at the end."""
     cfg.validate()
-    if not cfg.deterministic:
+    with deterministic_mode() if cfg.deterministic else nullcontext():
         return _train(cfg)
-    from ..deterministic import set_deterministic
-
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-              torch.utils.deterministic.fill_uninitialized_memory)
-    set_deterministic(True)
-    try:
-        return _train(cfg)
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
-        torch.utils.deterministic.fill_uninitialized_memory = before[4]
 
 
 def _train(cfg: TrainConfig) -> TrainResult:

@@ -58,3 +58,17 @@ def lowp_attn(q, kv, idx, sink, scale):
     lse = torch.logsumexp(torch.cat([s, sink[None, :, None].expand(s.shape[0], -1, 1)], -1), -1)
     p = torch.exp(s - lse[..., None]).to(q.dtype)
     return torch.einsum("thk,tkd->thd", p, keys), lse
+
+
+def launch_reference_grads(q, kv, idx, topk_len, sink, do, dlse, scale, HAS_LEN, HAS_DLSE):
+    """fp64 ``(dq, dkv, dsink)`` of the reference for a backward kernel's launch arguments (``topk_len`` read where
+    ``HAS_LEN``, ``dlse`` where ``HAS_DLSE``): the math of the stand-ins that replace a kernel on a CPU."""
+    if HAS_LEN:
+        idx = torch.where(torch.arange(idx.shape[1])[None, :] < topk_len[:, None], idx, -1)
+    from csattn.ops.sparse_attn import sparse_attn_ref
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, kv, sink)]
+    with torch.enable_grad():
+        o_ref, lse_ref = sparse_attn_ref(*leaves[:2], idx.long(), leaves[2], scale)
+        return torch.autograd.grad((o_ref, lse_ref), leaves,
+                                   (do.double(), dlse.double() if HAS_DLSE else torch.zeros_like(lse_ref)))

@@ -59,20 +59,23 @@ def test_flag_reaches_kernel_configs():
 
 
 def test_set_deterministic(monkeypatch):
-    from csattn import set_deterministic
+    """``deterministic_mode`` (``set_deterministic`` for a block) turns torch's deterministic mode on without its
+    NaN fill of new tensors, sets cuBLAS's workspace, and gives every setting back after the block."""
+    import os
+
+    from csattn import deterministic_mode
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    before = torch.are_deterministic_algorithms_enabled()
-    try:
-        set_deterministic()
+    fill = torch.utils.deterministic
+    before = (torch.are_deterministic_algorithms_enabled(), fill.fill_uninitialized_memory,
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    with deterministic_mode():
         assert torch.are_deterministic_algorithms_enabled() and wants_deterministic(0)
-        import os
-
+        assert not fill.fill_uninitialized_memory and torch.backends.cudnn.deterministic
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-    finally:
-        torch.use_deterministic_algorithms(before)
-        torch.backends.cudnn.deterministic = False
-    assert not wants_deterministic(0) or before
+    assert (torch.are_deterministic_algorithms_enabled(), fill.fill_uninitialized_memory,
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) == before
+    assert not wants_deterministic(0) or before[0]
 
 
 @pytest.mark.parametrize("layer_type", ["csa", "hca"])

@@ -9,89 +9,20 @@ widths and lengths, within 2x the error of a same-dtype PyTorch computation and 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from csattn.ops.sparse_attn import sparse_attn, sparse_attn_ref
 from csattn.ops.sparse_attn.config import SparseAttnAblation, SparseAttnConfig
 from tests.helpers import rel_err
-from tests.ops.sparse_attn_cases import NAMES, grads_of, lowp_attn, packed_indices
-
-_COMPILE_SM90 = r"""
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from csattn.ops.sparse_attn.gluon_bwd import sparse_attn_bwd_gluon_kernel
-from csattn.ops.sparse_attn.config import SparseAttnConfig
-from csattn.ops.sparse_attn.gluon_fwd import sparse_attn_fwd_gluon_kernel
-
-which, bk, d, has_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-strides = ("qt", "qh", "kvn", "it", "ot", "oh", "lt")
-if which == "fwd":
-    fn = sparse_attn_fwd_gluon_kernel
-    sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
-           "lse": "*fp32", **{f"stride_{n}": "i64" for n in strides}, "K": "i32", "qk_scale_log2": "fp32",
-           "n_work": "i32", "n_hb": "i32"}
-    cfg = SparseAttnConfig()
-    consts = {"HAS_LEN": has_len, "TRIM": True, "BH": 64, "BD": d, "BK": bk, "SIDE1_REGS": cfg.fwd_side_regs,
-              "PRODUCER_REGS": cfg.fwd_producer_regs}
-else:
-    fn = sparse_attn_bwd_gluon_kernel
-    sig = {"q": "*bf16", "kv": "*bf16", "idx": "*i64", "topk_len": "*i32", "sink": "*fp32", "o": "*bf16",
-           "do": "*bf16", "lse": "*fp32", "dlse": "*fp32", "dq": "*bf16", "dkv": "*fp32", "dsink_rows": "*fp32",
-           **{f"stride_{n}": "i64" for n in strides + ("dlt",)}, "H": "i32", "K": "i32", "scale": "fp32",
-           "n_work": "i32", "n_hb": "i32"}
-    consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "TRIM": True, "BH": 64, "BD": d, "BK": bk,
-              "KEY_REGS": 240,
-              "FULL_LINES": True}
-sig.update({k: "constexpr" for k in consts})
-# what the launcher's specialization sees at run time: 16-aligned pointers and strides
-attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
-         for k, v in sig.items() if v.startswith("*") or k.startswith("stride")}
-src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
-                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-ptx = kernel.asm["ptx"]
-# spills of the sm_90a build: the ptxas Triton compiled with, run again with -v on the same PTX
-import subprocess, tempfile
-from triton.backends.nvidia.compiler import get_ptxas
-with tempfile.TemporaryDirectory() as tmp:
-    open(f"{tmp}/k.ptx", "w").write(ptx)
-    run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                         capture_output=True, text=True)
-spills = re.findall(r"(\d+) bytes spill stores", run.stdout + run.stderr)
-print(json.dumps({"spill_stores": int(spills[0]) if spills else None,
-                  "wgmma_n": re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx),
-                  "shared": kernel.metadata.shared, "cp_async": "cp.async" in ptx,
-                  "atomics": re.findall(r"(?:atom|red)\.global[.a-z]*\.add[.a-z0-9]*", ptx),
-                  "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))}))
-"""
-
-
-def _compile_sm90(which: str, bk: int, d: int, has_len: bool) -> dict:
-    """Compile the kernel for sm_90 in a fresh process: the suite runs under TRITON_INTERPRET=1, which turns
-    the Gluon library's own jit helpers into interpreter objects that the Gluon compiler refuses."""
-    pytest.importorskip("triton.experimental.gluon")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    args = [which, str(bk), str(d), "1" if has_len else "0"]
-    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, *args],
-                         capture_output=True, text=True, env=env, timeout=300)
-    if "has no attribute" in run.stderr and "gluon" in run.stderr:
-        pytest.skip(f"this Triton's Gluon lacks an API the kernel uses: {run.stderr.splitlines()[-1]}")
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+from tests.ops.gluon_sm90 import compile_sm90
+from tests.ops.sparse_attn_cases import NAMES, grads_of, launch_reference_grads, lowp_attn, packed_indices
 
 
 @pytest.mark.slow  # a Triton build in a subprocess
 @pytest.mark.parametrize("d,has_len", [(512, False), (256, True)])
 def test_forward_compiles_for_sm90_warp_specialized(d, has_len):
-    info = _compile_sm90("fwd", 64, d, has_len)
+    info = compile_sm90("fwd", 64, d, has_len)
     wgmma = info["wgmma_n"]
     # Each side: its whole score tile (m64n64, d / 16 k-steps), its P and the other side's against its column
     # half (N = d / 2, 4 k-steps each); the producer warpgroup gives registers back, the odd side some.
@@ -109,7 +40,7 @@ def test_forward_compiles_for_sm90_warp_specialized(d, has_len):
 @pytest.mark.slow  # a Triton build in a subprocess
 @pytest.mark.parametrize("d,has_len", [(512, True), (256, False)])
 def test_backward_compiles_for_sm90_warp_specialized(d, has_len):
-    info = _compile_sm90("bwd", 64, d, has_len)
+    info = compile_sm90("bwd", 64, d, has_len)
     wgmma = info["wgmma_n"]
     # Score warpgroup: S and dP whole (N = 64 keys, d / 16 k-steps each), its half of dS K at N = d / 2 (4 k-steps
     # over the 64 keys). Key warpgroup: the other half of dS K, then d / 64 chunks of P^T dO + dS^T Q at N = 64
@@ -193,15 +124,10 @@ class _StoredOrderBackward:
         return self._run
 
     def _run(self, q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows, scale, HAS_LEN, HAS_DLSE,
-             **_):
+             FIXED, **_):
         type(self).calls += 1
-        if HAS_LEN:
-            idx = torch.where(torch.arange(idx.shape[1])[None, :] < topk_len[:, None], idx, -1)
-        leaves = [t.detach().double().requires_grad_() for t in (q, kv, sink)]
-        with torch.enable_grad():
-            o_ref, lse_ref = sparse_attn_ref(*leaves[:2], idx.long(), leaves[2], scale)
-            g = torch.autograd.grad((o_ref, lse_ref), leaves, (do.double(), dlse.double() if HAS_DLSE else
-                                                                torch.zeros_like(lse_ref)))
+        assert not FIXED
+        g = launch_reference_grads(q, kv, idx, topk_len, sink, do, dlse, scale, HAS_LEN, HAS_DLSE)
         f = torch.arange(64)
         N, D = kv.shape
         dq.copy_(g[0])

@@ -24,8 +24,8 @@ used by turns, so the score warpgroup writes tile i + 1's while the key warpgrou
 (four, one per 128 columns: the key warpgroup's last chunks over those columns of an item's last tile are done,
 so the next item's q and dO come in piece by piece under its remaining chunks). One key slot: 230 KB of shared
 memory at d = 512. ``dkv`` is not bitwise reproducible run to run (atomics); dq and dsink are.
-``sparse_attn_bwd_gluon_fixed_kernel`` (the same kernel with ``red_rows``' ``FIXED``) is deterministic mode's: it
-sums ``dkv`` in exact int64 fixed point instead, the same bits run to run.
+With ``FIXED`` (deterministic mode, ``red_rows``) it sums ``dkv`` in exact int64 fixed point instead, the same bits
+run to run.
 
 BENCHMARKS.md has it beside cuDNN Frontend's SM90 kernel.
 """
@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .gluon_fwd import _cp_async, keys_valid, mma_layout, mma_smem, row_keys, row_layout, store_half, tile_ids
 
-__all__ = ["sparse_attn_bwd_gluon_fixed_kernel", "sparse_attn_bwd_gluon_kernel"]
+__all__ = ["sparse_attn_bwd_gluon_kernel"]
 
 # q and dO of the next item come in this many columns at a time, each piece once the key warpgroup's last chunks
 # over it are done
@@ -89,12 +89,13 @@ def _red_v4_asm(byte_offset):
 
 
 @gluon.constexpr_function
-def _red_s64_asm(byte_offset, stride):
+def _red_s64_asm(byte_offset):
     """``FIXED``: one pack of 4 scaled fp32 values (``pack=4``), each rounded to the nearest integer (``cvt.rni``,
     ties to even; NaN gives 0, out of range saturates) and added by a predicated relaxed ``red.add.u64`` (two's
-    complement: exact for signed values too) at ``[$4 + byte_offset + j * stride]``, ``j`` the value's place in
-    the pack; no result. There is no vector integer ``red``, so a pack is four of them."""
-    reds = " ".join(f"@p red.global.gpu.relaxed.add.u64 [$4+{byte_offset + j * stride}], fxr{j};" for j in range(4))
+    complement: exact for signed values too) at ``[$4 + byte_offset + 64 j]``, ``j`` the value's place in the pack
+    (``red_rows`` interleaves a half's columns 8 places apart); no result. There is no vector integer ``red``, so a
+    pack is four of them."""
+    reds = " ".join(f"@p red.global.gpu.relaxed.add.u64 [$4+{byte_offset + 64 * j}], fxr{j};" for j in range(4))
     return ("{ .reg .pred p; .reg .b64 fxr0, fxr1, fxr2, fxr3; setp.ne.b32 p, $12, 0; "
             "cvt.rni.s64.f32 fxr0, $8; cvt.rni.s64.f32 fxr1, $9; cvt.rni.s64.f32 fxr2, $10; "
             f"cvt.rni.s64.f32 fxr3, $11; {reds} "
@@ -129,10 +130,9 @@ def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr, F
     ptrs = (gl.expand_dims(dkv + ids_r.to(gl.int64) * BD, 1) + gl.expand_dims(cols, 0)).to(gl.int64)
     valid = gl.expand_dims((ids_r >= 0).to(gl.int32), 1) + gl.zeros([64, 32], gl.int32, half)
     if FIXED:
-        # 8-byte elements: a chunk's offset and the hi half's are twice the fp32 ones; a pack's 4 values are 8
-        # places (64 bytes) apart
-        _red_s64(ptrs, lo * fx_scale, valid, col0 * 8, 64)
-        _red_s64(ptrs, hi * fx_scale, valid, col0 * 8 + 256, 64)
+        # 8-byte elements: a chunk's offset and the hi half's are twice the fp32 ones
+        _red_s64(ptrs, lo * fx_scale, valid, col0 * 8)
+        _red_s64(ptrs, hi * fx_scale, valid, col0 * 8 + 256)
     else:
         _red_v4(ptrs, lo, valid, col0 * 4)
         _red_v4(ptrs, hi, valid, col0 * 4 + 128)
@@ -147,9 +147,9 @@ def _red_v4(ptrs, vals, valid, byte_offset: gl.constexpr):
 
 
 @gluon.jit
-def _red_s64(ptrs, vals, valid, byte_offset: gl.constexpr, stride: gl.constexpr):
+def _red_s64(ptrs, vals, valid, byte_offset: gl.constexpr):
     """``_red_s64_asm`` over a tile, arguments as ``_red_v4``'s (``vals`` the scaled fp32 values, as bits)."""
-    gl.inline_asm_elementwise(_red_s64_asm(byte_offset, stride), "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
+    gl.inline_asm_elementwise(_red_s64_asm(byte_offset), "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
                               [ptrs, vals.to(gl.int32, bitcast=True), valid], dtype=gl.int32, is_pure=False, pack=4)
 
 
@@ -398,45 +398,15 @@ def _key_partition(
 
 @gluon.jit
 def sparse_attn_bwd_gluon_kernel(
-    q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
-    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
-    H, K, scale, n_work, n_hb,
-    HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, TRIM: gl.constexpr,
-    BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr, FULL_LINES: gl.constexpr,
-):
-    _bwd_kernel(q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
-                stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
-                H, K, scale, n_work, n_hb, HAS_LEN, HAS_DLSE, TRIM, BH, BD, BK, KEY_REGS, FULL_LINES, False, dkv)
-
-
-@gluon.jit
-def sparse_attn_bwd_gluon_fixed_kernel(
     q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows, fx,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
     H, K, scale, n_work, n_hb,
     HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, TRIM: gl.constexpr,
     BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr, FULL_LINES: gl.constexpr,
+    FIXED: gl.constexpr,
 ):
-    """Deterministic mode's variant: ``dkv`` an int64 ``[N, d]`` buffer of fixed-point sums (``red_rows`` with
-    ``FIXED``, in its stored column order), ``fx`` the fp32 ``[3]`` of
-    ``fixed_point.fixed_point_scale``; the rest as ``sparse_attn_bwd_gluon_kernel`` (a kernel of its own, so that
-    the default kernel keeps its arguments)."""
-    _bwd_kernel(q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
-                stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
-                H, K, scale, n_work, n_hb, HAS_LEN, HAS_DLSE, TRIM, BH, BD, BK, KEY_REGS, FULL_LINES, True, fx)
-
-
-@gluon.jit
-def _bwd_kernel(
-    q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows,
-    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
-    H, K, scale, n_work, n_hb,
-    HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, TRIM: gl.constexpr,
-    BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr, FULL_LINES: gl.constexpr,
-    FIXED: gl.constexpr, fx,
-):
-    # FIXED (red_rows): dkv is an int64 buffer of fixed-point sums and fx the fp32 [3] of
-    # fixed_point.fixed_point_scale; False (the default kernel): fp32 sums, fx unused
+    # FIXED (deterministic mode, red_rows): dkv is an int64 buffer of fixed-point sums, in its stored column order,
+    # and fx the fp32 [3] of fixed_point.fixed_point_scale; False: fp32 sums, fx unused
     dtype: gl.constexpr = q.dtype.element_ty
     KV_SL: gl.constexpr = mma_smem(BD * 2)
     P_SL: gl.constexpr = mma_smem(BK * 2)

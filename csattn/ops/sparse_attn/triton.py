@@ -296,7 +296,7 @@ def _dot_prec(dtype: torch.dtype) -> str:
 
 @functools.cache
 def _gluon_kernel(name: str):
-    """A Gluon kernel (``"fwd"``, ``"bwd"`` or ``"bwd_fixed"``), or None where this Triton's Gluon may not take it.
+    """A Gluon kernel (``"fwd"`` or ``"bwd"``), or None where this Triton's Gluon may not take it.
 
     Gluon is experimental API that changes between releases: the kernels were measured on Triton 3.6 and compile
     on 3.9 (a CPU test compiles them for sm_90); older releases run the Triton kernels.
@@ -306,8 +306,6 @@ def _gluon_kernel(name: str):
     try:
         if name == "fwd":
             from .gluon_fwd import sparse_attn_fwd_gluon_kernel as kernel
-        elif name == "bwd_fixed":
-            from .gluon_bwd import sparse_attn_bwd_gluon_fixed_kernel as kernel
         else:
             from .gluon_bwd import sparse_attn_bwd_gluon_kernel as kernel
     except (ImportError, AttributeError):
@@ -345,10 +343,9 @@ def uses_gluon_fwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
 
 
 def uses_gluon_bwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
-    """Whether :func:`sparse_attn_bwd` runs the one Gluon kernel (dq, dkv, dsink) instead of the Triton pair; in
-    deterministic mode its fixed-point variant."""
-    name = "bwd_fixed" if wants_deterministic(cfg.deterministic) else "bwd"
-    return bool(cfg.bwd_gluon) and _gluon_applies(q, kv, cfg) and _gluon_kernel(name) is not None
+    """Whether :func:`sparse_attn_bwd` runs the one Gluon kernel (dq, dkv, dsink) instead of the Triton pair (in
+    deterministic mode with its fixed-point sums, ``FIXED``)."""
+    return bool(cfg.bwd_gluon) and _gluon_applies(q, kv, cfg) and _gluon_kernel("bwd") is not None
 
 
 def _fixed_stored(acc: Tensor, fx: Tensor) -> Tensor:
@@ -499,13 +496,11 @@ def sparse_attn_bwd(
             # warpgroup keeps 240 registers of the 256 a thread may have (fewer spill in its tile loop).
             del common["D"], common["BH"], common["BD"], common["DOT_PREC"]
             n_work = T * (H // 64)
-            if fixed:  # int64 fixed-point sums into dkv32 (gluon_bwd.red_rows with FIXED)
-                common["fx"] = fx
-            kernel = _gluon_kernel("bwd_fixed" if fixed else "bwd")[
-                (_programs(n_work, q.device, cfg.bwd_persistent),)](
-                sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, n_work=n_work, n_hb=H // 64, BH=64, BD=D,
-                BK=64, KEY_REGS=240, FULL_LINES=bool(cfg.bwd_full_lines), TRIM=bool(cfg.skip_empty_tiles),
-                num_warps=4, **common)
+            # FIXED: int64 fixed-point sums into dkv32 (gluon_bwd.red_rows)
+            kernel = _gluon_kernel("bwd")[(_programs(n_work, q.device, cfg.bwd_persistent),)](
+                sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, fx=fx if fixed else dkv32, n_work=n_work,
+                n_hb=H // 64, BH=64, BD=D, BK=64, KEY_REGS=240, FULL_LINES=bool(cfg.bwd_full_lines),
+                TRIM=bool(cfg.skip_empty_tiles), FIXED=fixed, num_warps=4, **common)
             _report("bwd_gluon", kernel, cfg)
         else:
             kernel = sparse_attn_bwd_kernel_dq[grid](
