@@ -8,6 +8,8 @@ written by one command of :data:`~benchmarks.results.sources.STAGES` at one comm
 - ``sources.py``: each JSON file, the command that writes it and its stage (the page prints the same commands);
 - ``measure.py``: runs stages, each command in its own process with its timeout;
 - ``data.py``, ``sections.py``, ``page.py``, ``plots.py``: the page from the files alone.
+- ``readme.py``: the README's figure paragraphs (between ``<!-- results:NAME -->`` marker lines) from the same
+  files, rewritten by the same command.
 """
 
 from .measure import run_stages

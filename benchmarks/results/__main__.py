@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--plots-dir", type=Path, default=ROOT / "docs" / "benchmarks", help="the page's plots")
     ap.add_argument("--report-dir", type=Path, default=ROOT / "docs" / "report",
                     help="where the scaling report's parts are merged (report.json, report.md, plots)")
+    ap.add_argument("--readme", type=Path, default=ROOT / "README.md",
+                    help="the README whose figure paragraphs are rewritten with the page (default %(default)s)")
+    ap.add_argument("--no-readme", action="store_true", help="write the page only, leave the README as it is")
     ap.add_argument("--measure", action="store_true", help="run the stages on this machine's GPU instead")
     ap.add_argument("--stages", nargs="+", default=[s for s in STAGES if STAGES[s]], choices=list(STAGES),
                     help="with --measure: which stages, in order (default: all)")
@@ -43,8 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.measure:
         run_stages(args.stages, args.json_dir, args.commit or _commit(), args.budget_s)
         return
-    render_page(args.json_dir, args.out, args.plots_dir, args.report_dir)
-    print(f"wrote {args.out}")
+    readme = None if args.no_readme else args.readme
+    render_page(args.json_dir, args.out, args.plots_dir, args.report_dir, readme=readme)
+    print(f"wrote {args.out}" + (f" and the figures of {readme}" if readme else ""))
 
 
 if __name__ == "__main__":

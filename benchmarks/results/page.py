@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .data import Results, times
 from .plots import model_plot
+from .readme import fill_readme, readme_paragraphs
 from .sections import (
     Claim,
     Context,
@@ -74,8 +75,9 @@ def _header(res: Results, report: list[dict]) -> list[str]:
     return ["# Benchmarks", "",
             f"Measured on one {meta.get('device', '?')} (torch {meta.get('torch', '?')}, Triton "
             f"{meta.get('triton', '?')}) {at}. Every table is rendered from the JSON it names by "
-            "`python -m benchmarks.results --out BENCHMARKS.md` (no GPU); `python -m benchmarks.results --measure "
-            f"--stages {stages}` measures them all on a GPU. How these numbers came to be: [`lab/`](lab/README.md)."]
+            "`python -m benchmarks.results --out BENCHMARKS.md` (no GPU), which also writes the README's figures "
+            f"from the same files; `python -m benchmarks.results --measure --stages {stages}` measures them all on a "
+            "GPU. How these numbers came to be: [`lab/`](lab/README.md)."]
 
 
 def _claims_table(claims: list[Claim]) -> list[str]:
@@ -84,9 +86,10 @@ def _claims_table(claims: list[Claim]) -> list[str]:
     return ["| csattn | measured | against | faster | less memory |", "| --- | --- | --- | ---: | ---: |", *rows]
 
 
-def render_page(json_dir: Path, page: Path, plots_dir: Path, report_dir: Path) -> str:
+def render_page(json_dir: Path, page: Path, plots_dir: Path, report_dir: Path, readme: Path | None = None) -> str:
     """Write ``page`` (Markdown) from the JSON files of ``json_dir``; the model plot goes to ``plots_dir``, the
-    merged scaling report (its table and plots) to ``report_dir``. Returns the Markdown."""
+    merged scaling report (its table and plots) to ``report_dir``; with ``readme``, rewrite that README's figure
+    paragraphs from the same files (:mod:`benchmarks.results.readme`). Returns the page's Markdown."""
     json_dir, page, plots_dir, report_dir = (Path(p) for p in (json_dir, page, plots_dir, report_dir))
     res = Results.load(json_dir)
     report = _merge_report(res, report_dir)
@@ -115,5 +118,10 @@ def render_page(json_dir: Path, page: Path, plots_dir: Path, report_dir: Path) -
               f"    python -m benchmarks.results --measure --json-dir {ctx.json_link} --stages "
               + " ".join(s for s in STAGES if STAGES[s]), "    python -m benchmarks.results --out BENCHMARKS.md"]
     text = "\n".join(lines) + "\n"
+    if readme is not None:  # before the page is written: a README with wrong markers fails with the page unchanged
+        readme = Path(readme)
+        filled = fill_readme(readme.read_text(), readme_paragraphs(ctx, _link(page, readme)))
     page.write_text(text)
+    if readme is not None:
+        readme.write_text(filled)
     return text
