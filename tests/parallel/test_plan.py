@@ -173,3 +173,26 @@ def test_every_flag_has_help_and_a_bad_config_is_one_error_line(capsys, tmp_path
         rc, out, err = _plan_cli(capsys, *argv)
         assert rc == 2 and out == "" and err.startswith("csattn plan: error: "), (argv, err)
         assert len(err.strip().splitlines()) == 1
+
+
+def test_the_train_line_starts_from_a_checkpoint_directory(capsys, tmp_path):
+    ckpt = tmp_path / "DeepSeek-V4-Flash"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text((CONFIGS / "v4_flash_proxy.json").read_text())
+    (ckpt / "model.safetensors.index.json").write_text("{}")
+    for config in (ckpt, ckpt / "config.json"):
+        rc, out, _ = _plan_cli(capsys, "--config", str(config), "--gpus", "8", "--seq-len", "16384", "--search")
+        assert rc == 0 and f"-m csattn train --init-from {ckpt} " in out
+    (ckpt / "model.safetensors.index.json").unlink()  # a config alone: a random model of its geometry
+    rc, out, _ = _plan_cli(capsys, "--config", str(ckpt), "--gpus", "8", "--seq-len", "16384", "--search")
+    assert f"--config-json {ckpt / 'config.json'} " in out
+
+
+def test_module_entry_point_runs_the_same_planner(capsys):
+    from csattn.parallel.plan import main
+
+    assert main(["--config", PROXY, "--gpus", "8", "--seq-len", "16384", "--search", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+    with pytest.raises(SystemExit) as e:
+        main(["--config", PROXY, "--train", "head", "--freeze", "experts"])
+    assert e.value.code == 2 and "--train and --freeze" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from ...models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfig
 from ..mesh import ParallelDims
-from .counts import Training
+from .counts import BASE_PRECISIONS, DEFAULT_LORA_TARGETS, FP8_GROUPS, GROUPS, Training, training_spec
 from .memory import H200_BYTES, HEADROOM, GiB, Plan, plan
 from .meshes import MESH_FLAGS, Suggestion, check_valid, docs_table, nearest_fits, rank_plans, runner_ups
 from .timing import GPUS_PER_NODE
@@ -43,11 +43,8 @@ def _mesh_str(d: dict[str, int]) -> str:
 def train_command(p: Plan) -> str:
     """The ``csattn train`` line that runs ``p`` (``torchrun`` over nodes of 8 beyond 8 GPUs)."""
     d = p.dims
-    path = p.config_path or "CONFIG.json"
-    ckpt = os.path.basename(path) == "config.json" or os.path.isdir(path)
-    src = f"--init-from {os.path.dirname(path) or '.' if not os.path.isdir(path) else path}" if ckpt else (
-        f"--config-json {path}")
-    flags = [src, f"--dtype {p.dtype}", f"--seq-len {p.seq_len}", f"--batch-seqs {p.batch_seqs}"]
+    flags = [_model_flag(p.config_path or "CONFIG.json"), f"--dtype {p.dtype}", f"--seq-len {p.seq_len}",
+             f"--batch-seqs {p.batch_seqs}"]
     if p.gpus > 1:
         if d["dp_replicate"] > 1:
             flags.append(f"--dp-replicate {d['dp_replicate']}")
@@ -63,6 +60,15 @@ def train_command(p: Plan) -> str:
         launch = (f"torchrun --nnodes {p.gpus // per_node} --nproc-per-node {per_node} "
                   "--rdzv-endpoint $HOST:29500")
     return f"{launch} -m csattn train " + " ".join(flags)
+
+
+def _model_flag(path: str) -> str:
+    """``--init-from DIR`` when ``path`` is (the config.json of) a checkpoint directory, else ``--config-json``."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    if os.path.isdir(path) or os.path.basename(path) == "config.json":
+        if any(f.endswith((".safetensors", ".safetensors.index.json")) for f in os.listdir(folder)):
+            return f"--init-from {folder}"
+    return f"--config-json {os.path.join(path, 'config.json') if os.path.isdir(path) else path}"
 
 
 def _training_flags(t: dict) -> list[str]:
@@ -114,14 +120,16 @@ def format_plan(p: Plan) -> str:
 
 def _training_lines(p: Plan) -> list[str]:
     t = p.training
-    if not t or (t["lora_rank"] == 0 and len(t["train"]) == len(Training().train)):
+    if not t or (t["lora_rank"] == 0 and len(t["train"]) == len(GROUPS)):
         return []
-    frozen = [g for g in Training().train if g not in t["train"]]
-    out = [f"  training: {p.params_trained / 1e9:.3f} B of {p.params_total / 1e9:.2f} B parameters trained; in full:"
-           f" {', '.join(t['train']) or 'none'}; frozen: {', '.join(frozen)} (FP8-able ones held "
-           f"{t['base_precision']})"]
+    frozen = [g for g in GROUPS if g not in t["train"]]
+    fp8 = [g for g in frozen if g in FP8_GROUPS and t["base_precision"] != "bf16"]
+    held = (f"; held in FP8 ({t['base_precision']}): {', '.join(fp8)}, the rest bf16 / fp32" if fp8
+            else "; held in bf16 / fp32")
+    out = [f"  training: {p.params_trained / 1e9:.3f} B of {p.params_total / 1e9:.2f} B parameters trained",
+           f"    in full: {', '.join(t['train']) or 'none'}; frozen: {', '.join(frozen)}{held}"]
     if t["lora_rank"]:
-        out.append(f"  LoRA: rank {t['lora_rank']} on {', '.join(t['lora_targets'])}: "
+        out.append(f"    LoRA rank {t['lora_rank']} on {', '.join(t['lora_targets'])}: "
                    f"{p.params_lora / 1e6:.1f} M parameters")
     return out
 
@@ -146,6 +154,19 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    "instead of keeping (default none; with --search: searched unless given)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="compute dtype of the trained weights (default %(default)s)")
+    f = p.add_argument_group("fine-tuning (default: every parameter trained)")
+    f.add_argument("--lora-rank", type=int, default=0, metavar="R", help="LoRA pairs of rank R on the frozen "
+                   "groups of --lora-targets; with R > 0 every group not in --train is frozen (default "
+                   "%(default)s: no LoRA)")
+    f.add_argument("--lora-targets", metavar="GROUPS", default=None, help="comma-separated groups LoRA adapts "
+                   f"(default with --lora-rank: {','.join(DEFAULT_LORA_TARGETS)}); groups: {','.join(GROUPS)}")
+    f.add_argument("--train", metavar="GROUPS", default=None, help="comma-separated groups trained in full, the "
+                   "others frozen (default: all, or none with --lora-rank)")
+    f.add_argument("--freeze", metavar="GROUPS", default=None, help="comma-separated groups frozen, the others "
+                   "trained in full (instead of --train)")
+    f.add_argument("--base-precision", choices=BASE_PRECISIONS, default=None, help="frozen attention, indexer, "
+                   "compressor and expert matrices: fp8 = FP8 e4m3 with 128x128 block scales, multiplied in FP8; "
+                   "w8a16 = held in FP8, dequantized to bf16 to multiply; bf16 (default fp8)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (with --search: the best plan)")
     p.add_argument("--search", action="store_true", help="pick the fastest mesh and recompute that fit (the mesh "
                    "flags, --recompute and --batch-seqs, when given, are kept fixed) and show the runner-ups")
@@ -169,7 +190,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--config FILE is required (the model's HF config.json), or --table")
     c = load_config(args.config)
     name = os.path.basename(os.path.normpath(args.config)).removesuffix(".json")
-    training = Training()
+    training = training_spec(lora_rank=args.lora_rank, lora_targets=args.lora_targets, train=args.train,
+                             freeze=args.freeze, base_precision=args.base_precision)
     if args.search:
         return _run_search(args, c, name, training)
     m = _mesh_flags(args)

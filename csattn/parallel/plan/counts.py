@@ -237,6 +237,8 @@ def training_spec(*, lora_rank: int = 0, lora_targets: Any = None, train: Any = 
         trained = frozenset(GROUPS) - _groups_arg("--freeze", freeze)
     else:
         trained = frozenset() if lora_rank else frozenset(GROUPS)
+    if not trained and not lora_rank:
+        raise ValueError("nothing trains: every group is frozen and --lora-rank is 0")
     if lora_targets is not None and not lora_rank:
         raise ValueError("--lora-targets needs --lora-rank > 0")
     targets = (_groups_arg("--lora-targets", lora_targets) if lora_targets is not None

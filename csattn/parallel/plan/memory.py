@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from ...models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfig
 from ..mesh import ParallelDims
-from .counts import GroupCount, Training, cached, count_groups, layer_kinds
+from .counts import GROUPS, GroupCount, Training, cached, count_groups, layer_kinds
 
 __all__ = ["GiB", "H200_BYTES", "HEADROOM", "LIMIT_BYTES", "FP8_BYTES", "KEPT_KIB", "TRANSIENT", "Plan", "Sizes",
            "kept_bytes_per_token", "plan", "sizes"]
@@ -220,8 +220,8 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
              recompute=recompute, dtype=dtype, sharded=dims.world > 1,
              params_total=cached(c, "total", 0, lambda: sum(v.params for v in count_groups(c).total().values())),
              rows=rows, params_trained=int(trained), params_lora=int(lora),
-             training={"train": sorted(t.train), "lora_rank": t.lora_rank, "lora_targets": sorted(t.lora_targets),
-                       "base_precision": t.base_precision})
+             training={"train": [g for g in GROUPS if g in t.train], "lora_rank": t.lora_rank,
+                       "lora_targets": [g for g in GROUPS if g in t.lora_targets], "base_precision": t.base_precision})
     held = _weights(p, c, dims, sz, cb)
     _activations(p, c, dims, t)
     _peak(p, c, held)

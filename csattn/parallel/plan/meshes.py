@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ...models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfig
 from ..mesh import ParallelDims
-from .counts import Training, count_params
+from .counts import Training, count_params, training_spec
 from .memory import GiB, Plan, plan
 
 __all__ = ["MESH_FLAGS", "Ranked", "Suggestion", "docs_table", "nearest_fits", "pick", "rank_plans", "runner_ups",
@@ -152,6 +152,10 @@ def nearest_fits(c: DeepseekV4ModelConfig, gpus: int, seq_len: int, *, dtype: st
         if not any(s.plan.dims == p.dims and s.plan.recompute == p.recompute for s in out):
             out.append(Suggestion("another mesh or recompute on these GPUs", p))
         return out
+    if training is None or training.full:
+        p = _try(c, gpus, seq_len, kw | {"training": training_spec(lora_rank=16)})
+        if p is not None:
+            out.append(Suggestion("a LoRA fine-tune (--lora-rank 16, the base frozen)", p))
     g = gpus * 2
     while g <= max_gpus:
         p = _try(c, g, seq_len, kw)
