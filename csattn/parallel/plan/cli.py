@@ -53,13 +53,16 @@ def train_command(p: Plan) -> str:
     flags += _training_flags(p.training)
     if p.gpus == 1:
         return "csattn train " + " ".join(flags)
-    if p.gpus <= GPUS_PER_NODE:
-        launch = f"torchrun --nproc-per-node {p.gpus}"
-    else:
-        per_node = max(k for k in range(1, GPUS_PER_NODE + 1) if p.gpus % k == 0)
-        launch = (f"torchrun --nnodes {p.gpus // per_node} --nproc-per-node {per_node} "
-                  "--rdzv-endpoint $HOST:29500")
+    nodes, per_node = _nodes(p.gpus)
+    launch = (f"torchrun --nproc-per-node {p.gpus}" if nodes == 1 else
+              f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-endpoint $HOST:29500")
     return f"{launch} -m csattn train " + " ".join(flags)
+
+
+def _nodes(gpus: int) -> tuple[int, int]:
+    """(nodes, GPUs per node): nodes of 8, or of the largest count up to 8 dividing ``gpus``."""
+    per_node = max(k for k in range(1, GPUS_PER_NODE + 1) if gpus % k == 0)
+    return gpus // per_node, per_node
 
 
 def _model_flag(path: str) -> str:
@@ -73,7 +76,7 @@ def _model_flag(path: str) -> str:
 
 def _training_flags(t: dict) -> list[str]:
     """The fine-tuning flags of ``p.training`` (none when everything trains)."""
-    if not t or (t["lora_rank"] == 0 and len(t["train"]) == len(Training().train)):
+    if not t or (t["lora_rank"] == 0 and len(t["train"]) == len(GROUPS)):
         return []
     out = [f"--train {','.join(t['train'])}"] if t["train"] else []
     if t["lora_rank"]:
@@ -88,7 +91,8 @@ def _gib(b: float) -> str:
 def format_plan(p: Plan) -> str:
     """The per-rank table of one plan, its fit and the line that runs it (GiB throughout)."""
     d = p.dims
-    nodes = f" ({p.gpus // GPUS_PER_NODE} nodes of {GPUS_PER_NODE})" if p.gpus > GPUS_PER_NODE else ""
+    n, per_node = _nodes(p.gpus)
+    nodes = f" ({n} nodes of {per_node})" if n > 1 else ""
     lines = [f"plan: {p.config or 'model'}, {p.params_total / 1e9:.2f} B parameters, on {p.gpus} GPU(s){nodes}"]
     if p.sharded:
         lines += [f"  mesh: dp_replicate {d['dp_replicate']} x dp_shard {d['dp_shard']} x cp {d['cp']} = {p.gpus} "
