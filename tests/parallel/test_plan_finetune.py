@@ -1,0 +1,178 @@
+"""The planner's fine-tuning model (CPU, fast): parameters by group against a real model built on the meta device,
+LoRA sizes against its modules, the FLOPs run, per-rank memory terms, and V4-Flash's LoRA fine-tune on 8 GPUs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from csattn.models.deepseek_v4 import DeepseekV4ModelConfig
+from csattn.parallel.mesh import ParallelDims
+from csattn.parallel.plan import (
+    FP8_BYTES,
+    FP8_GROUPS,
+    GROUPS,
+    Training,
+    count_groups,
+    count_params,
+    group_of,
+    plan,
+    step_flops,
+    training_spec,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+FLASH = str(CONFIGS / "v4_flash.json")
+
+
+def _load(name: str, **overrides) -> DeepseekV4ModelConfig:
+    return DeepseekV4ModelConfig.from_hf(json.loads((CONFIGS / name).read_text()), **overrides)
+
+
+def _meta_model(c: DeepseekV4ModelConfig):
+    torch = pytest.importorskip("torch")
+    from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    with torch.device("meta"):
+        return DeepseekV4ForCausalLM(c)
+
+
+def _lora_io(module) -> int:
+    """``in + out`` summed over the module's adapted maps, read from the real module: a Linear (or the router)
+    ``[out, in]``; the block-diagonal o_a_proj one pair per group; the embedding ``[V, D]``; routed experts one
+    pair per expert and matrix (``gate_up_proj [E, 2I, D]``, ``down_proj [E, D, I]``)."""
+    from torch import nn
+
+    from csattn.layers.modules import GroupedLinear
+
+    name = type(module).__name__
+    if isinstance(module, (nn.Linear, nn.Embedding)) or name == "Router":
+        return sum(module.weight.shape)
+    if isinstance(module, GroupedLinear):
+        out, per_group = module.weight.shape
+        return module.groups * (out // module.groups + per_group)
+    if name == "Experts":
+        return sum(p.shape[0] * (p.shape[1] + p.shape[2]) for p in (module.gate_up_proj, module.down_proj))
+    return 0
+
+
+@pytest.mark.parametrize("overrides", [{"num_nextn_predict_layers": 1}, {"num_nextn_predict_layers": 0}])
+def test_group_counts_match_the_model_on_meta(overrides):
+    c = _load("v4_flash_proxy.json", **overrides)
+    model = _meta_model(c)
+    params = {g: 0 for g in GROUPS}
+    for name, p in model.named_parameters():
+        params[group_of(name)] += p.numel()
+    matrices = {g: 0 for g in GROUPS}  # bf16- / FP8-held: the weights of the linear maps (the rest stays fp32)
+    lora = {g: 0 for g in GROUPS}
+    for name, m in model.named_modules():
+        io = _lora_io(m)
+        if io:
+            first = next(n for n, _ in m.named_parameters(recurse=False))
+            lora[group_of(f"{name}.{first}")] += io
+            matrices[group_of(f"{name}.{first}")] += sum(p.numel() for p in m.parameters(recurse=False))
+    got = count_groups(c).total()
+    assert {g: v.params for g, v in got.items()} == params
+    assert {g: v.matrix for g, v in got.items()} == matrices
+    assert {g: v.lora for g, v in got.items()} == lora
+    assert sum(params.values()) == count_params(c).total
+    # trained / frozen by group for a fine-tune: what the real model's requires_grad split would give
+    t = training_spec(lora_rank=8, train="router,mhc")
+    p = plan(c, ParallelDims(world=1), 4096, training=t)
+    assert p.params_lora == 8 * sum(lora[g] for g in ("attention", "indexer", "shared_experts", "experts"))
+    assert p.params_trained == params["router"] + params["mhc"] + p.params_lora
+
+
+def test_group_macs_match_model_flops():
+    """One token: the FLOP counter's forward is twice the groups' multiply-adds plus each block's attention core
+    on its one key (``4 H d``)."""
+    from csattn.report.flops import model_flops
+
+    for name in ("v4_flash_proxy.json", "v4_flash.json"):
+        c = _load(name)
+        macs = sum(v.macs for v in count_groups(c).total().values())
+        blocks = c.num_hidden_layers + c.num_nextn_predict_layers
+        core = blocks * 4 * c.num_attention_heads * c.head_dim
+        assert model_flops(c, [0, 1])["fwd"] == 2 * macs + core
+
+
+def test_frozen_groups_run_no_weight_gradient_and_lora_adds_its_gemms():
+    from csattn.report.flops import model_flops
+
+    c, T = _load("v4_flash_proxy.json"), 4096
+    fl = model_flops(c, [0, T])
+    tot = count_groups(c).total()
+    assert step_flops(c, T, Training()) == (fl["fwd"] + fl["bwd"], 0.0)
+    bf16, fp8 = step_flops(c, T, training_spec(train="head", base_precision="bf16"))
+    frozen = sum(v.macs for g, v in tot.items() if g != "head")
+    assert fp8 == 0 and bf16 == pytest.approx(fl["fwd"] + fl["bwd"] - 2 * frozen * T, rel=1e-12)
+    bf16, fp8 = step_flops(c, T, training_spec(lora_rank=4, lora_targets="experts"))
+    fp8_macs = sum(v.macs for g, v in tot.items() if g in FP8_GROUPS)
+    assert fp8 == pytest.approx(4 * fp8_macs * T, rel=1e-12)
+    all_macs = sum(v.macs for v in tot.values())
+    assert bf16 == pytest.approx(fl["fwd"] + fl["bwd"] - 2 * all_macs * T - 4 * fp8_macs * T
+                                 + 6 * 4 * tot["experts"].lora_macs * T, rel=1e-12)
+    # w8a16 holds FP8 but multiplies in bf16: no FP8 FLOPs
+    assert step_flops(c, T, training_spec(lora_rank=4, base_precision="w8a16"))[1] == 0
+
+
+def test_memory_terms_of_a_frozen_fp8_base():
+    c = _load("v4_flash.json")
+    tot = count_groups(c).total()
+    t = training_spec(lora_rank=16)
+    dims = ParallelDims(dp_shard=1, cp=8, ep=8, world=8)
+    p = plan(c, dims, 65536, recompute="block", training=t)
+    lora = 16 * sum(tot[g].lora for g in ("attention", "indexer", "shared_experts", "experts"))
+    frozen = sum(v.matrix * (FP8_BYTES if g in FP8_GROUPS else 2) + 4 * v.small for g, v in tot.items())
+    assert p.params_trained == p.params_lora == lora
+    assert p.memory["parameters"] == pytest.approx((4 * lora + frozen) / 8)
+    assert p.memory["gradients"] == pytest.approx(4 * lora / 8)
+    assert p.memory["optimizer"] == pytest.approx(8 * lora / 8)
+    # 283 B routed-expert parameters in FP8 over EP 8: 1.0001 bytes each, a rank holds its 32 experts only
+    assert tot["experts"].params * FP8_BYTES / 8 / 2**30 == pytest.approx(33.0, abs=0.2)
+    # EP 8 x efsdp 1: a rank's experts are never gathered; the dense frozen units are, as held
+    full = plan(c, dims, 65536, recompute="block")
+    assert p.memory["gathered units"] < full.memory["gathered units"] / 2
+    assert p.memory["fp8 workspace"] > 0 and "fp8 workspace" not in full.memory
+    assert p.memory["activations kept"] == full.memory["activations kept"]  # unchanged by freezing
+    # bf16 base: the frozen matrices at 2 bytes; w8a16: FP8-held, a bf16 copy of the rank's experts to multiply
+    bf = plan(c, dims, 65536, recompute="block", training=training_spec(lora_rank=16, base_precision="bf16"))
+    w8 = plan(c, dims, 65536, recompute="block", training=training_spec(lora_rank=16, base_precision="w8a16"))
+    assert bf.memory["parameters"] > 1.9 * p.memory["parameters"]
+    assert w8.memory["parameters"] == p.memory["parameters"] and "fp8 workspace" in w8.memory
+    assert bf.step_s > p.step_s and w8.step_s == pytest.approx(bf.step_s, rel=0.02)
+
+
+def test_training_flags_are_checked():
+    with pytest.raises(ValueError, match="--train and --freeze"):
+        training_spec(train="head", freeze="experts")
+    with pytest.raises(ValueError, match="--lora-targets: unknown group"):
+        training_spec(lora_rank=4, lora_targets="attn")
+    with pytest.raises(ValueError, match="--lora-targets mhc"):
+        training_spec(lora_rank=4, lora_targets="mhc")
+    with pytest.raises(ValueError, match="--lora-targets needs --lora-rank"):
+        training_spec(lora_targets="attention")
+    with pytest.raises(ValueError, match="also trained in full"):
+        training_spec(lora_rank=4, train="attention")
+    with pytest.raises(ValueError, match="nothing trains"):
+        training_spec(freeze=",".join(GROUPS))
+    with pytest.raises(ValueError, match="--base-precision"):
+        training_spec(lora_rank=4, base_precision="int4")
+    assert training_spec(freeze="experts").train == frozenset(GROUPS) - {"experts"}
+
+
+def test_v4_flash_lora_fine_tune_fits_on_one_node(capsys):
+    from csattn.cli import main
+
+    rc = main(["plan", "--config", FLASH, "--gpus", "8", "--seq-len", "65536", "--lora-rank", "16", "--search"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "fit: yes" in out and "mesh: dp_replicate 1 x dp_shard" in out
+    assert "LoRA rank 16 on attention, indexer, shared_experts, experts" in out
+    line = next(x.strip() for x in out.splitlines() if "-m csattn train" in x)
+    assert line.startswith("torchrun --nproc-per-node 8 -m csattn train ") and "--lora-rank 16" in line
+    assert "--base-precision fp8" in line and "--lora-targets attention,indexer,shared_experts,experts" in line
+    # full training does not fit on 8 GPUs; the planner points at the fine-tune
+    assert main(["plan", "--config", FLASH, "--gpus", "8", "--seq-len", "65536", "--search"]) == 1
+    assert "a LoRA fine-tune (--lora-rank 16, the base frozen): 8 GPU(s)" in capsys.readouterr().out
