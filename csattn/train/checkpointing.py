@@ -67,7 +67,7 @@ def prepare_checkpoint_dir(path: str) -> str | None:
     and nothing is deleted. Returns a line saying where it went, or None."""
     if not os.path.isdir(path):
         return None
-    why = verify_checkpoint(path, deep=False, collective=False)
+    why = verify_checkpoint(path, collective=False)  # hashes it: only when a run saves a step it saved before
     if why is None:
         discard_manifest(path)
         return None
