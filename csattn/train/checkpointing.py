@@ -60,14 +60,17 @@ def write_trainer_state(path: str, step: int, state: dict[str, Any]) -> None:
     save_state(os.path.join(path, STATE_NAME), {**state, "step": step})
 
 
-def prepare_checkpoint_dir(path: str) -> str | None:
-    """Before a save writes checkpoint ``path`` (call on one rank): an intact checkpoint already there is overwritten
-    in place (its manifest removed first: it is incomplete until the new one is written); a damaged or incomplete
-    one is moved aside to ``<path>.damaged`` / ``.incomplete`` (``-2``, ...), so none of its files enter the new checkpoint's manifest
-    and nothing is deleted. Returns a line saying where it went, or None."""
-    if not os.path.isdir(path):
+def prepare_checkpoint_dir(path: str, rank: int) -> str | None:
+    """Before a save writes checkpoint ``path`` (a collective under torch.distributed; rank 0 acts): an intact
+    checkpoint already there is overwritten in place (its manifest removed first: it is incomplete until the new one
+    is written); a damaged or incomplete one is moved aside to ``<path>.damaged`` or ``.incomplete`` (``-2``, ...),
+    so none of its files enter the new checkpoint's manifest and nothing is deleted. Returns, on rank 0, a line
+    saying where it went, else None."""
+    if not from_rank0(os.path.isdir(path)):
         return None
-    why = verify_checkpoint(path, collective=False)  # hashes it: only when a run saves a step it saved before
+    why = verify_checkpoint(path)  # hashes it (over the ranks): only when a run saves a step it saved before
+    if rank != 0:
+        return None
     if why is None:
         discard_manifest(path)
         return None

@@ -455,7 +455,7 @@ def _save(cfg: TrainConfig, step: int, model: DeepseekV4ForCausalLM, optimizer: 
             f"step {step}: the model's weights hold NaN or inf values: refusing to save {path}; the checkpoints "
             f"already under {cfg.output} are kept. Resume from the latest (--resume auto) with a lower --lr, more "
             "--warmup-steps or a --grad-clip")
-    moved = prepare_checkpoint_dir(path) if meshes.rank == 0 else None  # an earlier one of this step
+    moved = prepare_checkpoint_dir(path, meshes.rank)  # an earlier checkpoint of this step
     if moved:
         print(f"note: {moved}", flush=True)
     if meshes.distributed:

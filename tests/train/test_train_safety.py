@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from csattn.train.checkpointing import LEGACY_STATE_NAME, STATE_NAME, load_checkpoint
-from csattn.train.manifest import MANIFEST
 from csattn.train.loop import TrainConfig, train
+from csattn.train.manifest import MANIFEST
 from csattn.train.safe_state import load_state, save_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
