@@ -15,6 +15,17 @@ from .errors import UserError
 __all__ = ["DEFAULT_SAVE_MINUTES", "RULES", "TrainConfig", "tiny_model_config"]
 
 
+def _damaged_init_from(path: str) -> str | None:
+    """Why the ``--init-from`` directory, a checkpoint of ``csattn train`` (it has a manifest), is damaged; None if
+    it is intact or has no manifest (an HF download). Sizes only (no file is read: every rank checks the same files
+    alike at startup), which finds a truncated or missing file."""
+    from .manifest import MANIFEST, verify_checkpoint
+
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
+        return None
+    return verify_checkpoint(path, deep=False, collective=False)
+
+
 def tiny_model_config(vocab_size: int = 256, **overrides: Any) -> DeepseekV4ModelConfig:
     """A CPU-sized model that still has every part: W, CSA and HCA layers, hash and learned MoE, MTP.
 
@@ -182,6 +193,8 @@ class TrainConfig:
         if self.init_from and not os.path.isdir(self.init_from):
             raise UserError(f"--init-from {self.init_from!r} is not a directory: pass a local HF-format checkpoint "
                             "directory (config.json + safetensors)")
+        if self.init_from and (why := _damaged_init_from(self.init_from)):
+            raise UserError(f"--init-from {self.init_from!r} is a damaged checkpoint: {why}")
         if self.data_path and self.data not in ("jsonl", "parquet"):
             raise UserError(f"--data-path is read by --data jsonl / parquet, not --data {self.data} (text files: "
                             "--data text --text-path)")

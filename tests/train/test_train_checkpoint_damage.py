@@ -189,3 +189,13 @@ def test_both_ranks_resume_the_same_older_checkpoint(tmp_path):
     assert got[0]["start"] == 1 and len(got[0]["losses"]) == 1
     assert got[0]["explicit"].startswith(f"--resume '{tmp_path / 'run' / 'checkpoint-000002'}' is damaged: "
                                          "dcp/__1_0.distcp is ")
+
+
+def test_init_from_a_truncated_checkpoint_is_one_error_line(base_run, tmp_path, capsys):
+    run, _, newest = _copy(base_run, tmp_path)
+    _truncate(os.path.join(newest, "model.safetensors"))
+    capsys.readouterr()
+    assert main(ARGS + ["--steps", "1", "--init-from", newest]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"csattn train: error: --init-from '{newest}' is a damaged "
+                                                   "checkpoint: model.safetensors is "), lines
