@@ -35,10 +35,19 @@ def write_manifest(path: str, step: int) -> None:
     call it on every rank once every rank's files of the checkpoint are written (after a barrier)."""
     rank, world = _rank_world()
     files = from_rank0(_listing(path) if rank == 0 else None)
-    mine = {name: _describe(os.path.join(path, name)) for name in _share(files, rank, world)}
+    mine: dict[str, Any] = {}
+    for name in _share(files, rank, world):
+        file = os.path.join(path, name)
+        try:
+            mine[name] = {"size": os.path.getsize(file), "sha256": _sha256(file)}
+        except OSError as e:  # gathered first, so every rank fails alike instead of some waiting
+            mine[name] = f"{name}: {e}"
     entries: dict[str, Any] = {}
     for part in _gather(mine, world):
         entries.update(part)
+    failed = sorted(v for v in entries.values() if isinstance(v, str))
+    if failed:
+        raise OSError(f"writing the manifest of checkpoint {path}: cannot read {failed[0]}")
     if rank == 0:
         tmp = os.path.join(path, MANIFEST + ".tmp")
         with open(tmp, "w") as f:
@@ -103,7 +112,10 @@ def _size_problem(path: str, name: str, entry: dict[str, Any]) -> tuple[str, str
     file = os.path.join(path, name)
     if not os.path.isfile(file):
         return name, f"{name} is missing"
-    size = os.path.getsize(file)
+    try:
+        size = os.path.getsize(file)
+    except OSError as e:  # an answer, not an exception: the other ranks wait for this one's
+        return name, f"{name} is unreadable ({e})"
     if size != entry["size"]:
         cut = " (truncated)" if size < entry["size"] else ""
         return name, f"{name} is {size} bytes, its manifest says {entry['size']}{cut}"
@@ -111,7 +123,11 @@ def _size_problem(path: str, name: str, entry: dict[str, Any]) -> tuple[str, str
 
 
 def _hash_problem(path: str, name: str, entry: dict[str, Any]) -> tuple[str, str] | None:
-    if _sha256(os.path.join(path, name)) != entry["sha256"]:
+    try:
+        digest = _sha256(os.path.join(path, name))
+    except OSError as e:
+        return name, f"{name} is unreadable ({e})"
+    if digest != entry["sha256"]:
         return name, f"{name} has another sha256 than its manifest says (changed after the save)"
     return None
 
@@ -125,10 +141,6 @@ def _listing(path: str) -> list[str]:
             if rel != MANIFEST and not n.endswith(".tmp"):
                 found.append((-os.path.getsize(os.path.join(root, n)), rel))
     return [rel for _, rel in sorted(found)]
-
-
-def _describe(file: str) -> dict[str, Any]:
-    return {"size": os.path.getsize(file), "sha256": _sha256(file)}
 
 
 def _sha256(file: str) -> str:

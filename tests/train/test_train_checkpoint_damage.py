@@ -199,3 +199,20 @@ def test_init_from_a_truncated_checkpoint_is_one_error_line(base_run, tmp_path, 
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"csattn train: error: --init-from '{newest}' is a damaged "
                                                    "checkpoint: model.safetensors is "), lines
+
+
+def test_a_manifest_is_trusted_only_when_whole_and_inside_its_checkpoint(base_run, tmp_path):
+    run, _, newest = _copy(base_run, tmp_path)
+    manifest = os.path.join(newest, MANIFEST)
+    with open(manifest) as f:
+        data = json.load(f)
+    assert verify_checkpoint(newest) is None
+    assert sorted(data["files"]) == ["config.json", "dcp/.metadata", "dcp/__0_0.distcp", "model.safetensors",
+                                     "trainer_state.safetensors"]
+    data["files"]["../../elsewhere"] = {"size": 1, "sha256": "0" * 64}  # a manifest never makes us read other files
+    with open(manifest, "w") as f:
+        json.dump(data, f)
+    assert verify_checkpoint(newest) == ("manifest.json is not a csattn checkpoint manifest "
+                                         "(csattn-checkpoint-manifest-1)")
+    _truncate(manifest)
+    assert verify_checkpoint(newest).startswith("manifest.json is unreadable (JSONDecodeError")
