@@ -15,6 +15,9 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -33,7 +36,18 @@ def save_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
     import torch.distributed.checkpoint as dcp
 
     state = _state(model, optimizer, meshes)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(os.path.join(path, DCP_DIR)))
+    with _one_process_is_intended():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(os.path.join(path, DCP_DIR)))
+
+
+@contextmanager
+def _one_process_is_intended() -> Iterator[None]:
+    """Without a process group DCP warns on every save and load that it assumes one process: here that is the run's
+    mesh, not a mistake (its other warnings stay)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield
 
 
 def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, meshes: Meshes) -> None:
@@ -48,7 +62,8 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
     reader = SafeReader(where)
     state = _state(model, optimizer, meshes)
     _check_shapes(path, reader.read_metadata(), state["model"])
-    dcp.load(state, storage_reader=reader)
+    with _one_process_is_intended():
+        dcp.load(state, storage_reader=reader)
     model_sd, optim_sd = _local_view(state["model"], meshes), _local_view(state["optim"], meshes)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 

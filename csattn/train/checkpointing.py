@@ -2,9 +2,11 @@
 ``trainer_state.safetensors`` (LR schedule, step, every data stream's position, RNG states, the mesh and the
 run's options), so a resumed run, on the same mesh or another, reproduces the next step exactly.
 
-Layout: ``<output>/checkpoint-<step>/{dcp/, trainer_state.safetensors}`` (and the HF-format ``config.json`` +
-safetensors when the run exports them) and ``<output>/latest`` naming the newest complete checkpoint (written
-last, so a crash mid-save leaves the previous one in place).
+Layout: ``<output>/checkpoint-<step>/{dcp/, trainer_state.safetensors, manifest.json}`` (and the HF-format
+``config.json`` + safetensors when the run exports them, the tokenizer's files with ``--tokenizer``) and
+``<output>/latest`` naming the newest complete checkpoint. ``manifest.json`` (:mod:`.manifest`: every file's size
+and sha256) is written last: a checkpoint without one is incomplete, one whose files differ from it is damaged,
+and neither is ever resumed (``--resume auto`` takes the newest intact one) nor counted by ``--keep-last``.
 
 The trainer state is tensors (safetensors) plus JSON (:mod:`.safe_state`): opening a checkpoint from
 elsewhere runs no code. Checkpoints of earlier versions hold a pickled ``trainer_state.pt`` instead, which
@@ -14,17 +16,21 @@ can run arbitrary code when loaded; they load only with ``trust_checkpoint=True`
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM
 from ..models.deepseek_v4.checkpoint import load_state_dict_into, read_safetensors
+from .manifest import INCOMPLETE, MANIFEST, discard_manifest, from_rank0, verify_checkpoint
 from .safe_state import load_state, save_state
 
 __all__ = ["write_trainer_state", "mark_latest", "load_checkpoint", "load_checkpoint_weights", "read_trainer_state",
-           "resolve_resume",
+           "resolve_resume", "prune_checkpoints", "list_checkpoints", "prepare_checkpoint_dir",
            "checkpoint_dir", "compare_resume_config"]
 
 STATE_NAME = "trainer_state.safetensors"
@@ -54,6 +60,29 @@ def write_trainer_state(path: str, step: int, state: dict[str, Any]) -> None:
     save_state(os.path.join(path, STATE_NAME), {**state, "step": step})
 
 
+def prepare_checkpoint_dir(path: str, rank: int) -> str | None:
+    """Before a save writes checkpoint ``path`` (a collective under torch.distributed; rank 0 acts): an intact
+    checkpoint already there is overwritten in place (its manifest removed first: it is incomplete until the new one
+    is written); a damaged or incomplete one is moved aside to ``<path>.damaged`` or ``.incomplete`` (``-2``, ...),
+    so none of its files enter the new checkpoint's manifest and nothing is deleted. Returns, on rank 0, a line
+    saying where it went, else None."""
+    if not from_rank0(os.path.isdir(path)):
+        return None
+    why = verify_checkpoint(path)  # hashes it (over the ranks): only when a run saves a step it saved before
+    if rank != 0:
+        return None
+    if why is None:
+        discard_manifest(path)
+        return None
+    kind = "incomplete" if why == INCOMPLETE else "damaged"
+    aside, n = f"{path}.{kind}", 1
+    while os.path.exists(aside):
+        n += 1
+        aside = f"{path}.{kind}-{n}"
+    os.rename(path, aside)
+    return f"moved the earlier {path} aside to {aside} before saving over it ({why})"
+
+
 def mark_latest(output: str, path: str) -> None:
     """Point ``output/latest`` at checkpoint ``path`` (atomically; call once every rank has written)."""
     latest_tmp = os.path.join(output, LATEST + ".tmp")
@@ -62,25 +91,64 @@ def mark_latest(output: str, path: str) -> None:
     os.replace(latest_tmp, os.path.join(output, LATEST))
 
 
-def resolve_resume(resume: str, output: str | None) -> str | None:
-    """``"auto"`` -> the newest checkpoint under ``output`` (None if there is none); else the path itself."""
+def list_checkpoints(output: str) -> list[str]:
+    """The ``checkpoint-<step>`` directories under ``output``, oldest first (whatever their state)."""
+    if not os.path.isdir(output):
+        return []
+    found = sorted((int(m.group(1)), name) for name in os.listdir(output)
+                   if (m := re.fullmatch(r"checkpoint-(\d+)", name)) and os.path.isdir(os.path.join(output, name)))
+    return [os.path.join(output, name) for _, name in found]
+
+
+def resolve_resume(resume: str, output: str | None, trust_checkpoint: bool = False,
+                   warn: Callable[[str], None] | None = None) -> str | None:
+    """The checkpoint to resume, verified against its manifest (a collective under torch.distributed: every rank
+    gets the same answer).
+
+    ``"auto"``: the newest intact checkpoint under ``output`` (None if there is none); each newer damaged or
+    incomplete one is skipped, named with why in one ``warn`` line. A directory: itself, once verified; a damaged
+    or incomplete one raises ``ValueError`` naming what is wrong. ``trust_checkpoint`` also admits a directory
+    without a manifest (an older csattn's), unverified, and says so through ``warn``.
+    """
+    say = warn or (lambda line: None)
     if resume != "auto":
         if not any(os.path.isfile(os.path.join(resume, n)) for n in (STATE_NAME, LEGACY_STATE_NAME)):
             raise ValueError(f"--resume {resume!r} has no {STATE_NAME}: pass a checkpoint-<step> directory "
                              "written by csattn train, or --resume auto with --output")
-        return resume
+        return _verified(resume, trust_checkpoint, say)
     if output is None:
         raise ValueError("--resume auto needs --output (the run directory whose latest checkpoint to resume)")
-    latest = os.path.join(output, LATEST)
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as f:
-        return os.path.join(output, f.read().strip())
+    for path in reversed(from_rank0(list_checkpoints(output))):
+        why = verify_checkpoint(path)
+        if why is None:
+            return path
+        hint = f" (an older csattn's resumes with --resume {path} --trust-checkpoint)" if why == INCOMPLETE else ""
+        say(f"warning: --resume auto: skipping {path}: {why}{hint}")
+    return None
+
+
+def _verified(path: str, trust_checkpoint: bool, say: Callable[[str], None]) -> str:
+    why = verify_checkpoint(path)
+    if why is None:
+        return path
+    if why == INCOMPLETE:
+        if trust_checkpoint:
+            say(f"warning: --resume {path}: no {MANIFEST}: resuming it unverified (--trust-checkpoint)")
+            return path
+        if os.path.isfile(os.path.join(path, LEGACY_STATE_NAME)):
+            return path  # an older csattn's pickled state: read_trainer_state refuses it, naming --trust-checkpoint
+        raise ValueError(f"--resume {path!r} is incomplete: {why}. Resume another checkpoint (--resume auto with "
+                         "--output takes the newest intact one), or pass --trust-checkpoint to resume it unverified")
+    raise ValueError(f"--resume {path!r} is damaged: {why}. Resume another checkpoint (--resume auto with --output "
+                     "takes the newest intact one)")
 
 
 def load_checkpoint(path: str, model: DeepseekV4ForCausalLM, trust_checkpoint: bool = False) -> dict[str, Any]:
     """Load the weights into ``model`` (errors name any missing / unexpected / misshaped tensor) and return
-    the trainer state (:func:`read_trainer_state`)."""
+    the trainer state (:func:`read_trainer_state`). A checkpoint with a manifest is verified first (this process
+    alone); one without is loaded as it is."""
+    if os.path.isfile(os.path.join(path, MANIFEST)) and (why := verify_checkpoint(path, collective=False)):
+        raise ValueError(f"checkpoint {path} is damaged: {why}")
     state = read_trainer_state(path, trust_checkpoint)
     load_checkpoint_weights(path, model)
     return state
@@ -151,22 +219,21 @@ def _norm(value: Any) -> Any:
 
 
 def prune_checkpoints(output: str, keep: int) -> list[str]:
-    """Remove all but the newest ``keep`` ``checkpoint-<step>`` directories under ``output`` (the one ``latest``
-    names is always kept). Returns the removed paths."""
-    import re
-    import shutil
-
+    """Remove the intact checkpoints under ``output`` older than its newest ``keep`` intact ones. Returns the removed
+    paths. A damaged or incomplete checkpoint never counts as one of them and is never removed, nor is the one
+    ``latest`` names. This process alone checks (no collective): sizes only, against each manifest (no file is
+    read: a save hashes its checkpoint once, a resume again); a truncated or missing file or manifest is found."""
     if keep < 1:
         return []
-    found = sorted((int(m.group(1)), name) for name in os.listdir(output)
-                   if (m := re.fullmatch(r"checkpoint-(\d+)", name)) and os.path.isdir(os.path.join(output, name)))
     latest = None
     if os.path.isfile(os.path.join(output, LATEST)):
         with open(os.path.join(output, LATEST)) as f:
-            latest = f.read().strip()
+            latest = os.path.join(output, f.read().strip())
+    intact = [p for p in reversed(list_checkpoints(output))
+              if verify_checkpoint(p, deep=False, collective=False) is None]
     removed = []
-    for _, name in found[:-keep]:
-        if name != latest:
-            shutil.rmtree(os.path.join(output, name))
-            removed.append(os.path.join(output, name))
+    for path in intact[keep:]:
+        if path != latest:
+            shutil.rmtree(path)
+            removed.append(path)
     return removed

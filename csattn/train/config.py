@@ -15,6 +15,17 @@ from .errors import UserError
 __all__ = ["DEFAULT_SAVE_MINUTES", "RULES", "TrainConfig", "tiny_model_config"]
 
 
+def _damaged_init_from(path: str) -> str | None:
+    """Why the ``--init-from`` directory, a checkpoint of ``csattn train`` (it has a manifest), is damaged; None if
+    it is intact or has no manifest (an HF download). Sizes only (no file is read: every rank checks the same files
+    alike at startup), which finds a truncated or missing file."""
+    from .manifest import MANIFEST, verify_checkpoint
+
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
+        return None
+    return verify_checkpoint(path, deep=False, collective=False)
+
+
 def tiny_model_config(vocab_size: int = 256, **overrides: Any) -> DeepseekV4ModelConfig:
     """A CPU-sized model that still has every part: W, CSA and HCA layers, hash and learned MoE, MTP.
 
@@ -143,7 +154,8 @@ class TrainConfig:
     save_every_minutes: float | None = None  # also one when this many minutes passed; None = 30 without save_every
     keep_last: int | None = None  # keep only the newest N checkpoints under output (None = all)
     resume: str | None = None
-    trust_checkpoint: bool = False  # also load old pickled trainer_state.pt files (they can run code)
+    trust_checkpoint: bool = False  # also load old pickled trainer_state.pt files (they can run code) and, unverified,
+    # checkpoints without a manifest (older csattn versions)
     log_every: int = 10
     progress: bool = True
     peak_tflops: float = 0.0  # the GPU's dense matmul TFLOP/s for the MFU figure; 0 = known GPUs only
@@ -181,6 +193,8 @@ class TrainConfig:
         if self.init_from and not os.path.isdir(self.init_from):
             raise UserError(f"--init-from {self.init_from!r} is not a directory: pass a local HF-format checkpoint "
                             "directory (config.json + safetensors)")
+        if self.init_from and (why := _damaged_init_from(self.init_from)):
+            raise UserError(f"--init-from {self.init_from!r} is a damaged checkpoint: {why}")
         if self.data_path and self.data not in ("jsonl", "parquet"):
             raise UserError(f"--data-path is read by --data jsonl / parquet, not --data {self.data} (text files: "
                             "--data text --text-path)")

@@ -46,6 +46,7 @@ from .checkpointing import (
     checkpoint_dir,
     compare_resume_config,
     mark_latest,
+    prepare_checkpoint_dir,
     prune_checkpoints,
     read_trainer_state,
     resolve_resume,
@@ -54,6 +55,7 @@ from .checkpointing import (
 from .config import TrainConfig, tiny_model_config
 from .data import build_corpus, load_tokenizer
 from .errors import TrainingStopped, user_errors
+from .manifest import write_manifest
 from .metrics import BOARD_TAGS, loss_history, metrics_file, plot_losses, summary_writer
 from .packer import DocumentPacker, PackedBatch, concat_batches
 from .step import train_step
@@ -374,12 +376,18 @@ def _say(bar: Any, line: str) -> None:
 
 
 def _resume_path(cfg: TrainConfig, rank: int) -> str | None:
-    """The checkpoint to resume (None: start at step 0, said aloud when ``--resume auto`` found none)."""
+    """The checkpoint to resume, verified against its manifest (a collective); None: start at step 0, said aloud when
+    ``--resume auto`` found no intact one. Each damaged or incomplete checkpoint it skipped is named in a line."""
     if not cfg.resume:
         return None
-    resume = resolve_resume(cfg.resume, cfg.output)
-    if resume is None and rank == 0:
-        print(f"--resume auto: no checkpoint under {cfg.output}: starting from step 0", flush=True)
+    skipped: list[str] = []  # a line for each damaged or incomplete checkpoint --resume auto passed over
+    resume = resolve_resume(cfg.resume, cfg.output, cfg.trust_checkpoint, skipped.append)
+    if rank == 0:
+        for line in skipped:
+            print(line, flush=True)
+        if resume is None:
+            intact = " intact" if skipped else ""
+            print(f"--resume auto: no{intact} checkpoint under {cfg.output}: starting from step 0", flush=True)
     return resume
 
 
@@ -437,8 +445,9 @@ def _save(cfg: TrainConfig, step: int, model: DeepseekV4ForCausalLM, optimizer: 
           scheduler: Any, reader_state: dict[int, Any], meshes: Meshes, batch_seqs: int, last: bool,
           tokenizer: Any = None) -> None:
     """Checkpoint ``step`` (a collective): DCP shards of the model and optimizer, the trainer state (rank 0), the
-    HF-format model files when ``--export-hf`` asks, the tokenizer's files, and ``latest`` once everything is
-    written; then ``--keep-last`` prunes the older ones. Refuses non-finite weights before writing anything."""
+    HF-format model files when ``--export-hf`` asks, the tokenizer's files, the manifest (every file's size and
+    sha256) and ``latest`` once everything is written; then ``--keep-last`` prunes the older ones. Refuses
+    non-finite weights before writing anything."""
     path = checkpoint_dir(cfg.output, step)
     if not _weights_finite(model, meshes):
         # a checkpoint of them would only resume into the same failure, and --keep-last would prune good ones
@@ -446,6 +455,11 @@ def _save(cfg: TrainConfig, step: int, model: DeepseekV4ForCausalLM, optimizer: 
             f"step {step}: the model's weights hold NaN or inf values: refusing to save {path}; the checkpoints "
             f"already under {cfg.output} are kept. Resume from the latest (--resume auto) with a lower --lr, more "
             "--warmup-steps or a --grad-clip")
+    moved = prepare_checkpoint_dir(path, meshes.rank)  # an earlier checkpoint of this step
+    if moved:
+        print(f"note: {moved}", flush=True)
+    if meshes.distributed:
+        dist.barrier()  # before any rank writes into path
     save_sharded(path, model, optimizer, meshes)
     packers: list[Any] = [None] * batch_seqs
     for states in _gather(reader_state, meshes):
@@ -462,7 +476,8 @@ def _save(cfg: TrainConfig, step: int, model: DeepseekV4ForCausalLM, optimizer: 
             "mesh": asdict(meshes.dims), "train_config": asdict(cfg), "model_training": model.config.training_dict(),
         })
     if meshes.distributed:
-        dist.barrier()  # every rank's shards are on disk before latest names the checkpoint
+        dist.barrier()  # every rank's shards are on disk before the manifest lists them
+    write_manifest(path, step)  # last: the checkpoint is complete once it is there
     if meshes.rank == 0:
         mark_latest(cfg.output, path)
         from tqdm import tqdm

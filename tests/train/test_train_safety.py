@@ -10,6 +10,7 @@ import torch
 
 from csattn.train.checkpointing import LEGACY_STATE_NAME, STATE_NAME, load_checkpoint
 from csattn.train.loop import TrainConfig, train
+from csattn.train.manifest import MANIFEST
 from csattn.train.safe_state import load_state, save_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,18 +34,24 @@ def _old_format_checkpoint(tmp_path, payload: object) -> str:
     train(TrainConfig(steps=1, output=out, **SMALL))
     ckpt = os.path.join(out, "checkpoint-000001")
     os.remove(os.path.join(ckpt, STATE_NAME))
+    os.remove(os.path.join(ckpt, MANIFEST))  # older csattn versions wrote none
     torch.save(payload, os.path.join(ckpt, LEGACY_STATE_NAME))  # torch.save pickles: __reduce__ is kept
     return ckpt
 
 
-def test_malicious_old_trainer_state_is_refused_and_never_runs(tmp_path):
+def test_malicious_old_trainer_state_is_refused_and_never_runs(tmp_path, capsys):
     marker = tmp_path / "pwned"
     ckpt = _old_format_checkpoint(tmp_path, {"step": 1, "x": _Payload(str(marker))})
     with pytest.raises(ValueError, match=r"trainer_state\.pt.*pickle.*--trust-checkpoint"):
         train(TrainConfig(steps=2, resume=ckpt, **SMALL))
-    with pytest.raises(ValueError, match="--trust-checkpoint"):
-        train(TrainConfig(steps=2, output=os.path.dirname(ckpt), resume="auto", **SMALL))
-    assert not marker.exists()
+    # --resume auto never resumes a checkpoint without a manifest: it names it and how to resume it, starts afresh
+    fresh = train(TrainConfig(steps=1, output=os.path.dirname(ckpt), resume="auto", **SMALL))
+    assert fresh.start_step == 0 and not marker.exists()
+    text = capsys.readouterr().out
+    assert f"skipping {ckpt}: no manifest.json" in text and f"--resume {ckpt} --trust-checkpoint" in text
+    # its step's new checkpoint moved it aside (nothing is deleted)
+    assert f"moved the earlier {ckpt} aside to {ckpt}.incomplete" in text
+    ckpt += ".incomplete"
     # the explicit opt-in does unpickle it (which is why it is opt-in)
     model = train(TrainConfig(steps=1, **SMALL)).model
     with pytest.warns(UserWarning, match="pickled"):
@@ -61,6 +68,7 @@ def test_trusted_old_checkpoint_still_resumes_exactly(tmp_path):
     state = load_state(os.path.join(ckpt, STATE_NAME))
     torch.save(state, os.path.join(ckpt, LEGACY_STATE_NAME))
     os.remove(os.path.join(ckpt, STATE_NAME))
+    os.remove(os.path.join(ckpt, MANIFEST))
     with pytest.warns(UserWarning, match="pickled"):
         resumed = train(TrainConfig(steps=3, resume=ckpt, trust_checkpoint=True, **SMALL))
     assert resumed.losses == full.losses[2:]
