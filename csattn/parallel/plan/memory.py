@@ -209,6 +209,11 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
 
     t = Training() if training is None else training
     dims, batch_seqs = _resolve(c, dims, seq_len, batch_seqs, recompute, dtype)
+    if t.fp8("experts") and dims.efsdp > 1:
+        # FSDP2 would all-gather the experts in its compute dtype, a bf16 copy of each layer's experts
+        raise ValueError(f"--ep {dims.ep}: routed experts frozen in FP8 are split by expert parallelism alone (each "
+                         f"rank holds and reads only its own experts): use --ep {dims.dp_shard * dims.cp} "
+                         "(dp_shard x cp)")
     cb = 2 if dtype == "bfloat16" else 4  # compute dtype
     sz = sizes(c, t, cb)
     rows = seq_len * (batch_seqs // dims.dp) // dims.cp
