@@ -167,7 +167,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=_D.seed, help="initial weights and data order (default %(default)s)")
     c = parser.add_argument_group("checkpoints and logging")
     c.add_argument("--output", metavar="DIR", default=None,
-                   help="directory for checkpoints: the final step is always saved there (DIR/checkpoint-<step>)")
+                   help="directory for checkpoints: the final step is always saved there (DIR/checkpoint-<step>); "
+                        "without it the run saves nothing (and says so at its start)")
     c.add_argument("--save-every", type=_checked(int, "save_every"), default=_D.save_every,
                    help="also write a checkpoint every N steps (needs --output; 0 = no step interval: the final "
                         "checkpoint and the time-based ones of --save-every-minutes) (default %(default)s)")
