@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "entry"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,5 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def entry() -> None:
+    """The ``csattn`` program (console script and ``python -m csattn``): :func:`main`, then exit with its status."""
+    rc = main()
+    if rc:
+        # the command said why it failed and chose its exit status; under torchrun, whose agent stops the other
+        # ranks with SIGTERM once one rank exits non-zero, each rank still ends with its own status instead of
+        # being killed on its way out
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -6,8 +6,8 @@ by unit, and the planner of per-rank memory and step time. The model code knows 
 from .checkpoint import load_sharded, save_sharded
 from .export import export_hf, full_grads, full_state_dict
 from .init import load_hf_sharded, materialize
-from .mesh import Meshes, ParallelDims, build_meshes
+from .mesh import Meshes, ParallelDims, build_meshes, check_launch, launch_world_size
 from .parallelize import parallelize
 
-__all__ = ["Meshes", "ParallelDims", "build_meshes", "export_hf", "full_grads", "full_state_dict", "load_hf_sharded",
-           "load_sharded", "materialize", "parallelize", "save_sharded"]
+__all__ = ["Meshes", "ParallelDims", "build_meshes", "check_launch", "export_hf", "full_grads", "full_state_dict",
+           "launch_world_size", "load_hf_sharded", "load_sharded", "materialize", "parallelize", "save_sharded"]

@@ -13,6 +13,7 @@ parallelism takes its ranks from dp_shard x cp, so it adds no GPUs: it changes w
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelDims", "Meshes", "build_meshes"]
+__all__ = ["ParallelDims", "Meshes", "build_meshes", "check_launch", "launch_world_size"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ class ParallelDims:
             raise ValueError(f"--dp-shard must be a positive integer or -1 (the rest of the world), got {shard!r}")
         if self.dp_replicate * shard * self.cp != self.world:
             hint = (f"run `torchrun --nproc-per-node {self.dp_replicate * shard * self.cp} -m csattn train ...`"
-                    if self.world == 1 else "change the sizes or the number of processes")
+                    if self.world == 1 else "change the sizes (--dp-shard -1 takes what the others leave) or the "
+                    "number of processes (torchrun --nproc-per-node x --nnodes)")
             raise ValueError(f"--dp-replicate {self.dp_replicate} x --dp-shard {shard} x --cp {self.cp} = "
                              f"{self.dp_replicate * shard * self.cp} ranks, but the world size is {self.world}: {hint}")
         if (shard * self.cp) % self.ep:
@@ -115,6 +117,25 @@ class Meshes:
     @cached_property
     def coords(self) -> dict[str, int]:
         return self.dims.coords(self.rank)
+
+
+def launch_world_size() -> int:
+    """The number of processes of this run, known before any process group exists: the default group's size once
+    it is initialized, else torchrun's ``WORLD_SIZE`` (1 without it)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"WORLD_SIZE={text!r} in the environment is not a positive integer: start the processes "
+                         "with torchrun (which sets it) or unset it")
+    return int(text)
+
+
+def check_launch(dims: ParallelDims) -> ParallelDims:
+    """``dims`` resolved against :func:`launch_world_size`: the check :func:`build_meshes` makes, made before the
+    process group starts. Every rank reads the same environment, so every rank raises the same ``ValueError``
+    and none is left waiting in the group's rendezvous for a rank that already left."""
+    return replace(dims, world=launch_world_size()).resolve()
 
 
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:

@@ -13,14 +13,18 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
+import warnings
 from dataclasses import fields
 from typing import Any
 
 from ..models.deepseek_v4.config import RECOMPUTE_CHOICES
 from .config import RULES, TrainConfig
-from .errors import TrainingStopped, UserError
-from .loop import train
+from .errors import TrainingStopped, TrainWarning, UserError, user_errors
+from .loop import check_launch_options, train
 
 __all__ = ["add_train_args", "config_from_args", "run_train"]
 
@@ -163,7 +167,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=_D.seed, help="initial weights and data order (default %(default)s)")
     c = parser.add_argument_group("checkpoints and logging")
     c.add_argument("--output", metavar="DIR", default=None,
-                   help="directory for checkpoints: the final step is always saved there (DIR/checkpoint-<step>)")
+                   help="directory for checkpoints: the final step is always saved there (DIR/checkpoint-<step>); "
+                        "without it the run saves nothing (and says so at its start)")
     c.add_argument("--save-every", type=_checked(int, "save_every"), default=_D.save_every,
                    help="also write a checkpoint every N steps (needs --output; 0 = no step interval: the final "
                         "checkpoint and the time-based ones of --save-every-minutes) (default %(default)s)")
@@ -210,20 +215,59 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run_train(args: argparse.Namespace) -> int:
     """Train; a user mistake (:class:`UserError`: exit 2) or a run that stopped itself (:class:`TrainingStopped`:
-    exit 1) ends in one line on stderr, without a traceback; any other exception is a bug and keeps its own."""
+    exit 1) ends in one line on stderr, without a traceback; any other exception is a bug and keeps its own.
+    Warnings to the user (:class:`TrainWarning`) are one line each too; the closing summary is rank 0's."""
     import torch.distributed as dist
 
-    try:
-        result = train(config_from_args(args))
-    except (UserError, TrainingStopped) as e:
-        where = f" (rank {dist.get_rank()})" if dist.is_initialized() else ""
-        print(f"csattn train: {'error' if isinstance(e, UserError) else 'stopped'}{where}: {e}", file=sys.stderr,
-              flush=True)
-        return 2 if isinstance(e, UserError) else 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if (not dist.is_initialized() or dist.get_rank() == 0) and result.losses:
+    cfg = config_from_args(args)
+    with warnings.catch_warnings():
+        warnings.showwarning = _plain_warnings(warnings.showwarning)
+        try:
+            with user_errors():
+                # train() starts with these checks too; made here first, a mistake is the run's first line
+                cfg.validate()
+                check_launch_options(cfg)
+            if not cfg.output and int(os.environ.get("RANK", "0")) == 0:
+                print("note: no --output: this run saves no checkpoint (pass --output DIR to keep its weights)",
+                      flush=True)
+            result = train(cfg)
+        except (UserError, TrainingStopped) as e:
+            where = f" (rank {dist.get_rank()})" if dist.is_initialized() else ""
+            line = f"csattn train: {'error' if isinstance(e, UserError) else 'stopped'}{where}: {e}"
+            sys.stderr.write(line + "\n")  # one write: ranks sharing torchrun's stderr do not cut into the line
+            sys.stderr.flush()
+            _error_file_for_torchrun(line)
+            return 2 if isinstance(e, UserError) else 1
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    if (result.meshes is None or result.meshes.rank == 0) and result.losses:
         print(f"steps {result.start_step + 1}..{result.start_step + len(result.losses)}: loss "
               f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}, {result.tokens_per_second:.0f} tokens/s")
     return 0
+
+
+def _plain_warnings(show: Any) -> Any:
+    """A ``warnings.showwarning`` that prints a :class:`TrainWarning` as ``csattn train: warning: <message>`` on
+    stderr (above any progress bar) and leaves every other warning to ``show``."""
+    def display(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, TrainWarning):
+            return show(message, category, filename, lineno, file, line)
+        from tqdm import tqdm
+
+        tqdm.write(f"csattn train: warning: {message}", file=sys.stderr)
+    return display
+
+
+def _error_file_for_torchrun(line: str) -> None:
+    """Under torchrun, its error file (``TORCHELASTIC_ERROR_FILE``, in the format of torch's elastic error
+    handler): torchrun's summary of the failed ranks then shows ``line`` instead of a link to its docs."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # only a nicer summary is lost: the line is on stderr already
+        pass

@@ -34,6 +34,7 @@ from ..parallel import (
     Meshes,
     ParallelDims,
     build_meshes,
+    check_launch,
     export_hf,
     load_hf_sharded,
     load_sharded,
@@ -54,13 +55,14 @@ from .checkpointing import (
 )
 from .config import TrainConfig, tiny_model_config
 from .data import build_corpus, load_tokenizer
-from .errors import TrainingStopped, user_errors
+from .errors import TrainingStopped, TrainWarning, user_errors
 from .manifest import write_manifest
 from .metrics import BOARD_TAGS, loss_history, metrics_file, plot_losses, summary_writer
 from .packer import DocumentPacker, PackedBatch, concat_batches
 from .step import train_step
 
-__all__ = ["TrainConfig", "TrainResult", "train", "tiny_model_config", "loss_history", "build_model_config"]
+__all__ = ["TrainConfig", "TrainResult", "train", "check_launch_options", "tiny_model_config", "loss_history",
+           "build_model_config"]
 
 
 RATE_WINDOW = 20  # steps over which tokens/s and MFU are reported
@@ -112,20 +114,32 @@ def _lr_lambda(cfg: TrainConfig):
     return f
 
 
-def setup_distributed(cfg: TrainConfig) -> tuple[Meshes, torch.device]:
-    """Initialize ``torch.distributed`` from torchrun's environment if needed (NCCL on GPUs, gloo on CPU) and build
-    the meshes of ``--dp-replicate / --dp-shard / --cp / --ep`` (the same error on every rank if they do not fit)."""
+def check_launch_options(cfg: TrainConfig) -> tuple[ParallelDims, bool, str]:
+    """What the options and torchrun's environment decide before any process group exists: the mesh sizes
+    resolved against ``WORLD_SIZE`` (the check :func:`csattn.parallel.build_meshes` makes), whether to run on CUDA
+    and the process-group backend. Raises ``ValueError`` naming the option; every rank reads the same environment,
+    so every rank raises the same one and none is left in the group's rendezvous waiting for a rank that left."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         # checked here: torch would fail later with an AttributeError deep in torch.cuda.set_device
         why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
         raise ValueError(f"--device cuda: {why} (torch {torch.__version__}); install the CUDA build of torch on "
                          "a GPU machine, or pass --device cpu (or --device auto)")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    # at startup, before the process group and the model: --attention-backend triton off CUDA (without Triton's
-    # interpreter) would otherwise fail only at the first forward
+    # --attention-backend triton off CUDA (without Triton's interpreter) would otherwise fail only at the first
+    # forward
     resolve_backend(cfg.attention_backend, "cuda" if use_cuda else "cpu")
-    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        backend = cfg.dist_backend if cfg.dist_backend != "auto" else "nccl" if use_cuda else "gloo"
+    dims = check_launch(ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, ep=cfg.ep))
+    backend = cfg.dist_backend if cfg.dist_backend != "auto" else "nccl" if use_cuda else "gloo"
+    if dims.world > 1 and not dist.is_initialized():
+        _check_gpus_per_node(backend, use_cuda)
+    return dims, use_cuda, backend
+
+
+def setup_distributed(cfg: TrainConfig) -> tuple[Meshes, torch.device]:
+    """Initialize ``torch.distributed`` from torchrun's environment if needed (NCCL on GPUs, gloo on CPU) and build
+    the meshes of ``--dp-replicate / --dp-shard / --cp / --ep``, after :func:`check_launch_options`."""
+    dims, use_cuda, backend = check_launch_options(cfg)
+    if dims.world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout))
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = torch.device("cpu")
@@ -133,8 +147,17 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Meshes, torch.device]:
         local = int(os.environ.get("LOCAL_RANK", rank))
         device = torch.device("cuda", local % max(torch.cuda.device_count(), 1))
         torch.cuda.set_device(device)
-    dims = ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, ep=cfg.ep)
     return build_meshes(dims, device.type), device
+
+
+def _check_gpus_per_node(backend: str, use_cuda: bool) -> None:
+    """NCCL takes one GPU per rank: more ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``) than visible GPUs
+    would fail at the first collective with NCCL's duplicate-GPU error."""
+    local_world, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if backend == "nccl" and use_cuda and local_world > gpus:
+        raise ValueError(f"{local_world} processes on this node (torchrun --nproc-per-node) but {gpus} GPU(s) are "
+                         f"visible, and NCCL takes one GPU per rank: start at most {gpus} per node, or pass "
+                         "--dist-backend gloo to share GPUs")
 
 
 def build_model(cfg: TrainConfig, model_cfg: DeepseekV4ModelConfig, meshes: Meshes,
@@ -162,13 +185,28 @@ def build_model(cfg: TrainConfig, model_cfg: DeepseekV4ModelConfig, meshes: Mesh
         warnings.simplefilter("always")
         with user_errors():  # missing or misshaped tensors of the --init-from directory
             load_hf_sharded(model, cfg.init_from, device, seed=cfg.seed)
-    if meshes.rank == 0:
-        for message in dict.fromkeys(str(w.message) for w in caught):
-            fresh = "no mtp.* tensors" in message
-            warnings.warn(f"--init-from {cfg.init_from}: no mtp.* tensors; the {n_mtp} MTP block(s) start from "
-                          "fresh weights (pass --mtp-layers 0 to train without MTP)" if fresh else message,
-                          stacklevel=3)
+    fresh = (f"--init-from {cfg.init_from}: no mtp.* tensors; the {n_mtp} MTP block(s) start from fresh weights "
+             "(pass --mtp-layers 0 to train without MTP)")
+    _relay_warnings(caught, meshes.rank, lambda m: fresh if "no mtp.* tensors" in m else m)
     return model, cp
+
+
+_CSATTN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _relay_warnings(caught: list[warnings.WarningMessage], rank: int, rewrite: Any = None) -> None:
+    """Warn again, once each and on rank 0 only, what a phase that every rank runs alike warned: csattn's own
+    ``UserWarning``s as :class:`TrainWarning` (``rewrite(message)`` may restate them for the command line), any
+    other warning (torch's) as it was."""
+    if rank != 0:
+        return
+    for w in {(str(w.message), w.category, w.filename): w for w in caught}.values():
+        ours = w.category is UserWarning and os.path.abspath(w.filename).startswith(_CSATTN_DIR + os.sep)
+        message = str(w.message)
+        if ours:
+            warnings.warn(rewrite(message) if rewrite else message, TrainWarning, stacklevel=3)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _optimizer(model: DeepseekV4ForCausalLM, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -235,13 +273,16 @@ def _train(cfg: TrainConfig) -> TrainResult:
               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", flush=True)
     with user_errors():  # the checkpoint to resume, its options against these, the tokenizer
         resume = _resume_path(cfg, rank)
-        state = read_trainer_state(resume, trust_checkpoint=cfg.trust_checkpoint) if resume else None
+        with warnings.catch_warnings(record=True) as caught:  # the legacy pickle's, said once
+            warnings.simplefilter("always")
+            state = read_trainer_state(resume, trust_checkpoint=cfg.trust_checkpoint) if resume else None
+        _relay_warnings(caught, rank, lambda m: m.replace("trust_checkpoint=True", "--trust-checkpoint"))
         if state is not None:
             # raises on other data options, before the weights (another --tokenizer also changes the vocab shape)
             notes = compare_resume_config(resume, state.get("train_config"), asdict(cfg))
             if rank == 0:
                 for note in notes:
-                    warnings.warn(note, stacklevel=2)
+                    warnings.warn(note, TrainWarning, stacklevel=2)
         batch_seqs = int(state.get("batch_seqs", state.get("dp", 1))) if state else (cfg.batch_seqs or dims.dp)
         if batch_seqs % dims.dp:
             saved = " (the checkpoint's)" if state else ""

@@ -8,7 +8,7 @@ import os
 import warnings
 from typing import Any
 
-from .errors import UserError
+from .errors import TrainWarning, UserError
 
 __all__ = ["metrics_file", "summary_writer", "loss_history", "plot_losses", "BOARD_TAGS"]
 
@@ -96,7 +96,8 @@ def plot_losses(cfg: Any, start: int, losses: list[float], lm: list[float], idx:
         matplotlib.use("Agg")  # no display needed: a file only
         import matplotlib.pyplot as plt
     except ImportError:
-        warnings.warn("no loss.png: matplotlib is not installed (pip install 'csattn[data]')", stacklevel=2)
+        warnings.warn("no loss.png: matplotlib is not installed (pip install 'csattn[data]')", TrainWarning,
+                      stacklevel=2)
         return
     steps, series = loss_history(cfg, start, losses, lm, idx)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
