@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from functools import partial
 from typing import NamedTuple
 
 from torch import Tensor, nn
@@ -151,6 +152,7 @@ def check_adapters(backbone: nn.Module) -> None:
     if peft is None:
         return
     for path, wrapper in wrappers(backbone).items():
+        _check_hooks(f"model.{path}", wrapper)
         if path == "embed_tokens":
             continue
         parts = path.split(".")
@@ -159,6 +161,17 @@ def check_adapters(backbone: nn.Module) -> None:
                              f"call, so it would change nothing; remove it from the PEFT config. Supported: {_HOW}")
         local = ".".join(parts[2:])
         _check_layer_wrapper(f"model.{path}", local, wrapper, peft)
+
+
+def _check_hooks(where: str, wrapper: nn.Module) -> None:
+    """PEFT's mixed adapter batches tag each row of a module's input with its adapter by a forward pre-hook; the
+    patched model runs the batch's tokens as packed rows (and reads some weights without calling the module)."""
+    for w in _chain(wrapper):
+        for hook in w._forward_pre_hooks.values():
+            if isinstance(hook, partial) and "adapter_names" in hook.keywords:
+                raise ValueError(f"{where}: mixed adapter batches (adapter_names=) do not run on the csattn-patched "
+                                 "model (its rows are packed tokens, not batch rows); run one adapter per batch "
+                                 "(set_adapter), or unpatch the model for this")
 
 
 def _check_layer_wrapper(where: str, local: str, wrapper: nn.Module, peft: _Peft) -> None:
