@@ -39,6 +39,10 @@ Limits: training forwards only. ``past_key_values`` or ``use_cache=True`` (``gen
 0, 1, 2, ... inside each document. The lightning indexer gets no LM gradient (as in HF); with
 ``indexer_loss_coeff > 0`` it trains on csattn's indexer KL loss (under gradient accumulation also call
 ``csattn.IndexerLossAutoScaler.set_loss_scale(1 / gradient_accumulation_steps)``).
+
+PEFT: ``patch`` takes a ``PeftModel`` too, and adapters put on after ``patch`` work as well; each one either trains
+as in HF + PEFT or is refused (:mod:`csattn.integrations.peft`). Weights from HF's FP8 quantizer (FP8 / FP4) are
+refused: load a bf16 copy (``FineGrainedFP8Config(dequantize=True)``).
 """
 
 from __future__ import annotations
@@ -457,7 +461,7 @@ def _check_patchable(backbone: hf.DeepseekV4Model) -> None:
             raise ValueError(f"config.rope_parameters[{kind!r}] scales cos/sin by {scaling} (YaRN attention_factor); "
                              "csattn applies no such factor (the V4 reference does not): set attention_factor=1.0")
     for name, param in backbone.layers.named_parameters():
-        if param.dtype.is_floating_point and param.element_size() == 1 or param.dtype == torch.int8:
+        if param.element_size() == 1:  # FP8 (e4m3, e8m0 scales) or packed FP4; no V4 weight is 1-byte otherwise
             raise ValueError(
                 f"model.layers.{name} is {param.dtype} (HF's FP8 / FP4 quantizer, FineGrainedFP8Config): patch() "
                 "runs bf16 or fp32 weights only, its fused attention and grouped expert GEMMs have no FP8 path yet; "

@@ -213,6 +213,25 @@ def test_unpatch_keeps_the_adapters(assert_close):
         assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits, TOL, "patched again")
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_recomputes_the_adapters(reentrant):
+    """HF's gradient checkpointing recomputes the patched layers, the effective weights included: the same adapter
+    gradients as without it."""
+    cfg = tiny_config_dict("flash")
+    plain = _patched("peft_after_patch", cfg, _lora())
+    ckpt = _patched("patch_after_peft", cfg, _lora())
+    ckpt.load_state_dict(plain.state_dict())
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    docs = _docs([25, 15], cfg["vocab_size"], seed=1)
+    for model in (plain, ckpt):
+        _flattened_loss(model, docs).backward()
+    expected, got = _adapters(plain), _adapters(ckpt)
+    trained = [n for n, p in expected.items() if p.grad is not None]
+    assert len(trained) == 4 * 20 + 2 * 4
+    for name in trained:
+        torch.testing.assert_close(got[name].grad, expected[name].grad, rtol=0, atol=0, msg=name)
+
+
 def test_fp8_weights_refused():
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
