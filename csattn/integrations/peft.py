@@ -36,6 +36,8 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
+from ..layers import HybridAttention
+
 __all__ = ["CALLED", "READ", "check_adapters", "detach", "effective_weight", "innermost", "reattach", "unwrap_model",
            "wrappers"]
 
@@ -45,8 +47,8 @@ CALLED = (
     "self_attn.compressor.indexer.kv_proj", "self_attn.compressor.indexer.gate_proj",
     "self_attn.compressor.indexer.scorer.weights_proj",
 )
-# projections of a decoder layer whose weight the patched attention reads (HybridAttention.READ_PROJECTIONS)
-READ = ("self_attn.q_b_proj", "self_attn.o_a_proj", "self_attn.o_b_proj", "self_attn.compressor.indexer.q_b_proj")
+# projections of a decoder layer whose weight the patched attention reads
+READ = tuple(f"self_attn.{name}" for name in HybridAttention.READ_PROJECTIONS)
 _EXPERTS = "mlp.experts"
 _HOW = ("LoRA on q_a_proj, kv_proj, q_b_proj, o_b_proj and the indexer's linears (target_modules), on "
         "o_a_proj.weight and experts.gate_up_proj / experts.down_proj (target_parameters), anything under mlp")
@@ -108,14 +110,20 @@ def innermost(module: nn.Module) -> nn.Module:
 
 
 def wrappers(root: nn.Module) -> dict[str, nn.Module]:
-    """The outermost PEFT wrappers under ``root``, by path relative to it (pre-order: outer before inner)."""
+    """The outermost PEFT wrappers under ``root``, by path relative to it. Walks the model's own modules only, not
+    the adapters' (it runs at every forward of the patched model)."""
     peft = _peft()
     found: dict[str, nn.Module] = {}
-    if peft is None:
-        return found
-    for name, module in root.named_modules():
-        if _is_wrapper(module, peft) and not any(name.startswith(f"{p}.") for p in found):
-            found[name] = module
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            if _is_wrapper(child, peft):
+                found[prefix + name] = child
+            else:
+                walk(child, f"{prefix}{name}.")
+
+    if peft is not None:
+        walk(root, "")
     return found
 
 

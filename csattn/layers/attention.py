@@ -65,7 +65,7 @@ class HybridAttention(nn.Module):
         >>> out = attn(torch.randn(2, 40, 64))
     """
 
-    # the projections whose weights the layer reads (see projection_weight); it calls every other module it has
+    # the projections whose weights the layer reads (see projection_weight); every other linear it calls as a module
     READ_PROJECTIONS = ("q_b_proj", "o_a_proj", "o_b_proj", "compressor.indexer.q_b_proj")
 
     def __init__(self, config: AttentionConfig) -> None:
