@@ -232,6 +232,23 @@ def test_gradient_checkpointing_recomputes_the_adapters(reentrant):
         torch.testing.assert_close(got[name].grad, expected[name].grad, rtol=0, atol=0, msg=name)
 
 
+def test_adapter_files_load_into_hf(tmp_path, assert_close):
+    """An adapter saved from a patched model is PEFT's format: ``PeftModel.from_pretrained`` on unpatched HF loads it
+    to the same outputs, and a patched model loads the saved one back."""
+    from peft import PeftModel
+
+    cfg = tiny_config_dict("flash")
+    ours = _patched("peft_after_patch", cfg, _lora())
+    ours.save_pretrained(tmp_path)
+    ids = _docs([30], cfg["vocab_size"], seed=4)[0][None]
+    with torch.no_grad():
+        expected = ours(input_ids=ids).logits
+        hf = PeftModel.from_pretrained(hf_model(cfg, seed=SEED), tmp_path)
+        assert_close(hf(input_ids=ids).logits, expected, TOL, "HF eager with the saved adapter")
+        again = PeftModel.from_pretrained(patch(hf_model(cfg, seed=SEED)), tmp_path)
+        assert_close(again(input_ids=ids).logits, expected, 0.0, "a patched model with the saved adapter")
+
+
 def test_fp8_weights_refused():
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
@@ -262,3 +279,38 @@ def test_trainer_trains_the_adapters_only(tmp_path):
     assert not unchanged, unchanged
     moved = [n for n, p in model.named_parameters() if n not in adapters and not torch.equal(p, before[n])]
     assert not moved, moved
+
+
+def test_sft_trainer_with_peft_config(tmp_path):
+    """TRL's ``SFTTrainer(peft_config=...)`` on a patched model (it calls ``get_peft_model`` after ``patch``) with its
+    defaults: bf16 autocast, gradient checkpointing, padding-free batches. The adapters train, the base does not."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.integrations.test_integration_trl import _tokenizer
+
+    cfg = tiny_config_dict("flash")
+    model = patch(hf_model(cfg, seed=SEED))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dataset = Dataset.from_dict({"input_ids": [d.tolist() for d in _docs([13, 29, 7, 21], cfg["vocab_size"], seed=9)]})
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2, per_device_train_batch_size=2,
+                     padding_free=True, max_length=None, learning_rate=1e-2, save_strategy="no", logging_steps=1,
+                     disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=_tokenizer(64),
+                         peft_config=_lora(init_lora_weights=True))
+    start = {n: p.detach().clone() for n, p in _adapters(trainer.model).items()}  # made by SFTTrainer
+    trainer.train()
+    peft_model = trainer.model
+    assert is_patched(peft_model) and peft_model.is_gradient_checkpointing
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), losses
+    adapters = _adapters(peft_model)
+    unchanged = [n for n, p in adapters.items() if ".indexer." not in n and torch.equal(p, start[n])]
+    assert len(adapters) == 4 * 20 + 2 * 4 + 8 and not unchanged, unchanged
+    base = {n.replace("base_model.model.", "", 1).replace(".base_layer", ""): p
+            for n, p in peft_model.named_parameters() if n not in adapters}
+    assert set(base) == set(before)
+    moved = [n for n, p in base.items() if not torch.equal(p, before[n])]
+    assert not moved, moved
+
