@@ -183,7 +183,8 @@ def _check_hooks(where: str, wrapper: nn.Module) -> None:
 
 
 def _check_layer_wrapper(where: str, local: str, wrapper: nn.Module, peft: _Peft) -> None:
-    if local in CALLED or (local == "mlp" or local.startswith("mlp.")) and local != _EXPERTS:
+    in_mlp = local == "mlp" or local.startswith("mlp.")  # HF's MoE block: its forward calls all of it
+    if local in CALLED or (in_mlp and local != _EXPERTS):
         return  # its forward runs, as in HF
     if local == _EXPERTS:
         for w in _chain(wrapper):
@@ -211,7 +212,7 @@ def _check_read_lora(where: str, local: str, w: nn.Module, peft: _Peft) -> None:
     elif type(w) is peft.param_wrapper:
         if w.parameter_name != "weight":
             raise ValueError(f"{what}; LoRA on its {w.parameter_name!r} is not supported")
-        return  # PEFT's ParamWrapper itself refuses dropout, DoRA, bias and mixed batches
+        return  # PEFT's ParamWrapper itself refuses dropout, DoRA and bias (mixed batches: _check_hooks)
     else:
         raise ValueError(f"{what}, so only plain LoRA can be honoured there, got a {_kind(w)}; use LoRA, or leave "
                          f"{local.rpartition('.')[2]} out of the PEFT config")
