@@ -200,8 +200,9 @@ def test_mixed_adapter_batch_refused():
         model(input_ids=ids, adapter_names=["default", "__base__"])
 
 
-def test_unpatch_keeps_the_adapters(assert_close):
-    ours, ref, cfg = _pair("peft_after_patch")
+@pytest.mark.parametrize("order", ORDERS)
+def test_unpatch_keeps_the_adapters(order, assert_close):
+    ours, ref, cfg = _pair(order)
     ids = _docs([30], cfg["vocab_size"], seed=4)[0][None]
     unpatch(ours)
     assert not is_patched(ours)
