@@ -3,6 +3,8 @@
 - :mod:`csattn.integrations.transformers`: ``patch(model)`` makes a Hugging Face ``DeepseekV4ForCausalLM`` run
   csattn's attention, mHC and MoE ops on packed (padding-free) or padded batches, for ``transformers.Trainer``
   and TRL.
+- :mod:`csattn.integrations.peft`: PEFT adapters (LoRA on every linear, ``o_a_proj`` and the routed experts) on a
+  patched model, in either order; what the patched model cannot honour is refused.
 
 Nothing here is imported by ``import csattn``: each integration imports its framework only when it is imported.
 """

@@ -39,6 +39,10 @@ Limits: training forwards only. ``past_key_values`` or ``use_cache=True`` (``gen
 0, 1, 2, ... inside each document. The lightning indexer gets no LM gradient (as in HF); with
 ``indexer_loss_coeff > 0`` it trains on csattn's indexer KL loss (under gradient accumulation also call
 ``csattn.IndexerLossAutoScaler.set_loss_scale(1 / gradient_accumulation_steps)``).
+
+PEFT: ``patch`` takes a ``PeftModel`` too, and adapters put on after ``patch`` work as well; each one either trains
+as in HF + PEFT or is refused (:mod:`csattn.integrations.peft`). Weights from HF's FP8 quantizer (FP8 / FP4) are
+refused: load a bf16 copy (``FineGrainedFP8Config(dequantize=True)``).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from ..ops.backend import BACKENDS, check_backend
 from ..ops.moe import moe_experts
 from ..ops.rope import rope_inv_freq
 from ..packing import PackedSeqs
+from . import peft as peft_bridge
 
 __all__ = ["BACKENDS", "BatchLayout", "batch_layout", "is_patched", "patch", "unpatch"]
 
@@ -210,6 +215,11 @@ class _PatchedAttention(HybridAttention):
         cfg = self.config
         self.inv_freq = rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
 
+    def projection_weight(self, name: str) -> Tensor:
+        """The projection's weight plus the LoRA adapters PEFT put on it (:func:`csattn.integrations.peft
+        .effective_weight`): the fused paths read these weights instead of calling the modules."""
+        return peft_bridge.effective_weight(self.get_submodule(name), f"self_attn.{name}")
+
 
 class _PatchedDecoderLayer(hf.DeepseekV4DecoderLayer):
     """HF's decoder layer on packed streams ``[T, n, D]``: mHC and RMSNorm through csattn's ops, attention =
@@ -269,6 +279,7 @@ class _PatchedModel(hf.DeepseekV4Model):
         (``num_items_in_batch``, ...) are the loss's and are ignored here.
         """
         _refuse_unsupported(past_key_values, use_cache, kwargs)
+        peft_bridge.check_adapters(self)  # PEFT may have added adapters since patch()
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -341,12 +352,13 @@ class _PatchState:
 
 
 def _backbone(model: nn.Module) -> hf.DeepseekV4Model:
+    model = peft_bridge.unwrap_model(model)  # a PeftModel: the transformers model inside
     if isinstance(model, hf.DeepseekV4ForCausalLM):
         return model.model
     if isinstance(model, hf.DeepseekV4Model):
         return model
-    raise TypeError("model must be a transformers DeepseekV4ForCausalLM or DeepseekV4Model, "
-                    f"got {type(model).__name__}")
+    raise TypeError("model must be a transformers DeepseekV4ForCausalLM or DeepseekV4Model (or a PeftModel of "
+                    f"one), got {type(model).__name__}")
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -386,7 +398,9 @@ def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float 
     """Make an HF ``DeepseekV4ForCausalLM`` (or ``DeepseekV4Model``) run csattn's kernels, in place.
 
     Args:
-        model: from ``from_pretrained`` or the constructor; its parameters are reused, never copied.
+        model: from ``from_pretrained`` or the constructor, or a ``PeftModel`` of one; its parameters are reused,
+            never copied. PEFT adapters, put on before or after ``patch``, train as in HF or are refused
+            (:mod:`csattn.integrations.peft`).
         backend: ``"auto"`` (Triton kernels on CUDA, the PyTorch reference and grouped MoE GEMMs elsewhere),
             ``"reference"`` (plain PyTorch everywhere, the per-expert MoE loop) or ``"triton"``.
         indexer_loss_coeff: weight of csattn's indexer KL loss on CSA layers (its gradient trains the lightning
@@ -403,30 +417,30 @@ def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float 
     check_backend(backend)
     if not indexer_loss_coeff >= 0:
         raise ValueError(f"indexer_loss_coeff must be >= 0, got {indexer_loss_coeff}")
+    _check_patchable(backbone)
     config = backbone.config
-    rotary = backbone.rotary_emb
-    for kind in rotary.layer_types:
-        scaling = float(getattr(rotary, f"{kind}_attention_scaling"))
-        if scaling != 1.0:
-            raise ValueError(f"config.rope_parameters[{kind!r}] scales cos/sin by {scaling} (YaRN attention_factor); "
-                             "csattn applies no such factor (the V4 reference does not): set attention_factor=1.0")
-    for i, layer in enumerate(backbone.layers):
-        if type(layer) is not hf.DeepseekV4DecoderLayer or type(layer.mlp.experts) is not hf.DeepseekV4Experts:
-            raise TypeError(f"model.layers[{i}] is a {type(layer).__name__} (experts: "
-                            f"{type(layer.mlp.experts).__name__}); patch() takes HF's own DeepseekV4 modules")
-    # build every attention before changing anything, so a failure leaves the model as it was
-    attentions = [_csattn_attention(layer.self_attn, config, i, backend, indexer_loss_coeff, bool(deterministic))
-                  for i, layer in enumerate(backbone.layers)]
+    # build every attention before changing anything, so a failure leaves the model as it was; PEFT's wrappers
+    # come off HF's attention modules for that and go around csattn's (the same parameters) after
+    adapters = [peft_bridge.detach(layer.self_attn) for layer in backbone.layers]
+    try:
+        attentions = [_csattn_attention(layer.self_attn, config, i, backend, indexer_loss_coeff, bool(deterministic))
+                      for i, layer in enumerate(backbone.layers)]
+    except Exception:
+        for layer, found in zip(backbone.layers, adapters):
+            peft_bridge.reattach(layer.self_attn, found)
+        raise
     experts = config.hidden_act == "silu"  # csattn's experts compute a clamped SwiGLU (silu); others stay HF's
     state = _PatchState(backend, indexer_loss_coeff, [layer.self_attn for layer in backbone.layers], experts,
                         deterministic=bool(deterministic))
-    for layer, attn in zip(backbone.layers, attentions):
+    for layer, attn, found in zip(backbone.layers, attentions, adapters):
+        peft_bridge.reattach(attn, found)
         layer.self_attn = attn
         layer.__class__ = _PatchedDecoderLayer
         layer._csattn_backend = backend
         if experts:
-            layer.mlp.experts.__class__ = _PatchedExperts
-            layer.mlp.experts._csattn_backend = backend
+            moe = peft_bridge.innermost(layer.mlp.experts)  # LoRA on the experts' tensors wraps them
+            moe.__class__ = _PatchedExperts
+            moe._csattn_backend = backend
     # TRL's load-balancing loss (SFTTrainer's default when router_aux_loss_coef != 0) reads config.num_experts,
     # a name DeepseekV4Config does not define (num_local_experts / n_routed_experts): give it the alias
     if not hasattr(config, "num_experts"):
@@ -438,13 +452,38 @@ def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float 
     return model
 
 
+def _check_patchable(backbone: hf.DeepseekV4Model) -> None:
+    """What patch() cannot run, refused before anything changes."""
+    rotary = backbone.rotary_emb
+    for kind in rotary.layer_types:
+        scaling = float(getattr(rotary, f"{kind}_attention_scaling"))
+        if scaling != 1.0:
+            raise ValueError(f"config.rope_parameters[{kind!r}] scales cos/sin by {scaling} (YaRN attention_factor); "
+                             "csattn applies no such factor (the V4 reference does not): set attention_factor=1.0")
+    for name, param in backbone.layers.named_parameters():
+        if param.element_size() == 1:  # FP8 (e4m3, e8m0 scales) or packed FP4; no V4 weight is 1-byte otherwise
+            raise ValueError(
+                f"model.layers.{name} is {param.dtype} (HF's FP8 / FP4 quantizer, FineGrainedFP8Config): patch() "
+                "runs bf16 or fp32 weights only, its fused attention and grouped expert GEMMs have no FP8 path yet; "
+                "load a bf16 copy of the weights (from_pretrained(..., quantization_config=FineGrainedFP8Config("
+                "dequantize=True)), or csattn's own loader)")
+    for i, layer in enumerate(backbone.layers):
+        moe = peft_bridge.innermost(layer.mlp.experts)
+        if type(layer) is not hf.DeepseekV4DecoderLayer or type(moe) is not hf.DeepseekV4Experts:
+            raise TypeError(f"model.layers[{i}] is a {type(layer).__name__} (experts: "
+                            f"{type(moe).__name__}); patch() takes HF's own DeepseekV4 modules")
+    peft_bridge.check_adapters(backbone)
+
+
 def unpatch(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch` in place: HF's own modules and forwards, the same parameter objects. Returns ``model``."""
+    """Undo :func:`patch` in place: HF's own modules and forwards, the same parameter objects (PEFT's wrappers
+    around them). Returns ``model``."""
     backbone = _backbone(model)
     if not isinstance(backbone, _PatchedModel):
         raise ValueError("model is not patched by csattn (nothing to undo)")
     state: _PatchState = backbone._csattn_state
     for layer, hf_attn in zip(backbone.layers, state.hf_attention):
+        found = peft_bridge.detach(layer.self_attn)
         # rebind whatever parameters the csattn module holds now (a user or a wrapper may have replaced some)
         for name, param in layer.self_attn.named_parameters():
             owner, leaf = _owner(hf_attn, name)
@@ -452,12 +491,14 @@ def unpatch(model: nn.Module) -> nn.Module:
         device = next(iter(layer.self_attn.parameters())).device
         hf_attn.to(device)  # its RoPE buffers stayed where they were when patched
         hf_attn.train(layer.self_attn.training)
+        peft_bridge.reattach(hf_attn, found)
         layer.self_attn = hf_attn
         layer.__class__ = hf.DeepseekV4DecoderLayer
         del layer._csattn_backend
         if state.experts_patched:
-            layer.mlp.experts.__class__ = hf.DeepseekV4Experts
-            del layer.mlp.experts._csattn_backend
+            moe = peft_bridge.innermost(layer.mlp.experts)
+            moe.__class__ = hf.DeepseekV4Experts
+            del moe._csattn_backend
     backbone.__class__ = hf.DeepseekV4Model
     if state.num_experts_added:
         del backbone.config.num_experts

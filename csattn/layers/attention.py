@@ -23,6 +23,8 @@ from .plan import LOCAL, CompressedRange, IndexerLossInputs, LayerPlan, Packed, 
 
 __all__ = ["HybridAttention"]
 
+_INDEXER_Q = "compressor.indexer.q_b_proj"
+
 
 class _CSACompressor(Compressor):
     """The CSA compressor owns the indexer (HF layout: ``compressor.indexer.*``)."""
@@ -62,6 +64,9 @@ class HybridAttention(nn.Module):
         >>> attn = HybridAttention(cfg)
         >>> out = attn(torch.randn(2, 40, 64))
     """
+
+    # the projections whose weights the layer reads (see projection_weight); every other linear it calls as a module
+    READ_PROJECTIONS = ("q_b_proj", "o_a_proj", "o_b_proj", "compressor.indexer.q_b_proj")
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__()
@@ -176,6 +181,13 @@ class HybridAttention(nn.Module):
                 if name in own:
                     own[name].copy_(tensor)
 
+    def projection_weight(self, name: str) -> Tensor:
+        """The weight the layer multiplies by for projection ``name``: one of :attr:`READ_PROJECTIONS`, the
+        projections whose weights the fused paths read (block-recomputed core, row-chunked indexer queries) instead
+        of calling the module. A subclass may return an effective weight instead (e.g. the module's weight plus the
+        adapters an integration put on it); the layer calls the other projections as modules."""
+        return self.get_submodule(name).weight
+
     # ------------------------------------------------------------------ phases (private; the flow above runs them)
     def _rope_tables(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(pos, self.inv_freq, torch.promote_types(dtype, torch.float32))
@@ -193,8 +205,8 @@ class HybridAttention(nn.Module):
         """``q [T, H, d]`` from the latent; block-recomputed in the backward with ``recompute_projections``."""
         cfg = self.config
         if not cfg.recompute_projections:
-            return query_heads(qr, cos, sin, self.q_b_proj.weight, cfg.num_heads, cfg.rms_norm_eps)
-        return ops.query_heads(qr, cos, sin, self.q_b_proj.weight, cfg.num_heads, cfg.rms_norm_eps,
+            return query_heads(qr, cos, sin, self.projection_weight("q_b_proj"), cfg.num_heads, cfg.rms_norm_eps)
+        return ops.query_heads(qr, cos, sin, self.projection_weight("q_b_proj"), cfg.num_heads, cfg.rms_norm_eps,
                                self._recompute_rows())
 
     def _raw_kv(self, x: Tensor | RowPieces, cos: Tensor, sin: Tensor) -> Tensor:
@@ -204,7 +216,7 @@ class HybridAttention(nn.Module):
     def _output(self, o: Tensor, cos: Tensor, sin: Tensor, ops: OpSet = EAGER) -> Tensor:
         """Inverse RoPE on ``o [T, H, d]`` (values carried absolute rope), then the grouped projection."""
         cfg = self.config
-        weights = (self.o_a_proj.weight, self.o_b_proj.weight)
+        weights = (self.projection_weight("o_a_proj"), self.projection_weight("o_b_proj"))
         if not cfg.recompute_projections:
             return output_projection(o, cos, sin, *weights, groups=cfg.o_groups)
         return ops.output(o, cos, sin, *weights, cfg.o_groups, self._recompute_rows())
@@ -313,12 +325,13 @@ class HybridAttention(nn.Module):
                                      cfg.scale, row_weight[lo:hi], compressed_ids[lo:hi], backend=backend,
                                      config=cfg.indexer_loss_kernel)
 
-        weights = (self.q_b_proj.weight, self.o_a_proj.weight, self.o_b_proj.weight)
+        weights = tuple(self.projection_weight(name) for name in ("q_b_proj", "o_a_proj", "o_b_proj"))
         out = attention_core(qr, cos, sin, keys, self.sinks, *weights, ids_fn, geo, on_block)
         if teacher is not None:
             # the backward recomputes the indexer queries block by block instead of keeping q_idx [T, HI, cI]
             queries = self.compressor.indexer.student_queries(qr.detach(), cos, sin, self._indexer_query_rows(),
-                                                              fused=backend == "triton")
+                                                              fused=backend == "triton",
+                                                              weight=self.projection_weight(_INDEXER_Q))
             kl = indexer_kl_from_teacher(queries, loss.w, loss.k_idx, teacher, row_weight, compressed_ids,
                                          workspace_bytes=cfg.workspace_bytes, backend=backend,
                                          config=cfg.indexer_loss_kernel)
@@ -376,7 +389,7 @@ class HybridAttention(nn.Module):
         cfg, entries = self.config, plan.entries
         indexer: Indexer = self.compressor.indexer
         q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=self._indexer_query_rows(),
-                                fused=self._backend_for(qr) == "triton")
+                                fused=self._backend_for(qr) == "triton", weight=self.projection_weight(_INDEXER_Q))
         w = indexer.scorer(x.detach())
         selected = plan.ops.indexer_topk(q_idx, w, index_keys, entries.vis_start, entries.vis_end,
                                          self._effective_topk(entries.max_visible), entries.max_visible,

@@ -158,24 +158,27 @@ class Indexer(Compressor):
         self.scorer = IndexerScorer(hidden_size, n_heads, head_dim)
 
     def queries(self, qr: Tensor, cos: Tensor, sin: Tensor, chunk_rows: int | None = None,
-                fused: bool = False) -> Tensor:
+                fused: bool = False, weight: Tensor | None = None) -> Tensor:
         """``qr [T, q_lora]`` -> ``[T, HI, cI]`` with RoPE at each row's position (one Triton pass with ``fused``).
 
         With ``chunk_rows`` the rows are computed ``chunk_rows`` at a time into the output and recomputed that
         way in the backward (``row_chunked``): the projection's output and the fp32 RoPE temporaries, about
         4.5x the size of the queries when made for all rows at once (9 GiB at 128k tokens for HI = 64,
-        cI = 128), never exceed one chunk.
+        cI = 128), never exceed one chunk. ``weight`` replaces ``q_b_proj.weight`` (the layer passes its effective
+        weight, see ``HybridAttention.projection_weight``).
         """
         fn = self._query_fn(fused)
+        weight = self.q_b_proj.weight if weight is None else weight
         if chunk_rows is None or qr.shape[0] <= chunk_rows or torch.compiler.is_compiling():
-            return fn(qr, cos, sin, self.q_b_proj.weight)
-        return row_chunked(fn, (qr, cos, sin), (self.q_b_proj.weight,), chunk_rows)
+            return fn(qr, cos, sin, weight)
+        return row_chunked(fn, (qr, cos, sin), (weight,), chunk_rows)
 
     def student_queries(self, qr: Tensor, cos: Tensor, sin: Tensor, chunk_rows: int,
-                        fused: bool = False) -> StudentQueries:
+                        fused: bool = False, weight: Tensor | None = None) -> StudentQueries:
         """The same queries as a recipe for the sparse indexer loss, which recomputes them ``chunk_rows`` at a
-        time in its backward instead of keeping them."""
-        return StudentQueries(self._query_fn(fused), qr, cos, sin, self.q_b_proj.weight, chunk_rows)
+        time in its backward instead of keeping them (``weight`` as in :meth:`queries`)."""
+        weight = self.q_b_proj.weight if weight is None else weight
+        return StudentQueries(self._query_fn(fused), qr, cos, sin, weight, chunk_rows)
 
     def _query_fn(self, fused: bool) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
         return partial(indexer_queries, heads=self.n_heads, fused=fused)
