@@ -63,5 +63,7 @@ def fp8_grouped_mm(a: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans
 
     if mode == "fp8":
         q, s = quantize_1x128_triton(a)
-        return grouped_mm_triton(q, s, weight, scale, offs, trans, out_dtype=a.dtype)
+        if trans:  # FP8 MMA wants the weight K-major: a transposed copy for this call (see README.md)
+            weight, scale = weight.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous()
+        return grouped_mm_triton(q, s, weight, scale, offs, False, out_dtype=a.dtype)
     return grouped_mm_triton(a, None, weight, scale, offs, trans, out_dtype=a.dtype)
