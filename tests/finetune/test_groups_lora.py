@@ -1,0 +1,121 @@
+"""Parameter groups (every parameter of the model, MTP included, in exactly one) and LoRA on the tiny model: step 0
+equals the base bit for bit, gradients reach the factors and only them, each kind of adapted module computes
+``W + scale * B @ A``, the flags' conflicts are refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from csattn.finetune import GROUPS, LoraSpec, add_lora, apply_freezing, group_of, init_lora, resolve_choice
+from csattn.finetune.lora import LoraExperts, LoraLinear, LoraWeight, lora_delta, lora_modules
+from csattn.packing import PackedSeqs
+from tests.models.model_utils import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _loss(model, ids, lengths):
+    out = model(ids, packed=PackedSeqs.from_lengths(lengths), labels=torch.roll(ids, -1))
+    return out.loss, out.logits
+
+
+def _lora_model(targets=("attention", "indexer", "compressor", "shared_experts", "experts"), rank=4, alpha=8.0,
+                seed=0):
+    model = tiny_model("mixed", mtp=1).double()
+    choice = resolve_choice(None, None, ",".join(targets), rank)
+    apply_freezing(model, choice)
+    add_lora(model, LoraSpec(rank, alpha, 0.0, choice.lora))
+    init_lora(model, seed)
+    return model
+
+
+def test_every_parameter_in_one_group():
+    model = tiny_model("mixed", mtp=1)
+    seen = {g: 0 for g in GROUPS}
+    for name, _ in model.named_parameters():
+        seen[group_of(name)] += 1  # raises for a parameter of no group
+    assert all(seen.values()), seen
+    assert group_of("mtp.0.e_proj.weight") == "head" and group_of("model.layers.1.attn_hc.fn") == "mhc"
+    assert group_of("model.layers.0.self_attn.compressor.indexer.q_b_proj.weight") == "indexer"
+    assert group_of("model.layers.0.self_attn.compressor.kv_proj.weight") == "compressor"
+
+
+def test_step0_bitwise_equal_and_grads_only_on_factors():
+    base = tiny_model("mixed", mtp=1).double()
+    model = _lora_model()
+    ids = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(1))
+    want_loss, want_logits = _loss(base, ids, [17, 23])
+    loss, logits = _loss(model, ids, [17, 23])
+    assert torch.equal(logits, want_logits) and torch.equal(loss, want_loss)
+    loss.backward()
+    kinds = {type(m).__mro__[0] for _, m in lora_modules(model)}
+    assert LoraExperts in kinds and LoraLinear in kinds and any(issubclass(k, LoraWeight) for k in kinds)
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            assert p.requires_grad and p.grad is not None, name
+            # B = 0: only B's gradient is nonzero at step 0 (A's is scale * B^T ...); the indexer's keys learn only
+            # through the indexer loss, none here
+            if "lora_B" in name and ".indexer." not in name:
+                assert p.grad.abs().sum() > 0, name
+        else:
+            assert not p.requires_grad and p.grad is None, name
+    assert not any(name.startswith("mtp.") and ".lora_" in name for name, _ in model.named_parameters())
+
+
+def test_lora_equals_merged_weights(assert_close):
+    """With nonzero B, each adapted module computes its base on ``W + scale * B @ A`` (fp64)."""
+    model = _lora_model()
+    merged = tiny_model("mixed", mtp=1).double()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, m in lora_modules(model):
+            for p in (m.factors()[1::2] if isinstance(m, LoraExperts) else [m.lora_B]):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+        own = dict(merged.named_parameters())
+        for name, m in lora_modules(model):
+            for pname, d in lora_delta(m).items():
+                own[f"{name}.{pname}"].add_(d)
+    ids = torch.randint(0, 64, (40,), generator=g)
+    loss, logits = _loss(model, ids, [40])
+    want_loss, want_logits = _loss(merged, ids, [40])
+    assert_close(logits, want_logits, 1e-12, "logits")
+
+
+def test_lora_a_init_is_peft_kaiming():
+    model = _lora_model(rank=8)
+    for _, m in lora_modules(model):
+        a = m.lora_A_gate_up if isinstance(m, LoraExperts) else m.lora_A
+        bound = 1 / math.sqrt(a.shape[-1])
+        assert a.abs().max() <= bound and a.abs().max() > 0.5 * bound
+        b = m.lora_B_down if isinstance(m, LoraExperts) else m.lora_B
+        assert torch.count_nonzero(b) == 0
+
+
+def test_choices_and_conflicts():
+    c = resolve_choice(None, "experts,embed", None, 0)
+    assert "experts" not in c.train and "attention" in c.train and not c.lora
+    assert resolve_choice("attention,head", None, None, 0).train == ("attention", "head")
+    assert resolve_choice(None, None, None, 8).lora == ("attention", "shared_experts", "experts")
+    assert resolve_choice(None, None, None, 8).train == ()
+    with pytest.raises(ValueError, match="--train and --freeze"):
+        resolve_choice("attention", "experts", None, 0)
+    with pytest.raises(ValueError, match="--lora-targets needs --lora-rank"):
+        resolve_choice(None, None, "attention", 0)
+    with pytest.raises(ValueError, match="--freeze experts and --lora-targets experts"):
+        resolve_choice(None, "experts", "experts,attention", 4)
+    with pytest.raises(ValueError, match="--lora-targets: unknown group.*'router'"):
+        resolve_choice(None, None, "router", 4)
+    with pytest.raises(ValueError, match="--train with --lora-rank"):
+        resolve_choice("router", None, None, 4)
+
+
+def test_dropout_refused_where_the_weight_is_read():
+    model = tiny_model("mixed")
+    with pytest.raises(ValueError, match="--lora-dropout 0.1: the groups attention"):
+        add_lora(model, LoraSpec(4, 8.0, 0.1, ("attention", "compressor")))
+    model = tiny_model("mixed")
+    names = add_lora(model, LoraSpec(4, 8.0, 0.1, ("compressor",)))
+    assert names and all(isinstance(dict(model.named_modules())[n], LoraLinear) for n in names)
