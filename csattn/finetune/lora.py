@@ -6,9 +6,11 @@ Three kinds, by how the layer uses the weight:
   :class:`LoraLinear`, ``y = base(x) + scale * B(A(dropout(x)))``;
 * a linear whose weight the layer reads directly (the attention core's ``q_b_proj``, ``o_a_proj`` (grouped),
   ``o_b_proj``, the indexer's ``q_b_proj``, the shared expert's three): :class:`LoraWeight`, whose ``weight`` is
-  the effective ``W + scale * B @ A`` (exact math, as PEFT's ``ParamWrapper`` does); dropout on the input cannot
-  be applied there (``x`` is not factored out of ``W x``), so it is refused, as PEFT refuses it for
-  ``target_parameters``;
+  the effective ``W + scale * B @ A`` (exact math, as PEFT's ``ParamWrapper`` does) while the module that reads it
+  (the attention layer, the shared expert) runs its forward, and the plain parameter otherwise, as in PEFT (FSDP2
+  finds its parameters again by ``getattr`` after moving them: it must get the parameter, not a sum); dropout on
+  the input cannot be applied there (``x`` is not factored out of ``W x``), so it is refused, as PEFT refuses it
+  for ``target_parameters``;
 * the routed experts: :class:`LoraExperts`, a pair per expert through the grouped GEMMs
   (:class:`csattn.ops.moe.ExpertLora`), never forming ``W + BA`` for all experts.
 
@@ -87,12 +89,31 @@ class LoraLinear(nn.Linear, _Factors):
 
 
 class LoraWeight(_Factors):
-    """Mixin over a linear whose weight the layer reads: ``weight`` is ``W + scale * B @ A`` (no dropout)."""
+    """Mixin over a linear whose weight the layer reads: ``weight`` is ``W + scale * B @ A`` (no dropout) while its
+    reader's forward runs (``lora_reading > 0``, see :func:`_while_reading`), the parameter ``W`` otherwise."""
+
+    lora_reading: int = 0
 
     @property
     def weight(self) -> Tensor:
         w = self._parameters["weight"]
-        return w + self.delta().to(w.dtype)
+        return w + self.delta().to(w.dtype) if self.lora_reading else w
+
+
+def _while_reading(reader: nn.Module, modules: list[nn.Module]) -> None:
+    """Hooks on ``reader``'s forward (a module call: also when a checkpoint recomputes it) that make ``modules``'
+    ``weight`` the effective one during it."""
+
+    def enter(*_: object) -> None:
+        for m in modules:
+            m.lora_reading += 1
+
+    def leave(*_: object) -> None:
+        for m in modules:
+            m.lora_reading -= 1
+
+    reader.register_forward_pre_hook(enter)
+    reader.register_forward_hook(leave, always_call=True)
 
 
 class LoraExperts(Experts):
@@ -162,16 +183,29 @@ def add_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
                              "indexer's q_b_proj, the shared and routed experts), where LoRA is an effective weight "
                              "W + scale * B @ A and dropout on the input cannot apply (PEFT refuses it there too): "
                              "pass --lora-dropout 0, or --lora-targets compressor only")
+    readers: dict[str, list[nn.Module]] = {}
     for name, module in targets:
         if isinstance(module, Experts):
             module.__class__ = LoraExperts
         elif _reads_weight(name, module):
             module.__class__ = _WEIGHT_CLASSES[type(module)]
+            readers.setdefault(_reader(name), []).append(module)
         else:
             module.__class__ = LoraLinear
             module.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
         module._add_factors(spec)
+    for reader, modules in readers.items():
+        _while_reading(model.get_submodule(reader), modules)
     return [n for n, _ in targets]
+
+
+def _reader(name: str) -> str:
+    """The module whose forward reads the weight of linear ``name``: the attention layer (its core and the
+    indexer's queries) or the shared expert."""
+    for part in (".self_attn.", ".mlp.shared_experts."):
+        if part in name:
+            return name[: name.index(part) + len(part) - 1]
+    raise ValueError(f"no reader known for {name!r}")
 
 
 def _reads_weight(name: str, module: nn.Module) -> bool:
