@@ -26,10 +26,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .lora import LoraExperts, LoraSpec, lora_delta, lora_modules
+from .lora import LoraExperts, LoraSpec, lora_modules
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_tensors", "adapter_config", "save_adapter",
-           "load_adapter", "read_adapter_config", "merged_state_dict"]
+           "load_adapter", "read_adapter_config", "merged_state_dict", "merge_lora"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -184,42 +184,32 @@ def _global_shape(model: nn.Module, name: str, t: Tensor) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def merged_state_dict(model: nn.Module, gather: Gather = _whole,
-                      dtype: Callable[[Tensor], torch.dtype] | None = None) -> dict[str, Tensor]:
-    """The model's ``state_dict`` with every LoRA delta merged into its base weight and the factors left out, on the
-    CPU: ``W + scale * B @ A`` summed in fp32 (fp64 for fp64) and rounded once to ``dtype(W)`` (default: W's own
-    dtype, bf16 for a weight held in a float8 type: a delta merged into FP8 would mostly round away)."""
-    deltas = {}
-    for name, module in lora_modules(model):
-        if isinstance(module, LoraExperts):
-            whole = _GatheredExperts(module, name, gather)
-            deltas.update({f"{name}.{p}": d for p, d in lora_delta(whole).items()})
+def merged_state_dict(model: nn.Module, gather: Gather = _whole) -> dict[str, Tensor]:
+    """The model's ``state_dict`` (whole tensors, on the CPU) with every LoRA delta merged into its base weight and
+    the factors left out (:func:`merge_lora`)."""
+    modules = lora_modules(model)
+    state = {name: gather(name, t).cpu() for name, t in model.state_dict().items()}
+    return merge_lora(state, modules[0][1].lora_scale) if modules else state
+
+
+def merge_lora(state: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
+    """``state`` (whole tensors by model name, e.g. one FSDP unit's) with each adapted weight replaced by
+    ``W + scale * B @ A`` (per expert for the routed experts) and the factors dropped. Summed in fp32 (fp64 for
+    fp64) and rounded once to W's dtype, or to bf16 for a weight held in a float8 type (a delta merged into FP8
+    would mostly round away)."""
+    out = {k: v for k, v in state.items() if not any(p.startswith("lora_") for p in k.split("."))}
+    for key, a in state.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf == "lora_A":
+            pairs = {"weight": (a, state[f"{module}.lora_B"])}
+        elif leaf == "lora_A_gate_up":
+            pairs = {"gate_up_proj": (a, state[f"{module}.lora_B_gate_up"]),
+                     "down_proj": (state[f"{module}.lora_A_down"], state[f"{module}.lora_B_down"])}
         else:
-            whole = _GatheredLinear(module, name, gather)
-            deltas[f"{name}.weight"] = lora_delta(whole)["weight"]
-    out = {}
-    for name, t in model.state_dict().items():
-        if any(part.startswith("lora_") for part in name.split(".")):
             continue
-        full = gather(name, t).cpu()
-        if name in deltas:
-            target = dtype(full) if dtype else (torch.bfloat16 if full.element_size() == 1 else full.dtype)
-            c = torch.promote_types(deltas[name].dtype, torch.float32)
-            full = (full.to(c) + deltas[name].to(c)).to(target)
-        out[name] = full
+        for pname, (fa, fb) in pairs.items():
+            w = out[f"{module}.{pname}"]
+            c = torch.promote_types(fa.dtype, torch.float32)
+            delta = scale * torch.matmul(fb.to(c), fa.to(c))
+            out[f"{module}.{pname}"] = (w.to(c) + delta).to(torch.bfloat16 if w.element_size() == 1 else w.dtype)
     return out
-
-
-class _GatheredLinear(nn.Module):
-    def __init__(self, module: nn.Module, name: str, gather: Gather) -> None:
-        super().__init__()
-        self.lora_A, self.lora_B = gather(f"{name}.lora_A", module.lora_A), gather(f"{name}.lora_B", module.lora_B)
-        self.lora_scale = module.lora_scale
-
-
-class _GatheredExperts(LoraExperts):
-    def __init__(self, module: LoraExperts, name: str, gather: Gather) -> None:
-        nn.Module.__init__(self)
-        for p in ("lora_A_gate_up", "lora_B_gate_up", "lora_A_down", "lora_B_down"):
-            setattr(self, p, gather(f"{name}.{p}", getattr(module, p)))
-        self.lora_scale = module.lora_scale
