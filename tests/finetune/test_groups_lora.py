@@ -119,3 +119,34 @@ def test_dropout_refused_where_the_weight_is_read():
     model = tiny_model("mixed")
     names = add_lora(model, LoraSpec(4, 8.0, 0.1, ("compressor",)))
     assert names and all(isinstance(dict(model.named_modules())[n], LoraLinear) for n in names)
+
+
+@pytest.mark.parametrize("recompute", ["moe", "block", "full"])
+def test_recompute_gives_the_same_factor_gradients(recompute, assert_close):
+    """The effective weights are made again when a checkpoint recomputes a block (the reader's forward runs
+    again): the factors' gradients equal those without recompute (fp64)."""
+    from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
+    from tests.models.model_utils import randomize_model_, tiny_config_dict
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = DeepseekV4ForCausalLM(DeepseekV4ModelConfig.from_hf(tiny_config_dict("mixed"), recompute=mode))
+        randomize_model_(model, 1)
+        model = model.double()
+        choice = resolve_choice(None, None, "attention,indexer,shared_experts,experts", 4)
+        apply_freezing(model, choice)
+        add_lora(model, LoraSpec(4, 8.0, 0.0, choice.lora))
+        init_lora(model, 0)
+        with torch.no_grad():  # nonzero B: A's gradients are nonzero too
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)),
+                                        dtype=p.dtype) * 0.1)
+        ids = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(2))
+        _loss(model, ids, [40])[0].backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    want, got = run("none"), run(recompute)
+    assert want.keys() == got.keys() and want
+    for name in want:
+        assert_close(got[name], want[name], 1e-10, name)
