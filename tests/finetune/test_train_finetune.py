@@ -101,14 +101,28 @@ MESHES = [(2, dict(dp_shard=2, ep=2), {}),
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,mesh,extra", MESHES, ids=["dp2-ep2", "dp2-ep2-experts-frozen", "dp2-cp2-ep2"])
-def test_mesh_equals_one_process_fp64(world, mesh, extra):
+def test_mesh_equals_one_process_fp64(world, mesh, extra, tmp_path):
     """FSDP2 units mixing frozen bases and trainable adapters (and units wholly frozen: the experts without LoRA)
-    reduce only the gradients that exist: the losses equal one process to 1e-10 and every adapter to 1e-9."""
+    reduce only the gradients that exist: the losses equal one process to 1e-10 and every adapter to 1e-9; the
+    checkpoints' adapter files (experts gathered over ep) and merged exports agree too."""
+    from safetensors.torch import load_file
+
     # two sequences per step in both runs (the mesh has two data replicas)
     base = dict(steps=2, seq_len=64, device="cpu", progress=False, warmup_steps=1, pad_multiple=4, dtype="float64",
                 batch_seqs=2, **LORA, **extra)
-    one = train(TrainConfig(**base))
-    got = run_spawned(world, TrainConfig(**base, **mesh))
+    one = train(TrainConfig(**base, output=str(tmp_path / "one")))
+    got = run_spawned(world, TrainConfig(**base, **mesh, output=str(tmp_path / "mesh")))
+    ckpt = "checkpoint-000002"
+    want_adapter = load_file(str(tmp_path / "one" / ckpt / "adapter" / "adapter_model.safetensors"))
+    got_adapter = load_file(str(tmp_path / "mesh" / ckpt / "adapter" / "adapter_model.safetensors"))
+    assert want_adapter.keys() == got_adapter.keys() and want_adapter
+    for k, v in want_adapter.items():
+        assert float((got_adapter[k] - v).norm() / v.norm().clamp_min(1e-30)) <= 1e-9, k
+    want_merged = load_pretrained(str(tmp_path / "one" / ckpt)).state_dict()
+    got_merged = load_pretrained(str(tmp_path / "mesh" / ckpt)).state_dict()
+    for k, v in want_merged.items():
+        if v.is_floating_point():
+            assert float((got_merged[k].double() - v.double()).norm() / v.double().norm().clamp_min(1e-30)) <= 1e-9, k
     for a, b in zip(got["losses"], one.losses):
         assert abs(a - b) <= 1e-10 * abs(b)
     state = one.model.state_dict()
