@@ -150,3 +150,15 @@ def test_recompute_gives_the_same_factor_gradients(recompute, assert_close):
     assert want.keys() == got.keys() and want
     for name in want:
         assert_close(got[name], want[name], 1e-10, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_experts_without_rows_give_zero_factor_gradients(dtype):
+    """An expert-parallel rank that receives no rows still reduces every factor's gradient: zeros, not None
+    (fp64 takes the reference loop, fp32 the grouped path)."""
+    model = _lora_model(targets=("experts",))
+    experts = next(m for _, m in lora_modules(model) if isinstance(m, LoraExperts)).to(dtype)
+    x = torch.zeros(0, experts.gate_up_proj.shape[-1], dtype=dtype, requires_grad=True)
+    y = experts(x, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=dtype))
+    grads = torch.autograd.grad(y.sum(), experts.factors(), allow_unused=True)
+    assert all(g is not None and torch.count_nonzero(g) == 0 for g in grads)

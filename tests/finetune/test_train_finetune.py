@@ -130,3 +130,20 @@ def test_mesh_equals_one_process_fp64(world, mesh, extra, tmp_path):
         if v.is_floating_point():
             err = float((got["state"][k].double() - v).norm() / v.norm().clamp_min(1e-30))
             assert err <= 1e-9, k
+
+
+def test_lora_on_an_hf_checkpoint_starts_from_its_loss(tmp_path):
+    """--init-from with LoRA: the base weights are the checkpoint's and the first step's loss is the base model's
+    bit for bit (B = 0), the adapters drawn after the import."""
+    from tests.models.model_utils import tiny_model
+
+    start = tiny_model("pro", seed=9, mtp=1)
+    start.save_pretrained(str(tmp_path / "init"))
+    common = dict(steps=2, init_from=str(tmp_path / "init"), **SMALL)
+    plain = train(TrainConfig(**common))
+    tuned = train(TrainConfig(**common, **LORA))
+    assert tuned.losses[0] == plain.losses[0] and tuned.losses[1] != plain.losses[1]
+    base = start.state_dict()
+    for name, t in tuned.model.state_dict().items():
+        if ".lora_" not in name:
+            assert torch.equal(t, base[name]), name
