@@ -174,6 +174,8 @@ def add_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
     Raises ``ValueError`` for ``dropout > 0`` when a targeted linear's weight is read directly (see the module
     docstring), naming the groups.
     """
+    if lora_modules(model):
+        raise ValueError("the model already has LoRA modules: add_lora runs once per model")
     targets = _targets(model, spec)
     if spec.dropout > 0:
         read = sorted({group_of(n + ".weight") for n, m in targets if _reads_weight(n, m)})

@@ -119,6 +119,8 @@ def test_dropout_refused_where_the_weight_is_read():
     model = tiny_model("mixed")
     names = add_lora(model, LoraSpec(4, 8.0, 0.1, ("compressor",)))
     assert names and all(isinstance(dict(model.named_modules())[n], LoraLinear) for n in names)
+    with pytest.raises(ValueError, match="already has LoRA"):
+        add_lora(model, LoraSpec(4, 8.0, 0.0, ("attention",)))
 
 
 @pytest.mark.parametrize("recompute", ["moe", "block", "full"])

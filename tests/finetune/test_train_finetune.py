@@ -94,6 +94,23 @@ def test_cli_flags_and_conflicts(tmp_path, capsys):
     assert os.path.isfile(os.path.join(out, "checkpoint-000001", "adapter", "adapter_model.safetensors"))
 
 
+@pytest.mark.slow
+def test_mesh_checkpoint_resumes_in_one_process(tmp_path):
+    """A checkpoint written on dp_shard 2 x ep 2 (adapters of the routed experts split over ep, stored whole by DCP)
+    resumes in one process and continues the uninterrupted one-process run (fp64, 1e-10)."""
+    base = dict(steps=2, seq_len=64, device="cpu", progress=False, warmup_steps=1, pad_multiple=4, dtype="float64",
+                batch_seqs=2, export_hf="never", **LORA)
+    one = train(TrainConfig(**base))
+    out = str(tmp_path / "mesh")
+    run_spawned(2, TrainConfig(**{**base, "steps": 1}, dp_shard=2, ep=2, output=out))
+    resumed = train(TrainConfig(**base, output=out, resume=os.path.join(out, "checkpoint-000001")))
+    assert resumed.start_step == 1 and abs(resumed.losses[0] - one.losses[1]) <= 1e-10 * abs(one.losses[1])
+    for k, v in one.model.state_dict().items():
+        if ".lora_" in k:
+            err = float((resumed.model.state_dict()[k] - v).norm() / v.norm().clamp_min(1e-30))
+            assert err <= 1e-9, k
+
+
 MESHES = [(2, dict(dp_shard=2, ep=2), {}),
           (2, dict(dp_shard=2, ep=2), {"lora_targets": "attention,shared_experts"}),
           (4, dict(dp_shard=2, cp=2, ep=2), {})]
