@@ -46,7 +46,8 @@ def add_finetune_args(parser: argparse.ArgumentParser) -> None:
                         "shared_experts,experts)")
     f.add_argument("--train", dest="train_groups", metavar="GROUPS", default=None,
                    help=f"comma list of the only groups that train in full, the others frozen (groups: {groups}); "
-                        "not with --freeze nor --lora-rank")
+                        "with --lora-rank beside the adapted groups (saved whole in the adapter, PEFT's "
+                        "modules_to_save); not with --freeze")
     f.add_argument("--freeze", dest="freeze_groups", metavar="GROUPS", default=None,
                    help="comma list of groups to freeze (no gradient, no optimizer state); the others train (with "
                         "--lora-rank: frozen anyway unless adapted); a frozen router keeps its balance bias too")

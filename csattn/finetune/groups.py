@@ -96,8 +96,9 @@ def resolve_choice(train: str | None, freeze: str | None, lora_targets: str | No
     """The groups' roles from ``--train``, ``--freeze``, ``--lora-targets`` and ``--lora-rank``.
 
     Without LoRA every group trains unless ``--freeze`` names it, or only those ``--train`` names. With LoRA
-    (``lora_rank > 0``) the ``--lora-targets`` groups (default attention, shared_experts, experts) are adapted and
-    every other group is frozen, as in PEFT. Conflicting choices raise ``ValueError`` naming the flags.
+    (``lora_rank > 0``) the ``--lora-targets`` groups (default attention, shared_experts, experts) are adapted,
+    those ``--train`` names train in full beside them (PEFT's ``modules_to_save``), and every other group is
+    frozen, as in PEFT. Conflicting choices raise ``ValueError`` naming the flags.
     """
     trained = parse_groups(train, "--train")
     frozen = parse_groups(freeze, "--freeze")
@@ -109,18 +110,24 @@ def resolve_choice(train: str | None, freeze: str | None, lora_targets: str | No
         if lora_targets is not None:
             raise ValueError("--lora-targets needs --lora-rank R > 0 (0 = no LoRA)")
         return Choice(train=trained if train is not None else tuple(g for g in GROUPS if g not in frozen), lora=())
-    if train is not None:
-        raise ValueError("--train with --lora-rank: a PEFT adapter holds the LoRA factors only, so the groups "
-                         f"{', '.join(trained)} would not be in it; train them without LoRA (--lora-rank 0) or leave "
-                         "them frozen")
     targets = targets if lora_targets is not None else ("attention", "shared_experts", "experts")
     if not targets:
         raise ValueError("--lora-targets names no group: give at least one of " + ", ".join(LORA_GROUPS))
-    clash = [g for g in frozen if g in targets]
-    if clash:
-        raise ValueError(f"--freeze {','.join(clash)} and --lora-targets {','.join(clash)}: a group is adapted or "
-                         "frozen, not both")
-    return Choice(train=(), lora=targets)
+    for flag, groups in (("--freeze", frozen), ("--train", trained)):
+        clash = [g for g in groups if g in targets]
+        if clash:
+            raise ValueError(f"{flag} {','.join(clash)} and --lora-targets {','.join(clash)}: a group is adapted, "
+                             "trained in full or frozen, one of them")
+    # a group trained in full beside LoRA is saved as whole modules (PEFT's modules_to_save): the attention's sinks
+    # are the attention module's own, the compressor's position bias the compressor's, and those hold the
+    # compressor's and the indexer's linears
+    for outer, inner in (("attention", ("compressor", "indexer")), ("compressor", ("indexer",))):
+        inside = [g for g in inner if g in targets]
+        if outer in trained and inside:
+            raise ValueError(f"--train {outer} with --lora-targets {','.join(inside)}: the {outer} module is saved "
+                             f"whole in the adapter and holds the {', '.join(inside)} linears, which PEFT cannot "
+                             f"adapt inside it; adapt {outer} too or train {', '.join(inside)} in full")
+    return Choice(train=trained, lora=targets)
 
 
 def apply_freezing(model: nn.Module, choice: Choice) -> None:

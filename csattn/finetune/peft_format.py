@@ -13,8 +13,13 @@ What PEFT 0.21 builds from the config, and so what the file must hold:
   with rank ``r``: ``lora_A.weight [E r, in]`` holds ``A_e`` in rows ``e r .. e r + r`` and ``lora_B.weight
   [out, r E]`` holds ``B_e`` in columns ``j E + e`` (``peft.tuners.lora.layer.ParamWrapper.get_delta_weight``).
 
-Scale ``lora_alpha / r`` everywhere (no rsLoRA). Every key starts with ``base_model.model.``. The MTP blocks, which
-HF does not build, take no LoRA (``lora.py``).
+Groups trained in full beside the LoRA (``--train``) go in as PEFT's ``modules_to_save``: the smallest modules that
+own the trained parameters (an owner inside another is covered by it), each saved whole under its own name
+(``<module>.<parameter or persistent buffer>``; a router's balance bias with it). An owner that also holds a LoRA
+module is refused (PEFT wraps one or the other). The MTP blocks, which HF does not build, are left out of the
+adapter (they train in the checkpoint and the merged export).
+
+Scale ``lora_alpha / r`` everywhere (no rsLoRA). Every key starts with ``base_model.model.``.
 """
 
 from __future__ import annotations
@@ -62,10 +67,30 @@ def _experts_from_peft(a: Tensor, b: Tensor, e: int) -> tuple[Tensor, Tensor]:
     return a.reshape(e, r, a.shape[1]), b.reshape(b.shape[0], r, e).permute(2, 0, 1)
 
 
+def saved_modules(model: nn.Module) -> list[str]:
+    """PEFT's ``modules_to_save``: the smallest modules owning the parameters trained in full (not the factors,
+    not the MTP blocks'), those inside another one left out. Raises ``ValueError`` for an owner that holds a
+    LoRA module too."""
+    owners = dict.fromkeys(n.rpartition(".")[0] for n, p in model.named_parameters()
+                           if p.requires_grad and ".lora_" not in n and not n.startswith("mtp."))
+    outer = [o for o in owners if not any(o.startswith(other + ".") for other in owners if other != o)]
+    adapted = [n for n, _ in lora_modules(model)]
+    for owner in outer:
+        inside = [n for n in adapted if n == owner or n.startswith(owner + ".")]
+        if inside:
+            raise ValueError(f"{owner} trains in full (its parameters are in --train's groups) and holds the LoRA "
+                             f"module {inside[0]}: a PEFT adapter saves a module whole or adapts it, not both; "
+                             "leave that group out of --train or out of --lora-targets")
+    return outer
+
+
 def adapter_tensors(model: nn.Module, gather: Gather = _whole) -> dict[str, Tensor]:
     """The adapter's tensors under PEFT's keys (contiguous, on the CPU). ``gather(name, t)``: the whole tensor of
     the model parameter ``name`` (a collective under sharding, :func:`csattn.parallel.export`'s ``_full``)."""
     out: dict[str, Tensor] = {}
+    for owner in saved_modules(model):
+        for key, t in model.get_submodule(owner).state_dict().items():
+            out[f"{PREFIX}{owner}.{key}"] = gather(f"{owner}.{key}", t)
     for name, module in lora_modules(model):
         if isinstance(module, LoraExperts):
             keys = _expert_keys(name)
@@ -96,7 +121,8 @@ def adapter_config(model: nn.Module, spec: LoraSpec) -> dict:
                          "parent_library": "transformers.models.deepseek_v4.modeling_deepseek_v4"},
         "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "use_rslora": False,
         "use_dora": False, "bias": "none", "lora_bias": False, "fan_in_fan_out": False, "init_lora_weights": True,
-        "inference_mode": True, "target_modules": modules, "target_parameters": params, "modules_to_save": None,
+        "inference_mode": True, "target_modules": modules, "target_parameters": params,
+        "modules_to_save": saved_modules(model) or None,
         "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None,
         "exclude_modules": None,
     }
@@ -142,8 +168,9 @@ def load_adapter(model: nn.Module, path: str, copy: Callable[[str, Tensor], None
     from safetensors import safe_open
 
     cfg = read_adapter_config(path)
-    params = dict(model.named_parameters())
-    copy = copy or (lambda name, full: params[name].detach().copy_(full))
+    own = dict(model.named_parameters())
+    own.update(model.named_buffers())
+    copy = copy or (lambda name, full: own[name].detach().copy_(full))
     modules = lora_modules(model)
     if not modules:
         raise ValueError(f"{path}: the model has no LoRA modules to load the adapter into (add_lora first)")
@@ -162,6 +189,9 @@ def load_adapter(model: nn.Module, path: str, copy: Callable[[str, Tensor], None
         if value.shape != want[key].shape:
             raise ValueError(f"{path}: {key} has shape {tuple(value.shape)}, the model's LoRA "
                              f"{tuple(want[key].shape)}")
+    for owner in saved_modules(model):
+        for key in model.get_submodule(owner).state_dict():
+            copy(f"{owner}.{key}", stored[f"{PREFIX}{owner}.{key}"])
     for name, module in modules:
         if isinstance(module, LoraExperts):
             keys = _expert_keys(name)

@@ -18,7 +18,7 @@ from ..parallel.export import full_tensor
 from ..parallel.init import copy_into
 from .groups import Choice, apply_freezing, resolve_choice
 from .lora import LoraSpec, add_lora, init_lora, lora_modules
-from .peft_format import merge_lora, save_adapter
+from .peft_format import merge_lora, save_adapter, saved_modules
 
 __all__ = ["Finetune", "OPTIONS", "ADAPTER_DIR", "resume_mismatch", "save_checkpoint_files"]
 
@@ -67,6 +67,7 @@ class Finetune:
         apply_freezing(model, self.choice)
         if self.spec is not None:
             add_lora(model, self.spec)
+            saved_modules(model)  # what PEFT cannot hold is refused before training, not at the first save
 
     def initialize(self, model: nn.Module) -> nn.Module:
         """Draw the adapters (each rank its shard of the same values) once the model has storage and weights."""

@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from csattn.finetune import GROUPS, LoraSpec, add_lora, apply_freezing, group_of, init_lora, resolve_choice
+from csattn.finetune import GROUPS, Choice, LoraSpec, add_lora, apply_freezing, group_of, init_lora, resolve_choice
 from csattn.finetune.lora import LoraExperts, LoraLinear, LoraWeight, lora_delta, lora_modules
+from csattn.finetune.peft_format import saved_modules
 from csattn.packing import PackedSeqs
 from tests.models.model_utils import tiny_model
 
@@ -108,8 +109,21 @@ def test_choices_and_conflicts():
         resolve_choice(None, "experts", "experts,attention", 4)
     with pytest.raises(ValueError, match="--lora-targets: unknown group.*'router'"):
         resolve_choice(None, None, "router", 4)
-    with pytest.raises(ValueError, match="--train with --lora-rank"):
-        resolve_choice("router", None, None, 4)
+    assert resolve_choice("router,mhc", None, None, 4) == Choice(train=("mhc", "router"),
+                                                                 lora=("attention", "shared_experts", "experts"))
+    with pytest.raises(ValueError, match="--train attention and --lora-targets attention"):
+        resolve_choice("attention", None, "attention", 4)
+    with pytest.raises(ValueError, match="--train attention with --lora-targets indexer: the attention module"):
+        resolve_choice("attention", None, "indexer,experts", 4)
+    with pytest.raises(ValueError, match="--train compressor with --lora-targets indexer"):
+        resolve_choice("compressor", None, "indexer", 4)
+    model = tiny_model("mixed")  # the modules PEFT saves whole hold no LoRA module
+    choice = resolve_choice("compressor,mhc,router", None, "attention,experts", 4)
+    apply_freezing(model, choice)
+    add_lora(model, LoraSpec(4, 8.0, 0.0, choice.lora))
+    saved = saved_modules(model)
+    assert "model.layers.0.mlp.gate" in saved and "model.layers.0.attn_hc" in saved
+    assert "model.layers.0.self_attn.compressor" in saved and not any(".compressor." in s for s in saved)
 
 
 def test_dropout_refused_where_the_weight_is_read():

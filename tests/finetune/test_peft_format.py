@@ -26,12 +26,12 @@ ALL = ("attention", "indexer", "compressor", "shared_experts", "experts")
 TOL = 1e-5
 
 
-def _ours(hf, cfg, targets=ALL, rank=4, alpha=8.0, seed=0):
+def _ours(hf, cfg, targets=ALL, rank=4, alpha=8.0, seed=0, train=None):
     model = DeepseekV4ForCausalLM(DeepseekV4ModelConfig.from_hf(cfg, attention_backend="reference"))
     model.load_state_dict(hf.state_dict(), strict=True)
     if targets:
         spec = LoraSpec(rank, alpha, 0.0, targets)
-        apply_freezing(model, resolve_choice(None, None, ",".join(targets), rank))
+        apply_freezing(model, resolve_choice(train, None, ",".join(targets), rank))
         add_lora(model, spec)
         init_lora(model, seed)
         return model, spec
@@ -39,25 +39,31 @@ def _ours(hf, cfg, targets=ALL, rank=4, alpha=8.0, seed=0):
 
 
 def _random_b(model, seed=5):
-    """Nonzero B everywhere (a trained adapter), so every factor shows in the logits."""
+    """Nonzero B everywhere (a trained adapter), so every factor shows in the logits; the parameters trained in
+    full (and the routers' balance biases) moved too."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, m in lora_modules(model):
             for p in (m.factors() if isinstance(m, LoraExperts) else [m.lora_A, m.lora_B]):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        trained = {n.rpartition(".")[0] for n, q in model.named_parameters() if q.requires_grad and ".lora_" not in n}
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.rpartition(".")[0] in trained and (t.requires_grad or name.endswith("e_score_correction_bias")):
+                t.add_(torch.randn(t.shape, generator=g, dtype=t.dtype) * 0.05)
 
 
 def _logits(model, ids):
     return model(ids.reshape(-1), packed=PackedSeqs.uniform(*ids.shape)).logits.detach()
 
 
-@pytest.mark.parametrize("pattern,targets", [("flash", ALL), ("mixed", ("attention", "experts"))])
-def test_peft_loads_csattn_adapter_into_hf(pattern, targets, tmp_path, assert_close):
+@pytest.mark.parametrize("pattern,targets,train", [("flash", ALL, None), ("mixed", ("attention", "experts"), None),
+                                                   ("flash", ("attention",), "router,mhc,head,embed,shared_experts")])
+def test_peft_loads_csattn_adapter_into_hf(pattern, targets, train, tmp_path, assert_close):
     from peft import PeftModel
 
     cfg = tiny_config_dict(pattern)
     hf = hf_model(cfg, seed=3)
-    ours, spec = _ours(hf, cfg, targets)
+    ours, spec = _ours(hf, cfg, targets, train=train)
     _random_b(ours)
     ids = torch.randint(0, cfg["vocab_size"], (1, 33), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -66,6 +72,7 @@ def test_peft_loads_csattn_adapter_into_hf(pattern, targets, tmp_path, assert_cl
     save_adapter(ours, str(tmp_path), spec)
     conf = json.load(open(tmp_path / "adapter_config.json"))
     assert any(t.endswith("experts.gate_up_proj") for t in conf["target_parameters"]) == ("experts" in targets)
+    assert bool(conf["modules_to_save"]) == bool(train)
     peft_model = PeftModel.from_pretrained(hf, str(tmp_path))
     with torch.no_grad():
         got = peft_model(input_ids=ids).logits[0]

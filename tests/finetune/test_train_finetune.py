@@ -5,6 +5,7 @@ process in fp64."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -88,10 +89,15 @@ def test_cli_flags_and_conflicts(tmp_path, capsys):
     assert "--lora-dropout 0.1" in capsys.readouterr().err
     assert main(base + ["--lora-rank", "4", "--lora-targets", "router"]) == 2
     assert "--lora-targets: unknown group(s) 'router'" in capsys.readouterr().err
+    assert main(base + ["--lora-rank", "4", "--train", "attention", "--lora-targets", "indexer"]) == 2
+    assert "--train attention with --lora-targets indexer" in capsys.readouterr().err
     out = str(tmp_path / "cli")
     assert main(base + ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "attention,compressor",
-                        "--output", out]) == 0
-    assert os.path.isfile(os.path.join(out, "checkpoint-000001", "adapter", "adapter_model.safetensors"))
+                        "--train", "router", "--output", out]) == 0
+    adapter = os.path.join(out, "checkpoint-000001", "adapter")
+    assert os.path.isfile(os.path.join(adapter, "adapter_model.safetensors"))
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        assert "model.layers.0.mlp.gate" in json.load(f)["modules_to_save"]
 
 
 @pytest.mark.slow
