@@ -36,7 +36,9 @@ def add_finetune_args(parser: argparse.ArgumentParser) -> None:
     groups = ", ".join(GROUPS)
     f.add_argument("--lora-rank", type=_rank, default=0, metavar="R",
                    help="LoRA of rank R on the --lora-targets groups, every other group frozen (PEFT's way); the "
-                        "checkpoints hold adapter/ in PEFT's format, --export-hf the merged model (default 0 = off)")
+                        "checkpoints hold adapter/ in PEFT's format, --export-hf the merged model; a multiple of 8 "
+                        "keeps the routed experts' LoRA on the grouped GEMMs in bf16 (another rank takes the "
+                        "per-expert loop, which reads the host) (default 0 = off)")
     f.add_argument("--lora-alpha", type=_alpha, default=16.0, help="LoRA scale alpha / R (default %(default)s)")
     f.add_argument("--lora-dropout", type=_dropout, default=0.0,
                    help="dropout on the LoRA inputs of linears called as modules; refused for groups whose weight "
