@@ -91,8 +91,8 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, meshes: Meshes) -
 def _expert_params(model: nn.Module) -> dict[str, Experts]:
     names = {}
     for name, module in model.named_modules():
-        if isinstance(module, Experts):
-            for p in ("gate_up_proj", "down_proj"):
+        if isinstance(module, Experts):  # every parameter of it (adapters too) holds the experts on dim 0
+            for p, _ in module.named_parameters(recurse=False):
                 names[f"{name}.{p}"] = module
     return names
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ from ..models.deepseek_v4.checkpoint import CONFIG_NAME, INDEX_NAME
 from ..models.deepseek_v4.names import to_disk
 from .mesh import Meshes
 
-__all__ = ["export_hf", "full_state_dict", "full_grads"]
+__all__ = ["export_hf", "full_state_dict", "full_grads", "full_tensor"]
 
 
 def _unit_of(name: str) -> str:
@@ -40,6 +41,11 @@ def _full(t: Tensor, name: str, model: DeepseekV4ForCausalLM, meshes: Meshes) ->
     return full.detach()
 
 
+def full_tensor(t: Tensor, name: str, meshes: Meshes) -> Tensor:
+    """The whole tensor of the model's parameter or buffer ``name`` on every rank (a collective under sharding)."""
+    return _full(t, name, None, meshes)
+
+
 def full_state_dict(model: DeepseekV4ForCausalLM, meshes: Meshes, unit: str | None = None) -> dict[str, Tensor]:
     """The whole ``state_dict`` (or one unit's: ``"top"``, ``"layer-003"``, ``"mtp-00"``) on every rank, on the
     CPU (a collective). For tests and small models; :func:`export_hf` writes a large one unit by unit."""
@@ -56,13 +62,15 @@ def full_grads(model: DeepseekV4ForCausalLM, meshes: Meshes) -> dict[str, Tensor
             if p.grad is not None}
 
 
-def export_hf(model: DeepseekV4ForCausalLM, path: str, meshes: Meshes) -> None:
+def export_hf(model: DeepseekV4ForCausalLM, path: str, meshes: Meshes,
+              transform: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None) -> None:
     """Write ``config.json``, one safetensors file per unit and ``model.safetensors.index.json`` under ``path``
     (a collective; rank 0 writes). Loads with :func:`csattn.models.deepseek_v4.checkpoint.load_pretrained` and
-    ``transformers`` alike."""
+    ``transformers`` alike. ``transform``: maps each unit's whole tensors (model names) to what is written, e.g.
+    adapters merged into their weights (``csattn.finetune``)."""
     from safetensors.torch import save_file
 
-    if not meshes.distributed:  # one process holds the whole model anyway: one file
+    if not meshes.distributed and transform is None:  # one process holds the whole model anyway: one file
         from ..models.deepseek_v4.checkpoint import save_pretrained
 
         save_pretrained(model, path)
@@ -83,7 +91,7 @@ def export_hf(model: DeepseekV4ForCausalLM, path: str, meshes: Meshes) -> None:
                 tensors[name] = full.cpu().contiguous()
         if write:
             file = f"model-{i + 1:05d}-of-{len(units):05d}.safetensors"
-            disk = to_disk(tensors)
+            disk = to_disk(transform(tensors) if transform is not None else tensors)
             save_file(disk, os.path.join(path, file), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(disk, file))
             del tensors, disk

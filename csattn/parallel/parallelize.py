@@ -14,6 +14,7 @@ divide factor of 1 (set on each unit: a factor set on the root alone leaves the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ def uses_fsdp(meshes: Meshes, param_dtype: torch.dtype | None) -> bool:
 
 def parallelize(model: DeepseekV4ForCausalLM, meshes: Meshes, *, param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = torch.float32, cp_partition: str = "contiguous",
-                reshard_after_forward: bool = True) -> Any:
+                reshard_after_forward: bool = True, prepare: Callable[[nn.Module], None] | None = None) -> Any:
     """Shard ``model`` in place over ``meshes``; returns the ``ContextParallel`` for its forward (``None`` without
     context parallelism).
 
@@ -57,12 +58,16 @@ def parallelize(model: DeepseekV4ForCausalLM, meshes: Meshes, *, param_dtype: to
         cp_partition: ``"contiguous"`` or ``"balanced"`` (see ``csattn.ContextParallel``).
         reshard_after_forward: free each unit's gathered parameters after its forward (gathered again for the
             backward): less memory for one more all-gather per unit.
+        prepare: run on the model after its experts are split over ``ep`` and before FSDP wraps it (the parameters
+            it adds or freezes, e.g. ``csattn.finetune``'s adapters, are sharded with their units).
     """
     dims = meshes.dims
     if dims.ep > 1:
         for module in model.modules():
             if isinstance(module, MoE):
                 module.use_expert_parallel(ExpertParallel(meshes.ep_group, module.gate.num_experts))
+    if prepare is not None:
+        prepare(model)
     if uses_fsdp(meshes, param_dtype):
         _fully_shard(model, meshes, param_dtype, reduce_dtype, reshard_after_forward)
     if dims.cp > 1:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..finetune.setup import resume_mismatch
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM
 from ..models.deepseek_v4.checkpoint import load_state_dict_into, read_safetensors
 from .manifest import INCOMPLETE, MANIFEST, discard_manifest, from_rank0, verify_checkpoint
@@ -192,6 +193,9 @@ def compare_resume_config(path: str, saved: dict[str, Any] | None, current: dict
     """
     if not saved:
         return []
+    mismatch = resume_mismatch(saved, current)  # LoRA and frozen groups: the saved state has their shapes
+    if mismatch:
+        raise ValueError(f"{path}: {mismatch}")
     changed = [k for k in DATA_OPTIONS if k in saved and k in current and _norm(saved[k]) != _norm(current[k])
                and current.get("data") in _DATA_ONLY_FOR.get(k, (current.get("data"),))]
     if changed:

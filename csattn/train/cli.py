@@ -21,6 +21,7 @@ import warnings
 from dataclasses import fields
 from typing import Any
 
+from ..finetune.flags import add_finetune_args
 from ..models.deepseek_v4.config import RECOMPUTE_CHOICES
 from .config import RULES, TrainConfig
 from .errors import TrainingStopped, TrainWarning, UserError, user_errors
@@ -205,6 +206,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--peak-tflops", type=_checked(float, "peak_tflops"), default=_D.peak_tflops,
                    help="the GPU's dense matmul TFLOP/s, for the MFU shown with tokens/s (default: 790 on H100 / "
                         "H200, the measured bf16 rate; none elsewhere)")
+    add_finetune_args(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..finetune.setup import Finetune
 from ..models.deepseek_v4 import DeepseekV4ModelConfig
 from .errors import UserError
 
@@ -162,6 +163,13 @@ class TrainConfig:
     metrics: str | None = None  # JSON lines, one per step; default <output>/metrics.jsonl with --output
     log_dir: str | None = None  # TensorBoard event files (rank 0) and loss.png
     export_hf: str = "final"  # HF-format model files in checkpoints: "final", "every" or "never"
+    # fine-tuning (csattn.finetune): LoRA and which parameter groups train
+    lora_rank: int = 0  # 0 = no LoRA
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: str | None = None  # comma list of groups; None = attention,shared_experts,experts
+    train_groups: str | None = None  # --train: only these groups train
+    freeze_groups: str | None = None  # --freeze: these groups are frozen
 
     def validate(self) -> None:
         """Raise :class:`UserError` naming the first option out of range (``RULES``) or inconsistent with another.
@@ -200,6 +208,10 @@ class TrainConfig:
                             "--data text --text-path)")
         if self.tokenizer and self.data not in ("jsonl", "parquet"):
             raise UserError(f"--tokenizer applies to --data jsonl / parquet, not --data {self.data}")
+        try:  # --train / --freeze / --lora-* conflicts
+            Finetune.from_options(self)
+        except ValueError as e:
+            raise UserError(str(e)) from None
 
     @property
     def save_minutes(self) -> float:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..deterministic import deterministic_mode
+from ..finetune.setup import Finetune, save_checkpoint_files
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from ..models.deepseek_v4.checkpoint import read_config
 from ..ops.backend import resolve_backend
@@ -35,7 +36,6 @@ from ..parallel import (
     ParallelDims,
     build_meshes,
     check_launch,
-    export_hf,
     load_hf_sharded,
     load_sharded,
     materialize,
@@ -176,10 +176,11 @@ def build_model(cfg: TrainConfig, model_cfg: DeepseekV4ModelConfig, meshes: Mesh
         model.to(torch.float64)
     # gradients reduced in fp32, or in the storage dtype when that is wider
     reduce_dtype = torch.promote_types(dtype, torch.float32)
+    tuning = Finetune.from_options(cfg)  # frozen groups and LoRA, between the expert split and FSDP
     cp = parallelize_model(model, meshes, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                           cp_partition=cfg.cp_partition)
+                           cp_partition=cfg.cp_partition, prepare=tuning.prepare)
     if not cfg.init_from:
-        return materialize(model, device, cfg.seed), cp
+        return tuning.initialize(materialize(model, device, cfg.seed)), cp
     n_mtp = model_cfg.num_nextn_predict_layers
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -188,7 +189,7 @@ def build_model(cfg: TrainConfig, model_cfg: DeepseekV4ModelConfig, meshes: Mesh
     fresh = (f"--init-from {cfg.init_from}: no mtp.* tensors; the {n_mtp} MTP block(s) start from fresh weights "
              "(pass --mtp-layers 0 to train without MTP)")
     _relay_warnings(caught, meshes.rank, lambda m: fresh if "no mtp.* tensors" in m else m)
-    return model, cp
+    return tuning.initialize(model), cp
 
 
 _CSATTN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -213,6 +214,8 @@ def _optimizer(model: DeepseekV4ForCausalLM, cfg: TrainConfig, device: torch.dev
     # weight decay on matrices only: not on norms, sinks, position / router biases, nor the mHC weights
     decay, no_decay = [], []
     for name, p in model.named_parameters():
+        if not p.requires_grad:  # frozen (csattn.finetune): no optimizer state
+            continue
         mhc = any(part in ("attn_hc", "ffn_hc", "hc_head") for part in name.split("."))
         (decay if p.dim() >= 2 and not mhc else no_decay).append(p)
     return torch.optim.AdamW(
@@ -337,8 +340,8 @@ def _train(cfg: TrainConfig) -> TrainResult:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             late = bool(save_s) and time.monotonic() - saved_at >= save_s  # this rank's clock; the step agrees it
-            finish = train_step(model, batch, cp, meshes, optimizer, cfg.grad_clip, cfg.router_bias_rate, device,
-                                late)
+            finish = train_step(model, batch, cp, meshes, optimizer, cfg.grad_clip,
+                                Finetune.from_options(cfg).router_bias_rate(cfg.router_bias_rate), device, late)
             # the next batch is built on the host while the device runs this step; a checkpoint of this step holds
             # the readers' position before it
             consumed = reader.state_dict()
@@ -507,8 +510,8 @@ def _save(cfg: TrainConfig, step: int, model: DeepseekV4ForCausalLM, optimizer: 
         for s, st in states.items():
             packers[s] = st
     rngs = _gather(torch.get_rng_state(), meshes)
-    if cfg.export_hf == "every" or (cfg.export_hf == "final" and last):
-        export_hf(model, path, meshes)
+    # adapter/ in PEFT's format with LoRA; the HF-format model (adapters merged) when --export-hf asks
+    save_checkpoint_files(model, path, meshes, export=cfg.export_hf == "every" or (cfg.export_hf == "final" and last))
     if meshes.rank == 0:
         if tokenizer is not None:  # the checkpoint decodes and generates on its own (config.json has its ids)
             tokenizer.save_pretrained(path)

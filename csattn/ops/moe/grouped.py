@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..autograd import named_grads
 from ..fp8 import fp8_grouped_mm
-from .naive import gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
+from .naive import ExpertLora, gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
 
 __all__ = ["RoutePlan", "route_plan", "grouped_mm_supported", "grouped_experts"]
 
@@ -108,60 +108,107 @@ def _expert_mm(a: Tensor, weight: Tensor, offs: Tensor, scale: Tensor | None, co
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor, experts: Tensor,
-                limit: float, use_triton: bool, gate_up_scale: Tensor | None = None,
+                limit: float, use_triton: bool, gate_up_a: Tensor | None = None, gate_up_b: Tensor | None = None,
+                down_a: Tensor | None = None, down_b: Tensor | None = None,
+                lora_scales: tuple[float, float] = (0.0, 0.0), gate_up_scale: Tensor | None = None,
                 down_scale: Tensor | None = None, fp8_compute: str = "fp8") -> Tensor:
         t, d = x.shape
         k = experts.shape[-1]
         ctx.limit, ctx.use_triton, ctx.k, ctx.fp8_compute = limit, use_triton, k, fp8_compute
         ctx.weights_dtype = weights.dtype
+        ctx.lora_scales = lora_scales
+        lora = (gate_up_a, gate_up_b, down_a, down_b)
         if t * k == 0:  # static shape: nothing routed (grouped_mm is not asked to take empty operands)
             ctx.empty = True
-            ctx.save_for_backward(gate_up_proj, down_proj)
+            ctx.save_for_backward(gate_up_proj, down_proj, *lora)
             return x.new_zeros((t, d))
         ctx.empty = False
         swiglu_fwd, gather_sum = _elementwise(use_triton)[:2]
         plan = route_plan(experts, gate_up_proj.shape[0])
         w = weights.reshape(-1).index_select(0, plan.order)
-        gu = _expert_mm(x.index_select(0, plan.token), gate_up_proj, plan.offs, gate_up_scale, fp8_compute)
+        xp = x.index_select(0, plan.token)
+        gu = _expert_mm(xp, gate_up_proj, plan.offs, gate_up_scale, fp8_compute)
+        gu, xa = _lora_add(gu, xp, gate_up_a, gate_up_b, lora_scales[0], plan.offs)
+        del xp
         h = swiglu_fwd(gu, w, limit)
         y = _expert_mm(h, down_proj, plan.offs, down_scale, fp8_compute)
+        y, ha = _lora_add(y, h, down_a, down_b, lora_scales[1], plan.offs)
         del h
         out = gather_sum(y, plan.inv, k)
-        ctx.save_for_backward(x, gate_up_proj, down_proj, gu, w, plan.token, plan.inv, plan.offs, gate_up_scale,
-                              down_scale)
+        # with LoRA the rank-r products x a^T and h a^T ([N, r] each) are kept for the b gradients
+        ctx.save_for_backward(x, gate_up_proj, down_proj, gu, w, plan.token, plan.inv, plan.offs, *lora, xa, ha,
+                              gate_up_scale, down_scale)
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         need_x, need_w, need_gu, need_down = ctx.needs_input_grad[:4]
+        need_lora = ctx.needs_input_grad[7:11]
         if ctx.empty:
-            gate_up_proj, down_proj = ctx.saved_tensors
+            gate_up_proj, down_proj, *lora = ctx.saved_tensors
             t = dout.shape[0]
             dx = dout.new_zeros(dout.shape) if need_x else None
             dweights = dout.new_zeros((t, ctx.k), dtype=ctx.weights_dtype) if need_w else None
-            return (dx, dweights, torch.zeros_like(gate_up_proj) if need_gu else None,
-                    torch.zeros_like(down_proj) if need_down else None, None, None, None)
-        x, gate_up_proj, down_proj, gu, w, token, inv, offs, gate_up_scale, down_scale = ctx.saved_tensors
+            dl = [torch.zeros_like(p) if need else None for p, need in zip(lora, need_lora)]
+            return _GroupedExpertsGrads(x=dx, weights=dweights,
+                                        gate_up_proj=torch.zeros_like(gate_up_proj) if need_gu else None,
+                                        down_proj=torch.zeros_like(down_proj) if need_down else None,
+                                        gate_up_a=dl[0], gate_up_b=dl[1], down_a=dl[2], down_b=dl[3])
+        (x, gate_up_proj, down_proj, gu, w, token, inv, offs, gu_a, gu_b, dn_a, dn_b, xa, ha, gate_up_scale,
+         down_scale) = ctx.saved_tensors
         k = ctx.k
         _, gather_sum, swiglu_bwd = _elementwise(ctx.use_triton)
         dy = dout.index_select(0, token)  # [N, D]: un-permute's adjoint, a gather in expert order
         dh = _expert_mm(dy, down_proj, offs, down_scale, ctx.fp8_compute, trans=True)  # [N, I]
+        dh, dyb = _lora_add_t(dh, dy, dn_a, dn_b, ctx.lora_scales[1], offs)
         dgu, h, dw = swiglu_bwd(gu, w, dh, ctx.limit)
         del dh
         d_down = _zero_empty_groups(_grouped_mm(dy.t(), h, offs=offs), offs) if need_down else None
-        del dy, h
-        d_gate_up = None
-        if need_gu:
-            xp = x.index_select(0, token)  # recomputed: [N, D] is k times x, and x is kept by its other users
-            d_gate_up = _zero_empty_groups(_grouped_mm(dgu.t(), xp, offs=offs), offs)
-            del xp
-        dx = gather_sum(_expert_mm(dgu, gate_up_proj, offs, gate_up_scale, ctx.fp8_compute, trans=True), inv,
-                        k) if need_x else None
+        d_dn_a, d_dn_b = _lora_grads(dy, h, dyb, ha, ctx.lora_scales[1], offs, need_lora[2:])
+        del dy, h, dyb
+        xp = x.index_select(0, token) if need_gu or need_lora[0] else None  # recomputed: [N, D] is k times x
+        d_gate_up = _zero_empty_groups(_grouped_mm(dgu.t(), xp, offs=offs), offs) if need_gu else None
+        dxp = _expert_mm(dgu, gate_up_proj, offs, gate_up_scale, ctx.fp8_compute, trans=True) if need_x else None
+        dxp, dgub = _lora_add_t(dxp, dgu, gu_a, gu_b, ctx.lora_scales[0], offs)
+        d_gu_a, d_gu_b = _lora_grads(dgu, xp, dgub, xa, ctx.lora_scales[0], offs, need_lora[:2])
+        del xp, dgub
+        dx = gather_sum(dxp, inv, k) if need_x else None
         dweights = dw.index_select(0, inv).view(-1, k).to(ctx.weights_dtype) if need_w else None
-        return _GroupedExpertsGrads(x=dx, weights=dweights, gate_up_proj=d_gate_up, down_proj=d_down)
+        return _GroupedExpertsGrads(x=dx, weights=dweights, gate_up_proj=d_gate_up, down_proj=d_down,
+                                    gate_up_a=d_gu_a, gate_up_b=d_gu_b, down_a=d_dn_a, down_b=d_dn_b)
 
 
 _GroupedExpertsGrads = named_grads(_GroupedExperts)
+
+
+def _lora_add(y: Tensor, v: Tensor, a: Tensor | None, b: Tensor | None, scale: float,
+              offs: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``y + scale * (v a_e^T) b_e^T`` per expert group by two grouped GEMMs through the rank ``r`` (the weight
+    ``W + scale b a`` is never formed); also returns ``v a^T [N, r]``, which the ``b`` gradient needs."""
+    if a is None:
+        return y, None
+    va = _grouped_mm(v, a.transpose(-2, -1), offs=offs)
+    return y + scale * _grouped_mm(va, b.transpose(-2, -1), offs=offs), va
+
+
+def _lora_add_t(dv: Tensor | None, dy: Tensor, a: Tensor | None, b: Tensor | None, scale: float,
+                offs: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The input gradient's low-rank term: ``dv + scale * (dy b_e) a_e``; also returns ``dy b [N, r]``."""
+    if a is None:
+        return dv, None
+    dyb = _grouped_mm(dy, b, offs=offs)
+    if dv is not None:
+        dv = dv + scale * _grouped_mm(dyb, a, offs=offs)
+    return dv, dyb
+
+
+def _lora_grads(dy: Tensor, v: Tensor | None, dyb: Tensor | None, va: Tensor | None, scale: float, offs: Tensor,
+                need: tuple[bool, bool]) -> tuple[Tensor | None, Tensor | None]:
+    """``(da, db)`` of ``y = scale * (v a_e^T) b_e^T`` per expert: ``da_e = scale (dy b)_e^T v_e`` ``[E, r, in]``,
+    ``db_e = scale dy_e^T (v a^T)_e`` ``[E, out, r]`` (zeros for experts without rows)."""
+    da = _zero_empty_groups(_grouped_mm(dyb.t(), v, offs=offs), offs) * scale if need[0] else None
+    db = _zero_empty_groups(_grouped_mm(dy.t(), va, offs=offs), offs) * scale if need[1] else None
+    return da, db
 
 
 def _elementwise(use_triton: bool):
@@ -174,21 +221,26 @@ def _elementwise(use_triton: bool):
 
 
 def grouped_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
-                    limit: float, use_triton: bool = False, *, gate_up_scale: Tensor | None = None,
+                    limit: float, use_triton: bool = False, gate_up_lora: ExpertLora | None = None,
+                    down_lora: ExpertLora | None = None, *, gate_up_scale: Tensor | None = None,
                     down_scale: Tensor | None = None, fp8_compute: str = "fp8") -> Tensor:
     """Routed experts by grouped GEMMs (see the module docstring); operands as in
     :func:`~csattn.ops.moe.naive.experts_ref`, which must satisfy :func:`grouped_mm_supported`.
+
+    ``gate_up_lora`` / ``down_lora``: low-rank terms per expert, each two more grouped GEMMs through the rank
+    (forward ``(v a_e^T) b_e^T``; the backward's input gradient ``(dy b_e) a_e`` and the two factor gradients).
 
     ``use_triton`` runs the SwiGLU and gather-sum as Triton kernels (CUDA, or the CPU interpreter), else as
     their PyTorch references. With ``gate_up_scale`` and ``down_scale`` the weights are frozen FP8 (e4m3 with
     128x128 block scales) and the GEMMs, forward and input gradient, run :func:`~csattn.ops.fp8.fp8_grouped_mm`
     (mode ``fp8_compute``); there is no weight gradient.
     """
-    if gate_up_scale is not None:
-        return _GroupedExperts.apply(x, weights, gate_up_proj, down_proj, experts, float(limit), use_triton,
-                                     gate_up_scale, down_scale, fp8_compute)
-    if not grouped_mm_supported(x, gate_up_proj, down_proj):
+    if gate_up_scale is None and not grouped_mm_supported(x, gate_up_proj, down_proj):
         raise ValueError("grouped_mm does not take these operands (dtype, device, layout or alignment): "
                          f"x {tuple(x.shape)} {x.dtype}, gate_up_proj {tuple(gate_up_proj.shape)} "
                          f"{gate_up_proj.dtype}, down_proj {tuple(down_proj.shape)} {down_proj.dtype}")
-    return _GroupedExperts.apply(x, weights, gate_up_proj, down_proj, experts, float(limit), use_triton)
+    gl, dl = gate_up_lora, down_lora
+    return _GroupedExperts.apply(x, weights, gate_up_proj, down_proj, experts, float(limit), use_triton,
+                                 *(gl[:2] if gl else (None, None)), *(dl[:2] if dl else (None, None)),
+                                 (float(gl.scale) if gl else 0.0, float(dl.scale) if dl else 0.0),
+                                 gate_up_scale, down_scale, fp8_compute)

@@ -8,16 +8,39 @@ path. The elementwise references read nothing on the host.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..fp8.naive import dequantize
 
-__all__ = ["clamped_swiglu", "experts_ref", "swiglu_fwd_ref", "swiglu_bwd_ref", "gather_sum_ref"]
+__all__ = ["ExpertLora", "clamped_swiglu", "experts_ref", "swiglu_fwd_ref", "swiglu_bwd_ref", "gather_sum_ref"]
 
 # fp32 bytes per temporary per row chunk of the elementwise references (bounds their fp32 copies of [N, 2I])
 CHUNK_BYTES = 64 << 20
+
+
+class ExpertLora(NamedTuple):
+    """A low-rank pair per expert on top of a 3-D expert weight ``W [E, out, in]``: expert ``e`` computes
+    ``W[e] @ v + scale * b[e] @ (a[e] @ v)``, i.e. the weight ``W[e] + scale * b[e] @ a[e]``, never formed.
+
+    Attributes:
+        a: ``[E, r, in]``. b: ``[E, out, r]``. scale: ``alpha / r``.
+    """
+
+    a: Tensor
+    b: Tensor
+    scale: float
+
+
+def lora_linear(v: Tensor, weight: Tensor, lora: ExpertLora | None, e: int) -> Tensor:
+    """``v @ weight^T`` plus expert ``e``'s low-rank term (``weight``: that expert's ``[out, in]``)."""
+    y = F.linear(v, weight)
+    if lora is None:
+        return y
+    return y + lora.scale * F.linear(F.linear(v, lora.a[e]), lora.b[e])
 
 
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
@@ -26,12 +49,15 @@ def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
 
 
 def experts_ref(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
-                limit: float, gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
+                limit: float, gate_up_lora: ExpertLora | None = None, down_lora: ExpertLora | None = None,
+                gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
     """Routed experts by a Python loop over experts (plain autograd).
 
     Args:
         x: ``[T, D]``. experts: ``[T, k]`` int64 expert ids. weights: ``[T, k]`` routing weights.
         gate_up_proj: ``[E, 2I, D]`` (gate rows first). down_proj: ``[E, D, I]``. limit: SwiGLU clamp.
+        gate_up_lora, down_lora: optional low-rank terms on the two weights (:class:`ExpertLora`, ``a [E, r, D]``
+            ``b [E, 2I, r]`` and ``a [E, r, I]`` ``b [E, D, r]``).
         gate_up_scale, down_scale: for frozen FP8 weights (e4m3), their 128x128 block scales; each expert's
             weights are dequantized to ``x``'s dtype when its rows come up (never all experts at once).
 
@@ -53,8 +79,9 @@ def experts_ref(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tenso
         if count == 0:
             continue
         rows = token[start:start + count]
-        gate, up = F.linear(x[rows], _expert(gate_up_proj, gate_up_scale, e, x.dtype)).chunk(2, dim=-1)
-        y = F.linear(clamped_swiglu(gate, up, limit), _expert(down_proj, down_scale, e, x.dtype))
+        gate, up = lora_linear(x[rows], _expert(gate_up_proj, gate_up_scale, e, x.dtype), gate_up_lora,
+                               e).chunk(2, dim=-1)
+        y = lora_linear(clamped_swiglu(gate, up, limit), _expert(down_proj, down_scale, e, x.dtype), down_lora, e)
         out = out.index_add(0, rows, (y * w[start:start + count, None]).to(out.dtype))
         start += count
     return out.to(x.dtype)

@@ -1,0 +1,55 @@
+"""``csattn train``'s fine-tuning flags (their values land in ``TrainConfig``'s fields of the same names)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .groups import GROUPS, LORA_GROUPS
+
+__all__ = ["add_finetune_args"]
+
+
+def _rank(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--lora-rank must be an integer >= 0 (0 = no LoRA), got {text}")
+    return value
+
+
+def _alpha(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--lora-alpha must be a finite number > 0, got {text}")
+    return value
+
+
+def _dropout(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"--lora-dropout must be a number in [0, 1), got {text}")
+    return value
+
+
+def add_finetune_args(parser: argparse.ArgumentParser) -> None:
+    """Register ``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets``, ``--train``, ``--freeze``."""
+    f = parser.add_argument_group("fine-tuning (what trains)")
+    groups = ", ".join(GROUPS)
+    f.add_argument("--lora-rank", type=_rank, default=0, metavar="R",
+                   help="LoRA of rank R on the --lora-targets groups, every other group frozen (PEFT's way); the "
+                        "checkpoints hold adapter/ in PEFT's format, --export-hf the merged model; a multiple of 8 "
+                        "keeps the routed experts' LoRA on the grouped GEMMs in bf16 (another rank takes the "
+                        "per-expert loop, which reads the host) (default 0 = off)")
+    f.add_argument("--lora-alpha", type=_alpha, default=16.0, help="LoRA scale alpha / R (default %(default)s)")
+    f.add_argument("--lora-dropout", type=_dropout, default=0.0,
+                   help="dropout on the LoRA inputs of linears called as modules; refused for groups whose weight "
+                        "the layer reads directly (attention, indexer, shared_experts, experts) (default 0)")
+    f.add_argument("--lora-targets", metavar="GROUPS", default=None,
+                   help=f"comma list of the groups LoRA adapts, of {', '.join(LORA_GROUPS)} (default: attention,"
+                        "shared_experts,experts)")
+    f.add_argument("--train", dest="train_groups", metavar="GROUPS", default=None,
+                   help=f"comma list of the only groups that train in full, the others frozen (groups: {groups}); "
+                        "with --lora-rank beside the adapted groups (saved whole in the adapter, PEFT's "
+                        "modules_to_save); not with --freeze")
+    f.add_argument("--freeze", dest="freeze_groups", metavar="GROUPS", default=None,
+                   help="comma list of groups to freeze (no gradient, no optimizer state); the others train (with "
+                        "--lora-rank: frozen anyway unless adapted); a frozen router keeps its balance bias too")
