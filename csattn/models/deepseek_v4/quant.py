@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["E2M1_VALUES", "MXFP4_GROUP", "QuantConfig", "decode_scale", "dequantize_fp8", "dequantize_mxfp4",
-           "is_fp4_packed", "is_fp8"]
+__all__ = ["E2M1_VALUES", "FP8_BLOCK", "MXFP4_GROUP", "QuantConfig", "decode_scale", "dequantize_fp8",
+           "dequantize_mxfp4", "is_fp4_packed", "is_fp8", "mxfp4_to_fp8"]
 
 # e2m1 magnitudes indexed by the nibble's low 3 bits; bit 3 is the sign (so index 8 is -0.0)
 E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -192,3 +192,96 @@ def dequantize_mxfp4(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.f
         sc = s[..., r0:r1, :].repeat_interleave(MXFP4_GROUP, dim=-1)[..., :k]
         out[..., r0:r1, :] = (vals * sc).to(dtype)
     return out
+
+
+# ------------------------------------------------------------------------------------- MXFP4 -> FP8, exactly
+FP8_BLOCK = 128  # rows and columns per scale of the FP8-held weights (the release's weight_block_size)
+# e2m1 magnitude index i (1..7) as c * 2**q0 with c odd: 0.5, 1, 1.5, 2, 3, 4, 6
+_E2M1_Q0 = (0, -1, 0, -1, 1, 0, 2, 1)
+# the largest power of two that c * 2**q may reach in e4m3 (max 448 = 1.75 * 2**8): 8 for c = 1, 7 for c = 3
+_E2M1_TOP = (0, 8, 8, 7, 8, 7, 8, 7)
+# e4m3's finite values are multiples of its smallest subnormal 2**-9: an odd c times 2**q needs q >= -9
+_E4M3_LOW = -9
+_NONE = 1 << 12  # "no constraint" sentinel for exponent bounds (far outside every reachable exponent)
+
+
+def _group_exponents(scale: Tensor, name: str) -> Tensor:
+    """MXFP4 group scales -> their integer exponents (int32): ue8m0 bytes ``b`` give ``b - 127``; fp32 scales
+    must be powers of two. ``ValueError`` naming ``name`` for byte 255 (NaN) or a scale that is not ``2**e``."""
+    if scale.dtype == torch.uint8 or (_E8M0 is not None and scale.dtype == _E8M0):
+        byte = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+        if bool((byte == 255).any()):
+            raise ValueError(f"tensor {name!r}: ue8m0 scale byte 255 (NaN); the checkpoint is corrupt")
+        return byte.to(torch.int32) - 127
+    s = decode_scale(scale, name)
+    mant, exp = torch.frexp(s)
+    if not bool((mant == 0.5).all()):
+        raise ValueError(f"tensor {name!r}: MXFP4 group scales must be powers of two (ue8m0); this one holds "
+                         "others, which FP8 with power-of-two block scales cannot reproduce")
+    return exp - 1
+
+
+def _blocks(t: Tensor, fill: int) -> Tensor:
+    """``[..., N, K]`` -> ``[..., ceil(N/128), ceil(K/128), 128 * 128]`` (padded with ``fill``)."""
+    b = FP8_BLOCK
+    n, k = t.shape[-2:]
+    r, c = -(-n // b), -(-k // b)
+    pad = t.new_full((*t.shape[:-2], r * b, c * b), fill)
+    pad[..., :n, :k] = t
+    return pad.view(*t.shape[:-2], r, b, c, b).transpose(-3, -2).reshape(*t.shape[:-2], r, c, b * b)
+
+
+def mxfp4_to_fp8(packed: Tensor, scale: Tensor, name: str = "weight") -> tuple[Tensor, Tensor, Tensor]:
+    """MXFP4 (e2m1 values, one power-of-two scale per 32 along K) re-expressed as FP8 e4m3 with one
+    power-of-two fp32 scale per 128 x 128 block, exactly wherever e4m3 can hold the block.
+
+    Each nonzero value is ``c * 2**q`` with ``c`` in {1, 3}; it is an e4m3 value times ``2**p`` iff
+    ``q - p >= -9`` (e4m3's values are multiples of its smallest subnormal ``2**-9``) and ``c * 2**(q - p) <= 448``
+    (``q - p <= 8`` for ``c = 1``, ``<= 7`` for ``c = 3``). A block is exact iff some ``p`` meets every value's
+    bounds; the smallest such ``p`` is taken (the largest values as large as e4m3 allows). A block whose group
+    scales lie too far apart (about ``2**14``: its smallest values then fall below ``2**-9 * 2**p``) has none:
+    it gets the ``p`` of its largest values and its small values round to nearest (possibly to zero), and
+    ``inexact`` flags it. All-zero blocks get scale 1.
+
+    Args:
+        packed: ``[..., N, K / 2]`` packed e2m1 pairs (see :func:`dequantize_mxfp4`).
+        scale: ``[..., N, ceil(K / 32)]`` ue8m0 (``float8_e8m0fnu`` / ``uint8``) or power-of-two fp32.
+        name: the tensor's name, for errors.
+
+    Returns:
+        ``(weight, scale, inexact)``: e4m3 ``[..., N, K]``; fp32 ``[..., ceil(N / 128), ceil(K / 128)]``;
+        bool ``[..., ceil(N / 128), ceil(K / 128)]``, True where the block was rounded. Where ``inexact`` is
+        False, ``dequantize_fp8(weight, scale, (128, 128))`` equals ``dequantize_mxfp4(packed, scale)`` bit for bit.
+
+    Raises:
+        ValueError: naming ``name`` for a wrong dtype or shape, ue8m0 byte 255 (NaN), non-power-of-two scales.
+    """
+    if not is_fp4_packed(packed) or packed.dim() < 2:
+        raise ValueError(f"tensor {name!r} ({packed.dtype}, {tuple(packed.shape)}) is not a packed MXFP4 weight "
+                         "[..., N, K / 2] of int8 / uint8 / float4_e2m1fn_x2")
+    n, half = packed.shape[-2:]
+    k = 2 * half
+    want = (*packed.shape[:-1], -(-k // MXFP4_GROUP))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"tensor {name!r}: scale has shape {tuple(scale.shape)} but packed MXFP4 weight "
+                         f"{tuple(packed.shape)} (K = {k}) needs {want} (one per {MXFP4_GROUP} values along K)")
+    exp = _group_exponents(scale, name).repeat_interleave(MXFP4_GROUP, dim=-1)[..., :k]  # [..., N, K]
+    u8 = packed.contiguous().view(torch.uint8)
+    code = torch.stack([u8 & 0xF, u8 >> 4], dim=-1).flatten(-2).to(torch.int32)  # low nibble = even column
+    mag = code & 7
+    q = torch.tensor(_E2M1_Q0)[mag] + exp
+    nonzero = mag > 0
+    # every value's admissible block exponents [q - top, q + 9]; zeros admit any
+    lo = _blocks(torch.where(nonzero, q - torch.tensor(_E2M1_TOP)[mag], -_NONE), -_NONE).amax(dim=-1)
+    hi = _blocks(torch.where(nonzero, q - _E4M3_LOW, _NONE), _NONE).amin(dim=-1)
+    empty = lo == -_NONE
+    p = torch.where(empty, 0, lo)
+    inexact = ~empty & (lo > hi)
+    # each value's exponent under its block's scale; below -40 it rounds to 0 either way, and fp32 stays exact
+    p_full = p.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
+    shift = (exp - p_full).clamp_(-40, 40).to(torch.float32)
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    weight = (lut[code] * torch.exp2(shift)).to(torch.float8_e4m3fn)
+    # 2**p as fp32: exact from fp64 (p >= -136 > fp32's smallest subnormal exponent -149)
+    block_scale = torch.exp2(p.to(torch.float64)).to(torch.float32)
+    return weight, block_scale, inexact
