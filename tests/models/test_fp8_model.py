@@ -260,3 +260,66 @@ def test_inexact_blocks_are_refused_unless_allowed(tmp_path):
         load_pretrained(path, base_precision="fp4")
     with pytest.raises(ValueError, match="needs base_precision"):
         load_pretrained(path, fp8_linears=True)
+
+
+def ep_load_task(group, path: str, fsdp: bool) -> dict:
+    """Rank's share of a meta model with FP8-held experts split over the group (``fsdp``: through
+    ``csattn.parallel.parallelize`` with FSDP beside EP), loaded per rank; the tensors it read and its experts."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from csattn.models.deepseek_v4 import checkpoint as ck
+    from csattn.models.deepseek_v4.expert_parallel import ExpertParallel
+    from csattn.models.deepseek_v4.moe import MoE
+    from csattn.parallel import ParallelDims, build_meshes, load_hf_sharded, parallelize
+    from csattn.parallel.init import local_experts
+
+    torch.set_num_threads(1)
+    raw = ck.read_config(path)
+    config = DeepseekV4ModelConfig.from_hf(raw, num_nextn_predict_layers=raw["num_nextn_predict_layers"])
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config)
+    hold_in_fp8(model, "fp8")
+    if fsdp:
+        parallelize(model, build_meshes(ParallelDims(dp_shard=dist.get_world_size(group), ep=2), "cpu"))
+    else:
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.use_expert_parallel(ExpertParallel(group, config.n_routed_experts))
+    read, real = [], ck._get
+
+    def spy(shards, files, key, expert):
+        read.append(key)
+        return real(shards, files, key, expert)
+
+    ck._get = spy
+    try:
+        load_hf_sharded(model, path, "cpu")
+    finally:
+        ck._get = real
+    experts = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Experts):
+            for t in module.frozen_storage:
+                value = getattr(module, t)
+                if isinstance(value, DTensor):  # FSDP's shard over the expert data-parallel ranks (here 1: whole)
+                    value = value.to_local()
+                experts[f"{name}.{t}"] = raw_bytes(value).clone()
+    return {"local": list(local_experts(model)), "read": read, "experts": experts}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ep2", "dp_shard2-ep2"])
+def test_expert_parallel_ranks_read_only_their_experts(release, fsdp):
+    from tests.cp_pool import shared_pool
+
+    full = load_pretrained(release, base_precision="fp8").state_dict()
+    out = shared_pool(2).run_ok(ep_load_task, 2, path=release, fsdp=fsdp)
+    assert [r["local"] for r in out] == [list(range(0, 4)), list(range(4, 8))]
+    for rank, res in enumerate(out):
+        lo, hi = 4 * rank, 4 * rank + 4
+        experts_read = {int(k.split(".ffn.experts.")[1].split(".")[0]) for k in res["read"] if ".ffn.experts." in k}
+        assert experts_read == set(range(lo, hi)), rank
+        assert len(res["experts"]) == 5 * 4  # 4 layers + 1 MTP block, 2 tensors + 2 scales each
+        for name, got in res["experts"].items():
+            assert torch.equal(got, raw_bytes(full[name][lo:hi])), (rank, name)
