@@ -429,7 +429,7 @@ def _load_held(model: DeepseekV4ForCausalLM, units: Mapping[str, tuple[str, int 
             raise ValueError(f"FP8-held experts load gate and up together: filter= accepts {group} but not its "
                              "pair")
         srcs = [sources[u] for u in group]
-        label = param if e is None else f"{param}[{model_expert_id(model, param, e)}]"
+        label = param if e is None else f"{param}[{_expert_id(model, param, e)}]"
         q, s, inexact = _read_held(shards, files, srcs, scales, quant, label)
         dest, dest_scale = own[param], own[param + "_scale_inv"]
         if e is not None:
@@ -447,7 +447,7 @@ def _load_held(model: DeepseekV4ForCausalLM, units: Mapping[str, tuple[str, int 
         report.fp8 += 1
 
 
-def model_expert_id(model: DeepseekV4ForCausalLM, param: str, row: int) -> int:
+def _expert_id(model: DeepseekV4ForCausalLM, param: str, row: int) -> int:
     """The global id of row ``row`` of expert tensor ``param`` (an expert-parallel model holds a share)."""
     return model.get_submodule(param.rsplit(".", 1)[0]).local[row]
 

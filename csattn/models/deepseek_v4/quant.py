@@ -227,14 +227,28 @@ def _group_exponents(scale: Tensor, name: str) -> Tensor:
     return exp - 1
 
 
-def _blocks(t: Tensor, fill: int) -> Tensor:
-    """``[..., N, K]`` -> ``[..., ceil(N/128), ceil(K/128), 128 * 128]`` (padded with ``fill``)."""
-    b = FP8_BLOCK
-    n, k = t.shape[-2:]
-    r, c = -(-n // b), -(-k // b)
-    pad = t.new_full((*t.shape[:-2], r * b, c * b), fill)
-    pad[..., :n, :k] = t
-    return pad.view(*t.shape[:-2], r, b, c, b).transpose(-3, -2).reshape(*t.shape[:-2], r, c, b * b)
+def _byte_tables() -> tuple[Tensor, Tensor, Tensor]:
+    """Per packed byte (two e2m1 codes): the tightest lower and upper bound its nonzero values put on the block
+    exponent relative to their group's (``max(q0 - top)``, ``min(q0) + 9``; +-``_NONE`` for two zeros), and its two
+    values as fp32 (low nibble first)."""
+    b = torch.arange(256)
+    codes = torch.stack([b & 0xF, b >> 4], dim=-1)  # [256, 2]
+    mag = codes & 7
+    q0, top = torch.tensor(_E2M1_Q0)[mag], torch.tensor(_E2M1_TOP)[mag]
+    nonzero = mag > 0
+    lo = torch.where(nonzero, q0 - top, -_NONE).amax(-1).to(torch.int16)
+    hi = torch.where(nonzero, q0 - _E4M3_LOW, _NONE).amin(-1).to(torch.int16)
+    return lo, hi, torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes]
+
+
+def _block_reduce(t: Tensor, groups_per_block: int, fill: int, largest: bool) -> Tensor:
+    """``[..., N, G]`` per-group values -> ``[..., ceil(N/128), ceil(G/gpb)]`` max (or min) per 128-row block."""
+    n, g = t.shape[-2:]
+    r, c = -(-n // FP8_BLOCK), -(-g // groups_per_block)
+    pad = t.new_full((*t.shape[:-2], r * FP8_BLOCK, c * groups_per_block), fill)
+    pad[..., :n, :g] = t
+    pad = pad.view(*t.shape[:-2], r, FP8_BLOCK, c, groups_per_block)
+    return pad.amax(dim=(-3, -1)) if largest else pad.amin(dim=(-3, -1))
 
 
 def mxfp4_to_fp8(packed: Tensor, scale: Tensor, name: str = "weight") -> tuple[Tensor, Tensor, Tensor]:
@@ -271,23 +285,28 @@ def mxfp4_to_fp8(packed: Tensor, scale: Tensor, name: str = "weight") -> tuple[T
     if tuple(scale.shape) != want:
         raise ValueError(f"tensor {name!r}: scale has shape {tuple(scale.shape)} but packed MXFP4 weight "
                          f"{tuple(packed.shape)} (K = {k}) needs {want} (one per {MXFP4_GROUP} values along K)")
-    exp = _group_exponents(scale, name).repeat_interleave(MXFP4_GROUP, dim=-1)[..., :k]  # [..., N, K]
+    exp = _group_exponents(scale, name).to(torch.int16)  # [..., N, G]
+    g = exp.shape[-1]
+    lo_of, hi_of, values_of = _byte_tables()
+    # the packed bytes by group, padded with zero bytes to whole groups: [..., N, G, 16]
     u8 = packed.contiguous().view(torch.uint8)
-    code = torch.stack([u8 & 0xF, u8 >> 4], dim=-1).flatten(-2).to(torch.int32)  # low nibble = even column
-    mag = code & 7
-    q = torch.tensor(_E2M1_Q0)[mag] + exp
-    nonzero = mag > 0
-    # every value's admissible block exponents [q - top, q + 9]; zeros admit any
-    lo = _blocks(torch.where(nonzero, q - torch.tensor(_E2M1_TOP)[mag], -_NONE), -_NONE).amax(dim=-1)
-    hi = _blocks(torch.where(nonzero, q - _E4M3_LOW, _NONE), _NONE).amin(dim=-1)
+    if k < g * MXFP4_GROUP:
+        u8 = torch.cat([u8, u8.new_zeros((*u8.shape[:-1], g * MXFP4_GROUP // 2 - half))], dim=-1)
+    idx = u8.view(*u8.shape[:-1], g, MXFP4_GROUP // 2).to(torch.int32)
+    # each group's admissible block exponents [lo, hi] (its values c * 2**q: q - p <= top and q - p >= -9)
+    lo_g, hi_g = lo_of[idx].amax(dim=-1), hi_of[idx].amin(dim=-1)
+    lo = torch.where(lo_g == -_NONE, -_NONE, exp + lo_g)
+    hi = torch.where(hi_g == _NONE, _NONE, exp + hi_g)
+    per_block = FP8_BLOCK // MXFP4_GROUP
+    lo, hi = _block_reduce(lo, per_block, -_NONE, True), _block_reduce(hi, per_block, _NONE, False)
     empty = lo == -_NONE
     p = torch.where(empty, 0, lo)
     inexact = ~empty & (lo > hi)
-    # each value's exponent under its block's scale; below -40 it rounds to 0 either way, and fp32 stays exact
-    p_full = p.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
-    shift = (exp - p_full).clamp_(-40, 40).to(torch.float32)
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    weight = (lut[code] * torch.exp2(shift)).to(torch.float8_e4m3fn)
+    # each group's exponent under its block's scale; below -40 its values round to 0 either way, fp32 stays exact
+    p_group = p.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(per_block, dim=-1)[..., :g]
+    shift = torch.exp2((exp - p_group).clamp_(-40, 40).to(torch.float32))
+    weight = (values_of[idx] * shift[..., None, None]).view(*exp.shape[:-1], g * MXFP4_GROUP)[..., :k]
+    weight = weight.to(torch.float8_e4m3fn)
     # 2**p as fp32: exact from fp64 (p >= -136 > fp32's smallest subnormal exponent -149)
     block_scale = torch.exp2(p.to(torch.float64)).to(torch.float32)
     return weight, block_scale, inexact
