@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig, load_pretrained
-from csattn.models.deepseek_v4.checkpoint import held_linears
+from csattn.models.deepseek_v4.checkpoint import held_linears, read_config
 from csattn.models.deepseek_v4.quant import Fp8Experts, Fp8Linear, dequantize_fp8, hold_in_fp8, mxfp4_to_fp8
 from csattn.models.deepseek_v4.release import write_release_checkpoint
 from csattn.packing import PackedSeqs
@@ -323,3 +323,24 @@ def test_expert_parallel_ranks_read_only_their_experts(release, fsdp):
         assert len(res["experts"]) == 5 * 4  # 4 layers + 1 MTP block, 2 tensors + 2 scales each
         for name, got in res["experts"].items():
             assert torch.equal(got, raw_bytes(full[name][lo:hi])), (rank, name)
+
+
+def test_make_release_checkpoint_tool(tmp_path, capsys):
+    """The benchmark tool writes a shrunk geometry in the release's format, one shard per unit, that loads FP8-held
+    and dequantized alike."""
+    import json
+
+    from benchmarks.make_release_checkpoint import main
+
+    raw = tiny_config_dict("flash", mtp=1)
+    raw.update(hidden_size=64, moe_intermediate_size=128)
+    (tmp_path / "c.json").write_text(json.dumps(raw))
+    main(["--config", str(tmp_path / "c.json"), "--out", str(tmp_path / "out"), "--layers", "3", "--experts", "2",
+          "--mtp", "0"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["shards"] == 4  # top + 3 layers
+    saved = read_config(str(tmp_path / "out"))
+    assert saved["quantization_config"]["scale_fmt"] == "ue8m0" and saved["expert_dtype"] == "fp4"
+    model = load_pretrained(str(tmp_path / "out"), base_precision="fp8")
+    assert len(model.model.layers) == 3 and model.model.layers[2].mlp.experts.gate_up_proj.shape == (2, 256, 64)
+    assert disk(str(tmp_path / "out"), "layers.0.attn.wq_b.scale").dtype == torch.float8_e8m0fnu
