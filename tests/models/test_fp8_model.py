@@ -264,7 +264,8 @@ def test_inexact_blocks_are_refused_unless_allowed(tmp_path):
 
 def ep_load_task(group, path: str, fsdp: bool) -> dict:
     """Rank's share of a meta model with FP8-held experts split over the group (``fsdp``: through
-    ``csattn.parallel.parallelize`` with FSDP beside EP), loaded per rank; the tensors it read and its experts."""
+    ``csattn.parallel.parallelize`` with FSDP beside EP), loaded per rank: the tensors it read, its experts, and
+    the loss and embedding gradient of one step on the rank's own rows."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -305,12 +306,16 @@ def ep_load_task(group, path: str, fsdp: bool) -> dict:
                 if isinstance(value, DTensor):  # FSDP's shard over the expert data-parallel ranks (here 1: whole)
                     value = value.to_local()
                 experts[f"{name}.{t}"] = raw_bytes(value).clone()
-    return {"local": list(local_experts(model)), "read": read, "experts": experts}
+    # and it trains: each rank's own rows through the split FP8 experts (the tokens exchanged over the group)
+    loss, _, grads = step(model, seed=dist.get_rank())
+    emb = grads["model.embed_tokens.weight"]
+    emb = emb.full_tensor() if isinstance(emb, DTensor) else emb
+    return {"local": list(local_experts(model)), "read": read, "experts": experts, "loss": loss, "emb": emb}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ep2", "dp_shard2-ep2"])
-def test_expert_parallel_ranks_read_only_their_experts(release, fsdp):
+def test_expert_parallel_ranks_read_only_their_experts_and_train(release, fsdp):
     from tests.cp_pool import shared_pool
 
     full = load_pretrained(release, base_precision="fp8").state_dict()
@@ -323,6 +328,13 @@ def test_expert_parallel_ranks_read_only_their_experts(release, fsdp):
         assert len(res["experts"]) == 5 * 4  # 4 layers + 1 MTP block, 2 tensors + 2 scales each
         for name, got in res["experts"].items():
             assert torch.equal(got, raw_bytes(full[name][lo:hi])), (rank, name)
+    # one process, each rank's rows: the same loss; the embedding's gradient (FSDP: summed over the ranks, its
+    # divide factor 1)
+    whole = [step(load_pretrained(release, base_precision="fp8"), seed=rank) for rank in range(2)]
+    emb = [g[2]["model.embed_tokens.weight"] for g in whole]
+    for rank, res in enumerate(out):
+        torch.testing.assert_close(res["loss"], whole[rank][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(res["emb"], emb[0] + emb[1] if fsdp else emb[rank], rtol=1e-4, atol=1e-6)
 
 
 def test_make_release_checkpoint_tool(tmp_path, capsys):
