@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...layers.modules import grouped_linear
 from ...ops.fp8 import dequantize, fp8_linear
 from ...ops.moe import moe_experts
 from .moe import Experts
@@ -396,8 +397,6 @@ class Fp8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """``x [..., K]`` -> ``[..., N]`` (``x [T, g, K]`` -> ``[T, N]`` for ``groups > 1``)."""
         if self.groups > 1:
-            from ...layers.modules import grouped_linear
-
             return grouped_linear(x, self.weight, self.groups)
         return fp8_linear(x, self._parameters["weight"], self.weight_scale_inv, compute=self.compute)
 
