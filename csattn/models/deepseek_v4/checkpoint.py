@@ -555,7 +555,8 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
         filter: ``filter(name) -> bool`` on ``state_dict`` names (a routed expert matrix as
             ``model.layers.{i}.mlp.experts.{e}.w1.weight`` / ``w3`` / ``w2``; see :func:`experts_filter`): the
             tensors of built modules that it rejects are not read and keep their fresh init (listed in
-            ``model.load_report.skipped``).
+            ``model.load_report.skipped``; FP8-held experts have none: they stay zero, and their gate and up
+            matrices are accepted or rejected together).
         experts: the routed experts to build and read (global ids, e.g. an expert-parallel rank's
             ``range(r * E / ep, (r + 1) * E / ep)``); each layer's expert tensors then hold only these, in order.
             Default all.
