@@ -40,6 +40,8 @@ def test_quantize_bitwise_at_scale():
     for xd in (x.bfloat16(), x):
         q, s = quantize_1x128(xd, scale_t=True)
         qr, sr = quantize_1x128_ref(xd)
+        print(f"{xd.dtype}: q bytes differing {(q.view(torch.uint8) != qr.view(torch.uint8)).sum().item()}, "
+              f"scales differing {(s != sr).sum().item()}")
         assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
 
 
@@ -62,9 +64,13 @@ def test_grouped_kernel_vs_same_operands(trans, mode):
     else:
         grouped_mm_triton(a, None, q, s, offs, trans, out=out)
         out32 = grouped_mm_triton(a, None, q, s, offs, trans, out_dtype=torch.float32)
-    same = fp8_grouped_mm_quantized(a, q, s, offs, trans, quantize_a=mode == "fp8")
+    # the very operands the kernel multiplied (the quantizer has its own test)
+    ad = qa.double() * sa.double().repeat_interleave(128, dim=-1)[:, :a.shape[1]] if mode == "fp8" else a
+    same = fp8_grouped_mm_quantized(ad, q, s, offs, trans, quantize_a=False)
     assert torch.isfinite(out).all() and (out[int(offs[-1]):] == 0).all()
-    assert rel_err(out32, same) < 1e-6, rel_err(out32, same)
+    # Hopper's FP8 MMA keeps about 14 bits in its accumulator over the 128-deep block before the promotion
+    # (DeepSeek-V3 report, 3.3.2): within 2^-12 against exact sums of the same operands; bf16 MMA: fp32's
+    assert rel_err(out32, same) < (2.0 ** -12 if mode == "fp8" else 1e-6), rel_err(out32, same)
     assert rel_err(out, same) < 4e-3  # the bf16 output rounding
     exact = fp8_grouped_mm_quantized(a, q, s, offs, trans, quantize_a=False)
     print(f"{mode} trans={trans}: vs same operands {rel_err(out32, same):.2e}, "
@@ -117,4 +123,6 @@ def test_moe_fp8_experts_vs_bf16():
         for name, a, b, c in zip(("out", "dx", "dweights"), got, bf16, exact):
             ea, eb = rel_err(a, c), rel_err(b, c)
             print(f"moe {compute} {name}: {ea:.2e} (bf16 experts {eb:.2e})")
-            assert ea <= (4 if compute == "fp8" else 1.5) * eb + 1e-3, (name, ea, eb)
+            # FP8: the two GEMM inputs of each pass quantized in series, each moved by an RMS of at most
+            # 2^-4 / sqrt(3) of itself (e4m3 rounding): 2 x that bounds the relative error; W8A16: the bf16 path's
+            assert ea <= (2 * 2.0 ** -4 / 3 ** 0.5 if compute == "fp8" else 1.5 * eb + 1e-3), (name, ea, eb)

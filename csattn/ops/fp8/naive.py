@@ -68,7 +68,9 @@ def quantize_1x128_ref(x: Tensor) -> tuple[Tensor, Tensor]:
     kb = _cdiv(k, BLOCK)
     xf = torch.nn.functional.pad(x.float(), (0, kb * BLOCK - k)).view(m, kb, BLOCK)
     amax = xf.abs().amax(-1)
-    s = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    # a true division by a tensor: torch's CUDA division by a Python scalar multiplies by its reciprocal instead,
+    # which differs in the last bit (the kernel divides in IEEE too)
+    s = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, FP8_MAX))
     q = (xf / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, kb * BLOCK)[:, :k].contiguous(), s
 

@@ -32,9 +32,9 @@ def _round_e4m3(v):
     """``v`` (``|v| <= 448``) rounded to the nearest e4m3 value, ties to even, in fp32: the later cast is then exact.
     Done by hand because Triton's CPU interpreter drops the exponent carry when rounding to e4m3 (124.3 -> 64);
     on the GPU it is the same RTNE the hardware conversion does."""
-    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    ulp = ((tl.maximum(e, -6) + 124) << 23).to(tl.float32, bitcast=True)  # 2^(max(e, -6) - 3): 3 mantissa bits
-    t = v / ulp  # exact: a power of two
+    e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    ulp = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3): e4m3 keeps 3 mantissa bits
+    t = v * ((130 - e) << 23).to(tl.float32, bitcast=True)  # v / ulp, exact: times a power of two
     r = (t + 12582912.0) - 12582912.0  # 1.5 * 2^23: rounds |t| < 2^22 to an integer, ties to even
     return tl.where(r == 0.0, t * 0.0, r) * ulp  # keeps the sign of zero, as the conversion does
 
@@ -49,8 +49,10 @@ def _quantize_kernel(x, q, s, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
     r64 = rows.to(tl.int64)[:, None]
     v = tl.load(x + r64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(v), axis=1)
-    scale = tl.where(amax == 0.0, 1.0, amax / FP8MAX)
-    qv = _round_e4m3(tl.minimum(tl.maximum(v / scale[:, None], -FP8MAX), FP8MAX))
+    # IEEE divisions (div_rn): Triton's `/` on fp32 is the approximate one, and the scales and values must be the
+    # reference's bit for bit
+    scale = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, FP8MAX))
+    qv = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(v, scale[:, None]), -FP8MAX), FP8MAX))
     tl.store(q + r64 * stride_qm + cols[None, :], qv.to(q.dtype.element_ty), mask=mask)
     tl.store(s + rows.to(tl.int64) * stride_sm + tl.program_id(1) * stride_sk, scale, mask=rmask)
 
