@@ -364,3 +364,21 @@ def test_make_release_checkpoint_tool(tmp_path, capsys):
     model = load_pretrained(str(tmp_path / "out"), base_precision="fp8")
     assert len(model.model.layers) == 3 and model.model.layers[2].mlp.experts.gate_up_proj.shape == (2, 256, 64)
     assert disk(str(tmp_path / "out"), "layers.0.attn.wq_b.scale").dtype == torch.float8_e8m0fnu
+
+
+def test_fp8_held_weights_come_only_from_a_quantized_checkpoint(tmp_path):
+    """Fresh weights cannot fill FP8-held modules (materialize), and a plain checkpoint cannot be loaded FP8-held:
+    both refuse by name instead of casting values without scales."""
+    from csattn.parallel import materialize
+
+    c = tiny_config(num_nextn_predict_layers=0)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(c)
+    hold_in_fp8(model, "fp8")
+    with pytest.raises(ValueError, match=r"mlp\.experts\.gate_up_proj.*FP8-held"):
+        materialize(model, "cpu", seed=0)
+    DeepseekV4ForCausalLM(c).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="no quantization_config.*base_precision='bf16'"):
+        load_pretrained(str(tmp_path), base_precision="fp8")
+    with pytest.raises(ValueError, match="compute must be 'fp8'"):
+        hold_in_fp8(model, "fp16")
