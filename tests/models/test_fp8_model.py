@@ -382,3 +382,49 @@ def test_fp8_held_weights_come_only_from_a_quantized_checkpoint(tmp_path):
         load_pretrained(str(tmp_path), base_precision="fp8")
     with pytest.raises(ValueError, match="compute must be 'fp8'"):
         hold_in_fp8(model, "fp16")
+
+
+def dcp_task(group, path: str, out: str) -> bool:
+    """FP8-held experts split over ep = 2 (FSDP beside it) through a DCP training checkpoint: saved, wiped, read
+    back; whether every rank's codes and scales came back bit for bit."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from csattn.models.deepseek_v4 import checkpoint as ck
+    from csattn.parallel import ParallelDims, build_meshes, load_hf_sharded, parallelize
+    from csattn.parallel.checkpoint import load_sharded, save_sharded
+
+    torch.set_num_threads(1)
+    raw = ck.read_config(path)
+    config = DeepseekV4ModelConfig.from_hf(raw, num_nextn_predict_layers=raw["num_nextn_predict_layers"])
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config)
+    hold_in_fp8(model, "fp8")
+    meshes = build_meshes(ParallelDims(dp_shard=2, ep=2), "cpu")
+    parallelize(model, meshes)
+    load_hf_sharded(model, path, "cpu")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    held = [m for m in model.modules() if isinstance(m, Fp8Experts)]
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    with torch.no_grad():  # scales that differ between the ranks' experts (a plain tensor would keep one rank's)
+        for m in held:
+            local(m.down_proj_scale_inv).mul_(2.0 ** (1 + dist.get_rank()))
+    before = [raw_bytes(local(getattr(m, n))).clone() for m in held for n in m.frozen_storage]
+    save_sharded(out, model, opt, meshes)
+    with torch.no_grad():
+        for m in held:
+            for n in m.frozen_storage:
+                local(getattr(m, n)).view(torch.uint8).zero_()
+    load_sharded(out, model, opt, meshes)
+    after = [raw_bytes(local(getattr(m, n))) for m in held for n in m.frozen_storage]
+    return all(torch.equal(a, b) for a, b in zip(before, after)) and len(before) == 5 * 4
+
+
+@pytest.mark.slow
+def test_training_checkpoint_keeps_each_ranks_fp8_experts(release, tmp_path):
+    from tests.cp_pool import shared_pool
+
+    assert shared_pool(2).run_ok(dcp_task, 2, path=release, out=str(tmp_path / "ckpt")) == [True, True]
