@@ -428,3 +428,22 @@ def test_training_checkpoint_keeps_each_ranks_fp8_experts(release, tmp_path):
     from tests.cp_pool import shared_pool
 
     assert shared_pool(2).run_ok(dcp_task, 2, path=release, out=str(tmp_path / "ckpt")) == [True, True]
+
+
+def test_fp8_held_model_under_autocast_equals_the_dequantized_one(release):
+    """Under ``torch.autocast`` (fp32 storage, bf16 compute) the FP8-held layers compute in bf16 too (the attention
+    reads its FP8 projections in the autocast dtype), with the same bf16 weights as the dequantized model's casts
+    (an e4m3 value times a power of two is exact in bf16): same loss, logits and embedding gradient up to bf16
+    accumulation order."""
+    ids = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(0))
+    got = {}
+    for name, kw in (("ref", {}), ("fp8", dict(base_precision="fp8", fp8_linears=True))):
+        model = load_pretrained(release, **kw)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(ids, packed=PackedSeqs.from_lengths([17, 23]), labels=torch.roll(ids, -1))
+        out.loss.backward()
+        got[name] = (out.loss.detach(), out.logits.detach(), model.model.embed_tokens.weight.grad)
+    assert model.model.layers[0].self_attn.q_b_proj.dtype_tag.dtype == torch.float32  # restored after the layer
+    assert got["fp8"][1].dtype == torch.bfloat16
+    for a, b in zip(got["fp8"], got["ref"]):
+        torch.testing.assert_close(a, b)
