@@ -22,7 +22,7 @@ from torch import nn
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM
 from ..models.deepseek_v4.expert_parallel import ExpertParallel
 from ..models.deepseek_v4.model import MTPBlock
-from ..models.deepseek_v4.moe import Experts, MoE
+from ..models.deepseek_v4.moe import MoE
 from .mesh import Meshes
 
 __all__ = ["parallelize", "decoder_blocks", "uses_fsdp"]
@@ -101,22 +101,22 @@ def _fully_shard(model: DeepseekV4ForCausalLM, meshes: Meshes, param_dtype: torc
     keep = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
     _quiet_norm_warning()
 
-    # FP8-held frozen modules (``frozen_storage``: e4m3 codes + scales) are never cast to param_dtype (the codes
-    # would lose their scales); they compute in it (``.to`` moves only their compute dtype). Held experts are a
-    # unit without a cast; held dense linears stay out of FSDP, replicated (their ``weight`` reads as the
-    # dequantized tensor, which FSDP cannot manage; they are a small part of the bytes)
+    # FP8-held frozen modules (``frozen_storage``: e4m3 codes + scales) stay outside FSDP, whole on each rank of
+    # their expert-parallel share: frozen, they have no gradient or optimizer state to shard, and are gathered
+    # never (no all-gather of the frozen experts each step; no cast to param_dtype, which would drop the codes'
+    # scales). They compute in param_dtype (``.to`` moves only their compute dtype).
     held = [m for m in model.modules() if getattr(m, "frozen_storage", None)]
     for m in held:
         if param_dtype is not None:
             m.to(param_dtype)
-    ignored = {p for m in held if not isinstance(m, Experts) for p in m.parameters()}
+    ignored = {p for m in held for p in m.parameters()}
 
     def unit(modules: list[nn.Module], mp: MixedPrecisionPolicy) -> None:
         fully_shard(modules, mesh=dense, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
     for block in decoder_blocks(model):
-        fully_shard(block.mlp.experts, mesh=experts, mp_policy=keep if block.mlp.experts in held else policy,
-                    reshard_after_forward=reshard_after_forward)
+        if block.mlp.experts not in held:
+            fully_shard(block.mlp.experts, mesh=experts, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         if param_dtype is not None:
             unit([block.attn_hc, block.input_layernorm], keep)
             unit([block.ffn_hc, block.post_attention_layernorm], keep)

@@ -262,6 +262,14 @@ def test_inexact_blocks_are_refused_unless_allowed(tmp_path):
         load_pretrained(path, fp8_linears=True)
 
 
+def gather_bytes(t):
+    """A sharded ``DTensor``'s whole value, gathered as raw bytes (gloo has no float8 collectives)."""
+    from torch.distributed.tensor import DTensor
+
+    raw = DTensor.from_local(t.to_local().view(torch.uint8), t.device_mesh, t.placements, run_check=False)
+    return raw.full_tensor().view(t.dtype)
+
+
 def ep_load_task(group, path: str, fsdp: bool, bf16: bool = False) -> dict:
     """Rank's share of a meta model with FP8-held experts split over the group (``fsdp``: through
     ``csattn.parallel.parallelize`` with FSDP beside EP), loaded per rank: the tensors it read, its experts, and
@@ -282,7 +290,7 @@ def ep_load_task(group, path: str, fsdp: bool, bf16: bool = False) -> dict:
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config)
     hold_in_fp8(model, "fp8", ck.held_linears(path) if bf16 else ())
-    if fsdp:
+    if fsdp:  # 4 ranks: ep = 2, FSDP over 4 (the frozen experts stay whole on both ranks of an ep share)
         parallelize(model, build_meshes(ParallelDims(dp_shard=dist.get_world_size(group), ep=2), "cpu"),
                     param_dtype=torch.bfloat16 if bf16 else None)
     else:
@@ -305,8 +313,8 @@ def ep_load_task(group, path: str, fsdp: bool, bf16: bool = False) -> dict:
         if isinstance(module, Fp8Experts):
             for t in module.frozen_storage:
                 value = getattr(module, t)
-                if isinstance(value, DTensor):  # FSDP's shard over the expert data-parallel ranks (here 1: whole)
-                    value = value.to_local()
+                if isinstance(value, DTensor):  # FSDP's shard over the expert data-parallel ranks: gather it
+                    value = gather_bytes(value)
                 experts[f"{name}.{t}"] = raw_bytes(value).clone()
     # and it trains: each rank's own rows through the split FP8 experts (the tokens exchanged over the group)
     loss, _, grads = step(model, seed=dist.get_rank())
@@ -317,23 +325,26 @@ def ep_load_task(group, path: str, fsdp: bool, bf16: bool = False) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fsdp,bf16", [(False, False), (True, False), (True, True)],
-                         ids=["ep2", "dp_shard2-ep2", "dp_shard2-ep2-bf16-fp8_linears"])
+                         ids=["ep4", "dp_shard4-ep2", "dp_shard4-ep2-bf16-fp8_linears"])
 def test_expert_parallel_ranks_read_only_their_experts_and_train(release, fsdp, bf16):
     from tests.cp_pool import shared_pool
 
     full = load_pretrained(release, base_precision="fp8").state_dict()
-    out = shared_pool(2).run_ok(ep_load_task, 2, path=release, fsdp=fsdp, bf16=bf16)
-    assert [r["local"] for r in out] == [list(range(0, 4)), list(range(4, 8))]
+    out = shared_pool(4).run_ok(ep_load_task, 4, path=release, fsdp=fsdp, bf16=bf16)
+    # ep = 4 alone: 2 experts a rank; FSDP beside ep = 2: 4 experts a rank, ep groups of consecutive ranks
+    share = [range(2 * r, 2 * r + 2) for r in range(4)] if not fsdp else [range(4 * (r % 2), 4 * (r % 2) + 4)
+                                                                           for r in range(4)]
+    assert [r["local"] for r in out] == [list(x) for x in share]
     for rank, res in enumerate(out):
-        lo, hi = 4 * rank, 4 * rank + 4
+        lo, hi = share[rank].start, share[rank].stop
         experts_read = {int(k.split(".ffn.experts.")[1].split(".")[0]) for k in res["read"] if ".ffn.experts." in k}
-        assert experts_read == set(range(lo, hi)), rank
+        assert experts_read == set(share[rank]), rank
         assert len(res["experts"]) == 5 * 4  # 4 layers + 1 MTP block, 2 tensors + 2 scales each
         for name, got in res["experts"].items():
             assert torch.equal(got, raw_bytes(full[name][lo:hi])), (rank, name)
     # one process, each rank's rows: the same loss; the embedding's gradient (FSDP: summed over the ranks, its
     # divide factor 1)
-    whole = [step(load_pretrained(release, base_precision="fp8"), seed=rank) for rank in range(2)]
+    whole = [step(load_pretrained(release, base_precision="fp8"), seed=rank) for rank in range(4)]
     emb = [g[2]["model.embed_tokens.weight"] for g in whole]
     if bf16:  # the FP8 codes survive FSDP's bf16 compute: the loss within bf16's rounding of the fp32 one
         for rank, res in enumerate(out):
@@ -342,7 +353,7 @@ def test_expert_parallel_ranks_read_only_their_experts_and_train(release, fsdp, 
         return
     for rank, res in enumerate(out):
         torch.testing.assert_close(res["loss"], whole[rank][0], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(res["emb"], emb[0] + emb[1] if fsdp else emb[rank], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(res["emb"], sum(emb) if fsdp else emb[rank], rtol=1e-4, atol=1e-6)
 
 
 def test_make_release_checkpoint_tool(tmp_path, capsys):
@@ -385,9 +396,9 @@ def test_fp8_held_weights_come_only_from_a_quantized_checkpoint(tmp_path):
 
 
 def dcp_task(group, path: str, out: str) -> bool:
-    """FP8-held experts split over ep = 2 (FSDP beside it) through a DCP training checkpoint: saved, wiped, read
-    back; whether every rank's codes and scales came back bit for bit."""
-    import torch.distributed as dist
+    """FP8-held experts split over ep = 2 (efsdp = 2: the dense layers FSDP-sharded over 4 ranks, the frozen
+    experts whole on both ranks of an ep share) through a DCP training checkpoint: saved, wiped, read back; whether
+    every rank's codes and scales came back bit for bit."""
     from torch.distributed.tensor import DTensor
 
     from csattn.models.deepseek_v4 import checkpoint as ck
@@ -400,7 +411,7 @@ def dcp_task(group, path: str, out: str) -> bool:
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config)
     hold_in_fp8(model, "fp8")
-    meshes = build_meshes(ParallelDims(dp_shard=2, ep=2), "cpu")
+    meshes = build_meshes(ParallelDims(dp_shard=4, ep=2), "cpu")
     parallelize(model, meshes)
     load_hf_sharded(model, path, "cpu")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
@@ -409,9 +420,9 @@ def dcp_task(group, path: str, out: str) -> bool:
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t
 
-    with torch.no_grad():  # scales that differ between the ranks' experts (a plain tensor would keep one rank's)
+    with torch.no_grad():  # scales that differ between the ep ranks' experts (a plain tensor keeps one rank's)
         for m in held:
-            local(m.down_proj_scale_inv).mul_(2.0 ** (1 + dist.get_rank()))
+            local(m.down_proj_scale_inv).mul_(2.0 ** (1 + m.local.start))
     before = [raw_bytes(local(getattr(m, n))).clone() for m in held for n in m.frozen_storage]
     save_sharded(out, model, opt, meshes)
     with torch.no_grad():
@@ -427,7 +438,7 @@ def dcp_task(group, path: str, out: str) -> bool:
 def test_training_checkpoint_keeps_each_ranks_fp8_experts(release, tmp_path):
     from tests.cp_pool import shared_pool
 
-    assert shared_pool(2).run_ok(dcp_task, 2, path=release, out=str(tmp_path / "ckpt")) == [True, True]
+    assert shared_pool(4).run_ok(dcp_task, 4, path=release, out=str(tmp_path / "ckpt")) == [True] * 4
 
 
 def test_fp8_held_model_under_autocast_equals_the_dequantized_one(release):
