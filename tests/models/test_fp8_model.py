@@ -395,14 +395,14 @@ def test_fp8_held_weights_come_only_from_a_quantized_checkpoint(tmp_path):
         hold_in_fp8(model, "fp16")
 
 
-def dcp_task(group, path: str, out: str) -> bool:
+def dcp_task(group, path: str, out: str, export: str) -> bool:
     """FP8-held experts split over ep = 2 (efsdp = 2: the dense layers FSDP-sharded over 4 ranks, the frozen
     experts whole on both ranks of an ep share) through a DCP training checkpoint: saved, wiped, read back; whether
-    every rank's codes and scales came back bit for bit."""
+    every rank's codes and scales came back bit for bit. Then the gathered HF export to ``export``."""
     from torch.distributed.tensor import DTensor
 
     from csattn.models.deepseek_v4 import checkpoint as ck
-    from csattn.parallel import ParallelDims, build_meshes, load_hf_sharded, parallelize
+    from csattn.parallel import ParallelDims, build_meshes, export_hf, load_hf_sharded, parallelize
     from csattn.parallel.checkpoint import load_sharded, save_sharded
 
     torch.set_num_threads(1)
@@ -431,14 +431,24 @@ def dcp_task(group, path: str, out: str) -> bool:
                 local(getattr(m, n)).view(torch.uint8).zero_()
     load_sharded(out, model, opt, meshes)
     after = [raw_bytes(local(getattr(m, n))) for m in held for n in m.frozen_storage]
+    export_hf(model, export, meshes)
     return all(torch.equal(a, b) for a, b in zip(before, after)) and len(before) == 5 * 4
 
 
 @pytest.mark.slow
-def test_training_checkpoint_keeps_each_ranks_fp8_experts(release, tmp_path):
+def test_training_checkpoint_and_export_keep_each_ranks_fp8_experts(release, tmp_path):
     from tests.cp_pool import shared_pool
 
-    assert shared_pool(4).run_ok(dcp_task, 4, path=release, out=str(tmp_path / "ckpt")) == [True] * 4
+    export = str(tmp_path / "export")
+    assert shared_pool(4).run_ok(dcp_task, 4, path=release, out=str(tmp_path / "ckpt"), export=export) == [True] * 4
+    # the gathered export writes the FP8-held experts as held (scales multiplied by 2, 32 for the two ep shares)
+    want = load_pretrained(release, base_precision="fp8").state_dict()
+    got = load_pretrained(export, base_precision="fp8").state_dict()
+    assert set(got) == set(want)
+    for name, t in want.items():
+        if name.endswith("down_proj_scale_inv"):
+            t = t * torch.tensor([2.0] * 4 + [32.0] * 4).view(8, 1, 1)
+        assert torch.equal(raw_bytes(got[name]), raw_bytes(t)), name
 
 
 def test_fp8_held_model_under_autocast_equals_the_dequantized_one(release):

@@ -37,7 +37,7 @@ from .quant import (
 )
 
 __all__ = ["load_pretrained", "save_pretrained", "load_state_dict_into", "read_safetensors", "read_config",
-           "LoadReport", "experts_filter", "BASE_PRECISIONS", "held_linears", "inexact_fp8_message"]
+           "LoadReport", "experts_filter", "BASE_PRECISIONS", "held_linears", "inexact_fp8_message", "hf_config"]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -690,6 +690,17 @@ def inexact_fp8_message(inexact: Mapping[str, int]) -> str:
             "with base_precision='bf16' (exact dequantization)")
 
 
+def hf_config(model: DeepseekV4ForCausalLM) -> dict[str, Any]:
+    """The ``config.json`` of ``model`` as written: its HF config, its MTP blocks and, when it holds FP8 weights,
+    the ``quantization_config`` they are written in (e4m3, fp32 128x128 block scales, FP8 experts)."""
+    cfg = model.config.to_hf_dict()
+    cfg["num_nextn_predict_layers"] = len(model.mtp)
+    if any(isinstance(m, (Fp8Experts, Fp8Linear)) for m in model.modules()):
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [FP8_BLOCK] * 2,
+                                      "activation_scheme": "dynamic", "scale_fmt": None, "expert_dtype": "fp8"}
+    return cfg
+
+
 def save_pretrained(model: DeepseekV4ForCausalLM, path: str) -> None:
     """Write ``config.json`` and ``model.safetensors`` with the names ``transformers`` writes (tied LM head
     stored once). FP8-held weights are written as held (e4m3 + ``weight_scale_inv``, with a ``quantization_config``);
@@ -697,15 +708,10 @@ def save_pretrained(model: DeepseekV4ForCausalLM, path: str) -> None:
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    cfg = model.config.to_hf_dict()
-    cfg["num_nextn_predict_layers"] = len(model.mtp)
+    cfg = hf_config(model)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    if any(t.dtype == torch.float8_e4m3fn for t in state.values()):
-        # FP8-held weights are written as they are held: e4m3 with fp32 128x128 block scales
-        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [FP8_BLOCK] * 2,
-                                      "activation_scheme": "dynamic", "scale_fmt": None, "expert_dtype": "fp8"}
     state = to_disk(state)
     tmp = os.path.join(path, WEIGHTS_NAME + ".tmp")
     save_file(state, tmp, metadata={"format": "pt"})
