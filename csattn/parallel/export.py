@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM
-from ..models.deepseek_v4.checkpoint import CONFIG_NAME, INDEX_NAME
+from ..models.deepseek_v4.checkpoint import CONFIG_NAME, INDEX_NAME, hf_config
 from ..models.deepseek_v4.names import to_disk
 from .mesh import Meshes
 
@@ -35,9 +35,11 @@ def _full(t: Tensor, name: str, model: DeepseekV4ForCausalLM, meshes: Meshes) ->
 
     full = t.full_tensor() if isinstance(t, DTensor) else t
     if meshes.dims.ep > 1 and ".mlp.experts." in name:
-        parts = [torch.empty_like(full) for _ in range(meshes.dims.ep)]
-        dist.all_gather(parts, full.contiguous(), group=meshes.ep_group)
-        full = torch.cat(parts)
+        # FP8-held experts' codes travel as bytes (gloo has no float8 collectives)
+        raw = full.detach().view(torch.uint8) if full.dtype == torch.float8_e4m3fn else full
+        parts = [torch.empty_like(raw) for _ in range(meshes.dims.ep)]
+        dist.all_gather(parts, raw.contiguous(), group=meshes.ep_group)
+        full = torch.cat(parts).view(full.dtype)
     return full.detach()
 
 
@@ -98,8 +100,7 @@ def export_hf(model: DeepseekV4ForCausalLM, path: str, meshes: Meshes,
     if write:
         with open(os.path.join(path, INDEX_NAME), "w") as f:
             json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-        cfg = model.config.to_hf_dict()
-        cfg["num_nextn_predict_layers"] = len(model.mtp)
+        cfg = hf_config(model)
         with open(os.path.join(path, CONFIG_NAME), "w") as f:
             json.dump(cfg, f, indent=2, sort_keys=True)
     if meshes.distributed:

@@ -106,21 +106,33 @@ def _fully_shard(model: DeepseekV4ForCausalLM, meshes: Meshes, param_dtype: torc
     keep = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
     _quiet_norm_warning()
 
+    # FP8-held frozen modules (``frozen_storage``: e4m3 codes + scales) stay outside FSDP, whole on each rank of
+    # their expert-parallel share: frozen, they have no gradient or optimizer state to shard, and are gathered
+    # never (no all-gather of the frozen experts each step; no cast to param_dtype, which would drop the codes'
+    # scales). They compute in param_dtype (``.to`` moves only their compute dtype).
+    held = [m for m in model.modules() if getattr(m, "frozen_storage", None)]
+    for m in held:
+        if param_dtype is not None:
+            m.to(param_dtype)
+    ignored = {p for m in held for p in m.parameters()}
+
     def unit(modules: list[nn.Module], mp: MixedPrecisionPolicy) -> None:
         fully_shard(modules, mesh=dense, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
     for block in decoder_blocks(model):
-        fully_shard(block.mlp.experts, mesh=experts, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        if block.mlp.experts not in held:
+            fully_shard(block.mlp.experts, mesh=experts, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         if param_dtype is not None:
             unit([block.attn_hc, block.input_layernorm], keep)
             unit([block.ffn_hc, block.post_attention_layernorm], keep)
         if isinstance(block, MTPBlock):  # the model applies an MTP block's head outside the block's forward
             unit([block.hc_head, block.norm], keep if param_dtype is not None else policy)
-        fully_shard(block, mesh=dense, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=dense, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored or None)
     if param_dtype is not None:
         unit([model.model.hc_head, model.model.norm], keep)
     # the root's parameters (embedding, LM head) are needed again right at the backward's start
-    fully_shard(model, mesh=dense, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=dense, mp_policy=policy, reshard_after_forward=False, ignored_params=ignored or None)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
