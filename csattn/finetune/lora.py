@@ -124,7 +124,9 @@ class LoraExperts(Experts):
 
     def _add_factors(self, spec: LoraSpec) -> None:
         n, two_i, d = self.gate_up_proj.shape
-        r, dt, dev = spec.rank, self.gate_up_proj.dtype, self.gate_up_proj.device
+        # FP8-held experts: the factors take the dtype the experts compute in, not their codes'
+        dt = getattr(self, "compute_dtype", self.gate_up_proj.dtype)
+        r, dev = spec.rank, self.gate_up_proj.device
         self.lora_A_gate_up = nn.Parameter(torch.zeros(n, r, d, dtype=dt, device=dev))
         self.lora_B_gate_up = nn.Parameter(torch.zeros(n, two_i, r, dtype=dt, device=dev))
         self.lora_A_down = nn.Parameter(torch.zeros(n, r, two_i // 2, dtype=dt, device=dev))
@@ -136,9 +138,10 @@ class LoraExperts(Experts):
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         s = self.lora_scale
-        y = moe_experts(x, experts, weights, self.gate_up_proj, self.down_proj, self.limit, self.backend,
+        gate_up, down, held = self.moe_operands()  # bf16 parameters, or FP8 codes with their scales
+        y = moe_experts(x, experts, weights, gate_up, down, self.limit, self.backend,
                         gate_up_lora=ExpertLora(self.lora_A_gate_up, self.lora_B_gate_up, s),
-                        down_lora=ExpertLora(self.lora_A_down, self.lora_B_down, s))
+                        down_lora=ExpertLora(self.lora_A_down, self.lora_B_down, s), **held)
         if x.shape[0] == 0:  # an expert-parallel rank without rows: every rank reduces the same gradients
             y = with_zero_grads(y, self.factors())
         return y
@@ -148,6 +151,15 @@ def _weight_read_class(cls: type) -> type:
     return type(f"Lora{cls.__name__}", (LoraWeight, cls), {})
 
 
+def _lora_experts_class(cls: type) -> type:
+    """:class:`LoraExperts` over ``cls``: the class itself for plain experts, a subclass of both for others (the
+    FP8-held experts), whose :meth:`Experts.moe_operands` the adapter's forward runs."""
+    if cls is Experts or issubclass(cls, LoraExperts):
+        return LoraExperts
+    return _EXPERT_CLASSES.setdefault(cls, type(f"Lora{cls.__name__}", (LoraExperts, cls), {}))
+
+
+_EXPERT_CLASSES: dict[type, type] = {}
 _WEIGHT_CLASSES: dict[type, type] = {nn.Linear: _weight_read_class(nn.Linear),
                                      GroupedLinear: _weight_read_class(GroupedLinear)}
 
@@ -187,8 +199,12 @@ def add_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
                              "pass --lora-dropout 0, or --lora-targets compressor only")
     readers: dict[str, list[nn.Module]] = {}
     for name, module in targets:
+        if getattr(module, "frozen_storage", None) and not isinstance(module, Experts):
+            raise ValueError(f"{name}: LoRA on a dense linear held in FP8 is not supported; load the dense linears in "
+                             "bf16 (the default: only the routed experts are held in FP8) or leave their group out "
+                             "of --lora-targets")
         if isinstance(module, Experts):
-            module.__class__ = LoraExperts
+            module.__class__ = _lora_experts_class(type(module))
         elif _reads_weight(name, module):
             module.__class__ = _WEIGHT_CLASSES[type(module)]
             readers.setdefault(_reader(name), []).append(module)

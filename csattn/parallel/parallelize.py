@@ -106,22 +106,25 @@ def _fully_shard(model: DeepseekV4ForCausalLM, meshes: Meshes, param_dtype: torc
     keep = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
     _quiet_norm_warning()
 
-    # FP8-held frozen modules (``frozen_storage``: e4m3 codes + scales) stay outside FSDP, whole on each rank of
-    # their expert-parallel share: frozen, they have no gradient or optimizer state to shard, and are gathered
-    # never (no all-gather of the frozen experts each step; no cast to param_dtype, which would drop the codes'
-    # scales). They compute in param_dtype (``.to`` moves only their compute dtype).
+    # FP8-held frozen storage (``frozen_storage``: e4m3 codes + scales) stays outside FSDP, whole on each rank of
+    # its expert-parallel share: frozen, it has no gradient or optimizer state to shard, and is gathered never (no
+    # all-gather of the frozen experts each step; no cast to param_dtype, which would drop the codes' scales). Its
+    # modules compute in param_dtype (only their compute-dtype tag moves). Trainable parameters beside it (LoRA
+    # factors) are FSDP's like any other: fp32 masters, reduced over the experts' mesh.
     held = [m for m in model.modules() if getattr(m, "frozen_storage", None)]
     for m in held:
         if param_dtype is not None:
-            m.to(param_dtype)
-    ignored = {p for m in held for p in m.parameters()}
+            m._buffers["dtype_tag"] = m._buffers["dtype_tag"].new_empty(0, dtype=param_dtype)
+    ignored = {m._parameters[n] for m in held for n in m.frozen_storage if n in m._parameters}
 
     def unit(modules: list[nn.Module], mp: MixedPrecisionPolicy) -> None:
         fully_shard(modules, mesh=dense, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
     for block in decoder_blocks(model):
-        if block.mlp.experts not in held:
-            fully_shard(block.mlp.experts, mesh=experts, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        ex = block.mlp.experts
+        if ex not in held or any(p.requires_grad for p in ex.parameters()):
+            fully_shard(ex, mesh=experts, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                        ignored_params=ignored or None)
         if param_dtype is not None:
             unit([block.attn_hc, block.input_layernorm], keep)
             unit([block.ffn_hc, block.post_attention_layernorm], keep)

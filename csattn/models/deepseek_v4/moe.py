@@ -4,6 +4,8 @@ expert. Names equal Hugging Face's ``DeepseekV4SparseMoeBlock`` (``gate``, ``exp
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -130,10 +132,17 @@ class Experts(nn.Module):
             new.down_proj.copy_(self.down_proj[lo:hi])
         return new
 
+    def moe_operands(self) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        """``(gate_up_proj, down_proj, keywords)``: the weights :func:`csattn.ops.moe.moe_experts` multiplies by and
+        its keyword arguments for them (an FP8-held subclass adds its block scales and compute mode), so a module
+        that adds terms of its own (LoRA) runs the same weights whatever holds them."""
+        return self.gate_up_proj, self.down_proj, {}
+
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         """``x [T, D]``, ``experts [T, k]`` (local ids), ``weights [T, k]`` -> ``[T, D]`` (weighted sum over the
         k picks)."""
-        return moe_experts(x, experts, weights, self.gate_up_proj, self.down_proj, self.limit, self.backend)
+        gate_up, down, held = self.moe_operands()
+        return moe_experts(x, experts, weights, gate_up, down, self.limit, self.backend, **held)
 
 
 class SharedExpert(nn.Module):

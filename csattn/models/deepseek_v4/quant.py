@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from ...layers.modules import grouped_linear
 from ...ops.fp8 import dequantize, fp8_linear
-from ...ops.moe import moe_experts
 from .moe import Experts
 
 __all__ = ["E2M1_VALUES", "FP8_BLOCK", "MXFP4_GROUP", "QuantConfig", "decode_scale", "dequantize_fp8",
@@ -467,11 +466,17 @@ class Fp8Experts(Experts):
         return (dequantize(self.gate_up_proj, self.gate_up_proj_scale_inv, dtype),
                 dequantize(self.down_proj, self.down_proj_scale_inv, dtype))
 
-    def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
-        """``x [T, D]``, ``experts [T, k]`` (local ids), ``weights [T, k]`` -> ``[T, D]``."""
-        return moe_experts(x, experts, weights, self.gate_up_proj, self.down_proj, self.limit, self.backend,
-                           gate_up_scale=self.gate_up_proj_scale_inv, down_scale=self.down_proj_scale_inv,
-                           fp8_compute=self.compute)
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the experts compute in (their inputs', and that of any adapter beside them)."""
+        return self.dtype_tag.dtype
+
+    def moe_operands(self) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        """The e4m3 codes and, for :func:`csattn.ops.moe.moe_experts`, their block scales and compute mode (the
+        forward is :meth:`Experts.forward`'s)."""
+        return self.gate_up_proj, self.down_proj, {"gate_up_scale": self.gate_up_proj_scale_inv,
+                                                   "down_scale": self.down_proj_scale_inv,
+                                                   "fp8_compute": self.compute}
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Fp8Experts:
         _apply_raw(self, fn, recurse)
