@@ -8,7 +8,8 @@ from torch import Tensor
 from ...amp import autocast_dtype, autocast_off
 from ..backend import check_backend
 from ..backend import resolve_backend as _resolve
-from .grouped import RoutePlan, grouped_experts, grouped_mm_supported, route_plan
+from ..fp8 import check_compute, check_weight
+from .grouped import GROUPED_DTYPES, RoutePlan, grouped_experts, grouped_mm_supported, route_plan
 from .naive import clamped_swiglu, experts_ref, gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
 
 __all__ = ["BACKENDS", "RoutePlan", "clamped_swiglu", "expert_load", "experts_ref", "gather_sum_ref",
@@ -35,8 +36,18 @@ def resolve_backend(backend: str, x: Tensor, gate_up_proj: Tensor, down_proj: Te
     return _resolve(backend, x, choices=BACKENDS, off_cuda="grouped")
 
 
+def _fp8_path(backend: str, x: Tensor) -> str:
+    """The path of frozen FP8 experts: the reference for ``"reference"`` and activations other than fp32 / bf16
+    (fp64 in the tests), else as :func:`resolve_backend` (the GEMMs are :func:`~csattn.ops.fp8.fp8_grouped_mm`,
+    which runs its own reference off CUDA)."""
+    if check_backend(backend, BACKENDS) == "reference" or x.dim() != 2 or x.dtype not in GROUPED_DTYPES:
+        return "reference"
+    return _resolve(backend, x, choices=BACKENDS, off_cuda="grouped")
+
+
 def moe_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
-                limit: float, backend: str = "auto") -> Tensor:
+                limit: float, backend: str = "auto", *, gate_up_scale: Tensor | None = None,
+                down_scale: Tensor | None = None, fp8_compute: str = "fp8") -> Tensor:
     """Weighted sum of each token's ``k`` routed experts, clamped-SwiGLU MLPs.
 
     Args:
@@ -45,17 +56,36 @@ def moe_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tenso
         gate_up_proj: ``[E, 2I, D]``, the gate rows first. down_proj: ``[E, D, I]``.
         limit: ``silu(min(gate, limit)) * clamp(up, -limit, limit)``.
         backend: ``"auto"``, ``"reference"``, ``"grouped"`` or ``"triton"`` (see :func:`resolve_backend`).
+        gate_up_scale, down_scale: both or neither: frozen FP8 experts, ``gate_up_proj`` / ``down_proj`` in
+            ``float8_e4m3fn`` (not requiring grad) with fp32 block scales ``[E, 2I/128, D/128]`` /
+            ``[E, D/128, I/128]``; the GEMMs run :func:`~csattn.ops.fp8.fp8_grouped_mm` (forward and input
+            gradient), the reference dequantizes one expert at a time. fp8_compute: its mode, ``"fp8"`` or
+            ``"w8a16"``.
 
     Returns:
         ``[T, D]`` in ``x.dtype``: ``sum_j weights[t, j] * down[e_j] @ swiglu(gate_up[e_j] @ x[t])``.
-        Gradients flow to ``x``, ``weights``, ``gate_up_proj`` and ``down_proj``. Under ``torch.autocast``
-        ``x`` and the two weights are cast to the autocast dtype first and the result is in it (as for a linear;
-        see :mod:`csattn.amp`).
+        Gradients flow to ``x``, ``weights``, ``gate_up_proj`` and ``down_proj`` (FP8 weights: to ``x`` and
+        ``weights`` only). Under ``torch.autocast`` ``x`` and the two weights (not FP8 ones) are cast to the
+        autocast dtype first and the result is in it (as for a linear; see :mod:`csattn.amp`).
     """
+    if (gate_up_scale is None) != (down_scale is None):
+        raise ValueError("give both gate_up_scale and down_scale (frozen FP8 experts) or neither")
+    fp8 = gate_up_scale is not None
     low = autocast_dtype(x)
     if low is not None:  # the dtypes decided once: the grouped backward recomputes outside autocast
         with autocast_off(x):
-            return moe_experts(x.to(low), experts, weights, gate_up_proj.to(low), down_proj.to(low), limit, backend)
+            gu, dn = (gate_up_proj, down_proj) if fp8 else (gate_up_proj.to(low), down_proj.to(low))
+            return moe_experts(x.to(low), experts, weights, gu, dn, limit, backend, gate_up_scale=gate_up_scale,
+                               down_scale=down_scale, fp8_compute=fp8_compute)
+    if fp8:
+        check_compute(fp8_compute)
+        check_weight(gate_up_proj, gate_up_scale, "gate_up_proj")
+        check_weight(down_proj, down_scale, "down_proj")
+        path = _fp8_path(backend, x)
+        if path == "reference":
+            return experts_ref(x, experts, weights, gate_up_proj, down_proj, limit, gate_up_scale, down_scale)
+        return grouped_experts(x, experts, weights, gate_up_proj, down_proj, limit, use_triton=path == "triton",
+                               gate_up_scale=gate_up_scale, down_scale=down_scale, fp8_compute=fp8_compute)
     path = resolve_backend(backend, x, gate_up_proj, down_proj)
     if path == "reference":
         return experts_ref(x, experts, weights, gate_up_proj, down_proj, limit)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..autograd import named_grads
+from ..fp8 import fp8_grouped_mm
 from .naive import gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
 
 __all__ = ["RoutePlan", "route_plan", "grouped_mm_supported", "grouped_experts"]
@@ -95,13 +96,23 @@ def _zero_empty_groups(grad: Tensor, offs: Tensor) -> Tensor:
     return grad
 
 
+def _expert_mm(a: Tensor, weight: Tensor, offs: Tensor, scale: Tensor | None, compute: str,
+               trans: bool = False) -> Tensor:
+    """Rows of each expert times ``W_e^T`` (``trans=False``) or ``W_e``: ``grouped_mm``, or for a frozen FP8
+    weight (``scale`` its 128x128 block scales) :func:`~csattn.ops.fp8.fp8_grouped_mm` in mode ``compute``."""
+    if scale is None:
+        return _grouped_mm(a, weight if trans else weight.transpose(-2, -1), offs=offs)
+    return fp8_grouped_mm(a, weight, scale, offs, trans=trans, compute=compute)
+
+
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor, experts: Tensor,
-                limit: float, use_triton: bool) -> Tensor:
+                limit: float, use_triton: bool, gate_up_scale: Tensor | None = None,
+                down_scale: Tensor | None = None, fp8_compute: str = "fp8") -> Tensor:
         t, d = x.shape
         k = experts.shape[-1]
-        ctx.limit, ctx.use_triton, ctx.k = limit, use_triton, k
+        ctx.limit, ctx.use_triton, ctx.k, ctx.fp8_compute = limit, use_triton, k, fp8_compute
         ctx.weights_dtype = weights.dtype
         if t * k == 0:  # static shape: nothing routed (grouped_mm is not asked to take empty operands)
             ctx.empty = True
@@ -111,12 +122,13 @@ class _GroupedExperts(torch.autograd.Function):
         swiglu_fwd, gather_sum = _elementwise(use_triton)[:2]
         plan = route_plan(experts, gate_up_proj.shape[0])
         w = weights.reshape(-1).index_select(0, plan.order)
-        gu = _grouped_mm(x.index_select(0, plan.token), gate_up_proj.transpose(-2, -1), offs=plan.offs)
+        gu = _expert_mm(x.index_select(0, plan.token), gate_up_proj, plan.offs, gate_up_scale, fp8_compute)
         h = swiglu_fwd(gu, w, limit)
-        y = _grouped_mm(h, down_proj.transpose(-2, -1), offs=plan.offs)
+        y = _expert_mm(h, down_proj, plan.offs, down_scale, fp8_compute)
         del h
         out = gather_sum(y, plan.inv, k)
-        ctx.save_for_backward(x, gate_up_proj, down_proj, gu, w, plan.token, plan.inv, plan.offs)
+        ctx.save_for_backward(x, gate_up_proj, down_proj, gu, w, plan.token, plan.inv, plan.offs, gate_up_scale,
+                              down_scale)
         return out
 
     @staticmethod
@@ -129,11 +141,11 @@ class _GroupedExperts(torch.autograd.Function):
             dweights = dout.new_zeros((t, ctx.k), dtype=ctx.weights_dtype) if need_w else None
             return (dx, dweights, torch.zeros_like(gate_up_proj) if need_gu else None,
                     torch.zeros_like(down_proj) if need_down else None, None, None, None)
-        x, gate_up_proj, down_proj, gu, w, token, inv, offs = ctx.saved_tensors
+        x, gate_up_proj, down_proj, gu, w, token, inv, offs, gate_up_scale, down_scale = ctx.saved_tensors
         k = ctx.k
         _, gather_sum, swiglu_bwd = _elementwise(ctx.use_triton)
         dy = dout.index_select(0, token)  # [N, D]: un-permute's adjoint, a gather in expert order
-        dh = _grouped_mm(dy, down_proj, offs=offs)  # [N, I]
+        dh = _expert_mm(dy, down_proj, offs, down_scale, ctx.fp8_compute, trans=True)  # [N, I]
         dgu, h, dw = swiglu_bwd(gu, w, dh, ctx.limit)
         del dh
         d_down = _zero_empty_groups(_grouped_mm(dy.t(), h, offs=offs), offs) if need_down else None
@@ -143,7 +155,8 @@ class _GroupedExperts(torch.autograd.Function):
             xp = x.index_select(0, token)  # recomputed: [N, D] is k times x, and x is kept by its other users
             d_gate_up = _zero_empty_groups(_grouped_mm(dgu.t(), xp, offs=offs), offs)
             del xp
-        dx = gather_sum(_grouped_mm(dgu, gate_up_proj, offs=offs), inv, k) if need_x else None
+        dx = gather_sum(_expert_mm(dgu, gate_up_proj, offs, gate_up_scale, ctx.fp8_compute, trans=True), inv,
+                        k) if need_x else None
         dweights = dw.index_select(0, inv).view(-1, k).to(ctx.weights_dtype) if need_w else None
         return _GroupedExpertsGrads(x=dx, weights=dweights, gate_up_proj=d_gate_up, down_proj=d_down)
 
@@ -161,13 +174,19 @@ def _elementwise(use_triton: bool):
 
 
 def grouped_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
-                    limit: float, use_triton: bool = False) -> Tensor:
+                    limit: float, use_triton: bool = False, *, gate_up_scale: Tensor | None = None,
+                    down_scale: Tensor | None = None, fp8_compute: str = "fp8") -> Tensor:
     """Routed experts by grouped GEMMs (see the module docstring); operands as in
     :func:`~csattn.ops.moe.naive.experts_ref`, which must satisfy :func:`grouped_mm_supported`.
 
     ``use_triton`` runs the SwiGLU and gather-sum as Triton kernels (CUDA, or the CPU interpreter), else as
-    their PyTorch references.
+    their PyTorch references. With ``gate_up_scale`` and ``down_scale`` the weights are frozen FP8 (e4m3 with
+    128x128 block scales) and the GEMMs, forward and input gradient, run :func:`~csattn.ops.fp8.fp8_grouped_mm`
+    (mode ``fp8_compute``); there is no weight gradient.
     """
+    if gate_up_scale is not None:
+        return _GroupedExperts.apply(x, weights, gate_up_proj, down_proj, experts, float(limit), use_triton,
+                                     gate_up_scale, down_scale, fp8_compute)
     if not grouped_mm_supported(x, gate_up_proj, down_proj):
         raise ValueError("grouped_mm does not take these operands (dtype, device, layout or alignment): "
                          f"x {tuple(x.shape)} {x.dtype}, gate_up_proj {tuple(gate_up_proj.shape)} "

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..fp8.naive import dequantize
+
 __all__ = ["clamped_swiglu", "experts_ref", "swiglu_fwd_ref", "swiglu_bwd_ref", "gather_sum_ref"]
 
 # fp32 bytes per temporary per row chunk of the elementwise references (bounds their fp32 copies of [N, 2I])
@@ -24,12 +26,14 @@ def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
 
 
 def experts_ref(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
-                limit: float) -> Tensor:
+                limit: float, gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
     """Routed experts by a Python loop over experts (plain autograd).
 
     Args:
         x: ``[T, D]``. experts: ``[T, k]`` int64 expert ids. weights: ``[T, k]`` routing weights.
         gate_up_proj: ``[E, 2I, D]`` (gate rows first). down_proj: ``[E, D, I]``. limit: SwiGLU clamp.
+        gate_up_scale, down_scale: for frozen FP8 weights (e4m3), their 128x128 block scales; each expert's
+            weights are dequantized to ``x``'s dtype when its rows come up (never all experts at once).
 
     Returns:
         ``[T, D]``: ``sum_j weights[t, j] * down[e_j] @ swiglu(gate_up[e_j] @ x[t])``.
@@ -49,11 +53,16 @@ def experts_ref(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tenso
         if count == 0:
             continue
         rows = token[start:start + count]
-        gate, up = F.linear(x[rows], gate_up_proj[e]).chunk(2, dim=-1)
-        y = F.linear(clamped_swiglu(gate, up, limit), down_proj[e])
+        gate, up = F.linear(x[rows], _expert(gate_up_proj, gate_up_scale, e, x.dtype)).chunk(2, dim=-1)
+        y = F.linear(clamped_swiglu(gate, up, limit), _expert(down_proj, down_scale, e, x.dtype))
         out = out.index_add(0, rows, (y * w[start:start + count, None]).to(out.dtype))
         start += count
     return out.to(x.dtype)
+
+
+def _expert(weight: Tensor, scale: Tensor | None, e: int, dtype: torch.dtype) -> Tensor:
+    """Expert ``e``'s weight, dequantized to ``dtype`` if ``scale`` (its FP8 block scales) is given."""
+    return weight[e] if scale is None else dequantize(weight[e], scale[e], dtype)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,0 +1,24 @@
+"""FP8 operators for a frozen base held in DeepSeek's FP8 release format (e4m3 weights, 128x128 fp32 block
+scales): the 1x128 activation quantizer, a dense linear and the MoE grouped GEMM, forward and input gradient, no
+weight gradient. See ``README.md``."""
+
+from __future__ import annotations
+
+from .grouped import COMPUTES, check_compute, fp8_grouped_mm, kernel_compute
+from .linear import fp8_linear, quantize_1x128
+from .naive import (
+                    BLOCK,
+                    FP8_DTYPE,
+                    FP8_MAX,
+                    check_weight,
+                    dequantize,
+                    fp8_grouped_mm_quantized,
+                    fp8_grouped_mm_ref,
+                    fp8_linear_quantized,
+                    fp8_linear_ref,
+                    quantize_1x128_ref,
+)
+
+__all__ = ["BLOCK", "COMPUTES", "FP8_DTYPE", "FP8_MAX", "check_compute", "check_weight", "dequantize", "fp8_grouped_mm",
+           "fp8_grouped_mm_quantized", "fp8_grouped_mm_ref", "fp8_linear", "fp8_linear_quantized", "fp8_linear_ref",
+           "kernel_compute", "quantize_1x128", "quantize_1x128_ref"]

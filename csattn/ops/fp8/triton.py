@@ -1,0 +1,204 @@
+"""Triton kernels of the FP8 ops: the fused 1x128 activation quantizer and the block-scaled grouped GEMM over
+expert-sorted rows (also the dense FP8 linear's fallback: one group). Same math as :mod:`.naive`.
+
+Grouped GEMM: ``out[rows of e] = a[rows of e] @ B_e`` with ``B_e = W_e^T`` (``trans=False``) or ``W_e``
+(``trans=True``): only the strides that walk the weight differ, the kernel is one. Each 128-deep step of the
+contraction is one block of both scales: its MMA goes to a fresh fp32 accumulator, which is then added with the
+product of the activation row scales and the weight block scales (DeepGEMM's promotion), so the scales never
+touch the FP8 operands. In the W8A16 mode the activation stays bf16 and the FP8 weight tile is cast to bf16 in
+registers (exact: e4m3 is a subset of bf16); the promotion then applies the weight scale alone.
+
+Tiles find their group on the device: a program's row-tile index is located in the running sum of the groups'
+tile counts (``ceil(rows_e / BM)``, from ``offs``) by a vector compare; the grid is sized by the static bound
+``ceil(M / BM) + E + 1`` row tiles and the programs past the last tile return at once. No host read. A virtual
+last group covers the rows past ``offs[-1]`` and writes zeros there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..backend import interpreting
+from .naive import BLOCK, FP8_DTYPE, FP8_MAX
+
+__all__ = ["quantize_1x128_triton", "grouped_mm_triton"]
+
+
+@triton.jit
+def _round_e4m3(v):
+    """``v`` (``|v| <= 448``) rounded to the nearest e4m3 value, ties to even, in fp32: the later cast is then exact.
+    Done by hand because Triton's CPU interpreter drops the exponent carry when rounding to e4m3 (124.3 -> 64);
+    on the GPU it is the same RTNE the hardware conversion does."""
+    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp = ((tl.maximum(e, -6) + 124) << 23).to(tl.float32, bitcast=True)  # 2^(max(e, -6) - 3): 3 mantissa bits
+    t = v / ulp  # exact: a power of two
+    r = (t + 12582912.0) - 12582912.0  # 1.5 * 2^23: rounds |t| < 2^22 to an integer, ties to even
+    return tl.where(r == 0.0, t * 0.0, r) * ulp  # keeps the sign of zero, as the conversion does
+
+
+@triton.jit
+def _quantize_kernel(x, q, s, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
+                     BR: tl.constexpr, BK: tl.constexpr, FP8MAX: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < K)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    v = tl.load(x + r64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=1)
+    scale = tl.where(amax == 0.0, 1.0, amax / FP8MAX)
+    qv = _round_e4m3(tl.minimum(tl.maximum(v / scale[:, None], -FP8MAX), FP8MAX))
+    tl.store(q + r64 * stride_qm + cols[None, :], qv.to(q.dtype.element_ty), mask=mask)
+    tl.store(s + rows.to(tl.int64) * stride_sm + tl.program_id(1) * stride_sk, scale, mask=rmask)
+
+
+def quantize_1x128_triton(x: Tensor, scale_t: bool = False,
+                          out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """The fused quantizer: one read of ``x [M, K]`` (K-contiguous), ``q [M, K]`` e4m3 and ``s [M, ceil(K/128)]``
+    written once. ``scale_t``: ``s`` stored transposed (``[ceil(K/128), M]`` in memory, returned as its
+    ``[M, ceil(K/128)]`` view), the layout ``torch._scaled_mm`` takes for its blockwise ``scale_a``. ``out``:
+    ``(q, s)`` to write into (the tests poison them)."""
+    m, k = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    kb = triton.cdiv(k, BLOCK)
+    if out is not None:
+        q, s = out
+    else:
+        q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+        s = torch.empty((kb, m), dtype=torch.float32, device=x.device).t() if scale_t else \
+            torch.empty((m, kb), dtype=torch.float32, device=x.device)
+    br = 4 if interpreting() else 32
+    if m and k:
+        _quantize_kernel[(triton.cdiv(m, br), kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                                   BR=br, BK=BLOCK, FP8MAX=FP8_MAX, num_warps=4)
+    return q, s
+
+
+@triton.jit
+def _group_of_tile(offs, pid_m, M, E, BM: tl.constexpr, E_P2: tl.constexpr):
+    """(group, first row, end row) of row tile ``pid_m``; group ``E`` is the zero-filled tail past ``offs[-1]``,
+    ``E + 1`` a program with no tile."""
+    idx = tl.arange(0, E_P2)
+    ends = tl.load(offs + idx, mask=idx < E, other=0)
+    ends = tl.where(idx == E, M, ends)  # the tail group ends at M
+    starts = tl.load(offs + idx - 1, mask=(idx > 0) & (idx <= E), other=0)
+    counts = tl.where(idx <= E, tl.maximum(ends - starts, 0), 0)
+    tiles = (counts + BM - 1) // BM
+    cum = tl.cumsum(tiles, axis=0)
+    g = tl.sum((cum <= pid_m).to(tl.int32), axis=0)
+    first = tl.sum(tl.where(idx == g, cum - tiles, 0), axis=0)
+    row0 = tl.sum(tl.where(idx == g, starts, 0), axis=0) + (pid_m - first) * BM
+    row_end = tl.sum(tl.where(idx == g, ends, 0), axis=0)
+    return g, row0, row_end
+
+
+@triton.jit
+def _grouped_kernel(a, sa, w, sw, offs, out, M, N, KC, E,
+                    stride_am, stride_sam, stride_sak, stride_we, stride_bk, stride_bn, stride_swe, stride_sbk,
+                    stride_sbn, stride_om, A_FP8: tl.constexpr, EVEN_K: tl.constexpr, E_P2: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    # program -> (row tile, column tile), GROUP_M row tiles side by side for L2 reuse of the weight tiles
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM) + E + 1
+    tiles_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    g, row0, row_end = _group_of_tile(offs, pid_m, M, E, BM, E_P2)
+    if g > E:
+        return
+    rows = row0 + tl.arange(0, BM)
+    rmask = rows < row_end
+    cols = pid_n * BN + tl.arange(0, BN)
+    cmask = cols < N
+    r64 = rows.to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if g < E:
+        ks = tl.arange(0, BK)
+        a_ptrs = a + r64[:, None] * stride_am + ks[None, :]
+        w_base = w + g.to(tl.int64) * stride_we
+        b_ptrs = w_base + ks[:, None].to(tl.int64) * stride_bk + cols[None, :].to(tl.int64) * stride_bn
+        sw_ptrs = sw + g.to(tl.int64) * stride_swe + (cols // BK) * stride_sbn
+        for kb in range(0, tl.cdiv(KC, BK)):
+            if EVEN_K:
+                av = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+                bv = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
+            else:
+                kmask = kb * BK + ks < KC
+                av = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                bv = tl.load(b_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            sb = tl.load(sw_ptrs + kb * stride_sbk, mask=cmask, other=0.0)
+            if A_FP8:
+                part = tl.dot(av, bv)
+                sav = tl.load(sa + r64 * stride_sam + kb * stride_sak, mask=rmask, other=0.0)
+                acc += part * (sav[:, None] * sb[None, :])
+            else:
+                part = tl.dot(av, bv.to(av.dtype))
+                acc += part * sb[None, :]
+            a_ptrs += BK
+            b_ptrs += BK * stride_bk
+    o_ptrs = out + r64[:, None] * stride_om + cols[None, :]
+    tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+def _configs(a_fp8: bool) -> list:
+    if a_fp8:
+        shapes = [(128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4), (128, 128, 4, 4)]
+    else:
+        shapes = [(128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4)]
+    return [triton.Config({"BM": bm, "BN": bn, "GROUP_M": 8}, num_warps=nw, num_stages=ns) for bm, bn, nw, ns in shapes]
+
+
+_TUNED = {flag: triton.autotune(configs=_configs(flag), key=["N", "KC", "E"])(_grouped_kernel)
+          for flag in (False, True)}
+
+
+def grouped_mm_triton(a: Tensor, a_scale: Tensor | None, weight: Tensor, scale: Tensor, offs: Tensor,
+                      trans: bool = False, out_dtype: torch.dtype = torch.bfloat16,
+                      out: Tensor | None = None) -> Tensor:
+    """The grouped GEMM kernel on prepared operands.
+
+    Args:
+        a: ``[M, C]`` e4m3 with ``a_scale [M, ceil(C/128)]`` (its 1x128 scales), or bf16 / fp16 with ``a_scale``
+            None (W8A16). ``C`` is the contraction: ``K`` (``trans=False``) or ``N`` (``trans=True``).
+        weight: ``[E, N, K]`` e4m3. scale: ``[E, ceil(N/128), ceil(K/128)]`` fp32. offs: ``[E]`` int32 row ends.
+
+    Returns:
+        ``[M, N]`` (``trans=False``) or ``[M, K]`` (``trans=True``) in ``out_dtype`` (into ``out`` if given); rows
+        past ``offs[-1]`` zero.
+    """
+    m, c = a.shape
+    e, n_w, k_w = weight.shape
+    n_out = k_w if trans else n_w
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    weight, scale = weight.contiguous(), scale.contiguous()
+    if out is None:
+        out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
+    if m == 0 or n_out == 0:
+        return out
+    a_fp8 = a_scale is not None
+    sa = a_scale if a_fp8 else scale  # unused when not a_fp8
+    if trans:  # contraction along W's rows
+        sbk, sbn, ssk, ssn = weight.stride(1), weight.stride(2), scale.stride(1), scale.stride(2)
+    else:
+        sbk, sbn, ssk, ssn = weight.stride(2), weight.stride(1), scale.stride(2), scale.stride(1)
+    sam, sak = (sa.stride(0), sa.stride(1)) if a_fp8 else (0, 0)
+    args = (a, sa, weight, scale, offs, out, m, n_out, c, e, a.stride(0), sam, sak, weight.stride(0),
+            sbk, sbn, scale.stride(0), ssk, ssn, out.stride(0))
+    consts = dict(A_FP8=a_fp8, EVEN_K=c % BLOCK == 0, E_P2=triton.next_power_of_2(e + 2), BK=BLOCK)
+    if interpreting():
+        bm, bn = 16, 32
+        grid = ((triton.cdiv(m, bm) + e + 1) * triton.cdiv(n_out, bn),)
+        _grouped_kernel[grid](*args, **consts, BM=bm, BN=bn, GROUP_M=2)
+    else:
+        def grid(meta):
+            return ((triton.cdiv(m, meta["BM"]) + e + 1) * triton.cdiv(n_out, meta["BN"]),)
+        _TUNED[a_fp8][grid](*args, **consts)
+    return out

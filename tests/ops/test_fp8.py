@@ -1,0 +1,225 @@
+"""The FP8 ops (csattn.ops.fp8) on the CPU: the fused quantizer under Triton's interpreter bit for bit against its
+reference; the references of the FP8 linear and grouped GEMM against fp64 math of the dequantized weights
+(outputs and input gradients); the grouped kernel under the interpreter on tiny ragged shapes (empty experts,
+one row, rows past the last group) against the same computation on the same quantized operands in fp64 (fp32
+summation apart) and within the FP8 quantization bound of the exact product; frozen FP8 experts in moe_experts
+against the dequantized fp64 experts (output, dx, dweights). The interpreter's bf16 dot is wrong (numpy has no
+bf16), so the W8A16 mode runs here with fp16 activations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from csattn.ops.fp8 import (
+    FP8_DTYPE,
+    dequantize,
+    fp8_grouped_mm,
+    fp8_grouped_mm_quantized,
+    fp8_grouped_mm_ref,
+    fp8_linear,
+    fp8_linear_ref,
+    quantize_1x128,
+    quantize_1x128_ref,
+)
+from csattn.ops.fp8.triton import grouped_mm_triton, quantize_1x128_triton
+from csattn.ops.moe import moe_experts
+
+LIMIT = 10.0
+EPS_E4M3 = 2.0 ** -4  # e4m3 keeps 3 mantissa bits: rounding to nearest is within 2^-4 relative (normal range)
+
+
+def _weight(shape: tuple[int, ...], g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 weight with block scales of several magnitudes (as a release's are)."""
+    *lead, n, k = shape
+    q = (torch.randn(*shape, generator=g) * 100).clamp(-448, 448).to(FP8_DTYPE)
+    s = torch.rand(*lead, -(-n // 128), -(-k // 128), generator=g) * 1e-3 + 1e-4
+    return q, s
+
+
+def _activations(m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Rows of varied magnitude, a zero tile, tiny values (e4m3 subnormals after scaling)."""
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]
+    x[0, :min(k, 128)] = 0
+    if m > 2:
+        x[2, 1:] *= 1e-6
+    return x
+
+
+@pytest.mark.parametrize("m,k", [(7, 300), (1, 128), (33, 256)])
+@pytest.mark.parametrize("scale_t", [False, True])
+def test_quantize_kernel_bitwise(m, k, scale_t):
+    x = _activations(m, k, torch.Generator().manual_seed(m + k))
+    for dtype in (torch.float32, torch.float16):
+        xd = x.to(dtype)
+        q = torch.full((m, k), float("nan")).to(FP8_DTYPE)
+        s = torch.full((-(-k // 128), m), float("nan")).t() if scale_t else torch.full((m, -(-k // 128)), float("nan"))
+        quantize_1x128_triton(xd, scale_t, out=(q, s))
+        qr, sr = quantize_1x128_ref(xd)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+        assert torch.equal(s, sr)
+    got_q, got_s = quantize_1x128(x, scale_t=scale_t)  # CPU: the reference, the layout asked for
+    assert torch.equal(got_s, quantize_1x128_ref(x)[1])
+    assert got_s.stride() == ((1, m) if scale_t else (got_s.shape[1], 1))
+
+
+def test_quantize_reference_guarantees():
+    x = _activations(9, 384, torch.Generator().manual_seed(1)).double()
+    q, s = quantize_1x128_ref(x)
+    assert s[0, 0] == 1 and (q[0, :128].float() == 0).all()  # the zero tile: scale 1
+    tiles = x.view(9, 3, 128)
+    back = q.double().view(9, 3, 128) * s.double()[..., None]
+    amax = tiles.abs().amax(-1)
+    assert torch.allclose(back.abs().amax(-1), amax, rtol=1e-6)  # the tile maximum maps to 448 exactly
+    normal = back.abs() >= 2.0 ** -6 * s.double()[..., None]
+    err = (back - tiles).abs()
+    assert (err[normal] <= EPS_E4M3 * tiles.abs()[normal] * (1 + 1e-6)).all()
+    assert (err[~normal] <= 2.0 ** -10 * s.double()[..., None].expand_as(err)[~normal] * (1 + 1e-6)).all()
+
+
+def test_dequantize_is_the_block_product():
+    q, s = _weight((2, 200, 130), torch.Generator().manual_seed(2))
+    w = dequantize(q, s, torch.float64)
+    for e, n, k in [(0, 0, 0), (1, 199, 129), (0, 127, 128), (1, 128, 127)]:
+        assert w[e, n, k] == q[e, n, k].double() * s[e, n // 128, k // 128].double()
+
+
+def test_fp8_linear_reference_vs_fp64(assert_close):
+    g = torch.Generator().manual_seed(3)
+    q, s = _weight((200, 260), g)
+    x = torch.randn(3, 5, 260, generator=g, requires_grad=True)
+    dy = torch.randn(3, 5, 200, generator=g)
+    out = fp8_linear(x, q, s)
+    (dx,) = torch.autograd.grad(out, x, dy)
+    w = dequantize(q, s, torch.float64)
+    assert_close(out, x.double() @ w.T, 1e-6, "out")
+    assert_close(dx, dy.double() @ w, 1e-6, "dx")
+    assert torch.equal(fp8_linear_ref(x, q, s), out)
+
+
+def test_fp8_ops_refuse_trainable_weights_and_bad_args():
+    q, s = _weight((128, 128), torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError, match="requires grad"):
+        fp8_linear(torch.randn(2, 128), q.clone().requires_grad_(True), s)
+    with pytest.raises(ValueError, match="scale"):
+        fp8_linear(torch.randn(2, 128), q, s[:, :0])
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_linear(torch.randn(2, 128), q.float(), s)
+    with pytest.raises(ValueError, match="compute"):
+        fp8_linear(torch.randn(2, 128), q, s, compute="int8")
+    offs = torch.tensor([2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="not differentiable"):
+        fp8_grouped_mm(torch.randn(2, 128, requires_grad=True), q[None], s[None], offs)
+    with pytest.raises(ValueError, match="offs"):
+        fp8_grouped_mm(torch.randn(2, 128), q[None], s[None], offs.long())
+
+
+
+def _offsets(counts: list[int]) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+
+
+# (E, N, K, counts per expert, rows past the last group): empty experts, ragged groups, one row, K and N not whole
+# blocks, a tail of rows in no group (written as zeros)
+GROUPED_CASES = [(4, 64, 128, [5, 0, 17, 3], 0), (3, 136, 200, [1, 0, 0], 2), (2, 256, 256, [0, 33], 0),
+                 (5, 32, 384, [2, 9, 0, 1, 6], 3)]
+
+
+@pytest.mark.parametrize("e,n,k,counts,tail", GROUPED_CASES)
+@pytest.mark.parametrize("trans", [False, True])
+def test_grouped_reference_vs_fp64(e, n, k, counts, tail, trans, assert_close):
+    g = torch.Generator().manual_seed(e + n)
+    q, s = _weight((e, n, k), g)
+    offs = _offsets(counts)
+    a = torch.randn(sum(counts) + tail, n if trans else k, generator=g)
+    got = fp8_grouped_mm(a, q, s, offs, trans=trans)  # CPU: the reference
+    want = torch.zeros(a.shape[0], k if trans else n, dtype=torch.float64)
+    lo = 0
+    for i, c in enumerate(counts):
+        w = dequantize(q[i], s[i], torch.float64)
+        want[lo:lo + c] = a[lo:lo + c].double() @ (w if trans else w.T)
+        lo += c
+    assert_close(got, want, 1e-6, "grouped reference")
+    assert (got[sum(counts):] == 0).all()
+    assert torch.equal(fp8_grouped_mm_ref(a, q, s, offs, trans), got)
+
+
+@pytest.mark.parametrize("e,n,k,counts,tail", GROUPED_CASES)
+@pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize("mode", ["fp8", "w8a16"])
+def test_grouped_kernel_vs_same_operands(e, n, k, counts, tail, trans, mode):
+    """The kernel against fp64 math on the very operands it multiplies (the quantized activations in "fp8"):
+    equal up to fp32 summation; and against the exact product of the unquantized activations within the
+    quantization bound ``2^-4 |a| |W|`` (each activation moves by at most 2^-4 of itself)."""
+    g = torch.Generator().manual_seed(7 * e + k)
+    q, s = _weight((e, n, k), g)
+    offs = _offsets(counts)
+    m, c = sum(counts) + tail, n if trans else k
+    a = _activations(m, c, g).half() if m > 3 else torch.randn(m, c, generator=g).half()
+    out = torch.full((m, k if trans else n), float("nan"))
+    if mode == "fp8":
+        qa, sa = quantize_1x128_triton(a)
+        grouped_mm_triton(qa, sa, q, s, offs, trans, out=out)
+    else:
+        grouped_mm_triton(a, None, q, s, offs, trans, out=out)
+    assert torch.isfinite(out).all()
+    same = fp8_grouped_mm_quantized(a, q, s, offs, trans, quantize_a=mode == "fp8")
+    wabs = q.view(torch.uint8).bitwise_and(0x7F).view(FP8_DTYPE)  # |q|: clear the sign bit
+    absprod = fp8_grouped_mm_quantized(a.abs(), wabs, s, offs, trans, quantize_a=False)
+    assert ((out.double() - same).abs() <= 1e-5 * absprod).all()
+    exact = fp8_grouped_mm_quantized(a, q, s, offs, trans, quantize_a=False)
+    slack = 1e-5 * absprod
+    if mode == "fp8":  # per activation: 2^-4 of itself (normal range) or half the subnormal spacing 2^-10 s
+        tile = quantize_1x128_ref(a)[1].double().repeat_interleave(128, dim=-1)[:, :c]
+        moved = EPS_E4M3 * a.abs().double() + 2.0 ** -10 * tile
+        slack = slack + fp8_grouped_mm_quantized(moved, wabs, s, offs, trans, quantize_a=False)
+    assert ((out.double() - exact).abs() <= slack).all()
+    assert (out[sum(counts):] == 0).all()
+
+
+def _fp8_experts(e: int, d: int, inter: int, g: torch.Generator):
+    gu = _weight((e, 2 * inter, d), g)
+    dn = _weight((e, d, inter), g)
+    # about unit-variance outputs: scale the block scales by the fan-in
+    return (gu[0], gu[1] * d ** -0.5 / 60), (dn[0], dn[1] * inter ** -0.5 / 60)
+
+
+def _moe_run(x, w, ids, dout, gu, dn, backend, fp8_compute="fp8"):
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    out = moe_experts(x, ids, w, gu[0], dn[0], LIMIT, backend, gate_up_scale=gu[1], down_scale=dn[1],
+                      fp8_compute=fp8_compute)
+    return [out.detach(), *torch.autograd.grad(out, (x, w), dout)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "grouped", "triton"])
+def test_moe_fp8_experts_vs_dequantized_fp64(backend, assert_close):
+    g = torch.Generator().manual_seed(11)
+    t, e, k, d, inter = 12, 5, 2, 160, 136
+    gu, dn = _fp8_experts(e, d, inter, g)
+    x = torch.randn(t, d, generator=g, dtype=torch.float64)
+    ids = torch.rand(t, e, generator=g).argsort(-1)[:, :k] % (e - 1)  # expert e-1 gets no rows
+    w = torch.rand(t, k, generator=g, dtype=torch.float64) + 0.1
+    dout = torch.randn(t, d, generator=g, dtype=torch.float64)
+    wgu, wdn = dequantize(*gu, torch.float64), dequantize(*dn, torch.float64)
+    xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = moe_experts(xe, ids, we, wgu, wdn, LIMIT, "reference")
+    exact = [out.detach(), *torch.autograd.grad(out, (xe, we), dout)]
+    got64 = _moe_run(x, w, ids, dout, gu, dn, backend)  # fp64: the reference loop, one expert dequantized at a time
+    got = _moe_run(x.float(), w.float(), ids, dout.float(), gu, dn, backend)
+    for name, a, b, c in zip(("out", "dx", "dweights"), got64, got, exact):
+        assert_close(a, c, 1e-12, f"fp64 {name}")
+        assert b.dtype == torch.float32
+        assert_close(b, c, 1e-5, f"fp32 {name}")
+
+
+def test_moe_fp8_refuses_trainable_or_half_given_scales():
+    g = torch.Generator().manual_seed(12)
+    gu, dn = _fp8_experts(2, 128, 128, g)
+    x, ids, w = torch.randn(3, 128), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    with pytest.raises(ValueError, match="both"):
+        moe_experts(x, ids, w, gu[0], dn[0], LIMIT, gate_up_scale=gu[1])
+    with pytest.raises(ValueError, match="gate_up_proj requires grad"):
+        moe_experts(x, ids, w, gu[0].clone().requires_grad_(True), dn[0], LIMIT, gate_up_scale=gu[1],
+                    down_scale=dn[1])
+    with pytest.raises(ValueError, match="fp8_compute|compute"):
+        moe_experts(x, ids, w, gu[0], dn[0], LIMIT, gate_up_scale=gu[1], down_scale=dn[1], fp8_compute="fp4")

@@ -1,0 +1,120 @@
+"""The FP8 ops on the GPU at real shapes: the fused quantizer bit for bit against its reference; the grouped
+kernel (FP8 and W8A16, forward and transposed) and the FP8 linear (forward and every input-gradient route)
+against fp64 math on the same quantized operands (fp32 summation apart); frozen FP8 experts in moe_experts
+against the dequantized bf16 experts, within the error the bf16 path itself has against fp64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from csattn.ops.fp8 import (
+    FP8_DTYPE,
+    dequantize,
+    fp8_grouped_mm_quantized,
+    fp8_linear,
+    fp8_linear_quantized,
+    quantize_1x128,
+    quantize_1x128_ref,
+)
+from csattn.ops.fp8.linear import DGRADS, input_grad
+from csattn.ops.fp8.triton import grouped_mm_triton
+from csattn.ops.moe import moe_experts
+from tests.helpers import rel_err
+
+pytestmark = pytest.mark.gpu
+LIMIT = 10.0
+
+
+def _weight(shape, g, fan_in):
+    *lead, n, k = shape
+    q = (torch.randn(*shape, generator=g, device="cuda") * 100).clamp(-448, 448).to(FP8_DTYPE)
+    s = (torch.rand(*lead, -(-n // 128), -(-k // 128), generator=g, device="cuda") + 0.5) * fan_in ** -0.5 / 100
+    return q, s
+
+
+def test_quantize_bitwise_at_scale():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 4096, generator=g, device="cuda") * torch.logspace(-4, 4, 4096, device="cuda")[:, None]
+    x[7, :128] = 0
+    for xd in (x.bfloat16(), x):
+        q, s = quantize_1x128(xd, scale_t=True)
+        qr, sr = quantize_1x128_ref(xd)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize("mode", ["fp8", "w8a16"])
+def test_grouped_kernel_vs_same_operands(trans, mode):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    e, n, k = 16, 1024, 512
+    counts = torch.randint(0, 300, (e,), generator=g, device="cuda")
+    counts[3] = 0
+    offs = counts.cumsum(0).to(torch.int32)
+    q, s = _weight((e, n, k), g, n if trans else k)
+    m = int(offs[-1]) + 5
+    a = torch.randn(m, n if trans else k, generator=g, device="cuda").bfloat16()
+    out = torch.full((m, k if trans else n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    if mode == "fp8":
+        qa, sa = quantize_1x128(a)
+        grouped_mm_triton(qa, sa, q, s, offs, trans, out=out)
+        out32 = grouped_mm_triton(qa, sa, q, s, offs, trans, out_dtype=torch.float32)
+    else:
+        grouped_mm_triton(a, None, q, s, offs, trans, out=out)
+        out32 = grouped_mm_triton(a, None, q, s, offs, trans, out_dtype=torch.float32)
+    same = fp8_grouped_mm_quantized(a, q, s, offs, trans, quantize_a=mode == "fp8")
+    assert torch.isfinite(out).all() and (out[int(offs[-1]):] == 0).all()
+    assert rel_err(out32, same) < 1e-6, rel_err(out32, same)
+    assert rel_err(out, same) < 4e-3  # the bf16 output rounding
+    exact = fp8_grouped_mm_quantized(a, q, s, offs, trans, quantize_a=False)
+    print(f"{mode} trans={trans}: vs same operands {rel_err(out32, same):.2e}, "
+          f"vs unquantized {rel_err(out32, exact):.2e}")
+
+
+@pytest.mark.parametrize("m", [4096, 1000])
+@pytest.mark.parametrize("compute", ["fp8", "w8a16"])
+def test_fp8_linear_vs_same_operands(m, compute):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    n, k = 2048, 4096
+    q, s = _weight((n, k), g, k)
+    x = torch.randn(m, k, generator=g, device="cuda").bfloat16().requires_grad_()
+    dy = torch.randn(m, n, generator=g, device="cuda").bfloat16()
+    out = fp8_linear(x, q, s, compute)
+    (dx,) = torch.autograd.grad(out, x, dy)
+    w = dequantize(q, s, torch.float64)
+    want = fp8_linear_quantized(x.detach(), q, s) if compute == "fp8" else x.detach().double() @ w.T
+    assert rel_err(out, want) < 4e-3, rel_err(out, want)
+    dwant = fp8_linear_quantized(dy, q.t().contiguous(), s.t().contiguous()) if compute == "fp8" else dy.double() @ w
+    assert rel_err(dx, dwant) < 4e-3, rel_err(dx, dwant)
+    for method in DGRADS:
+        got = input_grad(dy, q, s, compute, method)
+        tol = 4e-3 if method != "bf16" else 1e-2  # bf16: dY unquantized, W rounded to bf16 (exact for e4m3 * 2^j)
+        print(f"{compute} m={m} dgrad {method}: {rel_err(got, dwant):.2e}")
+        assert rel_err(got, dwant if method != "bf16" else dy.double() @ w) < tol
+
+
+def test_moe_fp8_experts_vs_bf16():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    t, e, k, d, inter = 2048, 32, 6, 1024, 512
+    gu = _weight((e, 2 * inter, d), g, d)
+    dn = _weight((e, d, inter), g, inter)
+    x = torch.randn(t, d, generator=g, device="cuda")
+    top = torch.topk(torch.randn(t, e, generator=g, device="cuda"), k, dim=-1)
+    ids, w = top.indices, torch.softmax(top.values, -1)
+    dout = torch.randn(t, d, generator=g, device="cuda")
+    wgu, wdn = dequantize(*gu, torch.float64), dequantize(*dn, torch.float64)
+
+    def run(dtype, weights, scales, backend="auto", compute="fp8"):
+        xx, ww = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        out = moe_experts(xx, ids, ww, *(t if t.dtype == FP8_DTYPE else t.to(dtype) for t in weights), LIMIT,
+                          backend, gate_up_scale=scales[0], down_scale=scales[1], fp8_compute=compute)
+        return [out, *torch.autograd.grad(out, (xx, ww), dout.to(dtype))]
+
+    exact = run(torch.float64, (wgu, wdn), (None, None), "reference")
+    bf16 = run(torch.bfloat16, (wgu, wdn), (None, None))
+    for compute in ("fp8", "w8a16"):
+        got = run(torch.bfloat16, (gu[0], dn[0]), (gu[1], dn[1]), compute=compute)
+        for name, a, b, c in zip(("out", "dx", "dweights"), got, bf16, exact):
+            ea, eb = rel_err(a, c), rel_err(b, c)
+            print(f"moe {compute} {name}: {ea:.2e} (bf16 experts {eb:.2e})")
+            assert ea <= (4 if compute == "fp8" else 1.5) * eb + 1e-3, (name, ea, eb)
