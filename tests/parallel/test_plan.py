@@ -9,7 +9,7 @@ import pytest
 
 from csattn.models.deepseek_v4 import DeepseekV4ModelConfig
 from csattn.parallel.mesh import ParallelDims
-from csattn.parallel.plan import count_params, plan
+from csattn.parallel.plan import count_params, plan, search
 
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 
@@ -66,9 +66,110 @@ def test_cli_prints_the_fit_and_the_peak(capsys):
     proxy = str(CONFIGS / "v4_flash_proxy.json")
     assert main(["plan", "--config", proxy, "--gpus", "1", "--seq-len", "16384", "--recompute", "none"]) == 0
     out = capsys.readouterr().out
-    assert "fit: yes" in out and "peak (predicted):" in out
+    assert "fit: yes" in out and "decides the fit" in out
     assert main(["plan", "--config", str(CONFIGS / "v4_flash.json"), "--gpus", "8", "--seq-len", "4096",
                  "--ep", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] is False and data["dims"]["ep"] == 8
     assert main(["plan", "--config", proxy, "--gpus", "8", "--dp-shard", "3", "--cp", "2"]) == 2
+
+
+FLASH = str(CONFIGS / "v4_flash.json")
+PROXY = str(CONFIGS / "v4_flash_proxy.json")
+
+
+def _plan_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from csattn.cli import main
+
+    rc = main(["plan", *argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_search_honours_batch_seqs_dtype_recompute_and_fixed_sizes():
+    c = _load("v4_flash_proxy.json")
+    assert search(c, 8, 16384, batch_seqs=32).batch_seqs == 32
+    p = search(c, 8, 16384)
+    assert p.batch_seqs == p.dims["dp_replicate"] * p.dims["dp_shard"]  # one per replica by default
+    assert search(c, 8, 16384, dtype="float32").dtype == "float32"
+    assert search(c, 8, 16384, recompute="mhc").recompute == "mhc"
+    p = search(c, 8, 16384, mesh={"cp": 2, "ep": 4})
+    assert (p.dims["cp"], p.dims["ep"], p.dims["dp_shard"] * p.dims["dp_replicate"]) == (2, 4, 4)
+    # --batch-seqs 7 takes only a mesh of one data replica: CP 8 (as the plain plan with --cp 8 would)
+    p = search(c, 8, 65536, batch_seqs=7)
+    assert p.batch_seqs == 7 and p.dims["cp"] == 8
+    with pytest.raises(ValueError, match="--batch-seqs 7"):  # 4096 / 8 rows: no CP 8, so no mesh takes 7
+        search(c, 8, 4096, batch_seqs=7)
+    with pytest.raises(ValueError, match="--ep 3"):
+        search(c, 8, 4096, mesh={"ep": 3})
+
+
+def test_search_cli_refuses_what_no_mesh_takes(capsys):
+    rc, out, err = _plan_cli(capsys, "--config", PROXY, "--gpus", "8", "--seq-len", "4096", "--batch-seqs", "7",
+                             "--search")
+    assert rc == 2 and out == "" and err.startswith("csattn plan: error: no mesh of 8 GPUs")
+    assert "--batch-seqs 7" in err and len(err.strip().splitlines()) == 1
+    rc, out, err = _plan_cli(capsys, "--table", "--config", PROXY)
+    assert rc == 2 and "--table" in err
+
+
+def test_output_one_peak_decides_in_gib_with_the_train_line(capsys):
+    rc, out, _ = _plan_cli(capsys, "--config", FLASH, "--gpus", "64", "--seq-len", "65536", "--search")
+    assert rc == 0
+    assert "efsdp: the experts' FSDP mesh, what ep leaves of dp_shard x cp" in out
+    assert "decides the fit" in out and "fit: yes: peak" in out
+    assert " GB " not in out and " GB)" not in out and "benchmarks.run" not in out
+    assert "total" not in [line.split()[0] for line in out.splitlines() if line.startswith("    ")]
+    train = [line.strip() for line in out.splitlines() if "-m csattn train" in line]
+    assert train[0].startswith("torchrun --nnodes 8 --nproc-per-node 8 ")
+    assert "next best meshes" in out
+    ups = [line for line in out.splitlines() if line.lstrip()[:2] in ("2.", "3.", "4.")]
+    assert len(ups) == 3 and len({u.split(",")[0] for u in ups}) == 3  # distinct meshes
+
+
+def test_the_train_line_parses_and_plans_the_same(capsys):
+    """The printed line is accepted by ``csattn train``'s own parser and its flags give back the same plan."""
+    from csattn.cli import build_parser
+
+    for config, gpus, seq_len in ((PROXY, 8, 16384), (FLASH, 128, 4096)):
+        c = DeepseekV4ModelConfig.from_hf(json.loads(Path(config).read_text()))
+        rc, out, _ = _plan_cli(capsys, "--config", config, "--gpus", str(gpus), "--seq-len", str(seq_len),
+                               "--search", "--dp-shard", str(gpus), "--recompute", "full")
+        assert rc == 0
+        line = next(x.strip() for x in out.splitlines() if "-m csattn train" in x)
+        launcher, flags = line.split(" -m csattn ")
+        assert (f"--nproc-per-node {gpus}" if gpus <= 8 else f"--nnodes {gpus // 8} --nproc-per-node 8") in launcher
+        a = build_parser().parse_args(flags.split())
+        assert a.config_json == config and a.dp_shard == gpus and a.recompute == "full"
+        p = plan(c, ParallelDims(dp_replicate=a.dp_replicate, dp_shard=a.dp_shard, cp=a.cp, ep=a.ep, world=gpus),
+                 a.seq_len, batch_seqs=a.batch_seqs, recompute=a.recompute, dtype=a.dtype)
+        assert p.fits and f"peak: {p.peak / 2**30:.2f} GiB" in out
+
+
+def test_does_not_fit_says_what_would(capsys):
+    rc, out, _ = _plan_cli(capsys, "--config", FLASH, "--gpus", "8", "--seq-len", "4096", "--search")
+    assert rc == 1 and out.startswith("does not fit:") and "nearest that fit:" in out
+    more = next(line for line in out.splitlines() if "more GPUs:" in line)
+    assert int(more.split(":")[1].split()[0]) > 8
+    # the plain plan that does not fit: the same mesh with more recompute
+    rc, out, _ = _plan_cli(capsys, "--config", PROXY, "--gpus", "1", "--seq-len", "262144")
+    assert rc == 0 and "fit: NO" in out and "more recompute: moe (this mesh)" in out
+    assert "csattn train --config-json" in out.split("more recompute")[1]
+    # nothing fits on these GPUs at this length: more GPUs, or shorter sequences
+    rc, out, _ = _plan_cli(capsys, "--config", PROXY, "--gpus", "1", "--seq-len", "1048576", "--search")
+    assert rc == 1 and "more GPUs: 2 GPU(s)" in out and "shorter sequences: 1 GPU(s)" in out
+
+
+def test_every_flag_has_help_and_a_bad_config_is_one_error_line(capsys, tmp_path):
+    from csattn.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["plan"]
+    for action in sub._actions:
+        assert action.help, action.option_strings
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    for argv in ([], ["--config", str(tmp_path / "missing.json")], ["--config", str(bad)],
+                 ["--config", str(tmp_path)]):
+        rc, out, err = _plan_cli(capsys, *argv)
+        assert rc == 2 and out == "" and err.startswith("csattn plan: error: "), (argv, err)
+        assert len(err.strip().splitlines()) == 1

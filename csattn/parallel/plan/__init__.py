@@ -1,0 +1,63 @@
+"""Memory and step-time planner for sharded training (``csattn plan``): per-rank bytes and an estimated step time
+of a :class:`DeepseekV4ModelConfig` on a :class:`ParallelDims` mesh of H200s, from geometry and measured constants.
+
+Pure functions, no GPU, no process group. What a rank holds (``csattn.parallel.parallelize``'s layout):
+
+- **one process** (``world == 1``): no FSDP; ``--dtype bfloat16`` stores the matrices in bf16 (mHC, norms, sinks,
+  position biases in fp32), gradients and AdamW's two moments in the parameters' dtype;
+- **sharded**: FSDP2 over ``dp_shard x cp`` (experts: ``ep`` x ``efsdp``, the experts' FSDP mesh: what ``ep``
+  leaves of ``dp_shard x cp``), fp32 master weights, fp32 gradients (sharded), fp32 AdamW state: 16 bytes a
+  trained parameter / ``fsdp``; bf16 compute copies of the units in flight (the root, embedding + LM head, stays
+  gathered for the step; each decoder block with its experts is gathered for its forward and again for its
+  backward, one unit prefetched ahead: two units counted);
+- **fine-tuning** (:class:`Training`): frozen groups hold only their weights (FP8 with 128x128 block scales, or
+  bf16), no gradient, optimizer state or reduce-scatter, and skip their weight-gradient GEMM; LoRA pairs train
+  like any parameter.
+
+The phases, one module each: ``counts`` (parameters by kind and by fine-tuning group), ``memory`` (per-rank
+bytes, the peak that decides the fit), ``timing`` (FLOPs run, MFU, communication), ``meshes`` (the search, what
+would fit, the docs table), ``cli`` (``csattn plan``). Kept activations come from the measured bytes per token per
+layer of the proxy (:data:`KEPT_KIB`), scaled by the geometry; the backward's transient memory from the proxy's
+measured step peaks (:data:`TRANSIENT`). The step time is the FLOPs run at the measured one-GPU MFU
+(:data:`MFU_BY_ROWS`) times the recompute's measured slow-down, plus the communication model of :func:`step_time`.
+"""
+
+from __future__ import annotations
+
+from .cli import add_plan_args, format_plan, load_config, main, run_plan, train_command
+from .counts import (
+    BASE_PRECISIONS,
+    DEFAULT_LORA_TARGETS,
+    FP8_GROUPS,
+    GROUP_PATTERNS,
+    GROUPS,
+    GroupCount,
+    GroupCounts,
+    ParamCounts,
+    Training,
+    count_groups,
+    count_params,
+    group_of,
+    training_spec,
+)
+from .memory import (
+    FP8_BYTES,
+    H200_BYTES,
+    HEADROOM,
+    KEPT_KIB,
+    LIMIT_BYTES,
+    TRANSIENT,
+    Plan,
+    fp8_workspace,
+    kept_bytes_per_token,
+    plan,
+)
+from .meshes import docs_table, nearest_fits, rank_plans, search
+from .timing import FP8_GEMM_SPEEDUP, MFU_BY_ROWS, RECOMPUTE_SLOWDOWN, mfu_at, step_flops, step_time
+
+__all__ = ["BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "FP8_BYTES", "FP8_GEMM_SPEEDUP", "FP8_GROUPS",
+           "GROUP_PATTERNS", "GROUPS", "GroupCount", "GroupCounts", "H200_BYTES", "HEADROOM", "KEPT_KIB",
+           "LIMIT_BYTES", "MFU_BY_ROWS", "ParamCounts", "Plan", "RECOMPUTE_SLOWDOWN", "TRANSIENT", "Training",
+           "add_plan_args", "count_groups", "count_params", "docs_table", "format_plan", "fp8_workspace", "group_of",
+           "kept_bytes_per_token", "load_config", "main", "mfu_at", "nearest_fits", "plan", "rank_plans", "run_plan",
+           "search", "step_flops", "step_time", "train_command", "training_spec"]

@@ -1,0 +1,270 @@
+"""Parameter counts from the geometry: the whole model by kind (:func:`count_params`) and by fine-tuning group
+(:func:`count_groups`: stored elements, multiply-adds per token, LoRA's ``in + out`` per adapted map), and what a
+run trains (:class:`Training`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...models.deepseek_v4.config import DeepseekV4ModelConfig
+
+__all__ = ["GROUPS", "GROUP_PATTERNS", "FP8_GROUPS", "BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "ParamCounts",
+           "GroupCount", "GroupCounts", "Training", "count_params", "count_groups", "group_of", "training_spec"]
+
+# The fine-tuning groups and the parameter names each covers (first match wins). Kept here for the planner until
+# csattn.finetune owns the one list the trainer reads too; the names are the model's (HF DeepseekV4 layout).
+# A block's two RMSNorms go with the mHC (they norm the collapsed residual stream); the MTP block's input
+# projections and norms with the head.
+GROUPS = ("attention", "indexer", "compressor", "mhc", "router", "shared_experts", "experts", "embed", "head")
+GROUP_PATTERNS = (
+    ("indexer", r"\.self_attn\.compressor\.indexer\."),
+    ("compressor", r"\.self_attn\.compressor\."),
+    ("attention", r"\.self_attn\."),
+    ("experts", r"\.mlp\.experts\."),
+    ("shared_experts", r"\.mlp\.shared_experts\."),
+    ("router", r"\.mlp\.gate\."),
+    ("mhc", r"(_hc\.|(^|\.)hc_head\.|_layernorm\.)"),
+    ("embed", r"^model\.embed_tokens\."),
+    ("head", r"^(lm_head|model\.norm|mtp\.\d+\.(e_proj|h_proj|enorm|hnorm|norm))\."),
+)
+# Groups whose matrices the release stores in FP8 (128x128 block scales) and a frozen base may keep in FP8; the
+# router, mHC, embedding and head stay bf16 / fp32.
+FP8_GROUPS = frozenset({"attention", "indexer", "compressor", "shared_experts", "experts"})
+BASE_PRECISIONS = ("fp8", "w8a16", "bf16")
+DEFAULT_LORA_TARGETS = ("attention", "indexer", "shared_experts", "experts")
+
+
+def group_of(name: str) -> str:
+    """The fine-tuning group of parameter ``name`` (``model.layers.3.self_attn.q_a_proj.weight`` -> attention)."""
+    for group, pattern in GROUP_PATTERNS:
+        if re.search(pattern, name):
+            return group
+    raise ValueError(f"parameter {name!r} belongs to no fine-tuning group ({', '.join(GROUPS)})")
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts (elements). ``dense`` = everything but the routed experts; ``fp32`` = the part kept in fp32
+    whatever the dtype (mHC, norms, sinks, position biases); ``unit_dense`` / ``unit_experts`` = the largest
+    decoder / MTP block's dense part and routed experts (an FSDP unit each); ``root`` = embedding + LM head."""
+
+    total: int
+    dense: int
+    experts: int
+    fp32: int
+    root: int
+    unit_dense: int
+    unit_experts: int
+    blocks: int
+
+
+def _attn_params(c: DeepseekV4ModelConfig, i: int) -> tuple[int, int]:
+    a = c.attention_config(i)
+    D, H, d, ql, g, ol = a.hidden_size, a.num_heads, a.head_dim, a.q_lora_rank, a.o_groups, a.o_lora_rank
+    mat = D * ql + ql * H * d + D * d + g * ol * (H * d // g) + D * g * ol
+    small = H + ql + d  # sinks, q_a_norm, kv_norm
+    if a.layer_type == "csa":
+        r, HI, cI = a.compress_ratio, a.index_n_heads, a.index_head_dim
+        mat += 2 * (2 * d * D) + 2 * (2 * cI * D) + HI * cI * ql + HI * D
+        small += r * 2 * d + d + r * 2 * cI + cI
+    elif a.layer_type == "hca":
+        r = a.compress_ratio
+        mat += 2 * d * D
+        small += r * d + d
+    return mat, small
+
+
+def count_params(c: DeepseekV4ModelConfig) -> ParamCounts:
+    """The model's parameters by kind (decoder, MTP blocks, embedding, head), from the geometry alone."""
+    D, n, E, I, V = c.hidden_size, c.hc_mult, c.n_routed_experts, c.moe_intermediate_size, c.vocab_size
+    hc_site = (2 + n) * n * n * D + (2 + n) * n + 3
+    hc_head = n * n * D + n + 1
+    dense = experts = fp32 = 0
+    unit_dense = 0
+    blocks = c.num_hidden_layers + c.num_nextn_predict_layers
+    for i in range(blocks):
+        mat, small = _attn_params(c, i)
+        mat += E * D + 3 * D * I  # router, shared expert
+        small += 2 * hc_site + 2 * D  # mHC sites, the two RMSNorms
+        if i >= c.num_hidden_layers:  # MTP block: e_proj, h_proj, enorm, hnorm, norm, hyper-head
+            mat += 2 * D * D
+            small += 3 * D + hc_head
+        dense += mat + small
+        fp32 += small
+        unit_dense = max(unit_dense, mat + small)
+        experts += E * 3 * D * I
+    root = V * D * (1 if c.tie_word_embeddings else 2)
+    dense += root + D + hc_head
+    fp32 += D + hc_head
+    return ParamCounts(total=dense + experts, dense=dense, experts=experts, fp32=fp32, root=root,
+                       unit_dense=unit_dense, unit_experts=E * 3 * D * I, blocks=blocks)
+
+
+@dataclass(frozen=True)
+class GroupCount:
+    """One group's share of a block (or of the root). ``matrix`` / ``small``: stored elements of its matrices
+    (bf16- or FP8-held) and of its vectors (norms, sinks, position biases, mHC: fp32); ``macs``: matrix
+    multiply-adds per token (the forward's FLOPs / 2); ``lora`` / ``lora_macs``: sum of ``in + out`` over its
+    adapted linear maps, stored and applied per token (times the rank: the LoRA parameters and multiply-adds)."""
+
+    matrix: int = 0
+    small: int = 0
+    macs: int = 0
+    lora: int = 0
+    lora_macs: int = 0
+
+    def __add__(self, o: GroupCount) -> GroupCount:
+        return GroupCount(self.matrix + o.matrix, self.small + o.small, self.macs + o.macs, self.lora + o.lora,
+                          self.lora_macs + o.lora_macs)
+
+    @property
+    def params(self) -> int:
+        return self.matrix + self.small
+
+
+@dataclass(frozen=True)
+class GroupCounts:
+    """:class:`GroupCount` by group for every decoder / MTP block (an FSDP unit each) and for the root (embedding,
+    final norm and hyper-head, LM head)."""
+
+    blocks: list[dict[str, GroupCount]]
+    root: dict[str, GroupCount]
+
+    def total(self) -> dict[str, GroupCount]:
+        out = {g: GroupCount() for g in GROUPS}
+        for part in (*self.blocks, self.root):
+            for g, v in part.items():
+                out[g] = out[g] + v
+        return out
+
+
+def _attention_groups(c: DeepseekV4ModelConfig, i: int) -> dict[str, GroupCount]:
+    a = c.attention_config(i)
+    D, H, d, ql, g, ol = a.hidden_size, a.num_heads, a.head_dim, a.q_lora_rank, a.o_groups, a.o_lora_rank
+    Hd = H * d
+    mat = D * ql + ql * Hd + D * d + ol * Hd + D * g * ol
+    # o_a_proj is block-diagonal: one adapter pair per group, in H*d/g + out o_lora each
+    io = (D + ql) + (ql + Hd) + (D + d) + (Hd + g * ol) + (g * ol + D)
+    out = {"attention": GroupCount(mat, H + ql + d, mat, io, io)}
+    if a.layer_type == "csa":
+        r, HI, cI = a.compress_ratio, a.index_n_heads, a.index_head_dim
+        m = 2 * 2 * d * D
+        out["compressor"] = GroupCount(m, r * 2 * d + d, m, 2 * (D + 2 * d), 2 * (D + 2 * d))
+        m = 2 * 2 * cI * D + HI * cI * ql + HI * D
+        io = 2 * (D + 2 * cI) + (ql + HI * cI) + (D + HI)
+        out["indexer"] = GroupCount(m, r * 2 * cI + cI, m, io, io)
+    elif a.layer_type == "hca":
+        m = 2 * d * D
+        out["compressor"] = GroupCount(m, a.compress_ratio * d + d, m, 2 * (D + d), 2 * (D + d))
+    return out
+
+
+def _block_groups(c: DeepseekV4ModelConfig, i: int) -> dict[str, GroupCount]:
+    D, n, E, k, I = c.hidden_size, c.hc_mult, c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size
+    hc_site = (2 + n) * n * n * D + (2 + n) * n + 3
+    hc_head = n * n * D + n + 1
+    out = _attention_groups(c, i)
+    out["router"] = GroupCount(E * D, 0, E * D, D + E, D + E)
+    out["shared_experts"] = GroupCount(3 * D * I, 0, 3 * D * I, 3 * (D + I), 3 * (D + I))
+    # per expert: gate_up [2I, D] and down [D, I], one adapter pair each; k experts per token
+    out["experts"] = GroupCount(E * 3 * D * I, 0, k * 3 * D * I, E * (3 * I + 2 * D), k * (3 * I + 2 * D))
+    mhc_macs = 2 * (2 + n) * n * n * D
+    if i < c.num_hidden_layers:
+        out["mhc"] = GroupCount(0, 2 * hc_site + 2 * D, mhc_macs)
+    else:  # MTP block: its hyper-head; e_proj on the embedding, h_proj on every stream, three norms
+        out["mhc"] = GroupCount(0, 2 * hc_site + 2 * D + hc_head, mhc_macs + n * n * D)
+        out["head"] = GroupCount(2 * D * D, 3 * D, D * D + n * D * D, 4 * D, 2 * D + n * 2 * D)
+    return out
+
+
+def count_groups(c: DeepseekV4ModelConfig) -> GroupCounts:
+    """Every block's and the root's parameters, multiply-adds and LoRA sizes by fine-tuning group."""
+    D, n, V = c.hidden_size, c.hc_mult, c.vocab_size
+    heads = 1 + c.num_nextn_predict_layers  # the LM head runs once per head (decoder and each MTP block)
+    blocks = [_block_groups(c, i) for i in range(c.num_hidden_layers + c.num_nextn_predict_layers)]
+    head_mat = 0 if c.tie_word_embeddings else V * D
+    root = {"embed": GroupCount(V * D, 0, 0, V + D, D),
+            "head": GroupCount(head_mat, D, heads * V * D, D + V, heads * (D + V)),
+            "mhc": GroupCount(0, n * n * D + n + 1, n * n * D)}
+    return GroupCounts(blocks=blocks, root=root)
+
+
+@dataclass(frozen=True)
+class Training:
+    """What a run trains. ``train``: groups trained in full; the others are frozen (no gradient, no optimizer
+    state, no reduce-scatter, no weight-gradient GEMM), their matrices held as ``base_precision`` says (``fp8``:
+    FP8 e4m3 with one fp32 scale per 128x128 block, multiplied in FP8; ``w8a16``: held so, dequantized to bf16 to
+    multiply; ``bf16``) where the group is in :data:`FP8_GROUPS`, bf16 otherwise; ``lora_rank`` > 0 adds LoRA
+    pairs of that rank on the frozen groups in ``lora_targets``."""
+
+    train: frozenset[str] = frozenset(GROUPS)
+    lora_rank: int = 0
+    lora_targets: frozenset[str] = field(default_factory=frozenset)
+    base_precision: str = "fp8"
+
+    @property
+    def full(self) -> bool:
+        return self.train == frozenset(GROUPS) and not self.lora_rank
+
+    def fp8(self, group: str) -> bool:
+        """Whether ``group``'s matrices are held in FP8 (frozen, an FP8 group, an FP8 base)."""
+        return group not in self.train and group in FP8_GROUPS and self.base_precision != "bf16"
+
+
+def _groups_arg(flag: str, value: Any) -> frozenset[str]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    items = [s.strip() for s in items if s.strip()]
+    bad = [s for s in items if s not in GROUPS]
+    if bad:
+        raise ValueError(f"{flag}: unknown group(s) {', '.join(bad)}; the groups are {','.join(GROUPS)}")
+    return frozenset(items)
+
+
+def training_spec(*, lora_rank: int = 0, lora_targets: Any = None, train: Any = None, freeze: Any = None,
+                  base_precision: str | None = None) -> Training:
+    """A :class:`Training` from the flags (``ValueError`` naming the flag). Defaults: every group trained; with
+    ``--lora-rank`` > 0 every group frozen (routed experts in FP8) and LoRA on attention, indexer, shared experts
+    and routed experts; ``--base-precision fp8``. Groups: comma-separated names of :data:`GROUPS`."""
+    if lora_rank < 0:
+        raise ValueError(f"--lora-rank must be >= 0, got {lora_rank}")
+    if train is not None and freeze is not None:
+        raise ValueError("--train and --freeze exclude each other: name the trained groups or the frozen ones")
+    if train is not None:
+        trained = _groups_arg("--train", train)
+    elif freeze is not None:
+        trained = frozenset(GROUPS) - _groups_arg("--freeze", freeze)
+    else:
+        trained = frozenset() if lora_rank else frozenset(GROUPS)
+    if lora_targets is not None and not lora_rank:
+        raise ValueError("--lora-targets needs --lora-rank > 0")
+    targets = (_groups_arg("--lora-targets", lora_targets) if lora_targets is not None
+               else frozenset(DEFAULT_LORA_TARGETS) if lora_rank else frozenset())
+    if targets & trained:
+        raise ValueError(f"--lora-targets {','.join(sorted(targets & trained))} also trained in full: LoRA goes on "
+                         "frozen groups (drop them from --train or from --lora-targets)")
+    if "mhc" in targets:
+        raise ValueError("--lora-targets mhc: the mHC has no linear layer to adapt; train it in full (--train mhc)")
+    precision = "fp8" if base_precision is None else base_precision
+    if precision not in BASE_PRECISIONS:
+        raise ValueError(f"--base-precision must be one of {', '.join(BASE_PRECISIONS)}, got {precision!r}")
+    return Training(train=trained, lora_rank=lora_rank, lora_targets=targets, base_precision=precision)
+
+
+_CACHE: dict[tuple[int, str, Any], tuple[DeepseekV4ModelConfig, Any]] = {}
+
+
+def cached(c: DeepseekV4ModelConfig, what: str, key: Any, fn: Any) -> Any:
+    """``fn()`` once per config object (held, so its id is not reused) and key: the search plans hundreds of meshes."""
+    k = (id(c), what, key)
+    hit = _CACHE.get(k)
+    if hit is None or hit[0] is not c:
+        hit = _CACHE[k] = (c, fn())
+    return hit[1]
+
+
+def layer_kinds(c: DeepseekV4ModelConfig) -> list[str]:
+    n = c.num_hidden_layers
+    return cached(c, "kinds", 0, lambda: [c.attention_config(i).layer_type
+                                          for i in range(n + c.num_nextn_predict_layers)])

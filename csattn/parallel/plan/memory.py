@@ -1,0 +1,333 @@
+"""Per-rank memory of one mesh (:func:`plan`): weights by storage dtype, gradients and AdamW state for what trains,
+the FSDP units in flight, kept activations and the backward's workspaces; the peak that decides the fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ...models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfig
+from ..mesh import ParallelDims
+from .counts import GroupCount, Training, cached, count_groups, layer_kinds
+
+__all__ = ["GiB", "H200_BYTES", "HEADROOM", "LIMIT_BYTES", "FP8_BYTES", "KEPT_KIB", "TRANSIENT", "Plan", "Sizes",
+           "kept_bytes_per_token", "plan", "sizes"]
+
+GiB = 2**30
+H200_BYTES = 139.8 * GiB  # the H200's memory as torch.cuda reports it (shared/GPU.md)
+HEADROOM = 0.05  # left to the caching allocator (fragmentation, reserved-but-free blocks)
+LIMIT_BYTES = (1 - HEADROOM) * H200_BYTES  # a plan fits when its peak is at most this
+FP8_BYTES = 1 + 4 / (128 * 128)  # e4m3 plus one fp32 scale per 128x128 block, per element
+FP8_ACT_BYTES = 1 + 4 / 128  # e4m3 plus one fp32 scale per 1x128 tile (activations)
+
+# Kept for the backward, KiB per token per layer, measured on the 4-layer proxy at 16k tokens, recompute none
+# (lab/results/model_kept_16k_h200_3f37546.txt, `python -m benchmarks.live_tensors --model --tokens 16384`).
+# Geometry of the measurement: D 4096, hc_mult 4, top-2 of 8 experts, I 2048, q_lora 1024, index_topk 512.
+KEPT_KIB = {
+    "combines": 64.0,  # two bf16 stream sets [n, D] (scales with n * D)
+    "moe": 34.11,  # routed gate/up [k, 2I] 16 + shared [2I] 8 + output [D] 8 + routing 2.11
+    "attn_sliding": 15.27,  # output [D] 8 + query latent, keys (scale with q_lora)
+    "attn_csa": 27.27,  # + compressed entries, indexer state; top-k ids (int64) and teacher masses (fp32) 6
+    "attn_hca": 17.29,
+    "mhc": 0.36,  # the two sites' logits and scales
+    "embed": 8.0,  # per model: the embedding [D]
+    "head": 8.02,  # per model (and per MTP head): the head's normed output [D]
+}
+# The backward's memory beyond what is kept, the proxy's step peak minus its kept bytes (benchmarks/results/h200/
+# model.json 16k 9.60 GiB and 64k 34.15 GiB, model_128k.json 66.38 GiB, recompute none): a fixed part (the
+# attention core's workspace, 1 GiB by default, and the kernels' buffers) plus a part per token of the rank
+# (stream gradients, one layer's backward temporaries); fits 64k within 0.6 %.
+TRANSIENT = {"fixed_gib": 1.493 - 1.0, "kib_per_token": 22.1}
+PROXY = {"D": 4096, "n": 4, "k": 2, "I": 2048, "ql": 1024, "topk": 512}
+
+
+def kept_bytes_per_token(c: DeepseekV4ModelConfig, recompute: str) -> dict[str, float]:
+    """Bytes per token of the rank kept for the backward, by layer kind and per model, for ``recompute``:
+    ``{"sliding"|"csa"|"hca": per layer, "model": embedding + heads, "recompute_extra": one layer's state alive
+    while it is recomputed}``, scaled from :data:`KEPT_KIB` by the geometry."""
+    K, p = 1024.0, PROXY
+    D, n, k, I = c.hidden_size, c.hc_mult, c.num_experts_per_tok, c.moe_intermediate_size
+    ql, topk = c.q_lora_rank, c.index_topk
+    combines = KEPT_KIB["combines"] * K * (n * D) / (p["n"] * p["D"])
+    moe = (k * 2 * I * 2 + 2 * I * 2 + D * 2) + (KEPT_KIB["moe"] - 32.0) * K * k / p["k"]
+    out = D * 2.0
+    topk_part = 6.0 * K * topk / p["topk"]
+    attn = {"sliding": (KEPT_KIB["attn_sliding"] - 8.0) * K * ql / p["ql"] + out,
+            "csa": (KEPT_KIB["attn_csa"] - 14.0) * K * ql / p["ql"] + topk_part + out,
+            "hca": (KEPT_KIB["attn_hca"] - 8.0) * K * ql / p["ql"] + out}
+    mhc = KEPT_KIB["mhc"] * K
+    heads = 1 + c.num_nextn_predict_layers
+    model = (KEPT_KIB["embed"] + KEPT_KIB["head"] * heads) * K * D / p["D"]
+    full_layer = {t: combines + moe + a + mhc for t, a in attn.items()}
+    if recompute == "none":
+        per = full_layer
+        extra = 0.0
+    elif recompute == "mhc":
+        per = {t: combines + moe + a for t, a in attn.items()}
+        extra = 0.0
+    elif recompute == "moe":
+        per = {t: combines + 2 * D * 2.0 + a + mhc for t, a in attn.items()}
+        extra = moe  # the MoE's state while it is recomputed
+    elif recompute == "block":
+        per = {t: n * D * 2.0 for t in attn}  # one stream set per block boundary
+        extra = max(full_layer.values())  # the recomputed block's whole state
+    elif recompute == "full":
+        per = {t: n * D * 2.0 for t in attn}
+        extra = n * D * 2.0 + max(max(attn.values()), moe)  # one sub-block's state at a time
+    else:
+        raise ValueError(f"--recompute must be one of {RECOMPUTE_CHOICES}, got {recompute!r}")
+    return {**per, "model": model, "recompute_extra": extra}
+
+
+@dataclass
+class Plan:
+    """One mesh's per-rank memory (bytes) and estimated step time (seconds). ``peak`` decides ``fits``;
+    ``total`` (every term at once) is never reached."""
+
+    config: str
+    gpus: int
+    seq_len: int
+    batch_seqs: int
+    dims: dict[str, int]
+    recompute: str
+    dtype: str
+    sharded: bool
+    params_total: int
+    rows: int  # stream rows a rank processes per step
+    training: dict = field(default_factory=dict)  # train / lora_rank / lora_targets / base_precision
+    params_trained: int = 0  # trained in full, plus the LoRA parameters
+    params_lora: int = 0
+    memory: dict[str, float] = field(default_factory=dict)
+    total: float = 0.0
+    peak: float = 0.0
+    peak_at: str = ""
+    limit: float = LIMIT_BYTES
+    fits: bool = False
+    time: dict[str, float] = field(default_factory=dict)
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    config_path: str = ""
+
+
+@dataclass(frozen=True)
+class Part:
+    """Elements trained (matrices incl. LoRA / vectors) and bytes of frozen storage of some groups."""
+
+    trained: float = 0.0
+    trained_small: float = 0.0
+    frozen: float = 0.0
+
+    @property
+    def train_elems(self) -> float:
+        return self.trained + self.trained_small
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """:class:`Part` of the whole model, the largest block (an FSDP unit) and the root, dense and routed experts
+    apart (they shard over different meshes)."""
+
+    dense: Part
+    experts: Part
+    unit_dense: Part
+    unit_experts: Part
+    root: Part
+    head_trained: float  # trained elements of the LM head (the embedding's when tied)
+    blocks: int
+
+
+def _part(groups: dict[str, GroupCount], t: Training, cbytes: int, experts: bool) -> Part:
+    tr = sm = fr = 0.0
+    for g, v in groups.items():
+        if (g == "experts") != experts:
+            continue
+        if g in t.train:
+            tr += v.matrix
+            sm += v.small
+        else:
+            fr += v.matrix * (FP8_BYTES if t.fp8(g) else cbytes) + 4.0 * v.small
+        if g in t.lora_targets:
+            tr += t.lora_rank * v.lora
+    return Part(tr, sm, fr)
+
+
+def _max_part(parts: list[Part]) -> Part:
+    return Part(max(p.trained for p in parts), max(p.trained_small for p in parts), max(p.frozen for p in parts))
+
+
+def sizes(c: DeepseekV4ModelConfig, t: Training, cbytes: int) -> Sizes:
+    """The trained elements and frozen bytes of ``c`` under ``t`` (frozen matrices at ``cbytes`` unless FP8)."""
+    def build() -> Sizes:
+        gc = count_groups(c)
+        tot = gc.total()
+        dense = [_part(b, t, cbytes, False) for b in gc.blocks]
+        exp = [_part(b, t, cbytes, True) for b in gc.blocks]
+        head = "embed" if c.tie_word_embeddings else "head"
+        head_tr = gc.root[head].matrix if head in t.train else 0.0
+        return Sizes(dense=_part(tot, t, cbytes, False), experts=_part(tot, t, cbytes, True),
+                     unit_dense=_max_part(dense), unit_experts=_max_part(exp),
+                     root=_part(gc.root, t, cbytes, False), head_trained=head_tr, blocks=len(gc.blocks))
+
+    return cached(c, "sizes", (t, cbytes), build)
+
+
+def _resolve(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, batch_seqs: int | None, recompute: str,
+             dtype: str) -> tuple[ParallelDims, int]:
+    if seq_len < 1:
+        raise ValueError(f"--seq-len must be >= 1, got {seq_len}")
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ValueError(f"--recompute must be one of {RECOMPUTE_CHOICES}, got {recompute!r}")
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"--dtype must be bfloat16 or float32, got {dtype!r}")
+    if dims.world > 1:
+        dims = dims.resolve()
+    elif max(dims.dp_replicate, dims.cp, dims.ep, dims.dp_shard) > 1:
+        raise ValueError("--gpus 1 takes no --dp-replicate / --dp-shard / --cp / --ep above 1")
+    else:
+        dims = replace(dims, dp_shard=1)
+    if c.n_routed_experts % dims.ep:
+        raise ValueError(f"--ep {dims.ep} must divide the {c.n_routed_experts} routed experts")
+    batch_seqs = dims.dp if batch_seqs is None else batch_seqs
+    if batch_seqs < 1 or batch_seqs % dims.dp:
+        raise ValueError(f"--batch-seqs {batch_seqs} must be a positive multiple of the {dims.dp} data replicas "
+                         "(--dp-replicate x --dp-shard)")
+    if seq_len % dims.cp:
+        raise ValueError(f"--seq-len {seq_len} must be divisible by --cp {dims.cp}")
+    return dims, batch_seqs
+
+
+def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_seqs: int | None = None,
+         recompute: str = "none", dtype: str = "bfloat16", name: str = "", training: Training | None = None) -> Plan:
+    """Per-rank memory and step time of training ``c`` on ``dims`` (resolved here; ``ValueError`` naming the flag).
+
+    Args:
+        seq_len: tokens per packed sequence. batch_seqs: sequences per global step (default: one per data
+            replica). recompute: one of ``RECOMPUTE_CHOICES``. dtype: ``bfloat16`` or ``float32``.
+        training: what trains (default: everything, :class:`Training`).
+    """
+    from .timing import step_time
+
+    t = Training() if training is None else training
+    dims, batch_seqs = _resolve(c, dims, seq_len, batch_seqs, recompute, dtype)
+    cb = 2 if dtype == "bfloat16" else 4  # compute dtype
+    sz = sizes(c, t, cb)
+    rows = seq_len * (batch_seqs // dims.dp) // dims.cp
+    trained = sz.dense.train_elems + sz.experts.train_elems
+    lora = sum(t.lora_rank * v.lora for g, v in cached(c, "totals", 0, lambda: count_groups(c).total()).items()
+               if g in t.lora_targets)
+    p = Plan(config=name, gpus=dims.world, seq_len=seq_len, batch_seqs=batch_seqs,
+             dims={k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "ep")} | {"efsdp": dims.efsdp},
+             recompute=recompute, dtype=dtype, sharded=dims.world > 1,
+             params_total=cached(c, "total", 0, lambda: sum(v.params for v in count_groups(c).total().values())),
+             rows=rows, params_trained=int(trained), params_lora=int(lora),
+             training={"train": sorted(t.train), "lora_rank": t.lora_rank, "lora_targets": sorted(t.lora_targets),
+                       "base_precision": t.base_precision})
+    held = _weights(p, c, dims, sz, cb)
+    _activations(p, c, dims, t)
+    _peak(p, c, held)
+    step_time(p, c, dims, sz, t)
+    return p
+
+
+def _weights(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, sz: Sizes, cb: int) -> tuple[float, float]:
+    """Fill the weight terms of ``p.memory``; returns (the gradients alive at the backward's start, the
+    reduce-scatter buffers alive at its end)."""
+    m = p.memory
+    trained = sz.dense.train_elems + sz.experts.train_elems
+    if p.sharded:
+        f, ep, ef = dims.fsdp, dims.ep, dims.efsdp
+        m["parameters"] = (4.0 * trained + sz.dense.frozen + sz.experts.frozen) / f
+        m["gradients"] = 4.0 * trained / f
+        m["optimizer"] = 8.0 * trained / f
+
+        def gathered(x: Part, group: int) -> float:  # bf16 copies of what trains; frozen weights as held
+            return cb * x.train_elems + (x.frozen if group > 1 else 0.0)
+
+        unit_tr = sz.unit_dense.train_elems + sz.unit_experts.train_elems / ep
+        m["gathered units"] = gathered(sz.root, f) + 2 * (gathered(sz.unit_dense, f)
+                                                          + gathered(sz.unit_experts, ef) / ep)
+        # reduce-scatter: the unit's unsharded gradient in the compute dtype and its fp32 copy-in, alive only
+        # once the backward has reduced a unit (so not at its start, where the activations peak); all-gather:
+        # the shard's copy-in (the output is the gathered unit above)
+        reduce_scatter = (cb + 4.0) * unit_tr
+        m["comm buffers"] = reduce_scatter + (cb * unit_tr + sz.unit_dense.frozen + sz.unit_experts.frozen / ep) / f
+        # gradients are set to None after each step: at the backward's start only the root's and the last
+        # block's exist (sharded)
+        grads_at_peak = 4.0 * (sz.root.train_elems + unit_tr) / f
+    else:
+        pbytes = cb * (sz.dense.trained + sz.experts.trained) + 4.0 * (sz.dense.trained_small
+                                                                       + sz.experts.trained_small)
+        m["parameters"] = pbytes + sz.dense.frozen + sz.experts.frozen
+        m["gradients"] = pbytes
+        m["optimizer"] = 2.0 * pbytes  # torch AdamW's moments in the parameters' dtype
+        m["gathered units"] = 0.0
+        m["comm buffers"] = 0.0
+        reduce_scatter = 0.0
+        # at the peak (the backward's start) only the head's and the last block's gradients exist
+        grads_at_peak = cb * (sz.head_trained + sz.unit_dense.train_elems + sz.unit_experts.train_elems)
+    if dims.ep > 1:
+        m["comm buffers"] += p.rows * c.num_experts_per_tok * c.hidden_size * 2.0 * 2
+    if dims.cp > 1:  # halo: one window of raw keys, every layer's compressed stream gathered (kept, below)
+        m["comm buffers"] += c.sliding_window * (c.hc_mult * c.hidden_size + c.head_dim) * 2.0
+    return grads_at_peak, reduce_scatter
+
+
+def _activations(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, t: Training) -> None:
+    """Kept activations, the backward's workspaces and (frozen FP8 weights) the FP8 GEMMs' workspace."""
+    m, rows = p.memory, p.rows
+    kinds = layer_kinds(c)
+    kept = kept_bytes_per_token(c, p.recompute)
+    act = sum(kept[k] for k in kinds) * rows + kept["model"] * rows
+    if dims.cp > 1:  # each rank holds the whole sequence's compressed entries and indexer keys
+        seqs = p.batch_seqs // dims.dp
+        a = c.attention_config(0)
+        rates = c.compress_rates
+        for k in kinds:
+            if k == "csa":
+                act += (seqs * p.seq_len * (1 - 1 / dims.cp) * (a.head_dim + c.index_head_dim) * 2
+                        / rates["compressed_sparse_attention"])
+            elif k == "hca":
+                act += seqs * p.seq_len * (1 - 1 / dims.cp) * a.head_dim * 2 / rates["heavily_compressed_attention"]
+    m["activations kept"] = act
+    scale = c.hidden_size / PROXY["D"]
+    moe_rows = min(rows, c.moe_chunk_rows)
+    m["workspaces"] = (c.workspace_bytes + TRANSIENT["fixed_gib"] * GiB + kept["recompute_extra"] * rows
+                       + TRANSIENT["kib_per_token"] * 1024 * scale * rows
+                       + max(0, c.num_experts_per_tok - PROXY["k"]) * 2 * c.hidden_size * 2.0 * moe_rows)
+    ws = fp8_workspace(c, dims.ep, rows, t)
+    if ws:
+        m["fp8 workspace"] = ws
+
+
+def fp8_workspace(c: DeepseekV4ModelConfig, ep: int, rows: int, t: Training) -> float:
+    """Bytes alive while frozen FP8-held weights are multiplied, in one layer's backward: ``fp8``: the weights'
+    transposed copy for the input gradient (Hopper's FP8 MMA reads K-major operands) and the 1x128-quantized copies
+    of the GEMM's input and output gradient; ``w8a16``: a bf16 dequantized copy of the weights. Routed experts:
+    the rank's experts' gate/up ``[E/ep, 2I, D]`` on a MoE chunk of rows; dense groups: the largest attention
+    matrix ``[H d, max(q_lora, o_lora)]`` on the rank's rows at width ``D``."""
+    D, I, k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
+    out = 0.0
+    if t.fp8("experts"):
+        w = c.n_routed_experts // ep * 2 * I * D
+        moe_rows = min(rows, c.moe_chunk_rows)
+        out = (w * FP8_BYTES + moe_rows * k * (D + 2 * I) * FP8_ACT_BYTES if t.base_precision == "fp8"
+               else w * 2.0)
+    if any(t.fp8(g) for g in ("attention", "indexer", "compressor", "shared_experts")):
+        w = c.num_attention_heads * c.head_dim * max(c.q_lora_rank, c.o_lora_rank)
+        out += (w * FP8_BYTES + rows * D * 2 * FP8_ACT_BYTES if t.base_precision == "fp8" else w * 2.0)
+    return out
+
+
+def _peak(p: Plan, c: DeepseekV4ModelConfig, held: tuple[float, float]) -> None:
+    """The peak is the backward's start (every kept activation, few gradients, no reduce-scatter yet) or its end
+    (every gradient and the reduce-scatter buffers, the activations freed, the fixed workspaces still held)."""
+    grads_at_peak, reduce_scatter = held
+    m = p.memory
+    p.total = sum(m.values())
+    fixed = c.workspace_bytes + TRANSIENT["fixed_gib"] * GiB
+    base = p.total - m["gradients"] - m["activations kept"] - m["workspaces"] - reduce_scatter
+    start = m["activations kept"] + m["workspaces"] + grads_at_peak
+    end = m["gradients"] + fixed + reduce_scatter
+    p.peak = base + max(start, end)
+    p.peak_at = "the backward's start" if start >= end else "the backward's end"
+    p.fits = p.peak <= p.limit

@@ -1,0 +1,142 @@
+"""Estimated step time of one plan (:func:`step_time`): the FLOPs actually run at the measured one-GPU MFU, FP8
+GEMMs at an assumed rate, plus the communication model."""
+
+from __future__ import annotations
+
+import math
+
+from ...models.deepseek_v4.config import DeepseekV4ModelConfig
+from ...report.flops import PEAK_FLOPS
+from ..mesh import ParallelDims
+from .counts import Training, cached, count_groups
+from .memory import Part, Plan, Sizes
+
+__all__ = ["NVLINK_BPS", "IB_BPS", "GPUS_PER_NODE", "MFU_BY_ROWS", "RECOMPUTE_SLOWDOWN", "FP8_GEMM_SPEEDUP",
+           "mfu_at", "step_flops", "step_time"]
+
+NVLINK_BPS = 900e9  # bytes/s per GPU within a node
+IB_BPS = 50e9  # bytes/s per GPU across nodes (400 Gb/s)
+GPUS_PER_NODE = 8
+# Measured one-GPU MFU of the proxy by tokens per step (benchmarks/results/h200/model.json, model_128k.json);
+# interpolated in log(tokens), held outside.
+MFU_BY_ROWS = {16384: 0.436, 65536: 0.420, 131072: 0.424}
+# Step time of each recompute relative to none, the proxy at 16k (benchmarks.run --op model --shape
+# recompute=none,mhc,moe,block,full; ms per step, one H200).
+RECOMPUTE_SLOWDOWN = {"none": 1.0, "mhc": 411.5 / 393.6, "moe": 409.0 / 393.6, "block": 496.8 / 393.6,
+                      "full": 575.9 / 408.0}
+# PLACEHOLDER, not measured here: the rate of a block-scaled FP8 (grouped) GEMM relative to the bf16 rate the MFU
+# above reflects. DeepGEMM publishes ~1.3-1.4 kTFLOP/s grouped FP8 forward on H800 against ~0.8 bf16 dense here;
+# 1.3x is the conservative end, to be replaced by a measurement of our FP8 grouped GEMM on the H200.
+FP8_GEMM_SPEEDUP = 1.3
+
+
+def mfu_at(rows: float) -> float:
+    """Measured one-GPU MFU at ``rows`` tokens per rank (log-linear between the measured points)."""
+    pts = sorted(MFU_BY_ROWS.items())
+    if rows <= pts[0][0]:
+        return pts[0][1]
+    for (a, fa), (b, fb) in zip(pts, pts[1:]):
+        if rows <= b:
+            t = math.log(rows / a) / math.log(b / a)
+            return fa + t * (fb - fa)
+    return pts[-1][1]
+
+
+def _seq_flops(c: DeepseekV4ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs of one sequence of ``seq_len`` tokens, one document, everything trained."""
+    from ...report.flops import model_flops
+
+    def f() -> float:
+        fl = model_flops(c, [0, seq_len])
+        return fl["fwd"] + fl["bwd"]
+
+    return cached(c, "flops", seq_len, f)
+
+
+def step_flops(c: DeepseekV4ModelConfig, seq_len: int, t: Training) -> tuple[float, float]:
+    """``(bf16 FLOPs, FP8 FLOPs)`` run on one sequence of ``seq_len`` tokens under ``t``: ``model_flops``'s forward
+    + backward, less the weight-gradient GEMM of every frozen group (``2 x macs`` per token), its forward and
+    input-gradient GEMMs moved to FP8 when held and multiplied in FP8, plus LoRA's three GEMM pairs per adapted
+    map (forward, input and weight gradient: ``6 r (in + out)`` per token)."""
+    def f() -> tuple[float, float]:
+        bf16, fp8 = _seq_flops(c, seq_len), 0.0
+        for g, v in count_groups(c).total().items():
+            if g not in t.train:
+                bf16 -= 2.0 * v.macs * seq_len
+                if t.fp8(g) and t.base_precision == "fp8":
+                    bf16 -= 4.0 * v.macs * seq_len
+                    fp8 += 4.0 * v.macs * seq_len
+            if g in t.lora_targets:
+                bf16 += 6.0 * t.lora_rank * v.lora_macs * seq_len
+        return bf16, fp8
+
+    return cached(c, "step_flops", (seq_len, t), f)
+
+
+def _bw(group: int, stride: int) -> float:
+    """Bytes/s per GPU of a collective over ``group`` ranks ``stride`` apart: NVLink when they share a node."""
+    span = (group - 1) * stride + 1
+    return NVLINK_BPS if span <= GPUS_PER_NODE else IB_BPS
+
+
+def step_time(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, sz: Sizes, t: Training) -> None:
+    """Fill ``p.time`` / ``p.step_s``: compute at the measured MFU plus communication.
+
+    Communication model (per rank, ring collectives, ``bytes x (g - 1) / g`` over the slowest link of the group:
+    NVLink 900 GB/s when the group lies in one node of 8, InfiniBand 50 GB/s per GPU otherwise):
+
+    - FSDP: per unit two all-gathers (forward, and again for the backward: units reshard after their forward) in
+      the compute dtype (frozen weights as held) and one fp32 reduce-scatter of what trains; overlapped with
+      compute except the first unit's all-gather and the last unit's reduce-scatter, and except what exceeds the
+      compute time; ``dp_replicate`` adds an fp32 all-reduce of the trained shard across replicas, overlapped the
+      same way;
+    - EP: 4 all-to-alls per MoE layer (dispatch and combine, forward and backward) of ``rows x k x D`` bf16, plus
+      2 more when the MoE's forward is recomputed (moe / block / full); not overlapped;
+    - CP: the halo and the compressed entries per layer, not overlapped (small).
+    """
+    seqs = p.batch_seqs // dims.dp
+    bf16, fp8 = step_flops(c, p.seq_len, t)
+    mfu = mfu_at(p.rows)
+    tm = p.time
+    tm["compute"] = ((bf16 + fp8 / FP8_GEMM_SPEEDUP) * seqs / dims.cp / (mfu * PEAK_FLOPS)
+                     * RECOMPUTE_SLOWDOWN[p.recompute])
+    cb = 2 if p.dtype == "bfloat16" else 4
+    tm["fsdp exposed"] = tm["ep all-to-all"] = tm["cp"] = 0.0
+    if dims.world > 1:
+        _fsdp_time(p, dims, sz, cb)
+        if dims.ep > 1:
+            ep = dims.ep
+            exchanges = 4 + (2 if p.recompute in ("moe", "block", "full") else 0)
+            vol = p.rows * c.num_experts_per_tok * c.hidden_size * 2.0 * (ep - 1) / ep
+            tm["ep all-to-all"] = sz.blocks * exchanges * vol / _bw(ep, 1)
+        if dims.cp > 1:
+            a = c.attention_config(0)
+            per_layer = c.sliding_window * a.head_dim * 2.0 * 2 + seqs * p.seq_len / 4 * (
+                a.head_dim + c.index_head_dim) * 2.0 * (dims.cp - 1) / dims.cp
+            tm["cp"] = sz.blocks * 2 * per_layer / _bw(dims.cp, 1)
+    p.step_s = tm["compute"] + tm["fsdp exposed"] + tm["ep all-to-all"] + tm["cp"]
+    p.tokens_per_s = p.seq_len * p.batch_seqs / p.step_s
+    p.notes.append(f"compute at {mfu * 100:.1f} % MFU (measured one-GPU proxy), x{RECOMPUTE_SLOWDOWN[p.recompute]:.2f}"
+                   f" for recompute {p.recompute}")
+    if fp8:
+        p.notes.append(f"FP8 GEMMs ({fp8 / (bf16 + fp8) * 100:.0f} % of the FLOPs) at {FP8_GEMM_SPEEDUP}x the bf16 "
+                       "rate: a placeholder until measured")
+
+
+def _fsdp_time(p: Plan, dims: ParallelDims, sz: Sizes, cb: int) -> None:
+    f, ef, ep = dims.fsdp, dims.efsdp, dims.ep
+    dense_bw, exp_bw = _bw(f, 1), _bw(ef, ep)
+
+    def moved(part: Part) -> float:  # bytes of two all-gathers and one reduce-scatter
+        return 2 * (cb * part.train_elems + part.frozen) + 4.0 * part.train_elems
+
+    per_unit_dense = moved(sz.unit_dense) * (f - 1) / f / dense_bw
+    per_unit_exp = moved(sz.unit_experts) / ep * (ef - 1) / ef / exp_bw
+    comm = moved(sz.dense) * (f - 1) / f / dense_bw + sz.blocks * per_unit_exp
+    if dims.dp_replicate > 1:
+        r = dims.dp_replicate
+        comm += 2 * 4.0 * (sz.dense.train_elems + sz.experts.train_elems) / f * (r - 1) / r / _bw(r, f)
+    root = (cb * sz.root.train_elems + sz.root.frozen) * (f - 1) / f / dense_bw
+    p.time["fsdp total"] = comm
+    p.time["fsdp exposed"] = root + per_unit_dense + per_unit_exp + max(0.0, comm - p.time["compute"])
+
