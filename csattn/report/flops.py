@@ -3,13 +3,14 @@ TFLOP/s and MFU), and the peak FLOP/s of a GPU (the denominator of MFU)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 
 from ..config import AttentionConfig
 
-__all__ = ["PEAK_FLOPS", "layer_flops", "model_flops", "peak_flops"]
+__all__ = ["PEAK_FLOPS", "finetune_flops", "layer_flops", "model_flops", "peak_flops"]
 
 # Dense bf16 matmul FLOP/s measured on an H100 / H200 (BENCHMARKS.md): the MFU denominator of every report.
 PEAK_FLOPS = 790e12
@@ -112,3 +113,44 @@ def model_flops(config: Any, cu_seqlens: Any) -> dict[str, float]:
     dense += heads * (2.0 * T * n * D * n + 2.0 * T * D * c.vocab_size)  # hyper-heads and LM heads
     dense += c.num_nextn_predict_layers * (2.0 * T * D * D + 2.0 * T * n * D * D)  # e_proj, h_proj
     return {"fwd": fwd + dense, "bwd": bwd + 2 * dense}
+
+
+def finetune_flops(config: Any, cu_seqlens: Any, groups: Mapping[str, tuple[float, float]], trained: Collection[str],
+                   lora_rank: int = 0, lora_targets: Collection[str] = (),
+                   fp8_groups: Collection[str] = ()) -> dict[str, float]:
+    """The FLOPs one fine-tuning step runs: :func:`model_flops` less the weight-gradient GEMMs of the frozen
+    groups, plus LoRA's GEMMs, with the part run on FP8 tensor cores apart.
+
+    Args:
+        config, cu_seqlens: as :func:`model_flops`.
+        groups: per fine-tuning group (``csattn.finetune`` / the planner's names), ``(macs, lora_io)`` per token:
+            the multiply-adds of its weight matrices (the routed experts: the ``k`` a token runs), and the summed
+            ``in + out`` of its LoRA maps (the ``k`` experts' for the routed ones); the planner's
+            ``count_groups(config).total()`` gives them (``macs``, ``lora_macs``).
+        trained: the groups trained in full; every other group is frozen: no weight-gradient GEMM (``2 x macs``
+            per token less in the backward).
+        lora_rank, lora_targets: LoRA pairs of rank ``r`` on these (frozen) groups, counted as PEFT runs them,
+            factored: ``2 r (in + out)`` per token forward, twice that backward (input and factor gradients).
+        fp8_groups: frozen groups whose forward and input-gradient GEMMs run in FP8 (``compute="fp8"``; a
+            weight-only ``w8a16`` base multiplies in bf16 and belongs to none).
+
+    Returns:
+        ``{"fwd", "bwd", "fp8"}``: forward and backward FLOPs run (FP8 ones included; MFU divides their sum by the
+        bf16 peak) and the FP8 part of the two.
+    """
+    cu = [int(v) for v in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
+    T = float(cu[-1] - cu[0]) if cu else 0.0
+    unknown = sorted((set(trained) | set(lora_targets) | set(fp8_groups)) - set(groups))
+    if unknown:
+        raise ValueError(f"finetune_flops: groups {unknown} have no counts in groups= ({sorted(groups)})")
+    base = model_flops(config, cu)
+    fwd, bwd, fp8 = base["fwd"], base["bwd"], 0.0
+    for g, (macs, lora_io) in groups.items():
+        if g not in trained:
+            bwd -= 2.0 * macs * T
+            if g in fp8_groups:
+                fp8 += 4.0 * macs * T
+        if lora_rank and g in lora_targets:
+            fwd += 2.0 * lora_rank * lora_io * T
+            bwd += 4.0 * lora_rank * lora_io * T
+    return {"fwd": fwd, "bwd": bwd, "fp8": fp8}
