@@ -37,7 +37,7 @@ from .quant import (
 )
 
 __all__ = ["load_pretrained", "save_pretrained", "load_state_dict_into", "read_safetensors", "read_config",
-           "LoadReport", "experts_filter", "BASE_PRECISIONS"]
+           "LoadReport", "experts_filter", "BASE_PRECISIONS", "held_linears", "inexact_fp8_message"]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -452,6 +452,12 @@ def model_expert_id(model: DeepseekV4ForCausalLM, param: str, row: int) -> int:
     return model.get_submodule(param.rsplit(".", 1)[0]).local[row]
 
 
+def held_linears(path: str) -> list[str]:
+    """Module names of the dense linears the checkpoint at ``path`` stores in FP8 (what ``fp8_linears=True`` holds;
+    for ``quant.hold_in_fp8`` on a model built on the meta device). Reads the index or the file headers only."""
+    return _held_linears(*_split_scales(_list_keys(path, _Shards(path))))
+
+
 def _held_linears(data: list[str], scales: Mapping[str, str]) -> list[str]:
     """Module names of the dense linears the checkpoint stores quantized (a scale beside the weight)."""
     out = []
@@ -685,7 +691,8 @@ def inexact_fp8_message(inexact: Mapping[str, int]) -> str:
 
 def save_pretrained(model: DeepseekV4ForCausalLM, path: str) -> None:
     """Write ``config.json`` and ``model.safetensors`` with the names ``transformers`` writes (tied LM head
-    stored once)."""
+    stored once). FP8-held weights are written as held (e4m3 + ``weight_scale_inv``, with a ``quantization_config``);
+    ``load_pretrained`` reads them back bit for bit (``base_precision="fp8"``) or dequantized."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -694,6 +701,10 @@ def save_pretrained(model: DeepseekV4ForCausalLM, path: str) -> None:
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if any(t.dtype == torch.float8_e4m3fn for t in state.values()):
+        # FP8-held weights are written as they are held: e4m3 with fp32 128x128 block scales
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [FP8_BLOCK] * 2,
+                                      "activation_scheme": "dynamic", "scale_fmt": None, "expert_dtype": "fp8"}
     state = to_disk(state)
     tmp = os.path.join(path, WEIGHTS_NAME + ".tmp")
     save_file(state, tmp, metadata={"format": "pt"})

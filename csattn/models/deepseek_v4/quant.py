@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...ops.fp8 import dequantize, fp8_linear
 from ...ops.moe import moe_experts
 from .moe import Experts
 
@@ -371,8 +372,6 @@ class Fp8Linear(nn.Module):
     @property
     def weight(self) -> Tensor:
         """``[N, K]`` dequantized to the compute dtype (not a parameter: no gradient reaches the codes)."""
-        from ...ops.fp8 import dequantize
-
         return dequantize(self._parameters["weight"], self.weight_scale_inv, self.dtype_tag.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -381,8 +380,6 @@ class Fp8Linear(nn.Module):
             from ...layers.modules import grouped_linear
 
             return grouped_linear(x, self.weight, self.groups)
-        from ...ops.fp8 import fp8_linear
-
         return fp8_linear(x, self._parameters["weight"], self.weight_scale_inv, compute=self.compute)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Fp8Linear:
@@ -448,8 +445,6 @@ class Fp8Experts(Experts):
 
     def dequantized(self) -> tuple[Tensor, Tensor]:
         """``(gate_up_proj [E, 2I, D], down_proj [E, D, I])`` in the compute dtype (for references and export)."""
-        from ...ops.fp8 import dequantize
-
         dtype = self.dtype_tag.dtype
         return (dequantize(self.gate_up_proj, self.gate_up_proj_scale_inv, dtype),
                 dequantize(self.down_proj, self.down_proj_scale_inv, dtype))
