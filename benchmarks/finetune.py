@@ -323,12 +323,24 @@ def rank_args(ckpt: str, tokens: int, steps: int, rank: int, metrics: str) -> li
             "--metrics", metrics]
 
 
+def trainer_flags() -> set[str]:
+    """The option strings ``csattn train`` takes in this tree (its parser, not a process)."""
+    from csattn.train.cli import add_train_args
+
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    return {s for action in parser._actions for s in action.option_strings}
+
+
 def run_ranks(config: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Mode (a) through ``csattn train`` on 2 gloo ranks sharing the GPU (ep 2): each rank's peak beside the
     planner's per-rank peak."""
     mode, tokens = MODES["a"], args.rank_tokens
     rec: dict[str, Any] = {"mode": mode.name, "ranks": 2, "mesh": "dp_shard 2 x ep 2 (gloo, one GPU)",
                            "tokens_per_rank": tokens, **planned_gib(config, mode, tokens, args.lora_rank, 2, 2)}
+    missing = sorted({"--lora-rank", "--base-precision"} - trainer_flags())
+    if missing:
+        return {**rec, "error": f"csattn train has no {', '.join(missing)} in this tree"}
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",

@@ -112,3 +112,27 @@ def test_page_section(tmp_path):
         assert row in md, row
     # the headline comparison gains the MoE row: 1.5x faster, bf16 / FP8 bytes
     assert "| bf16 grouped: 9.000 ms | 1.50x | 1.99x |" in md
+
+
+def test_rank_wrapper_records_its_peak(tmp_path):
+    """The ranks part's per-process wrapper: ``csattn train`` in this process, then this rank's peak file."""
+    rc = ft.main(["--rank-peaks", str(tmp_path), "--", "--device", "cpu", "--steps", "1", "--seq-len", "32",
+                  "--doc-min-len", "8", "--doc-max-len", "32", "--no-progress", "--export-hf", "never"])
+    rec = json.loads((tmp_path / "rank0.json").read_text())
+    assert rc == 0 and rec == {"peak_gib": None, "rc": 0}
+
+
+def test_two_rank_run_needs_the_finetuning_flags(tmp_path):
+    """Without csattn train's LoRA / base-precision flags the ranks part says so (and launches nothing)."""
+    import argparse
+
+    from csattn.parallel.plan import load_config
+
+    args = argparse.Namespace(rank_tokens=16384, lora_rank=16, ckpt=str(tmp_path), rank_steps=1, rank_timeout=5)
+    rec = ft.run_ranks(load_config(ft.SLICE), args)
+    assert rec["planned_gib"] > 0 and rec["ranks"] == 2
+    missing = {"--lora-rank", "--base-precision"} - ft.trainer_flags()
+    if missing:
+        assert "csattn train has no" in rec["error"]
+    else:
+        assert rec["rc"] != 0  # no checkpoint in tmp_path, no GPU here
