@@ -2,7 +2,8 @@
 
 On a real-geometry slice of V4-Flash (``benchmarks/configs/v4_flash_slice.json``: its first four layers, W / W /
 CSA / HCA with three hash-routed MoEs, full widths, 256 experts top-6) loaded from a synthetic checkpoint in the
-release's format (FP8 dense linears, MXFP4 experts; written once into ``--ckpt``), the parts (``--parts``):
+release's format (FP8 dense linears, MXFP4 experts; written once into ``--ckpt``: part ``write``, run before any
+part that reads it), the parts (``--parts``; those not run are kept from an existing ``--json``):
 
 - ``steps``: one training step (forward, backward, AdamW) at 16k and 64k tokens of packed documents per mode:
   (a) frozen FP8 experts multiplied in FP8 + LoRA rank 16 on attention, indexer, shared and routed experts;
@@ -46,7 +47,7 @@ from torch import nn
 from .run import run_meta
 
 SLICE = os.path.join(os.path.dirname(__file__), "configs", "v4_flash_slice.json")
-PARTS = ("steps", "moe", "logits", "ranks")
+PARTS = ("write", "steps", "logits", "moe", "ranks")
 LORA_TARGETS = ("attention", "indexer", "shared_experts", "experts")
 TOLERANCE = 0.10  # the planner's target: within 10 % of every measured peak
 
@@ -420,9 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"meta": {**run_meta(device, args.commit), "config": os.path.relpath(args.config),
                                     "modes": {k: m.what for k, m in MODES.items()}, "lora_rank": args.lora_rank,
                                     "lora_targets": list(LORA_TARGETS)}, "results": []}
-    out["checkpoint"] = write_checkpoint(args.config, args.ckpt, args.device)
-    _dump(args.json, out)
-    print(f"[checkpoint] {out['checkpoint']}", flush=True)
+    out.update(_kept_parts(args.json, parts))
+    if set(parts) & {"write", "steps", "logits", "ranks"}:  # the MoE benchmark alone needs no checkpoint
+        out["checkpoint"] = write_checkpoint(args.config, args.ckpt, args.device)
+        _dump(args.json, out)
+        print(f"[checkpoint] {out['checkpoint']}", flush=True)
     if "steps" in parts or "logits" in parts:
         base, load_s = load_base(args.ckpt)
         out["checkpoint"]["load_fp8_s"] = round(load_s, 1)
@@ -444,6 +447,18 @@ def main(argv: list[str] | None = None) -> int:
         out["ranks"] = _guarded(run_ranks, load_config(args.config), args)
     _dump(args.json, out)
     return 0
+
+
+def _kept_parts(path: str, parts: list[str]) -> dict[str, Any]:
+    """The parts an earlier run wrote to ``path`` that this run does not measure (so parts run in separate
+    processes, each with its own time limit, end in one file)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        prev = json.load(f)
+    keys = {"steps": ("results", "expert_bytes"), "logits": ("logits",), "moe": ("moe",), "ranks": ("ranks",),
+            "write": ("checkpoint",)}
+    return {k: prev[k] for part, ks in keys.items() if part not in parts for k in ks if k in prev}
 
 
 def expert_bytes(results: list[dict]) -> dict[str, Any] | None:

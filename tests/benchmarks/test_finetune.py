@@ -54,6 +54,7 @@ def test_harness_end_to_end(tmp_path, tiny):
     assert ft.main([*argv[:6], "--parts", "moe", *argv[8:]]) == 0
     data = json.loads(out.read_text())
     assert data["checkpoint"]["reused"] and all(r.get("skipped") for r in data["moe"]["records"])
+    assert [r["mode"] for r in data["results"]] == ["c", "d"] and data["logits"]["tokens"] == 64  # kept
 
 
 def test_bf16_experts_equal_a_bf16_load(tmp_path, tiny):
