@@ -51,7 +51,7 @@ def test_harness_end_to_end(tmp_path, tiny):
     # mode (c) needs LoRA (csattn.finetune): measured, or its error recorded, never a crash
     assert by["c"].get("ms") or by["c"].get("error")
     # a second run reuses the checkpoint; the MoE benchmark's FP8 paths need CUDA: recorded as skipped
-    assert ft.main([*argv[:6], "--parts", "moe", *argv[8:]]) == 0
+    assert ft.main([*argv[:6], "--parts", "write,moe", *argv[8:]]) == 0
     data = json.loads(out.read_text())
     assert data["checkpoint"]["reused"] and all(r.get("skipped") for r in data["moe"]["records"])
     assert [r["mode"] for r in data["results"]] == ["c", "d"] and data["logits"]["tokens"] == 64  # kept
