@@ -9,7 +9,8 @@ part that reads it), the parts (``--parts``; those not run are kept from an exis
   (a) frozen FP8 experts multiplied in FP8 + LoRA rank 16 on attention, indexer, shared and routed experts;
   (b) the same, weight-only (``w8a16``); (c) frozen bf16 experts + the same LoRA; (d) everything trained in bf16.
   Each: tokens/s, MFU over the FLOPs run (:func:`csattn.report.finetune_flops`: no weight-gradient GEMM for frozen
-  weights, LoRA's GEMMs counted, the FP8 part apart), the step's peak (``torch.cuda.max_memory_allocated``, weights
+  weights but those whose LoRA is an effective weight, LoRA's GEMMs counted as the model runs them, the FP8 part
+  apart), the step's peak (``torch.cuda.max_memory_allocated``, weights
   included), the weights' bytes by storage dtype, and the planner's predicted peak beside it (target: within 10 %).
   A case that runs out of memory is recorded as not fitting.
 - ``moe``: the frozen-expert MoE alone (forward + input gradient; 256 experts top-6, 16k tokens, D 4096, I 2048):
@@ -174,15 +175,39 @@ def planned_gib(config: Any, mode: Mode, tokens: int, rank: int, world: int = 1,
     return {"planned_gib": round(p.peak / 2**30, 2), "planned_fits": bool(p.fits)}
 
 
-def step_flops(config: Any, cu: list[int], mode: Mode, rank: int) -> dict[str, float]:
-    """The FLOPs one step of ``mode`` runs on documents ``cu`` (forward, backward, the FP8 part)."""
+def lora_counts(model: nn.Module) -> dict[str, float]:
+    """What the model's LoRA runs per token: ``io``, the summed ``in + out`` of the maps run factored (linears called
+    as modules; the routed experts' two pairs for each of the ``k`` experts a token runs), and ``effective_macs``,
+    the multiply-adds of the frozen linears whose LoRA is an effective weight ``W + s B A``."""
+    try:
+        from csattn.finetune.lora import LoraExperts, LoraLinear, lora_modules
+    except ImportError:  # a tree without csattn.finetune: no LoRA
+        return {"io": 0.0, "effective_macs": 0.0}
+    k = model.config.num_experts_per_tok
+    io = eff = 0.0
+    for _, m in lora_modules(model):
+        if isinstance(m, LoraExperts):
+            d, i = m.lora_A_gate_up.shape[-1], m.lora_A_down.shape[-1]
+            io += k * ((d + 2 * i) + (i + d))
+        elif isinstance(m, LoraLinear):
+            io += m.lora_A.shape[-1] + m.lora_B.shape[0]
+        else:  # the weight the layer reads: [out, in]
+            eff += m._parameters["weight"].numel()
+    return {"io": io, "effective_macs": eff}
+
+
+def step_flops(config: Any, cu: list[int], mode: Mode, rank: int, lora: dict[str, float]) -> dict[str, float]:
+    """The FLOPs one step of ``mode`` runs on documents ``cu`` (forward, backward, the FP8 part): the planner's
+    per-group multiply-adds for what is frozen, the model's own LoRA counts (``lora_counts``)."""
     from csattn.parallel.plan import count_groups
     from csattn.report import finetune_flops
 
-    groups = {g: (v.macs, v.lora_macs) for g, v in count_groups(config).total().items()}
+    groups = count_groups(config).total()
     t = mode.training(rank)
-    fp8 = ["experts"] if mode.base == "fp8" else []  # the load holds the routed experts in FP8, the rest bf16
-    return finetune_flops(config, cu, groups, t.train, t.lora_rank, t.lora_targets, fp8)
+    frozen = sum(v.macs for g, v in groups.items() if g not in t.train)
+    fp8 = groups["experts"].macs if mode.base == "fp8" else 0.0  # the load holds the routed experts in FP8 only
+    return finetune_flops(config, cu, frozen_macs=frozen, fp8_macs=fp8, lora_rank=rank if mode.lora else 0,
+                          lora_io=lora["io"], effective_macs=lora["effective_macs"])
 
 
 def _sync(device: torch.device) -> None:
@@ -229,7 +254,7 @@ def measure_mode(base: nn.Module, mode: Mode, tokens: int, args: argparse.Namesp
     model = None
     try:
         model = prepare(base, mode, device, args.lora_rank)
-        rec["weights_gib"] = weight_gib(model)
+        rec["weights_gib"], rec["lora_counts"] = weight_gib(model), lora_counts(model)
         rec.update(time_steps(model, tokens, device, args.steps))
     except torch.cuda.OutOfMemoryError:
         rec["error"] = "does not fit (out of memory)"
@@ -242,7 +267,7 @@ def measure_mode(base: nn.Module, mode: Mode, tokens: int, args: argparse.Namesp
             torch.cuda.empty_cache()
     if rec.get("ms"):
         cu = [0, *torch.tensor(rec["docs"]).cumsum(0).tolist()]
-        fl = step_flops(base.config, cu, mode, args.lora_rank)
+        fl = step_flops(base.config, cu, mode, args.lora_rank, rec["lora_counts"])
         run = fl["fwd"] + fl["bwd"]
         rec.update(flops=fl, tokens_per_s=tokens / rec["ms"] * 1e3, tflops=run / rec["ms"] / 1e9)
         peak = peak_flops(device, args.peak_tflops)
