@@ -2,11 +2,13 @@
 # The fine-tuning must-shows on one lent H200, in one device call (<= 600 s); results land in $OUT.
 #   bash lab/finetune_session.sh [PART ...]      PART: tests write steps logits moe ranks quality (default: all)
 # Each part has its own time limit and the call a budget (BUDGET, default 585 s): a part that would start with
-# under 20 s left is skipped. Estimated on the H200 (not yet measured): tests ~60 s, write ~60 s (the slice's
-# release-format checkpoint, drawn on the GPU, ~14 GB of MXFP4 + FP8; reused when $CKPT holds it), steps + logits
-# ~220 s (one FP8 load, converted on the host, ~100 s; modes a-d at 16k and 64k), moe ~30 s, ranks ~150 s (two
-# gloo ranks each loading their experts), quality ~200 s (tokenizer, load, 200 LoRA steps at 4k). All of it is
-# ~12 min: a fresh machine takes two calls, e.g. `tests write steps logits moe`, then `write ranks quality`.
+# under 20 s left is skipped. Estimated on the H200 (not yet measured): tests ~60 s, write ~200 s (the slice's
+# release-format checkpoint, ~14 GB of MXFP4 + FP8: drawn on the host from the model's generators, ~45 s a layer,
+# quantized on the GPU; reused when $CKPT holds it), steps + logits ~220 s (one FP8 load, converted on the host,
+# ~100 s; modes a-d at 16k and 64k), moe ~30 s, ranks ~150 s (two gloo ranks each loading their experts), quality
+# ~200 s (tokenizer, load, 200 LoRA steps at 4k). All of it is ~14 min: a fresh machine takes two calls,
+# `tests write steps logits moe` (~8.5 min), then `write ranks quality` (~9 min; the next call finds $CKPT only
+# if it comes while the machine is still warm).
 # Installs nothing: tokenizers, matplotlib and transformers are on the machine; wheels carried in .whl (see
 # /work/.library/device/README.md) are installed first when present.
 set -u
@@ -44,7 +46,7 @@ if has tests; then  # the GPU tests of the fine-tuning work, those this tree has
   run tests 90 sh -c "python3 -m pytest -q -p no:cacheprovider -m gpu $T > $OUT/gpu_tests.txt 2>&1"
   tail -3 "$OUT/gpu_tests.txt" | tee -a "$LOG"
 fi
-has write && run write 150 $FT --parts write  # the slice's checkpoint into $CKPT, drawn on the GPU
+has write && run write 280 $FT --parts write  # the slice's checkpoint into $CKPT, quantized on the GPU
 STEPS=""; has steps && STEPS=steps; has logits && STEPS="${STEPS:+$STEPS,}logits"
 [ -n "$STEPS" ] && run "$STEPS" 300 $FT --parts "$STEPS"
 has moe && run moe 60 $FT --parts moe
