@@ -338,14 +338,15 @@ def _dump(path: str, out: dict) -> None:
         json.dump(out, f, indent=1)
 
 
-def rank_args(ckpt: str, tokens: int, steps: int, rank: int, metrics: str) -> list[str]:
-    """``csattn train``'s arguments for mode (a) on dp_shard 2 x ep 2 gloo ranks."""
+def rank_args(ckpt: str, tokens: int, steps: int, rank: int, metrics: str, base: str | None) -> list[str]:
+    """``csattn train``'s arguments for LoRA on dp_shard 2 x ep 2 gloo ranks; ``base``: ``--base-precision``
+    (None: the trainer's default, bf16 experts)."""
     return ["--init-from", ckpt, "--dtype", "bfloat16", "--device", "cuda", "--dist-backend", "gloo",
             "--dist-timeout", "300", "--dp-shard", "2", "--ep", "2", "--seq-len", str(tokens), "--steps", str(steps),
             "--lr", "1e-4", "--warmup-steps", "1", "--doc-min-len", "256", "--doc-max-len", "8192",
             "--lora-rank", str(rank), "--lora-alpha", str(rank), "--lora-targets", ",".join(LORA_TARGETS),
-            "--base-precision", "fp8", "--export-hf", "never", "--no-progress", "--log-every", "1",
-            "--metrics", metrics]
+            *(["--base-precision", base] if base else []), "--export-hf", "never", "--no-progress",
+            "--log-every", "1", "--metrics", metrics]
 
 
 def trainer_flags() -> set[str]:
@@ -359,18 +360,19 @@ def trainer_flags() -> set[str]:
 
 def run_ranks(config: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Mode (a) through ``csattn train`` on 2 gloo ranks sharing the GPU (ep 2): each rank's peak beside the
-    planner's per-rank peak."""
-    mode, tokens = MODES["a"], args.rank_tokens
+    planner's per-rank peak. Mode (c) where the trainer has ``--lora-rank`` but no ``--base-precision`` yet."""
+    flags = trainer_flags()
+    mode, tokens = MODES["a" if "--base-precision" in flags else "c"], args.rank_tokens
     rec: dict[str, Any] = {"mode": mode.name, "ranks": 2, "mesh": "dp_shard 2 x ep 2 (gloo, one GPU)",
                            "tokens_per_rank": tokens, **planned_gib(config, mode, tokens, args.lora_rank, 2, 2)}
-    missing = sorted({"--lora-rank", "--base-precision"} - trainer_flags())
-    if missing:
-        return {**rec, "error": f"csattn train has no {', '.join(missing)} in this tree"}
+    if "--lora-rank" not in flags:
+        return {**rec, "error": "csattn train has no --lora-rank in this tree"}
+    base = "fp8" if mode.name == "a" else None
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                "benchmarks.finetune", "--rank-peaks", tmp, "--",
-               *rank_args(args.ckpt, tokens, args.rank_steps, args.lora_rank, metrics)]
+               *rank_args(args.ckpt, tokens, args.rank_steps, args.lora_rank, metrics, base)]
         rec["command"] = " ".join(cmd[1:])
         try:
             rc = subprocess.run(cmd, timeout=args.rank_timeout).returncode

@@ -64,8 +64,9 @@ def _ranks_lines(r: dict[str, Any] | None) -> list[str]:
         return ["", f"Two gloo ranks sharing the GPU ({r.get('mesh', 'ep 2')}): {r['error']}"]
     rows = [[str(i), gib(p), gib(r.get("planned_gib")), times(r["planned_gib"] / p) if p else "-"]
             for i, p in enumerate(r.get("peak_gib_per_rank") or [])]
-    return ["", f"Mode (a) through `csattn train` on two gloo ranks sharing the GPU, {r.get('mesh')}, "
-            f"{tok(r['tokens_per_rank'])} tokens per rank: each rank's peak beside the planner's.", "",
+    return ["", f"Mode ({r.get('mode', 'a')}) through `csattn train` on two gloo ranks sharing the GPU, "
+            f"{r.get('mesh')}, {tok(r['tokens_per_rank'])} tokens per rank: each rank's peak beside the planner's.",
+            "",
             *_table(["rank", "peak GiB", "planned GiB", "planned / peak"], rows)]
 
 

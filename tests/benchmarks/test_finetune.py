@@ -124,7 +124,8 @@ def test_rank_wrapper_records_its_peak(tmp_path):
 
 
 def test_two_rank_run_needs_the_finetuning_flags(tmp_path):
-    """Without csattn train's LoRA / base-precision flags the ranks part says so (and launches nothing)."""
+    """Without csattn train's LoRA flags the ranks part says so (and launches nothing); without --base-precision it
+    runs mode (c)."""
     import argparse
 
     from csattn.parallel.plan import load_config
@@ -132,8 +133,9 @@ def test_two_rank_run_needs_the_finetuning_flags(tmp_path):
     args = argparse.Namespace(rank_tokens=16384, lora_rank=16, ckpt=str(tmp_path), rank_steps=1, rank_timeout=5)
     rec = ft.run_ranks(load_config(ft.SLICE), args)
     assert rec["planned_gib"] > 0 and rec["ranks"] == 2
-    missing = {"--lora-rank", "--base-precision"} - ft.trainer_flags()
-    if missing:
-        assert "csattn train has no" in rec["error"]
+    flags = ft.trainer_flags()
+    assert rec["mode"] == ("a" if "--base-precision" in flags else "c")
+    if "--lora-rank" not in flags:
+        assert rec["error"] == "csattn train has no --lora-rank in this tree"
     else:
         assert rec["rc"] != 0  # no checkpoint in tmp_path, no GPU here
