@@ -2,13 +2,14 @@
 # The fine-tuning must-shows on one lent H200, in one device call (<= 600 s); results land in $OUT.
 #   bash lab/finetune_session.sh [PART ...]      PART: tests write steps logits moe ranks quality (default: all)
 # Each part has its own time limit and the call a budget (BUDGET, default 585 s): a part that would start with
-# under 20 s left is skipped. Estimated on the H200 (not yet measured): tests ~60 s, write ~200 s (the slice's
+# under 20 s left is skipped. Estimated on the H200 (not yet measured): tests ~60 s; write ~200 s (the slice's
 # release-format checkpoint, ~14 GB of MXFP4 + FP8: drawn on the host from the model's generators, ~45 s a layer,
-# quantized on the GPU; reused when $CKPT holds it), steps + logits ~220 s (one FP8 load, converted on the host,
-# ~100 s; modes a-d at 16k and 64k), moe ~30 s, ranks ~150 s (two gloo ranks each loading their experts), quality
-# ~200 s (tokenizer, load, 200 LoRA steps at 4k). All of it is ~14 min: a fresh machine takes two calls,
-# `tests write steps logits moe` (~8.5 min), then `write ranks quality` (~9 min; the next call finds $CKPT only
-# if it comes while the machine is still warm).
+# quantized on the GPU; reused when $CKPT holds it); moe ~30 s; steps + logits: one FP8 load, then ~120 s (modes
+# a-d at 16k and 64k); ranks: two gloo ranks each loading their experts, then ~60 s; quality: a load, then ~100 s
+# (tokenizer, 200 LoRA steps at 4k). Every load converts the experts from MXFP4 to FP8 on the host
+# (load_pretrained's mxfp4_to_fp8): 2.4 s an expert on one CPU thread here, 1024 experts in the slice, so minutes
+# even on 16 cores: until the loader converts on the GPU, run the parts in separate calls while the machine is warm
+# (it keeps $CKPT only then): `tests write moe`, `steps logits`, `ranks`, `quality`.
 # Installs nothing: tokenizers, matplotlib and transformers are on the machine; wheels carried in .whl (see
 # /work/.library/device/README.md) are installed first when present.
 set -u
