@@ -139,3 +139,28 @@ def test_two_rank_run_needs_the_finetuning_flags(tmp_path):
         assert rec["error"] == "csattn train has no --lora-rank in this tree"
     else:
         assert rec["rc"] != 0  # no checkpoint in tmp_path, no GPU here
+
+
+def test_slice_is_v4_flash_first_layers_and_what_fits():
+    """The slice keeps every V4-Flash field but the layer count (its first four layers: W, W, CSA, HCA; three
+    hash-routed), MTP and the vocabulary; the planner fits modes (a)-(c) at 64k on one H200, not (d)."""
+    from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
+    from csattn.parallel.plan import load_config
+
+    with open(ft.SLICE) as f:
+        part = json.load(f)
+    with open(ft.SLICE.replace("v4_flash_slice", "v4_flash")) as f:
+        full = json.load(f)
+    lists = ("layer_types", "mlp_layer_types", "compress_ratios")
+    for key, value in full.items():
+        if key in lists:
+            assert part[key] == value[:4], key
+        elif key not in ("num_hidden_layers", "num_nextn_predict_layers", "vocab_size"):
+            assert part[key] == value, key
+    assert part["num_hidden_layers"] == 4 and part["mlp_layer_types"] == ["hash_moe"] * 3 + ["moe"]
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(DeepseekV4ModelConfig.from_hf(part))
+    assert model.model.layers[3].mlp.experts.gate_up_proj.shape == (256, 4096, 4096)
+    c = load_config(ft.SLICE)
+    fits = {m: ft.planned_gib(c, ft.MODES[m], 65536, 16)["planned_fits"] for m in ft.MODES}
+    assert fits == {"a": True, "b": True, "c": True, "d": False}
