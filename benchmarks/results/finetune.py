@@ -41,7 +41,8 @@ def _moe_lines(moe: dict[str, Any], expert_bytes: dict[str, Any] | None) -> tupl
         return ([f"Frozen-expert MoE alone: {moe['error']}"] if moe else []), []
     by = {r["provider"]: r for r in moe.get("records", [])}
     rows = [[p, ms(r.get("ms")) if r.get("ms") else r.get("error") or r.get("skipped", "-"), num(r.get("tflops")),
-             times(moe["speedup_over_bf16"].get(p)) if p != "bf16" else "1.00x"] for p, r in by.items()]
+             times(moe["speedup_over_bf16"].get(p)) if p != "bf16" else "1.00x" if r.get("ms") else "-"]
+            for p, r in by.items()]
     ratio = (expert_bytes or {}).get("ratio", moe.get("expert_bytes_fp8_over_bf16"))
     lines = ["The routed experts alone (`benchmarks.run --op moe_frozen`): forward + input gradient of frozen experts "
              "(no weight gradient), 256 experts top-6, 16k tokens, D 4096, I 2048, by grouped path; target FP8 >= "
