@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from .data import Results, times
+from .finetune import finetune_section
 from .plots import model_plot
 from .readme import fill_readme, readme_paragraphs
 from .sections import (
@@ -22,12 +23,12 @@ from .sections import (
     model_section,
     sharded_section,
 )
-from .sources import REPORT_PARTS, STAGES
+from .sources import REPORT_PARTS, listed_stages
 
 __all__ = ["render_page"]
 
 SECTIONS = (model_section, hf_section, layer_section, cp_section, kernels_section, graphs_section, sharded_section,
-            deterministic_section)
+            deterministic_section, finetune_section)
 
 
 def _link(target: Path, page: Path) -> str:
@@ -71,7 +72,7 @@ def _header(res: Results, report: list[dict]) -> list[str]:
     else:
         at = (f"at {len(commits)} commits ({', '.join(f'`{c}`' for c in commits)}; each section names its own: "
               "re-run the measurement below to bring them to one)")
-    stages = " ".join(s for s in STAGES if STAGES[s])
+    stages = " ".join(listed_stages(res.files))
     return ["# Benchmarks", "",
             f"Measured on one {meta.get('device', '?')} (torch {meta.get('torch', '?')}, Triton "
             f"{meta.get('triton', '?')}) {at}. Every table is rendered from the JSON it names by "
@@ -116,7 +117,7 @@ def render_page(json_dir: Path, page: Path, plots_dir: Path, report_dir: Path, r
               "Measure every file at one commit (a GPU with the `cudnn` provider's package and transformers >= 5.23; "
               "`--budget-s` stops starting commands near a time limit), then render anywhere:", "",
               f"    python -m benchmarks.results --measure --json-dir {ctx.json_link} --stages "
-              + " ".join(s for s in STAGES if STAGES[s]), "    python -m benchmarks.results --out BENCHMARKS.md"]
+              + " ".join(listed_stages(res.files)), "    python -m benchmarks.results --out BENCHMARKS.md"]
     text = "\n".join(lines) + "\n"
     if readme is not None:  # before the page is written: a README with wrong markers fails with the page unchanged
         readme = Path(readme)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-__all__ = ["Source", "STAGES", "SHARDED", "REPORT_PARTS", "source"]
+__all__ = ["Source", "STAGES", "SHARDED", "REPORT_PARTS", "LISTED_ONCE_MEASURED", "source", "listed_stages"]
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,16 @@ STAGES: dict[str, tuple[Source, ...]] = {
     "sharded": (
         Source("sharded.json", "benchmarks.sharded", (), 360),
     ),
+
+    # fine-tuning a real-geometry V4-Flash slice from a release-format checkpoint (written first into --ckpt,
+    # reused when there): modes (a)-(d) at 16k and 64k beside the planner, the frozen-expert MoE, the FP8 /
+    # weight-only logits, two gloo ranks with ep 2; estimated 7-9 min (lab/finetune_session.sh runs its parts)
+    "finetune": (
+        Source("finetune.json", "benchmarks.finetune", ("--ckpt", "/tmp/csattn_v4_flash_slice"), 590),
+    ),
 }
+# stages the page's commands name only once their JSON is in the folder (added after the page was last measured)
+LISTED_ONCE_MEASURED = {"finetune": "finetune.json"}
 
 SHARDED = "sharded.json"
 # the report's parts, merged in this order into one report (a later part's cases replace an earlier one's)
@@ -151,3 +160,9 @@ def source(file: str) -> Source:
             if s.file == file:
                 return s
     raise KeyError(f"no stage writes {file!r}")
+
+
+def listed_stages(files: dict) -> list[str]:
+    """The stages the page's commands name: those with a command, less the ones whose JSON is not yet in
+    ``files`` (:data:`LISTED_ONCE_MEASURED`)."""
+    return [s for s in STAGES if STAGES[s] and (s not in LISTED_ONCE_MEASURED or LISTED_ONCE_MEASURED[s] in files)]

@@ -85,7 +85,7 @@ def quantize_mxfp4(w: Tensor, scale_kind: str = "e8m0",
     amax = groups.abs().amax(dim=-1)
     s = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 6.0))), torch.ones_like(amax))
     v = (groups / s[..., None]).view(n, g * MXFP4_GROUP)[:, :k]
-    idx = (v.abs()[..., None] - _E2M1_MAGS).abs().argmin(dim=-1)  # nearest e2m1 magnitude
+    idx = (v.abs()[..., None] - _E2M1_MAGS.to(v.device)).abs().argmin(dim=-1)  # nearest e2m1 magnitude
     nib = (idx + 8 * (v < 0).long()).to(torch.uint8)
     packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).contiguous()
     return packed.view(packed_dtype), _store_scale(s, scale_kind)
@@ -148,7 +148,8 @@ def _units(c: DeepseekV4ModelConfig, seed: int) -> Iterator[tuple[str, dict[str,
 
 
 def write_release_checkpoint(config: DeepseekV4ModelConfig, path: str, seed: int = 0,
-                             block: tuple[int, int] = (128, 128), scale_kind: str = "e8m0") -> dict[str, str]:
+                             block: tuple[int, int] = (128, 128), scale_kind: str = "e8m0",
+                             device: torch.device | str = "cpu") -> dict[str, str]:
     """Write a random model of ``config``'s geometry as the release stores it (see the module docstring).
 
     Args:
@@ -158,6 +159,8 @@ def write_release_checkpoint(config: DeepseekV4ModelConfig, path: str, seed: int
         seed: the weights' seed (each unit drawn from its own, as ``csattn.parallel.materialize`` does).
         block: the dense FP8 block ``[bn, bk]`` (the release's ``[128, 128]``).
         scale_kind: the dense scales' storage: ``"e8m0"`` (the release's), ``"u8"`` or ``"fp32"``.
+        device: where each unit is quantized (the same bytes anywhere; a GPU takes a full-width layer's experts in
+            seconds, the CPU in minutes). The weights are drawn on the CPU either way, from the model's generators.
 
     Returns:
         The index's ``weight_map`` (on-disk name -> shard).
@@ -167,7 +170,8 @@ def write_release_checkpoint(config: DeepseekV4ModelConfig, path: str, seed: int
     os.makedirs(path, exist_ok=True)
     weight_map: dict[str, str] = {}
     for shard, state in _units(config, seed):
-        tensors = _quantized(state, block, scale_kind)
+        tensors = _quantized({k: v.to(device) for k, v in state.items()}, block, scale_kind)
+        tensors = {k: v.cpu() for k, v in tensors.items()}
         save_file(tensors, os.path.join(path, shard), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, shard))
         del state, tensors

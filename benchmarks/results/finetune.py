@@ -1,0 +1,100 @@
+"""The page's "Fine-tuning" section, from ``finetune.json`` (``python -m benchmarks.finetune``): the slice's training
+step per mode beside the planner, the frozen-expert MoE alone, the FP8 / weight-only logits, the 2-rank run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .data import gib, ms, num, times, tok
+from .sections import Claim, Context, Section, _anchor, _provenance, _table
+
+__all__ = ["FINETUNE", "finetune_section"]
+
+FINETUNE = "finetune.json"
+TITLE = "Fine-tuning"
+
+
+def _weights(w: dict[str, Any] | None) -> str:
+    if not w:
+        return "-"
+    parts = " + ".join(f"{v:.1f} {k.replace('float8_e4m3fn', 'fp8').replace('bfloat16', 'bf16')}"
+                       for k, v in sorted(w["by_dtype"].items(), key=lambda kv: -kv[1]) if v >= 0.05)
+    return f"{w['total']:.1f} ({parts})" if parts else f"{w['total']:.2f}"
+
+
+def _step_rows(records: list[dict]) -> list[list[str]]:
+    rows = []
+    for r in records:
+        head = [f"({r['mode']}) {r['what']}", tok(r["tokens"])]
+        if r.get("ms") is None:
+            rows.append([*head, r.get("error", "not measured"), "", "", "", gib(r.get("planned_gib")), "", ""])
+            continue
+        ratio = r.get("planned_over_peak")
+        rows.append([*head, ms(r["ms"]), f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.1%}" if r.get("mfu") else "-",
+                     gib(r.get("peak_gib")), gib(r.get("planned_gib")), times(ratio) if ratio else "-",
+                     _weights(r.get("weights_gib"))])
+    return rows
+
+
+def _moe_lines(moe: dict[str, Any], expert_bytes: dict[str, Any] | None) -> tuple[list[str], list[Claim]]:
+    if not moe or moe.get("error"):
+        return ([f"Frozen-expert MoE alone: {moe['error']}"] if moe else []), []
+    by = {r["provider"]: r for r in moe.get("records", [])}
+    rows = [[p, ms(r.get("ms")) if r.get("ms") else r.get("error") or r.get("skipped", "-"), num(r.get("tflops")),
+             times(moe["speedup_over_bf16"].get(p)) if p != "bf16" else "1.00x" if r.get("ms") else "-"]
+            for p, r in by.items()]
+    ratio = (expert_bytes or {}).get("ratio", moe.get("expert_bytes_fp8_over_bf16"))
+    lines = ["The routed experts alone (`benchmarks.run --op moe_frozen`): forward + input gradient of frozen experts "
+             "(no weight gradient), 256 experts top-6, 16k tokens, D 4096, I 2048, by grouped path; target FP8 >= "
+             f"{moe.get('target_fp8_speedup', 1.3)}x bf16. Routed experts' bytes, FP8 (e4m3 + 128x128 scales) over "
+             f"bf16: {num(ratio, '.3f')} (target <= {moe.get('target_bytes', 0.52)}).", "",
+             *_table(["path", "ms", "TFLOP/s", "over bf16"], rows)]
+    fp8, bf16 = by.get("fp8", {}), by.get("bf16", {})
+    claims = []
+    if fp8.get("ms") and bf16.get("ms"):
+        claims.append(Claim("frozen-expert MoE fwd + input grad, FP8, 16k tokens, 256 experts top-6",
+                            f"{ms(fp8['ms'])} ms", f"bf16 grouped: {ms(bf16['ms'])} ms", bf16["ms"] / fp8["ms"],
+                            1 / ratio if ratio else None, _anchor(TITLE)))
+    return lines, claims
+
+
+def _ranks_lines(r: dict[str, Any] | None) -> list[str]:
+    if not r:
+        return []
+    if r.get("error") and not any(r.get("peak_gib_per_rank") or []):
+        return ["", f"Two gloo ranks sharing the GPU ({r.get('mesh', 'ep 2')}): {r['error']}"]
+    rows = [[str(i), gib(p), gib(r.get("planned_gib")), times(r["planned_gib"] / p) if p else "-"]
+            for i, p in enumerate(r.get("peak_gib_per_rank") or [])]
+    return ["", f"Mode ({r.get('mode', 'a')}) through `csattn train` on two gloo ranks sharing the GPU, "
+            f"{r.get('mesh')}, {tok(r['tokens_per_rank'])} tokens per rank: each rank's peak beside the planner's.",
+            "",
+            *_table(["rank", "peak GiB", "planned GiB", "planned / peak"], rows)]
+
+
+def finetune_section(ctx: Context) -> Section | None:
+    data = ctx.res.files.get(FINETUNE)
+    if not isinstance(data, dict):
+        return None
+    meta = data.get("meta", {})
+    lines = [f"Fine-tuning a real-geometry slice of V4-Flash (`{meta.get('config', '?')}`: its first four layers, "
+             "W / W / CSA / HCA, three hash-routed; full widths, 256 experts top-6) loaded from a synthetic "
+             "checkpoint in the release's format (FP8 dense, MXFP4 experts), one GPU. LoRA rank "
+             f"{meta.get('lora_rank', 16)} on {', '.join(meta.get('lora_targets', []))}. One step = forward, "
+             "backward, AdamW on packed documents (T/4 - 100, T/4 + 100, T/2). MFU counts the FLOPs run "
+             "(`csattn.report.finetune_flops`: no weight gradient for frozen weights, except where LoRA is an "
+             "effective weight W + s B A; LoRA's GEMMs; FP8 GEMMs at the bf16 peak). peak = `max_memory_allocated` "
+             "during the steps, weights included; planned = `csattn plan`'s peak for the same run (target: within "
+             "10 %); weights GiB by storage dtype.", "",
+             *_table(["mode", "tokens", "ms/step", "tokens/s", "MFU", "peak GiB", "planned GiB", "planned / peak",
+                      "weights GiB"], _step_rows(data.get("results", [])), right_from=2)]
+    logits = data.get("logits") or {}
+    if logits.get("rel_l2") is not None:
+        lines += ["", f"Logits with FP8 compute against the weight-only mode (same weights, {tok(logits['tokens'])} "
+                  f"tokens): relative L2 difference {logits['rel_l2']:.2e}, largest element difference "
+                  f"{logits['max_abs_over_max']:.2e} of the largest logit."]
+    moe_lines, claims = _moe_lines(data.get("moe") or {}, data.get("expert_bytes"))
+    if moe_lines:
+        lines += ["", *moe_lines]
+    lines += _ranks_lines(data.get("ranks"))
+    lines += _provenance(ctx, [FINETUNE])
+    return Section(TITLE, lines, claims)
