@@ -28,12 +28,12 @@ for trans in (False, True):
     print("smoke trans", trans, "rel err", ((out.double() - ref).norm() / ref.norm()).item())
 PY
 if [ "${PIPESTATUS[0]}" != 0 ] || ! grep -q "smoke trans True" "$OUT/smoke.txt"; then echo "SMOKE FAILED"; exit 1; fi
-timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/ops/test_fp8_gpu.py -k "gluon or moe" 2>&1 | tail -40 \
+timeout 100 python3 -m pytest -q -s -p no:cacheprovider tests/ops/test_fp8_gpu.py -k "gluon or moe" 2>&1 | tail -40 \
   > "$OUT/fp8_gpu_tests.txt"
 grep "gluon\|moe\|passed\|failed" "$OUT/fp8_gpu_tests.txt" | tail -24
 B="python3 -m benchmarks.run --warmup-ms 10 --rep-ms 60 --commit ${COMMIT:-unknown}"
 {
-timeout 110 $B --op fp8_grouped --providers "fp8,fp8[triton],bf16" --mode fwd \
+timeout 100 $B --op fp8_grouped --providers "fp8,fp8[triton],bf16" --mode fwd \
   --shape gemm=gate_up,down,gate_up_t,down_t --json "$OUT/grouped.json"
-timeout 70 $B --op moe_frozen --providers fp8,bf16 --mode fwd,fwdbwd --json "$OUT/moe_frozen.json"
+timeout 60 $B --op moe_frozen --providers fp8,bf16 --mode fwd,fwdbwd --json "$OUT/moe_frozen.json"
 } 2>&1 | grep -v "^\s*File\|^Traceback" | tee "$OUT/bench.txt"
