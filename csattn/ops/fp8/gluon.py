@@ -123,14 +123,17 @@ def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem,
         g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
         if g < E:
             for kb in range(nk):
+                if TRANS:
+                    # the transposition first: it waits only for its copies, not for a free stage, so the ready
+                    # stages run ahead of the math warpgroups
+                    if it >= LAG:
+                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES)
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
                 mbarrier.expect(land.index(s), BM * BK + BK * BN)  # e4m3: a byte each
                 _tma_load(a_desc, [row0, kb * BK], land.index(s), a_smem.index(s))
                 if TRANS:
                     _tma_load(w_desc, [g * W_ROWS + kb * BK, pid_n * BN], land.index(s), raw.index(s))
-                    if it >= LAG:
-                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES)
                 else:
                     _tma_load(w_desc, [g * W_ROWS + pid_n * BN, kb * BK], land.index(s), raw.index(s))
                 it += 1
@@ -260,15 +263,18 @@ def fp8_grouped_gluon_kernel(
 
 def launch_settings(trans: bool) -> dict:
     """The kernel's tuning constexprs: 4 stages (128 KB of tiles; 192 KB with the transposed buffers), the
-    transposition 2 steps behind the copies (at most ``STAGES - 2``: a math warpgroup frees a stage only once the
-    next one is ready), and the registers of the math warpgroups and the producer (``setmaxnreg``; no spills at
-    these, tests/ops/test_fp8_gluon_build.py; the producer needs more where it transposes)."""
+    transposition ``LAG`` steps behind the copies (at most ``STAGES - 1``: a math warpgroup frees a stage only
+    once the next one is ready, and the producer transposes before it waits for a free stage), and the registers
+    of the math warpgroups and the producer (``setmaxnreg``; no spills at these, tests/ops/test_fp8_gluon_build.py;
+    the producer needs more where it transposes)."""
     return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=48 if trans else 40)
 
 
-def grouped_mm_gluon(a, a_scale, weight, scale, offs, trans: bool = False, out_dtype=None, out=None):
+def grouped_mm_gluon(a, a_scale, weight, scale, offs, trans: bool = False, out_dtype=None, out=None,
+                     settings: dict | None = None):
     """The Gluon kernel on prepared operands, same contract as :func:`.triton.grouped_mm_triton` with ``a`` e4m3
-    and its 1x128 scales; the weight's ``N`` and ``K`` multiples of 128 (:func:`gluon_fits`)."""
+    and its 1x128 scales; the weight's ``N`` and ``K`` multiples of 128 (``grouped.gluon_fits``). ``settings``:
+    :func:`launch_settings` to override (measurements)."""
     import torch
     import triton
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -298,7 +304,8 @@ def grouped_mm_gluon(a, a_scale, weight, scale, offs, trans: bool = False, out_d
     fp8_grouped_gluon_kernel[grid](
         a_desc, w_desc, a_scale, scale, table, out, m, n_out, c, e, n_w, tiles_m, tiles_n,
         a_scale.stride(0), a_scale.stride(1), scale.stride(0), ssk, ssn, out.stride(0),
-        TRANS=trans, E_P2=e_p2, **launch_settings(trans), num_warps=4)
+        TRANS=trans, E_P2=e_p2, **{**launch_settings(trans), **(settings or {})},
+        num_warps=4)
     return out
 
 
