@@ -115,8 +115,7 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr):
 @gluon.jit
 def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem,
               TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              LAG: gl.constexpr, SPLIT: gl.constexpr):
-    """Every copy; in ``TRANS`` the transpositions too, or (``SPLIT``) those of the even steps."""
+              LAG: gl.constexpr):
     a_smem, raw, bt, land, ready, empty = smem
     nk = KC // BK
     it = 0
@@ -127,7 +126,7 @@ def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem,
                 if TRANS:
                     # the transposition first: it waits only for its copies, not for a free stage, so the ready
                     # stages run ahead of the math warpgroups
-                    if (it >= LAG) and ((not SPLIT) or ((it - LAG) % 2 == 0)):
+                    if it >= LAG:
                         _transpose_stage(it - LAG, raw, bt, land, ready, STAGES)
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
@@ -140,25 +139,7 @@ def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem,
                 it += 1
     if TRANS:
         for j in range(gl.maximum(it - LAG, 0), it):
-            if (not SPLIT) or (j % 2 == 0):
-                _transpose_stage(j, raw, bt, land, ready, STAGES)
-
-
-@gluon.jit
-def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
-                STAGES: gl.constexpr):
-    """``SPLIT``: the transpositions of the odd steps, each as soon as its copies land (in step order: a
-    barrier's parity is waited one phase at a time)."""
-    a_smem, raw, bt, land, ready, empty = smem
-    nk = KC // BK
-    it = 0
-    for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-        g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
-        if g < E:
-            for kb in range(nk):
-                if (it + kb) % 2 == 1:
-                    _transpose_stage(it + kb, raw, bt, land, ready, STAGES)
-            it += nk
+            _transpose_stage(j, raw, bt, land, ready, STAGES)
 
 
 @gluon.jit
@@ -248,7 +229,7 @@ def fp8_grouped_gluon_kernel(
     a_desc, w_desc, sa, sw, table, out, M, N, KC, E, W_ROWS, tiles_m, tiles_n,
     stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
-    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr,
+    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -268,25 +249,14 @@ def fp8_grouped_gluon_kernel(
         mbarrier.init(ready.index(s), count=1)  # the producer, once the weight tile is transposed (TRANS)
         mbarrier.init(empty.index(s), count=2)  # each math warpgroup, once its MMA on the stage is done
     smem = (a_smem, raw, bt, land, ready, empty)
-    if SPLIT:  # a second warpgroup transposes the odd steps
-        gl.warp_specialize([
-            (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                     stride_sbk, stride_sbn, stride_om, smem, _UPPER, TRANS, E_P2, GROUP_M, STAGES)),
-            (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                     stride_sbk, stride_sbn, stride_om, smem, _LOWER, TRANS, E_P2, GROUP_M, STAGES)),
-            (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, TRANS, E_P2, GROUP_M,
-                         STAGES, LAG, SPLIT)),
-            (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES)),
-        ], [4, 4, 4], [MATH_REGS, PRODUCER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                     stride_sbk, stride_sbn, stride_om, smem, _UPPER, TRANS, E_P2, GROUP_M, STAGES)),
-            (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                     stride_sbk, stride_sbn, stride_om, smem, _LOWER, TRANS, E_P2, GROUP_M, STAGES)),
-            (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, TRANS, E_P2, GROUP_M,
-                         STAGES, LAG, SPLIT)),
-        ], [4, 4], [MATH_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
+                 stride_sbn, stride_om, smem, _UPPER, TRANS, E_P2, GROUP_M, STAGES)),
+        (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
+                 stride_sbn, stride_om, smem, _LOWER, TRANS, E_P2, GROUP_M, STAGES)),
+        (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, TRANS, E_P2, GROUP_M, STAGES,
+                     LAG)),
+    ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 
 # Host side -------------------------------------------------------------------------------------------------------
@@ -297,7 +267,7 @@ def launch_settings(trans: bool) -> dict:
     once the next one is ready, and the producer transposes before it waits for a free stage), and the registers
     of the math warpgroups and the producer (``setmaxnreg``; no spills at these, tests/ops/test_fp8_gluon_build.py;
     the producer needs more where it transposes)."""
-    return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=48 if trans else 40, SPLIT=False)
+    return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=48 if trans else 40)
 
 
 def grouped_mm_gluon(a, a_scale, weight, scale, offs, trans: bool = False, out_dtype=None, out=None,
