@@ -21,6 +21,9 @@ aligned rows; ``grouped_mm_gluon`` checks and the caller falls back to the Trito
 
 from __future__ import annotations
 
+import torch
+import triton
+from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -270,13 +273,12 @@ def launch_settings(trans: bool) -> dict:
     return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=48 if trans else 40)
 
 
-def grouped_mm_gluon(a, a_scale, weight, scale, offs, trans: bool = False, out_dtype=None, out=None,
-                     settings: dict | None = None):
+def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
+                     out_dtype: torch.dtype = torch.bfloat16, out: Tensor | None = None,
+                     settings: dict | None = None) -> Tensor:
     """The Gluon kernel on prepared operands, same contract as :func:`.triton.grouped_mm_triton` with ``a`` e4m3
     and its 1x128 scales; the weight's ``N`` and ``K`` multiples of 128 (``grouped.gluon_fits``). ``settings``:
     :func:`launch_settings` to override (measurements)."""
-    import torch
-    import triton
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..backend import sm_count
@@ -287,7 +289,7 @@ def grouped_mm_gluon(a, a_scale, weight, scale, offs, trans: bool = False, out_d
     a, a_scale = a.contiguous(), a_scale.contiguous()
     weight, scale = weight.contiguous(), scale.contiguous()
     if out is None:
-        out = torch.empty((m, n_out), dtype=out_dtype or torch.bfloat16, device=a.device)
+        out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
     e_p2 = max(128, triton.next_power_of_2(e + 2))
@@ -309,12 +311,10 @@ def grouped_mm_gluon(a, a_scale, weight, scale, offs, trans: bool = False, out_d
     return out
 
 
-def group_table(offs, m: int, e_p2: int):
+def group_table(offs: Tensor, m: int, e_p2: int) -> Tensor:
     """``[3, e_p2]`` int32 on ``offs``'s device, no host read: per group ``g <= E`` (``E``: the rows past
     ``offs[-1]``, up to ``m``) its first row, its end row and the running sum of the groups' 128-row tile counts;
     the padding columns start and end at 0 and their running sum is past every tile."""
-    import torch
-
     e = offs.shape[0]
     ends = torch.cat([offs.to(torch.int32), offs.new_full((1,), m, dtype=torch.int32)])
     starts = torch.cat([offs.new_zeros(1, dtype=torch.int32), offs[:-1].to(torch.int32), offs[-1:].to(torch.int32)])
