@@ -10,7 +10,8 @@ drawn in bf16 and quantized per block; activations and gradients bf16.
 - ``--op fp8_grouped`` (``tokens``, ``routing=ExK``, ``hidden`` D, ``inter`` I, ``gemm``): one grouped GEMM
   over ``N = tokens * k`` expert-sorted rows: ``gemm=gate_up`` (``[N, D] x W^T``, W ``[E, 2I, D]``),
   ``down`` (``[N, I] x W^T``, W ``[E, D, I]``), ``gate_up_t`` / ``down_t`` (their input gradients, ``x W``).
-  Providers ``fp8``, ``w8a16`` (fp8_grouped_mm) and ``bf16`` (torch grouped_mm on the bf16 weights).
+  Providers ``fp8``, ``w8a16`` (fp8_grouped_mm), ``fp8[triton]`` (the Triton kernels: FP8 forward, W8A16 input
+  gradient) and ``bf16`` (torch grouped_mm on the bf16 weights).
 - ``--op moe_frozen`` (as ``--op moe``): the routed experts with frozen weights, forward and input gradient (x and
   the routing weights; no weight gradient): ``fp8``, ``w8a16`` (FP8 experts), ``bf16`` (bf16 experts).
 
@@ -131,7 +132,11 @@ def _routed(shape, device):
 
 @register("fp8_grouped", "fp8", GROUPED)
 def grouped_fp8(shape, device, dtype, variant=""):
-    return _grouped_case(shape, device, "fp8")
+    """``fp8[triton]``: the Triton kernels on any GPU (FP8 forward, W8A16 input gradient), what sm_90 ran before
+    the Gluon kernel."""
+    if variant not in ("", "triton"):
+        raise Skip(f"variant must be triton or none, got {variant!r}")
+    return _grouped_case(shape, device, "fp8_triton" if variant else "fp8")
 
 
 @register("fp8_grouped", "w8a16", GROUPED)
@@ -164,9 +169,20 @@ def _grouped_case(shape, device, compute):
         del q, s
         b = w if trans else w.transpose(-2, -1)
         fwd = lambda: (_grouped_mm(a, b, offs=plan.offs),)  # noqa: E731
+    elif compute == "fp8_triton":
+        fwd = lambda: (_triton_route(a, q, s, plan.offs, trans),)  # noqa: E731
     else:
         fwd = lambda: (fp8_grouped_mm(a, q, s, plan.offs, trans=trans, compute=compute),)  # noqa: E731
     return Case(forward=fwd, leaves=[], flops={"fwd": flops}, info={"experts": e, "top_k": k, "rows": n})
+
+
+def _triton_route(a, q, s, offs, trans):
+    from csattn.ops.fp8.triton import grouped_mm_triton, quantize_1x128_triton
+
+    if trans:
+        return grouped_mm_triton(a, None, q, s, offs, True, out_dtype=a.dtype)
+    qa, sa = quantize_1x128_triton(a)
+    return grouped_mm_triton(qa, sa, q, s, offs, False, out_dtype=a.dtype)
 
 
 @register("moe_frozen", "fp8", GROUPED)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import re
+
 import torch
 from torch import Tensor
 
+from ..backend import interpreting
 from .naive import _check_grouped, fp8_grouped_mm_ref
 
-__all__ = ["COMPUTES", "check_compute", "fp8_grouped_mm", "kernel_compute"]
+__all__ = ["COMPUTES", "check_compute", "fp8_grouped_mm", "gluon_fits", "kernel_compute"]
 
 COMPUTES = ("fp8", "w8a16")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -44,7 +48,8 @@ def fp8_grouped_mm(a: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans
         trans: False: rows of expert ``e`` times ``W_e^T`` -> ``[M, N]`` (gate/up and down forward); True: times
             ``W_e`` -> ``[M, K]`` (their input gradients).
         compute: ``"fp8"``: ``a`` quantized per 1x128 tile (fused kernel), FP8 MMA, fp32 accumulation with the
-            scales applied per 128-deep block (``trans=True``: W8A16, as measured faster); ``"w8a16"``: the
+            scales applied per 128-deep block (on sm_90 with ``N``, ``K`` multiples of 128 the Gluon kernel, both
+            directions; elsewhere ``trans=True`` runs W8A16, as measured faster there); ``"w8a16"``: the
             weight tile cast to ``a``'s dtype in the kernel, bf16 / fp16 MMA.
             On CPU, for fp32 / fp64 ``a`` or GPUs without the MMA, the reference runs (``W_e`` dequantized to
             ``a``'s dtype one expert at a time, plain matmuls).
@@ -62,10 +67,39 @@ def fp8_grouped_mm(a: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans
         return fp8_grouped_mm_ref(a, weight, scale, offs, trans)
     from .triton import grouped_mm_triton, quantize_1x128_triton  # lazy: Triton optional
 
+    if mode == "fp8" and gluon_fits(a, weight):
+        from .gluon import grouped_mm_gluon  # lazy: Gluon is experimental API
+
+        q, s = quantize_1x128_triton(a)
+        return grouped_mm_gluon(q, s, weight, scale, offs, trans, out_dtype=a.dtype)
     if mode == "fp8" and not trans:
         q, s = quantize_1x128_triton(a)
         return grouped_mm_triton(q, s, weight, scale, offs, False, out_dtype=a.dtype)
-    # trans=True runs W8A16 in both modes: FP8 MMA wants W K-major, and neither Triton's transposition of the FP8
-    # tile (91-125 TFLOP/s on the H200) nor a transposed copy per call (107-110) beat the bf16 MMA on the cast
-    # tile (~235); see README.md
+    # trans=True elsewhere runs W8A16 in both modes: FP8 MMA wants W K-major, and neither Triton's transposition of
+    # the FP8 tile (91-125 TFLOP/s on the H200) nor a transposed copy per call (107-110) beat the bf16 MMA on the
+    # cast tile (~235); the Gluon kernel transposes the tile in shared memory (see README.md)
     return grouped_mm_triton(a, None, weight, scale, offs, trans, out_dtype=a.dtype)
+
+
+@functools.cache
+def _gluon_available() -> bool:
+    """Whether this Triton builds the Gluon kernel: measured on 3.6, compiled on 3.9 (a CPU test builds it for
+    sm_90); Gluon is experimental API that changes between releases."""
+    import triton
+
+    if tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2]) < (3, 6):
+        return False
+    try:
+        from .gluon import fp8_grouped_gluon_kernel  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def gluon_fits(a: Tensor, weight: Tensor) -> bool:
+    """Whether the FP8 grouped GEMM runs the Gluon kernel (``gluon.py``) for activations ``a`` and the weight
+    ``[E, N, K]``: sm_90 (Hopper's warpgroup MMA and TMA), not under the interpreter, ``N`` and ``K`` multiples
+    of 128 (each 128-wide output tile and contraction step one block of scales). Elsewhere the Triton kernel runs."""
+    if a.device.type != "cuda" or interpreting() or weight.shape[-1] % 128 or weight.shape[-2] % 128:
+        return False
+    return torch.cuda.get_device_capability(a.device) == (9, 0) and _gluon_available()

@@ -1,0 +1,325 @@
+"""Hopper FP8 grouped GEMM written in Gluon (Triton's explicit-layout dialect): DeepGEMM's SM90 design for the
+block-scaled products of :mod:`.triton` (same contract and math; this kernel exists for speed on sm_90).
+
+- A persistent grid (one program an SM) walks the ``[128, 128]`` output tiles; tiles find their group on the
+  device as in :mod:`.triton` (the running sum of the groups' row-tile counts, kept once per program).
+- Three warp-specialized partitions of a warpgroup each: a producer that issues every TMA copy into a ring of
+  ``STAGES`` shared-memory stages (one 128-deep step of the contraction a stage: the activation tile and the
+  weight tile) and runs ahead across tiles, and two math warpgroups that own the upper and lower 64 rows of the
+  tile and share its weight tile.
+- The promotion is off the MMA's critical path: each math warpgroup issues the MMA of step ``j + 1`` (into a fresh
+  accumulator, asynchronously) before it waits for the one of step ``j`` and adds it times ``sa * sw`` (the scales
+  loaded a step ahead), so the tensor cores hold the next product while the scaling runs.
+- ``TRANS`` (the input gradient, ``dX = dY W_e``): the contraction runs along W's rows, and Hopper's FP8 MMA takes
+  its operands K-major only. The producer transposes each landed weight tile from shared memory through its
+  registers into a second buffer of the stage (``LAG`` steps behind its copies, so the copy's latency is hidden),
+  then marks the stage ready; the math warpgroups see a K-major tile as in the forward.
+
+Needs ``N`` and ``K`` of the weight multiples of 128 (each output column tile one block of scales), 16-byte
+aligned rows; ``grouped_mm_gluon`` checks and the caller falls back to the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+__all__ = ["fp8_grouped_gluon_kernel"]
+
+# Renamed between releases (Triton 3.6: async_copy_global_to_shared and thread_barrier; later: async_load, barrier)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_cta_sync = getattr(gl, "thread_barrier", None) or gl.barrier
+
+BM: gl.constexpr = gl.constexpr(128)  # rows of a tile: two math warpgroups of 64
+BN: gl.constexpr = gl.constexpr(128)  # output columns of a tile: one block of the weight's scales
+BK: gl.constexpr = gl.constexpr(128)  # contraction step: one block of both scales
+_UPPER = gl.constexpr(0)  # the math warpgroups, by the 64 rows of a tile they own
+_LOWER = gl.constexpr(1)
+
+
+@gluon.constexpr_function
+def tile_smem():
+    """Shared-memory layout of every ``[128, 128]`` FP8 tile (128-byte swizzle; what the TMA copies and the MMA
+    read)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+
+
+@gluon.constexpr_function
+def acc_layout():
+    """Warpgroup-MMA register layout of one math warpgroup's ``[64, BN]`` accumulator."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+
+
+@gluon.constexpr_function
+def lanes_layout(n):
+    """A ``[n]`` layout (``n >= 32``) every warp of a 4-warp partition holds whole: reductions over it stay within
+    the warp (shuffles, no shared memory)."""
+    per = n // 32
+    return gl.DistributedLinearLayout(reg_bases=[[1 << b] for b in range(per.bit_length() - 1)],
+                                      lane_bases=[[per << b] for b in range(5)], warp_bases=[[0], [0]],
+                                      block_bases=[], shape=[n])
+
+
+@gluon.constexpr_function
+def transpose_layout():
+    """Register layout of a ``[128, 64]`` FP8 piece of a weight tile read for the transposition: 16 rows by 4 bytes
+    a thread (16 four-byte loads), so that after the permutation a thread holds 4 rows of 16 bytes (four 16-byte
+    stores)."""
+    return gl.BlockedLayout(size_per_thread=[16, 4], threads_per_warp=[2, 16], warps_per_cta=[4, 1], order=[1, 0])
+
+
+@gluon.jit
+def _tile(t, table, tiles_m, tiles_n, E_P2: gl.constexpr, GROUP_M: gl.constexpr):
+    """Work item ``t`` -> (group, first row, end row, column tile); group ``E + 1`` or more: no tile. ``table``
+    ``[3, E_P2]``: the groups' row starts, row ends and the running sum of their row-tile counts
+    (:func:`group_table`, made on the device by torch: Triton 3.6's Gluon scans no layout the lookup can use).
+    The group is the count of running sums at or below the row tile, read 128 at a time (held whole, 512 groups
+    would take the producer's registers). ``GROUP_M`` row tiles side by side share the weight tiles in L2."""
+    per_group = GROUP_M * tiles_n
+    first_m = (t // per_group) * GROUP_M
+    size_m = gl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (t % per_group) % size_m
+    pid_n = (t % per_group) // size_m
+    idx = gl.arange(0, 128, layout=lanes_layout(128))
+    g = pid_m * 0
+    for c in gl.static_range(E_P2 // 128):
+        g += gl.sum((gl.load(table + 2 * E_P2 + c * 128 + idx) <= pid_m).to(gl.int32), axis=0)
+    start = gl.load(table + g)
+    end = gl.load(table + E_P2 + g)
+    first = gl.load(table + 2 * E_P2 + g) - (gl.maximum(end - start, 0) + BM - 1) // BM
+    return g, start + (pid_m - first) * BM, end, pid_n
+
+
+@gluon.jit
+def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr):
+    """Step ``j``'s weight tile ``[BK, BN]`` (contraction-major, as copied) into its K-major buffer ``[BN, BK]``,
+    through registers in two 64-column pieces; then the stage is ready (the copy of its activation tile landed
+    with the weight tile's, on ``land``)."""
+    s = j % STAGES
+    mbarrier.wait(land.index(s), (j // STAGES) & 1)
+    for c in gl.static_range(2):
+        piece = raw.index(s).slice(c * 64, 64, dim=1).load(transpose_layout())
+        bt.index(s).slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
+    fence_async_shared()
+    _cta_sync()  # every producer thread's stores are in before the one arrival
+    mbarrier.arrive(ready.index(s), count=1)
+
+
+@gluon.jit
+def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem,
+              TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              LAG: gl.constexpr):
+    a_smem, raw, bt, land, ready, empty = smem
+    nk = KC // BK
+    it = 0
+    for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+        g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
+        if g < E:
+            for kb in range(nk):
+                if TRANS:
+                    # the transposition first: it waits only for its copies, not for a free stage, so the ready
+                    # stages run ahead of the math warpgroups
+                    if it >= LAG:
+                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES)
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
+                mbarrier.expect(land.index(s), BM * BK + BK * BN)  # e4m3: a byte each
+                _tma_load(a_desc, [row0, kb * BK], land.index(s), a_smem.index(s))
+                if TRANS:
+                    _tma_load(w_desc, [g * W_ROWS + kb * BK, pid_n * BN], land.index(s), raw.index(s))
+                else:
+                    _tma_load(w_desc, [g * W_ROWS + pid_n * BN, kb * BK], land.index(s), raw.index(s))
+                it += 1
+    if TRANS:
+        for j in range(gl.maximum(it - LAG, 0), it):
+            _transpose_stage(j, raw, bt, land, ready, STAGES)
+
+
+@gluon.jit
+def _scales(sa_ptrs, sw_ptr, rmask, kb, stride_sak, stride_sbk):
+    """``sa * sw`` of contraction step ``kb`` for a math warpgroup's rows."""
+    return gl.load(sa_ptrs + kb * stride_sak, mask=rmask, other=0.0) * gl.load(sw_ptr + kb * stride_sbk)
+
+
+@gluon.jit
+def _issue(a_smem, b_all, wait_on, zero, j, HALF: gl.constexpr, STAGES: gl.constexpr):
+    """Once stage ``j`` is ready, start its product (this warpgroup's 64 rows) into a fresh accumulator."""
+    s = j % STAGES
+    mbarrier.wait(wait_on.index(s), (j // STAGES) & 1)
+    return warpgroup_mma(a_smem.index(s).slice(HALF * 64, 64, dim=0), b_all.index(s).permute((1, 0)), zero,
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _promote(acc, tok, sc, empty, j, PENDING: gl.constexpr, STAGES: gl.constexpr):
+    """Wait for step ``j``'s product (``PENDING`` later ones may still run), free its stage, add it times ``sc``."""
+    part = warpgroup_mma_wait(PENDING, deps=[tok])
+    mbarrier.arrive(empty.index(j % STAGES), count=1)
+    # through an asm the compiler may not move: the additions stay ahead of the next product's start (else three
+    # accumulators would be live and spill)
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc + part * gl.expand_dims(sc, 1)],
+                                     dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _store(out, acc, rows, rmask, pid_n, N, stride_om):
+    """A math warpgroup's ``[64, BN]`` result into ``out`` (its pointers made here, not held through the loop)."""
+    cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc.type.layout))
+    ptrs = out + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, acc.to(out.dtype.element_ty), mask=gl.expand_dims(rmask, 1) & gl.expand_dims(cols < N, 0))
+
+
+@gluon.jit
+def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
+          stride_sbn, stride_om, smem, HALF: gl.constexpr, TRANS: gl.constexpr, E_P2: gl.constexpr,
+          GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """Math warpgroup ``HALF``: rows ``[64 HALF, 64 HALF + 64)`` of each tile."""
+    ACC: gl.constexpr = acc_layout()
+    ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
+    a_smem, raw, bt, land, ready, empty = smem
+    b_all = bt if TRANS else raw
+    wait_on = ready if TRANS else land
+    zero = gl.zeros([64, BN], gl.float32, layout=ACC)
+    nk = KC // BK
+    it = 0
+    for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+        g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
+        rows = row0 + HALF * 64 + gl.arange(0, 64, layout=ROWS)
+        rmask = rows < row_end
+        if g < E:
+            sa_ptrs = sa + rows.to(gl.int64) * stride_sam
+            sw_ptr = sw + g.to(gl.int64) * stride_swe + pid_n * stride_sbn
+            # Four steps a round, each in its own accumulator registers, the product of the next step started
+            # before the last one is added in; no product runs across the loop's back edge (ptxas would copy
+            # its registers there and serialize the MMAs)
+            acc = zero
+            for r in range(0, nk // 4):
+                j = it + 4 * r
+                sc0 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r, stride_sak, stride_sbk)
+                t0 = _issue(a_smem, b_all, wait_on, zero, j, HALF, STAGES)
+                sc1 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 1, stride_sak, stride_sbk)
+                t1 = _issue(a_smem, b_all, wait_on, zero, j + 1, HALF, STAGES)
+                acc = _promote(acc, t0, sc0, empty, j, 1, STAGES)
+                sc2 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 2, stride_sak, stride_sbk)
+                t2 = _issue(a_smem, b_all, wait_on, zero, j + 2, HALF, STAGES)
+                acc = _promote(acc, t1, sc1, empty, j + 1, 1, STAGES)
+                sc3 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 3, stride_sak, stride_sbk)
+                t3 = _issue(a_smem, b_all, wait_on, zero, j + 3, HALF, STAGES)
+                acc = _promote(acc, t2, sc2, empty, j + 2, 1, STAGES)
+                acc = _promote(acc, t3, sc3, empty, j + 3, 0, STAGES)
+            for kb in range(nk // 4 * 4, nk):
+                sc0 = _scales(sa_ptrs, sw_ptr, rmask, kb, stride_sak, stride_sbk)
+                t0 = _issue(a_smem, b_all, wait_on, zero, it + kb, HALF, STAGES)
+                acc = _promote(acc, t0, sc0, empty, it + kb, 0, STAGES)
+            it += nk
+            _store(out, acc, rows, rmask, pid_n, N, stride_om)
+        elif g == E:  # rows past offs[-1]
+            _store(out, zero, rows, rmask, pid_n, N, stride_om)
+
+
+@gluon.jit
+def fp8_grouped_gluon_kernel(
+    a_desc, w_desc, sa, sw, table, out, M, N, KC, E, W_ROWS, tiles_m, tiles_n,
+    stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om,
+    TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
+    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
+    ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
+    (blocks ``[128, 128]``); ``sa [M, KC/128]`` and ``sw [E, ., .]`` their fp32 scales (strides ``sbk`` along the
+    contraction, ``sbn`` along the output columns); ``table``: :func:`group_table`."""
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], tile_smem())
+    raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
+    if TRANS:
+        bt = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], tile_smem())
+    else:
+        bt = raw
+    land = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(land.index(s), count=1)  # the expect; the copies' bytes
+        mbarrier.init(ready.index(s), count=1)  # the producer, once the weight tile is transposed (TRANS)
+        mbarrier.init(empty.index(s), count=2)  # each math warpgroup, once its MMA on the stage is done
+    smem = (a_smem, raw, bt, land, ready, empty)
+    gl.warp_specialize([
+        (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
+                 stride_sbn, stride_om, smem, _UPPER, TRANS, E_P2, GROUP_M, STAGES)),
+        (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
+                 stride_sbn, stride_om, smem, _LOWER, TRANS, E_P2, GROUP_M, STAGES)),
+        (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, TRANS, E_P2, GROUP_M, STAGES,
+                     LAG)),
+    ], [4, 4], [MATH_REGS, PRODUCER_REGS])
+
+
+# Host side -------------------------------------------------------------------------------------------------------
+
+def launch_settings(trans: bool) -> dict:
+    """The kernel's tuning constexprs: 4 stages (128 KB of tiles; 192 KB with the transposed buffers), the
+    transposition ``LAG`` steps behind the copies (at most ``STAGES - 1``: a math warpgroup frees a stage only
+    once the next one is ready, and the producer transposes before it waits for a free stage), and the registers
+    of the math warpgroups and the producer (``setmaxnreg``; no spills at these, tests/ops/test_fp8_gluon_build.py;
+    the producer needs more where it transposes)."""
+    return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=48 if trans else 40)
+
+
+def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
+                     out_dtype: torch.dtype = torch.bfloat16, out: Tensor | None = None,
+                     settings: dict | None = None) -> Tensor:
+    """The Gluon kernel on prepared operands, same contract as :func:`.triton.grouped_mm_triton` with ``a`` e4m3
+    and its 1x128 scales; the weight's ``N`` and ``K`` multiples of 128 (``grouped.gluon_fits``). ``settings``:
+    :func:`launch_settings` to override (measurements)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..backend import sm_count
+
+    m, c = a.shape
+    e, n_w, k_w = weight.shape
+    n_out = k_w if trans else n_w
+    a, a_scale = a.contiguous(), a_scale.contiguous()
+    weight, scale = weight.contiguous(), scale.contiguous()
+    if out is None:
+        out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    e_p2 = max(128, triton.next_power_of_2(e + 2))
+    table = group_table(offs, m, e_p2)
+    layout = tile_smem()
+    a_desc = TensorDescriptor(a, [m, c], [c, 1], [BM.value, BK.value], layout)
+    w_desc = TensorDescriptor(weight.view(e * n_w, k_w), [e * n_w, k_w], [k_w, 1], [128, 128], layout)
+    if trans:  # contraction along W's rows
+        ssk, ssn = scale.stride(1), scale.stride(2)
+    else:
+        ssk, ssn = scale.stride(2), scale.stride(1)
+    tiles_m, tiles_n = triton.cdiv(m, BM.value) + e + 1, n_out // BN.value
+    grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
+    fp8_grouped_gluon_kernel[grid](
+        a_desc, w_desc, a_scale, scale, table, out, m, n_out, c, e, n_w, tiles_m, tiles_n,
+        a_scale.stride(0), a_scale.stride(1), scale.stride(0), ssk, ssn, out.stride(0),
+        TRANS=trans, E_P2=e_p2, **{**launch_settings(trans), **(settings or {})},
+        num_warps=4)
+    return out
+
+
+def group_table(offs: Tensor, m: int, e_p2: int) -> Tensor:
+    """``[3, e_p2]`` int32 on ``offs``'s device, no host read: per group ``g <= E`` (``E``: the rows past
+    ``offs[-1]``, up to ``m``) its first row, its end row and the running sum of the groups' 128-row tile counts;
+    the padding columns start and end at 0 and their running sum is past every tile."""
+    e = offs.shape[0]
+    ends = torch.cat([offs.to(torch.int32), offs.new_full((1,), m, dtype=torch.int32)])
+    starts = torch.cat([offs.new_zeros(1, dtype=torch.int32), offs[:-1].to(torch.int32), offs[-1:].to(torch.int32)])
+    table = torch.zeros(3, e_p2, dtype=torch.int32, device=offs.device)
+    table[0, :e + 1], table[1, :e + 1] = starts, ends
+    table[2] = 2 ** 30
+    table[2, :e + 1] = torch.cumsum(((ends - starts).clamp_min(0) + BM.value - 1) // BM.value, 0)
+    return table

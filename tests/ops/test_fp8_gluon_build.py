@@ -1,0 +1,70 @@
+"""The Gluon FP8 grouped GEMM builds for sm_90 on any machine (no GPU): TMA copies, FP8 warpgroup MMAs with one
+product left running while the last is promoted (``wait_group 1``), no register spills at its register split, and
+the transposition of the weight tile (``TRANS``) through ``ldmatrix`` and byte permutes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_SCRIPT = r"""
+import json, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.experimental.gluon._runtime import GluonASTSource
+from csattn.ops.fp8.gluon import fp8_grouped_gluon_kernel as fn, launch_settings, tile_smem
+
+trans = sys.argv[1] == "1"
+desc = f"tensordesc<fp8e4nv[128, 128],{tile_smem()!r}>"
+ints = ("M", "N", "KC", "E", "W_ROWS", "tiles_m", "tiles_n", "stride_sam", "stride_sak", "stride_swe", "stride_sbk",
+        "stride_sbn", "stride_om")
+sig = {"a_desc": desc, "w_desc": desc, "sa": "*fp32", "sw": "*fp32", "table": "*i32", "out": "*bf16",
+       **{k: "i32" for k in ints}}
+consts = dict(TRANS=trans, E_P2=512, **launch_settings(trans))
+sig.update({k: "constexpr" for k in consts})
+attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
+src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
+                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+ptx = kernel.asm["ptx"]
+with tempfile.TemporaryDirectory() as tmp:
+    open(f"{tmp}/k.ptx", "w").write(ptx)
+    run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                         capture_output=True, text=True)
+log = run.stdout + run.stderr
+spills = re.findall(r"(\d+) bytes spill stores", log)
+print(json.dumps({"ptxas_rc": run.returncode, "ptxas": log[-2000:], "spill_stores": int(spills[0]) if spills else None,
+                  "serialized": "C7514" in log or "C7512" in log or "C7517" in log,
+                  "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.",
+                                                 ptx))),
+                  "wait_group": sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))),
+                  "tma": "cp.async.bulk.tensor" in ptx, "ldmatrix": "ldmatrix" in ptx,
+                  "shared": kernel.metadata.shared}))
+"""
+
+
+def _build(trans: bool) -> dict:
+    pytest.importorskip("triton.experimental.gluon")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    run = subprocess.run([sys.executable, "-c", _SCRIPT, "1" if trans else "0"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    if "has no attribute" in run.stderr and "gluon" in run.stderr:
+        pytest.skip(f"this Triton's Gluon lacks an API the kernel uses: {run.stderr.splitlines()[-1]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_gluon_fp8_grouped_builds_for_sm90(trans):
+    info = _build(trans)
+    print({k: v for k, v in info.items() if k != "ptxas"})
+    assert info["ptxas_rc"] == 0, info["ptxas"]
+    assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]
+    assert info["wgmma"] == [["m64n128k32", "e4m3"]] and info["wait_group"] == ["0", "1"] and info["tma"]
+    assert info["ldmatrix"] == trans  # the transposition's reads (the forward reads shared memory by TMA only)
+    assert info["shared"] <= 227 * 1024
