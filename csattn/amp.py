@@ -60,11 +60,18 @@ def low_precision_parameters(module: nn.Module, dtype: torch.dtype) -> Iterator[
     keeps (and fp64 ones): a differentiable cast per parameter, so gradients reach the parameters themselves.
 
     The module's ``_parameters`` entries are swapped for the casts and put back on exit (what
-    ``torch.func.functional_call`` does, without calling the module again: its hooks run once).
+    ``torch.func.functional_call`` does, without calling the module again: its hooks run once). Modules holding
+    frozen FP8 weights (``frozen_storage``) keep their codes; their compute dtype (the empty ``dtype_tag``
+    buffer) reads as ``dtype`` too.
     """
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    tags: list[tuple[nn.Module, Tensor]] = []
     try:
         for prefix, mod in module.named_modules():
+            tag = mod._buffers.get("dtype_tag") if getattr(mod, "frozen_storage", None) else None
+            if tag is not None and tag.dtype in _CASTABLE and tag.dtype != dtype:
+                mod._buffers["dtype_tag"] = tag.to(dtype)
+                tags.append((mod, tag))
             for name, p in list(mod._parameters.items()):
                 if p is None or p.dtype == dtype or p.dtype not in _CASTABLE:
                     continue
@@ -76,3 +83,5 @@ def low_precision_parameters(module: nn.Module, dtype: torch.dtype) -> Iterator[
     finally:
         for mod, name, p in reversed(swapped):
             mod._parameters[name] = p
+        for mod, tag in tags:
+            mod._buffers["dtype_tag"] = tag

@@ -91,8 +91,11 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, meshes: Meshes) -
 def _expert_params(model: nn.Module) -> dict[str, Experts]:
     names = {}
     for name, module in model.named_modules():
-        if isinstance(module, Experts):  # every parameter of it (adapters too) holds the experts on dim 0
-            for p, _ in module.named_parameters(recurse=False):
+        if isinstance(module, Experts):
+            # every parameter of it (adapters too) and an FP8-held one's per-expert scale buffers hold the experts
+            # on dim 0
+            params = [p for p, _ in module.named_parameters(recurse=False)]
+            for p in dict.fromkeys(params + list(getattr(module, "frozen_storage", ()))):
                 names[f"{name}.{p}"] = module
     return names
 
@@ -120,7 +123,9 @@ def _as_global(t: Tensor, experts: Experts, meshes: Meshes) -> Tensor:
     local = t.to_local() if isinstance(t, DTensor) else t
     shape = (experts.num_experts, *t.shape[1:])
     stride = torch.empty(shape, device="meta").stride()
-    view = DTensor.from_local(local, meshes.experts, (Replicate(), Shard(0), Shard(0)), run_check=False,
+    # FSDP shards a parameter over efsdp; a buffer (an FP8-held expert's scales) is whole on every efsdp rank
+    efsdp = Shard(0) if isinstance(t, DTensor) else Replicate()
+    view = DTensor.from_local(local, meshes.experts, (Replicate(), Shard(0), efsdp), run_check=False,
                               shape=torch.Size(shape), stride=stride)
     view._csattn_local = t  # the rank's own (FSDP) tensor, restored by _local_view
     return view

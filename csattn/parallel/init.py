@@ -18,6 +18,7 @@ from ..models.deepseek_v4 import DeepseekV4ForCausalLM
 from ..models.deepseek_v4.mhc import HyperHead
 from ..models.deepseek_v4.model import DecoderLayer, MTPBlock
 from ..models.deepseek_v4.moe import Experts
+from ..models.deepseek_v4.quant import Fp8Experts, Fp8Linear
 
 __all__ = ["materialize", "load_hf_sharded", "copy_into", "local_experts"]
 
@@ -39,15 +40,20 @@ def materialize(model: DeepseekV4ForCausalLM, device: torch.device | str, seed: 
 
 
 def load_hf_sharded(model: DeepseekV4ForCausalLM, path: str, device: torch.device | str,
-                    **overrides: object) -> DeepseekV4ForCausalLM:
+                    allow_inexact_fp8: bool = False, **overrides: object) -> DeepseekV4ForCausalLM:
     """Give the (meta, possibly sharded) ``model`` storage on ``device`` and the weights of the HF-format
     checkpoint ``path`` (plain, or FP8 / MXFP4 as released, dequantized on the way).
 
     Each decoder layer is read on its own (``load_pretrained(layers=[i], experts=...)``): every rank reads the
     layer's dense tensors and only its own routed experts, and keeps its FSDP shard of them. MTP blocks the
     checkpoint lacks keep fresh weights (``overrides['seed']``-independent: the model's own unit seeds).
+
+    A model given FP8-held weights (``quant.hold_in_fp8`` before sharding) reads them as the release stores them
+    (``load_pretrained(base_precision=...)``, ``fp8_linears`` when it holds dense ones: all that the checkpoint
+    stores in FP8, ``checkpoint.held_linears(path)``), one expert matrix at a time. MXFP4 blocks that FP8 cannot
+    hold exactly fail the load on every rank alike unless ``allow_inexact_fp8``.
     """
-    from ..models.deepseek_v4.checkpoint import load_pretrained
+    from ..models.deepseek_v4.checkpoint import inexact_fp8_message, load_pretrained
 
     model.to_empty(device=device)
     c = model.config
@@ -56,19 +62,50 @@ def load_hf_sharded(model: DeepseekV4ForCausalLM, path: str, device: torch.devic
     fields.update(overrides)
     n_mtp = len(model.mtp)
     seed = int(fields.pop("seed", 0))
+    held = _held(model)
+    if held is not None:  # read as stored; FP8-held weights have no fresh values to start from
+        fields.update(base_precision=held[0], fp8_linears=held[1], allow_inexact_fp8=True)
     # fresh MTP blocks first: the checkpoint's, when it has them, are copied over them below
     for prefix, fresh in _fresh_units(model, seed):
-        if prefix.startswith("mtp."):
+        if prefix.startswith("mtp.") and held is None:
             copy_into(model, fresh, prefix)
+    inexact: dict[str, int] = {}
     for i in range(c.num_hidden_layers):
         part = load_pretrained(path, layers=[i], experts=experts, mtp=n_mtp > 0, num_nextn_predict_layers=n_mtp,
                                dtype=torch.float64 if _storage(model) == torch.float64 else torch.float32,
                                **fields)
         fresh = set(part.load_report.fresh)
+        if fresh and held is not None:
+            raise ValueError(f"{path} has no mtp.* tensors and the model's MTP blocks hold FP8 weights, which cannot "
+                             "start fresh: train without MTP blocks (--mtp-layers 0)")
+        inexact.update(part.load_report.fp8_inexact)
         for name, value in _real_tensors(part):
             if name not in fresh:
                 copy_into(model, value, name)
+    if held is not None and not allow_inexact_fp8 and _any_rank(bool(inexact), device):
+        raise ValueError(inexact_fp8_message(inexact) if inexact else "another rank's experts hold MXFP4 blocks "
+                         "that FP8 cannot hold exactly (its error lists them); pass allow_inexact_fp8=True to round")
     return model
+
+
+def _held(model: nn.Module) -> tuple[str, bool] | None:
+    """``(compute, holds dense linears)`` of a model with FP8-held weights, else None."""
+    experts = [m.compute for m in model.modules() if isinstance(m, Fp8Experts)]
+    linears = [m.compute for m in model.modules() if isinstance(m, Fp8Linear)]
+    if not experts and not linears:
+        return None
+    return (experts or linears)[0], bool(linears)
+
+
+def _any_rank(flag: bool, device: torch.device | str) -> bool:
+    """``flag`` or-ed over every rank (itself without a process group): one decision on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t)
+    return bool(t.item())
 
 
 def copy_into(model: nn.Module, source: nn.Module | Tensor, prefix: str = "") -> None:
@@ -82,8 +119,10 @@ def copy_into(model: nn.Module, source: nn.Module | Tensor, prefix: str = "") ->
         for name, value in items:
             if name not in own:
                 raise KeyError(f"model has no parameter or buffer {name!r}")
-            dest = own[name]
-            _copy_sharded(dest, value)
+            try:
+                _copy_sharded(own[name], value)
+            except ValueError as err:
+                raise ValueError(f"tensor {name!r}: {err}") from None
 
 
 def _copy_sharded(dest: Tensor, value: Tensor) -> None:
@@ -91,6 +130,9 @@ def _copy_sharded(dest: Tensor, value: Tensor) -> None:
 
     if tuple(dest.shape) != tuple(value.shape):
         raise ValueError(f"shape {tuple(value.shape)} does not fit the model's {tuple(dest.shape)}")
+    if (dest.dtype == torch.float8_e4m3fn) != (value.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"the model holds {dest.dtype} where the source has {value.dtype}: FP8-held weights are "
+                         "read as a release checkpoint stores them (load_hf_sharded), never cast from other values")
     if isinstance(dest, DTensor):
         # every rank has the whole value: each keeps its own chunk, no communication
         local = distribute_tensor(value.to(dest.dtype), dest.device_mesh, dest.placements, src_data_rank=None)

@@ -23,7 +23,7 @@ from torch import nn
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM
 from ..models.deepseek_v4.expert_parallel import ExpertParallel
 from ..models.deepseek_v4.model import MTPBlock
-from ..models.deepseek_v4.moe import MoE
+from ..models.deepseek_v4.moe import Experts, MoE
 from .mesh import Meshes
 
 __all__ = ["parallelize", "decoder_blocks", "uses_fsdp"]
@@ -106,21 +106,33 @@ def _fully_shard(model: DeepseekV4ForCausalLM, meshes: Meshes, param_dtype: torc
     keep = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
     _quiet_norm_warning()
 
+    # FP8-held frozen modules (``frozen_storage``: e4m3 codes + scales) are never cast to param_dtype (the codes
+    # would lose their scales); they compute in it (``.to`` moves only their compute dtype). Held experts are a
+    # unit without a cast; held dense linears stay out of FSDP, replicated (their ``weight`` reads as the
+    # dequantized tensor, which FSDP cannot manage; they are a small part of the bytes)
+    held = [m for m in model.modules() if getattr(m, "frozen_storage", None)]
+    for m in held:
+        if param_dtype is not None:
+            m.to(param_dtype)
+    ignored = {p for m in held if not isinstance(m, Experts) for p in m.parameters()}
+
     def unit(modules: list[nn.Module], mp: MixedPrecisionPolicy) -> None:
         fully_shard(modules, mesh=dense, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
     for block in decoder_blocks(model):
-        fully_shard(block.mlp.experts, mesh=experts, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block.mlp.experts, mesh=experts, mp_policy=keep if block.mlp.experts in held else policy,
+                    reshard_after_forward=reshard_after_forward)
         if param_dtype is not None:
             unit([block.attn_hc, block.input_layernorm], keep)
             unit([block.ffn_hc, block.post_attention_layernorm], keep)
         if isinstance(block, MTPBlock):  # the model applies an MTP block's head outside the block's forward
             unit([block.hc_head, block.norm], keep if param_dtype is not None else policy)
-        fully_shard(block, mesh=dense, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=dense, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored or None)
     if param_dtype is not None:
         unit([model.model.hc_head, model.model.norm], keep)
     # the root's parameters (embedding, LM head) are needed again right at the backward's start
-    fully_shard(model, mesh=dense, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=dense, mp_policy=policy, reshard_after_forward=False, ignored_params=ignored or None)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

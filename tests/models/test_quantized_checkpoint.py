@@ -14,62 +14,15 @@ from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConf
 from csattn.models.deepseek_v4.checkpoint import experts_filter
 from csattn.models.deepseek_v4.names import internal_name, to_disk
 from csattn.models.deepseek_v4.quant import E2M1_VALUES, dequantize_fp8, dequantize_mxfp4
+from csattn.models.deepseek_v4.release import quantize_fp8_blocks as quantize_fp8  # the release writer's quantizers
+from csattn.models.deepseek_v4.release import quantize_mxfp4
+from csattn.models.deepseek_v4.release import release_kind as kind_of  # what the release quantizes, by name
 from csattn.packing import PackedSeqs
 from tests.models.model_utils import randomize_model_, tiny_config_dict
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FP8_MAX = 448.0
-E2M1_MAGS = torch.tensor(E2M1_VALUES[:8])
-# the release quantizes these (FP8 blocks); compressor / indexer-compressor / indexer-weights projections stay bf16
-FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "self_attn.kv_proj.weight", "o_a_proj.weight", "o_b_proj.weight",
-               "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight", "shared_experts.down_proj.weight",
-               "e_proj.weight", "h_proj.weight")
-BF16_LINEARS = ("compressor.kv_proj.weight", "compressor.gate_proj.weight", "indexer.kv_proj.weight",
-                "indexer.gate_proj.weight", "scorer.weights_proj.weight")
-
-
-# ------------------------------------------------------------------------------------------- our quantizers
-def quantize_fp8(w: torch.Tensor, block: tuple[int, int], scale_kind: str):
-    """``w [N, K]`` -> e4m3 ``[N, K]`` and one scale per block (``fp32`` amax/448, or a power of two >= it
-    stored as ``e8m0`` (float8_e8m0fnu) or ``u8`` (biased exponent bytes))."""
-    bn, bk = block
-    n, k = w.shape
-    r, c = -(-n // bn), -(-k // bk)
-    pad = torch.zeros(r * bn, c * bk)
-    pad[:n, :k] = w
-    blocks = pad.view(r, bn, c, bk)
-    amax = blocks.abs().amax(dim=(1, 3))
-    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    if scale_kind != "fp32":
-        s = torch.exp2(torch.ceil(torch.log2(s)))
-    q = (blocks / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(r * bn, c * bk)
-    return q[:n, :k].contiguous(), _store_scale(s, scale_kind)
-
-
-def _store_scale(s: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind == "fp32":
-        return s
-    if kind == "e8m0":
-        return s.to(torch.float8_e8m0fnu)  # exact: s is a power of two
-    return (torch.log2(s).round() + 127).to(torch.uint8)
-
-
-def quantize_mxfp4(w: torch.Tensor, scale_kind: str, packed_dtype=torch.int8):
-    """``w [N, K]`` (K even) -> packed ``[N, K/2]`` (low nibble = even column) and ue8m0 scales ``[N, ceil(K/32)]``
-    (the smallest power of two that maps the group's amax into [-6, 6])."""
-    n, k = w.shape
-    g = -(-k // 32)
-    pad = torch.zeros(n, g * 32)
-    pad[:, :k] = w
-    groups = pad.view(n, g, 32)
-    amax = groups.abs().amax(dim=-1)
-    s = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 6.0))), torch.ones_like(amax))
-    v = (groups / s[..., None]).view(n, g * 32)[:, :k]
-    idx = (v.abs()[..., None] - E2M1_MAGS).abs().argmin(dim=-1)  # nearest e2m1 magnitude
-    nib = (idx + 8 * (v < 0).long()).to(torch.uint8)
-    packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).contiguous()
-    return packed.view(packed_dtype), _store_scale(s, scale_kind)
 
 
 def fp8_bound(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -124,17 +77,6 @@ def tiny(seed: int = 0, **kw) -> DeepseekV4ForCausalLM:
     model = DeepseekV4ForCausalLM(cfg)
     randomize_model_(model, seed + 1)
     return model
-
-
-def kind_of(name: str) -> str:
-    """How the release stores a tensor (by its state_dict name)."""
-    if ".mlp.experts." in name:
-        return "fp4"
-    if name.endswith(BF16_LINEARS):
-        return "bf16"
-    if name.endswith(FP8_LINEARS):
-        return "fp8"
-    return "keep"
 
 
 def write_quantized(model, path, *, convention: str, block=(16, 16), scale_kind="e8m0", expert_scale="e8m0",

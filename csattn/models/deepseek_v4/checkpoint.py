@@ -21,14 +21,30 @@ from .config import DeepseekV4ModelConfig
 from .mhc import HyperHead
 from .model import DecoderLayer, DeepseekV4ForCausalLM, MTPBlock
 from .names import _EXPERT, _disk_name, internal_name, to_disk, to_internal
-from .quant import QuantConfig, dequantize_fp8, dequantize_mxfp4, is_fp4_packed, is_fp8
+from .quant import (
+    COMPUTES,
+    FP8_BLOCK,
+    Fp8Experts,
+    Fp8Linear,
+    QuantConfig,
+    decode_scale,
+    dequantize_fp8,
+    dequantize_mxfp4,
+    hold_in_fp8,
+    is_fp4_packed,
+    is_fp8,
+    mxfp4_to_fp8,
+)
 
 __all__ = ["load_pretrained", "save_pretrained", "load_state_dict_into", "read_safetensors", "read_config",
-           "LoadReport", "experts_filter"]
+           "LoadReport", "experts_filter", "BASE_PRECISIONS", "held_linears", "inexact_fp8_message"]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+# "bf16": quantized weights dequantized to the training dtype; "fp8" / "w8a16": routed experts (and optionally the
+# dense linears) held as FP8 in memory, computed on FP8 tensor cores / with bf16 numerics (quant.Fp8Experts)
+BASE_PRECISIONS = ("bf16", *COMPUTES)
 
 
 def read_config(path: str) -> dict[str, Any]:
@@ -130,6 +146,9 @@ class LoadReport:
         fresh: MTP tensors absent from the checkpoint (``mtp=True``): fresh init.
         dequantized: how many of ``loaded`` were FP8 / MXFP4 on disk.
         shards: the safetensors files opened.
+        fp8: FP8-held matrices read (``base_precision="fp8"`` / ``"w8a16"``; a gate / up pair counts once).
+        fp8_inexact: MXFP4 expert matrices that e4m3 with power-of-two 128x128 block scales could not hold
+            exactly -> their number of rounded blocks (``"model.layers.{i}.mlp.experts.gate_up_proj[e]"``).
     """
 
     layers: list[int] = field(default_factory=list)
@@ -140,6 +159,8 @@ class LoadReport:
     fresh: list[str] = field(default_factory=list)
     dequantized: int = 0
     shards: list[str] = field(default_factory=list)
+    fp8: int = 0
+    fp8_inexact: dict[str, int] = field(default_factory=dict)
 
 
 def experts_filter(experts: Iterable[int]) -> Callable[[str], bool]:
@@ -245,6 +266,8 @@ def _units(own: Mapping[str, Tensor], num_experts: int,
     out: dict[str, tuple[str, int | None, int | None]] = {}
     held = range(num_experts) if experts is None else experts
     for name in own:
+        if name.endswith("_scale_inv"):  # an FP8-held tensor's scale: read with its data
+            continue
         if name.endswith("mlp.experts.gate_up_proj"):
             base = name[: -len(".gate_up_proj")]
             for i, e in enumerate(held):
@@ -284,24 +307,29 @@ def _sources(data: list[str], num_experts: int) -> dict[str, _Source]:
     return out
 
 
+def _get(shards: _Shards, files: Mapping[str, str], key: str, expert: int | None) -> Tensor:
+    """Tensor ``key`` as stored (of a fused expert tensor, only row ``expert`` is read)."""
+    from safetensors import SafetensorError
+
+    f = shards.get(files[key])
+    try:
+        if expert is None:
+            return f.get_tensor(key)
+        sl = f.get_slice(key)
+        shape = sl.get_shape()
+        if len(shape) < 1 or shape[0] <= expert:
+            raise ValueError(f"tensor {key!r} has shape {tuple(shape)}: no row for expert {expert}")
+        return sl[expert: expert + 1][0]
+    except SafetensorError as err:
+        raise _unreadable(os.path.join(shards.path, files[key]), err, key) from None
+
+
 def _read(shards: _Shards, files: Mapping[str, str], src: _Source, scale_key: str | None,
           quant: QuantConfig | None, dtype: torch.dtype, is_expert: bool) -> tuple[Tensor, bool]:
     """One tensor (a fused expert tensor: expert ``src.expert``'s row), dequantized to ``dtype`` when quantized."""
 
     def get(key: str) -> Tensor:
-        from safetensors import SafetensorError
-
-        f = shards.get(files[key])
-        try:
-            if src.expert is None:
-                return f.get_tensor(key)
-            sl = f.get_slice(key)
-            shape = sl.get_shape()
-            if len(shape) < 1 or shape[0] <= src.expert:
-                raise ValueError(f"tensor {key!r} has shape {tuple(shape)}: no row for expert {src.expert}")
-            return sl[src.expert: src.expert + 1][0]
-        except SafetensorError as err:
-            raise _unreadable(os.path.join(shards.path, files[key]), err, key) from None
+        return _get(shards, files, key, src.expert)
 
     t = get(src.key)
     if scale_key is None:
@@ -338,6 +366,108 @@ def _read(shards: _Shards, files: Mapping[str, str], src: _Source, scale_key: st
                      "packed FP4")
 
 
+def _read_held(shards: _Shards, files: Mapping[str, str], srcs: list[_Source], scales: Mapping[str, str],
+               quant: QuantConfig | None, name: str) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One FP8-held matrix as stored, never dequantized: ``(e4m3 [N, K], fp32 block scales, inexact blocks or
+    None)``. ``srcs``: a dense linear's weight, an expert's ``w2``, or its ``w1`` and ``w3`` (stacked as the
+    ``gate_up_proj`` row; one fused HF row is read once). MXFP4 is converted by :func:`mxfp4_to_fp8`."""
+    if len(srcs) == 2 and (srcs[0].key, srcs[0].expert) == (srcs[1].key, srcs[1].expert):
+        srcs = srcs[:1]  # a fused gate_up_proj row holds both halves
+    data, scale = [], []
+    for src in srcs:
+        key = scales.get(src.key)
+        if key is None or quant is None:
+            raise ValueError(f"tensor {src.key!r} is not quantized (no scale or no quantization_config): "
+                             "base_precision 'fp8' / 'w8a16' holds the FP8 / MXFP4 tensors of a release checkpoint "
+                             "as they are; load this checkpoint with base_precision='bf16'")
+        data.append(_get(shards, files, src.key, src.expert))
+        scale.append(_get(shards, files, key, src.expert))
+    t, s = (data[0], scale[0]) if len(data) == 1 else (torch.cat(data), torch.cat(scale))
+    if is_fp4_packed(t):
+        if quant.expert_dtype != "fp4":
+            raise ValueError(f"tensor {srcs[0].key!r} is packed FP4 but config.json expert_dtype is "
+                             f"{quant.expert_dtype!r}; set it to 'fp4'")
+        return mxfp4_to_fp8(t, s, srcs[0].key)
+    if not is_fp8(t):
+        raise ValueError(f"tensor {srcs[0].key!r} has a scale but dtype {t.dtype}, neither FP8 e4m3 nor packed FP4")
+    if quant.block_size != (FP8_BLOCK, FP8_BLOCK):
+        raise ValueError(f"config.json quantization_config.weight_block_size is {list(quant.block_size)}: FP8-held "
+                         f"weights take [{FP8_BLOCK}, {FP8_BLOCK}] blocks (the release's); load with "
+                         "base_precision='bf16'")
+    want = (-(-t.shape[0] // FP8_BLOCK), -(-t.shape[1] // FP8_BLOCK))
+    if tuple(s.shape) != want:
+        raise ValueError(f"tensor {name!r} (on disk {srcs[0].key!r}): scales {tuple(s.shape)} do not tile the "
+                         f"{tuple(t.shape)} weight as one {want} grid of {FP8_BLOCK}x{FP8_BLOCK} blocks (gate and up "
+                         "halves of a moe_intermediate_size that is not a multiple of 128 each have a ragged block "
+                         "row); load with base_precision='bf16'")
+    return t, decode_scale(s, srcs[0].key), None
+
+
+def _check_held(name: str, where: str, q: Tensor, s: Tensor) -> None:
+    """An FP8-held matrix read from disk: no e4m3 NaN code (``0x7F`` / ``0xFF``), finite positive scales."""
+    nan = int(((q.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    bad = int((~torch.isfinite(s) | (s <= 0)).sum())
+    if nan or bad:
+        raise ValueError(f"tensor {name!r} ({where}) holds {nan} NaN codes and {bad} non-finite or non-positive "
+                         "scales: the file is damaged")
+
+
+def _load_held(model: DeepseekV4ForCausalLM, units: Mapping[str, tuple[str, int | None, int | None]],
+               wanted: list[str], sources: Mapping[str, _Source], files: Mapping[str, str], shards: _Shards,
+               scales: Mapping[str, str], quant: QuantConfig | None, report: LoadReport) -> None:
+    """Read the FP8-held matrices among ``wanted`` into the model as they are stored (MXFP4 converted), one matrix
+    at a time: one expert's ``gate_up_proj`` / ``down_proj`` row, or a dense linear."""
+    own = model.state_dict(keep_vars=True)
+    groups: dict[tuple[str, int | None], list[str]] = {}
+    for unit in wanted:
+        param, e, _ = units[unit]
+        groups.setdefault((param, e), []).append(unit)
+    for (param, e), group in sorted(groups.items(), key=lambda kv: (files[sources[kv[1][0]].key], kv[0][0],
+                                                                    kv[0][1] or 0)):
+        group.sort(key=lambda u: units[u][2] or 0)  # gate (w1) before up (w3)
+        if param.endswith("gate_up_proj") and len(group) != 2:
+            raise ValueError(f"FP8-held experts load gate and up together: filter= accepts {group} but not its "
+                             "pair")
+        srcs = [sources[u] for u in group]
+        label = param if e is None else f"{param}[{_expert_id(model, param, e)}]"
+        q, s, inexact = _read_held(shards, files, srcs, scales, quant, label)
+        dest, dest_scale = own[param], own[param + "_scale_inv"]
+        if e is not None:
+            dest, dest_scale = dest[e], dest_scale[e]
+        if tuple(q.shape) != tuple(dest.shape) or tuple(s.shape) != tuple(dest_scale.shape):
+            raise ValueError(f"tensor {label!r} (on disk {srcs[0].key!r}) has shape {tuple(q.shape)} in the "
+                             f"checkpoint but the config gives {tuple(dest.shape)}")
+        with torch.no_grad():
+            dest.copy_(q)
+            dest_scale.copy_(s)
+        _check_held(label, f"{srcs[0].key!r} in {files[srcs[0].key]!r}", dest, dest_scale)
+        if inexact is not None and bool(inexact.any()):
+            report.fp8_inexact[label] = int(inexact.sum())
+        report.loaded.extend(group)
+        report.fp8 += 1
+
+
+def _expert_id(model: DeepseekV4ForCausalLM, param: str, row: int) -> int:
+    """The global id of row ``row`` of expert tensor ``param`` (an expert-parallel model holds a share)."""
+    return model.get_submodule(param.rsplit(".", 1)[0]).local[row]
+
+
+def held_linears(path: str) -> list[str]:
+    """Module names of the dense linears the checkpoint at ``path`` stores in FP8 (what ``fp8_linears=True`` holds;
+    for ``quant.hold_in_fp8`` on a model built on the meta device). Reads the index or the file headers only."""
+    return _held_linears(*_split_scales(_list_keys(path, _Shards(path))))
+
+
+def _held_linears(data: list[str], scales: Mapping[str, str]) -> list[str]:
+    """Module names of the dense linears the checkpoint stores quantized (a scale beside the weight)."""
+    out = []
+    for key in data:
+        name = internal_name(key)
+        if key in scales and name.endswith(".weight") and not _EXPERT.match(name) and ".mlp.experts." not in name:
+            out.append(name[: -len(".weight")])
+    return out
+
+
 def _select_layers(layers: Iterable[int] | None, n: int) -> list[int]:
     if layers is None:
         return list(range(n))
@@ -349,20 +479,33 @@ def _select_layers(layers: Iterable[int] | None, n: int) -> list[int]:
 
 
 def _build(config: DeepseekV4ModelConfig, layers: list[int], mtp: list[int], top: list[str],
-           dtype: torch.dtype, experts: range | None = None) -> DeepseekV4ForCausalLM:
+           dtype: torch.dtype, experts: range | None = None, held: str | None = None,
+           linears: Iterable[str] = ()) -> DeepseekV4ForCausalLM:
     """The model on the meta device with real (freshly initialised, ``dtype``) storage for the chosen parts only;
-    each part is built in fp32 and cast before the next, so at most one block is ever held in fp32."""
+    each part is built in fp32 and cast before the next, so at most one block is ever held in fp32.
+
+    ``held`` (``"fp8"`` / ``"w8a16"``): the routed experts are FP8-held (:class:`Fp8Experts`, zeros until read):
+    a block is built without routed experts (an empty range) and given FP8 ones, so no full-precision copy of its
+    experts ever exists; so are the dense ``linears`` (module names), which are built and then replaced."""
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config)
     model.to_training_dtype(dtype)
     c = config
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    wanted = set(linears)
+
+    def hold(block: DecoderLayer, prefix: str) -> DecoderLayer:
+        if held is not None:
+            block.mlp.experts = Fp8Experts.like(block.mlp.experts, held, experts or range(c.n_routed_experts))
+            hold_in_fp8(block, held, [n[len(prefix):] for n in wanted if n.startswith(prefix)])
+        return block
+
     for i in layers:
-        model.model.layers[i] = DecoderLayer(c, i, experts)
+        model.model.layers[i] = hold(DecoderLayer(c, i, range(0) if held else experts), f"model.layers.{i}.")
         model.model.layers[i].mlp.gate.init_hash_table(gen)
         model.to_training_dtype(dtype)
     for j in mtp:
-        model.mtp[j] = MTPBlock(c, j, experts)
+        model.mtp[j] = hold(MTPBlock(c, j, range(0) if held else experts), f"mtp.{j}.")
         model.to_training_dtype(dtype)
     # the same modules and init as DeepseekV4ForCausalLM.__init__
     if "embed_tokens" in top:
@@ -390,7 +533,8 @@ def _other_rank_expert(unit: str, experts: range | None) -> bool:
 
 def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | None = None,
                     layers: Iterable[int] | None = None, filter: Callable[[str], bool] | None = None,
-                    experts: range | None = None, **config_overrides: Any) -> DeepseekV4ForCausalLM:
+                    experts: range | None = None, base_precision: str = "bf16", fp8_linears: bool = False,
+                    allow_inexact_fp8: bool = False, **config_overrides: Any) -> DeepseekV4ForCausalLM:
     """Build :class:`DeepseekV4ForCausalLM` from an HF-format directory, plain or quantized as released.
 
     Tensors are read one at a time (``safetensors.safe_open``) straight into the model's parameters, already in
@@ -411,10 +555,24 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
         filter: ``filter(name) -> bool`` on ``state_dict`` names (a routed expert matrix as
             ``model.layers.{i}.mlp.experts.{e}.w1.weight`` / ``w3`` / ``w2``; see :func:`experts_filter`): the
             tensors of built modules that it rejects are not read and keep their fresh init (listed in
-            ``model.load_report.skipped``).
+            ``model.load_report.skipped``; FP8-held experts have none: they stay zero, and their gate and up
+            matrices are accepted or rejected together).
         experts: the routed experts to build and read (global ids, e.g. an expert-parallel rank's
             ``range(r * E / ep, (r + 1) * E / ep)``); each layer's expert tensors then hold only these, in order.
             Default all.
+        base_precision: ``"bf16"``: quantized tensors are dequantized to ``dtype`` (whatever it is).
+            ``"fp8"`` / ``"w8a16"``: the routed experts stay FP8 in memory, frozen (:class:`~.quant.Fp8Experts`,
+            computed on FP8 tensor cores / with bf16 numerics): FP8 ones as stored, MXFP4 ones converted exactly
+            (:func:`~.quant.mxfp4_to_fp8`), one expert matrix at a time, never a full-precision copy. Needs a
+            quantized release checkpoint (``[128, 128]`` FP8 blocks where FP8 tensors are kept).
+        fp8_linears: with ``"fp8"`` / ``"w8a16"``, also hold the dense linears the checkpoint stores in FP8
+            (attention projections, shared experts, MTP projections) as frozen :class:`~.quant.Fp8Linear`. Off by
+            default: the routed experts are nearly all of the weight bytes, the dense layers are the ones a
+            fine-tune trains (or adapts: LoRA beside a frozen bf16 base merges exactly), and the attention core
+            reads ``q_b_proj`` / ``o_a_proj`` / ``o_b_proj`` whole, so FP8 there dequantizes a copy every call.
+        allow_inexact_fp8: MXFP4 blocks that e4m3 with one power-of-two scale per 128x128 block cannot hold
+            exactly (group scales about ``2**14`` apart) are counted in ``load_report.fp8_inexact``; the load then
+            fails naming them, unless this is True (their small values then round to nearest e4m3).
         config_overrides: fields of :class:`DeepseekV4ModelConfig` (e.g. ``indexer_loss_coeff``).
 
     Returns:
@@ -426,8 +584,16 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
             tensor) for a truncated or damaged safetensors file, a tensor of the wrong number kind, hash-routing
             expert ids out of range or non-finite weights.
     """
+    if base_precision not in BASE_PRECISIONS:
+        raise ValueError(f"base_precision must be one of {BASE_PRECISIONS}, got {base_precision!r}")
+    held = None if base_precision == "bf16" else base_precision
+    if fp8_linears and held is None:
+        raise ValueError("fp8_linears=True holds the dense linears in FP8: it needs base_precision 'fp8' or 'w8a16'")
     raw = read_config(path)
     quant = QuantConfig.from_config(raw)
+    if held is not None and quant is None:
+        raise ValueError(f"base_precision={base_precision!r} keeps a release checkpoint's FP8 / MXFP4 weights as "
+                         f"they are, but {path!r} has no quantization_config: load it with base_precision='bf16'")
     shards = _Shards(path)
     files = _list_keys(path, shards)
     data, scales = _split_scales(files)
@@ -449,7 +615,8 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
            else []) + (["norm", "hc_head", "lm_head"] if last else [])
     if experts is not None and (experts.step != 1 or experts.start < 0 or experts.stop > n_exp):
         raise ValueError(f"experts={experts} must be a contiguous range inside the checkpoint's {n_exp} experts")
-    model = _build(config, sel, sel_mtp, top, dtype or torch.float32, experts)
+    model = _build(config, sel, sel_mtp, top, dtype or torch.float32, experts, held,
+                   _held_linears(data, scales) if fp8_linears else ())
 
     own = model.state_dict(keep_vars=True)
     units = _units(own, n_exp, experts)
@@ -474,6 +641,11 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
         else:
             raise ValueError(f"checkpoint is missing tensor {unit!r} (on disk {_disk_name(unit)!r})")
 
+    frozen = {f"{prefix}.{n}" for prefix, m in model.named_modules() if isinstance(m, (Fp8Experts, Fp8Linear))
+              for n in m.frozen_storage if not n.endswith("_scale_inv")}
+    _load_held(model, units, [u for u in wanted if units[u][0] in frozen], sources, files, shards, scales, quant,
+               report)
+    wanted = [u for u in wanted if units[u][0] not in frozen]
     # shard by shard, so each file is visited once; a scale stored in another shard opens that one too
     wanted.sort(key=lambda u: (files[sources[u].key], sources[u].key, sources[u].expert or 0))
     last_read: tuple[tuple[str, int | None, torch.dtype], tuple[Tensor, bool]] | None = None
@@ -504,12 +676,24 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
             report.dequantized += int(deq)
     report.shards = list(shards.opened)
     model.load_report = report
+    if report.fp8_inexact and not allow_inexact_fp8:
+        raise ValueError(inexact_fp8_message(report.fp8_inexact))
     return model
+
+
+def inexact_fp8_message(inexact: Mapping[str, int]) -> str:
+    """The refusal of a load with MXFP4 blocks that FP8 cannot hold exactly (``LoadReport.fp8_inexact``)."""
+    some = ", ".join(f"{k}: {v}" for k, v in list(inexact.items())[:8])
+    return (f"{sum(inexact.values())} MXFP4 blocks of {len(inexact)} expert matrices cannot be held exactly as e4m3 "
+            f"with one power-of-two scale per 128x128 block ({some}): their group scales lie too far apart. Pass "
+            "allow_inexact_fp8=True (--allow-inexact-fp8) to round their small values to nearest e4m3, or load "
+            "with base_precision='bf16' (exact dequantization)")
 
 
 def save_pretrained(model: DeepseekV4ForCausalLM, path: str) -> None:
     """Write ``config.json`` and ``model.safetensors`` with the names ``transformers`` writes (tied LM head
-    stored once)."""
+    stored once). FP8-held weights are written as held (e4m3 + ``weight_scale_inv``, with a ``quantization_config``);
+    ``load_pretrained`` reads them back bit for bit (``base_precision="fp8"``) or dequantized."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -518,6 +702,10 @@ def save_pretrained(model: DeepseekV4ForCausalLM, path: str) -> None:
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if any(t.dtype == torch.float8_e4m3fn for t in state.values()):
+        # FP8-held weights are written as they are held: e4m3 with fp32 128x128 block scales
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [FP8_BLOCK] * 2,
+                                      "activation_scheme": "dynamic", "scale_fmt": None, "expert_dtype": "fp8"}
     state = to_disk(state)
     tmp = os.path.join(path, WEIGHTS_NAME + ".tmp")
     save_file(state, tmp, metadata={"format": "pt"})

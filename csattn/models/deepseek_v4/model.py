@@ -227,9 +227,12 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def to_training_dtype(self, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
         """Cast floating parameters to ``dtype`` except the mHC, sinks, position biases, router biases, norm
-        weights and RoPE frequencies, which stay fp32 (as in HF and the released checkpoints)."""
+        weights and RoPE frequencies, which stay fp32 (as in HF and the released checkpoints). Tensors a module
+        lists in ``frozen_storage`` (FP8-held weights and their scales) keep their dtype."""
+        frozen = {f"{prefix}.{n}" if prefix else n for prefix, m in self.named_modules()
+                  for n in getattr(m, "frozen_storage", ())}
         for name, p in list(self.named_parameters()) + list(self.named_buffers()):
-            if not p.is_floating_point():
+            if not p.is_floating_point() or name in frozen:
                 continue
             parts = name.split(".")
             keep = any(part in FP32_MODULES or part.endswith("norm") for part in parts) or parts[-1] == "inv_freq"

@@ -115,6 +115,21 @@ class Experts(nn.Module):
             for w in (self.gate_up_proj[i], self.down_proj[i]):
                 w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0.0, 0.02, generator=gen))
 
+    @torch.no_grad()
+    def subset(self, local: range) -> Experts:
+        """These experts' ``local`` share (global ids) as new experts on the same device and dtype (an
+        expert-parallel rank's; fresh meta tensors on the meta device)."""
+        with torch.device(self.gate_up_proj.device):
+            new = Experts(self.num_experts, self.down_proj.shape[1], self.down_proj.shape[2], self.limit,
+                          self.backend, local=local)
+        new.init_seed = self.init_seed
+        new.to(self.gate_up_proj.dtype)
+        lo, hi = local.start - self.local.start, local.stop - self.local.start
+        if not self.gate_up_proj.is_meta:
+            new.gate_up_proj.copy_(self.gate_up_proj[lo:hi])
+            new.down_proj.copy_(self.down_proj[lo:hi])
+        return new
+
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         """``x [T, D]``, ``experts [T, k]`` (local ids), ``weights [T, k]`` -> ``[T, D]`` (weighted sum over the
         k picks)."""
@@ -179,17 +194,8 @@ class MoE(nn.Module):
         old = self.experts
         if len(old.local) != old.num_experts:
             raise ValueError("the experts are already split over an expert-parallel group")
-        local = ep.local_experts
-        with torch.device(old.gate_up_proj.device):
-            new = Experts(old.num_experts, old.down_proj.shape[1], old.down_proj.shape[2], old.limit, old.backend,
-                          local=local)
-        new.init_seed = old.init_seed
-        if not old.gate_up_proj.is_meta:
-            with torch.no_grad():
-                new.gate_up_proj.copy_(old.gate_up_proj[local.start:local.stop])
-                new.down_proj.copy_(old.down_proj[local.start:local.stop])
-        new.to(old.gate_up_proj.dtype)
-        self.experts, self.ep = new, ep
+        # the experts module slices itself (full-precision or FP8-held alike)
+        self.experts, self.ep = old.subset(ep.local_experts), ep
 
     def forward(self, x: Tensor, input_ids: Tensor | None = None, real: Tensor | None = None) -> Tensor:
         """``x [T, D]``; ``input_ids [T]`` (hash layers); ``real [T]`` bool marks rows counted in ``last_load``."""
@@ -224,7 +230,7 @@ class MoE(nn.Module):
         local_ids = torch.repeat_interleave(ids, per_source.reshape(-1), output_size=sum(recv))
         y = self.experts(rows, local_ids[:, None], w)
         if sum(recv) == 0:  # no rows here: the backward must still reach the exchange and the experts (zeros)
-            y = with_zero_grads(y, [got, self.experts.gate_up_proj, self.experts.down_proj])
+            y = with_zero_grads(y, [got, *(p for p in self.experts.parameters() if p.requires_grad)])
         back = all_to_all_rows(y, recv, send, ep.group)  # [T * k, D] in expert order
         compute = torch.promote_types(x.dtype, torch.float32)
         return back.index_select(0, inv).view(t, k, -1).sum(1, dtype=compute).to(x.dtype)

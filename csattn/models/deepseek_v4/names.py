@@ -29,6 +29,7 @@ _BLOCK = {"attn_norm": ["input_layernorm"], "ffn_norm": ["post_attention_layerno
           "hc_head_fn": ["hc_head", "hc_fn"], "hc_head_base": ["hc_head", "hc_base"],
           "hc_head_scale": ["hc_head", "hc_scale"]}
 _TOP = {"embed": ["embed_tokens"], "head": ["lm_head"], **{k: v for k, v in _BLOCK.items() if k.startswith("hc_head")}}
+_FP8_ROWS = 128  # rows per block scale of FP8-held weights (quant.FP8_BLOCK)
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
 
 
@@ -158,19 +159,25 @@ def _disk_name(name: str) -> str:
 
 
 def to_disk(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """``state_dict`` -> the names and per-expert matrices that ``transformers`` writes."""
+    """``state_dict`` -> the names and per-expert matrices that ``transformers`` writes (FP8-held experts' block
+    scales ``*_proj_scale_inv`` per expert matrix too, as ``experts.{e}.w1.weight_scale_inv``)."""
     out: dict[str, Tensor] = {}
     for name, tensor in state.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = _disk_name(name[: -len(".gate_up_proj")])
+        suffix = ".weight_scale_inv" if name.endswith("_scale_inv") else ".weight"
+        fused = name.removesuffix("_scale_inv")
+        if fused.endswith("mlp.experts.gate_up_proj"):
+            base = _disk_name(fused[: -len(".gate_up_proj")])
+            if suffix != ".weight" and (state[fused].shape[1] // 2) % _FP8_ROWS:
+                raise ValueError(f"{name}: the gate and up halves share a 128-row block (moe_intermediate_size is "
+                                 "not a multiple of 128), so FP8 experts cannot be written per expert")
             gate, up = tensor.chunk(2, dim=1)
             for e in range(tensor.shape[0]):
-                out[f"{base}.{e}.w1.weight"] = gate[e].contiguous()
-                out[f"{base}.{e}.w3.weight"] = up[e].contiguous()
-        elif name.endswith("mlp.experts.down_proj"):
-            base = _disk_name(name[: -len(".down_proj")])
+                out[f"{base}.{e}.w1{suffix}"] = gate[e].contiguous()
+                out[f"{base}.{e}.w3{suffix}"] = up[e].contiguous()
+        elif fused.endswith("mlp.experts.down_proj"):
+            base = _disk_name(fused[: -len(".down_proj")])
             for e in range(tensor.shape[0]):
-                out[f"{base}.{e}.w2.weight"] = tensor[e].contiguous()
+                out[f"{base}.{e}.w2{suffix}"] = tensor[e].contiguous()
         else:
             out[_disk_name(name)] = tensor
     return out

@@ -21,14 +21,21 @@ fp32 as there, so the results equal theirs bit for bit (tests/models/test_quanti
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["E2M1_VALUES", "MXFP4_GROUP", "QuantConfig", "decode_scale", "dequantize_fp8", "dequantize_mxfp4",
-           "is_fp4_packed", "is_fp8"]
+from ...layers.modules import grouped_linear
+from ...ops.fp8 import dequantize, fp8_linear
+from ...ops.moe import moe_experts
+from .moe import Experts
+
+__all__ = ["E2M1_VALUES", "FP8_BLOCK", "MXFP4_GROUP", "QuantConfig", "decode_scale", "dequantize_fp8",
+           "dequantize_mxfp4", "is_fp4_packed", "is_fp8", "mxfp4_to_fp8", "COMPUTES", "Fp8Linear", "Fp8Experts",
+           "hold_in_fp8"]
 
 # e2m1 magnitudes indexed by the nibble's low 3 bits; bit 3 is the sign (so index 8 is -0.0)
 E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -192,3 +199,316 @@ def dequantize_mxfp4(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.f
         sc = s[..., r0:r1, :].repeat_interleave(MXFP4_GROUP, dim=-1)[..., :k]
         out[..., r0:r1, :] = (vals * sc).to(dtype)
     return out
+
+
+# ------------------------------------------------------------------------------------- MXFP4 -> FP8, exactly
+FP8_BLOCK = 128  # rows and columns per scale of the FP8-held weights (the release's weight_block_size)
+# e2m1 magnitude index i (1..7) as c * 2**q0 with c odd: 0.5, 1, 1.5, 2, 3, 4, 6
+_E2M1_Q0 = (0, -1, 0, -1, 1, 0, 2, 1)
+# the largest power of two that c * 2**q may reach in e4m3 (max 448 = 1.75 * 2**8): 8 for c = 1, 7 for c = 3
+_E2M1_TOP = (0, 8, 8, 7, 8, 7, 8, 7)
+# e4m3's finite values are multiples of its smallest subnormal 2**-9: an odd c times 2**q needs q >= -9
+_E4M3_LOW = -9
+_NONE = 1 << 12  # "no constraint" sentinel for exponent bounds (far outside every reachable exponent)
+
+
+def _group_exponents(scale: Tensor, name: str) -> Tensor:
+    """MXFP4 group scales -> their integer exponents (int32): ue8m0 bytes ``b`` give ``b - 127``; fp32 scales
+    must be powers of two. ``ValueError`` naming ``name`` for byte 255 (NaN) or a scale that is not ``2**e``."""
+    if scale.dtype == torch.uint8 or (_E8M0 is not None and scale.dtype == _E8M0):
+        byte = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+        if bool((byte == 255).any()):
+            raise ValueError(f"tensor {name!r}: ue8m0 scale byte 255 (NaN); the checkpoint is corrupt")
+        return byte.to(torch.int32) - 127
+    s = decode_scale(scale, name)
+    mant, exp = torch.frexp(s)
+    if not bool((mant == 0.5).all()):
+        raise ValueError(f"tensor {name!r}: MXFP4 group scales must be powers of two (ue8m0); this one holds "
+                         "others, which FP8 with power-of-two block scales cannot reproduce")
+    return exp - 1
+
+
+def _byte_tables() -> tuple[Tensor, Tensor, Tensor]:
+    """Per packed byte (two e2m1 codes): the tightest lower and upper bound its nonzero values put on the block
+    exponent relative to their group's (``max(q0 - top)``, ``min(q0) + 9``; +-``_NONE`` for two zeros), and its two
+    values as fp32 (low nibble first)."""
+    b = torch.arange(256)
+    codes = torch.stack([b & 0xF, b >> 4], dim=-1)  # [256, 2]
+    mag = codes & 7
+    q0, top = torch.tensor(_E2M1_Q0)[mag], torch.tensor(_E2M1_TOP)[mag]
+    nonzero = mag > 0
+    lo = torch.where(nonzero, q0 - top, -_NONE).amax(-1).to(torch.int16)
+    hi = torch.where(nonzero, q0 - _E4M3_LOW, _NONE).amin(-1).to(torch.int16)
+    return lo, hi, torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes]
+
+
+def _block_reduce(t: Tensor, groups_per_block: int, fill: int, largest: bool) -> Tensor:
+    """``[..., N, G]`` per-group values -> ``[..., ceil(N/128), ceil(G/gpb)]`` max (or min) per 128-row block."""
+    n, g = t.shape[-2:]
+    r, c = -(-n // FP8_BLOCK), -(-g // groups_per_block)
+    pad = t.new_full((*t.shape[:-2], r * FP8_BLOCK, c * groups_per_block), fill)
+    pad[..., :n, :g] = t
+    pad = pad.view(*t.shape[:-2], r, FP8_BLOCK, c, groups_per_block)
+    return pad.amax(dim=(-3, -1)) if largest else pad.amin(dim=(-3, -1))
+
+
+def mxfp4_to_fp8(packed: Tensor, scale: Tensor, name: str = "weight") -> tuple[Tensor, Tensor, Tensor]:
+    """MXFP4 (e2m1 values, one power-of-two scale per 32 along K) re-expressed as FP8 e4m3 with one
+    power-of-two fp32 scale per 128 x 128 block, exactly wherever e4m3 can hold the block.
+
+    Each nonzero value is ``c * 2**q`` with ``c`` in {1, 3}; it is an e4m3 value times ``2**p`` iff
+    ``q - p >= -9`` (e4m3's values are multiples of its smallest subnormal ``2**-9``) and ``c * 2**(q - p) <= 448``
+    (``q - p <= 8`` for ``c = 1``, ``<= 7`` for ``c = 3``). A block is exact iff some ``p`` meets every value's
+    bounds; the smallest such ``p`` is taken (the largest values as large as e4m3 allows). A block whose group
+    scales lie too far apart (about ``2**14``: its smallest values then fall below ``2**-9 * 2**p``) has none:
+    it gets the ``p`` of its largest values and its small values round to nearest (possibly to zero), and
+    ``inexact`` flags it. All-zero blocks get scale 1.
+
+    Args:
+        packed: ``[..., N, K / 2]`` packed e2m1 pairs (see :func:`dequantize_mxfp4`).
+        scale: ``[..., N, ceil(K / 32)]`` ue8m0 (``float8_e8m0fnu`` / ``uint8``) or power-of-two fp32.
+        name: the tensor's name, for errors.
+
+    Returns:
+        ``(weight, scale, inexact)``: e4m3 ``[..., N, K]``; fp32 ``[..., ceil(N / 128), ceil(K / 128)]``;
+        bool ``[..., ceil(N / 128), ceil(K / 128)]``, True where the block was rounded. Where ``inexact`` is
+        False, ``dequantize_fp8(weight, scale, (128, 128))`` equals ``dequantize_mxfp4(packed, scale)`` bit for bit.
+
+    Raises:
+        ValueError: naming ``name`` for a wrong dtype or shape, ue8m0 byte 255 (NaN), non-power-of-two scales.
+    """
+    if not is_fp4_packed(packed) or packed.dim() < 2:
+        raise ValueError(f"tensor {name!r} ({packed.dtype}, {tuple(packed.shape)}) is not a packed MXFP4 weight "
+                         "[..., N, K / 2] of int8 / uint8 / float4_e2m1fn_x2")
+    n, half = packed.shape[-2:]
+    k = 2 * half
+    want = (*packed.shape[:-1], -(-k // MXFP4_GROUP))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"tensor {name!r}: scale has shape {tuple(scale.shape)} but packed MXFP4 weight "
+                         f"{tuple(packed.shape)} (K = {k}) needs {want} (one per {MXFP4_GROUP} values along K)")
+    exp = _group_exponents(scale, name).to(torch.int16)  # [..., N, G]
+    g = exp.shape[-1]
+    lo_of, hi_of, values_of = _byte_tables()
+    # the packed bytes by group, padded with zero bytes to whole groups: [..., N, G, 16]
+    u8 = packed.contiguous().view(torch.uint8)
+    if k < g * MXFP4_GROUP:
+        u8 = torch.cat([u8, u8.new_zeros((*u8.shape[:-1], g * MXFP4_GROUP // 2 - half))], dim=-1)
+    idx = u8.view(*u8.shape[:-1], g, MXFP4_GROUP // 2).to(torch.int32)
+    # each group's admissible block exponents [lo, hi] (its values c * 2**q: q - p <= top and q - p >= -9)
+    lo_g, hi_g = lo_of[idx].amax(dim=-1), hi_of[idx].amin(dim=-1)
+    lo = torch.where(lo_g == -_NONE, -_NONE, exp + lo_g)
+    hi = torch.where(hi_g == _NONE, _NONE, exp + hi_g)
+    per_block = FP8_BLOCK // MXFP4_GROUP
+    lo, hi = _block_reduce(lo, per_block, -_NONE, True), _block_reduce(hi, per_block, _NONE, False)
+    empty = lo == -_NONE
+    p = torch.where(empty, 0, lo)
+    inexact = ~empty & (lo > hi)
+    # each group's exponent under its block's scale; below -40 its values round to 0 either way, fp32 stays exact
+    p_group = p.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(per_block, dim=-1)[..., :g]
+    shift = torch.exp2((exp - p_group).clamp_(-40, 40).to(torch.float32))
+    weight = (values_of[idx] * shift[..., None, None]).view(*exp.shape[:-1], g * MXFP4_GROUP)[..., :k]
+    weight = weight.to(torch.float8_e4m3fn)
+    # 2**p as fp32: exact from fp64 (p >= -136 > fp32's smallest subnormal exponent -149)
+    block_scale = torch.exp2(p.to(torch.float64)).to(torch.float32)
+    return weight, block_scale, inexact
+
+
+# ------------------------------------------------------------------------------------- FP8-held frozen weights
+COMPUTES = ("fp8", "w8a16")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_compute(compute: str) -> str:
+    if compute not in COMPUTES:
+        raise ValueError(f"compute must be 'fp8' (FP8 tensor cores) or 'w8a16' (bf16 numerics on FP8 storage), "
+                         f"got {compute!r}")
+    return compute
+
+
+def _frozen(shape: tuple[int, ...], device: torch.device | str | None) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device), requires_grad=False)
+
+
+def _apply_raw(module: nn.Module, fn: Callable[[Tensor], Tensor], recurse: bool) -> None:
+    """``nn.Module._apply`` with the module's ``frozen_storage`` travelling as raw bytes: ``model.to(dtype)``,
+    ``.half()``, ``.cuda()``, ``to_empty`` move the codes and their scales but never cast them as floats (a cast
+    of e4m3 codes would drop their scales; of the scales, round them)."""
+    params, buffers = module._parameters, module._buffers
+    kept = {}
+    for name in module.frozen_storage:
+        store = params if name in params else buffers
+        t = store[name]
+        kept[name] = t.dtype
+        raw = t.detach().view(torch.uint8 if t.element_size() == 1 else torch.int32)
+        store[name] = nn.Parameter(raw, requires_grad=False) if store is params else raw
+    try:
+        nn.Module._apply(module, fn, recurse)
+    finally:
+        for name, dtype in kept.items():
+            store = params if name in params else buffers
+            t = store[name].detach().view(dtype)
+            store[name] = nn.Parameter(t, requires_grad=False) if store is params else t
+
+
+class Fp8Linear(nn.Module):
+    """A frozen linear held as the release stores it: ``weight`` e4m3 ``[N, K]`` (a parameter that does not
+    require grad) and ``weight_scale_inv`` fp32 ``[ceil(N/128), ceil(K/128)]`` (HF's names: its ``state_dict``
+    reads and writes the release's FP8 tensors as they are).
+
+    The forward runs :func:`csattn.ops.fp8.fp8_linear` (differentiable in ``x``). ``module.weight`` is the weight
+    dequantized to the compute dtype, a new tensor each time, for code that reads the weight itself (the
+    attention core's ``q_b_proj`` / ``o_a_proj`` / ``o_b_proj``, the shared expert); ``named_parameters`` and the
+    ``state_dict`` hold the e4m3 codes. The compute dtype follows ``model.to(dtype)`` and
+    ``to_training_dtype``; the codes and scales never change dtype (:func:`_apply_raw`).
+
+    Args:
+        in_features, out_features: ``K``, ``N``.
+        compute: ``"fp8"`` (activations quantized per 1x128 tile, FP8 tensor cores) or ``"w8a16"`` (the weight
+            dequantized in the kernel, bf16 numerics).
+        dtype: the compute dtype (the model's training dtype).
+        groups: ``g > 1`` holds a block-diagonal projection (``GroupedLinear``'s ``[out, in_per_group]`` weight)
+            whose forward maps ``x [T, g, K]``; it runs on the dequantized weight (the attention reads that
+            weight itself).
+    """
+
+    frozen_storage = ("weight", "weight_scale_inv")
+
+    def __init__(self, in_features: int, out_features: int, compute: str = "fp8",
+                 dtype: torch.dtype = torch.bfloat16, groups: int = 1,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.groups = in_features, out_features, groups
+        self.compute = _check_compute(compute)
+        # set through _parameters: the class's `weight` is the dequantizing accessor
+        self._parameters["weight"] = _frozen((out_features, in_features), device)
+        self.register_buffer("weight_scale_inv", torch.ones(_cdiv(out_features, FP8_BLOCK),
+                                                            _cdiv(in_features, FP8_BLOCK), device=device))
+        # an empty tensor of the compute dtype: casts with the model, holds nothing, saves nothing
+        self.register_buffer("dtype_tag", torch.empty(0, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def weight(self) -> Tensor:
+        """``[N, K]`` dequantized to the compute dtype (not a parameter: no gradient reaches the codes)."""
+        return dequantize(self._parameters["weight"], self.weight_scale_inv, self.dtype_tag.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x [..., K]`` -> ``[..., N]`` (``x [T, g, K]`` -> ``[T, N]`` for ``groups > 1``)."""
+        if self.groups > 1:
+            return grouped_linear(x, self.weight, self.groups)
+        return fp8_linear(x, self._parameters["weight"], self.weight_scale_inv, compute=self.compute)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Fp8Linear:
+        _apply_raw(self, fn, recurse)
+        return self
+
+    def extra_repr(self) -> str:
+        g = f", groups={self.groups}" if self.groups > 1 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, compute={self.compute!r}{g}"
+
+
+class Fp8Experts(Experts):
+    """Frozen routed experts held as FP8: ``gate_up_proj`` e4m3 ``[E, 2I, D]`` (gate rows first) with
+    ``gate_up_proj_scale_inv`` fp32 ``[E, ceil(2I/128), ceil(D/128)]``, ``down_proj`` e4m3 ``[E, D, I]`` with
+    ``down_proj_scale_inv`` ``[E, ceil(D/128), ceil(I/128)]`` (HF's quantized names). The forward runs
+    :func:`csattn.ops.moe.moe_experts` with the scales (frozen FP8 grouped GEMMs; the input and the routing
+    weights get gradients, the codes none).
+
+    An :class:`Experts` to the model (``local``, ``num_experts``, :meth:`subset` for expert parallelism), with no
+    initializer: its values come from a checkpoint. ``compute`` and ``dtype`` as for :class:`Fp8Linear`.
+    """
+
+    frozen_storage = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float,
+                 backend: str = "auto", local: range | None = None, compute: str = "fp8",
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None) -> None:
+        nn.Module.__init__(self)  # not Experts.__init__: no full-precision tensors, no initializer
+        self.local = range(num_experts) if local is None else local
+        self.num_experts, self.limit, self.backend = num_experts, limit, backend
+        self.compute = _check_compute(compute)
+        self.init_seed = 0
+        n, d, i = len(self.local), hidden_size, intermediate_size
+        self.gate_up_proj = _frozen((n, 2 * i, d), device)
+        self.down_proj = _frozen((n, d, i), device)
+        b = FP8_BLOCK
+        self.register_buffer("gate_up_proj_scale_inv", torch.ones(n, _cdiv(2 * i, b), _cdiv(d, b), device=device))
+        self.register_buffer("down_proj_scale_inv", torch.ones(n, _cdiv(d, b), _cdiv(i, b), device=device))
+        self.register_buffer("dtype_tag", torch.empty(0, dtype=dtype, device=device), persistent=False)
+
+    @classmethod
+    def like(cls, experts: Experts, compute: str, local: range | None = None) -> Fp8Experts:
+        """FP8 experts of ``experts``' geometry, settings, device and dtype (zeros: load them), holding ``local``
+        (default ``experts.local``)."""
+        gate_up = experts.gate_up_proj
+        return cls(experts.num_experts, gate_up.shape[2], gate_up.shape[1] // 2, experts.limit, experts.backend,
+                   experts.local if local is None else local, compute,
+                   getattr(experts, "dtype_tag", gate_up).dtype, gate_up.device)
+
+    def reset_parameters(self) -> None:
+        raise ValueError("FP8-held experts have no initializer: load them from a checkpoint (load_pretrained / "
+                         "load_hf_sharded with base_precision='fp8' or 'w8a16')")
+
+    @torch.no_grad()
+    def subset(self, local: range) -> Fp8Experts:
+        """These experts' ``local`` share (global ids) as new FP8 experts (an expert-parallel rank's)."""
+        new = Fp8Experts.like(self, self.compute, local)
+        lo, hi = local.start - self.local.start, local.stop - self.local.start
+        if not self.gate_up_proj.is_meta:
+            for name in self.frozen_storage:
+                getattr(new, name).copy_(getattr(self, name)[lo:hi])
+        return new
+
+    def dequantized(self) -> tuple[Tensor, Tensor]:
+        """``(gate_up_proj [E, 2I, D], down_proj [E, D, I])`` in the compute dtype (for references and export)."""
+        dtype = self.dtype_tag.dtype
+        return (dequantize(self.gate_up_proj, self.gate_up_proj_scale_inv, dtype),
+                dequantize(self.down_proj, self.down_proj_scale_inv, dtype))
+
+    def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """``x [T, D]``, ``experts [T, k]`` (local ids), ``weights [T, k]`` -> ``[T, D]``."""
+        return moe_experts(x, experts, weights, self.gate_up_proj, self.down_proj, self.limit, self.backend,
+                           gate_up_scale=self.gate_up_proj_scale_inv, down_scale=self.down_proj_scale_inv,
+                           fp8_compute=self.compute)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Fp8Experts:
+        _apply_raw(self, fn, recurse)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"experts={len(self.local)}/{self.num_experts}, compute={self.compute!r}"
+
+
+def hold_in_fp8(model: nn.Module, compute: str, linears: Iterable[str] = ()) -> nn.Module:
+    """Give ``model`` FP8-held frozen weights in place: every routed :class:`Experts` becomes :class:`Fp8Experts`
+    and each module named in ``linears`` (qualified names, e.g. ``"model.layers.0.self_attn.q_b_proj"``; an
+    ``nn.Linear`` without bias or a ``GroupedLinear``) an :class:`Fp8Linear`, on the same device (the meta device
+    too) and compute dtype. The new tensors are zeros (scale 1): load their values (``load_pretrained``,
+    ``csattn.parallel.load_hf_sharded``). Call it before sharding the model; it returns ``model``."""
+    _check_compute(compute)
+    wanted = set(linears)
+    modules = dict(model.named_modules())
+    missing = sorted(wanted - set(modules))
+    if missing:
+        raise ValueError(f"linears= names {missing[:4]}, which are not modules of the model")
+    for name, module in list(modules.items()):
+        if isinstance(module, Experts) and not isinstance(module, Fp8Experts):
+            _replace(model, name, Fp8Experts.like(module, compute))
+        elif name in wanted:
+            _replace(model, name, _fp8_linear_like(name, module, compute))
+    return model
+
+
+def _fp8_linear_like(name: str, module: nn.Module, compute: str) -> Fp8Linear:
+    w = module._parameters.get("weight")
+    if w is None or w.dim() != 2 or getattr(module, "bias", None) is not None:
+        raise ValueError(f"module {name!r} ({type(module).__name__}) is not a linear without bias: it cannot be held "
+                         "in FP8")
+    return Fp8Linear(w.shape[1], w.shape[0], compute, w.dtype, getattr(module, "groups", 1), w.device)
+
+
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, new)
