@@ -250,18 +250,6 @@ def test_adapter_files_load_into_hf(tmp_path, assert_close):
         assert_close(again(input_ids=ids).logits, expected, 0.0, "a patched model with the saved adapter")
 
 
-def test_fp8_weights_refused():
-    from transformers import FineGrainedFP8Config
-    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
-
-    cfg = tiny_config_dict("flash")
-    model = hf_model(cfg, seed=SEED)
-    replace_with_fp8_linear(model, quantization_config=FineGrainedFP8Config(weight_block_size=(16, 16)))
-    with pytest.raises(ValueError, match=r"model\.layers\.0\..*float8.*dequantize=True"):
-        patch(model)
-    assert not is_patched(model)
-
-
 def test_trainer_trains_the_adapters_only(tmp_path):
     from transformers import Trainer, TrainingArguments
 
