@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from transformers.integrations import finegrained_fp8 as hf_fp8
 
+from ..amp import autocast_dtype, autocast_off
 from ..layers.modules import grouped_linear
 from ..models.deepseek_v4.quant import decode_scale, mxfp4_to_fp8
 from ..ops.fp8 import BLOCK, COMPUTES, dequantize, fp8_linear
@@ -120,7 +121,11 @@ class PatchedFP8Linear(FP8Linear):
         """``x [..., K]`` -> ``[..., N]``."""
         codes = _codes(self, "weight")
         scale = block_scales(self.weight_scale_inv, codes.shape, self._csattn_where)
-        return fp8_linear(x, codes, scale, compute=self._csattn_compute)
+        low = autocast_dtype(x)
+        if low is None:
+            return fp8_linear(x, codes, scale, compute=self._csattn_compute)
+        with autocast_off(x):  # as a linear under autocast: the input in the autocast dtype, the result in it
+            return fp8_linear(x.to(low), codes, scale, compute=self._csattn_compute)
 
 
 class PatchedFP8GroupedLinear(hf_fp8.FP8GroupedLinear):
@@ -160,7 +165,9 @@ def _convert_fp4(module: nn.Module, where: str) -> None:
     """MXFP4 experts -> FP8 e4m3 copies with 128 x 128 block scales (non-persistent buffers), exactly."""
     out = []
     for name in ("gate_up_proj", "down_proj"):
-        codes, scale, inexact = mxfp4_to_fp8(_codes(module, name), getattr(module, f"{name}_scale_inv").detach(),
+        packed = _codes(module, name)
+        # on the host (the converter's lookup tables live there), one layer's tensor at a time
+        codes, scale, inexact = mxfp4_to_fp8(packed.cpu(), getattr(module, f"{name}_scale_inv").detach().cpu(),
                                              f"{where}.{name}")
         if bool(inexact.any()):
             e, r, c = (int(i) for i in inexact.nonzero()[0])
@@ -168,7 +175,7 @@ def _convert_fp4(module: nn.Module, where: str) -> None:
                              "scales too far apart for one FP8 block scale (its small values would round); load a "
                              "bf16 copy (FineGrainedFP8Config(dequantize=True)) or csattn's own loader "
                              "(load_pretrained(..., allow_inexact_fp8=True))")
-        out += [codes, scale.to(codes.device)]
+        out += [codes.to(packed.device), scale.to(packed.device)]
     for name, t in zip(_CONVERTED, out):
         module.register_buffer(name, t, persistent=False)
 

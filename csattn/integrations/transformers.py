@@ -41,8 +41,9 @@ Limits: training forwards only. ``past_key_values`` or ``use_cache=True`` (``gen
 ``csattn.IndexerLossAutoScaler.set_loss_scale(1 / gradient_accumulation_steps)``).
 
 PEFT: ``patch`` takes a ``PeftModel`` too, and adapters put on after ``patch`` work as well; each one either trains
-as in HF + PEFT or is refused (:mod:`csattn.integrations.peft`). Weights from HF's FP8 quantizer (FP8 / FP4) are
-refused: load a bf16 copy (``FineGrainedFP8Config(dequantize=True)``).
+as in HF + PEFT or is refused (:mod:`csattn.integrations.peft`). A model loaded in FP8 (``FineGrainedFP8Config``:
+``FP8Linear``, ``FP8GroupedLinear``, FP8 or MXFP4 ``FP8Experts``) runs on csattn's FP8 ops with its weights frozen
+(:mod:`csattn.integrations.hf_fp8`); what they cannot run exactly is refused.
 """
 
 from __future__ import annotations
@@ -464,7 +465,8 @@ def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float 
     if fp8_compute not in hf_fp8.COMPUTES:
         raise ValueError(f"fp8_compute must be one of {hf_fp8.COMPUTES}, got {fp8_compute!r}")
     config = backbone.config
-    # build every attention before changing anything, so a failure leaves the model as it was; PEFT's wrappers
+    held = _swap_held(backbone, backend, fp8_compute)  # HF's FP8 modules onto csattn's FP8 ops (MXFP4 converted)
+    # build every attention before changing anything else, so a failure leaves the model as it was; PEFT's wrappers
     # come off HF's attention modules for that and go around csattn's (the same parameters) after
     adapters = [peft_bridge.detach(layer.self_attn) for layer in backbone.layers]
     try:
@@ -473,9 +475,10 @@ def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float 
     except Exception:
         for layer, found in zip(backbone.layers, adapters):
             peft_bridge.reattach(layer.self_attn, found)
+        for module in held:
+            hf_fp8.restore(module)
         raise
     experts = config.hidden_act == "silu"  # csattn's experts compute a clamped SwiGLU (silu); others stay HF's
-    held = _swap_held(backbone, backend, fp8_compute)  # HF's FP8 modules onto csattn's FP8 ops (MXFP4 converted)
     state = _PatchState(backend, indexer_loss_coeff, [layer.self_attn for layer in backbone.layers], experts,
                         deterministic=bool(deterministic), held=held)
     for layer, attn, found in zip(backbone.layers, attentions, adapters):
