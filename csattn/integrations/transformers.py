@@ -524,16 +524,13 @@ def _check_patchable(backbone: hf.DeepseekV4Model) -> None:
         if hf_fp8.is_held(moe) and backbone.config.hidden_act != "silu":
             raise ValueError(f"model.layers[{i}].mlp.experts: FP8 experts with hidden_act="
                              f"{backbone.config.hidden_act!r}; csattn's FP8 experts compute a clamped SwiGLU (silu)")
-    for name, module in backbone.named_modules():
-        if hf_fp8.is_held(module):
-            hf_fp8.check(module, f"model.{name}")
     peft_bridge.check_adapters(backbone)
 
 
 def _swap_held(backbone: hf.DeepseekV4Model, backend: str, compute: str) -> list[nn.Module]:
-    """HF's FP8 modules of the decoder onto csattn's FP8 ops (:func:`csattn.integrations.hf_fp8.swap`), dequantized
-    weights in the embedding's dtype (the model's compute dtype); all converted before any is swapped, so a refusal
-    leaves the model as it was."""
+    """HF's FP8 modules of the decoder onto csattn's FP8 ops (:func:`csattn.integrations.hf_fp8.swap`, which refuses
+    what they cannot run), dequantized weights in the embedding's dtype (the model's compute dtype); on a refusal the
+    modules swapped so far are restored, so the model is as it was."""
     dtype = backbone.embed_tokens.weight.dtype
     held = [(f"model.{name}", m) for name, m in backbone.named_modules() if hf_fp8.is_held(m)]
     done = []
