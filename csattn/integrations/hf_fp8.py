@@ -111,11 +111,13 @@ def weight_of(module: nn.Module) -> Tensor:
         return module.weight
     codes = _codes(module, "weight")
     return dequantize(codes, block_scales(module.weight_scale_inv, codes.shape, module._csattn_where),
-                      module._csattn_dtype)
+                      module.dtype_tag.dtype)
 
 
 class PatchedFP8Linear(FP8Linear):
     """HF's ``FP8Linear`` on :func:`csattn.ops.fp8.fp8_linear` (differentiable in its input)."""
+
+    frozen_storage = ("weight", "weight_scale_inv")  # never cast (csattn.amp), as csattn's own FP8-held modules
 
     def forward(self, x: Tensor) -> Tensor:
         """``x [..., K]`` -> ``[..., N]``."""
@@ -131,6 +133,8 @@ class PatchedFP8Linear(FP8Linear):
 class PatchedFP8GroupedLinear(hf_fp8.FP8GroupedLinear):
     """HF's ``FP8GroupedLinear`` (``o_a_proj``; the attention reads its weight) on its dequantized weight."""
 
+    frozen_storage = PatchedFP8Linear.frozen_storage
+
     def forward(self, x: Tensor) -> Tensor:
         """``x [..., G, K]`` -> ``[..., G, N / G]`` (HF's contract)."""
         y = grouped_linear(x.reshape(-1, self.n_groups, x.shape[-1]), weight_of(self), self.n_groups)
@@ -139,6 +143,8 @@ class PatchedFP8GroupedLinear(hf_fp8.FP8GroupedLinear):
 
 class PatchedFP8Experts(FP8Experts):
     """HF's ``FP8Experts`` on :func:`csattn.ops.moe.moe_experts` with the FP8 scales (grouped FP8 GEMMs)."""
+
+    frozen_storage = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                 gate_up_lora: ExpertLora | None = None, down_lora: ExpertLora | None = None) -> Tensor:
@@ -185,7 +191,8 @@ PATCHED = {FP8Linear: PatchedFP8Linear, hf_fp8.FP8GroupedLinear: PatchedFP8Group
 
 def swap(module: nn.Module, where: str, dtype: torch.dtype, compute: str, backend: str) -> None:
     """Make HF's FP8 ``module`` run csattn's FP8 ops, in place (its parameters untouched): ``dtype`` is the
-    model's compute dtype (dequantized weights), ``compute`` the FP8 ops' mode, ``backend`` the experts'."""
+    model's compute dtype (dequantized weights; the ``dtype_tag`` buffer), ``compute`` the FP8 ops' mode,
+    ``backend`` the experts'."""
     if compute not in COMPUTES:
         raise ValueError(f"fp8_compute must be one of {COMPUTES}, got {compute!r}")
     check(module, where)
@@ -199,13 +206,17 @@ def swap(module: nn.Module, where: str, dtype: torch.dtype, compute: str, backen
         module.__class__ = PATCHED[hf_fp8.FP8GroupedLinear if isinstance(module, hf_fp8.FP8GroupedLinear)
                                    else FP8Linear]
     module._csattn_hf_class = hf_class
-    module._csattn_where, module._csattn_dtype, module._csattn_compute = where, dtype, compute
+    module._csattn_where, module._csattn_compute = where, compute
+    # the compute dtype, as csattn's FP8-held modules carry it: an empty buffer that moves and casts with the model
+    # (csattn.amp.low_precision_parameters reads it as the autocast dtype)
+    device = _codes(module, "down_proj" if isinstance(module, FP8Experts) else "weight").device
+    module.register_buffer("dtype_tag", torch.empty(0, dtype=dtype, device=device), persistent=False)
 
 
 def restore(module: nn.Module) -> None:
     """Undo :func:`swap`: HF's class and forward, the converted MXFP4 copies dropped."""
     module.__class__ = module._csattn_hf_class
-    for name in ("_csattn_hf_class", "_csattn_where", "_csattn_dtype", "_csattn_compute", "_csattn_backend"):
+    for name in ("_csattn_hf_class", "_csattn_where", "_csattn_compute", "_csattn_backend"):
         module.__dict__.pop(name, None)
-    for name in _CONVERTED:
+    for name in (*_CONVERTED, "dtype_tag"):
         module._buffers.pop(name, None)

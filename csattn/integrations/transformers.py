@@ -226,7 +226,7 @@ class _PatchedAttention(HybridAttention):
     def compute_dtype(self) -> torch.dtype:
         """The model's compute dtype also where ``q_a_proj`` is held in FP8."""
         q_a = peft_bridge.innermost(self.q_a_proj)
-        return q_a._csattn_dtype if hf_fp8.is_held(q_a) else super().compute_dtype()
+        return q_a.dtype_tag.dtype if hf_fp8.is_held(q_a) else super().compute_dtype()
 
 
 class _PatchedDecoderLayer(hf.DeepseekV4DecoderLayer):

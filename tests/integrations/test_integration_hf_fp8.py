@@ -153,6 +153,28 @@ def test_fp8_model_with_lora_equals_hf_eager_on_the_dequantized_weights(expert_d
     assert all(p.grad is None for n, p in ours.named_parameters() if p.element_size() == 1)
 
 
+@pytest.mark.parametrize("expert_dtype", ["fp8", "fp4"])
+def test_fp8_model_under_autocast_equals_the_dequantized_model(expert_dtype):
+    """Under ``torch.autocast`` (bf16, ``Trainer(bf16=True)``) the FP8-held model computes on the weights the
+    dequantized fp32 model casts to bf16 (its FP8 scales never cast): on the CPU the loss and every adapter
+    gradient are bit for bit the dequantized model's, patched the same way."""
+    held, ref = fp8_pair(expert_dtype)
+    lora = _lora(experts=expert_dtype == "fp8")
+    ours, theirs = get_peft_model(patch(held), lora), get_peft_model(patch(ref), lora)
+    theirs.load_state_dict({n: p for n, p in ours.state_dict().items() if ".lora_" in n}, strict=False)
+    docs = _docs(LENGTHS, _config()["vocab_size"])
+    losses = []
+    for model in (ours, theirs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(_loss(model, docs))
+        losses[-1].backward()
+    assert losses[0].dtype == torch.float32 and torch.equal(losses[0], losses[1])
+    want = _adapters(theirs)
+    for name, p in _adapters(ours).items():
+        assert (p.grad is None) == (want[name].grad is None), name
+        assert p.grad is None or torch.equal(p.grad, want[name].grad), name
+
+
 def test_every_adapter_trains_through_the_frozen_fp8_layers():
     """With csattn's indexer loss the indexer's adapters (its q_b_proj held in FP8 and read as a weight) train too:
     every adapter tensor gets a nonzero gradient, none silently dropped."""
