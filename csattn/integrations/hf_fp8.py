@@ -75,16 +75,23 @@ def check(module: nn.Module, where: str) -> None:
                          f"[{BLOCK}, {BLOCK}], or {how}")
 
 
-def block_scales(scale: Tensor, shape: torch.Size, where: str) -> Tensor:
+def block_scales(scale: Tensor, shape: torch.Size, where: str, check: bool = False) -> Tensor:
     """HF's ``weight_scale_inv`` of a weight ``[..., N, K]`` (fp32 or ue8m0, ``[..., R, ceil(K / 128)]``) -> fp32
     ``[..., ceil(N / 128), ceil(K / 128)]`` (detached).
 
     ``R`` is ``ceil(N / 128)``, or 2 for a fused ``gate_up_proj`` with ``2I <= 128`` (HF keeps one scale row per
-    half; csattn's one block then holds both halves, so their scales must be equal)."""
-    s = decode_scale(scale.detach(), where)
+    half; csattn's one block then holds both halves, so their scales must be equal). ``check``: also refuse ue8m0
+    NaN bytes and unequal halves (reads the values: a host sync; :func:`swap` checks once, forwards do not)."""
+    scale = scale.detach()
+    if check:
+        decode_scale(scale, where)  # ValueError on a ue8m0 NaN byte
+    if scale.dtype == torch.float8_e8m0fnu or scale.dtype == torch.uint8:  # 2 ** (byte - 127), exact in fp32
+        s = torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127.0)
+    else:
+        s = scale.to(torch.float32)
     rows = -(-shape[-2] // BLOCK)
     if s.shape[-2] > rows:
-        if bool((s[..., rows:, :] != s[..., :1, :]).any()):
+        if check and bool((s[..., rows:, :] != s[..., :1, :]).any()):
             raise ValueError(f"{where}: the gate and up halves of this expert weight have their own FP8 scales "
                              f"within one {BLOCK}-row block; csattn's FP8 ops take one scale per {BLOCK} x {BLOCK} "
                              "block (moe_intermediate_size a multiple of 128, as in the release)")
@@ -195,11 +202,16 @@ def swap(module: nn.Module, where: str, dtype: torch.dtype, compute: str, backen
     ``backend`` the experts'."""
     if compute not in COMPUTES:
         raise ValueError(f"fp8_compute must be one of {COMPUTES}, got {compute!r}")
-    check(module, where)
+    check(module, where)  # everything refused before anything changes
+    experts = isinstance(module, FP8Experts)
+    if experts and _is_fp4(module):
+        _convert_fp4(module, where)
+    else:
+        for name in ("gate_up_proj", "down_proj") if experts else ("weight",):
+            scale = getattr(module, f"{name}_scale_inv" if experts else "weight_scale_inv")
+            block_scales(scale, _codes(module, name).shape, f"{where}.{name}", check=True)
     hf_class = type(module)
-    if isinstance(module, FP8Experts):
-        if _is_fp4(module):
-            _convert_fp4(module, where)
+    if experts:
         module.__class__ = PatchedFP8Experts
         module._csattn_backend = backend
     else:
@@ -209,7 +221,7 @@ def swap(module: nn.Module, where: str, dtype: torch.dtype, compute: str, backen
     module._csattn_where, module._csattn_compute = where, compute
     # the compute dtype, as csattn's FP8-held modules carry it: an empty buffer that moves and casts with the model
     # (csattn.amp.low_precision_parameters reads it as the autocast dtype)
-    device = _codes(module, "down_proj" if isinstance(module, FP8Experts) else "weight").device
+    device = _codes(module, "down_proj" if experts else "weight").device
     module.register_buffer("dtype_tag", torch.empty(0, dtype=dtype, device=device), persistent=False)
 
 

@@ -36,10 +36,10 @@ EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 ORDERS = ["peft_after_patch", "patch_after_peft"]
 
 
-def _config() -> dict:
+def _config(intermediate: int = 128) -> dict:
     cfg = tiny_config_dict("flash")
     # 2I = 256: the gate and up halves of a fused expert weight are whole 128-row blocks, as in the release
-    cfg["moe_intermediate_size"] = 128
+    cfg["moe_intermediate_size"] = intermediate
     return cfg
 
 
@@ -56,10 +56,10 @@ def _quantized_experts(w: torch.Tensor, expert_dtype: str, halves: int,
     return torch.stack(codes), torch.stack(scales)
 
 
-def fp8_pair(expert_dtype: str = "fp8", block: int = 128):
+def fp8_pair(expert_dtype: str = "fp8", block: int = 128, intermediate: int = 128):
     """``(held, ref)``: the HF model held in FP8 (transformers' modules, release-format tensors) and HF's fp32 model
     whose weights are their dequantized values (by transformers' own ``Fp8Dequantize``)."""
-    cfg = _config()
+    cfg = _config(intermediate)
     ref = hf_model(cfg, seed=SEED)
     held = hf_model(cfg, seed=SEED)
     qc = FineGrainedFP8Config(weight_block_size=(block, block), scale_fmt="ue8m0", expert_dtype=expert_dtype)
@@ -224,3 +224,20 @@ def test_other_block_sizes_refused():
                                          r"dequantize=True"):
         patch(held)
     assert not is_patched(held)
+
+
+def test_scales_csattn_cannot_hold_refused():
+    """A gate and an up half with their own scales inside one 128-row block (2I < 256), a ue8m0 NaN scale byte."""
+    held, _ = fp8_pair("fp8", intermediate=16)
+    scale = held.model.layers[0].mlp.experts.gate_up_proj_scale_inv  # [E, 2, 1]: the gate's row, the up's row
+    with torch.no_grad():
+        scale.view(torch.uint8)[:, 1] = scale.view(torch.uint8)[:, 0] + 1  # the up half's scale twice the gate's
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj: the gate and up halves"):
+        patch(held)
+    assert not is_patched(held) and type(held.model.layers[0].self_attn.q_a_proj) is FP8Linear
+    held, _ = fp8_pair("fp8")
+    with torch.no_grad():
+        held.model.layers[3].self_attn.o_b_proj.weight_scale_inv.view(torch.uint8).fill_(255)
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.self_attn\.o_b_proj\.weight.*byte 255"):
+        patch(held)
+    assert not is_patched(held) and type(held.model.layers[0].self_attn.q_a_proj) is FP8Linear
