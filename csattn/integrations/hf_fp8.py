@@ -27,13 +27,14 @@ give them the same scale. Other layouts are refused, naming the module.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from transformers.integrations import finegrained_fp8 as hf_fp8
 
 from ..amp import autocast_dtype, autocast_off
-from ..layers.modules import grouped_linear
-from ..models.deepseek_v4.quant import decode_scale, mxfp4_to_fp8
+from ..models.deepseek_v4.quant import _apply_raw, decode_scale, mxfp4_to_fp8
 from ..ops.fp8 import BLOCK, COMPUTES, dequantize, fp8_linear
 from ..ops.moe import ExpertLora, moe_experts
 
@@ -51,7 +52,7 @@ def is_held(module: nn.Module) -> bool:
 
 
 def _is_fp4(module: nn.Module) -> bool:
-    return isinstance(module, FP8Experts) and module.down_proj.dtype != torch.float8_e4m3fn
+    return isinstance(module, FP8Experts) and _codes(module, "down_proj").dtype != torch.float8_e4m3fn
 
 
 def check(module: nn.Module, where: str) -> None:
@@ -126,6 +127,10 @@ class PatchedFP8Linear(FP8Linear):
 
     frozen_storage = ("weight", "weight_scale_inv")  # never cast (csattn.amp), as csattn's own FP8-held modules
 
+    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+        _apply_raw(self, fn, recurse)  # to(dtype) casts the compute dtype (dtype_tag), never the codes or scales
+        return self
+
     def forward(self, x: Tensor) -> Tensor:
         """``x [..., K]`` -> ``[..., N]``."""
         codes = _codes(self, "weight")
@@ -141,17 +146,22 @@ class PatchedFP8GroupedLinear(hf_fp8.FP8GroupedLinear):
     """HF's ``FP8GroupedLinear`` (``o_a_proj``; the attention reads its weight) on its dequantized weight."""
 
     frozen_storage = PatchedFP8Linear.frozen_storage
+    _apply = PatchedFP8Linear._apply
 
     def forward(self, x: Tensor) -> Tensor:
-        """``x [..., G, K]`` -> ``[..., G, N / G]`` (HF's contract)."""
-        y = grouped_linear(x.reshape(-1, self.n_groups, x.shape[-1]), weight_of(self), self.n_groups)
-        return y.reshape(*x.shape[:-1], -1)
+        """``x [..., G, K]`` -> ``[..., G, N / G]``: group ``g`` of ``x`` times block ``g`` of the weight (HF's
+        ``DeepseekV4GroupedLinear``)."""
+        g, k = self.n_groups, x.shape[-1]
+        y = torch.bmm(x.reshape(-1, g, k).transpose(0, 1), weight_of(self).view(g, -1, k).transpose(1, 2))
+        return y.transpose(0, 1).reshape(*x.shape[:-2], g, -1)
 
 
 class PatchedFP8Experts(FP8Experts):
     """HF's ``FP8Experts`` on :func:`csattn.ops.moe.moe_experts` with the FP8 scales (grouped FP8 GEMMs)."""
 
+    # (+ the converted copies of MXFP4 experts, per instance: see swap)
     frozen_storage = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
+    _apply = PatchedFP8Linear._apply
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                 gate_up_lora: ExpertLora | None = None, down_lora: ExpertLora | None = None) -> Tensor:
@@ -191,6 +201,7 @@ def _convert_fp4(module: nn.Module, where: str) -> None:
         out += [codes.to(packed.device), scale.to(packed.device)]
     for name, t in zip(_CONVERTED, out):
         module.register_buffer(name, t, persistent=False)
+    module.frozen_storage = (*PatchedFP8Experts.frozen_storage, *_CONVERTED)
 
 
 PATCHED = {FP8Linear: PatchedFP8Linear, hf_fp8.FP8GroupedLinear: PatchedFP8GroupedLinear}
@@ -228,7 +239,7 @@ def swap(module: nn.Module, where: str, dtype: torch.dtype, compute: str, backen
 def restore(module: nn.Module) -> None:
     """Undo :func:`swap`: HF's class and forward, the converted MXFP4 copies dropped."""
     module.__class__ = module._csattn_hf_class
-    for name in ("_csattn_hf_class", "_csattn_where", "_csattn_compute", "_csattn_backend"):
+    for name in ("_csattn_hf_class", "_csattn_where", "_csattn_compute", "_csattn_backend", "frozen_storage"):
         module.__dict__.pop(name, None)
     for name in (*_CONVERTED, "dtype_tag"):
         module._buffers.pop(name, None)

@@ -241,3 +241,36 @@ def test_scales_csattn_cannot_hold_refused():
     with pytest.raises(ValueError, match=r"model\.layers\.3\.self_attn\.o_b_proj\.weight.*byte 255"):
         patch(held)
     assert not is_patched(held) and type(held.model.layers[0].self_attn.q_a_proj) is FP8Linear
+
+
+@pytest.mark.parametrize("expert_dtype", ["fp8", "fp4"])
+def test_to_dtype_keeps_the_codes_and_the_model_computes_in_it(expert_dtype, assert_close):
+    """``model.to(torch.bfloat16)`` after ``patch``: the FP8 codes and scales (and converted MXFP4 copies) keep their
+    bytes, the compute dtype follows (the read weights dequantize in bf16), and the model equals the dequantized
+    model cast to bf16, patched the same way."""
+    held, ref = fp8_pair(expert_dtype)
+    patch(held)
+    before = {n: t.clone() for n, t in [*held.named_parameters(), *held.named_buffers()] if t.element_size() == 1}
+    scales = {n: t.clone() for n, t in held.named_parameters() if n.endswith("_scale_inv")}
+    held.to(torch.bfloat16)
+    now = dict([*held.named_parameters(), *held.named_buffers()])
+    for name, t in [*before.items(), *scales.items()]:
+        assert now[name].dtype == t.dtype and torch.equal(now[name].view(torch.uint8), t.view(torch.uint8)), name
+    attn = held.model.layers[2].self_attn
+    assert attn.compute_dtype() == torch.bfloat16 and attn.projection_weight("q_b_proj").dtype == torch.bfloat16
+    ids = _docs([30], _config()["vocab_size"], seed=4)[0][None]
+    with torch.no_grad():
+        got = held(input_ids=ids).logits
+        want = patch(ref.to(torch.bfloat16))(input_ids=ids).logits
+    assert got.dtype == torch.bfloat16
+    assert_close(got.float(), want.float(), 0.0, "bf16 logits")
+
+
+def test_grouped_o_a_proj_called_as_hf_calls_it(assert_close):
+    """The patched ``FP8GroupedLinear`` (whose weight the attention reads) also runs HF's grouped contract when
+    called: ``[..., G, K]`` -> ``[..., G, N / G]``, as HF's ``DeepseekV4GroupedLinear`` on the dequantized weight."""
+    held, ref = fp8_pair("fp8")
+    patch(held)
+    ours, theirs = held.model.layers[1].self_attn.o_a_proj, ref.model.layers[1].self_attn.o_a_proj
+    x = torch.randn(2, 5, theirs.n_groups, theirs.in_features, generator=torch.Generator().manual_seed(1))
+    assert_close(ours(x), theirs(x), 1e-6, "o_a_proj")
