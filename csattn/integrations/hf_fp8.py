@@ -38,8 +38,8 @@ from ..models.deepseek_v4.quant import _apply_raw, decode_scale, mxfp4_to_fp8
 from ..ops.fp8 import BLOCK, COMPUTES, dequantize, fp8_linear
 from ..ops.moe import ExpertLora, moe_experts
 
-__all__ = ["PATCHED", "FP8Linear", "FP8Experts", "block_scales", "check", "experts_codes", "is_held", "restore",
-           "swap", "weight_of"]
+__all__ = ["COMPUTES", "PATCHED", "FP8Linear", "FP8Experts", "block_scales", "check", "experts_codes", "is_held",
+           "restore", "swap", "weight_of"]
 
 FP8Linear = hf_fp8.FP8Linear  # FP8GroupedLinear is one too
 FP8Experts = hf_fp8.FP8Experts
@@ -209,10 +209,8 @@ PATCHED = {FP8Linear: PatchedFP8Linear, hf_fp8.FP8GroupedLinear: PatchedFP8Group
 
 def swap(module: nn.Module, where: str, dtype: torch.dtype, compute: str, backend: str) -> None:
     """Make HF's FP8 ``module`` run csattn's FP8 ops, in place (its parameters untouched): ``dtype`` is the
-    model's compute dtype (dequantized weights; the ``dtype_tag`` buffer), ``compute`` the FP8 ops' mode,
-    ``backend`` the experts'."""
-    if compute not in COMPUTES:
-        raise ValueError(f"fp8_compute must be one of {COMPUTES}, got {compute!r}")
+    model's compute dtype (dequantized weights; the ``dtype_tag`` buffer), ``compute`` the FP8 ops' mode (one of
+    :data:`COMPUTES`), ``backend`` the experts'. ``ValueError`` naming ``where`` for what they cannot run."""
     check(module, where)  # everything refused before anything changes
     experts = isinstance(module, FP8Experts)
     if experts and _is_fp4(module):

@@ -247,8 +247,9 @@ def _kind(module: nn.Module) -> str:
 def effective_weight(module: nn.Module, where: str = "") -> Tensor:
     """The weight a linear ``module`` multiplies by, with the LoRA adapters PEFT put on it.
 
-    ``module`` is an ``nn.Linear`` (or csattn / HF grouped linear) or a chain of PEFT LoRA wrappers around one
-    (``lora.Linear``, ``lora.ParamWrapper`` on ``weight``). Returns ``base.weight`` plus, for every active adapter of
+    ``module`` is an ``nn.Linear`` (or csattn / HF grouped linear, or HF's FP8 one: its weight dequantized in the
+    model's compute dtype, frozen) or a chain of PEFT LoRA wrappers around one (``lora.Linear``,
+    ``lora.ParamWrapper`` on ``weight``). Returns ``base.weight`` plus, for every active adapter of
     every wrapper, ``get_delta_weight(adapter)`` cast to the weight's dtype (differentiable in ``lora_A`` /
     ``lora_B``, so the adapters train through whatever consumes the weight). As in PEFT's forward: a wrapper with
     adapters disabled adds nothing (and unmerges what it merged); a merged wrapper adds nothing (its base holds it).

@@ -234,6 +234,7 @@ class _PatchedDecoderLayer(hf.DeepseekV4DecoderLayer):
     :class:`_PatchedAttention` with ``packed=``, HF's MoE block (its experts patched) on ``[1, T, D]``."""
 
     _csattn_backend = "auto"
+    _csattn_where = "model.layers.?"
 
     def forward(self, hidden_states: Tensor, input_ids: Tensor | None = None, packed: PackedSeqs | None = None,
                 **kwargs: Any) -> Tensor:
@@ -247,21 +248,22 @@ class _PatchedDecoderLayer(hf.DeepseekV4DecoderLayer):
         y = self.self_attn(x, packed=packed)
         streams = mhc_ops.hc_combine(hidden_states, y, post, comb, backend=backend)
         post, comb, x = _hc_pre(self.ffn_hc, streams, backend, self.post_attention_layernorm)
-        y = _moe(self.mlp, x, input_ids)
+        y = _moe(self.mlp, x, input_ids, f"{self._csattn_where}.mlp.experts")
         return mhc_ops.hc_combine(streams, y, post, comb, backend=backend)
 
 
-def _moe(block: hf.DeepseekV4SparseMoeBlock, x: Tensor, input_ids: Tensor | None) -> Tensor:
+def _moe(block: hf.DeepseekV4SparseMoeBlock, x: Tensor, input_ids: Tensor | None, where: str) -> Tensor:
     """HF's ``DeepseekV4SparseMoeBlock.forward`` on rows ``x [T, D]`` (``input_ids [T]`` for hash routing) ->
     ``[T, D]``: its router and shared experts called as modules, the routed experts with PEFT's LoRA on their tensors
-    passed to csattn's op as pairs per expert (:func:`csattn.integrations.peft.expert_loras`)."""
+    passed to csattn's op as pairs per expert (:func:`csattn.integrations.peft.expert_loras`; ``where`` names the
+    experts in its errors)."""
     h = x.unsqueeze(0)
     _, weights, indices = block.gate(h, input_ids.unsqueeze(0)) if block.is_hash else block.gate(h)
     inner = peft_bridge.innermost(block.experts)
     if isinstance(inner, (_PatchedExperts, hf_fp8.PatchedFP8Experts)):
         shapes = {"gate_up_proj": (2 * inner.intermediate_dim, inner.hidden_dim),
                   "down_proj": (inner.hidden_dim, inner.intermediate_dim)}
-        loras = peft_bridge.expert_loras(block.experts, shapes, "mlp.experts")
+        loras = peft_bridge.expert_loras(block.experts, shapes, where)
         loras = {k: ExpertLora(lo.a.to(x.dtype), lo.b.to(x.dtype), lo.scale) for k, lo in loras.items()}
         routed = inner(x, indices, weights, loras.get("gate_up_proj"), loras.get("down_proj"))
     else:
@@ -481,11 +483,11 @@ def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float 
     experts = config.hidden_act == "silu"  # csattn's experts compute a clamped SwiGLU (silu); others stay HF's
     state = _PatchState(backend, indexer_loss_coeff, [layer.self_attn for layer in backbone.layers], experts,
                         deterministic=bool(deterministic), held=held)
-    for layer, attn, found in zip(backbone.layers, attentions, adapters):
+    for i, (layer, attn, found) in enumerate(zip(backbone.layers, attentions, adapters)):
         peft_bridge.reattach(attn, found)
         layer.self_attn = attn
         layer.__class__ = _PatchedDecoderLayer
-        layer._csattn_backend = backend
+        layer._csattn_backend, layer._csattn_where = backend, f"model.layers.{i}"
         moe = peft_bridge.innermost(layer.mlp.experts)  # LoRA on the experts' tensors wraps them
         if experts and not hf_fp8.is_held(moe):
             moe.__class__ = _PatchedExperts
@@ -564,7 +566,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         peft_bridge.reattach(hf_attn, found)
         layer.self_attn = hf_attn
         layer.__class__ = hf.DeepseekV4DecoderLayer
-        del layer._csattn_backend
+        del layer._csattn_backend, layer._csattn_where
         moe = peft_bridge.innermost(layer.mlp.experts)
         if state.experts_patched and not hf_fp8.is_held(moe):
             moe.__class__ = hf.DeepseekV4Experts

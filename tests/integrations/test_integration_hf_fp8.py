@@ -201,7 +201,8 @@ def test_lora_on_fp4_experts_refused():
     held, _ = fp8_pair("fp4")
     model = get_peft_model(patch(held), _lora(target_modules=["q_a_proj"], target_parameters=EXPERTS))
     ids = torch.randint(0, _config()["vocab_size"], (1, 20), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match=r"mlp\.experts\.(gate_up|down)_proj: PEFT sized the adapter 'default'.*FP4"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.(gate_up|down)_proj: PEFT sized the "
+                                         r"adapter 'default'.*FP4"):
         model(input_ids=ids)
 
 
