@@ -61,8 +61,8 @@ def low_precision_parameters(module: nn.Module, dtype: torch.dtype) -> Iterator[
 
     The module's ``_parameters`` entries are swapped for the casts and put back on exit (what
     ``torch.func.functional_call`` does, without calling the module again: its hooks run once). Modules holding
-    frozen FP8 weights (``frozen_storage``) keep their codes; their compute dtype (the empty ``dtype_tag``
-    buffer) reads as ``dtype`` too.
+    frozen FP8 weights (``frozen_storage``) keep their codes and scales (HF's FP8 modules hold fp32 scales as
+    parameters); their compute dtype (the empty ``dtype_tag`` buffer) reads as ``dtype`` too.
     """
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     tags: list[tuple[nn.Module, Tensor]] = []
@@ -72,8 +72,9 @@ def low_precision_parameters(module: nn.Module, dtype: torch.dtype) -> Iterator[
             if tag is not None and tag.dtype in _CASTABLE and tag.dtype != dtype:
                 mod._buffers["dtype_tag"] = tag.to(dtype)
                 tags.append((mod, tag))
+            frozen = getattr(mod, "frozen_storage", ())
             for name, p in list(mod._parameters.items()):
-                if p is None or p.dtype == dtype or p.dtype not in _CASTABLE:
+                if p is None or p.dtype == dtype or p.dtype not in _CASTABLE or name in frozen:
                     continue
                 if keeps_fp32(f"{prefix}.{name}" if prefix else name):
                     continue

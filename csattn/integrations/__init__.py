@@ -5,6 +5,8 @@
   and TRL.
 - :mod:`csattn.integrations.peft`: PEFT adapters (LoRA on every linear, ``o_a_proj`` and the routed experts) on a
   patched model, in either order; what the patched model cannot honour is refused.
+- :mod:`csattn.integrations.hf_fp8`: HF's FP8 modules (``FineGrainedFP8Config``, FP8 or MXFP4 experts) on csattn's
+  FP8 ops, frozen, with adapters beside them.
 
 Nothing here is imported by ``import csattn``: each integration imports its framework only when it is imported.
 """

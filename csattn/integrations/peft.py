@@ -9,9 +9,10 @@ Example (either order; ``patch`` takes the ``PeftModel`` too):
 PEFT puts its modules where HF's are; the patched model reaches them in one of two ways:
 
 - modules it *calls* (:data:`CALLED`: ``q_a_proj``, ``kv_proj``, the compressors' and the indexer's ``kv_proj`` /
-  ``gate_proj`` / ``weights_proj``, everything under ``mlp`` (HF's own MoE block, whose experts run csattn's
-  grouped GEMMs on the weights PEFT's ``target_parameters`` parametrize during its forward), ``embed_tokens``):
-  PEFT's own forward runs, so any PEFT module there works as in HF;
+  ``gate_proj`` / ``weights_proj``, the MoE block's router and shared experts, ``embed_tokens``): PEFT's own
+  forward runs, so any PEFT module there works as in HF;
+- the routed experts: LoRA on their tensors (``target_parameters``) runs per expert through csattn's grouped GEMMs
+  (:func:`expert_loras`; ``W + delta`` is never formed, and FP8-held experts take LoRA the same way);
 - projections whose weight it *reads* (``HybridAttention.READ_PROJECTIONS``: ``q_b_proj``, ``o_a_proj``,
   ``o_b_proj``, the indexer's ``q_b_proj``; the fused core recomputes them block by block): the layer reads
   :func:`effective_weight`, the base weight plus every active LoRA adapter's ``get_delta_weight`` (PEFT's own
@@ -34,12 +35,15 @@ from collections.abc import Iterator
 from functools import partial
 from typing import NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 from ..layers import HybridAttention
+from ..ops.moe import ExpertLora
+from . import hf_fp8
 
-__all__ = ["CALLED", "READ", "check_adapters", "detach", "effective_weight", "innermost", "reattach", "unwrap_model",
-           "wrappers"]
+__all__ = ["CALLED", "READ", "check_adapters", "detach", "effective_weight", "expert_loras", "innermost", "reattach",
+           "unwrap_model", "wrappers"]
 
 # modules of a decoder layer the patched model calls (their forward runs); "mlp" covers everything under it
 CALLED = (
@@ -183,7 +187,11 @@ def _check_hooks(where: str, wrapper: nn.Module) -> None:
 
 
 def _check_layer_wrapper(where: str, local: str, wrapper: nn.Module, peft: _Peft) -> None:
-    in_mlp = local == "mlp" or local.startswith("mlp.")  # HF's MoE block: its forward calls all of it
+    if local == "mlp":
+        raise ValueError(f"{where}: a {_kind(wrapper)} (PEFT) on the whole MoE block, whose parts the csattn-patched "
+                         "layer calls one by one; name them instead (mlp.gate, mlp.shared_experts, LoRA's "
+                         "target_parameters for the experts)")
+    in_mlp = local.startswith("mlp.")  # HF's MoE block: the patched layer calls all of its parts
     if local in CALLED or (in_mlp and local != _EXPERTS):
         return  # its forward runs, as in HF
     if local == _EXPERTS:
@@ -239,17 +247,19 @@ def _kind(module: nn.Module) -> str:
 def effective_weight(module: nn.Module, where: str = "") -> Tensor:
     """The weight a linear ``module`` multiplies by, with the LoRA adapters PEFT put on it.
 
-    ``module`` is an ``nn.Linear`` (or csattn / HF grouped linear) or a chain of PEFT LoRA wrappers around one
-    (``lora.Linear``, ``lora.ParamWrapper`` on ``weight``). Returns ``base.weight`` plus, for every active adapter of
+    ``module`` is an ``nn.Linear`` (or csattn / HF grouped linear, or HF's FP8 one: its weight dequantized in the
+    model's compute dtype, frozen) or a chain of PEFT LoRA wrappers around one (``lora.Linear``,
+    ``lora.ParamWrapper`` on ``weight``). Returns ``base.weight`` plus, for every active adapter of
     every wrapper, ``get_delta_weight(adapter)`` cast to the weight's dtype (differentiable in ``lora_A`` /
     ``lora_B``, so the adapters train through whatever consumes the weight). As in PEFT's forward: a wrapper with
     adapters disabled adds nothing (and unmerges what it merged); a merged wrapper adds nothing (its base holds it).
     ``where`` names the module in errors.
     """
     chain = list(_chain(module))
+    base = innermost(module)
+    weight = hf_fp8.weight_of(base)  # an HF FP8 linear's dequantized (frozen)
     if not chain:
-        return module.weight
-    weight = innermost(module).weight
+        return weight
     deltas = []
     for w in chain:
         if w._forward_pre_hooks or w._forward_hooks:
@@ -261,8 +271,57 @@ def effective_weight(module: nn.Module, where: str = "") -> Tensor:
                 w.unmerge()
             continue
         if w.merged:
+            if hf_fp8.is_held(base):
+                raise ValueError(f"{where or type(w).__name__}: LoRA merged into an FP8-held weight (its delta rounds "
+                                 "into the e4m3 codes); unmerge_adapter() and train the adapter beside it")
             continue
         deltas += [w.get_delta_weight(name) for name in w.active_adapters if name in w.lora_A]
     for delta in deltas:
         weight = weight + delta.to(weight.dtype)
     return weight
+
+
+def expert_loras(experts: nn.Module, shapes: dict[str, tuple[int, int]], where: str) -> dict[str, ExpertLora]:
+    """PEFT's LoRA on the routed experts' tensors (``target_parameters``: ``ParamWrapper`` s around ``experts``) as
+    csattn's per-expert pairs, by parameter name, for :func:`csattn.ops.moe.moe_experts` (which never forms
+    ``W + delta``, and runs FP8-held experts too).
+
+    ``shapes``: each adapted tensor's ``(out, in)`` per expert (``gate_up_proj``: ``(2I, D)``). PEFT's
+    ``lora_A.weight [E r, in]`` gives ``a [E, r, in]`` (rows ``e r .. e r + r``), ``lora_B.weight [out, r E]`` gives
+    ``b [E, out, r]`` (columns ``j E + e``), as its ``get_delta_weight``. Several active adapters on one tensor are
+    one pair of their ranks side by side, each ``b`` times its own scale. As in PEFT's forward: disabled wrappers
+    add nothing (and unmerge), merged ones add nothing (their base holds the delta; refused on FP8-held experts).
+    """
+    inner = innermost(experts)
+    found: dict[str, list[tuple[Tensor, Tensor, float]]] = {}
+    for w in _chain(experts):
+        if w.disable_adapters:
+            if w.merged:
+                w.unmerge()
+            continue
+        if w.merged:
+            if hf_fp8.is_held(inner):
+                raise ValueError(f"{where}: LoRA merged into FP8-held experts (its delta rounds into the e4m3 codes); "
+                                 "unmerge_adapter() and train the adapter beside them")
+            continue
+        name = w.parameter_name
+        out, inp = shapes[name]
+        for adapter in (a for a in w.active_adapters if a in w.lora_A):
+            a, b = w.lora_A[adapter].weight, w.lora_B[adapter].weight
+            e = w.num_experts
+            if not w._did_swap_in_out_features or a.shape[-1] != inp or b.shape[0] != out or a.shape[0] % e:
+                raise ValueError(
+                    f"{where}.{name}: PEFT sized the adapter {adapter!r} as lora_A {tuple(a.shape)}, lora_B "
+                    f"{tuple(b.shape)} for {e} experts, which does not fit the experts' [{out}, {inp}] weights (FP4-"
+                    "packed experts hold half the columns, so PEFT's factors for them are wrong); leave the "
+                    "experts out of target_parameters, or load the experts as FP8 / bf16")
+            found.setdefault(name, []).append((a.reshape(e, -1, inp), b.reshape(out, -1, e).permute(2, 0, 1),
+                                               float(w.scaling[adapter])))
+    loras = {}
+    for name, pairs in found.items():
+        if len(pairs) == 1:
+            loras[name] = ExpertLora(*pairs[0])
+        else:
+            loras[name] = ExpertLora(torch.cat([a for a, _, _ in pairs], 1),
+                                     torch.cat([b * s for _, b, s in pairs], 2), 1.0)
+    return loras

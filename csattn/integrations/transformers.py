@@ -41,13 +41,14 @@ Limits: training forwards only. ``past_key_values`` or ``use_cache=True`` (``gen
 ``csattn.IndexerLossAutoScaler.set_loss_scale(1 / gradient_accumulation_steps)``).
 
 PEFT: ``patch`` takes a ``PeftModel`` too, and adapters put on after ``patch`` work as well; each one either trains
-as in HF + PEFT or is refused (:mod:`csattn.integrations.peft`). Weights from HF's FP8 quantizer (FP8 / FP4) are
-refused: load a bf16 copy (``FineGrainedFP8Config(dequantize=True)``).
+as in HF + PEFT or is refused (:mod:`csattn.integrations.peft`). A model loaded in FP8 (``FineGrainedFP8Config``:
+``FP8Linear``, ``FP8GroupedLinear``, FP8 or MXFP4 ``FP8Experts``) runs on csattn's FP8 ops with its weights frozen
+(:mod:`csattn.integrations.hf_fp8`); what they cannot run exactly is refused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,9 +60,10 @@ from ..config import AttentionConfig
 from ..layers import HybridAttention
 from ..ops import mhc as mhc_ops
 from ..ops.backend import BACKENDS, check_backend
-from ..ops.moe import moe_experts
+from ..ops.moe import ExpertLora, moe_experts
 from ..ops.rope import rope_inv_freq
 from ..packing import PackedSeqs
+from . import hf_fp8
 from . import peft as peft_bridge
 
 __all__ = ["BACKENDS", "BatchLayout", "batch_layout", "is_patched", "patch", "unpatch"]
@@ -217,8 +219,14 @@ class _PatchedAttention(HybridAttention):
 
     def projection_weight(self, name: str) -> Tensor:
         """The projection's weight plus the LoRA adapters PEFT put on it (:func:`csattn.integrations.peft
-        .effective_weight`): the fused paths read these weights instead of calling the modules."""
+        .effective_weight`; an FP8-held one dequantized): the fused paths read these weights instead of calling the
+        modules."""
         return peft_bridge.effective_weight(self.get_submodule(name), f"self_attn.{name}")
+
+    def compute_dtype(self) -> torch.dtype:
+        """The model's compute dtype also where ``q_a_proj`` is held in FP8."""
+        q_a = peft_bridge.innermost(self.q_a_proj)
+        return q_a.dtype_tag.dtype if hf_fp8.is_held(q_a) else super().compute_dtype()
 
 
 class _PatchedDecoderLayer(hf.DeepseekV4DecoderLayer):
@@ -226,6 +234,7 @@ class _PatchedDecoderLayer(hf.DeepseekV4DecoderLayer):
     :class:`_PatchedAttention` with ``packed=``, HF's MoE block (its experts patched) on ``[1, T, D]``."""
 
     _csattn_backend = "auto"
+    _csattn_where = "model.layers.?"
 
     def forward(self, hidden_states: Tensor, input_ids: Tensor | None = None, packed: PackedSeqs | None = None,
                 **kwargs: Any) -> Tensor:
@@ -239,9 +248,27 @@ class _PatchedDecoderLayer(hf.DeepseekV4DecoderLayer):
         y = self.self_attn(x, packed=packed)
         streams = mhc_ops.hc_combine(hidden_states, y, post, comb, backend=backend)
         post, comb, x = _hc_pre(self.ffn_hc, streams, backend, self.post_attention_layernorm)
-        ids = None if input_ids is None else input_ids.unsqueeze(0)
-        y = self.mlp(x.unsqueeze(0), input_ids=ids).squeeze(0)
+        y = _moe(self.mlp, x, input_ids, f"{self._csattn_where}.mlp.experts")
         return mhc_ops.hc_combine(streams, y, post, comb, backend=backend)
+
+
+def _moe(block: hf.DeepseekV4SparseMoeBlock, x: Tensor, input_ids: Tensor | None, where: str) -> Tensor:
+    """HF's ``DeepseekV4SparseMoeBlock.forward`` on rows ``x [T, D]`` (``input_ids [T]`` for hash routing) ->
+    ``[T, D]``: its router and shared experts called as modules, the routed experts with PEFT's LoRA on their tensors
+    passed to csattn's op as pairs per expert (:func:`csattn.integrations.peft.expert_loras`; ``where`` names the
+    experts in its errors)."""
+    h = x.unsqueeze(0)
+    _, weights, indices = block.gate(h, input_ids.unsqueeze(0)) if block.is_hash else block.gate(h)
+    inner = peft_bridge.innermost(block.experts)
+    if isinstance(inner, (_PatchedExperts, hf_fp8.PatchedFP8Experts)):
+        shapes = {"gate_up_proj": (2 * inner.intermediate_dim, inner.hidden_dim),
+                  "down_proj": (inner.hidden_dim, inner.intermediate_dim)}
+        loras = peft_bridge.expert_loras(block.experts, shapes, where)
+        loras = {k: ExpertLora(lo.a.to(x.dtype), lo.b.to(x.dtype), lo.scale) for k, lo in loras.items()}
+        routed = inner(x, indices, weights, loras.get("gate_up_proj"), loras.get("down_proj"))
+    else:
+        routed = block.experts(x, indices, weights)
+    return routed + block.shared_experts(x)
 
 
 class _PatchedExperts(hf.DeepseekV4Experts):
@@ -249,10 +276,12 @@ class _PatchedExperts(hf.DeepseekV4Experts):
 
     _csattn_backend = "auto"
 
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        """``hidden_states [N, D]``, ``top_k_index [N, k]``, ``top_k_weights [N, k]`` -> ``[N, D]``."""
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                gate_up_lora: ExpertLora | None = None, down_lora: ExpertLora | None = None) -> Tensor:
+        """``hidden_states [N, D]``, ``top_k_index [N, k]``, ``top_k_weights [N, k]`` -> ``[N, D]``; LoRA per expert
+        on the two weights (:class:`csattn.ops.moe.ExpertLora`)."""
         return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                           self.limit, self._csattn_backend)
+                           self.limit, self._csattn_backend, gate_up_lora, down_lora)
 
 
 class _PatchedModel(hf.DeepseekV4Model):
@@ -349,6 +378,7 @@ class _PatchState:
     experts_patched: bool
     num_experts_added: bool = False  # config.num_experts set by patch (see there), removed by unpatch
     deterministic: bool = False  # the layers' AttentionConfig.deterministic
+    held: list[nn.Module] = field(default_factory=list)  # HF's FP8 modules running csattn's FP8 ops
 
 
 def _backbone(model: nn.Module) -> hf.DeepseekV4Model:
@@ -377,8 +407,21 @@ def _csattn_attention(hf_attn: nn.Module, config: Any, layer_idx: int, backend: 
                                   compute_indexer_loss=indexer_loss_coeff > 0, deterministic=deterministic)
     with torch.device("meta"):  # no memory for weights that are replaced right away
         attn = _PatchedAttention(cfg)
-    theirs = dict(hf_attn.named_parameters())
-    ours = dict(attn.named_parameters())
+    # HF's FP8-held linears go in whole (their codes and scales; csattn calls or reads them through hf_fp8)
+    held = [path for path, m in hf_attn.named_modules() if hf_fp8.is_held(m)]
+    for path in held:
+        module = hf_attn.get_submodule(path)
+        mine = dict(attn.named_modules()).get(path)
+        if mine is None or tuple(mine.weight.shape) != tuple(module.weight.shape):
+            raise ValueError(f"model.layers[{layer_idx}].self_attn.{path}: an FP8 {tuple(module.weight.shape)} "
+                             "where csattn's attention has "
+                             f"{'no module' if mine is None else tuple(mine.weight.shape)}")
+        attn.set_submodule(path, module)
+
+    def plain(named: Any) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in named if not any(n.startswith(f"{path}.") for path in held)}
+
+    theirs, ours = plain(hf_attn.named_parameters()), plain(attn.named_parameters())
     if set(theirs) != set(ours):
         raise ValueError(f"model.layers[{layer_idx}].self_attn: parameters csattn lacks "
                          f"{sorted(set(theirs) - set(ours))}, parameters HF lacks {sorted(set(ours) - set(theirs))}")
@@ -388,13 +431,13 @@ def _csattn_attention(hf_attn: nn.Module, config: Any, layer_idx: int, backend: 
                              f"gives {tuple(ours[name].shape)}")
         owner, leaf = _owner(attn, name)
         setattr(owner, leaf, param)  # the same nn.Parameter object: no copy, optimizers and hooks see one tensor
-    attn._reset_rope(next(iter(theirs.values())).device)
+    attn._reset_rope(hf_attn.sinks.device)
     attn.train(hf_attn.training)
     return attn
 
 
 def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float = 0.0,
-          deterministic: bool = False) -> nn.Module:
+          deterministic: bool = False, fp8_compute: str = "fp8") -> nn.Module:
     """Make an HF ``DeepseekV4ForCausalLM`` (or ``DeepseekV4Model``) run csattn's kernels, in place.
 
     Args:
@@ -407,6 +450,9 @@ def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float 
             indexer, which the LM loss never reaches); 0 = none, as in HF.
         deterministic: the attention kernels' scatter-add gradients in exact fixed point (bitwise reproducible;
             ``AttentionConfig.deterministic``); call ``csattn.set_deterministic()`` too for the torch ops.
+        fp8_compute: for a model loaded in FP8 (HF's ``FineGrainedFP8Config``): ``"fp8"`` (activations quantized
+            per 1x128 tile, FP8 tensor cores) or ``"w8a16"`` (the weight dequantized in the kernel, bf16 numerics)
+            on the GPU; the CPU dequantizes exactly either way (:mod:`csattn.integrations.hf_fp8`).
 
     Returns:
         ``model`` itself, patched (see the module docstring for the batches it takes and its limits).
@@ -418,8 +464,11 @@ def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float 
     if not indexer_loss_coeff >= 0:
         raise ValueError(f"indexer_loss_coeff must be >= 0, got {indexer_loss_coeff}")
     _check_patchable(backbone)
+    if fp8_compute not in hf_fp8.COMPUTES:
+        raise ValueError(f"fp8_compute must be one of {hf_fp8.COMPUTES}, got {fp8_compute!r}")
     config = backbone.config
-    # build every attention before changing anything, so a failure leaves the model as it was; PEFT's wrappers
+    held = _swap_held(backbone, backend, fp8_compute)  # HF's FP8 modules onto csattn's FP8 ops (MXFP4 converted)
+    # build every attention before changing anything else, so a failure leaves the model as it was; PEFT's wrappers
     # come off HF's attention modules for that and go around csattn's (the same parameters) after
     adapters = [peft_bridge.detach(layer.self_attn) for layer in backbone.layers]
     try:
@@ -428,17 +477,19 @@ def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float 
     except Exception:
         for layer, found in zip(backbone.layers, adapters):
             peft_bridge.reattach(layer.self_attn, found)
+        for module in held:
+            hf_fp8.restore(module)
         raise
     experts = config.hidden_act == "silu"  # csattn's experts compute a clamped SwiGLU (silu); others stay HF's
     state = _PatchState(backend, indexer_loss_coeff, [layer.self_attn for layer in backbone.layers], experts,
-                        deterministic=bool(deterministic))
-    for layer, attn, found in zip(backbone.layers, attentions, adapters):
+                        deterministic=bool(deterministic), held=held)
+    for i, (layer, attn, found) in enumerate(zip(backbone.layers, attentions, adapters)):
         peft_bridge.reattach(attn, found)
         layer.self_attn = attn
         layer.__class__ = _PatchedDecoderLayer
-        layer._csattn_backend = backend
-        if experts:
-            moe = peft_bridge.innermost(layer.mlp.experts)  # LoRA on the experts' tensors wraps them
+        layer._csattn_backend, layer._csattn_where = backend, f"model.layers.{i}"
+        moe = peft_bridge.innermost(layer.mlp.experts)  # LoRA on the experts' tensors wraps them
+        if experts and not hf_fp8.is_held(moe):
             moe.__class__ = _PatchedExperts
             moe._csattn_backend = backend
     # TRL's load-balancing loss (SFTTrainer's default when router_aux_loss_coef != 0) reads config.num_experts,
@@ -460,19 +511,40 @@ def _check_patchable(backbone: hf.DeepseekV4Model) -> None:
         if scaling != 1.0:
             raise ValueError(f"config.rope_parameters[{kind!r}] scales cos/sin by {scaling} (YaRN attention_factor); "
                              "csattn applies no such factor (the V4 reference does not): set attention_factor=1.0")
-    for name, param in backbone.layers.named_parameters():
-        if param.element_size() == 1:  # FP8 (e4m3, e8m0 scales) or packed FP4; no V4 weight is 1-byte otherwise
-            raise ValueError(
-                f"model.layers.{name} is {param.dtype} (HF's FP8 / FP4 quantizer, FineGrainedFP8Config): patch() "
-                "runs bf16 or fp32 weights only, its fused attention and grouped expert GEMMs have no FP8 path yet; "
-                "load a bf16 copy of the weights (from_pretrained(..., quantization_config=FineGrainedFP8Config("
-                "dequantize=True)), or csattn's own loader)")
+    held = {id(p) for m in backbone.modules() if hf_fp8.is_held(m) for p in m.parameters()}
+    for name, param in backbone.named_parameters():
+        if param.element_size() == 1 and id(param) not in held:
+            raise ValueError(f"model.{name} is {param.dtype} outside HF's FP8 modules (FP8Linear / FP8Experts): "
+                             "patch() runs FP8 weights only as transformers' FineGrainedFP8Config holds them; load "
+                             "a bf16 copy (FineGrainedFP8Config(dequantize=True))")
     for i, layer in enumerate(backbone.layers):
         moe = peft_bridge.innermost(layer.mlp.experts)
-        if type(layer) is not hf.DeepseekV4DecoderLayer or type(moe) is not hf.DeepseekV4Experts:
+        if type(layer) is not hf.DeepseekV4DecoderLayer or not (type(moe) is hf.DeepseekV4Experts
+                                                                or hf_fp8.is_held(moe)):
             raise TypeError(f"model.layers[{i}] is a {type(layer).__name__} (experts: "
                             f"{type(moe).__name__}); patch() takes HF's own DeepseekV4 modules")
+        if hf_fp8.is_held(moe) and backbone.config.hidden_act != "silu":
+            raise ValueError(f"model.layers[{i}].mlp.experts: FP8 experts with hidden_act="
+                             f"{backbone.config.hidden_act!r}; csattn's FP8 experts compute a clamped SwiGLU (silu)")
     peft_bridge.check_adapters(backbone)
+
+
+def _swap_held(backbone: hf.DeepseekV4Model, backend: str, compute: str) -> list[nn.Module]:
+    """HF's FP8 modules of the decoder onto csattn's FP8 ops (:func:`csattn.integrations.hf_fp8.swap`, which refuses
+    what they cannot run), dequantized weights in the embedding's dtype (the model's compute dtype); on a refusal the
+    modules swapped so far are restored, so the model is as it was."""
+    dtype = backbone.embed_tokens.weight.dtype
+    held = [(f"model.{name}", m) for name, m in backbone.named_modules() if hf_fp8.is_held(m)]
+    done = []
+    try:
+        for name, module in held:
+            hf_fp8.swap(module, name, dtype, compute, backend)
+            done.append(module)
+    except Exception:
+        for module in done:
+            hf_fp8.restore(module)
+        raise
+    return done
 
 
 def unpatch(model: nn.Module) -> nn.Module:
@@ -494,11 +566,13 @@ def unpatch(model: nn.Module) -> nn.Module:
         peft_bridge.reattach(hf_attn, found)
         layer.self_attn = hf_attn
         layer.__class__ = hf.DeepseekV4DecoderLayer
-        del layer._csattn_backend
-        if state.experts_patched:
-            moe = peft_bridge.innermost(layer.mlp.experts)
+        del layer._csattn_backend, layer._csattn_where
+        moe = peft_bridge.innermost(layer.mlp.experts)
+        if state.experts_patched and not hf_fp8.is_held(moe):
             moe.__class__ = hf.DeepseekV4Experts
             del moe._csattn_backend
+    for module in state.held:
+        hf_fp8.restore(module)
     backbone.__class__ = hf.DeepseekV4Model
     if state.num_experts_added:
         del backbone.config.num_experts

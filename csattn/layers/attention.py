@@ -432,6 +432,10 @@ class HybridAttention(nn.Module):
         self.last_indexer_loss = None
         return hidden_states.clone()
 
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the layer's projections compute in (its input must have it)."""
+        return self.q_a_proj.weight.dtype
+
     def _check_input(self, hidden_states: Tensor) -> None:
         """Type, rank, hidden size and dtype of ``hidden_states`` (``ValueError`` saying what to change)."""
         cfg = self.config
@@ -446,7 +450,7 @@ class HybridAttention(nn.Module):
                 f"hidden_states has hidden size {hidden_states.shape[-1]} but the config says {cfg.hidden_size}"
             )
         # the projections' dtype: the layer's matmuls (autocast or not) would fail on mixed dtypes deep inside
-        weight = self.q_a_proj.weight.dtype
+        weight = self.compute_dtype()
         if hidden_states.dtype != weight:
             raise ValueError(
                 f"hidden_states is {hidden_states.dtype} but the layer's weights are {weight}: cast the input "

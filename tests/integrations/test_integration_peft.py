@@ -137,6 +137,37 @@ def test_adapter_states_as_in_peft(order, assert_close):
     assert_close(logits(ours), both, TOL, "unmerged again")
 
 
+def test_expert_adapter_states_as_in_peft(assert_close):
+    """LoRA on the routed experts runs as pairs per expert through csattn's grouped GEMMs: two active adapters (other
+    scales), adapters disabled, a merged adapter give PEFT's forward."""
+    lora = dict(target_modules=["q_a_proj"], target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    ours, ref, cfg = _pair("peft_after_patch", **lora)
+    for model in (ours, ref):
+        model.add_adapter("second", _lora(**lora, lora_alpha=20))
+        model.base_model.set_adapter(["default", "second"])
+    ours.load_state_dict(ref.state_dict())
+    ids = _docs([30], cfg["vocab_size"], seed=4)[0][None]
+
+    def logits(model):
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+
+    both = logits(ref)
+    assert_close(logits(ours), both, TOL, "two active adapters")
+    ours.base_model.set_adapter("second")
+    ref.base_model.set_adapter("second")
+    assert_close(logits(ours), logits(ref), TOL, "one of them")
+    with ours.disable_adapter(), ref.disable_adapter():
+        plain = logits(ref)
+        assert_close(logits(ours), plain, TOL, "adapters disabled")
+    assert (both - plain).abs().max() > 1e-2  # the adapters do change the output
+    ours.base_model.set_adapter(["default", "second"])
+    ours.base_model.merge_adapter()
+    assert_close(logits(ours), both, TOL, "merged")
+    ours.base_model.unmerge_adapter()
+    assert_close(logits(ours), both, TOL, "unmerged again")
+
+
 def _refused(order: str, lora, match: str, pattern: str = "flash"):
     cfg = tiny_config_dict(pattern)
     ids = torch.randint(0, cfg["vocab_size"], (1, 20), generator=torch.Generator().manual_seed(0))
@@ -248,18 +279,6 @@ def test_adapter_files_load_into_hf(tmp_path, assert_close):
         assert_close(hf(input_ids=ids).logits, expected, TOL, "HF eager with the saved adapter")
         again = PeftModel.from_pretrained(patch(hf_model(cfg, seed=SEED)), tmp_path)
         assert_close(again(input_ids=ids).logits, expected, 0.0, "a patched model with the saved adapter")
-
-
-def test_fp8_weights_refused():
-    from transformers import FineGrainedFP8Config
-    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
-
-    cfg = tiny_config_dict("flash")
-    model = hf_model(cfg, seed=SEED)
-    replace_with_fp8_linear(model, quantization_config=FineGrainedFP8Config(weight_block_size=(16, 16)))
-    with pytest.raises(ValueError, match=r"model\.layers\.0\..*float8.*dequantize=True"):
-        patch(model)
-    assert not is_patched(model)
 
 
 def test_trainer_trains_the_adapters_only(tmp_path):
