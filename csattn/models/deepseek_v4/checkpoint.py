@@ -468,6 +468,18 @@ def _held_linears(data: list[str], scales: Mapping[str, str]) -> list[str]:
     return out
 
 
+def _linears_to_hold(asked: bool | Iterable[str], stored: list[str]) -> list[str]:
+    """The dense linears ``fp8_linears=`` holds: all the checkpoint stores in FP8 (True), none (False), or the
+    named ones, each of which it must store in FP8."""
+    if isinstance(asked, bool):
+        return stored if asked else []
+    names = list(asked)
+    other = sorted(set(names) - set(stored))
+    if other:
+        raise ValueError(f"fp8_linears= names {other[:4]}, which the checkpoint does not store in FP8")
+    return names
+
+
 def _select_layers(layers: Iterable[int] | None, n: int) -> list[int]:
     if layers is None:
         return list(range(n))
@@ -533,7 +545,8 @@ def _other_rank_expert(unit: str, experts: range | None) -> bool:
 
 def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | None = None,
                     layers: Iterable[int] | None = None, filter: Callable[[str], bool] | None = None,
-                    experts: range | None = None, base_precision: str = "bf16", fp8_linears: bool = False,
+                    experts: range | None = None, base_precision: str = "bf16",
+                    fp8_linears: bool | Iterable[str] = False,
                     allow_inexact_fp8: bool = False, **config_overrides: Any) -> DeepseekV4ForCausalLM:
     """Build :class:`DeepseekV4ForCausalLM` from an HF-format directory, plain or quantized as released.
 
@@ -570,6 +583,7 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
             default: the routed experts are nearly all of the weight bytes, the dense layers are the ones a
             fine-tune trains (or adapts: LoRA beside a frozen bf16 base merges exactly), and the attention core
             reads ``q_b_proj`` / ``o_a_proj`` / ``o_b_proj`` whole, so FP8 there dequantizes a copy every call.
+            Module names instead of True: only those (each one the checkpoint stores in FP8).
         allow_inexact_fp8: MXFP4 blocks that e4m3 with one power-of-two scale per 128x128 block cannot hold
             exactly (group scales about ``2**14`` apart) are counted in ``load_report.fp8_inexact``; the load then
             fails naming them, unless this is True (their small values then round to nearest e4m3).
@@ -616,7 +630,7 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
     if experts is not None and (experts.step != 1 or experts.start < 0 or experts.stop > n_exp):
         raise ValueError(f"experts={experts} must be a contiguous range inside the checkpoint's {n_exp} experts")
     model = _build(config, sel, sel_mtp, top, dtype or torch.float32, experts, held,
-                   _held_linears(data, scales) if fp8_linears else ())
+                   _linears_to_hold(fp8_linears, _held_linears(data, scales)))
 
     own = model.state_dict(keep_vars=True)
     units = _units(own, n_exp, experts)
