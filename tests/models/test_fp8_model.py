@@ -238,6 +238,31 @@ def test_loading_never_holds_a_layer_of_experts_in_full_precision(release):
     assert seen.most >= c.n_routed_experts * one_expert
 
 
+def _bytes_of(model) -> dict[str, torch.Tensor]:
+    return {k: raw_bytes(v) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_converting_on_the_target_device_changes_no_bit(release, precision, monkeypatch):
+    """``convert_device``: each quantized tensor is moved there and converted (MXFP4 -> FP8) or dequantized there,
+    one at a time; the model (on the host) holds the same bytes as a load converting on the host."""
+    from csattn.models.deepseek_v4 import checkpoint as ck
+
+    seen = []
+    real = ck.mxfp4_to_fp8 if precision == "fp8" else ck.dequantize_mxfp4
+    monkeypatch.setattr(ck, real.__name__, lambda packed, scale, *a, **k: (seen.append(
+        (packed.device, scale.device, packed.numel())), real(packed, scale, *a, **k))[1])
+    want = _bytes_of(load_pretrained(release, base_precision=precision))
+    n = len(seen)
+    got = _bytes_of(load_pretrained(release, base_precision=precision, convert_device=torch.device("cpu")))
+    assert want.keys() == got.keys() and all(torch.equal(v, got[k]) for k, v in want.items())
+    c = tiny_config()
+    # one expert matrix per call (4 layers + MTP; fp8: gate_up and down, bf16: w1, w3, w2), 2 values a byte
+    per = 2 if precision == "fp8" else 3
+    assert len(seen) == 2 * n and n == 5 * per * 8
+    assert max(m for _, _, m in seen) == c.moe_intermediate_size * c.hidden_size // (1 if precision == "fp8" else 2)
+
+
 def test_inexact_blocks_are_refused_unless_allowed(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -325,11 +325,14 @@ def _get(shards: _Shards, files: Mapping[str, str], key: str, expert: int | None
 
 
 def _read(shards: _Shards, files: Mapping[str, str], src: _Source, scale_key: str | None,
-          quant: QuantConfig | None, dtype: torch.dtype, is_expert: bool) -> tuple[Tensor, bool]:
-    """One tensor (a fused expert tensor: expert ``src.expert``'s row), dequantized to ``dtype`` when quantized."""
+          quant: QuantConfig | None, dtype: torch.dtype, is_expert: bool,
+          device: torch.device | str | None = None) -> tuple[Tensor, bool]:
+    """One tensor (a fused expert tensor: expert ``src.expert``'s row), dequantized to ``dtype`` when quantized;
+    a quantized one is moved to ``device`` first (default: where it was read) and dequantized there."""
 
     def get(key: str) -> Tensor:
-        return _get(shards, files, key, src.expert)
+        t = _get(shards, files, key, src.expert)
+        return t if device is None or scale_key is None else t.to(device)
 
     t = get(src.key)
     if scale_key is None:
@@ -367,10 +370,12 @@ def _read(shards: _Shards, files: Mapping[str, str], src: _Source, scale_key: st
 
 
 def _read_held(shards: _Shards, files: Mapping[str, str], srcs: list[_Source], scales: Mapping[str, str],
-               quant: QuantConfig | None, name: str) -> tuple[Tensor, Tensor, Tensor | None]:
+               quant: QuantConfig | None, name: str,
+               device: torch.device | str | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """One FP8-held matrix as stored, never dequantized: ``(e4m3 [N, K], fp32 block scales, inexact blocks or
     None)``. ``srcs``: a dense linear's weight, an expert's ``w2``, or its ``w1`` and ``w3`` (stacked as the
-    ``gate_up_proj`` row; one fused HF row is read once). MXFP4 is converted by :func:`mxfp4_to_fp8`."""
+    ``gate_up_proj`` row; one fused HF row is read once). MXFP4 is moved to ``device`` (default: where it was
+    read) and converted there by :func:`mxfp4_to_fp8`."""
     if len(srcs) == 2 and (srcs[0].key, srcs[0].expert) == (srcs[1].key, srcs[1].expert):
         srcs = srcs[:1]  # a fused gate_up_proj row holds both halves
     data, scale = [], []
@@ -387,6 +392,8 @@ def _read_held(shards: _Shards, files: Mapping[str, str], srcs: list[_Source], s
         if quant.expert_dtype != "fp4":
             raise ValueError(f"tensor {srcs[0].key!r} is packed FP4 but config.json expert_dtype is "
                              f"{quant.expert_dtype!r}; set it to 'fp4'")
+        if device is not None:
+            t, s = t.to(device), s.to(device)
         return mxfp4_to_fp8(t, s, srcs[0].key)
     if not is_fp8(t):
         raise ValueError(f"tensor {srcs[0].key!r} has a scale but dtype {t.dtype}, neither FP8 e4m3 nor packed FP4")
@@ -414,9 +421,10 @@ def _check_held(name: str, where: str, q: Tensor, s: Tensor) -> None:
 
 def _load_held(model: DeepseekV4ForCausalLM, units: Mapping[str, tuple[str, int | None, int | None]],
                wanted: list[str], sources: Mapping[str, _Source], files: Mapping[str, str], shards: _Shards,
-               scales: Mapping[str, str], quant: QuantConfig | None, report: LoadReport) -> None:
-    """Read the FP8-held matrices among ``wanted`` into the model as they are stored (MXFP4 converted), one matrix
-    at a time: one expert's ``gate_up_proj`` / ``down_proj`` row, or a dense linear."""
+               scales: Mapping[str, str], quant: QuantConfig | None, report: LoadReport,
+               device: torch.device | str | None = None) -> None:
+    """Read the FP8-held matrices among ``wanted`` into the model as they are stored (MXFP4 converted on
+    ``device``), one matrix at a time: one expert's ``gate_up_proj`` / ``down_proj`` row, or a dense linear."""
     own = model.state_dict(keep_vars=True)
     groups: dict[tuple[str, int | None], list[str]] = {}
     for unit in wanted:
@@ -430,7 +438,7 @@ def _load_held(model: DeepseekV4ForCausalLM, units: Mapping[str, tuple[str, int 
                              "pair")
         srcs = [sources[u] for u in group]
         label = param if e is None else f"{param}[{_expert_id(model, param, e)}]"
-        q, s, inexact = _read_held(shards, files, srcs, scales, quant, label)
+        q, s, inexact = _read_held(shards, files, srcs, scales, quant, label, device)
         dest, dest_scale = own[param], own[param + "_scale_inv"]
         if e is not None:
             dest, dest_scale = dest[e], dest_scale[e]
@@ -547,7 +555,8 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
                     layers: Iterable[int] | None = None, filter: Callable[[str], bool] | None = None,
                     experts: range | None = None, base_precision: str = "bf16",
                     fp8_linears: bool | Iterable[str] = False,
-                    allow_inexact_fp8: bool = False, **config_overrides: Any) -> DeepseekV4ForCausalLM:
+                    allow_inexact_fp8: bool = False, convert_device: torch.device | str | None = None,
+                    **config_overrides: Any) -> DeepseekV4ForCausalLM:
     """Build :class:`DeepseekV4ForCausalLM` from an HF-format directory, plain or quantized as released.
 
     Tensors are read one at a time (``safetensors.safe_open``) straight into the model's parameters, already in
@@ -587,6 +596,9 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
         allow_inexact_fp8: MXFP4 blocks that e4m3 with one power-of-two scale per 128x128 block cannot hold
             exactly (group scales about ``2**14`` apart) are counted in ``load_report.fp8_inexact``; the load then
             fails naming them, unless this is True (their small values then round to nearest e4m3).
+        convert_device: where each quantized tensor is dequantized or converted (MXFP4 -> FP8), one at a time,
+            before it is copied into the model (on the CPU): a GPU does a full-width expert matrix in milliseconds,
+            the host in seconds. The same values on any device. Default: the CPU.
         config_overrides: fields of :class:`DeepseekV4ModelConfig` (e.g. ``indexer_loss_coeff``).
 
     Returns:
@@ -658,7 +670,7 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
     frozen = {f"{prefix}.{n}" for prefix, m in model.named_modules() if isinstance(m, (Fp8Experts, Fp8Linear))
               for n in m.frozen_storage if not n.endswith("_scale_inv")}
     _load_held(model, units, [u for u in wanted if units[u][0] in frozen], sources, files, shards, scales, quant,
-               report)
+               report, convert_device)
     wanted = [u for u in wanted if units[u][0] not in frozen]
     # shard by shard, so each file is visited once; a scale stored in another shard opens that one too
     wanted.sort(key=lambda u: (files[sources[u].key], sources[u].key, sources[u].expert or 0))
@@ -675,7 +687,8 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
             if last_read is not None and last_read[0] == (src.key, src.expert, dest.dtype):
                 value, deq = last_read[1]  # the other half of a fused gate_up_proj row: read once
             else:
-                value, deq = _read(shards, files, src, scales.get(src.key), quant, dest.dtype, e is not None)
+                value, deq = _read(shards, files, src, scales.get(src.key), quant, dest.dtype, e is not None,
+                                   convert_device)
                 last_read = ((src.key, src.expert, dest.dtype), (value, deq))
             if src.half is not None:
                 if value.shape[0] % 2:
