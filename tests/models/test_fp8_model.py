@@ -263,6 +263,24 @@ def test_converting_on_the_target_device_changes_no_bit(release, precision, monk
     assert max(m for _, _, m in seen) == c.moe_intermediate_size * c.hidden_size // (1 if precision == "fp8" else 2)
 
 
+def test_release_drawn_on_the_device_holds_the_same_tensors_at_the_same_scales(release, tmp_path):
+    """``draw="device"`` (benchmarks' fast checkpoints): the same files, names, shapes and dtypes as the model's own
+    draw, every tensor at the model's scale (std within 30 %), other values."""
+    fast = str(tmp_path / "fast")
+    write_release_checkpoint(tiny_config(), fast, seed=3, draw="device")
+    assert sorted(os.listdir(fast)) == sorted(os.listdir(release))
+    want, got = load_pretrained(release).state_dict(), load_pretrained(fast).state_dict()
+    assert want.keys() == got.keys()
+    for k, v in want.items():
+        assert got[k].shape == v.shape and got[k].dtype == v.dtype, k
+        if v.is_floating_point() and v.numel() > 1 and v.std() > 0:
+            assert 0.7 < float(got[k].std() / v.std()) < 1.3, k
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(got[experts], want[experts])
+    with pytest.raises(ValueError, match="draw must be"):
+        write_release_checkpoint(tiny_config(), fast, draw="gpu")
+
+
 def test_inexact_blocks_are_refused_unless_allowed(tmp_path):
     from safetensors.torch import load_file, save_file
 
