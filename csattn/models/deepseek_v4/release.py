@@ -157,14 +157,14 @@ def _units_on(c: DeepseekV4ModelConfig, seed: int, device: torch.device) -> Iter
         with torch.random.fork_rng(devices=devices), torch.device(device):
             torch.manual_seed(seed * 1_000_003 + index)
             module = make()
-            state = module.state_dict()
-            if isinstance(module, (DecoderLayer, MTPBlock)):
-                gen = torch.Generator(device).manual_seed(seed * 1_000_003 + index)
-                e, i, d = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
-                for name, shape in (("gate_up_proj", (e, 2 * i, d)), ("down_proj", (e, d, i))):
-                    state[f"mlp.experts.{name}"] = torch.empty(shape).normal_(0.0, 0.02, generator=gen)
-            if isinstance(module, DecoderLayer):
-                module.mlp.gate.init_hash_table(torch.Generator().manual_seed(seed * 1_000_003 + index))
+        if isinstance(module, DecoderLayer):  # the table the model draws (on the host: its generator's)
+            module.mlp.gate.init_hash_table(torch.Generator().manual_seed(seed * 1_000_003 + index))
+        state = module.state_dict()
+        if isinstance(module, (DecoderLayer, MTPBlock)):
+            gen = torch.Generator(device).manual_seed(seed * 1_000_003 + index)
+            e, i, d = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+            for name, shape in (("gate_up_proj", (e, 2 * i, d)), ("down_proj", (e, d, i))):
+                state[f"mlp.experts.{name}"] = torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)
         return state
 
     top = draw(0, lambda: _Top(c))
