@@ -13,6 +13,7 @@ from torch import nn
 from ..models.deepseek_v4.checkpoint import BASE_PRECISIONS, held_linears
 from ..models.deepseek_v4.quant import hold_in_fp8
 from ..parallel import ParallelDims
+from ..parallel.plan.counts import FP8_GROUPS
 from .groups import Choice, group_of
 
 __all__ = ["check_base_precision", "check_fp8_mesh", "fp8_linear_names", "hold_base"]
@@ -51,9 +52,10 @@ def check_fp8_mesh(dims: ParallelDims, base_precision: str) -> None:
 
 def fp8_linear_names(path: str, choice: Choice, mtp: bool) -> list[str]:
     """Module names of the dense linears ``--fp8-linears`` holds in FP8: those the checkpoint at ``path`` stores in
-    FP8, of the frozen groups that LoRA does not adapt (an adapter beside a dense linear needs its weight in the
-    compute dtype); MTP blocks' only when the model has them (``mtp``)."""
-    keep = set(choice.frozen) - set(choice.lora)
+    FP8, of the frozen groups of the planner's ``FP8_GROUPS`` that LoRA does not adapt (an adapter beside a dense
+    linear needs its weight in the compute dtype; the MTP blocks' ``e_proj`` / ``h_proj``, group ``head``, stay in
+    the compute dtype); MTP blocks' only when the model has them (``mtp``)."""
+    keep = (set(choice.frozen) - set(choice.lora)) & FP8_GROUPS  # as the planner counts them
     return [n for n in held_linears(path) if group_of(n + ".weight") in keep and (mtp or not n.startswith("mtp."))]
 
 

@@ -67,6 +67,9 @@ def test_fp8_linears_hold_the_frozen_dense_layers_without_lora(release):
     # dtype
     assert params["model.layers.1.mlp.shared_experts.gate_proj.weight"].dtype == torch.float8_e4m3fn
     assert params["model.layers.1.self_attn.q_b_proj.weight"].dtype == torch.float32
+    # the MTP block's shared experts too; its e_proj / h_proj (group head: not among the planner's FP8 groups) not
+    assert params["mtp.0.mlp.shared_experts.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert params["mtp.0.e_proj.weight"].dtype == torch.float32
 
 
 def test_refusals_are_one_line(release, tmp_path, capsys, monkeypatch):
