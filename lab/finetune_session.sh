@@ -73,7 +73,7 @@ FT="python3 -m benchmarks.finetune --config $CONFIG --ckpt $CKPT --json $OUT/fin
 if has tests; then  # (i) the GPU tests of the fine-tuning work
   T=$(ls tests/ops/test_fp8_gpu.py tests/ops/test_fp8.py tests/models/test_fp8_model.py \
       tests/models/test_fp8_model_gpu.py tests/ops/test_moe_lora.py 2>/dev/null | tr '\n' ' ')
-  run tests 60 sh -c "python3 -m pytest -q -p no:cacheprovider -m gpu $T > $OUT/gpu_tests.txt 2>&1"
+  run tests 60 sh -c "python3 -m pytest -v -p no:cacheprovider -m gpu $T > $OUT/gpu_tests.txt 2>&1"  # -v: a line a test
   tail -3 "$OUT/gpu_tests.txt" | tee -a "$LOG"
 fi
 # (ii) the slice's release-format checkpoint, drawn and quantized on the device

@@ -445,10 +445,11 @@ def _load_held(model: DeepseekV4ForCausalLM, units: Mapping[str, tuple[str, int 
         if tuple(q.shape) != tuple(dest.shape) or tuple(s.shape) != tuple(dest_scale.shape):
             raise ValueError(f"tensor {label!r} (on disk {srcs[0].key!r}) has shape {tuple(q.shape)} in the "
                              f"checkpoint but the config gives {tuple(dest.shape)}")
+        # checked where it was converted (the device's: a pass over the matrix there costs nothing), then copied
+        _check_held(label, f"{srcs[0].key!r} in {files[srcs[0].key]!r}", q, s)
         with torch.no_grad():
             dest.copy_(q)
             dest_scale.copy_(s)
-        _check_held(label, f"{srcs[0].key!r} in {files[srcs[0].key]!r}", dest, dest_scale)
         if inexact is not None and bool(inexact.any()):
             report.fp8_inexact[label] = int(inexact.sum())
         report.loaded.extend(group)
