@@ -88,13 +88,13 @@ def write_checkpoint(config_path: str, out: str, device: str, seed: int = 0, dra
     from csattn.models.deepseek_v4.release import write_release_checkpoint
 
     done = all(os.path.exists(os.path.join(out, f)) for f in ("config.json", "model.safetensors.index.json"))
-    rec: dict[str, Any] = {"path": out, "reused": done, "draw": draw}
+    rec: dict[str, Any] = {"path": out, "reused": done}
     if not done:
         with open(config_path) as f:
             config = DeepseekV4ModelConfig.from_hf(json.load(f))
         t0 = time.perf_counter()
         write_release_checkpoint(config, out, seed=seed, device=device, draw=draw)
-        rec["write_s"] = round(time.perf_counter() - t0, 1)
+        rec.update(draw=draw, write_s=round(time.perf_counter() - t0, 1))
     rec["gib_on_disk"] = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)) / 2**30
     return rec
 
@@ -515,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
                                     "lora_targets": list(LORA_TARGETS)}, "results": []}
     out.update(_kept_parts(args.json, parts))
     if set(parts) & {"write", "steps", "logits", "ranks"}:  # the MoE benchmark alone needs no checkpoint
-        out["checkpoint"] = write_checkpoint(args.config, args.ckpt, args.device, draw=args.draw)
+        rec = write_checkpoint(args.config, args.ckpt, args.device, draw=args.draw)
+        # reused: how an earlier part of the session wrote it stays on record
+        out["checkpoint"] = {**out.get("checkpoint", {}), **rec} if rec["reused"] else rec
         _dump(args.json, out)
         print(f"[checkpoint] {out['checkpoint']}", flush=True)
     if "steps" in parts or "logits" in parts:

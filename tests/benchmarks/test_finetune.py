@@ -172,7 +172,7 @@ def test_cases_and_the_device_copy(tmp_path, tiny):
     assert ft._cases("a:16384,65536;d:16384") == [("a", [16384, 65536]), ("d", [16384])]
     ckpt = tmp_path / "ckpt"
     rec = ft.write_checkpoint(str(tiny), str(ckpt), "cpu", draw="device")
-    assert rec["draw"] == "device" and not rec["reused"]
+    assert rec["draw"] == "device" and not rec["reused"] and rec["write_s"] >= 0
     base, _ = ft.load_base(str(ckpt), "cpu")
     copy = ft.copy_to(base, torch.device("cpu"))
     want, got = base.state_dict(), copy.state_dict()
