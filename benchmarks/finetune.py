@@ -79,9 +79,11 @@ MODES = {
 }
 
 
-def write_checkpoint(config_path: str, out: str, device: str, seed: int = 0) -> dict:
+def write_checkpoint(config_path: str, out: str, device: str, seed: int = 0, draw: str = "model") -> dict:
     """The release-format checkpoint of the slice in ``out`` (kept if its index and config are there already),
-    quantized on ``device`` (drawn on the CPU from the model's own generators, about 45 s a full-width layer)."""
+    quantized on ``device``; ``draw``: ``"model"``, the weights drawn on the CPU from the model's own generators
+    (about 45 s a full-width layer), or ``"device"``, drawn on ``device`` at the same scales (seconds a layer on a
+    GPU; other values)."""
     from csattn.models.deepseek_v4 import DeepseekV4ModelConfig
     from csattn.models.deepseek_v4.release import write_release_checkpoint
 
@@ -91,18 +93,19 @@ def write_checkpoint(config_path: str, out: str, device: str, seed: int = 0) -> 
         with open(config_path) as f:
             config = DeepseekV4ModelConfig.from_hf(json.load(f))
         t0 = time.perf_counter()
-        write_release_checkpoint(config, out, seed=seed, device=device)
-        rec["write_s"] = round(time.perf_counter() - t0, 1)
+        write_release_checkpoint(config, out, seed=seed, device=device, draw=draw)
+        rec.update(draw=draw, write_s=round(time.perf_counter() - t0, 1))
     rec["gib_on_disk"] = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)) / 2**30
     return rec
 
 
-def load_base(ckpt: str) -> tuple[nn.Module, float]:
-    """The slice with FP8-held frozen experts (MXFP4 converted exactly), bf16 elsewhere, on the CPU; load seconds."""
+def load_base(ckpt: str, device: str = "cpu") -> tuple[nn.Module, float]:
+    """The slice with FP8-held frozen experts (MXFP4 converted exactly, on ``device``), bf16 elsewhere, on the CPU;
+    load seconds."""
     from csattn.models.deepseek_v4.checkpoint import load_pretrained
 
     t0 = time.perf_counter()
-    model = load_pretrained(ckpt, dtype=torch.bfloat16, base_precision="fp8")
+    model = load_pretrained(ckpt, dtype=torch.bfloat16, base_precision="fp8", convert_device=device)
     return model, time.perf_counter() - t0
 
 
@@ -131,9 +134,24 @@ def dequantize_experts(model: nn.Module) -> None:
         setattr(model.get_submodule(parent), leaf, new)
 
 
+def copy_to(base: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of ``base`` whose parameters and buffers are on ``device``, each tensor copied once straight there
+    (no second host copy of the model; FP8 codes keep their dtype)."""
+    memo: dict[int, Any] = {}
+    for m in base.modules():
+        for store in (m._parameters, m._buffers):
+            for t in store.values():
+                if t is None or id(t) in memo:
+                    continue
+                moved = t.detach().to(device, copy=True)
+                memo[id(t)] = nn.Parameter(moved, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+                    else moved
+    return copy.deepcopy(base, memo).to(device)  # anything held outside the parameters and buffers too
+
+
 def prepare(base: nn.Module, mode: Mode, device: torch.device, rank: int, seed: int = 0) -> nn.Module:
     """A copy of ``base`` on ``device`` set up for ``mode``: the experts' compute or bf16 copy, what trains, LoRA."""
-    model = copy.deepcopy(base).to(device)
+    model = copy_to(base, device)
     if mode.base == "bf16":
         dequantize_experts(model)
     else:
@@ -243,16 +261,43 @@ def time_steps(model: nn.Module, tokens: int, device: torch.device, steps: int) 
             "peak_gib": peak}
 
 
-def measure_mode(base: nn.Module, mode: Mode, tokens: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One mode at one length: build, time, compare with the planner. Out of memory is a record, not a crash."""
-    from csattn.report.flops import peak_flops
-
+def measure_mode(base: nn.Module, mode: Mode, tokens: list[int], args: argparse.Namespace,
+                 record: Any) -> None:
+    """One mode, built once, at each length of ``tokens``: time it, compare with the planner; ``record(rec)`` gets
+    each length's record as soon as it is measured. Out of memory is a record, not a crash (and ends the mode: a
+    longer stream does not fit either)."""
     device = torch.device(args.device)
-    rec: dict[str, Any] = {"mode": mode.name, "what": mode.what, "tokens": tokens, "lora_rank": args.lora_rank
-                           if mode.lora else 0, **planned_gib(base.config, mode, tokens, args.lora_rank)}
-    model = None
+    model, built = None, None
     try:
         model = prepare(base, mode, device, args.lora_rank)
+    except Exception as e:  # noqa: BLE001 - the JSON says what broke; the other modes go on
+        built = "does not fit (out of memory)" if isinstance(e, torch.cuda.OutOfMemoryError) else \
+            f"{type(e).__name__}: {str(e)[:300]}"
+    try:
+        for n in tokens:
+            rec: dict[str, Any] = {"mode": mode.name, "what": mode.what, "tokens": n,
+                                   "lora_rank": args.lora_rank if mode.lora else 0,
+                                   **planned_gib(base.config, mode, n, args.lora_rank)}
+            if built:
+                rec["error"] = built
+            else:
+                rec.update(_one_case(model, mode, n, args, device))
+            record(rec)
+            if rec.get("error"):
+                break
+    finally:
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _one_case(model: nn.Module, mode: Mode, tokens: int, args: argparse.Namespace,
+              device: torch.device) -> dict[str, Any]:
+    from csattn.report.flops import peak_flops
+
+    rec: dict[str, Any] = {}
+    try:
         rec["weights_gib"], rec["lora_counts"] = weight_gib(model), lora_counts(model)
         rec.update(time_steps(model, tokens, device, args.steps))
     except torch.cuda.OutOfMemoryError:
@@ -260,36 +305,37 @@ def measure_mode(base: nn.Module, mode: Mode, tokens: int, args: argparse.Namesp
     except Exception as e:  # keep the other cases going; the JSON says what broke
         rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     finally:
-        del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if rec.get("ms"):
         cu = [0, *torch.tensor(rec["docs"]).cumsum(0).tolist()]
-        fl = step_flops(base.config, cu, mode, args.lora_rank, rec["lora_counts"])
+        fl = step_flops(model.config, cu, mode, args.lora_rank, rec["lora_counts"])
         run = fl["fwd"] + fl["bwd"]
         rec.update(flops=fl, tokens_per_s=tokens / rec["ms"] * 1e3, tflops=run / rec["ms"] / 1e9)
         peak = peak_flops(device, args.peak_tflops)
         rec["mfu"] = rec["tflops"] * 1e12 / peak if peak else None
-    if rec.get("peak_gib"):
-        rec["planned_over_peak"] = rec["planned_gib"] / rec["peak_gib"]
-        rec["planner_within_10pct"] = abs(rec["planned_over_peak"] - 1) <= TOLERANCE
     return rec
 
 
 def run_steps(base: nn.Module, args: argparse.Namespace, out: dict) -> None:
-    for name in args.modes:
-        for tokens in args.tokens:
-            mode = MODES[name]
-            print(f"[steps] ({name}) {mode.what}, {tokens} tokens", flush=True)
-            rec = measure_mode(base, mode, tokens, args)
+    """Every case of ``args.cases`` (mode -> lengths), each record into the JSON as soon as it is measured."""
+    for name, tokens in args.cases:
+        mode = MODES[name]
+        print(f"[steps] ({name}) {mode.what}, {tokens} tokens", flush=True)
+
+        def record(rec: dict[str, Any], name: str = name) -> None:
+            if rec.get("peak_gib"):
+                rec["planned_over_peak"] = rec["planned_gib"] / rec["peak_gib"]
+                rec["planner_within_10pct"] = abs(rec["planned_over_peak"] - 1) <= TOLERANCE
             out["results"].append(rec)
+            out["expert_bytes"] = expert_bytes(out["results"])
             _dump(args.json, out)
-            print(f"[steps] ({name}) {tokens}: " + (rec.get("error") or f"{rec['ms']:.1f} ms, "
+            print(f"[steps] ({name}) {rec['tokens']}: " + (rec.get("error") or f"{rec['ms']:.1f} ms, "
                   f"{rec['tokens_per_s']:.0f} tok/s, peak {rec.get('peak_gib')} GiB, planned "
                   f"{rec['planned_gib']} GiB"), flush=True)
-            if rec.get("error", "").startswith("does not fit"):
-                break  # a longer stream of the same mode does not fit either
+
+        measure_mode(base, mode, tokens, args, record)
 
 
 @torch.no_grad()
@@ -299,7 +345,7 @@ def logits_diff(base: nn.Module, args: argparse.Namespace) -> dict[str, Any]:
     from csattn.report.model import proxy_batch, proxy_lengths
 
     device = torch.device(args.device)
-    model = copy.deepcopy(base).to(device)
+    model = copy_to(base, device)
     lengths = proxy_lengths(args.logits_tokens)
     ids, packed, _ = proxy_batch(lengths, model.config.vocab_size, device)
     out = {}
@@ -312,18 +358,28 @@ def logits_diff(base: nn.Module, args: argparse.Namespace) -> dict[str, Any]:
             "max_abs_over_max": float(diff.abs().max() / out["w8a16"].abs().max())}
 
 
-def moe_micro(args: argparse.Namespace) -> dict[str, Any]:
+def moe_micro(args: argparse.Namespace, out: dict | None = None) -> dict[str, Any]:
     """The frozen-expert MoE alone through ``benchmarks.run --op moe_frozen``, the speed-ups over bf16 and the
-    routed experts' bytes FP8 over bf16."""
+    routed experts' bytes FP8 over bf16. One provider at a time, each record into ``out["moe"]`` (and the JSON) as
+    soon as it is measured."""
     from . import run as bench
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "moe.json")
-        bench.main(["--op", "moe_frozen", "--providers", "fp8,w8a16,bf16", "--mode", "fwdbwd", "--shape",
-                    f"tokens={args.moe_tokens}", "--device", args.device, "--warmup-ms", "10", "--rep-ms", "60",
-                    "--json", path])
-        with open(path) as f:
-            recs = json.load(f)["results"]
+    recs: list[dict] = []
+    for provider in ("fp8", "w8a16", "bf16"):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "moe.json")
+            bench.main(["--op", "moe_frozen", "--providers", provider, "--mode", "fwdbwd", "--shape",
+                        f"tokens={args.moe_tokens}", "--device", args.device, "--warmup-ms", "10", "--rep-ms", "60",
+                        "--json", path])
+            with open(path) as f:
+                recs += json.load(f)["results"]
+        if out is not None:
+            out["moe"] = _moe_summary(recs)
+            _dump(args.json, out)
+    return _moe_summary(recs)
+
+
+def _moe_summary(recs: list[dict]) -> dict[str, Any]:
     by = {r["provider"]: r for r in recs}
     bf16 = by.get("bf16", {}).get("ms")
     speed = {p: bf16 / r["ms"] for p, r in by.items() if r.get("ms") and bf16 and p != "bf16"}
@@ -338,12 +394,14 @@ def _dump(path: str, out: dict) -> None:
         json.dump(out, f, indent=1)
 
 
-def rank_args(ckpt: str, tokens: int, steps: int, rank: int, metrics: str, base: str | None) -> list[str]:
+def rank_args(ckpt: str, tokens: int, steps: int, rank: int, metrics: str, base: str | None,
+              device: str = "cuda") -> list[str]:
     """``csattn train``'s arguments for LoRA on dp_shard 2 x ep 2 gloo ranks; ``base``: ``--base-precision``
     (None: the trainer's default, bf16 experts)."""
-    return ["--init-from", ckpt, "--dtype", "bfloat16", "--device", "cuda", "--dist-backend", "gloo",
+    return ["--init-from", ckpt, "--dtype", "bfloat16" if device == "cuda" else "float32", "--device", device,
+            "--dist-backend", "gloo",
             "--dist-timeout", "300", "--dp-shard", "2", "--ep", "2", "--seq-len", str(tokens), "--steps", str(steps),
-            "--lr", "1e-4", "--warmup-steps", "1", "--doc-min-len", "256", "--doc-max-len", "8192",
+            "--lr", "1e-4", "--min-lr", "1e-5", "--warmup-steps", "1", "--doc-min-len", "256", "--doc-max-len", "8192",
             "--lora-rank", str(rank), "--lora-alpha", str(rank), "--lora-targets", ",".join(LORA_TARGETS),
             *(["--base-precision", base] if base else []), "--export-hf", "never", "--no-progress",
             "--log-every", "1", "--metrics", metrics]
@@ -372,7 +430,8 @@ def run_ranks(config: Any, args: argparse.Namespace) -> dict[str, Any]:
         metrics = os.path.join(tmp, "metrics.jsonl")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                "benchmarks.finetune", "--rank-peaks", tmp, "--",
-               *rank_args(args.ckpt, tokens, args.rank_steps, args.lora_rank, metrics, base)]
+               *rank_args(args.ckpt, tokens, args.rank_steps, args.lora_rank, metrics, base,
+                         getattr(args, "device", "cuda"))]
         rec["command"] = " ".join(cmd[1:])
         try:
             rc = subprocess.run(cmd, timeout=args.rank_timeout).returncode
@@ -415,6 +474,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     ap.add_argument("--modes", default="a,b,c,d", help="comma list of " + ", ".join(MODES))
     ap.add_argument("--tokens", default="16384,65536", help="tokens per step, comma list")
+    ap.add_argument("--cases", default=None, help="lengths per mode instead of --modes x --tokens, e.g. "
+                    "'a:16384,65536;b:16384;c:16384,65536;d:16384' (in this order)")
+    ap.add_argument("--draw", choices=("model", "device"), default="model", help="part write: the weights drawn "
+                    "on the CPU from the model's generators, or on --device at the same scales (fast)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per case, after one warm-up")
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--logits-tokens", type=int, default=4096)
@@ -443,29 +506,34 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"--parts / --modes: unknown {bad}; parts are {PARTS}, modes {tuple(MODES)}")
     args.modes, args.tokens = args.modes.split(","), [int(t) for t in args.tokens.split(",")]
+    args.cases = _cases(args.cases) if args.cases else [(m, args.tokens) for m in args.modes]
+    if any(m not in MODES for m, _ in args.cases):
+        ap.error(f"--cases: modes are {tuple(MODES)}")
     device = torch.device(args.device)
     out: dict[str, Any] = {"meta": {**run_meta(device, args.commit), "config": os.path.relpath(args.config),
                                     "modes": {k: m.what for k, m in MODES.items()}, "lora_rank": args.lora_rank,
                                     "lora_targets": list(LORA_TARGETS)}, "results": []}
     out.update(_kept_parts(args.json, parts))
     if set(parts) & {"write", "steps", "logits", "ranks"}:  # the MoE benchmark alone needs no checkpoint
-        out["checkpoint"] = write_checkpoint(args.config, args.ckpt, args.device)
+        rec = write_checkpoint(args.config, args.ckpt, args.device, draw=args.draw)
+        # reused: how an earlier part of the session wrote it stays on record
+        out["checkpoint"] = {**out.get("checkpoint", {}), **rec} if rec["reused"] else rec
         _dump(args.json, out)
         print(f"[checkpoint] {out['checkpoint']}", flush=True)
     if "steps" in parts or "logits" in parts:
-        base, load_s = load_base(args.ckpt)
+        base, load_s = load_base(args.ckpt, args.device)
         out["checkpoint"]["load_fp8_s"] = round(load_s, 1)
+        _dump(args.json, out)
+        if "steps" in parts:
+            run_steps(base, args, out)
         if "logits" in parts:
             out["logits"] = _guarded(logits_diff, base, args)
             print(f"[logits] {out['logits']}", flush=True)
             _dump(args.json, out)
-        if "steps" in parts:
-            run_steps(base, args, out)
-            out["expert_bytes"] = expert_bytes(out["results"])
         del base
         gc.collect()
     if "moe" in parts:
-        out["moe"] = _guarded(moe_micro, args)
+        out["moe"] = _guarded(moe_micro, args, out)
         _dump(args.json, out)
     if "ranks" in parts:
         from csattn.parallel.plan import load_config
@@ -473,6 +541,15 @@ def main(argv: list[str] | None = None) -> int:
         out["ranks"] = _guarded(run_ranks, load_config(args.config), args)
     _dump(args.json, out)
     return 0
+
+
+def _cases(text: str) -> list[tuple[str, list[int]]]:
+    """``"a:16384,65536;d:16384"`` -> ``[("a", [16384, 65536]), ("d", [16384])]``."""
+    out = []
+    for item in text.split(";"):
+        mode, _, tokens = item.partition(":")
+        out.append((mode.strip(), [int(t) for t in tokens.split(",") if t.strip()]))
+    return out
 
 
 def _kept_parts(path: str, parts: list[str]) -> dict[str, Any]:

@@ -132,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "csattn", "train", "--data", "jsonl", "--data-path", data, "--text-field", "text",
            "--tokenizer", tok_dir, "--metrics", metrics, "--no-progress", *train_args]
     t0 = time.perf_counter()
+    # written first as running: a run cut from outside still leaves the corpus, the command and metrics.jsonl's steps
+    with open(os.path.join(args.out, "quality.json"), "w") as f:
+        json.dump({"meta": {"commit": args.commit, "command": " ".join(cmd[1:])}, "corpus": corpus,
+                   "tokenizer_vocab": vocab, "rc": None, "status": "running", "metrics": metrics}, f, indent=1)
     try:
         rc = subprocess.run(cmd, timeout=args.timeout).returncode
     except subprocess.TimeoutExpired:

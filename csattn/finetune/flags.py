@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..models.deepseek_v4.checkpoint import BASE_PRECISIONS
 from .groups import GROUPS, LORA_GROUPS
 
 __all__ = ["add_finetune_args"]
@@ -31,7 +32,8 @@ def _dropout(text: str) -> float:
 
 
 def add_finetune_args(parser: argparse.ArgumentParser) -> None:
-    """Register ``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets``, ``--train``, ``--freeze``."""
+    """Register ``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets``, ``--train``, ``--freeze``,
+    ``--base-precision``, ``--fp8-linears``, ``--allow-inexact-fp8``."""
     f = parser.add_argument_group("fine-tuning (what trains)")
     groups = ", ".join(GROUPS)
     f.add_argument("--lora-rank", type=_rank, default=0, metavar="R",
@@ -53,3 +55,15 @@ def add_finetune_args(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--freeze", dest="freeze_groups", metavar="GROUPS", default=None,
                    help="comma list of groups to freeze (no gradient, no optimizer state); the others train (with "
                         "--lora-rank: frozen anyway unless adapted); a frozen router keeps its balance bias too")
+    f.add_argument("--base-precision", choices=BASE_PRECISIONS, default="bf16",
+                   help="the frozen base from --init-from's release checkpoint: bf16 = dequantized to the training "
+                        "dtype; fp8 = routed experts held in FP8 as stored (MXFP4 converted exactly), multiplied on "
+                        "FP8 tensor cores; w8a16 = held in FP8, multiplied with bf16 numerics. fp8 / w8a16 need "
+                        "--init-from, frozen routed experts (LoRA or --freeze experts) and --ep = dp_shard x cp "
+                        "(default %(default)s)")
+    f.add_argument("--fp8-linears", action="store_true",
+                   help="with --base-precision fp8 / w8a16, also hold in FP8 the frozen dense linears the "
+                        "checkpoint stores in FP8, of the groups LoRA does not adapt (default: routed experts only)")
+    f.add_argument("--allow-inexact-fp8", action="store_true",
+                   help="with --base-precision fp8 / w8a16, round the MXFP4 expert blocks that FP8 with one "
+                        "power-of-two scale per 128x128 block cannot hold exactly, instead of refusing the load")

@@ -24,9 +24,11 @@ __all__ = ["Finetune", "OPTIONS", "ADAPTER_DIR", "resume_mismatch", "save_checkp
 
 ADAPTER_DIR = "adapter"
 # the TrainConfig fields (flags) that decide what trains; a resume must keep them
-OPTIONS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "train_groups", "freeze_groups")
+OPTIONS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "train_groups", "freeze_groups",
+           "base_precision", "fp8_linears")
 FLAGS = {"lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha", "lora_dropout": "--lora-dropout",
-         "lora_targets": "--lora-targets", "train_groups": "--train", "freeze_groups": "--freeze"}
+         "lora_targets": "--lora-targets", "train_groups": "--train", "freeze_groups": "--freeze",
+         "base_precision": "--base-precision", "fp8_linears": "--fp8-linears"}
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,8 @@ def resume_mismatch(saved: dict[str, Any] | None, current: dict[str, Any]) -> st
     checkpoint written before these options existed counts as the defaults."""
     if not saved:
         return None
-    defaults = {"lora_rank": 0, "lora_alpha": 16.0, "lora_dropout": 0.0}
+    defaults = {"lora_rank": 0, "lora_alpha": 16.0, "lora_dropout": 0.0, "base_precision": "bf16",
+                "fp8_linears": False}
     diff = [k for k in OPTIONS if saved.get(k, defaults.get(k)) != current.get(k, defaults.get(k))]
     if not diff:
         return None

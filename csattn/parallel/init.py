@@ -48,9 +48,12 @@ def load_hf_sharded(model: DeepseekV4ForCausalLM, path: str, device: torch.devic
     layer's dense tensors and only its own routed experts, and keeps its FSDP shard of them. MTP blocks the
     checkpoint lacks keep fresh weights (``overrides['seed']``-independent: the model's own unit seeds).
 
+    Quantized tensors are moved to ``device`` one at a time and dequantized or converted (MXFP4 -> FP8) there
+    (``load_pretrained(convert_device=device)``): on a GPU a layer's experts take seconds, not minutes on the host.
+
     A model given FP8-held weights (``quant.hold_in_fp8`` before sharding) reads them as the release stores them
     (``load_pretrained(base_precision=...)``, ``fp8_linears`` when it holds dense ones: all that the checkpoint
-    stores in FP8, ``checkpoint.held_linears(path)``), one expert matrix at a time. MXFP4 blocks that FP8 cannot
+    stores in FP8 that the model holds so), one expert matrix at a time. MXFP4 blocks that FP8 cannot
     hold exactly fail the load on every rank alike unless ``allow_inexact_fp8``.
     """
     from ..models.deepseek_v4.checkpoint import inexact_fp8_message, load_pretrained
@@ -73,7 +76,7 @@ def load_hf_sharded(model: DeepseekV4ForCausalLM, path: str, device: torch.devic
     for i in range(c.num_hidden_layers):
         part = load_pretrained(path, layers=[i], experts=experts, mtp=n_mtp > 0, num_nextn_predict_layers=n_mtp,
                                dtype=torch.float64 if _storage(model) == torch.float64 else torch.float32,
-                               **fields)
+                               convert_device=device, **fields)
         fresh = set(part.load_report.fresh)
         if fresh and held is not None:
             raise ValueError(f"{path} has no mtp.* tensors and the model's MTP blocks hold FP8 weights, which cannot "
@@ -88,13 +91,13 @@ def load_hf_sharded(model: DeepseekV4ForCausalLM, path: str, device: torch.devic
     return model
 
 
-def _held(model: nn.Module) -> tuple[str, bool] | None:
-    """``(compute, holds dense linears)`` of a model with FP8-held weights, else None."""
+def _held(model: nn.Module) -> tuple[str, list[str]] | None:
+    """``(compute, names of the FP8-held dense linears)`` of a model with FP8-held weights, else None."""
     experts = [m.compute for m in model.modules() if isinstance(m, Fp8Experts)]
-    linears = [m.compute for m in model.modules() if isinstance(m, Fp8Linear)]
+    linears = {n: m.compute for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
     if not experts and not linears:
         return None
-    return (experts or linears)[0], bool(linears)
+    return (experts or list(linears.values()))[0], list(linears)
 
 
 def _any_rank(flag: bool, device: torch.device | str) -> bool:

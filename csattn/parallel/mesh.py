@@ -81,6 +81,15 @@ class ParallelDims:
     def efsdp(self) -> int:
         return self.fsdp // self.ep
 
+    def check_fp8_experts(self) -> None:
+        """Routed experts frozen in FP8 are split by expert parallelism alone: each rank holds and reads only its
+        own experts, whole (FSDP would all-gather them in its compute dtype, a bf16 copy of each layer's experts).
+        ``ValueError`` naming ``--ep`` unless it is ``dp_shard x cp`` (efsdp 1). On resolved sizes."""
+        if self.efsdp > 1:
+            raise ValueError(f"--ep {self.ep}: routed experts frozen in FP8 are split by expert parallelism alone "
+                             f"(each rank holds and reads only its own experts): use --ep {self.dp_shard * self.cp} "
+                             "(dp_shard x cp)")
+
     def coords(self, rank: int) -> dict[str, int]:
         """``rank``'s index along every named dimension."""
         c = rank % self.cp

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..finetune.precision import check_base_precision
 from ..finetune.setup import Finetune
 from ..models.deepseek_v4 import DeepseekV4ModelConfig
 from .errors import UserError
@@ -170,6 +171,10 @@ class TrainConfig:
     lora_targets: str | None = None  # comma list of groups; None = attention,shared_experts,experts
     train_groups: str | None = None  # --train: only these groups train
     freeze_groups: str | None = None  # --freeze: these groups are frozen
+    # the frozen base as --init-from's release checkpoint stores it (csattn.finetune.precision)
+    base_precision: str = "bf16"  # "bf16" (dequantized), "fp8" / "w8a16" (routed experts held in FP8)
+    fp8_linears: bool = False  # with fp8 / w8a16: the frozen dense linears stored in FP8 held in FP8 too
+    allow_inexact_fp8: bool = False  # round MXFP4 blocks that FP8 cannot hold exactly instead of refusing
 
     def validate(self) -> None:
         """Raise :class:`UserError` naming the first option out of range (``RULES``) or inconsistent with another.
@@ -208,8 +213,8 @@ class TrainConfig:
                             "--data text --text-path)")
         if self.tokenizer and self.data not in ("jsonl", "parquet"):
             raise UserError(f"--tokenizer applies to --data jsonl / parquet, not --data {self.data}")
-        try:  # --train / --freeze / --lora-* conflicts
-            Finetune.from_options(self)
+        try:  # --train / --freeze / --lora-* / --base-precision conflicts
+            check_base_precision(self, Finetune.from_options(self).choice)
         except ValueError as e:
             raise UserError(str(e)) from None
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..deterministic import deterministic_mode
+from ..finetune.precision import check_fp8_mesh, hold_base
 from ..finetune.setup import Finetune, save_checkpoint_files
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from ..models.deepseek_v4.checkpoint import read_config
@@ -129,6 +130,7 @@ def check_launch_options(cfg: TrainConfig) -> tuple[ParallelDims, bool, str]:
     # forward
     resolve_backend(cfg.attention_backend, "cuda" if use_cuda else "cpu")
     dims = check_launch(ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, ep=cfg.ep))
+    check_fp8_mesh(dims, cfg.base_precision)
     backend = cfg.dist_backend if cfg.dist_backend != "auto" else "nccl" if use_cuda else "gloo"
     if dims.world > 1 and not dist.is_initialized():
         _check_gpus_per_node(backend, use_cuda)
@@ -177,6 +179,7 @@ def build_model(cfg: TrainConfig, model_cfg: DeepseekV4ModelConfig, meshes: Mesh
     # gradients reduced in fp32, or in the storage dtype when that is wider
     reduce_dtype = torch.promote_types(dtype, torch.float32)
     tuning = Finetune.from_options(cfg)  # frozen groups and LoRA, between the expert split and FSDP
+    hold_base(model, cfg, tuning.choice)  # --base-precision fp8 / w8a16: FP8-held modules, before sharding
     cp = parallelize_model(model, meshes, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                            cp_partition=cfg.cp_partition, prepare=tuning.prepare)
     if not cfg.init_from:
@@ -185,7 +188,7 @@ def build_model(cfg: TrainConfig, model_cfg: DeepseekV4ModelConfig, meshes: Mesh
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with user_errors():  # missing or misshaped tensors of the --init-from directory
-            load_hf_sharded(model, cfg.init_from, device, seed=cfg.seed)
+            load_hf_sharded(model, cfg.init_from, device, allow_inexact_fp8=cfg.allow_inexact_fp8, seed=cfg.seed)
     fresh = (f"--init-from {cfg.init_from}: no mtp.* tensors; the {n_mtp} MTP block(s) start from fresh weights "
              "(pass --mtp-layers 0 to train without MTP)")
     _relay_warnings(caught, meshes.rank, lambda m: fresh if "no mtp.* tensors" in m else m)
@@ -470,7 +473,8 @@ def _weights_finite(model: DeepseekV4ForCausalLM, meshes: Meshes) -> bool:
     from torch.distributed.tensor import DTensor
 
     local = [t.to_local() if isinstance(t, DTensor) else t for t in (*model.parameters(), *model.buffers())]
-    flags = [~torch.isfinite(t).all() for t in local if t.is_floating_point() and t.numel()]
+    # FP8-held frozen codes (one byte) never change: checked once when read
+    flags = [~torch.isfinite(t).all() for t in local if t.is_floating_point() and t.element_size() > 1 and t.numel()]
     bad = torch.stack(flags).any().float().reshape(1) if flags else torch.zeros(1)
     if meshes.distributed:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)

@@ -164,3 +164,19 @@ def test_slice_is_v4_flash_first_layers_and_what_fits():
     c = load_config(ft.SLICE)
     fits = {m: ft.planned_gib(c, ft.MODES[m], 65536, 16)["planned_fits"] for m in ft.MODES}
     assert fits == {"a": True, "b": True, "c": True, "d": False}
+
+
+def test_cases_and_the_device_copy(tmp_path, tiny):
+    """``--cases`` lists lengths per mode; ``copy_to`` copies the FP8-held base tensor by tensor, bytes unchanged
+    (codes stay e4m3), the base untouched."""
+    assert ft._cases("a:16384,65536;d:16384") == [("a", [16384, 65536]), ("d", [16384])]
+    ckpt = tmp_path / "ckpt"
+    rec = ft.write_checkpoint(str(tiny), str(ckpt), "cpu", draw="device")
+    assert rec["draw"] == "device" and not rec["reused"] and rec["write_s"] >= 0
+    base, _ = ft.load_base(str(ckpt), "cpu")
+    copy = ft.copy_to(base, torch.device("cpu"))
+    want, got = base.state_dict(), copy.state_dict()
+    assert want.keys() == got.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].data_ptr() != v.data_ptr(), k
+        assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k

@@ -238,6 +238,49 @@ def test_loading_never_holds_a_layer_of_experts_in_full_precision(release):
     assert seen.most >= c.n_routed_experts * one_expert
 
 
+def _bytes_of(model) -> dict[str, torch.Tensor]:
+    return {k: raw_bytes(v) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_converting_on_the_target_device_changes_no_bit(release, precision, monkeypatch):
+    """``convert_device``: each quantized tensor is moved there and converted (MXFP4 -> FP8) or dequantized there,
+    one at a time; the model (on the host) holds the same bytes as a load converting on the host."""
+    from csattn.models.deepseek_v4 import checkpoint as ck
+
+    seen = []
+    real = ck.mxfp4_to_fp8 if precision == "fp8" else ck.dequantize_mxfp4
+    monkeypatch.setattr(ck, real.__name__, lambda packed, scale, *a, **k: (seen.append(
+        (packed.device, scale.device, packed.numel())), real(packed, scale, *a, **k))[1])
+    want = _bytes_of(load_pretrained(release, base_precision=precision))
+    n = len(seen)
+    got = _bytes_of(load_pretrained(release, base_precision=precision, convert_device=torch.device("cpu")))
+    assert want.keys() == got.keys() and all(torch.equal(v, got[k]) for k, v in want.items())
+    c = tiny_config()
+    # one expert matrix per call (4 layers + MTP; fp8: gate_up and down, bf16: w1, w3, w2), 2 values a byte
+    per = 2 if precision == "fp8" else 3
+    assert len(seen) == 2 * n and n == 5 * per * 8
+    assert max(m for _, _, m in seen) == c.moe_intermediate_size * c.hidden_size // (1 if precision == "fp8" else 2)
+
+
+def test_release_drawn_on_the_device_holds_the_same_tensors_at_the_same_scales(release, tmp_path):
+    """``draw="device"`` (benchmarks' fast checkpoints): the same files, names, shapes and dtypes as the model's own
+    draw, every tensor at the model's scale (std within 30 %), other values."""
+    fast = str(tmp_path / "fast")
+    write_release_checkpoint(tiny_config(), fast, seed=3, draw="device")
+    assert sorted(os.listdir(fast)) == sorted(os.listdir(release))
+    want, got = load_pretrained(release).state_dict(), load_pretrained(fast).state_dict()
+    assert want.keys() == got.keys()
+    for k, v in want.items():
+        assert got[k].shape == v.shape and got[k].dtype == v.dtype, k
+        if v.is_floating_point() and v.numel() > 1 and v.std() > 0:
+            assert 0.7 < float(got[k].std() / v.std()) < 1.3, k
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(got[experts], want[experts])
+    with pytest.raises(ValueError, match="draw must be"):
+        write_release_checkpoint(tiny_config(), fast, draw="gpu")
+
+
 def test_inexact_blocks_are_refused_unless_allowed(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -54,3 +54,29 @@ def test_fp8_held_model_trains_like_the_dequantized_one(tmp_path, compute):
     bad = {k: v for k, v in errs.items() if v[0] > factor * v[1] + floor}
     assert not bad, bad
     assert got[2]["model.embed_tokens.weight"].abs().sum() > 0
+
+
+def test_conversion_on_the_gpu_equals_the_hosts(tmp_path):
+    """MXFP4 -> FP8 and the dequantizers run on the GPU bit for bit as on the host, and a load converting there
+    (``convert_device``, what ``load_hf_sharded`` passes) holds the same bytes."""
+    from csattn.models.deepseek_v4.quant import dequantize_fp8, dequantize_mxfp4, mxfp4_to_fp8
+
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (3, 256, 96), dtype=torch.uint8, generator=g)
+    scale = torch.randint(110, 140, (3, 256, 6), dtype=torch.uint8, generator=g)
+    host = mxfp4_to_fp8(packed, scale)
+    gpu = mxfp4_to_fp8(packed.cuda(), scale.cuda())
+    for a, b in zip(host, gpu):
+        assert b.is_cuda and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                         (b.view(torch.uint8) if b.element_size() == 1 else b).cpu())
+    assert torch.equal(dequantize_mxfp4(packed, scale), dequantize_mxfp4(packed.cuda(), scale.cuda()).cpu())
+    assert torch.equal(dequantize_fp8(host[0], host[1], (128, 128)),
+                       dequantize_fp8(gpu[0], gpu[1], (128, 128)).cpu())
+    raw = tiny_config_dict("flash", mtp=1)
+    raw.update(hidden_size=64, moe_intermediate_size=128, n_routed_experts=8)
+    write_release_checkpoint(DeepseekV4ModelConfig.from_hf(raw), str(tmp_path), seed=3)
+    for precision in ("fp8", "bf16"):
+        want = load_pretrained(str(tmp_path), base_precision=precision).state_dict()
+        got = load_pretrained(str(tmp_path), base_precision=precision, convert_device="cuda").state_dict()
+        for k, v in want.items():
+            assert torch.equal(v.view(torch.uint8), got[k].view(torch.uint8)), k

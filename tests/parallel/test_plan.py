@@ -146,6 +146,30 @@ def test_the_train_line_parses_and_plans_the_same(capsys):
         assert p.fits and f"peak: {p.peak / 2**30:.2f} GiB" in out
 
 
+def test_the_fine_tune_line_parses_and_plans_the_same(capsys):
+    """The LoRA fine-tune of V4-Flash on one node: the printed line reads the release checkpoint (an FP8-held base
+    has no initializer), is accepted by ``csattn train``'s parser, and its flags give back the same plan."""
+    from csattn.cli import build_parser
+    from csattn.parallel.plan import training_spec
+
+    c = DeepseekV4ModelConfig.from_hf(json.loads(Path(FLASH).read_text()))
+    for extra in ([], ["--fp8-linears"]):
+        rc, out, _ = _plan_cli(capsys, "--config", FLASH, "--gpus", "8", "--seq-len", "65536", "--lora-rank", "16",
+                               "--search", *extra)
+        assert rc == 0 and "fit: yes" in out
+        line = next(x.strip() for x in out.splitlines() if "-m csattn train" in x)
+        launcher, flags = line.split(" -m csattn ")
+        assert launcher == "torchrun --nproc-per-node 8" and "--init-from CHECKPOINT_DIR" in flags
+        a = build_parser().parse_args(flags.split())
+        assert a.lora_rank == 16 and a.base_precision == "fp8" and a.fp8_linears == bool(extra)
+        t = training_spec(lora_rank=a.lora_rank, lora_targets=a.lora_targets, train=a.train_groups,
+                          freeze=a.freeze_groups, base_precision=a.base_precision, fp8_linears=a.fp8_linears)
+        p = plan(c, ParallelDims(dp_replicate=a.dp_replicate, dp_shard=a.dp_shard, cp=a.cp, ep=a.ep, world=8),
+                 a.seq_len, batch_seqs=a.batch_seqs, recompute=a.recompute, dtype=a.dtype, training=t)
+        assert p.fits and p.dims["efsdp"] == 1 and f"peak: {p.peak / 2**30:.2f} GiB" in out
+        assert ("held in FP8 (fp8): experts," in out) == (not extra)
+
+
 def test_does_not_fit_says_what_would(capsys):
     rc, out, _ = _plan_cli(capsys, "--config", FLASH, "--gpus", "8", "--seq-len", "4096", "--search")
     assert rc == 1 and out.startswith("does not fit:") and "nearest that fit:" in out

@@ -108,12 +108,15 @@ def test_frozen_groups_run_no_weight_gradient_and_lora_adds_its_gemms():
     bf16, fp8 = step_flops(c, T, training_spec(train="head", base_precision="bf16"))
     frozen = sum(v.macs for g, v in tot.items() if g != "head")
     assert fp8 == 0 and bf16 == pytest.approx(fl["fwd"] + fl["bwd"] - 2 * frozen * T, rel=1e-12)
-    bf16, fp8 = step_flops(c, T, training_spec(lora_rank=4, lora_targets="experts"))
-    fp8_macs = sum(v.macs for g, v in tot.items() if g in FP8_GROUPS)
-    assert fp8 == pytest.approx(4 * fp8_macs * T, rel=1e-12)
     all_macs = sum(v.macs for v in tot.values())
-    assert bf16 == pytest.approx(fl["fwd"] + fl["bwd"] - 2 * all_macs * T - 4 * fp8_macs * T
-                                 + 6 * 4 * tot["experts"].lora_macs * T, rel=1e-12)
+    # by default the routed experts alone are held (and multiplied) in FP8; --fp8-linears adds the dense groups
+    # that LoRA does not adapt, as csattn train holds them
+    for linears, groups in ((False, {"experts"}), (True, FP8_GROUPS)):
+        bf16, fp8 = step_flops(c, T, training_spec(lora_rank=4, lora_targets="experts", fp8_linears=linears))
+        fp8_macs = sum(v.macs for g, v in tot.items() if g in groups)
+        assert fp8 == pytest.approx(4 * fp8_macs * T, rel=1e-12)
+        assert bf16 == pytest.approx(fl["fwd"] + fl["bwd"] - 2 * all_macs * T - 4 * fp8_macs * T
+                                     + 6 * 4 * tot["experts"].lora_macs * T, rel=1e-12)
     # w8a16 holds FP8 but multiplies in bf16: no FP8 FLOPs
     assert step_flops(c, T, training_spec(lora_rank=4, base_precision="w8a16"))[1] == 0
 
@@ -125,7 +128,8 @@ def test_memory_terms_of_a_frozen_fp8_base():
     dims = ParallelDims(dp_shard=1, cp=8, ep=8, world=8)
     p = plan(c, dims, 65536, recompute="block", training=t)
     lora = 16 * sum(tot[g].lora for g in ("attention", "indexer", "shared_experts", "experts"))
-    frozen = sum(v.matrix * (FP8_BYTES if g in FP8_GROUPS else 2) + 4 * v.small for g, v in tot.items())
+    # the routed experts in FP8 (the default, csattn train's), the dense frozen matrices in bf16
+    frozen = sum(v.matrix * (FP8_BYTES if g == "experts" else 2) + 4 * v.small for g, v in tot.items())
     assert p.params_trained == p.params_lora == lora
     assert p.memory["parameters"] == pytest.approx((4 * lora + frozen) / 8)
     assert p.memory["gradients"] == pytest.approx(4 * lora / 8)
@@ -143,6 +147,10 @@ def test_memory_terms_of_a_frozen_fp8_base():
     assert bf.memory["parameters"] > 1.9 * p.memory["parameters"]
     assert w8.memory["parameters"] == p.memory["parameters"] and "fp8 workspace" in w8.memory
     assert bf.step_s > p.step_s and w8.step_s == pytest.approx(bf.step_s, rel=0.02)
+    # --fp8-linears: the frozen dense groups LoRA does not adapt (compressor; the others carry LoRA) in FP8 too
+    lin = plan(c, dims, 65536, recompute="block", training=training_spec(lora_rank=16, fp8_linears=True))
+    assert lin.memory["parameters"] == pytest.approx(p.memory["parameters"] - tot["compressor"].matrix
+                                                     * (2 - FP8_BYTES) / 8)
 
 
 def test_training_flags_are_checked():

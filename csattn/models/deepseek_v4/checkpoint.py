@@ -325,11 +325,14 @@ def _get(shards: _Shards, files: Mapping[str, str], key: str, expert: int | None
 
 
 def _read(shards: _Shards, files: Mapping[str, str], src: _Source, scale_key: str | None,
-          quant: QuantConfig | None, dtype: torch.dtype, is_expert: bool) -> tuple[Tensor, bool]:
-    """One tensor (a fused expert tensor: expert ``src.expert``'s row), dequantized to ``dtype`` when quantized."""
+          quant: QuantConfig | None, dtype: torch.dtype, is_expert: bool,
+          device: torch.device | str | None = None) -> tuple[Tensor, bool]:
+    """One tensor (a fused expert tensor: expert ``src.expert``'s row), dequantized to ``dtype`` when quantized;
+    a quantized one is moved to ``device`` first (default: where it was read) and dequantized there."""
 
     def get(key: str) -> Tensor:
-        return _get(shards, files, key, src.expert)
+        t = _get(shards, files, key, src.expert)
+        return t if device is None or scale_key is None else t.to(device)
 
     t = get(src.key)
     if scale_key is None:
@@ -367,10 +370,12 @@ def _read(shards: _Shards, files: Mapping[str, str], src: _Source, scale_key: st
 
 
 def _read_held(shards: _Shards, files: Mapping[str, str], srcs: list[_Source], scales: Mapping[str, str],
-               quant: QuantConfig | None, name: str) -> tuple[Tensor, Tensor, Tensor | None]:
+               quant: QuantConfig | None, name: str,
+               device: torch.device | str | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """One FP8-held matrix as stored, never dequantized: ``(e4m3 [N, K], fp32 block scales, inexact blocks or
     None)``. ``srcs``: a dense linear's weight, an expert's ``w2``, or its ``w1`` and ``w3`` (stacked as the
-    ``gate_up_proj`` row; one fused HF row is read once). MXFP4 is converted by :func:`mxfp4_to_fp8`."""
+    ``gate_up_proj`` row; one fused HF row is read once). MXFP4 is moved to ``device`` (default: where it was
+    read) and converted there by :func:`mxfp4_to_fp8`."""
     if len(srcs) == 2 and (srcs[0].key, srcs[0].expert) == (srcs[1].key, srcs[1].expert):
         srcs = srcs[:1]  # a fused gate_up_proj row holds both halves
     data, scale = [], []
@@ -387,6 +392,8 @@ def _read_held(shards: _Shards, files: Mapping[str, str], srcs: list[_Source], s
         if quant.expert_dtype != "fp4":
             raise ValueError(f"tensor {srcs[0].key!r} is packed FP4 but config.json expert_dtype is "
                              f"{quant.expert_dtype!r}; set it to 'fp4'")
+        if device is not None:
+            t, s = t.to(device), s.to(device)
         return mxfp4_to_fp8(t, s, srcs[0].key)
     if not is_fp8(t):
         raise ValueError(f"tensor {srcs[0].key!r} has a scale but dtype {t.dtype}, neither FP8 e4m3 nor packed FP4")
@@ -414,9 +421,10 @@ def _check_held(name: str, where: str, q: Tensor, s: Tensor) -> None:
 
 def _load_held(model: DeepseekV4ForCausalLM, units: Mapping[str, tuple[str, int | None, int | None]],
                wanted: list[str], sources: Mapping[str, _Source], files: Mapping[str, str], shards: _Shards,
-               scales: Mapping[str, str], quant: QuantConfig | None, report: LoadReport) -> None:
-    """Read the FP8-held matrices among ``wanted`` into the model as they are stored (MXFP4 converted), one matrix
-    at a time: one expert's ``gate_up_proj`` / ``down_proj`` row, or a dense linear."""
+               scales: Mapping[str, str], quant: QuantConfig | None, report: LoadReport,
+               device: torch.device | str | None = None) -> None:
+    """Read the FP8-held matrices among ``wanted`` into the model as they are stored (MXFP4 converted on
+    ``device``), one matrix at a time: one expert's ``gate_up_proj`` / ``down_proj`` row, or a dense linear."""
     own = model.state_dict(keep_vars=True)
     groups: dict[tuple[str, int | None], list[str]] = {}
     for unit in wanted:
@@ -430,17 +438,18 @@ def _load_held(model: DeepseekV4ForCausalLM, units: Mapping[str, tuple[str, int 
                              "pair")
         srcs = [sources[u] for u in group]
         label = param if e is None else f"{param}[{_expert_id(model, param, e)}]"
-        q, s, inexact = _read_held(shards, files, srcs, scales, quant, label)
+        q, s, inexact = _read_held(shards, files, srcs, scales, quant, label, device)
         dest, dest_scale = own[param], own[param + "_scale_inv"]
         if e is not None:
             dest, dest_scale = dest[e], dest_scale[e]
         if tuple(q.shape) != tuple(dest.shape) or tuple(s.shape) != tuple(dest_scale.shape):
             raise ValueError(f"tensor {label!r} (on disk {srcs[0].key!r}) has shape {tuple(q.shape)} in the "
                              f"checkpoint but the config gives {tuple(dest.shape)}")
+        # checked where it was converted (the device's: a pass over the matrix there costs nothing), then copied
+        _check_held(label, f"{srcs[0].key!r} in {files[srcs[0].key]!r}", q, s)
         with torch.no_grad():
             dest.copy_(q)
             dest_scale.copy_(s)
-        _check_held(label, f"{srcs[0].key!r} in {files[srcs[0].key]!r}", dest, dest_scale)
         if inexact is not None and bool(inexact.any()):
             report.fp8_inexact[label] = int(inexact.sum())
         report.loaded.extend(group)
@@ -466,6 +475,18 @@ def _held_linears(data: list[str], scales: Mapping[str, str]) -> list[str]:
         if key in scales and name.endswith(".weight") and not _EXPERT.match(name) and ".mlp.experts." not in name:
             out.append(name[: -len(".weight")])
     return out
+
+
+def _linears_to_hold(asked: bool | Iterable[str], stored: list[str]) -> list[str]:
+    """The dense linears ``fp8_linears=`` holds: all the checkpoint stores in FP8 (True), none (False), or the
+    named ones, each of which it must store in FP8."""
+    if isinstance(asked, bool):
+        return stored if asked else []
+    names = list(asked)
+    other = sorted(set(names) - set(stored))
+    if other:
+        raise ValueError(f"fp8_linears= names {other[:4]}, which the checkpoint does not store in FP8")
+    return names
 
 
 def _select_layers(layers: Iterable[int] | None, n: int) -> list[int]:
@@ -533,8 +554,10 @@ def _other_rank_expert(unit: str, experts: range | None) -> bool:
 
 def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | None = None,
                     layers: Iterable[int] | None = None, filter: Callable[[str], bool] | None = None,
-                    experts: range | None = None, base_precision: str = "bf16", fp8_linears: bool = False,
-                    allow_inexact_fp8: bool = False, **config_overrides: Any) -> DeepseekV4ForCausalLM:
+                    experts: range | None = None, base_precision: str = "bf16",
+                    fp8_linears: bool | Iterable[str] = False,
+                    allow_inexact_fp8: bool = False, convert_device: torch.device | str | None = None,
+                    **config_overrides: Any) -> DeepseekV4ForCausalLM:
     """Build :class:`DeepseekV4ForCausalLM` from an HF-format directory, plain or quantized as released.
 
     Tensors are read one at a time (``safetensors.safe_open``) straight into the model's parameters, already in
@@ -570,9 +593,13 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
             default: the routed experts are nearly all of the weight bytes, the dense layers are the ones a
             fine-tune trains (or adapts: LoRA beside a frozen bf16 base merges exactly), and the attention core
             reads ``q_b_proj`` / ``o_a_proj`` / ``o_b_proj`` whole, so FP8 there dequantizes a copy every call.
+            Module names instead of True: only those (each one the checkpoint stores in FP8).
         allow_inexact_fp8: MXFP4 blocks that e4m3 with one power-of-two scale per 128x128 block cannot hold
             exactly (group scales about ``2**14`` apart) are counted in ``load_report.fp8_inexact``; the load then
             fails naming them, unless this is True (their small values then round to nearest e4m3).
+        convert_device: where each quantized tensor is dequantized or converted (MXFP4 -> FP8), one at a time,
+            before it is copied into the model (on the CPU): a GPU does a full-width expert matrix in milliseconds,
+            the host in seconds. The same values on any device. Default: the CPU.
         config_overrides: fields of :class:`DeepseekV4ModelConfig` (e.g. ``indexer_loss_coeff``).
 
     Returns:
@@ -616,7 +643,7 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
     if experts is not None and (experts.step != 1 or experts.start < 0 or experts.stop > n_exp):
         raise ValueError(f"experts={experts} must be a contiguous range inside the checkpoint's {n_exp} experts")
     model = _build(config, sel, sel_mtp, top, dtype or torch.float32, experts, held,
-                   _held_linears(data, scales) if fp8_linears else ())
+                   _linears_to_hold(fp8_linears, _held_linears(data, scales)))
 
     own = model.state_dict(keep_vars=True)
     units = _units(own, n_exp, experts)
@@ -644,7 +671,7 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
     frozen = {f"{prefix}.{n}" for prefix, m in model.named_modules() if isinstance(m, (Fp8Experts, Fp8Linear))
               for n in m.frozen_storage if not n.endswith("_scale_inv")}
     _load_held(model, units, [u for u in wanted if units[u][0] in frozen], sources, files, shards, scales, quant,
-               report)
+               report, convert_device)
     wanted = [u for u in wanted if units[u][0] not in frozen]
     # shard by shard, so each file is visited once; a scale stored in another shard opens that one too
     wanted.sort(key=lambda u: (files[sources[u].key], sources[u].key, sources[u].expert or 0))
@@ -661,7 +688,8 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
             if last_read is not None and last_read[0] == (src.key, src.expert, dest.dtype):
                 value, deq = last_read[1]  # the other half of a fused gate_up_proj row: read once
             else:
-                value, deq = _read(shards, files, src, scales.get(src.key), quant, dest.dtype, e is not None)
+                value, deq = _read(shards, files, src, scales.get(src.key), quant, dest.dtype, e is not None,
+                                   convert_device)
                 last_read = ((src.key, src.expert, dest.dtype), (value, deq))
             if src.half is not None:
                 if value.shape[0] % 2:

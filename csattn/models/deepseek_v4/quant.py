@@ -150,7 +150,7 @@ def dequantize_fp8(weight: Tensor, scale: Tensor, block_size: tuple[int, int], d
                          f"with weight_block_size [{bn}, {bk}] needs {want} (ceil(N/{bn}), ceil(K/{bk})); is the "
                          "config's weight_block_size the checkpoint's?")
     s = decode_scale(scale, name)
-    out = torch.empty(weight.shape, dtype=dtype)
+    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     step = _row_chunk(n, k, bn)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -187,9 +187,9 @@ def dequantize_mxfp4(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.f
         raise ValueError(f"tensor {name!r}: scale has shape {tuple(scale.shape)} but packed MXFP4 weight "
                          f"{tuple(packed.shape)} (K = {k}) needs {want} (one per {MXFP4_GROUP} values along K)")
     s = decode_scale(scale, name)
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     u8 = packed.contiguous().view(torch.uint8)
-    out = torch.empty((*packed.shape[:-1], k), dtype=dtype)
+    out = torch.empty((*packed.shape[:-1], k), dtype=dtype, device=packed.device)
     step = _row_chunk(n, k, 1)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -227,18 +227,18 @@ def _group_exponents(scale: Tensor, name: str) -> Tensor:
     return exp - 1
 
 
-def _byte_tables() -> tuple[Tensor, Tensor, Tensor]:
+def _byte_tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """Per packed byte (two e2m1 codes): the tightest lower and upper bound its nonzero values put on the block
     exponent relative to their group's (``max(q0 - top)``, ``min(q0) + 9``; +-``_NONE`` for two zeros), and its two
-    values as fp32 (low nibble first)."""
-    b = torch.arange(256)
+    values as fp32 (low nibble first); on ``device``."""
+    b = torch.arange(256, device=device)
     codes = torch.stack([b & 0xF, b >> 4], dim=-1)  # [256, 2]
     mag = codes & 7
-    q0, top = torch.tensor(_E2M1_Q0)[mag], torch.tensor(_E2M1_TOP)[mag]
+    q0, top = torch.tensor(_E2M1_Q0, device=device)[mag], torch.tensor(_E2M1_TOP, device=device)[mag]
     nonzero = mag > 0
     lo = torch.where(nonzero, q0 - top, -_NONE).amax(-1).to(torch.int16)
     hi = torch.where(nonzero, q0 - _E4M3_LOW, _NONE).amin(-1).to(torch.int16)
-    return lo, hi, torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes]
+    return lo, hi, torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)[codes]
 
 
 def _block_reduce(t: Tensor, groups_per_block: int, fill: int, largest: bool) -> Tensor:
@@ -272,6 +272,8 @@ def mxfp4_to_fp8(packed: Tensor, scale: Tensor, name: str = "weight") -> tuple[T
         ``(weight, scale, inexact)``: e4m3 ``[..., N, K]``; fp32 ``[..., ceil(N / 128), ceil(K / 128)]``;
         bool ``[..., ceil(N / 128), ceil(K / 128)]``, True where the block was rounded. Where ``inexact`` is
         False, ``dequantize_fp8(weight, scale, (128, 128))`` equals ``dequantize_mxfp4(packed, scale)`` bit for bit.
+        On ``packed``'s device (``scale`` must be on it too): the same bytes on any device, in seconds on a GPU
+        for a full-width expert matrix.
 
     Raises:
         ValueError: naming ``name`` for a wrong dtype or shape, ue8m0 byte 255 (NaN), non-power-of-two scales.
@@ -287,7 +289,7 @@ def mxfp4_to_fp8(packed: Tensor, scale: Tensor, name: str = "weight") -> tuple[T
                          f"{tuple(packed.shape)} (K = {k}) needs {want} (one per {MXFP4_GROUP} values along K)")
     exp = _group_exponents(scale, name).to(torch.int16)  # [..., N, G]
     g = exp.shape[-1]
-    lo_of, hi_of, values_of = _byte_tables()
+    lo_of, hi_of, values_of = _byte_tables(packed.device)
     # the packed bytes by group, padded with zero bytes to whole groups: [..., N, G, 16]
     u8 = packed.contiguous().view(torch.uint8)
     if k < g * MXFP4_GROUP:

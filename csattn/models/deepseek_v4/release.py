@@ -147,9 +147,40 @@ def _units(c: DeepseekV4ModelConfig, seed: int) -> Iterator[tuple[str, dict[str,
         yield f"model-mtp{j:02d}.safetensors", {f"mtp.{j}.{k}": v for k, v in block.state_dict().items()}
 
 
+def _units_on(c: DeepseekV4ModelConfig, seed: int, device: torch.device) -> Iterator[tuple[str, dict[str, Tensor]]]:
+    """As :func:`_units`, every unit drawn on ``device``: its modules' own initialization run there (from the
+    device's generator, seeded per unit) and each layer's routed experts drawn whole, ``normal(0, 0.02)`` as
+    ``Experts`` draws them, from a generator on ``device``: the model's scales, not its values."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+
+    def draw(index: int, make) -> dict[str, Tensor]:
+        with torch.random.fork_rng(devices=devices), torch.device(device):
+            torch.manual_seed(seed * 1_000_003 + index)
+            module = make()
+        if isinstance(module, DecoderLayer):  # the table the model draws (on the host: its generator's)
+            module.mlp.gate.init_hash_table(torch.Generator().manual_seed(seed * 1_000_003 + index))
+        state = module.state_dict()
+        if isinstance(module, (DecoderLayer, MTPBlock)):
+            gen = torch.Generator(device).manual_seed(seed * 1_000_003 + index)
+            e, i, d = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+            for name, shape in (("gate_up_proj", (e, 2 * i, d)), ("down_proj", (e, d, i))):
+                state[f"mlp.experts.{name}"] = torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)
+        return state
+
+    top = draw(0, lambda: _Top(c))
+    yield "model-top.safetensors", {k: v for k, v in top.items() if k != "lm_head.weight"
+                                    or not c.tie_word_embeddings}
+    for i in range(c.num_hidden_layers):
+        layer = draw(1 + i, lambda i=i: DecoderLayer(c, i, range(0)))
+        yield f"model-layer{i:05d}.safetensors", {f"model.layers.{i}.{k}": v for k, v in layer.items()}
+    for j in range(c.num_nextn_predict_layers):
+        block = draw(1 + c.num_hidden_layers + j, lambda j=j: MTPBlock(c, j, range(0)))
+        yield f"model-mtp{j:02d}.safetensors", {f"mtp.{j}.{k}": v for k, v in block.items()}
+
+
 def write_release_checkpoint(config: DeepseekV4ModelConfig, path: str, seed: int = 0,
                              block: tuple[int, int] = (128, 128), scale_kind: str = "e8m0",
-                             device: torch.device | str = "cpu") -> dict[str, str]:
+                             device: torch.device | str = "cpu", draw: str = "model") -> dict[str, str]:
     """Write a random model of ``config``'s geometry as the release stores it (see the module docstring).
 
     Args:
@@ -160,7 +191,11 @@ def write_release_checkpoint(config: DeepseekV4ModelConfig, path: str, seed: int
         block: the dense FP8 block ``[bn, bk]`` (the release's ``[128, 128]``).
         scale_kind: the dense scales' storage: ``"e8m0"`` (the release's), ``"u8"`` or ``"fp32"``.
         device: where each unit is quantized (the same bytes anywhere; a GPU takes a full-width layer's experts in
-            seconds, the CPU in minutes). The weights are drawn on the CPU either way, from the model's generators.
+            seconds, the CPU in minutes).
+        draw: ``"model"``: the weights drawn on the CPU from the model's own generators (the values
+            ``csattn.parallel.materialize`` gives; about 45 s a full-width layer); ``"device"``: drawn on ``device``
+            from generators seeded per unit (the same initializations, so the same scales, other values; seconds a
+            layer on a GPU), for benchmarks that need a realistic checkpoint, not particular values.
 
     Returns:
         The index's ``weight_map`` (on-disk name -> shard).
@@ -169,7 +204,10 @@ def write_release_checkpoint(config: DeepseekV4ModelConfig, path: str, seed: int
 
     os.makedirs(path, exist_ok=True)
     weight_map: dict[str, str] = {}
-    for shard, state in _units(config, seed):
+    if draw not in ("model", "device"):
+        raise ValueError(f"draw must be 'model' or 'device', got {draw!r}")
+    units = _units(config, seed) if draw == "model" else _units_on(config, seed, torch.device(device))
+    for shard, state in units:
         tensors = _quantized({k: v.to(device) for k, v in state.items()}, block, scale_kind)
         tensors = {k: v.cpu() for k, v in tensors.items()}
         save_file(tensors, os.path.join(path, shard), metadata={"format": "pt"})

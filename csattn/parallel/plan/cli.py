@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from ...models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfig
 from ..mesh import ParallelDims
-from .counts import BASE_PRECISIONS, DEFAULT_LORA_TARGETS, FP8_GROUPS, GROUPS, Training, training_spec
+from .counts import BASE_PRECISIONS, DEFAULT_LORA_TARGETS, GROUPS, Training, training_spec
 from .memory import H200_BYTES, HEADROOM, GiB, Plan, plan
 from .meshes import MESH_FLAGS, Suggestion, check_valid, docs_table, nearest_fits, rank_plans, runner_ups
 from .timing import GPUS_PER_NODE
@@ -43,7 +43,11 @@ def _mesh_str(d: dict[str, int]) -> str:
 def train_command(p: Plan) -> str:
     """The ``csattn train`` line that runs ``p`` (``torchrun`` over nodes of 8 beyond 8 GPUs)."""
     d = p.dims
-    flags = [_model_flag(p.config_path or "CONFIG.json"), f"--dtype {p.dtype}", f"--seq-len {p.seq_len}",
+    model = _model_flag(p.config_path or "CONFIG.json")
+    if p.training.get("fp8") and not model.startswith("--init-from"):
+        # an FP8-held base is read from the release checkpoint this config.json belongs to (no initializer)
+        model = "--init-from CHECKPOINT_DIR"
+    flags = [model, f"--dtype {p.dtype}", f"--seq-len {p.seq_len}",
              f"--batch-seqs {p.batch_seqs}"]
     if p.gpus > 1:
         if d["dp_replicate"] > 1:
@@ -81,7 +85,8 @@ def _training_flags(t: dict) -> list[str]:
     out = [f"--train {','.join(t['train'])}"] if t["train"] else []
     if t["lora_rank"]:
         out += [f"--lora-rank {t['lora_rank']}", f"--lora-targets {','.join(t['lora_targets'])}"]
-    return out + [f"--base-precision {t['base_precision']}"]
+    out.append(f"--base-precision {t['base_precision']}")
+    return out + (["--fp8-linears"] if t.get("fp8_linears") else [])
 
 
 def _gib(b: float) -> str:
@@ -119,6 +124,9 @@ def format_plan(p: Plan) -> str:
     lines.extend(f"  note: {n}" for n in p.notes)
     if p.fits:
         lines += ["run it:", "  " + train_command(p)]
+        if "CHECKPOINT_DIR" in lines[-1]:
+            lines.append("  (CHECKPOINT_DIR: the release checkpoint of this config, whose FP8 / MXFP4 weights "
+                         f"--base-precision {p.training['base_precision']} holds as they are)")
     return "\n".join(lines)
 
 
@@ -127,7 +135,7 @@ def _training_lines(p: Plan) -> list[str]:
     if not t or (t["lora_rank"] == 0 and len(t["train"]) == len(GROUPS)):
         return []
     frozen = [g for g in GROUPS if g not in t["train"]]
-    fp8 = [g for g in frozen if g in FP8_GROUPS and t["base_precision"] != "bf16"]
+    fp8 = t.get("fp8", [])
     held = (f"; held in FP8 ({t['base_precision']}): {', '.join(fp8)}, the rest bf16 / fp32" if fp8
             else "; held in bf16 / fp32")
     out = [f"  training: {p.params_trained / 1e9:.3f} B of {p.params_total / 1e9:.2f} B parameters trained",
@@ -168,9 +176,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    "others frozen (default: all, or none with --lora-rank)")
     f.add_argument("--freeze", metavar="GROUPS", default=None, help="comma-separated groups frozen, the others "
                    "trained in full (instead of --train)")
-    f.add_argument("--base-precision", choices=BASE_PRECISIONS, default=None, help="frozen attention, indexer, "
-                   "compressor and expert matrices: fp8 = FP8 e4m3 with 128x128 block scales, multiplied in FP8; "
-                   "w8a16 = held in FP8, dequantized to bf16 to multiply; bf16 (default fp8)")
+    f.add_argument("--base-precision", choices=BASE_PRECISIONS, default=None, help="frozen routed experts (with "
+                   "--fp8-linears the frozen dense linears too): fp8 = FP8 e4m3 with 128x128 block scales, multiplied "
+                   "in FP8; w8a16 = held in FP8, dequantized to bf16 to multiply; bf16 (default fp8)")
+    f.add_argument("--fp8-linears", action="store_true", help="with --base-precision fp8 / w8a16, hold the frozen "
+                   "dense linears (attention, indexer, compressor, shared experts) that LoRA does not adapt in FP8 "
+                   "too, as csattn train --fp8-linears does (default: the routed experts only)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (with --search: the best plan)")
     p.add_argument("--search", action="store_true", help="pick the fastest mesh and recompute that fit (the mesh "
                    "flags, --recompute and --batch-seqs, when given, are kept fixed) and show the runner-ups")
@@ -195,7 +206,8 @@ def run_plan(args: argparse.Namespace) -> int:
     c = load_config(args.config)
     name = os.path.basename(os.path.normpath(args.config)).removesuffix(".json")
     training = training_spec(lora_rank=args.lora_rank, lora_targets=args.lora_targets, train=args.train,
-                             freeze=args.freeze, base_precision=args.base_precision)
+                             freeze=args.freeze, base_precision=args.base_precision,
+                             fp8_linears=args.fp8_linears)
     if args.search:
         return _run_search(args, c, name, training)
     m = _mesh_flags(args)

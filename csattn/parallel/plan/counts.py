@@ -196,21 +196,26 @@ class Training:
     """What a run trains. ``train``: groups trained in full; the others are frozen (no gradient, no optimizer
     state, no reduce-scatter, no weight-gradient GEMM), their matrices held as ``base_precision`` says (``fp8``:
     FP8 e4m3 with one fp32 scale per 128x128 block, multiplied in FP8; ``w8a16``: held so, dequantized to bf16 to
-    multiply; ``bf16``) where the group is in :data:`FP8_GROUPS`, bf16 otherwise; ``lora_rank`` > 0 adds LoRA
-    pairs of that rank on the frozen groups in ``lora_targets``."""
+    multiply; ``bf16``): the routed experts, and with ``fp8_linears`` the dense groups of :data:`FP8_GROUPS` that
+    LoRA does not adapt (the trainer's ``--fp8-linears``); bf16 otherwise. ``lora_rank`` > 0 adds LoRA pairs of that
+    rank on the frozen groups in ``lora_targets``."""
 
     train: frozenset[str] = frozenset(GROUPS)
     lora_rank: int = 0
     lora_targets: frozenset[str] = field(default_factory=frozenset)
     base_precision: str = "fp8"
+    fp8_linears: bool = False
 
     @property
     def full(self) -> bool:
         return self.train == frozenset(GROUPS) and not self.lora_rank
 
     def fp8(self, group: str) -> bool:
-        """Whether ``group``'s matrices are held in FP8 (frozen, an FP8 group, an FP8 base)."""
-        return group not in self.train and group in FP8_GROUPS and self.base_precision != "bf16"
+        """Whether ``group``'s matrices are held in FP8 (frozen, an FP8 base; the routed experts, or with
+        ``fp8_linears`` a dense FP8 group without LoRA: as ``csattn train`` holds them)."""
+        if group in self.train or self.base_precision == "bf16":
+            return False
+        return group == "experts" or (self.fp8_linears and group in FP8_GROUPS and group not in self.lora_targets)
 
 
 def _groups_arg(flag: str, value: Any) -> frozenset[str]:
@@ -223,10 +228,11 @@ def _groups_arg(flag: str, value: Any) -> frozenset[str]:
 
 
 def training_spec(*, lora_rank: int = 0, lora_targets: Any = None, train: Any = None, freeze: Any = None,
-                  base_precision: str | None = None) -> Training:
+                  base_precision: str | None = None, fp8_linears: bool = False) -> Training:
     """A :class:`Training` from the flags (``ValueError`` naming the flag). Defaults: every group trained; with
     ``--lora-rank`` > 0 every group frozen (routed experts in FP8) and LoRA on attention, indexer, shared experts
-    and routed experts; ``--base-precision fp8``. Groups: comma-separated names of :data:`GROUPS`."""
+    and routed experts; ``--base-precision fp8``, routed experts only in FP8 (``--fp8-linears``: the frozen dense
+    groups without LoRA too). Groups: comma-separated names of :data:`GROUPS`."""
     if lora_rank < 0:
         raise ValueError(f"--lora-rank must be >= 0, got {lora_rank}")
     if train is not None and freeze is not None:
@@ -251,7 +257,10 @@ def training_spec(*, lora_rank: int = 0, lora_targets: Any = None, train: Any = 
     precision = "fp8" if base_precision is None else base_precision
     if precision not in BASE_PRECISIONS:
         raise ValueError(f"--base-precision must be one of {', '.join(BASE_PRECISIONS)}, got {precision!r}")
-    return Training(train=trained, lora_rank=lora_rank, lora_targets=targets, base_precision=precision)
+    if fp8_linears and precision == "bf16":
+        raise ValueError("--fp8-linears holds frozen dense linears in FP8: it needs --base-precision fp8 or w8a16")
+    return Training(train=trained, lora_rank=lora_rank, lora_targets=targets, base_precision=precision,
+                    fp8_linears=fp8_linears)
 
 
 _CACHE: dict[tuple[int, str, Any], tuple[DeepseekV4ModelConfig, Any]] = {}

@@ -209,11 +209,8 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
 
     t = Training() if training is None else training
     dims, batch_seqs = _resolve(c, dims, seq_len, batch_seqs, recompute, dtype)
-    if t.fp8("experts") and dims.efsdp > 1:
-        # FSDP2 would all-gather the experts in its compute dtype, a bf16 copy of each layer's experts
-        raise ValueError(f"--ep {dims.ep}: routed experts frozen in FP8 are split by expert parallelism alone (each "
-                         f"rank holds and reads only its own experts): use --ep {dims.dp_shard * dims.cp} "
-                         "(dp_shard x cp)")
+    if t.fp8("experts"):
+        dims.check_fp8_experts()  # the trainer's check
     cb = 2 if dtype == "bfloat16" else 4  # compute dtype
     sz = sizes(c, t, cb)
     rows = seq_len * (batch_seqs // dims.dp) // dims.cp
@@ -226,7 +223,8 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
              params_total=cached(c, "total", 0, lambda: sum(v.params for v in count_groups(c).total().values())),
              rows=rows, params_trained=int(trained), params_lora=int(lora),
              training={"train": [g for g in GROUPS if g in t.train], "lora_rank": t.lora_rank,
-                       "lora_targets": [g for g in GROUPS if g in t.lora_targets], "base_precision": t.base_precision})
+                       "lora_targets": [g for g in GROUPS if g in t.lora_targets], "base_precision": t.base_precision,
+                       "fp8_linears": t.fp8_linears, "fp8": [g for g in GROUPS if t.fp8(g)]})
     held = _weights(p, c, dims, sz, cb)
     _activations(p, c, dims, t)
     _peak(p, c, held)

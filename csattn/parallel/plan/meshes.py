@@ -207,9 +207,10 @@ def docs_table(configs: tuple[tuple[str, str], ...] = (("V4-Flash", "benchmarks/
         out += _table(c, label, seq_lens, gpus, None)
     lora = training_spec(lora_rank=16)
     out += ["## V4-Flash, LoRA fine-tune", "",
-            "`--lora-rank 16`: every group frozen, matrices of attention, indexer, compressors, shared and routed "
-            "experts held in FP8 (128x128 block scales) and multiplied in FP8 (at an assumed 1.3x the bf16 rate, "
-            "not measured), LoRA rank 16 on attention, indexer, shared and routed experts (2.7 B parameters).", ""]
+            "`--lora-rank 16`: every group frozen, the routed experts held in FP8 (128x128 block scales) and "
+            "multiplied in FP8 (at an assumed 1.3x the bf16 rate, not measured), the rest in bf16 (`csattn train "
+            "--base-precision fp8`'s default), LoRA rank 16 on attention, indexer, shared and routed experts (2.7 B "
+            "parameters).", ""]
     out += _table(load_config(configs[0][1]), configs[0][0], seq_lens, gpus[:3], lora)
     return "\n".join(out)
 
