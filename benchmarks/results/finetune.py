@@ -61,14 +61,38 @@ def _moe_lines(moe: dict[str, Any], expert_bytes: dict[str, Any] | None) -> tupl
 def _ranks_lines(r: dict[str, Any] | None) -> list[str]:
     if not r:
         return []
-    if r.get("error") and not any(r.get("peak_gib_per_rank") or []):
-        return ["", f"Two gloo ranks sharing the GPU ({r.get('mesh', 'ep 2')}): {r['error']}"]
+    if not any(r.get("peak_gib_per_rank") or []):
+        why = f"timed out at its cap (rc {r['rc']})" if r.get("rc") == 124 else r.get("error") or f"rc {r.get('rc')}"
+        done = r.get("losses") or []
+        ran = (f" after {len(done)} step(s) (loss {done[-1]:.2f}, {r['tokens_per_s']:,.0f} tokens/s through gloo on "
+               "one GPU)" if done and r.get("tokens_per_s") else "")
+        return ["", f"Mode ({r.get('mode', 'a')}) through `csattn train` on two gloo ranks sharing the GPU "
+                f"({r.get('mesh', 'ep 2')}), planned {gib(r.get('planned_gib'))} GiB per rank: {why}{ran}; no "
+                "per-rank peak recorded."]
     rows = [[str(i), gib(p), gib(r.get("planned_gib")), times(r["planned_gib"] / p) if p else "-"]
             for i, p in enumerate(r.get("peak_gib_per_rank") or [])]
     return ["", f"Mode ({r.get('mode', 'a')}) through `csattn train` on two gloo ranks sharing the GPU, "
             f"{r.get('mesh')}, {tok(r['tokens_per_rank'])} tokens per rank: each rank's peak beside the planner's.",
             "",
             *_table(["rank", "peak GiB", "planned GiB", "planned / peak"], rows)]
+
+
+def _one_node_lines() -> list[str]:
+    """The planner's one-node pick for V4-Flash LoRA at 64k (pure arithmetic: the same on any machine)."""
+    from csattn.parallel.plan import load_config, search, train_command, training_spec
+
+    c = load_config("benchmarks/configs/v4_flash.json")
+    p = search(c, 8, 65536, name="v4_flash", training=training_spec(lora_rank=16))
+    if p is None:
+        return ["", "One node (V4-Flash, 8 x H200, 64k tokens, LoRA rank 16): `csattn plan` finds no plan that fits."]
+    d = p.dims
+    rows = [[k, gib(v / 2**30)] for k, v in p.memory.items()] + [["peak (decides the fit)", gib(p.peak / 2**30)]]
+    return ["", f"**One node**: `csattn plan --config benchmarks/configs/v4_flash.json --gpus 8 --seq-len 65536 "
+            f"--lora-rank 16 --search` (the planner's estimate, not a run: the 8-GPU run needs a multi-GPU machine): "
+            f"V4-Flash ({p.params_total / 1e9:.1f} B parameters, {p.params_trained / 1e9:.2f} B trained) fits on "
+            f"8 H200s, dp_shard {d['dp_shard']} x cp {d['cp']}, routed experts over ep {d['ep']} (held in FP8, each "
+            f"rank its own), recompute {p.recompute}, {p.tokens_per_s / 1e3:.1f}k tokens/s estimated. Per rank "
+            "(GiB):", "", *_table(["term", "GiB"], rows), "", "    " + train_command(p)]
 
 
 def finetune_section(ctx: Context) -> Section | None:
@@ -96,5 +120,6 @@ def finetune_section(ctx: Context) -> Section | None:
     if moe_lines:
         lines += ["", *moe_lines]
     lines += _ranks_lines(data.get("ranks"))
+    lines += _one_node_lines()
     lines += _provenance(ctx, [FINETUNE])
     return Section(TITLE, lines, claims)

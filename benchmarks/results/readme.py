@@ -140,7 +140,25 @@ def _deterministic(ctx: Context, page: str) -> str:
             f"tokens ([BENCHMARKS.md]({page}{_anchor('Deterministic mode')})).")
 
 
-PARAGRAPHS = {"deterministic": _deterministic, "kernels": _kernels, "cp": _cp, "model": _model, "memory": _memory}
+def _finetune(ctx: Context, page: str) -> str:
+    data = _need(ctx.res.files.get("finetune.json"), "finetune.json", "finetune")
+    rows = {(r["mode"], r["tokens"]): r for r in data.get("results", []) if r.get("ms") is not None}
+    a, c = _need(rows.get(("a", 16384)), "mode (a) at 16k", "finetune"), _need(rows.get(("c", 16384)), "mode (c)",
+                                                                              "finetune")
+    a64 = _need(rows.get(("a", 65536)), "mode (a) at 64k", "finetune")
+    moe = _need(data.get("moe"), "the MoE records", "finetune")
+    ratio = data.get("expert_bytes", {}).get("ratio", moe.get("expert_bytes_fp8_over_bf16"))
+    return (f"On one H200 a real-width slice of V4-Flash (four layers, 256 experts top-6, from a synthetic checkpoint "
+            f"in the release's format) trains LoRA over frozen FP8 experts at {a['tokens_per_s']:,.0f} tokens/s at "
+            f"{tok(a['tokens'])} tokens ({a['mfu']:.1%} MFU) peaking at {gib(a['peak_gib'])} GiB, against "
+            f"{c['tokens_per_s']:,.0f} tokens/s and {gib(c['peak_gib'])} GiB with the experts frozen in bf16, and "
+            f"{a64['tokens_per_s']:,.0f} tokens/s at {tok(a64['tokens'])} ({gib(a64['peak_gib'])} GiB). The experts "
+            f"take {num(ratio, '.3f')} of their bf16 bytes; their FP8 forward + input gradient runs at "
+            f"{times(moe['speedup_over_bf16']['fp8'])} the bf16 grouped path's speed, not yet faster "
+            f"([BENCHMARKS.md]({page}{_anchor('Fine-tuning')})).")
+
+
+PARAGRAPHS = {"finetune": _finetune, "deterministic": _deterministic, "kernels": _kernels, "cp": _cp, "model": _model, "memory": _memory}
 
 
 def readme_paragraphs(ctx: Context, page_link: str) -> dict[str, str]:

@@ -23,7 +23,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def run(model, device):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (256,), generator=g).to(device)
-    packed = PackedSeqs.from_lengths([100, 156])
+    packed = PackedSeqs.from_lengths([100, 156], device=device)
     out = model(ids, packed=packed, labels=torch.roll(ids, -1))
     out.loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
