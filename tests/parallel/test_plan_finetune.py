@@ -117,8 +117,9 @@ def test_frozen_groups_run_no_weight_gradient_and_lora_adds_its_gemms():
         assert fp8 == pytest.approx(4 * fp8_macs * T, rel=1e-12)
         assert bf16 == pytest.approx(fl["fwd"] + fl["bwd"] - 2 * all_macs * T - 4 * fp8_macs * T
                                      + 6 * 4 * tot["experts"].lora_macs * T, rel=1e-12)
-    # w8a16 holds FP8 but multiplies in bf16: no FP8 FLOPs
-    assert step_flops(c, T, training_spec(lora_rank=4, base_precision="w8a16"))[1] == 0
+    # w8a16 holds the experts in FP8 too: the same FLOPs apart (run at the weight-only rate)
+    assert step_flops(c, T, training_spec(lora_rank=4, base_precision="w8a16")) == step_flops(
+        c, T, training_spec(lora_rank=4, base_precision="fp8"))
 
 
 def test_memory_terms_of_a_frozen_fp8_base():
@@ -141,12 +142,14 @@ def test_memory_terms_of_a_frozen_fp8_base():
     assert p.memory["gathered units"] < full.memory["gathered units"] / 2
     assert p.memory["fp8 workspace"] > 0 and "fp8 workspace" not in full.memory
     assert p.memory["activations kept"] == full.memory["activations kept"]  # unchanged by freezing
-    # bf16 base: the frozen matrices at 2 bytes; w8a16: FP8-held, a bf16 copy of the rank's experts to multiply
+    # bf16 base: the frozen matrices at 2 bytes; w8a16: FP8-held, the kernel casts each weight tile in registers (no
+    # copy of the experts), at the measured weight-only rate
     bf = plan(c, dims, 65536, recompute="block", training=training_spec(lora_rank=16, base_precision="bf16"))
     w8 = plan(c, dims, 65536, recompute="block", training=training_spec(lora_rank=16, base_precision="w8a16"))
     assert bf.memory["parameters"] > 1.9 * p.memory["parameters"]
-    assert w8.memory["parameters"] == p.memory["parameters"] and "fp8 workspace" in w8.memory
-    assert bf.step_s > p.step_s and w8.step_s == pytest.approx(bf.step_s, rel=0.02)
+    assert w8.memory["parameters"] == p.memory["parameters"] and not w8.memory.get("fp8 workspace")
+    assert w8.step_s > p.step_s and w8.step_s > bf.step_s
+    assert p.step_s == pytest.approx(bf.step_s, rel=0.1)  # FP8 compute measured at about the bf16 rate
     # --fp8-linears: the frozen dense groups LoRA does not adapt (compressor; the others carry LoRA) in FP8 too
     lin = plan(c, dims, 65536, recompute="block", training=training_spec(lora_rank=16, fp8_linears=True))
     assert lin.memory["parameters"] == pytest.approx(p.memory["parameters"] - tot["compressor"].matrix

@@ -303,18 +303,17 @@ def _activations(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, t: Train
 
 
 def fp8_workspace(c: DeepseekV4ModelConfig, ep: int, rows: int, t: Training) -> float:
-    """Bytes alive while frozen FP8-held weights are multiplied, in one layer's backward: ``fp8``: the weights'
-    transposed copy for the input gradient (Hopper's FP8 MMA reads K-major operands) and the 1x128-quantized copies
-    of the GEMM's input and output gradient; ``w8a16``: a bf16 dequantized copy of the weights. Routed experts:
-    the rank's experts' gate/up ``[E/ep, 2I, D]`` on a MoE chunk of rows; dense groups: the largest attention
-    matrix ``[H d, max(q_lora, o_lora)]`` on the rank's rows at width ``D``."""
+    """Bytes alive while frozen FP8-held weights are multiplied, in one layer's backward. Routed experts (the
+    grouped kernels read the codes as held: the Gluon kernel transposes each weight tile in shared memory for the
+    input gradient, the weight-only kernel casts it in registers): ``fp8``: the 1x128-quantized copies of the
+    GEMMs' inputs and output gradients on a MoE chunk of rows, ``w8a16``: none. Dense groups (``fp8_linear``): the
+    largest attention matrix ``[H d, max(q_lora, o_lora)]``, ``fp8``: its transposed FP8 copy for the input gradient
+    (cuBLAS reads K-major operands) and the quantized activations of the rank's rows at width ``D``; ``w8a16``: its
+    bf16 dequantized copy."""
     D, I, k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
     out = 0.0
-    if t.fp8("experts"):
-        w = c.n_routed_experts // ep * 2 * I * D
-        moe_rows = min(rows, c.moe_chunk_rows)
-        out = (w * FP8_BYTES + moe_rows * k * (D + 2 * I) * FP8_ACT_BYTES if t.base_precision == "fp8"
-               else w * 2.0)
+    if t.fp8("experts") and t.base_precision == "fp8":
+        out = min(rows, c.moe_chunk_rows) * k * (D + 2 * I) * FP8_ACT_BYTES
     if any(t.fp8(g) for g in ("attention", "indexer", "compressor", "shared_experts")):
         w = c.num_attention_heads * c.head_dim * max(c.q_lora_rank, c.o_lora_rank)
         out += (w * FP8_BYTES + rows * D * 2 * FP8_ACT_BYTES if t.base_precision == "fp8" else w * 2.0)

@@ -24,10 +24,10 @@ MFU_BY_ROWS = {16384: 0.436, 65536: 0.420, 131072: 0.424}
 # recompute=none,mhc,moe,block,full; ms per step, one H200).
 RECOMPUTE_SLOWDOWN = {"none": 1.0, "mhc": 411.5 / 393.6, "moe": 409.0 / 393.6, "block": 496.8 / 393.6,
                       "full": 575.9 / 408.0}
-# PLACEHOLDER, not measured here: the rate of a block-scaled FP8 (grouped) GEMM relative to the bf16 rate the MFU
-# above reflects. DeepGEMM publishes ~1.3-1.4 kTFLOP/s grouped FP8 forward on H800 against ~0.8 bf16 dense here;
-# 1.3x is the conservative end, to be replaced by a measurement of our FP8 grouped GEMM on the H200.
-FP8_GEMM_SPEEDUP = 1.3
+# The rate of the GEMMs of FP8-held frozen weights relative to the bf16 rate the MFU above reflects, by compute mode:
+# the frozen routed experts' forward + input gradient, 256 experts top-6, 16k tokens, D 4096, I 2048 (BENCHMARKS.md
+# "Fine-tuning", benchmarks/results/h200/finetune.json at 225fe84): bf16 grouped 20.83 ms, fp8 21.43, w8a16 44.73.
+FP8_GEMM_SPEEDUP = {"fp8": 20.83 / 21.43, "w8a16": 20.83 / 44.73}
 
 
 def mfu_at(rows: float) -> float:
@@ -54,16 +54,16 @@ def _seq_flops(c: DeepseekV4ModelConfig, seq_len: int) -> float:
 
 
 def step_flops(c: DeepseekV4ModelConfig, seq_len: int, t: Training) -> tuple[float, float]:
-    """``(bf16 FLOPs, FP8 FLOPs)`` run on one sequence of ``seq_len`` tokens under ``t``: ``model_flops``'s forward
-    + backward, less the weight-gradient GEMM of every frozen group (``2 x macs`` per token), its forward and
-    input-gradient GEMMs moved to FP8 when held and multiplied in FP8, plus LoRA's three GEMM pairs per adapted
+    """``(bf16 FLOPs, FP8-held FLOPs)`` run on one sequence of ``seq_len`` tokens under ``t``: ``model_flops``'s
+    forward + backward, less the weight-gradient GEMM of every frozen group (``2 x macs`` per token), its forward and
+    input-gradient GEMMs counted apart when held in FP8 (either compute mode), plus LoRA's three GEMM pairs per adapted
     map (forward, input and weight gradient: ``6 r (in + out)`` per token)."""
     def f() -> tuple[float, float]:
         bf16, fp8 = _seq_flops(c, seq_len), 0.0
         for g, v in count_groups(c).total().items():
             if g not in t.train:
                 bf16 -= 2.0 * v.macs * seq_len
-                if t.fp8(g) and t.base_precision == "fp8":
+                if t.fp8(g):
                     bf16 -= 4.0 * v.macs * seq_len
                     fp8 += 4.0 * v.macs * seq_len
             if g in t.lora_targets:
@@ -98,7 +98,8 @@ def step_time(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, sz: Sizes, 
     bf16, fp8 = step_flops(c, p.seq_len, t)
     mfu = mfu_at(p.rows)
     tm = p.time
-    tm["compute"] = ((bf16 + fp8 / FP8_GEMM_SPEEDUP) * seqs / dims.cp / (mfu * PEAK_FLOPS)
+    rate = FP8_GEMM_SPEEDUP.get(t.base_precision, 1.0)
+    tm["compute"] = ((bf16 + fp8 / rate) * seqs / dims.cp / (mfu * PEAK_FLOPS)
                      * RECOMPUTE_SLOWDOWN[p.recompute])
     cb = 2 if p.dtype == "bfloat16" else 4
     tm["fsdp exposed"] = tm["ep all-to-all"] = tm["cp"] = 0.0
@@ -119,8 +120,8 @@ def step_time(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, sz: Sizes, 
     p.notes.append(f"compute at {mfu * 100:.1f} % MFU (measured one-GPU proxy), x{RECOMPUTE_SLOWDOWN[p.recompute]:.2f}"
                    f" for recompute {p.recompute}")
     if fp8:
-        p.notes.append(f"FP8 GEMMs ({fp8 / (bf16 + fp8) * 100:.0f} % of the FLOPs) at {FP8_GEMM_SPEEDUP}x the bf16 "
-                       "rate: a placeholder until measured")
+        p.notes.append(f"GEMMs of FP8-held weights ({fp8 / (bf16 + fp8) * 100:.0f} % of the FLOPs, {t.base_precision}) "
+                       f"at {rate:.2f}x the bf16 rate (measured: the frozen experts on the H200)")
 
 
 def _fsdp_time(p: Plan, dims: ParallelDims, sz: Sizes, cb: int) -> None:
