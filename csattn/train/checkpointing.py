@@ -124,7 +124,7 @@ def resolve_resume(resume: str, output: str | None, trust_checkpoint: bool = Fal
         if why is None:
             return path
         hint = f" (an older csattn's resumes with --resume {path} --trust-checkpoint)" if why == INCOMPLETE else ""
-        say(f"warning: --resume auto: skipping {path}: {why}{hint}")
+        say(f"csattn train: warning: --resume auto: skipping {path}: {why}{hint}")
     return None
 
 
@@ -134,7 +134,7 @@ def _verified(path: str, trust_checkpoint: bool, say: Callable[[str], None]) -> 
         return path
     if why == INCOMPLETE:
         if trust_checkpoint:
-            say(f"warning: --resume {path}: no {MANIFEST}: resuming it unverified (--trust-checkpoint)")
+            say(f"csattn train: warning: --resume {path}: no {MANIFEST}: resuming it unverified (--trust-checkpoint)")
             return path
         if os.path.isfile(os.path.join(path, LEGACY_STATE_NAME)):
             return path  # an older csattn's pickled state: read_trainer_state refuses it, naming --trust-checkpoint

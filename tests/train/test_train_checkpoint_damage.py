@@ -84,11 +84,12 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_in_one_line(case, base_ru
         warnings.simplefilter("always")
         assert main(ARGS + ["--steps", "2", "--output", run, "--resume", "auto"]) == 0
     out, err = capsys.readouterr()
-    warned = [line for line in out.splitlines() if line.startswith("warning:")]
+    warned = [line for line in out.splitlines() if line.startswith("csattn train: warning: --resume")]
     assert len(warned) == 1, out
     import re
 
-    assert re.fullmatch(rf"warning: --resume auto: skipping {re.escape(newest)}: {why}.*", warned[0]), warned[0]
+    head = "csattn train: warning: --resume auto: skipping"
+    assert re.fullmatch(rf"{head} {re.escape(newest)}: {why}.*", warned[0]), warned[0]
     assert f"resuming from {older} at step 1" in out
     assert "Traceback" not in err and not [w for w in caught if "torch.distributed is disabled" in str(w.message)]
     # step 2 again from step 1's checkpoint: the same loss as the first run's step 2
@@ -124,7 +125,7 @@ def test_no_intact_checkpoint_starts_from_step_0_saying_so(base_run, tmp_path, c
                                resume="auto", export_hf="never"))
     out = capsys.readouterr().out.splitlines()
     assert result.start_step == 0
-    warned = [line for line in out if line.startswith("warning:")]
+    warned = [line for line in out if line.startswith("csattn train: warning: --resume")]
     assert len(warned) == 2 and f"skipping {newest}: dcp/.metadata is " in warned[0], out
     assert f"skipping {older}: no manifest.json" in warned[1]
     assert f"--resume auto: no intact checkpoint under {run}: starting from step 0" in out
