@@ -239,6 +239,8 @@ def run_train(args: argparse.Namespace) -> int:
             sys.stderr.write(line + "\n")  # one write: ranks sharing torchrun's stderr do not cut into the line
             sys.stderr.flush()
             _error_file_for_torchrun(line)
+            if not dist.is_initialized():
+                _wait_for_local_ranks()
             return 2 if isinstance(e, UserError) else 1
         finally:
             if dist.is_initialized():
@@ -273,3 +275,23 @@ def _error_file_for_torchrun(line: str) -> None:
             json.dump(data, f)
     except OSError:  # only a nicer summary is lost: the line is on stderr already
         pass
+
+
+def _wait_for_local_ranks(timeout_s: float = 20.0) -> None:
+    """Under torchrun, before a rank that failed ahead of any process group exits: wait (a file per local rank in
+    torchrun's own run folder, at most ``timeout_s``) until every local rank has reached this point. torchrun's
+    agent stops the other ranks as soon as one exits, so without the wait a rank that was slower to start is killed
+    before it prints the same line. Every rank takes this path alike (the checks before the group depend only on
+    the flags and the environment); nothing here touches Gloo or NCCL."""
+    err, local = os.environ.get("TORCHELASTIC_ERROR_FILE"), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not err or local < 2:
+        return
+    folder = os.path.join(os.path.dirname(os.path.dirname(err)), "csattn-failed-before-group")  # torchrun cleans it
+    try:
+        os.makedirs(folder, exist_ok=True)
+        open(os.path.join(folder, os.environ.get("LOCAL_RANK", "0")), "w").close()
+    except OSError:
+        return
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and len(os.listdir(folder)) < local:
+        time.sleep(0.05)
