@@ -158,7 +158,8 @@ def _finetune(ctx: Context, page: str) -> str:
             f"([BENCHMARKS.md]({page}{_anchor('Fine-tuning')})).")
 
 
-PARAGRAPHS = {"finetune": _finetune, "deterministic": _deterministic, "kernels": _kernels, "cp": _cp, "model": _model, "memory": _memory}
+PARAGRAPHS = {"finetune": _finetune, "deterministic": _deterministic, "kernels": _kernels, "cp": _cp, "model": _model,
+              "memory": _memory}
 
 
 def readme_paragraphs(ctx: Context, page_link: str) -> dict[str, str]:
