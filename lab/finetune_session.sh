@@ -4,6 +4,7 @@
 # loss.png).
 #   bash lab/finetune_session.sh [PART ...]   PART: tests write steps moe quality ranks (default: all, in that order)
 #   TINY=1 bash lab/finetune_session.sh       the same flow on the CPU with a tiny geometry (proves the script)
+#   COMMIT=<sha> names the tree measured: pass it from here (at 225fe84 the device copy's git metadata said b398979)
 # Parts run in priority order, each under its own cap, within BUDGET (default 545 s: the call's 560 s less its
 # start-up); a part is cut to what the budget has left and skipped under 20 s. Every part writes its JSON as it
 # goes (finetune.json after each record, quality.json before and after training, the trainer's metrics.jsonl each
@@ -83,8 +84,9 @@ has steps && run steps 200 $FT --parts steps,logits --cases "$CASES"
 # (iv) the frozen-expert MoE alone
 has moe && run moe 50 $FT --parts moe
 if has quality; then  # (v) 200 LoRA steps on real text, the trained tokenizer, an FP8 base
-  Q=$(cap 130)
-  run quality 130 python3 -m benchmarks.finetune_quality --out /tmp/quality --timeout $((Q - 25)) \
+  QCAP=${QCAP:-130}  # the 225fe84 call: 105 s ran out before the first step (load, tokenizer, compiles); alone:
+  Q=$(cap "$QCAP")  #   QCAP=500 bash lab/finetune_session.sh write quality
+  run quality "$QCAP" python3 -m benchmarks.finetune_quality --out /tmp/quality --timeout $((Q - 25)) \
     --commit "$COMMIT" $QPRE -- --init-from "$CKPT" --base-precision fp8 --lr 2e-4 --min-lr 2e-5 --warmup-steps 10 \
     --doc-min-len 128 --doc-max-len 4096 --lora-rank 16 --lora-alpha 32 \
     --lora-targets attention,indexer,shared_experts,experts --export-hf never $QTRAIN
