@@ -28,39 +28,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..models.deepseek_v4.groups import GROUPS, group_of
+
 __all__ = ["GROUPS", "LORA_GROUPS", "group_of", "parse_groups", "Choice", "resolve_choice", "apply_freezing"]
 
-GROUPS = ("attention", "indexer", "compressor", "mhc", "router", "shared_experts", "experts", "embed", "head")
 # the groups whose linears (or expert tensors) take LoRA; norms, sinks and biases in them stay frozen
 LORA_GROUPS = ("attention", "indexer", "compressor", "shared_experts", "experts")
-_MHC = ("attn_hc", "ffn_hc", "hc_head", "input_layernorm", "post_attention_layernorm")
-_MTP_HEAD = ("e_proj", "h_proj", "enorm", "hnorm", "norm")
-
-
-def group_of(name: str) -> str:
-    """The group of a parameter of the model by its name (``named_parameters()``; FSDP2 keeps the names)."""
-    parts = name.split(".")
-    if parts[0] == "model":
-        parts = parts[1:]
-    if parts[0] == "embed_tokens":
-        return "embed"
-    if parts[0] in ("lm_head", "norm"):
-        return "head"
-    if parts[0] == "hc_head":
-        return "mhc"
-    if parts[0] in ("layers", "mtp") and len(parts) > 3:
-        sub = parts[2:]
-        if sub[0] == "self_attn":
-            if sub[1] == "compressor":
-                return "indexer" if sub[2] == "indexer" else "compressor"
-            return "attention"
-        if sub[0] == "mlp":
-            return {"gate": "router", "shared_experts": "shared_experts", "experts": "experts"}[sub[1]]
-        if sub[0] in _MHC:
-            return "mhc"
-        if parts[0] == "mtp" and sub[0] in _MTP_HEAD:
-            return "head"
-    raise ValueError(f"parameter {name!r} belongs to no parameter group (groups: {', '.join(GROUPS)})")
 
 
 def parse_groups(text: str | Iterable[str] | None, flag: str, allowed: tuple[str, ...] = GROUPS) -> tuple[str, ...]:

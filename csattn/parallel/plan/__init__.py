@@ -29,7 +29,6 @@ from .counts import (
     BASE_PRECISIONS,
     DEFAULT_LORA_TARGETS,
     FP8_GROUPS,
-    GROUP_PATTERNS,
     GROUPS,
     GroupCount,
     GroupCounts,
@@ -56,7 +55,7 @@ from .meshes import docs_table, nearest_fits, rank_plans, search
 from .timing import FP8_GEMM_SPEEDUP, MFU_BY_ROWS, RECOMPUTE_SLOWDOWN, mfu_at, step_flops, step_time
 
 __all__ = ["BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "FP8_BYTES", "FP8_GEMM_SPEEDUP", "FP8_GROUPS",
-           "GROUP_PATTERNS", "GROUPS", "GroupCount", "GroupCounts", "H200_BYTES", "HEADROOM", "KEPT_KIB",
+           "GROUPS", "GroupCount", "GroupCounts", "H200_BYTES", "HEADROOM", "KEPT_KIB",
            "LIMIT_BYTES", "MFU_BY_ROWS", "ParamCounts", "Plan", "RECOMPUTE_SLOWDOWN", "TRANSIENT", "Training",
            "add_plan_args", "count_groups", "count_params", "docs_table", "format_plan", "fp8_workspace", "group_of",
            "kept_bytes_per_token", "load_config", "main", "mfu_at", "nearest_fits", "plan", "rank_plans", "run_plan",

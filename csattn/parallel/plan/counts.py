@@ -4,44 +4,20 @@ run trains (:class:`Training`)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...models.deepseek_v4.config import DeepseekV4ModelConfig
+from ...models.deepseek_v4.groups import GROUPS, group_of
 
-__all__ = ["GROUPS", "GROUP_PATTERNS", "FP8_GROUPS", "BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "ParamCounts",
+__all__ = ["GROUPS", "FP8_GROUPS", "BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "ParamCounts",
            "GroupCount", "GroupCounts", "Training", "count_params", "count_groups", "group_of", "training_spec"]
 
-# The fine-tuning groups and the parameter names each covers (first match wins). Kept here for the planner until
-# csattn.finetune owns the one list the trainer reads too; the names are the model's (HF DeepseekV4 layout).
-# A block's two RMSNorms go with the mHC (they norm the collapsed residual stream); the MTP block's input
-# projections and norms with the head.
-GROUPS = ("attention", "indexer", "compressor", "mhc", "router", "shared_experts", "experts", "embed", "head")
-GROUP_PATTERNS = (
-    ("indexer", r"\.self_attn\.compressor\.indexer\."),
-    ("compressor", r"\.self_attn\.compressor\."),
-    ("attention", r"\.self_attn\."),
-    ("experts", r"\.mlp\.experts\."),
-    ("shared_experts", r"\.mlp\.shared_experts\."),
-    ("router", r"\.mlp\.gate\."),
-    ("mhc", r"(_hc\.|(^|\.)hc_head\.|_layernorm\.)"),
-    ("embed", r"^model\.embed_tokens\."),
-    ("head", r"^(lm_head|model\.norm|mtp\.\d+\.(e_proj|h_proj|enorm|hnorm|norm))\."),
-)
 # Groups whose matrices the release stores in FP8 (128x128 block scales) and a frozen base may keep in FP8; the
 # router, mHC, embedding and head stay bf16 / fp32.
 FP8_GROUPS = frozenset({"attention", "indexer", "compressor", "shared_experts", "experts"})
 BASE_PRECISIONS = ("fp8", "w8a16", "bf16")
 DEFAULT_LORA_TARGETS = ("attention", "indexer", "shared_experts", "experts")
-
-
-def group_of(name: str) -> str:
-    """The fine-tuning group of parameter ``name`` (``model.layers.3.self_attn.q_a_proj.weight`` -> attention)."""
-    for group, pattern in GROUP_PATTERNS:
-        if re.search(pattern, name):
-            return group
-    raise ValueError(f"parameter {name!r} belongs to no fine-tuning group ({', '.join(GROUPS)})")
 
 
 @dataclass(frozen=True)
