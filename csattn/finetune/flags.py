@@ -3,32 +3,35 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 from ..models.deepseek_v4.checkpoint import BASE_PRECISIONS
 from .groups import GROUPS, LORA_GROUPS
 
-__all__ = ["add_finetune_args"]
+__all__ = ["add_finetune_args", "checked"]
 
 
-def _rank(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--lora-rank must be an integer >= 0 (0 = no LoRA), got {text}")
-    return value
+def checked(kind: type, ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)`` for which ``ok`` holds, else an error saying the value must be ``what``
+    (argparse names the flag), so a bad value fails at parse time."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
-def _alpha(text: str) -> float:
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"--lora-alpha must be a finite number > 0, got {text}")
-    return value
-
-
-def _dropout(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"--lora-dropout must be a number in [0, 1), got {text}")
-    return value
+_rank = checked(int, lambda v: v >= 0, "an integer >= 0 (0 = no LoRA)")
+_alpha = checked(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
+_dropout = checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
 def add_finetune_args(parser: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ import warnings
 from dataclasses import fields
 from typing import Any
 
-from ..finetune.flags import add_finetune_args
+from ..finetune.flags import add_finetune_args, checked
 from ..models.deepseek_v4.config import RECOMPUTE_CHOICES
 from .config import RULES, TrainConfig
 from .errors import TrainingStopped, TrainWarning, UserError, user_errors
@@ -35,19 +35,7 @@ _D = TrainConfig()
 def _checked(kind: type, name: str) -> Any:
     """An argparse type: ``kind(text)`` within ``TrainConfig``'s rule for option ``name`` (``config.RULES``, which
     ``TrainConfig.validate`` checks too), so a bad value fails at parse time naming the flag and the valid range."""
-    ok, what = RULES[name]
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
+    return checked(kind, *RULES[name])
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
