@@ -297,12 +297,12 @@ def _activations(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, t: Train
     m["workspaces"] = (c.workspace_bytes + TRANSIENT["fixed_gib"] * GiB + kept["recompute_extra"] * rows
                        + TRANSIENT["kib_per_token"] * 1024 * scale * rows
                        + max(0, c.num_experts_per_tok - PROXY["k"]) * 2 * c.hidden_size * 2.0 * moe_rows)
-    ws = fp8_workspace(c, dims.ep, rows, t)
+    ws = fp8_workspace(c, rows, t)
     if ws:
         m["fp8 workspace"] = ws
 
 
-def fp8_workspace(c: DeepseekV4ModelConfig, ep: int, rows: int, t: Training) -> float:
+def fp8_workspace(c: DeepseekV4ModelConfig, rows: int, t: Training) -> float:
     """Bytes alive while frozen FP8-held weights are multiplied, in one layer's backward. Routed experts (the
     grouped kernels read the codes as held: the Gluon kernel transposes each weight tile in shared memory for the
     input gradient, the weight-only kernel casts it in registers): ``fp8``: the 1x128-quantized copies of the
