@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...models.deepseek_v4.checkpoint import BASE_PRECISIONS
 from ...models.deepseek_v4.config import DeepseekV4ModelConfig
 from ...models.deepseek_v4.groups import GROUPS, group_of
 
@@ -16,7 +17,6 @@ __all__ = ["GROUPS", "FP8_GROUPS", "BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "P
 # Groups whose matrices the release stores in FP8 (128x128 block scales) and a frozen base may keep in FP8; the
 # router, mHC, embedding and head stay bf16 / fp32.
 FP8_GROUPS = frozenset({"attention", "indexer", "compressor", "shared_experts", "experts"})
-BASE_PRECISIONS = ("fp8", "w8a16", "bf16")
 DEFAULT_LORA_TARGETS = ("attention", "indexer", "shared_experts", "experts")
 
 
