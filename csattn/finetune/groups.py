@@ -28,12 +28,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..models.deepseek_v4.groups import GROUPS, group_of
+from ..models.deepseek_v4.groups import GROUPS, LORA_GROUPS, group_of
 
 __all__ = ["GROUPS", "LORA_GROUPS", "group_of", "parse_groups", "Choice", "resolve_choice", "apply_freezing"]
-
-# the groups whose linears (or expert tensors) take LoRA; norms, sinks and biases in them stay frozen
-LORA_GROUPS = ("attention", "indexer", "compressor", "shared_experts", "experts")
 
 
 def parse_groups(text: str | Iterable[str] | None, flag: str, allowed: tuple[str, ...] = GROUPS) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from ...models.deepseek_v4.checkpoint import BASE_PRECISIONS
 from ...models.deepseek_v4.config import DeepseekV4ModelConfig
-from ...models.deepseek_v4.groups import GROUPS, group_of
+from ...models.deepseek_v4.groups import GROUPS, LORA_GROUPS, group_of
 
 __all__ = ["GROUPS", "FP8_GROUPS", "BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "ParamCounts",
            "GroupCount", "GroupCounts", "Training", "count_params", "count_groups", "group_of", "training_spec"]
@@ -228,8 +228,10 @@ def training_spec(*, lora_rank: int = 0, lora_targets: Any = None, train: Any = 
     if targets & trained:
         raise ValueError(f"--lora-targets {','.join(sorted(targets & trained))} also trained in full: LoRA goes on "
                          "frozen groups (drop them from --train or from --lora-targets)")
-    if "mhc" in targets:
-        raise ValueError("--lora-targets mhc: the mHC has no linear layer to adapt; train it in full (--train mhc)")
+    if targets - set(LORA_GROUPS):
+        bad = ",".join(g for g in GROUPS if g in targets and g not in LORA_GROUPS)
+        raise ValueError(f"--lora-targets {bad}: LoRA adapts the linear maps of {','.join(LORA_GROUPS)} only (as "
+                         f"csattn train); train {bad} in full (--train {bad}) or leave it frozen")
     precision = "fp8" if base_precision is None else base_precision
     if precision not in BASE_PRECISIONS:
         raise ValueError(f"--base-precision must be one of {', '.join(BASE_PRECISIONS)}, got {precision!r}")
