@@ -78,9 +78,14 @@ def _model_flag(path: str) -> str:
     return f"--config-json {os.path.join(path, 'config.json') if os.path.isdir(path) else path}"
 
 
+def _trains_everything(t: dict) -> bool:
+    """Whether ``p.training`` is a full run (every group trained, no LoRA: no fine-tuning flags or lines)."""
+    return not t or (t["lora_rank"] == 0 and len(t["train"]) == len(GROUPS))
+
+
 def _training_flags(t: dict) -> list[str]:
     """The fine-tuning flags of ``p.training`` (none when everything trains)."""
-    if not t or (t["lora_rank"] == 0 and len(t["train"]) == len(GROUPS)):
+    if _trains_everything(t):
         return []
     out = [f"--train {','.join(t['train'])}"] if t["train"] else []
     if t["lora_rank"]:
@@ -132,7 +137,7 @@ def format_plan(p: Plan) -> str:
 
 def _training_lines(p: Plan) -> list[str]:
     t = p.training
-    if not t or (t["lora_rank"] == 0 and len(t["train"]) == len(GROUPS)):
+    if _trains_everything(t):
         return []
     frozen = [g for g in GROUPS if g not in t["train"]]
     fp8 = t.get("fp8", [])
