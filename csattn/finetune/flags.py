@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..models.deepseek_v4.checkpoint import BASE_PRECISIONS
-from .groups import GROUPS, LORA_GROUPS
+from .groups import DEFAULT_LORA_TARGETS, GROUPS, LORA_GROUPS
 
 __all__ = ["add_finetune_args", "checked"]
 
@@ -49,8 +49,8 @@ def add_finetune_args(parser: argparse.ArgumentParser) -> None:
                    help="dropout on the LoRA inputs of linears called as modules; refused for groups whose weight "
                         "the layer reads directly (attention, indexer, shared_experts, experts) (default 0)")
     f.add_argument("--lora-targets", metavar="GROUPS", default=None,
-                   help=f"comma list of the groups LoRA adapts, of {', '.join(LORA_GROUPS)} (default: attention,"
-                        "shared_experts,experts)")
+                   help=f"comma list of the groups LoRA adapts, of {', '.join(LORA_GROUPS)} (default: "
+                        f"{','.join(DEFAULT_LORA_TARGETS)})")
     f.add_argument("--train", dest="train_groups", metavar="GROUPS", default=None,
                    help=f"comma list of the only groups that train in full, the others frozen (groups: {groups}); "
                         "with --lora-rank beside the adapted groups (saved whole in the adapter, PEFT's "

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..models.deepseek_v4.groups import GROUPS, LORA_GROUPS, group_of
+from ..models.deepseek_v4.groups import DEFAULT_LORA_TARGETS, GROUPS, LORA_GROUPS, group_of
 
 __all__ = ["GROUPS", "LORA_GROUPS", "group_of", "parse_groups", "Choice", "resolve_choice", "apply_freezing"]
 
@@ -66,7 +66,7 @@ def resolve_choice(train: str | None, freeze: str | None, lora_targets: str | No
     """The groups' roles from ``--train``, ``--freeze``, ``--lora-targets`` and ``--lora-rank``.
 
     Without LoRA every group trains unless ``--freeze`` names it, or only those ``--train`` names. With LoRA
-    (``lora_rank > 0``) the ``--lora-targets`` groups (default attention, shared_experts, experts) are adapted,
+    (``lora_rank > 0``) the ``--lora-targets`` groups (default ``DEFAULT_LORA_TARGETS``) are adapted,
     those ``--train`` names train in full beside them (PEFT's ``modules_to_save``), and every other group is
     frozen, as in PEFT. Conflicting choices raise ``ValueError`` naming the flags.
     """
@@ -80,7 +80,7 @@ def resolve_choice(train: str | None, freeze: str | None, lora_targets: str | No
         if lora_targets is not None:
             raise ValueError("--lora-targets needs --lora-rank R > 0 (0 = no LoRA)")
         return Choice(train=trained if train is not None else tuple(g for g in GROUPS if g not in frozen), lora=())
-    targets = targets if lora_targets is not None else ("attention", "shared_experts", "experts")
+    targets = targets if lora_targets is not None else DEFAULT_LORA_TARGETS
     if not targets:
         raise ValueError("--lora-targets names no group: give at least one of " + ", ".join(LORA_GROUPS))
     for flag, groups in (("--freeze", frozen), ("--train", trained)):

@@ -168,7 +168,7 @@ class TrainConfig:
     lora_rank: int = 0  # 0 = no LoRA
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
-    lora_targets: str | None = None  # comma list of groups; None = attention,shared_experts,experts
+    lora_targets: str | None = None  # comma list of groups; None = attention,indexer,shared_experts,experts
     train_groups: str | None = None  # --train: only these groups train
     freeze_groups: str | None = None  # --freeze: these groups are frozen
     # the frozen base as --init-from's release checkpoint stores it (csattn.finetune.precision)

@@ -99,7 +99,7 @@ def test_choices_and_conflicts():
     c = resolve_choice(None, "experts,embed", None, 0)
     assert "experts" not in c.train and "attention" in c.train and not c.lora
     assert resolve_choice("attention,head", None, None, 0).train == ("attention", "head")
-    assert resolve_choice(None, None, None, 8).lora == ("attention", "shared_experts", "experts")
+    assert resolve_choice(None, None, None, 8).lora == ("attention", "indexer", "shared_experts", "experts")
     assert resolve_choice(None, None, None, 8).train == ()
     with pytest.raises(ValueError, match="--train and --freeze"):
         resolve_choice("attention", "experts", None, 0)
@@ -109,8 +109,8 @@ def test_choices_and_conflicts():
         resolve_choice(None, "experts", "experts,attention", 4)
     with pytest.raises(ValueError, match="--lora-targets: unknown group.*'router'"):
         resolve_choice(None, None, "router", 4)
-    assert resolve_choice("router,mhc", None, None, 4) == Choice(train=("mhc", "router"),
-                                                                 lora=("attention", "shared_experts", "experts"))
+    assert resolve_choice("router,mhc", None, None, 4) == Choice(
+        train=("mhc", "router"), lora=("attention", "indexer", "shared_experts", "experts"))
     with pytest.raises(ValueError, match="--train attention and --lora-targets attention"):
         resolve_choice("attention", None, "attention", 4)
     with pytest.raises(ValueError, match="--train attention with --lora-targets indexer: the attention module"):

@@ -4,11 +4,14 @@ group covers."""
 
 from __future__ import annotations
 
-__all__ = ["GROUPS", "LORA_GROUPS", "group_of"]
+__all__ = ["GROUPS", "LORA_GROUPS", "DEFAULT_LORA_TARGETS", "group_of"]
 
 GROUPS = ("attention", "indexer", "compressor", "mhc", "router", "shared_experts", "experts", "embed", "head")
 # the groups whose linears (or expert tensors) take LoRA; norms, sinks and biases in them stay frozen
 LORA_GROUPS = ("attention", "indexer", "compressor", "shared_experts", "experts")
+# adapted by --lora-rank when --lora-targets is not given (csattn train and csattn plan alike): the attention's and
+# the indexer's linears, the shared and the routed experts
+DEFAULT_LORA_TARGETS = ("attention", "indexer", "shared_experts", "experts")
 # A block's two RMSNorms go with the mHC (they norm the collapsed residual stream); an MTP block's input
 # projections and norms with the head.
 _MHC = ("attn_hc", "ffn_hc", "hc_head", "input_layernorm", "post_attention_layernorm")

@@ -9,7 +9,7 @@ from typing import Any
 
 from ...models.deepseek_v4.checkpoint import BASE_PRECISIONS
 from ...models.deepseek_v4.config import DeepseekV4ModelConfig
-from ...models.deepseek_v4.groups import GROUPS, LORA_GROUPS, group_of
+from ...models.deepseek_v4.groups import DEFAULT_LORA_TARGETS, GROUPS, LORA_GROUPS, group_of
 
 __all__ = ["GROUPS", "FP8_GROUPS", "BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "ParamCounts",
            "GroupCount", "GroupCounts", "Training", "count_params", "count_groups", "group_of", "training_spec"]
@@ -17,7 +17,6 @@ __all__ = ["GROUPS", "FP8_GROUPS", "BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "P
 # Groups whose matrices the release stores in FP8 (128x128 block scales) and a frozen base may keep in FP8; the
 # router, mHC, embedding and head stay bf16 / fp32.
 FP8_GROUPS = frozenset({"attention", "indexer", "compressor", "shared_experts", "experts"})
-DEFAULT_LORA_TARGETS = ("attention", "indexer", "shared_experts", "experts")
 
 
 @dataclass(frozen=True)
