@@ -50,14 +50,13 @@ def _need_cuda(device) -> None:
         raise Skip("the FP8 kernels need CUDA")
 
 
-@register("fp8_quant", "triton", QUANT)
-def quant_triton(shape, device, dtype, variant=""):
-    return _quant_case(shape, device, dtype, "triton")
+def _register_each(op: str, defaults: dict, build, names: tuple[str, ...]) -> None:
+    """Register ``build(shape, device, dtype, name)`` as provider ``name`` of ``op`` for each name (no variants)."""
+    for name in names:
+        def provider(shape, device, dtype, variant="", _name=name):
+            return build(shape, device, dtype, _name)
 
-
-@register("fp8_quant", "reference", QUANT)
-def quant_reference(shape, device, dtype, variant=""):
-    return _quant_case(shape, device, dtype, "reference")
+        register(op, name, defaults)(provider)
 
 
 def _quant_case(shape, device, dtype, which):
@@ -70,6 +69,9 @@ def _quant_case(shape, device, dtype, which):
     return Case(forward=lambda: fn(x), leaves=[], flops={}, info={"bytes": {"fwd": moved}})
 
 
+_register_each("fp8_quant", QUANT, _quant_case, ("triton", "reference"))
+
+
 def _linear_operands(shape, device):
     gen = torch.Generator(device).manual_seed(shape["seed"])
     m, n, k = shape["rows"], shape["inter"], shape["hidden"]
@@ -78,22 +80,7 @@ def _linear_operands(shape, device):
     return x, q, s, 2 * m * n * k
 
 
-@register("fp8_linear", "fp8", LINEAR)
-def linear_fp8(shape, device, dtype, variant=""):
-    return _linear_case(shape, device, "fp8")
-
-
-@register("fp8_linear", "w8a16", LINEAR)
-def linear_w8a16(shape, device, dtype, variant=""):
-    return _linear_case(shape, device, "w8a16")
-
-
-@register("fp8_linear", "bf16", LINEAR)
-def linear_bf16(shape, device, dtype, variant=""):
-    return _linear_case(shape, device, "bf16")
-
-
-def _linear_case(shape, device, compute):
+def _linear_case(shape, device, dtype, compute):
     from csattn.ops.fp8 import dequantize, fp8_linear
 
     _need_cuda(device)
@@ -104,6 +91,9 @@ def _linear_case(shape, device, compute):
     else:
         fwd = lambda: (fp8_linear(x, q, s, compute),)  # noqa: E731
     return Case(forward=fwd, leaves=[x], flops={"fwd": flops, "bwd": flops}, info={"compute": compute})
+
+
+_register_each("fp8_linear", LINEAR, _linear_case, ("fp8", "w8a16", "bf16"))
 
 
 @register("fp8_linear", "dgrad", LINEAR)
@@ -136,20 +126,10 @@ def grouped_fp8(shape, device, dtype, variant=""):
     the Gluon kernel."""
     if variant not in ("", "triton"):
         raise Skip(f"variant must be triton or none, got {variant!r}")
-    return _grouped_case(shape, device, "fp8_triton" if variant else "fp8")
+    return _grouped_case(shape, device, dtype, "fp8_triton" if variant else "fp8")
 
 
-@register("fp8_grouped", "w8a16", GROUPED)
-def grouped_w8a16(shape, device, dtype, variant=""):
-    return _grouped_case(shape, device, "w8a16")
-
-
-@register("fp8_grouped", "bf16", GROUPED)
-def grouped_bf16(shape, device, dtype, variant=""):
-    return _grouped_case(shape, device, "bf16")
-
-
-def _grouped_case(shape, device, compute):
+def _grouped_case(shape, device, dtype, compute):
     from csattn.ops.fp8 import dequantize, fp8_grouped_mm
     from csattn.ops.moe.grouped import _grouped_mm
 
@@ -176,6 +156,9 @@ def _grouped_case(shape, device, compute):
     return Case(forward=fwd, leaves=[], flops={"fwd": flops}, info={"experts": e, "top_k": k, "rows": n})
 
 
+_register_each("fp8_grouped", GROUPED, _grouped_case, ("w8a16", "bf16"))
+
+
 def _triton_route(a, q, s, offs, trans):
     from csattn.ops.fp8.triton import grouped_mm_triton, quantize_1x128_triton
 
@@ -185,22 +168,7 @@ def _triton_route(a, q, s, offs, trans):
     return grouped_mm_triton(qa, sa, q, s, offs, False, out_dtype=a.dtype)
 
 
-@register("moe_frozen", "fp8", GROUPED)
-def moe_fp8(shape, device, dtype, variant=""):
-    return _moe_case(shape, device, "fp8")
-
-
-@register("moe_frozen", "w8a16", GROUPED)
-def moe_w8a16(shape, device, dtype, variant=""):
-    return _moe_case(shape, device, "w8a16")
-
-
-@register("moe_frozen", "bf16", GROUPED)
-def moe_bf16(shape, device, dtype, variant=""):
-    return _moe_case(shape, device, "bf16")
-
-
-def _moe_case(shape, device, compute):
+def _moe_case(shape, device, dtype, compute):
     from csattn.ops.fp8 import dequantize
     from csattn.ops.moe import moe_experts
 
@@ -220,3 +188,6 @@ def _moe_case(shape, device, compute):
     flops = 6 * t * k * d * inter
     return Case(forward=fwd, leaves=[x, w], flops={"fwd": flops, "bwd": flops},
                 info={"experts": e, "top_k": k, "compute": compute})
+
+
+_register_each("moe_frozen", GROUPED, _moe_case, ("fp8", "w8a16", "bf16"))

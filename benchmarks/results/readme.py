@@ -143,9 +143,11 @@ def _deterministic(ctx: Context, page: str) -> str:
 def _finetune(ctx: Context, page: str) -> str:
     data = _need(ctx.res.files.get("finetune.json"), "finetune.json", "finetune")
     rows = {(r["mode"], r["tokens"]): r for r in data.get("results", []) if r.get("ms") is not None}
-    a, c = _need(rows.get(("a", 16384)), "mode (a) at 16k", "finetune"), _need(rows.get(("c", 16384)), "mode (c)",
-                                                                              "finetune")
-    a64 = _need(rows.get(("a", 65536)), "mode (a) at 64k", "finetune")
+
+    def run(mode: str, tokens: int) -> dict:
+        return _need(rows.get((mode, tokens)), f"mode ({mode}) at {tok(tokens)} tokens", "finetune")
+
+    a, c, a64 = run("a", 16384), run("c", 16384), run("a", 65536)
     moe = _need(data.get("moe"), "the MoE records", "finetune")
     ratio = data.get("expert_bytes", {}).get("ratio", moe.get("expert_bytes_fp8_over_bf16"))
     return (f"On one H200 a real-width slice of V4-Flash (four layers, 256 experts top-6, from a synthetic checkpoint "

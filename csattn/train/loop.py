@@ -278,17 +278,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
               "fragments (tens of GiB reserved but unallocated): run with "
               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", flush=True)
     with user_errors():  # the checkpoint to resume, its options against these, the tokenizer
-        resume = _resume_path(cfg, rank)
-        with warnings.catch_warnings(record=True) as caught:  # the legacy pickle's, said once
-            warnings.simplefilter("always")
-            state = read_trainer_state(resume, trust_checkpoint=cfg.trust_checkpoint) if resume else None
-        _relay_warnings(caught, rank, lambda m: m.replace("trust_checkpoint=True", "--trust-checkpoint"))
-        if state is not None:
-            # raises on other data options, before the weights (another --tokenizer also changes the vocab shape)
-            notes = compare_resume_config(resume, state.get("train_config"), asdict(cfg))
-            if rank == 0:
-                for note in notes:
-                    warnings.warn(note, TrainWarning, stacklevel=2)
+        resume, state = _resume_state(cfg, rank)
         batch_seqs = int(state.get("batch_seqs", state.get("dp", 1))) if state else (cfg.batch_seqs or dims.dp)
         if batch_seqs % dims.dp:
             saved = " (the checkpoint's)" if state else ""
@@ -336,6 +326,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
     save_s = cfg.save_minutes * 60 if cfg.output else 0.0  # time-based checkpoints (0: none)
     saved_at = time.monotonic()
     bad_run = 0  # non-finite steps in a row
+    bias_rate = Finetune.from_options(cfg).router_bias_rate(cfg.router_bias_rate)  # 0 with a frozen router
     with user_errors():  # the data files
         batch = next(reader) if start < cfg.steps else None
     try:
@@ -343,8 +334,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             late = bool(save_s) and time.monotonic() - saved_at >= save_s  # this rank's clock; the step agrees it
-            finish = train_step(model, batch, cp, meshes, optimizer, cfg.grad_clip,
-                                Finetune.from_options(cfg).router_bias_rate(cfg.router_bias_rate), device, late)
+            finish = train_step(model, batch, cp, meshes, optimizer, cfg.grad_clip, bias_rate, device, late)
             # the next batch is built on the host while the device runs this step; a checkpoint of this step holds
             # the readers' position before it
             consumed = reader.state_dict()
@@ -436,6 +426,24 @@ def _resume_path(cfg: TrainConfig, rank: int) -> str | None:
             intact = " intact" if skipped else ""
             print(f"--resume auto: no{intact} checkpoint under {cfg.output}: starting from step 0", flush=True)
     return resume
+
+
+def _resume_state(cfg: TrainConfig, rank: int) -> tuple[str | None, dict[str, Any] | None]:
+    """The verified checkpoint to resume (:func:`_resume_path`) and its trainer state, its options compared with
+    these (raises on other data options, before the weights: another --tokenizer also changes the vocab shape;
+    warns once of the others); (None, None) to start at step 0."""
+    resume = _resume_path(cfg, rank)
+    if resume is None:
+        return None, None
+    with warnings.catch_warnings(record=True) as caught:  # the legacy pickle's, said once
+        warnings.simplefilter("always")
+        state = read_trainer_state(resume, trust_checkpoint=cfg.trust_checkpoint)
+    _relay_warnings(caught, rank, lambda m: m.replace("trust_checkpoint=True", "--trust-checkpoint"))
+    notes = compare_resume_config(resume, state.get("train_config"), asdict(cfg))
+    if rank == 0:
+        for note in notes:
+            warnings.warn(note, TrainWarning, stacklevel=3)
+    return resume, state
 
 
 def _special_ids(tokenizer: Any) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ a damaged checkpoint and nothing damaged is deleted; on 2 gloo ranks both ranks 
 
 import json
 import os
+import re
 import shutil
 import warnings
 
@@ -69,6 +70,14 @@ def _copy(base: str, tmp_path) -> tuple[str, str, str]:
     return run, os.path.join(run, "checkpoint-000001"), os.path.join(run, "checkpoint-000002")
 
 
+def _damaged(case: str, base: str, tmp_path) -> tuple[str, str, str, str]:
+    """A copy of the base run with its newest checkpoint damaged as ``case`` says: (run, older, newest, why)."""
+    damage, why = DAMAGE[case]
+    run, older, newest = _copy(base, tmp_path)
+    damage(newest)
+    return run, older, newest, why
+
+
 def _losses(run: str) -> dict[int, float]:
     with open(os.path.join(run, "metrics.jsonl")) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
@@ -76,9 +85,7 @@ def _losses(run: str) -> dict[int, float]:
 
 @pytest.mark.parametrize("case", list(DAMAGE))
 def test_resume_auto_skips_a_damaged_newest_checkpoint_in_one_line(case, base_run, tmp_path, capsys):
-    damage, why = DAMAGE[case]
-    run, older, newest = _copy(base_run, tmp_path)
-    damage(newest)
+    run, older, newest, why = _damaged(case, base_run, tmp_path)
     capsys.readouterr()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -86,8 +93,6 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_in_one_line(case, base_ru
     out, err = capsys.readouterr()
     warned = [line for line in out.splitlines() if line.startswith("csattn train: warning: --resume")]
     assert len(warned) == 1, out
-    import re
-
     head = "csattn train: warning: --resume auto: skipping"
     assert re.fullmatch(rf"{head} {re.escape(newest)}: {why}.*", warned[0]), warned[0]
     assert f"resuming from {older} at step 1" in out
@@ -102,16 +107,12 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_in_one_line(case, base_ru
 
 @pytest.mark.parametrize("case", list(DAMAGE))
 def test_explicit_resume_of_a_damaged_checkpoint_is_one_error_line(case, base_run, tmp_path, capsys):
-    damage, why = DAMAGE[case]
-    run, _, newest = _copy(base_run, tmp_path)
-    damage(newest)
+    run, _, newest, why = _damaged(case, base_run, tmp_path)
     capsys.readouterr()
     assert main(ARGS + ["--steps", "3", "--resume", newest]) == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     state = "incomplete" if case == "no_manifest" else "damaged"
-    import re
-
     assert len(lines) == 1 and re.match(rf"csattn train: error: --resume '{re.escape(newest)}' is {state}: {why}",
                                         lines[0]), err
 
