@@ -434,7 +434,9 @@ class HybridAttention(nn.Module):
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype the layer's projections compute in (its input must have it)."""
-        return self.q_a_proj.weight.dtype
+        # a frozen FP8-held projection tags its compute dtype: its ``weight`` would be dequantized just to be read
+        tag = getattr(self.q_a_proj, "dtype_tag", None)
+        return (self.q_a_proj.weight if tag is None else tag).dtype
 
     def _check_input(self, hidden_states: Tensor) -> None:
         """Type, rank, hidden size and dtype of ``hidden_states`` (``ValueError`` saying what to change)."""

@@ -13,10 +13,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from ..layers.modules import RMSNorm
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM
-from ..models.deepseek_v4.mhc import HyperHead
-from ..models.deepseek_v4.model import DecoderLayer, MTPBlock
+from ..models.deepseek_v4.model import DecoderLayer, MTPBlock, TopParts, draw_unit
 from ..models.deepseek_v4.moe import Experts
 from ..models.deepseek_v4.quant import Fp8Experts, Fp8Linear
 
@@ -163,33 +161,10 @@ def _fresh_units(model: DeepseekV4ForCausalLM, seed: int) -> Iterator[tuple[str,
     c = model.config
     experts = local_experts(model)
 
-    def built(index: int, make) -> nn.Module:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 1_000_003 + index)
-            module = make()
-            if isinstance(module, DecoderLayer):
-                module.mlp.gate.init_hash_table(torch.Generator().manual_seed(seed * 1_000_003 + index))
-        return module
-
-    top = built(0, lambda: _TopParts(c))
-    yield "", top
+    yield "", draw_unit(seed, 0, lambda: TopParts(c))
     for i in range(c.num_hidden_layers):
         # this rank's experts only; each is drawn from its own generator, so the values do not depend on the mesh
-        yield f"model.layers.{i}", built(1 + i, lambda i=i: DecoderLayer(c, i, experts))
+        yield f"model.layers.{i}", draw_unit(seed, 1 + i, lambda i=i: DecoderLayer(c, i, experts))
     for j in range(len(model.mtp)):
-        yield f"mtp.{j}", built(1 + c.num_hidden_layers + j, lambda j=j: MTPBlock(c, j, experts))
+        yield f"mtp.{j}", draw_unit(seed, 1 + c.num_hidden_layers + j, lambda j=j: MTPBlock(c, j, experts))
 
-
-class _TopParts(nn.Module):
-    """The root unit's modules under their model names: embedding, final norm, hyper-head, LM head."""
-
-    def __init__(self, c) -> None:
-        super().__init__()
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, c.pad_token_id)
-        nn.init.normal_(self.model.embed_tokens.weight, std=c.initializer_range)
-        self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.model.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.attention_backend)
-        if not c.tie_word_embeddings:
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-            nn.init.normal_(self.lm_head.weight, std=c.initializer_range)

@@ -210,6 +210,26 @@ def test_meta_init_and_expert_parallel_slices():
         part.reset_parameters()
 
 
+def test_fp8_held_attention_reads_its_dtype_without_dequantizing(monkeypatch):
+    """The attention's input check reads an FP8-held ``q_a_proj``'s compute dtype from its tag: ``weight`` (a fresh
+    dequantization of the whole matrix) is not read on every forward."""
+    import csattn.models.deepseek_v4.quant as quant
+
+    c = tiny_config()
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(c)
+    hold_in_fp8(model, "fp8", ["model.layers.0.self_attn.q_a_proj"])
+    model.to_empty(device="cpu")
+    attn = model.model.layers[0].self_attn
+    assert attn.compute_dtype() == attn.q_a_proj.weight.dtype == torch.float32
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("dequantized")
+
+    monkeypatch.setattr(quant, "dequantize", refuse)
+    assert attn.compute_dtype() == torch.float32
+
+
 def test_loading_never_holds_a_layer_of_experts_in_full_precision(release):
     """Every tensor created while loading, by size: the largest full-precision one is one expert matrix (the
     conversion's), never the layer's experts, let alone the model."""

@@ -64,16 +64,21 @@ print(json.dumps({"ptxas_rc": run.returncode, "ptxas": run.stderr[-2000:],
 """
 
 
-def compile_sm90(which: str, bk: int, d: int, has_len: bool) -> dict:
-    """Build ``which`` (``"fwd"``, ``"bwd"`` or ``"bwd_fixed"``) for sm_90 in a fresh process: the suite runs under
-    TRITON_INTERPRET=1, which turns the Gluon library's own jit helpers into interpreter objects that the Gluon
-    compiler refuses. Skips where this Triton's Gluon lacks an API the kernels use."""
+def run_build(script: str, *args: str) -> dict:
+    """Run a build ``script`` (``python -c``) for sm_90 in a fresh process and return the JSON of its last line: the
+    suite runs under TRITON_INTERPRET=1, which turns the Gluon library's own jit helpers into interpreter objects
+    that the Gluon compiler refuses. Skips where this Triton's Gluon lacks an API the kernel uses."""
     pytest.importorskip("triton.experimental.gluon")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    args = [which, str(bk), str(d), "1" if has_len else "0"]
-    run = subprocess.run([sys.executable, "-c", _SCRIPT, *args], capture_output=True, text=True, env=env,
+    run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
                          timeout=300)
     if "has no attribute" in run.stderr and "gluon" in run.stderr:
         pytest.skip(f"this Triton's Gluon lacks an API the kernel uses: {run.stderr.splitlines()[-1]}")
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def compile_sm90(which: str, bk: int, d: int, has_len: bool) -> dict:
+    """Build sparse-attention kernel ``which`` (``"fwd"``, ``"bwd"`` or ``"bwd_fixed"``) for sm_90 in a fresh
+    process (:func:`run_build`)."""
+    return run_build(_SCRIPT, which, str(bk), str(d), "1" if has_len else "0")

@@ -4,12 +4,9 @@ the transposition of the weight tile (``TRANS``) through ``ldmatrix`` and byte p
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.ops.gluon_sm90 import run_build
 
 _SCRIPT = r"""
 import json, re, subprocess, sys, tempfile
@@ -48,20 +45,9 @@ print(json.dumps({"ptxas_rc": run.returncode, "ptxas": log[-2000:], "spill_store
 """
 
 
-def _build(trans: bool) -> dict:
-    pytest.importorskip("triton.experimental.gluon")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    run = subprocess.run([sys.executable, "-c", _SCRIPT, "1" if trans else "0"], capture_output=True, text=True,
-                         env=env, timeout=300)
-    if "has no attribute" in run.stderr and "gluon" in run.stderr:
-        pytest.skip(f"this Triton's Gluon lacks an API the kernel uses: {run.stderr.splitlines()[-1]}")
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("trans", [False, True])
 def test_gluon_fp8_grouped_builds_for_sm90(trans):
-    info = _build(trans)
+    info = run_build(_SCRIPT, "1" if trans else "0")
     print({k: v for k, v in info.items() if k != "ptxas"})
     assert info["ptxas_rc"] == 0, info["ptxas"]
     assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]

@@ -36,7 +36,7 @@ from .mhc import HyperConnection, HyperHead, expand_streams
 from .moe import MoE
 
 __all__ = ["DeepseekV4ForCausalLM", "DecoderLayer", "MTPBlock", "CausalLMOutput", "IGNORE_INDEX",
-           "future_tokens", "FP32_MODULES"]
+           "future_tokens", "FP32_MODULES", "TopParts", "draw_unit"]
 
 IGNORE_INDEX = -100
 # Kept in fp32 whatever the training dtype (HF's ``_keep_in_fp32_modules_strict``); any norm weight too.
@@ -167,6 +167,35 @@ class MTPBlock(DecoderLayer):
         """``streams [T, n, D]``, ``next_embeds [T, D]`` (embedding of token t+j+1) -> new streams."""
         mixed = self.e_proj(self.enorm(next_embeds)).unsqueeze(-2) + self.h_proj(self.hnorm(streams))
         return super().forward(mixed, input_ids, packed, cp, real)
+
+
+class TopParts(nn.Module):
+    """The root unit's modules under their model names (embedding, final norm, hyper-head, LM head), initialized
+    as the model initializes them: what the unit-by-unit weight builders draw for the root unit."""
+
+    def __init__(self, c: DeepseekV4ModelConfig) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, c.pad_token_id)
+        nn.init.normal_(self.model.embed_tokens.weight, std=c.initializer_range)
+        self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.model.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.attention_backend)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+            nn.init.normal_(self.lm_head.weight, std=c.initializer_range)
+
+
+def draw_unit(seed: int, index: int, make: Callable[[], nn.Module]) -> nn.Module:
+    """``make()`` on the CPU from unit ``index``'s own seed (the host generator forked, so the caller's is left
+    as it was); a decoder layer's hash-routing table from a generator of the same seed. Unit 0 is the root
+    (:class:`TopParts`), ``1 + i`` decoder layer ``i``, ``1 + num_hidden_layers + j`` MTP block ``j``: the same
+    weights whatever builds them (a fresh sharded model, a synthetic checkpoint)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1_000_003 + index)
+        module = make()
+        if isinstance(module, DecoderLayer):
+            module.mlp.gate.init_hash_table(torch.Generator().manual_seed(seed * 1_000_003 + index))
+    return module
 
 
 class _Backbone(nn.Module):

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ...layers.modules import grouped_linear
-from ...ops.fp8 import dequantize, fp8_linear
+from ...ops.fp8 import COMPUTES, check_compute, dequantize, fp8_linear
 from .moe import Experts
 
 __all__ = ["E2M1_VALUES", "FP8_BLOCK", "MXFP4_GROUP", "QuantConfig", "decode_scale", "dequantize_fp8",
@@ -161,6 +161,23 @@ def dequantize_fp8(weight: Tensor, scale: Tensor, block_size: tuple[int, int], d
     return out
 
 
+def _check_mxfp4(packed: Tensor, scale: Tensor, name: str) -> tuple[int, int, int]:
+    """``(N, K / 2, K)`` of a packed MXFP4 weight ``[..., N, K / 2]``; a ``ValueError`` naming ``name`` for a
+    wrong dtype, fewer than 2 dimensions, or scales not ``[..., N, ceil(K / 32)]``."""
+    if not is_fp4_packed(packed):
+        raise ValueError(f"tensor {name!r} has dtype {packed.dtype}; MXFP4 weights are packed e2m1 pairs "
+                         "(int8 / uint8 / float4_e2m1fn_x2)")
+    if packed.dim() < 2:
+        raise ValueError(f"tensor {name!r} has shape {tuple(packed.shape)}; an MXFP4 weight is at least 2-D")
+    n, half = packed.shape[-2:]
+    k = 2 * half
+    want = (*packed.shape[:-1], -(-k // MXFP4_GROUP))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"tensor {name!r}: scale has shape {tuple(scale.shape)} but packed MXFP4 weight "
+                         f"{tuple(packed.shape)} (K = {k}) needs {want} (one per {MXFP4_GROUP} values along K)")
+    return n, half, k
+
+
 def dequantize_mxfp4(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32,
                      name: str = "weight") -> Tensor:
     """MXFP4 dequantization (the release's routed experts).
@@ -175,17 +192,7 @@ def dequantize_mxfp4(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.f
     Returns:
         ``[..., N, K]`` in ``dtype``.
     """
-    if not is_fp4_packed(packed):
-        raise ValueError(f"tensor {name!r} has dtype {packed.dtype}; MXFP4 weights are packed e2m1 pairs "
-                         "(int8 / uint8 / float4_e2m1fn_x2)")
-    if packed.dim() < 2:
-        raise ValueError(f"tensor {name!r} has shape {tuple(packed.shape)}; an MXFP4 weight is at least 2-D")
-    n, half = packed.shape[-2:]
-    k = 2 * half
-    want = (*packed.shape[:-1], -(-k // MXFP4_GROUP))
-    if tuple(scale.shape) != want:
-        raise ValueError(f"tensor {name!r}: scale has shape {tuple(scale.shape)} but packed MXFP4 weight "
-                         f"{tuple(packed.shape)} (K = {k}) needs {want} (one per {MXFP4_GROUP} values along K)")
+    n, _, k = _check_mxfp4(packed, scale, name)
     s = decode_scale(scale, name)
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     u8 = packed.contiguous().view(torch.uint8)
@@ -278,15 +285,7 @@ def mxfp4_to_fp8(packed: Tensor, scale: Tensor, name: str = "weight") -> tuple[T
     Raises:
         ValueError: naming ``name`` for a wrong dtype or shape, ue8m0 byte 255 (NaN), non-power-of-two scales.
     """
-    if not is_fp4_packed(packed) or packed.dim() < 2:
-        raise ValueError(f"tensor {name!r} ({packed.dtype}, {tuple(packed.shape)}) is not a packed MXFP4 weight "
-                         "[..., N, K / 2] of int8 / uint8 / float4_e2m1fn_x2")
-    n, half = packed.shape[-2:]
-    k = 2 * half
-    want = (*packed.shape[:-1], -(-k // MXFP4_GROUP))
-    if tuple(scale.shape) != want:
-        raise ValueError(f"tensor {name!r}: scale has shape {tuple(scale.shape)} but packed MXFP4 weight "
-                         f"{tuple(packed.shape)} (K = {k}) needs {want} (one per {MXFP4_GROUP} values along K)")
+    n, half, k = _check_mxfp4(packed, scale, name)
     exp = _group_exponents(scale, name).to(torch.int16)  # [..., N, G]
     g = exp.shape[-1]
     lo_of, hi_of, values_of = _byte_tables(packed.device)
@@ -315,18 +314,8 @@ def mxfp4_to_fp8(packed: Tensor, scale: Tensor, name: str = "weight") -> tuple[T
 
 
 # ------------------------------------------------------------------------------------- FP8-held frozen weights
-COMPUTES = ("fp8", "w8a16")
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _check_compute(compute: str) -> str:
-    if compute not in COMPUTES:
-        raise ValueError(f"compute must be 'fp8' (FP8 tensor cores) or 'w8a16' (bf16 numerics on FP8 storage), "
-                         f"got {compute!r}")
-    return compute
 
 
 def _frozen(shape: tuple[int, ...], device: torch.device | str | None) -> nn.Parameter:
@@ -382,7 +371,7 @@ class Fp8Linear(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.groups = in_features, out_features, groups
-        self.compute = _check_compute(compute)
+        self.compute = check_compute(compute)
         # set through _parameters: the class's `weight` is the dequantizing accessor
         self._parameters["weight"] = _frozen((out_features, in_features), device)
         self.register_buffer("weight_scale_inv", torch.ones(_cdiv(out_features, FP8_BLOCK),
@@ -429,7 +418,7 @@ class Fp8Experts(Experts):
         nn.Module.__init__(self)  # not Experts.__init__: no full-precision tensors, no initializer
         self.local = range(num_experts) if local is None else local
         self.num_experts, self.limit, self.backend = num_experts, limit, backend
-        self.compute = _check_compute(compute)
+        self.compute = check_compute(compute)
         self.init_seed = 0
         n, d, i = len(self.local), hidden_size, intermediate_size
         self.gate_up_proj = _frozen((n, 2 * i, d), device)
@@ -494,7 +483,7 @@ def hold_in_fp8(model: nn.Module, compute: str, linears: Iterable[str] = ()) -> 
     ``nn.Linear`` without bias or a ``GroupedLinear``) an :class:`Fp8Linear`, on the same device (the meta device
     too) and compute dtype. The new tensors are zeros (scale 1): load their values (``load_pretrained``,
     ``csattn.parallel.load_hf_sharded``). Call it before sharding the model; it returns ``model``."""
-    _check_compute(compute)
+    check_compute(compute)
     wanted = set(linears)
     modules = dict(model.named_modules())
     missing = sorted(wanted - set(modules))

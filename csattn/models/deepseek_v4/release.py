@@ -15,10 +15,10 @@ import os
 from collections.abc import Iterator
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .config import DeepseekV4ModelConfig
-from .model import DecoderLayer, MTPBlock
+from .model import DecoderLayer, MTPBlock, TopParts, draw_unit
 from .names import internal_name, to_disk
 from .quant import E2M1_VALUES, MXFP4_GROUP
 
@@ -108,42 +108,16 @@ def _quantized(state: dict[str, Tensor], block: tuple[int, int], scale_kind: str
     return out
 
 
-class _Top(nn.Module):
-    """Embedding, final norm, hyper-head and LM head under their model names (the root unit)."""
-
-    def __init__(self, c: DeepseekV4ModelConfig) -> None:
-        from ...layers.modules import RMSNorm
-        from .mhc import HyperHead
-
-        super().__init__()
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, c.pad_token_id)
-        nn.init.normal_(self.model.embed_tokens.weight, std=c.initializer_range)
-        self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.model.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.attention_backend)
-        if not c.tie_word_embeddings:
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-            nn.init.normal_(self.lm_head.weight, std=c.initializer_range)
-
-
 def _units(c: DeepseekV4ModelConfig, seed: int) -> Iterator[tuple[str, dict[str, Tensor]]]:
     """``(shard name, state_dict)`` of each unit, drawn one at a time from its own seed."""
-    def draw(index: int, make) -> nn.Module:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 1_000_003 + index)
-            module = make()
-            if isinstance(module, DecoderLayer):
-                module.mlp.gate.init_hash_table(torch.Generator().manual_seed(seed * 1_000_003 + index))
-        return module
-
-    top = draw(0, lambda: _Top(c)).state_dict()
+    top = draw_unit(seed, 0, lambda: TopParts(c)).state_dict()
     yield "model-top.safetensors", {k: v for k, v in top.items() if k != "lm_head.weight"
                                     or not c.tie_word_embeddings}
     for i in range(c.num_hidden_layers):
-        layer = draw(1 + i, lambda i=i: DecoderLayer(c, i))
+        layer = draw_unit(seed, 1 + i, lambda i=i: DecoderLayer(c, i))
         yield f"model-layer{i:05d}.safetensors", {f"model.layers.{i}.{k}": v for k, v in layer.state_dict().items()}
     for j in range(c.num_nextn_predict_layers):
-        block = draw(1 + c.num_hidden_layers + j, lambda j=j: MTPBlock(c, j))
+        block = draw_unit(seed, 1 + c.num_hidden_layers + j, lambda j=j: MTPBlock(c, j))
         yield f"model-mtp{j:02d}.safetensors", {f"mtp.{j}.{k}": v for k, v in block.state_dict().items()}
 
 
@@ -167,7 +141,7 @@ def _units_on(c: DeepseekV4ModelConfig, seed: int, device: torch.device) -> Iter
                 state[f"mlp.experts.{name}"] = torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)
         return state
 
-    top = draw(0, lambda: _Top(c))
+    top = draw(0, lambda: TopParts(c))
     yield "model-top.safetensors", {k: v for k, v in top.items() if k != "lm_head.weight"
                                     or not c.tie_word_embeddings}
     for i in range(c.num_hidden_layers):

@@ -20,7 +20,8 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 def check_compute(compute: str) -> str:
     """``compute`` itself if it is one of :data:`COMPUTES`, else a ``ValueError`` naming them."""
     if compute not in COMPUTES:
-        raise ValueError(f"compute must be one of {', '.join(map(repr, COMPUTES))}, got {compute!r}")
+        raise ValueError(f"compute must be 'fp8' (FP8 tensor cores) or 'w8a16' (bf16 numerics on FP8 storage), "
+                         f"got {compute!r}")
     return compute
 
 

@@ -111,14 +111,9 @@ def _check_grouped(a: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans
                          f"{tuple(offs.shape)}")
 
 
-def fp8_grouped_mm_ref(a: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False) -> Tensor:
-    """Grouped GEMM over expert-sorted rows by a loop of plain matmuls in ``a``'s dtype.
-
-    ``trans=False``: ``a [M, K]``, ``weight [E, N, K]`` -> ``[M, N]``, rows ``offs[e-1]:offs[e]`` times
-    ``W_e^T``; ``trans=True``: ``a [M, N]`` -> ``[M, K]``, rows times ``W_e``. Rows past ``offs[-1]`` are zero.
-    Each ``W_e`` is dequantized to ``a``'s dtype when its rows come up.
-    """
-    _check_grouped(a, weight, scale, offs, trans)
+def _per_expert(a: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool) -> Tensor:
+    """Rows ``offs[e-1]:offs[e]`` of ``a`` times ``W_e^T`` (``W_e`` for ``trans``), each ``W_e`` dequantized to
+    ``a``'s dtype when its rows come up; rows past ``offs[-1]`` zero."""
     out = a.new_zeros((a.shape[0], weight.shape[-1] if trans else weight.shape[-2]))
     for e, (lo, hi) in enumerate(_groups(offs)):
         if hi > lo:
@@ -127,15 +122,21 @@ def fp8_grouped_mm_ref(a: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, t
     return out
 
 
+def fp8_grouped_mm_ref(a: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False) -> Tensor:
+    """Grouped GEMM over expert-sorted rows by a loop of plain matmuls in ``a``'s dtype.
+
+    ``trans=False``: ``a [M, K]``, ``weight [E, N, K]`` -> ``[M, N]``, rows ``offs[e-1]:offs[e]`` times
+    ``W_e^T``; ``trans=True``: ``a [M, N]`` -> ``[M, K]``, rows times ``W_e``. Rows past ``offs[-1]`` are zero.
+    Each ``W_e`` is dequantized to ``a``'s dtype when its rows come up.
+    """
+    _check_grouped(a, weight, scale, offs, trans)
+    return _per_expert(a, weight, scale, offs, trans)
+
+
 def fp8_grouped_mm_quantized(a: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
                              quantize_a: bool = True) -> Tensor:
     """What the grouped kernel computes, in fp64: ``a`` quantized 1x128 along its columns (``quantize_a``; else
     taken as it is, the W8A16 mode), times each dequantized ``W_e``. Rows past ``offs[-1]`` are zero."""
     _check_grouped(a, weight, scale, offs, trans)
     ad = _dequant_rows(*quantize_1x128_ref(a)) if quantize_a else a.double()
-    out = ad.new_zeros((a.shape[0], weight.shape[-1] if trans else weight.shape[-2]))
-    for e, (lo, hi) in enumerate(_groups(offs)):
-        if hi > lo:
-            w = dequantize(weight[e], scale[e], torch.float64)
-            out[lo:hi] = ad[lo:hi] @ (w if trans else w.T)
-    return out
+    return _per_expert(ad, weight, scale, offs, trans)
