@@ -5,12 +5,13 @@ Three kinds, by how the layer uses the weight:
 * a linear called as a module (``q_a_proj``, ``kv_proj``, the compressors' projections, the indexer's scorer):
   :class:`LoraLinear`, ``y = base(x) + scale * B(A(dropout(x)))``;
 * a linear whose weight the layer reads directly (the attention core's ``q_b_proj``, ``o_a_proj`` (grouped),
-  ``o_b_proj``, the indexer's ``q_b_proj``, the shared expert's three): :class:`LoraWeight`, whose ``weight`` is
-  the effective ``W + scale * B @ A`` (exact math, as PEFT's ``ParamWrapper`` does) while the module that reads it
-  (the attention layer, the shared expert) runs its forward, and the plain parameter otherwise, as in PEFT (FSDP2
-  finds its parameters again by ``getattr`` after moving them: it must get the parameter, not a sum); dropout on
-  the input cannot be applied there (``x`` is not factored out of ``W x``), so it is refused, as PEFT refuses it
-  for ``target_parameters``;
+  ``o_b_proj``, the indexer's ``q_b_proj``, the shared expert's three): :class:`LoraWeight` holds the factors, and
+  the module that reads the weight (the attention layer, the shared expert) reads it through its
+  ``projection_weight(name)``, which its LoRA subclass (:class:`LoraReader`) returns as the effective
+  ``W + scale * B @ A`` (exact math, as PEFT's ``ParamWrapper`` does; the same road as the HF integration's PEFT
+  adapters); ``weight`` stays the plain parameter (FSDP2 finds its parameters again by ``getattr`` after moving
+  them); dropout on the input cannot be applied there (``x`` is not factored out of ``W x``), so it is refused, as
+  PEFT refuses it for ``target_parameters``;
 * the routed experts: :class:`LoraExperts`, a pair per expert through the grouped GEMMs
   (:class:`csattn.ops.moe.ExpertLora`), never forming ``W + BA`` for all experts.
 
@@ -37,7 +38,7 @@ from ..ops.autograd import with_zero_grads
 from ..ops.moe import ExpertLora, moe_experts
 from .groups import group_of
 
-__all__ = ["LoraSpec", "LoraLinear", "LoraWeight", "LoraExperts", "add_lora", "lora_modules", "init_lora",
+__all__ = ["LoraSpec", "LoraLinear", "LoraWeight", "LoraReader", "LoraExperts", "add_lora", "lora_modules", "init_lora",
            "lora_delta", "WEIGHT_READ"]
 
 # linears whose weight the layer reads directly (relative to a decoder layer)
@@ -89,31 +90,19 @@ class LoraLinear(nn.Linear, _Factors):
 
 
 class LoraWeight(_Factors):
-    """Mixin over a linear whose weight the layer reads: ``weight`` is ``W + scale * B @ A`` (no dropout) while its
-    reader's forward runs (``lora_reading > 0``, see :func:`_while_reading`), the parameter ``W`` otherwise."""
-
-    lora_reading: int = 0
-
-    @property
-    def weight(self) -> Tensor:
-        w = self._parameters["weight"]
-        return w + self.delta().to(w.dtype) if self.lora_reading else w
+    """Mixin over a linear whose weight the layer reads: the factors, which its reader (:class:`LoraReader`) adds
+    to the weight it multiplies by; ``weight`` stays the parameter ``W``."""
 
 
-def _while_reading(reader: nn.Module, modules: list[nn.Module]) -> None:
-    """Hooks on ``reader``'s forward (a module call: also when a checkpoint recomputes it) that make ``modules``'
-    ``weight`` the effective one during it."""
+class LoraReader:
+    """Mixin over a module that reads its linears' weights through ``projection_weight(name)`` (the attention layer,
+    the shared expert): the weight plus ``scale * B @ A`` (no dropout) where the linear ``name`` is a
+    :class:`LoraWeight`."""
 
-    def enter(*_: object) -> None:
-        for m in modules:
-            m.lora_reading += 1
-
-    def leave(*_: object) -> None:
-        for m in modules:
-            m.lora_reading -= 1
-
-    reader.register_forward_pre_hook(enter)
-    reader.register_forward_hook(leave, always_call=True)
+    def projection_weight(self, name: str) -> Tensor:
+        w = super().projection_weight(name)
+        module = self.get_submodule(name)
+        return w + module.delta().to(w.dtype) if isinstance(module, LoraWeight) else w
 
 
 class LoraExperts(Experts):
@@ -151,6 +140,10 @@ def _weight_read_class(cls: type) -> type:
     return type(f"Lora{cls.__name__}", (LoraWeight, cls), {})
 
 
+def _lora_reader_class(cls: type) -> type:
+    return _READER_CLASSES.setdefault(cls, type(f"Lora{cls.__name__}", (LoraReader, cls), {}))
+
+
 def _lora_experts_class(cls: type) -> type:
     """:class:`LoraExperts` over ``cls``: the class itself for plain experts, a subclass of both for others (the
     FP8-held experts), whose :meth:`Experts.moe_operands` the adapter's forward runs."""
@@ -160,6 +153,7 @@ def _lora_experts_class(cls: type) -> type:
 
 
 _EXPERT_CLASSES: dict[type, type] = {}
+_READER_CLASSES: dict[type, type] = {}
 _WEIGHT_CLASSES: dict[type, type] = {nn.Linear: _weight_read_class(nn.Linear),
                                      GroupedLinear: _weight_read_class(GroupedLinear)}
 
@@ -197,7 +191,7 @@ def add_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
                              "indexer's q_b_proj, the shared and routed experts), where LoRA is an effective weight "
                              "W + scale * B @ A and dropout on the input cannot apply (PEFT refuses it there too): "
                              "pass --lora-dropout 0, or --lora-targets compressor only")
-    readers: dict[str, list[nn.Module]] = {}
+    readers: set[str] = set()
     for name, module in targets:
         if getattr(module, "frozen_storage", None) and not isinstance(module, Experts):
             raise ValueError(f"{name}: LoRA on a dense linear held in FP8 is not supported; load the dense linears in "
@@ -207,13 +201,15 @@ def add_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
             module.__class__ = _lora_experts_class(type(module))
         elif _reads_weight(name, module):
             module.__class__ = _WEIGHT_CLASSES[type(module)]
-            readers.setdefault(_reader(name), []).append(module)
+            readers.add(_reader(name))
         else:
             module.__class__ = LoraLinear
             module.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
         module._add_factors(spec)
-    for reader, modules in readers.items():
-        _while_reading(model.get_submodule(reader), modules)
+    for path in sorted(readers):
+        reader = model.get_submodule(path)
+        if not isinstance(reader, LoraReader):
+            reader.__class__ = _lora_reader_class(type(reader))
     return [n for n, _ in targets]
 
 

@@ -244,6 +244,20 @@ def _kind(module: nn.Module) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- effective weights
+def _unmerged_active(wrapper: nn.Module, base: nn.Module, where: str, held: str) -> bool:
+    """Whether ``wrapper``'s active adapters add to what reads ``base``, as in PEFT's forward: disabled adapters add
+    nothing (and unmerge what was merged), merged ones add nothing (``base`` holds them; refused where ``base`` is
+    FP8-held, ``held`` naming it, as the delta rounds into the e4m3 codes)."""
+    if wrapper.disable_adapters:
+        if wrapper.merged:
+            wrapper.unmerge()
+        return False
+    if wrapper.merged and hf_fp8.is_held(base):
+        raise ValueError(f"{where}: LoRA merged into {held} (its delta rounds into the e4m3 codes); unmerge_adapter() "
+                         "and train the adapter beside it")
+    return not wrapper.merged
+
+
 def effective_weight(module: nn.Module, where: str = "") -> Tensor:
     """The weight a linear ``module`` multiplies by, with the LoRA adapters PEFT put on it.
 
@@ -266,14 +280,7 @@ def effective_weight(module: nn.Module, where: str = "") -> Tensor:
             raise ValueError(f"{where or type(w).__name__}: csattn's fused attention reads this projection's weight "
                              "and never calls the module, so forward hooks on it (PEFT's mixed adapter batches, "
                              "adapter_names=) would not run; run one adapter per batch (set_adapter)")
-        if w.disable_adapters:
-            if w.merged:
-                w.unmerge()
-            continue
-        if w.merged:
-            if hf_fp8.is_held(base):
-                raise ValueError(f"{where or type(w).__name__}: LoRA merged into an FP8-held weight (its delta rounds "
-                                 "into the e4m3 codes); unmerge_adapter() and train the adapter beside it")
+        if not _unmerged_active(w, base, where or type(w).__name__, "an FP8-held weight"):
             continue
         deltas += [w.get_delta_weight(name) for name in w.active_adapters if name in w.lora_A]
     for delta in deltas:
@@ -295,14 +302,7 @@ def expert_loras(experts: nn.Module, shapes: dict[str, tuple[int, int]], where: 
     inner = innermost(experts)
     found: dict[str, list[tuple[Tensor, Tensor, float]]] = {}
     for w in _chain(experts):
-        if w.disable_adapters:
-            if w.merged:
-                w.unmerge()
-            continue
-        if w.merged:
-            if hf_fp8.is_held(inner):
-                raise ValueError(f"{where}: LoRA merged into FP8-held experts (its delta rounds into the e4m3 codes); "
-                                 "unmerge_adapter() and train the adapter beside them")
+        if not _unmerged_active(w, inner, where, "FP8-held experts"):
             continue
         name = w.parameter_name
         out, inp = shapes[name]

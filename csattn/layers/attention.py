@@ -184,8 +184,9 @@ class HybridAttention(nn.Module):
     def projection_weight(self, name: str) -> Tensor:
         """The weight the layer multiplies by for projection ``name``: one of :attr:`READ_PROJECTIONS`, the
         projections whose weights the fused paths read (block-recomputed core, row-chunked indexer queries) instead
-        of calling the module. A subclass may return an effective weight instead (e.g. the module's weight plus the
-        adapters an integration put on it); the layer calls the other projections as modules."""
+        of calling the module. A subclass may return an effective weight instead: the module's weight plus its LoRA
+        (``csattn.finetune.lora.LoraReader``, the HF integration's PEFT adapters); the layer calls the other
+        projections as modules."""
         return self.get_submodule(name).weight
 
     # ------------------------------------------------------------------ phases (private; the flow above runs them)

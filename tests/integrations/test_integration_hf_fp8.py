@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import DataCollatorWithFlattening, FineGrainedFP8Config  # noqa: E402
+from transformers import FineGrainedFP8Config  # noqa: E402
 from transformers.integrations.finegrained_fp8 import (  # noqa: E402
     Fp8Dequantize,
     FP8Experts,
@@ -24,6 +24,7 @@ from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQu
 
 from csattn.integrations.transformers import is_patched, patch, unpatch  # noqa: E402
 from csattn.models.deepseek_v4.release import quantize_fp8_blocks, quantize_mxfp4  # noqa: E402
+from tests.integrations import peft_support as ps  # noqa: E402
 from tests.models.model_utils import hf_model, tiny_config_dict  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -91,25 +92,6 @@ def _lora(experts: bool = True, **kwargs) -> LoraConfig:
                                 init_lora_weights=False), **kwargs})
 
 
-def _docs(lengths, vocab: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
-
-
-def _loss(model, docs, device: str = "cpu"):
-    batch = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
-    return model(**{k: v.to(device) for k, v in batch.items()}).loss
-
-
-def _per_document_loss(ref, docs):
-    total = sum(len(d) - 1 for d in docs)
-    return sum(ref(input_ids=d[None], labels=d[None]).loss * (len(d) - 1) for d in docs) / total
-
-
-def _adapters(model) -> dict[str, torch.nn.Parameter]:
-    return {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
-
-
 def _codes(model) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in model.state_dict().items() if t.element_size() == 1}
 
@@ -131,12 +113,12 @@ def test_fp8_model_with_lora_equals_hf_eager_on_the_dequantized_weights(expert_d
     assert {"PatchedFP8Linear", "PatchedFP8GroupedLinear", "PatchedFP8Experts"} <= swapped  # csattn's FP8 ops run
     ours.load_state_dict({n: p for n, p in ref.state_dict().items() if ".lora_" in n}, strict=False)
     codes = _codes(ours)
-    docs = _docs(LENGTHS, _config()["vocab_size"])
-    loss, expected = _loss(ours, docs), _per_document_loss(ref, docs)
+    docs = ps.docs(LENGTHS, _config()["vocab_size"])
+    loss, expected = ps.flattened_loss(ours, docs), ps.per_document_loss(ref, docs)
     loss.backward()
     expected.backward()
     assert_close(loss, expected, TOL, "loss")
-    ours_p, ref_p = _adapters(ours), _adapters(ref)
+    ours_p, ref_p = ps.adapters(ours), ps.adapters(ref)
     assert set(ours_p) == set(ref_p)
     checked = 0
     for name, p in ref_p.items():
@@ -163,15 +145,15 @@ def test_fp8_model_under_autocast_equals_the_dequantized_model(expert_dtype):
     lora = _lora(experts=expert_dtype == "fp8")
     ours, theirs = get_peft_model(patch(held), lora), get_peft_model(patch(ref), lora)
     theirs.load_state_dict({n: p for n, p in ours.state_dict().items() if ".lora_" in n}, strict=False)
-    docs = _docs(LENGTHS, _config()["vocab_size"])
+    docs = ps.docs(LENGTHS, _config()["vocab_size"])
     losses = []
     for model in (ours, theirs):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            losses.append(_loss(model, docs))
+            losses.append(ps.flattened_loss(model, docs))
         losses[-1].backward()
     assert losses[0].dtype == torch.float32 and torch.equal(losses[0], losses[1])
-    want = _adapters(theirs)
-    for name, p in _adapters(ours).items():
+    want = ps.adapters(theirs)
+    for name, p in ps.adapters(ours).items():
         assert (p.grad is None) == (want[name].grad is None), name
         assert p.grad is None or torch.equal(p.grad, want[name].grad), name
 
@@ -181,8 +163,8 @@ def test_every_adapter_trains_through_the_frozen_fp8_layers():
     every adapter tensor gets a nonzero gradient, none silently dropped."""
     held, _ = fp8_pair("fp8")
     model = get_peft_model(patch(held, indexer_loss_coeff=1.0), _lora())
-    _loss(model, _docs(LENGTHS, _config()["vocab_size"])).backward()
-    adapters = _adapters(model)
+    ps.flattened_loss(model, ps.docs(LENGTHS, _config()["vocab_size"])).backward()
+    adapters = ps.adapters(model)
     assert len(adapters) == 4 * 20 + 2 * 4 + 8
     missing = [n for n, p in adapters.items() if p.grad is None or torch.count_nonzero(p.grad) == 0]
     assert not missing, missing
@@ -260,7 +242,7 @@ def test_to_dtype_keeps_the_codes_and_the_model_computes_in_it(expert_dtype, ass
         assert now[name].dtype == t.dtype and torch.equal(now[name].view(torch.uint8), t.view(torch.uint8)), name
     attn = held.model.layers[2].self_attn
     assert attn.compute_dtype() == torch.bfloat16 and attn.projection_weight("q_b_proj").dtype == torch.bfloat16
-    ids = _docs([30], _config()["vocab_size"], seed=4)[0][None]
+    ids = ps.docs([30], _config()["vocab_size"], seed=4)[0][None]
     with torch.no_grad():
         got = held(input_ids=ids).logits
         want = patch(ref.to(torch.bfloat16))(input_ids=ids).logits
@@ -298,14 +280,14 @@ def test_fp8_model_on_the_gpu_trains_like_the_dequantized_one(expert_dtype, comp
               "bf16": get_peft_model(patch(ref), lora).cuda()}
     for model in models.values():
         model.load_state_dict({n: p for n, p in exact.state_dict().items() if ".lora_" in n}, strict=False)
-    docs = _docs([100, 156], 64, seed=2)
+    docs = ps.docs([100, 156], 64, seed=2)
     results = {}
     for name, model in [*models.items(), ("exact", exact)]:
         device = "cpu" if name == "exact" else "cuda"
         with torch.autocast(device, dtype=torch.bfloat16, enabled=name != "exact"):
-            loss = _loss(model, docs, device)
+            loss = ps.flattened_loss(model, docs, device)
         loss.backward()
-        results[name] = (loss.detach(), {n: p.grad for n, p in _adapters(model).items() if p.grad is not None})
+        results[name] = (loss.detach(), {n: p.grad for n, p in ps.adapters(model).items() if p.grad is not None})
     want_loss, want = results["exact"]
     errs = {"loss": (_rel(results["fp8"][0], want_loss), _rel(results["bf16"][0], want_loss))}
     for n, g in want.items():

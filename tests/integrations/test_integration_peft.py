@@ -12,6 +12,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import DataCollatorWithFlattening  # noqa: E402
 
 from csattn.integrations.transformers import is_patched, patch, unpatch  # noqa: E402
+from tests.integrations import peft_support as ps  # noqa: E402
 from tests.models.model_utils import hf_model, tiny_config_dict  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,37 +50,16 @@ def _pair(order: str, pattern: str = "flash", **lora_kwargs):
     return ours, ref, cfg
 
 
-def _docs(lengths, vocab: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
-
-
-def _flattened_loss(model, docs):
-    batch = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
-    return model(**batch).loss
-
-
-def _per_document_loss(ref, docs):
-    """HF eager on each document alone, weighted as the flattened batch's mean over its L - 1 targets per document."""
-    total = sum(len(d) - 1 for d in docs)
-    loss = sum(ref(input_ids=d[None], labels=d[None]).loss * (len(d) - 1) for d in docs) / total
-    return loss
-
-
-def _adapters(model) -> dict[str, torch.nn.Parameter]:
-    return {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
-
-
 @pytest.mark.parametrize("order", ORDERS)
 def test_lora_equals_hf_eager_peft(order, assert_close):
     ours, ref, cfg = _pair(order)
-    docs = _docs(LENGTHS, cfg["vocab_size"])
-    loss = _flattened_loss(ours, docs)
+    docs = ps.docs(LENGTHS, cfg["vocab_size"])
+    loss = ps.flattened_loss(ours, docs)
     loss.backward()
-    expected = _per_document_loss(ref, docs)
+    expected = ps.per_document_loss(ref, docs)
     expected.backward()
     assert_close(loss, expected, TOL, "loss")
-    ours_p, ref_p = _adapters(ours), _adapters(ref)
+    ours_p, ref_p = ps.adapters(ours), ps.adapters(ref)
     assert set(ours_p) == set(ref_p)
     checked = 0
     for name, p in ref_p.items():
@@ -103,28 +83,36 @@ def test_every_adapter_gets_a_gradient(order):
     """With csattn's indexer loss the indexer's adapters train too: every adapter tensor gets a nonzero gradient."""
     cfg = tiny_config_dict("flash")
     model = _patched(order, cfg, _lora(), indexer_loss_coeff=1.0)
-    _flattened_loss(model, _docs(LENGTHS, cfg["vocab_size"])).backward()
-    adapters = _adapters(model)
+    ps.flattened_loss(model, ps.docs(LENGTHS, cfg["vocab_size"])).backward()
+    adapters = ps.adapters(model)
     # + the indexer's q_b_proj, kv_proj, gate_proj, weights_proj (4 x 2 factors) on the CSA layer
     assert len(adapters) == 4 * 20 + 2 * 4 + 8
     missing = [n for n, p in adapters.items() if p.grad is None or torch.count_nonzero(p.grad) == 0]
     assert not missing, missing
 
 
-@pytest.mark.parametrize("order", ORDERS)
-def test_adapter_states_as_in_peft(order, assert_close):
-    """Two adapters active at once, adapters disabled, a merged adapter: the patched forward follows PEFT's."""
-    ours, ref, cfg = _pair(order, target_parameters=None, target_modules=["q_b_proj", "o_b_proj", "kv_proj"])
+def _two_adapters(order: str, first: dict, second: dict):
+    """:func:`_pair` with LoRA ``first`` as "default" and ``second`` as "second", both active; and the pair's
+    ``logits(model)`` on one document (no grad)."""
+    ours, ref, cfg = _pair(order, **first)
     for model in (ours, ref):
-        model.add_adapter("second", _lora(target_parameters=None, target_modules=["q_b_proj", "o_b_proj"]))
+        model.add_adapter("second", _lora(**second))
         model.base_model.set_adapter(["default", "second"])
     ours.load_state_dict(ref.state_dict())
-    ids = _docs([30], cfg["vocab_size"], seed=4)[0][None]
+    ids = ps.docs([30], cfg["vocab_size"], seed=4)[0][None]
 
     def logits(model):
         with torch.no_grad():
             return model(input_ids=ids).logits
 
+    return ours, ref, logits
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_adapter_states_as_in_peft(order, assert_close):
+    """Two adapters active at once, adapters disabled, a merged adapter: the patched forward follows PEFT's."""
+    first = dict(target_parameters=None, target_modules=["q_b_proj", "o_b_proj", "kv_proj"])
+    ours, ref, logits = _two_adapters(order, first, dict(first, target_modules=["q_b_proj", "o_b_proj"]))
     both = logits(ref)
     assert_close(logits(ours), both, TOL, "two active adapters")
     with ours.disable_adapter(), ref.disable_adapter():
@@ -141,17 +129,7 @@ def test_expert_adapter_states_as_in_peft(assert_close):
     """LoRA on the routed experts runs as pairs per expert through csattn's grouped GEMMs: two active adapters (other
     scales), adapters disabled, a merged adapter give PEFT's forward."""
     lora = dict(target_modules=["q_a_proj"], target_parameters=["experts.gate_up_proj", "experts.down_proj"])
-    ours, ref, cfg = _pair("peft_after_patch", **lora)
-    for model in (ours, ref):
-        model.add_adapter("second", _lora(**lora, lora_alpha=20))
-        model.base_model.set_adapter(["default", "second"])
-    ours.load_state_dict(ref.state_dict())
-    ids = _docs([30], cfg["vocab_size"], seed=4)[0][None]
-
-    def logits(model):
-        with torch.no_grad():
-            return model(input_ids=ids).logits
-
+    ours, ref, logits = _two_adapters("peft_after_patch", lora, dict(lora, lora_alpha=20))
     both = logits(ref)
     assert_close(logits(ours), both, TOL, "two active adapters")
     ours.base_model.set_adapter("second")
@@ -210,8 +188,8 @@ def test_other_tuners_on_called_modules_equal_hf(assert_close):
     ref = get_peft_model(hf_model(cfg, seed=SEED), peft.LoHaConfig(**loha))
     ours = patch(get_peft_model(hf_model(cfg, seed=SEED), peft.LoHaConfig(**loha)))
     ours.load_state_dict(ref.state_dict())
-    docs = _docs([17, 26], cfg["vocab_size"], seed=2)
-    loss, expected = _flattened_loss(ours, docs), _per_document_loss(ref, docs)
+    docs = ps.docs([17, 26], cfg["vocab_size"], seed=2)
+    loss, expected = ps.flattened_loss(ours, docs), ps.per_document_loss(ref, docs)
     loss.backward()
     expected.backward()
     assert_close(loss, expected, TOL, "loss")
@@ -234,7 +212,7 @@ def test_mixed_adapter_batch_refused():
 @pytest.mark.parametrize("order", ORDERS)
 def test_unpatch_keeps_the_adapters(order, assert_close):
     ours, ref, cfg = _pair(order)
-    ids = _docs([30], cfg["vocab_size"], seed=4)[0][None]
+    ids = ps.docs([30], cfg["vocab_size"], seed=4)[0][None]
     unpatch(ours)
     assert not is_patched(ours)
     assert list(ours.state_dict()) == list(ref.state_dict())
@@ -254,10 +232,10 @@ def test_gradient_checkpointing_recomputes_the_adapters(reentrant):
     ckpt = _patched("patch_after_peft", cfg, _lora())
     ckpt.load_state_dict(plain.state_dict())
     ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    docs = _docs([25, 15], cfg["vocab_size"], seed=1)
+    docs = ps.docs([25, 15], cfg["vocab_size"], seed=1)
     for model in (plain, ckpt):
-        _flattened_loss(model, docs).backward()
-    expected, got = _adapters(plain), _adapters(ckpt)
+        ps.flattened_loss(model, docs).backward()
+    expected, got = ps.adapters(plain), ps.adapters(ckpt)
     trained = [n for n, p in expected.items() if p.grad is not None]
     assert len(trained) == 4 * 20 + 2 * 4
     for name in trained:
@@ -272,7 +250,7 @@ def test_adapter_files_load_into_hf(tmp_path, assert_close):
     cfg = tiny_config_dict("flash")
     ours = _patched("peft_after_patch", cfg, _lora())
     ours.save_pretrained(tmp_path)
-    ids = _docs([30], cfg["vocab_size"], seed=4)[0][None]
+    ids = ps.docs([30], cfg["vocab_size"], seed=4)[0][None]
     with torch.no_grad():
         expected = ours(input_ids=ids).logits
         hf = PeftModel.from_pretrained(hf_model(cfg, seed=SEED), tmp_path)
@@ -287,13 +265,13 @@ def test_trainer_trains_the_adapters_only(tmp_path):
     cfg = tiny_config_dict("flash")
     model = _patched("peft_after_patch", cfg, _lora(init_lora_weights=True))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    docs = _docs([13, 29, 7, 21], cfg["vocab_size"], seed=9)
+    docs = ps.docs([13, 29, 7, 21], cfg["vocab_size"], seed=9)
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2,
                              per_device_train_batch_size=2, learning_rate=1e-2, save_strategy="no",
                              logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0)
     Trainer(model=model, args=args, train_dataset=[{"input_ids": d.tolist()} for d in docs],
             data_collator=DataCollatorWithFlattening()).train()
-    adapters = _adapters(model)
+    adapters = ps.adapters(model)
     assert adapters and all(p.requires_grad for p in adapters.values())
     unchanged = [n for n in adapters if ".indexer." not in n and torch.equal(adapters[n], before[n])]
     assert not unchanged, unchanged
@@ -313,19 +291,20 @@ def test_sft_trainer_with_peft_config(tmp_path):
     cfg = tiny_config_dict("flash")
     model = patch(hf_model(cfg, seed=SEED))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    dataset = Dataset.from_dict({"input_ids": [d.tolist() for d in _docs([13, 29, 7, 21], cfg["vocab_size"], seed=9)]})
+    docs = ps.docs([13, 29, 7, 21], cfg["vocab_size"], seed=9)
+    dataset = Dataset.from_dict({"input_ids": [d.tolist() for d in docs]})
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2, per_device_train_batch_size=2,
                      padding_free=True, max_length=None, learning_rate=1e-2, save_strategy="no", logging_steps=1,
                      disable_tqdm=True, dataloader_num_workers=0, seed=0)
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=_tokenizer(64),
                          peft_config=_lora(init_lora_weights=True))
-    start = {n: p.detach().clone() for n, p in _adapters(trainer.model).items()}  # made by SFTTrainer
+    start = {n: p.detach().clone() for n, p in ps.adapters(trainer.model).items()}  # made by SFTTrainer
     trainer.train()
     peft_model = trainer.model
     assert is_patched(peft_model) and peft_model.is_gradient_checkpointing
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), losses
-    adapters = _adapters(peft_model)
+    adapters = ps.adapters(peft_model)
     unchanged = [n for n, p in adapters.items() if ".indexer." not in n and torch.equal(p, start[n])]
     assert len(adapters) == 4 * 20 + 2 * 4 + 8 and not unchanged, unchanged
     base = {n.replace("base_model.model.", "", 1).replace(".base_layer", ""): p

@@ -162,12 +162,17 @@ class SharedExpert(nn.Module):
         for lin in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(lin.weight, std=0.02)
 
+    def projection_weight(self, name: str) -> Tensor:
+        """The weight the expert multiplies by for ``name`` (``gate_proj``, ``up_proj``, ``down_proj``), which it reads
+        instead of calling the linear; a subclass may return an effective weight (e.g. with LoRA's delta added)."""
+        return self.get_submodule(name).weight
+
     def forward(self, x: Tensor) -> Tensor:
         """``x [T, D]`` -> ``[T, D]``."""
         # [1, 2I, D] gate rows first and [1, D, I]: the routed experts' layout (a copy of the small weights per
         # call; the parameters keep HF's names and shapes)
-        gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight]).unsqueeze(0)
-        down = self.down_proj.weight.unsqueeze(0)
+        gate_up = torch.cat([self.projection_weight("gate_proj"), self.projection_weight("up_proj")]).unsqueeze(0)
+        down = self.projection_weight("down_proj").unsqueeze(0)
         rows = x.shape[0]
         one = torch.zeros(rows, 1, dtype=torch.long, device=x.device)
         weight = torch.ones(rows, 1, dtype=x.dtype, device=x.device)
