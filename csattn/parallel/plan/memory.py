@@ -3,19 +3,16 @@ the FSDP units in flight, kept activations and the backward's workspaces; the pe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from ...models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfig
 from ..mesh import ParallelDims
 from .counts import GROUPS, GroupCount, Training, cached, count_groups, layer_kinds
+from .records import GiB, Part, Plan, Sizes
+from .timing import step_time
 
-__all__ = ["GiB", "H200_BYTES", "HEADROOM", "LIMIT_BYTES", "FP8_BYTES", "KEPT_KIB", "TRANSIENT", "Plan", "Sizes",
-           "kept_bytes_per_token", "plan", "sizes"]
+__all__ = ["FP8_BYTES", "KEPT_KIB", "TRANSIENT", "fp8_workspace", "kept_bytes_per_token", "plan", "sizes"]
 
-GiB = 2**30
-H200_BYTES = 139.8 * GiB  # the H200's memory as torch.cuda reports it (shared/GPU.md)
-HEADROOM = 0.05  # left to the caching allocator (fragmentation, reserved-but-free blocks)
-LIMIT_BYTES = (1 - HEADROOM) * H200_BYTES  # a plan fits when its peak is at most this
 FP8_BYTES = 1 + 4 / (128 * 128)  # e4m3 plus one fp32 scale per 128x128 block, per element
 FP8_ACT_BYTES = 1 + 4 / 128  # e4m3 plus one fp32 scale per 1x128 tile (activations)
 
@@ -76,64 +73,6 @@ def kept_bytes_per_token(c: DeepseekV4ModelConfig, recompute: str) -> dict[str, 
     else:
         raise ValueError(f"--recompute must be one of {RECOMPUTE_CHOICES}, got {recompute!r}")
     return {**per, "model": model, "recompute_extra": extra}
-
-
-@dataclass
-class Plan:
-    """One mesh's per-rank memory (bytes) and estimated step time (seconds). ``peak`` decides ``fits``;
-    ``total`` (every term at once) is never reached."""
-
-    config: str
-    gpus: int
-    seq_len: int
-    batch_seqs: int
-    dims: dict[str, int]
-    recompute: str
-    dtype: str
-    sharded: bool
-    params_total: int
-    rows: int  # stream rows a rank processes per step
-    training: dict = field(default_factory=dict)  # train / lora_rank / lora_targets / base_precision
-    params_trained: int = 0  # trained in full, plus the LoRA parameters
-    params_lora: int = 0
-    memory: dict[str, float] = field(default_factory=dict)
-    total: float = 0.0
-    peak: float = 0.0
-    peak_at: str = ""
-    limit: float = LIMIT_BYTES
-    fits: bool = False
-    time: dict[str, float] = field(default_factory=dict)
-    step_s: float = 0.0
-    tokens_per_s: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    config_path: str = ""
-
-
-@dataclass(frozen=True)
-class Part:
-    """Elements trained (matrices incl. LoRA / vectors) and bytes of frozen storage of some groups."""
-
-    trained: float = 0.0
-    trained_small: float = 0.0
-    frozen: float = 0.0
-
-    @property
-    def train_elems(self) -> float:
-        return self.trained + self.trained_small
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """:class:`Part` of the whole model, the largest block (an FSDP unit) and the root, dense and routed experts
-    apart (they shard over different meshes)."""
-
-    dense: Part
-    experts: Part
-    unit_dense: Part
-    unit_experts: Part
-    root: Part
-    head_trained: float  # trained elements of the LM head (the embedding's when tied)
-    blocks: int
 
 
 def _part(groups: dict[str, GroupCount], t: Training, cbytes: int, experts: bool) -> Part:
@@ -205,8 +144,6 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
             replica). recompute: one of ``RECOMPUTE_CHOICES``. dtype: ``bfloat16`` or ``float32``.
         training: what trains (default: everything, :class:`Training`).
     """
-    from .timing import step_time
-
     t = Training() if training is None else training
     dims, batch_seqs = _resolve(c, dims, seq_len, batch_seqs, recompute, dtype)
     if t.fp8("experts"):

@@ -9,7 +9,7 @@ from ...models.deepseek_v4.config import DeepseekV4ModelConfig
 from ...report.flops import PEAK_FLOPS
 from ..mesh import ParallelDims
 from .counts import Training, cached, count_groups
-from .memory import Part, Plan, Sizes
+from .records import Part, Plan, Sizes
 
 __all__ = ["NVLINK_BPS", "IB_BPS", "GPUS_PER_NODE", "MFU_BY_ROWS", "RECOMPUTE_SLOWDOWN", "FP8_GEMM_SPEEDUP",
            "mfu_at", "step_flops", "step_time"]
