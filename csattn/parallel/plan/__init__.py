@@ -45,12 +45,12 @@ from .counts import (
 from .load import load_config
 from .memory import FP8_BYTES, KEPT_KIB, TRANSIENT, fp8_workspace, kept_bytes_per_token, plan
 from .meshes import docs_table, nearest_fits, rank_plans, search
-from .records import H200_BYTES, HEADROOM, LIMIT_BYTES, Plan
+from .records import H200_BYTES, HEADROOM, LIMIT_BYTES, Memory, Plan
 from .timing import FP8_GEMM_SPEEDUP, MFU_BY_ROWS, RECOMPUTE_SLOWDOWN, mfu_at, step_flops, step_time
 
 __all__ = ["BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "FP8_BYTES", "FP8_GEMM_SPEEDUP", "FP8_GROUPS",
            "GROUPS", "GroupCount", "GroupCounts", "H200_BYTES", "HEADROOM", "KEPT_KIB",
-           "LIMIT_BYTES", "MFU_BY_ROWS", "ParamCounts", "Plan", "RECOMPUTE_SLOWDOWN", "TRANSIENT", "Training",
+           "LIMIT_BYTES", "MFU_BY_ROWS", "Memory", "ParamCounts", "Plan", "RECOMPUTE_SLOWDOWN", "TRANSIENT", "Training",
            "add_plan_args", "count_groups", "count_params", "docs_table", "format_plan", "fp8_workspace", "group_of",
            "kept_bytes_per_token", "load_config", "main", "mfu_at", "nearest_fits", "plan", "rank_plans", "run_plan",
            "search", "step_flops", "step_time", "train_command", "training_spec"]

@@ -100,7 +100,7 @@ def format_plan(p: Plan) -> str:
                  f"{'FSDP2, fp32 master weights' if p.sharded else 'one process, no FSDP'}")
     lines += _training_lines(p)
     lines.append("  per rank (GiB):")
-    lines += [f"    {k:<18}{_gib(v)}" for k, v in p.memory.items()]
+    lines += [f"    {k:<18}{_gib(v)}" for k, v in p.memory.terms()]
     lines.append(f"  peak: {p.peak / GiB:.2f} GiB per rank, at {p.peak_at}: the figure that decides the fit (the "
                  "terms above never all peak at once)")
     lines.append(f"fit: {'yes' if p.fits else 'NO'}: peak {p.peak / GiB:.2f} GiB "

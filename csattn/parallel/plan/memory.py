@@ -8,7 +8,7 @@ from dataclasses import replace
 from ...models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfig
 from ..mesh import ParallelDims
 from .counts import GROUPS, GroupCount, Training, cached, count_groups, layer_kinds
-from .records import GiB, Part, Plan, Sizes
+from .records import GiB, Memory, Part, Plan, Sizes
 from .timing import step_time
 
 __all__ = ["FP8_BYTES", "KEPT_KIB", "TRANSIENT", "fp8_workspace", "kept_bytes_per_token", "plan", "sizes"]
@@ -162,59 +162,58 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
              training={"train": [g for g in GROUPS if g in t.train], "lora_rank": t.lora_rank,
                        "lora_targets": [g for g in GROUPS if g in t.lora_targets], "base_precision": t.base_precision,
                        "fp8_linears": t.fp8_linears, "fp8": [g for g in GROUPS if t.fp8(g)]})
-    held = _weights(p, c, dims, sz, cb)
-    _activations(p, c, dims, t)
-    _peak(p, c, held)
+    weights, grads_at_peak, reduce_scatter = _weights(p, c, dims, sz, cb)
+    kept, workspaces = _activations(p, c, dims)
+    p.memory = replace(weights, activations_kept=kept, workspaces=workspaces, fp8_workspace=fp8_workspace(c, rows, t))
+    _peak(p, c, grads_at_peak, reduce_scatter)
     step_time(p, c, dims, sz, t)
     return p
 
 
-def _weights(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, sz: Sizes, cb: int) -> tuple[float, float]:
-    """Fill the weight terms of ``p.memory``; returns (the gradients alive at the backward's start, the
-    reduce-scatter buffers alive at its end)."""
-    m = p.memory
+def _weights(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, sz: Sizes,
+             cb: int) -> tuple[Memory, float, float]:
+    """The weight terms of the memory; the gradients alive at the backward's start; the reduce-scatter buffers
+    alive at its end."""
     trained = sz.dense.train_elems + sz.experts.train_elems
     if p.sharded:
         f, ep, ef = dims.fsdp, dims.ep, dims.efsdp
-        m["parameters"] = (4.0 * trained + sz.dense.frozen + sz.experts.frozen) / f
-        m["gradients"] = 4.0 * trained / f
-        m["optimizer"] = 8.0 * trained / f
 
         def gathered(x: Part, group: int) -> float:  # bf16 copies of what trains; frozen weights as held
             return cb * x.train_elems + (x.frozen if group > 1 else 0.0)
 
         unit_tr = sz.unit_dense.train_elems + sz.unit_experts.train_elems / ep
-        m["gathered units"] = gathered(sz.root, f) + 2 * (gathered(sz.unit_dense, f)
-                                                          + gathered(sz.unit_experts, ef) / ep)
         # reduce-scatter: the unit's unsharded gradient in the compute dtype and its fp32 copy-in, alive only
         # once the backward has reduced a unit (so not at its start, where the activations peak); all-gather:
         # the shard's copy-in (the output is the gathered unit above)
         reduce_scatter = (cb + 4.0) * unit_tr
-        m["comm buffers"] = reduce_scatter + (cb * unit_tr + sz.unit_dense.frozen + sz.unit_experts.frozen / ep) / f
+        m = Memory(parameters=(4.0 * trained + sz.dense.frozen + sz.experts.frozen) / f,
+                   gradients=4.0 * trained / f, optimizer=8.0 * trained / f,
+                   gathered_units=gathered(sz.root, f) + 2 * (gathered(sz.unit_dense, f)
+                                                              + gathered(sz.unit_experts, ef) / ep),
+                   comm_buffers=reduce_scatter + (cb * unit_tr + sz.unit_dense.frozen
+                                                  + sz.unit_experts.frozen / ep) / f)
         # gradients are set to None after each step: at the backward's start only the root's and the last
         # block's exist (sharded)
         grads_at_peak = 4.0 * (sz.root.train_elems + unit_tr) / f
     else:
         pbytes = cb * (sz.dense.trained + sz.experts.trained) + 4.0 * (sz.dense.trained_small
                                                                        + sz.experts.trained_small)
-        m["parameters"] = pbytes + sz.dense.frozen + sz.experts.frozen
-        m["gradients"] = pbytes
-        m["optimizer"] = 2.0 * pbytes  # torch AdamW's moments in the parameters' dtype
-        m["gathered units"] = 0.0
-        m["comm buffers"] = 0.0
+        m = Memory(parameters=pbytes + sz.dense.frozen + sz.experts.frozen, gradients=pbytes,
+                   optimizer=2.0 * pbytes)  # torch AdamW's moments in the parameters' dtype
         reduce_scatter = 0.0
         # at the peak (the backward's start) only the head's and the last block's gradients exist
         grads_at_peak = cb * (sz.head_trained + sz.unit_dense.train_elems + sz.unit_experts.train_elems)
+    comm = m.comm_buffers
     if dims.ep > 1:
-        m["comm buffers"] += p.rows * c.num_experts_per_tok * c.hidden_size * 2.0 * 2
+        comm += p.rows * c.num_experts_per_tok * c.hidden_size * 2.0 * 2
     if dims.cp > 1:  # halo: one window of raw keys, every layer's compressed stream gathered (kept, below)
-        m["comm buffers"] += c.sliding_window * (c.hc_mult * c.hidden_size + c.head_dim) * 2.0
-    return grads_at_peak, reduce_scatter
+        comm += c.sliding_window * (c.hc_mult * c.hidden_size + c.head_dim) * 2.0
+    return replace(m, comm_buffers=comm), grads_at_peak, reduce_scatter
 
 
-def _activations(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, t: Training) -> None:
-    """Kept activations, the backward's workspaces and (frozen FP8 weights) the FP8 GEMMs' workspace."""
-    m, rows = p.memory, p.rows
+def _activations(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims) -> tuple[float, float]:
+    """Bytes of the kept activations and of the backward's workspaces."""
+    rows = p.rows
     kinds = layer_kinds(c)
     kept = kept_bytes_per_token(c, p.recompute)
     act = sum(kept[k] for k in kinds) * rows + kept["model"] * rows
@@ -228,15 +227,12 @@ def _activations(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, t: Train
                         / rates["compressed_sparse_attention"])
             elif k == "hca":
                 act += seqs * p.seq_len * (1 - 1 / dims.cp) * a.head_dim * 2 / rates["heavily_compressed_attention"]
-    m["activations kept"] = act
     scale = c.hidden_size / PROXY["D"]
     moe_rows = min(rows, c.moe_chunk_rows)
-    m["workspaces"] = (c.workspace_bytes + TRANSIENT["fixed_gib"] * GiB + kept["recompute_extra"] * rows
-                       + TRANSIENT["kib_per_token"] * 1024 * scale * rows
-                       + max(0, c.num_experts_per_tok - PROXY["k"]) * 2 * c.hidden_size * 2.0 * moe_rows)
-    ws = fp8_workspace(c, rows, t)
-    if ws:
-        m["fp8 workspace"] = ws
+    workspaces = (c.workspace_bytes + TRANSIENT["fixed_gib"] * GiB + kept["recompute_extra"] * rows
+                  + TRANSIENT["kib_per_token"] * 1024 * scale * rows
+                  + max(0, c.num_experts_per_tok - PROXY["k"]) * 2 * c.hidden_size * 2.0 * moe_rows)
+    return act, workspaces
 
 
 def fp8_workspace(c: DeepseekV4ModelConfig, rows: int, t: Training) -> float:
@@ -257,16 +253,15 @@ def fp8_workspace(c: DeepseekV4ModelConfig, rows: int, t: Training) -> float:
     return out
 
 
-def _peak(p: Plan, c: DeepseekV4ModelConfig, held: tuple[float, float]) -> None:
+def _peak(p: Plan, c: DeepseekV4ModelConfig, grads_at_peak: float, reduce_scatter: float) -> None:
     """The peak is the backward's start (every kept activation, few gradients, no reduce-scatter yet) or its end
     (every gradient and the reduce-scatter buffers, the activations freed, the fixed workspaces still held)."""
-    grads_at_peak, reduce_scatter = held
     m = p.memory
-    p.total = sum(m.values())
+    p.total = m.total
     fixed = c.workspace_bytes + TRANSIENT["fixed_gib"] * GiB
-    base = p.total - m["gradients"] - m["activations kept"] - m["workspaces"] - reduce_scatter
-    start = m["activations kept"] + m["workspaces"] + grads_at_peak
-    end = m["gradients"] + fixed + reduce_scatter
+    base = p.total - m.gradients - m.activations_kept - m.workspaces - reduce_scatter
+    start = m.activations_kept + m.workspaces + grads_at_peak
+    end = m.gradients + fixed + reduce_scatter
     p.peak = base + max(start, end)
     p.peak_at = "the backward's start" if start >= end else "the backward's end"
     p.fits = p.peak <= p.limit

@@ -3,14 +3,39 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-__all__ = ["GiB", "H200_BYTES", "HEADROOM", "LIMIT_BYTES", "Part", "Plan", "Sizes"]
+__all__ = ["GiB", "H200_BYTES", "HEADROOM", "LIMIT_BYTES", "Memory", "Part", "Plan", "Sizes"]
 
 GiB = 2**30
 H200_BYTES = 139.8 * GiB  # the H200's memory as torch.cuda reports it (shared/GPU.md)
 HEADROOM = 0.05  # left to the caching allocator (fragmentation, reserved-but-free blocks)
 LIMIT_BYTES = (1 - HEADROOM) * H200_BYTES  # a plan fits when its peak is at most this
+
+
+@dataclass(frozen=True)
+class Memory:
+    """One rank's memory by term (bytes). The terms never all peak at once: :attr:`Plan.peak` decides the fit."""
+
+    parameters: float = 0.0  # weights as stored: fp32 masters of what trains (sharded), frozen weights as held
+    gradients: float = 0.0  # of what trains, all of them (at the backward's end)
+    optimizer: float = 0.0  # AdamW's two moments
+    gathered_units: float = 0.0  # compute copies of the FSDP units in flight
+    comm_buffers: float = 0.0  # reduce-scatter and all-gather buffers, EP all-to-all, CP halo
+    activations_kept: float = 0.0  # for the backward
+    workspaces: float = 0.0  # the backward's transient memory
+    fp8_workspace: float = 0.0  # the GEMMs of frozen FP8-held weights (none without them)
+
+    @property
+    def total(self) -> float:
+        """Every term at once (never reached)."""
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def terms(self) -> list[tuple[str, float]]:
+        """``(name, bytes)`` of each term in table order, named as printed (``gathered units``); the FP8 workspace
+        only when there is one."""
+        return [(f.name.replace("_", " "), getattr(self, f.name)) for f in fields(self)
+                if f.name != "fp8_workspace" or self.fp8_workspace]
 
 
 @dataclass
@@ -31,7 +56,7 @@ class Plan:
     training: dict = field(default_factory=dict)  # train / lora_rank / lora_targets / base_precision
     params_trained: int = 0  # trained in full, plus the LoRA parameters
     params_lora: int = 0
-    memory: dict[str, float] = field(default_factory=dict)
+    memory: Memory = field(default_factory=Memory)
     total: float = 0.0
     peak: float = 0.0
     peak_at: str = ""
