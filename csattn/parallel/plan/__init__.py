@@ -16,13 +16,15 @@ Pure functions, no GPU, no process group. What a rank holds (``csattn.parallel.p
 
 The phases, one module each, each importing only those before it: ``load`` (the model's ``config.json``),
 ``counts`` (parameters by kind and by fine-tuning group), ``records`` (the :class:`Plan` record and the H200 it must
-fit), ``timing`` (FLOPs run, MFU, communication), ``memory`` (per-rank bytes, the peak that decides the fit; builds
-the plan), ``meshes`` (the search, what would fit, the docs table), ``cli`` (``csattn plan``).
+fit), ``measured`` (the measured constants, generated), ``timing`` (FLOPs run, MFU, communication), ``memory``
+(per-rank bytes, the peak that decides the fit; builds the plan), ``meshes`` (the search, what would fit, the docs
+table), ``cli`` (``csattn plan``).
 
 Kept activations come from the measured bytes per token per layer of the proxy (:data:`KEPT_KIB`), scaled by the
 geometry; the backward's transient memory from the proxy's measured step peaks (:data:`TRANSIENT`). The step time
 is the FLOPs run at the measured one-GPU MFU (:data:`MFU_BY_ROWS`) times the recompute's measured slow-down, plus
-the communication model of :func:`step_time`.
+the communication model of :func:`step_time`. ``measured.py`` (``TRANSIENT``, ``MFU_BY_ROWS``, ``FP8_GEMM_SPEEDUP``)
+is written by ``python -m benchmarks.results`` from ``benchmarks/results/h200/``: re-measuring updates the planner.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ from .counts import (
     training_spec,
 )
 from .load import load_config
-from .memory import FP8_BYTES, KEPT_KIB, TRANSIENT, fp8_workspace, kept_bytes_per_token, plan
+from .measured import FP8_GEMM_SPEEDUP, MFU_BY_ROWS, TRANSIENT
+from .memory import FP8_BYTES, KEPT_KIB, fp8_workspace, kept_bytes_per_token, plan
 from .meshes import docs_table, nearest_fits, rank_plans, search
 from .records import H200_BYTES, HEADROOM, LIMIT_BYTES, Memory, Plan
-from .timing import FP8_GEMM_SPEEDUP, MFU_BY_ROWS, RECOMPUTE_SLOWDOWN, mfu_at, step_flops, step_time
+from .timing import RECOMPUTE_SLOWDOWN, mfu_at, step_flops, step_time
 
 __all__ = ["BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "FP8_BYTES", "FP8_GEMM_SPEEDUP", "FP8_GROUPS",
            "GROUPS", "GroupCount", "GroupCounts", "H200_BYTES", "HEADROOM", "KEPT_KIB",

@@ -8,17 +8,19 @@ from dataclasses import replace
 from ...models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfig
 from ..mesh import ParallelDims
 from .counts import GROUPS, GroupCount, Training, cached, count_groups, layer_kinds
+from .measured import TRANSIENT
 from .records import GiB, Memory, Part, Plan, Sizes
 from .timing import step_time
 
-__all__ = ["FP8_BYTES", "KEPT_KIB", "TRANSIENT", "fp8_workspace", "kept_bytes_per_token", "plan", "sizes"]
+__all__ = ["FP8_BYTES", "KEPT_KIB", "fp8_workspace", "kept_bytes_per_token", "plan", "sizes"]
 
 FP8_BYTES = 1 + 4 / (128 * 128)  # e4m3 plus one fp32 scale per 128x128 block, per element
 FP8_ACT_BYTES = 1 + 4 / 128  # e4m3 plus one fp32 scale per 1x128 tile (activations)
 
 # Kept for the backward, KiB per token per layer, measured on the 4-layer proxy at 16k tokens, recompute none
 # (lab/results/model_kept_16k_h200_3f37546.txt, `python -m benchmarks.live_tensors --model --tokens 16384`).
-# Geometry of the measurement: D 4096, hc_mult 4, top-2 of 8 experts, I 2048, q_lora 1024, index_topk 512.
+# Geometry of the measurement: D 4096, hc_mult 4, top-2 of 8 experts, I 2048, q_lora 1024, index_topk 512. No stage
+# of benchmarks/results measures it, so it is typed here (measured.TRANSIENT is derived with it).
 KEPT_KIB = {
     "combines": 64.0,  # two bf16 stream sets [n, D] (scales with n * D)
     "moe": 34.11,  # routed gate/up [k, 2I] 16 + shared [2I] 8 + output [D] 8 + routing 2.11
@@ -29,11 +31,6 @@ KEPT_KIB = {
     "embed": 8.0,  # per model: the embedding [D]
     "head": 8.02,  # per model (and per MTP head): the head's normed output [D]
 }
-# The backward's memory beyond what is kept, the proxy's step peak minus its kept bytes (benchmarks/results/h200/
-# model.json 16k 9.60 GiB and 64k 34.15 GiB, model_128k.json 66.38 GiB, recompute none): a fixed part (the
-# attention core's workspace, 1 GiB by default, and the kernels' buffers) plus a part per token of the rank
-# (stream gradients, one layer's backward temporaries); fits 64k within 0.6 %.
-TRANSIENT = {"fixed_gib": 1.493 - 1.0, "kib_per_token": 22.1}
 PROXY = {"D": 4096, "n": 4, "k": 2, "I": 2048, "ql": 1024, "topk": 512}
 
 

@@ -10,6 +10,7 @@ from ...models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfi
 from ..mesh import ParallelDims
 from .counts import Training, count_params, training_spec
 from .load import load_config
+from .measured import FP8_GEMM_SPEEDUP, MFU_BY_ROWS
 from .memory import plan
 from .records import H200_BYTES, HEADROOM, LIMIT_BYTES, GiB, Plan
 
@@ -196,7 +197,8 @@ def docs_table(configs: tuple[tuple[str, str], ...] = (("V4-Flash", "benchmarks/
            "allocator). Memory: fp32 master weights, gradients and AdamW state sharded by FSDP2, bf16 "
            "compute copies of the root and two units in flight, kept activations from the measured bytes per token "
            "per layer (`csattn/parallel/plan/memory.py` `KEPT_KIB`). Time: `model_flops` at the proxy's measured "
-           "one-GPU MFU (42-44 %) x the recompute's measured slow-down, FSDP collectives overlapped except the first "
+           f"one-GPU MFU ({_mfu_range()}, `csattn/parallel/plan/measured.py`) x the recompute's measured slow-down, "
+           "FSDP collectives overlapped except the first "
            "/ last unit and the root, EP all-to-all not overlapped (NVLink 900 GB/s in a node of 8, InfiniBand "
            "50 GB/s per GPU across nodes). Estimates, not measurements.", ""]
     for label, path in configs:
@@ -207,11 +209,17 @@ def docs_table(configs: tuple[tuple[str, str], ...] = (("V4-Flash", "benchmarks/
     lora = training_spec(lora_rank=16)
     out += ["## V4-Flash, LoRA fine-tune", "",
             "`--lora-rank 16`: every group frozen, the routed experts held in FP8 (128x128 block scales) and "
-            "multiplied in FP8 (at an assumed 1.3x the bf16 rate, not measured), the rest in bf16 (`csattn train "
+            f"multiplied in FP8 (at {FP8_GEMM_SPEEDUP['fp8']:.2f}x the bf16 rate, measured on the frozen experts), "
+            "the rest in bf16 (`csattn train "
             "--base-precision fp8`'s default), LoRA rank 16 on attention, indexer, shared and routed experts (2.7 B "
             "parameters).", ""]
     out += _table(load_config(configs[0][1]), configs[0][0], seq_lens, gpus[:3], lora)
     return "\n".join(out)
+
+
+def _mfu_range() -> str:
+    lo, hi = (f"{v * 100:.0f}" for v in (min(MFU_BY_ROWS.values()), max(MFU_BY_ROWS.values())))
+    return f"{lo} %" if lo == hi else f"{lo}-{hi} %"
 
 
 def _table(c: DeepseekV4ModelConfig, label: str, seq_lens: tuple[int, ...], gpus: tuple[int, ...],
