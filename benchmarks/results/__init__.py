@@ -9,7 +9,9 @@ written by one command of :data:`~benchmarks.results.sources.STAGES` at one comm
 - ``measure.py``: runs stages, each command in its own process with its timeout;
 - ``data.py``, ``sections.py``, ``page.py``, ``plots.py``: the page from the files alone.
 - ``readme.py``: the README's figure paragraphs (between ``<!-- results:NAME -->`` marker lines) from the same
-  files, rewritten by the same command.
+  files, rewritten by the same command;
+- ``planner.py``: the planner's measured constants (``csattn/parallel/plan/measured.py``) from the same files,
+  written by the same command (``csattn`` does not import ``benchmarks``).
 """
 
 from .measure import run_stages

@@ -86,7 +86,7 @@ def _one_node_lines() -> list[str]:
     if p is None:
         return ["", "One node (V4-Flash, 8 x H200, 64k tokens, LoRA rank 16): `csattn plan` finds no plan that fits."]
     d = p.dims
-    rows = [[k, gib(v / 2**30)] for k, v in p.memory.items()] + [["peak (decides the fit)", gib(p.peak / 2**30)]]
+    rows = [[k, gib(v / 2**30)] for k, v in p.memory.terms()] + [["peak (decides the fit)", gib(p.peak / 2**30)]]
     return ["", f"**One node**: `csattn plan --config benchmarks/configs/v4_flash.json --gpus 8 --seq-len 65536 "
             f"--lora-rank 16 --search` (the planner's estimate, not a run: the 8-GPU run needs a multi-GPU machine): "
             f"V4-Flash ({p.params_total / 1e9:.1f} B parameters, {p.params_trained / 1e9:.2f} B trained) fits on "

@@ -42,12 +42,29 @@ def test_per_rank_parameters_scale_with_the_shards():
     for gpus, ep in ((64, 1), (64, 8), (128, 8), (128, 32)):
         p = plan(c, ParallelDims(ep=ep, world=gpus), 4096, recompute="full")
         dims = ParallelDims(ep=ep, world=gpus).resolve()
-        assert p.memory["parameters"] == pytest.approx(4.0 * pc.dense / dims.fsdp
-                                                       + 4.0 * pc.experts / (dims.ep * dims.efsdp))
-        assert p.memory["optimizer"] == pytest.approx(2 * p.memory["parameters"])
-    a = plan(c, ParallelDims(world=64), 4096).memory["parameters"]
-    b = plan(c, ParallelDims(world=128), 4096).memory["parameters"]
+        assert p.memory.parameters == pytest.approx(4.0 * pc.dense / dims.fsdp
+                                                    + 4.0 * pc.experts / (dims.ep * dims.efsdp))
+        assert p.memory.optimizer == pytest.approx(2 * p.memory.parameters)
+    a = plan(c, ParallelDims(world=64), 4096).memory.parameters
+    b = plan(c, ParallelDims(world=128), 4096).memory.parameters
     assert a == pytest.approx(2 * b)
+
+
+def test_memory_record_prints_its_terms_in_order(capsys):
+    """``Plan.memory`` is a record of named terms; the table names them in words, in the record's order, the FP8
+    workspace only when frozen FP8 weights are multiplied."""
+    from csattn.parallel.plan import format_plan
+
+    p = plan(_load("v4_flash.json"), ParallelDims(ep=8, world=64), 4096, recompute="full")
+    names = ["parameters", "gradients", "optimizer", "gathered units", "comm buffers", "activations kept",
+             "workspaces"]
+    assert [k for k, _ in p.memory.terms()] == names and p.memory.fp8_workspace == 0
+    assert p.total == pytest.approx(sum(v for _, v in p.memory.terms())) and p.peak < p.total
+    table = format_plan(p).splitlines()
+    at = table.index("  per rank (GiB):")
+    assert [line.split()[:-1] for line in table[at + 1:at + 8]] == [n.split() for n in names]
+    with pytest.raises(AttributeError):
+        p.memory.parameters = 0.0  # frozen: the plan's terms are set once, by plan()
 
 
 def test_bad_meshes_name_the_flag():
@@ -71,6 +88,7 @@ def test_cli_prints_the_fit_and_the_peak(capsys):
                  "--ep", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] is False and data["dims"]["ep"] == 8
+    assert data["memory"]["gathered_units"] > 0 and data["total"] == pytest.approx(sum(data["memory"].values()))
     assert main(["plan", "--config", proxy, "--gpus", "8", "--dp-shard", "3", "--cp", "2"]) == 2
 
 

@@ -132,27 +132,27 @@ def test_memory_terms_of_a_frozen_fp8_base():
     # the routed experts in FP8 (the default, csattn train's), the dense frozen matrices in bf16
     frozen = sum(v.matrix * (FP8_BYTES if g == "experts" else 2) + 4 * v.small for g, v in tot.items())
     assert p.params_trained == p.params_lora == lora
-    assert p.memory["parameters"] == pytest.approx((4 * lora + frozen) / 8)
-    assert p.memory["gradients"] == pytest.approx(4 * lora / 8)
-    assert p.memory["optimizer"] == pytest.approx(8 * lora / 8)
+    assert p.memory.parameters == pytest.approx((4 * lora + frozen) / 8)
+    assert p.memory.gradients == pytest.approx(4 * lora / 8)
+    assert p.memory.optimizer == pytest.approx(8 * lora / 8)
     # 283 B routed-expert parameters in FP8 over EP 8: 1.0001 bytes each, a rank holds its 32 experts only
     assert tot["experts"].params * FP8_BYTES / 8 / 2**30 == pytest.approx(33.0, abs=0.2)
     # EP 8 x efsdp 1: a rank's experts are never gathered; the dense frozen units are, as held
     full = plan(c, dims, 65536, recompute="block")
-    assert p.memory["gathered units"] < full.memory["gathered units"] / 2
-    assert p.memory["fp8 workspace"] > 0 and "fp8 workspace" not in full.memory
-    assert p.memory["activations kept"] == full.memory["activations kept"]  # unchanged by freezing
+    assert p.memory.gathered_units < full.memory.gathered_units / 2
+    assert p.memory.fp8_workspace > 0 and full.memory.fp8_workspace == 0
+    assert p.memory.activations_kept == full.memory.activations_kept  # unchanged by freezing
     # bf16 base: the frozen matrices at 2 bytes; w8a16: FP8-held, the kernel casts each weight tile in registers (no
     # copy of the experts), at the measured weight-only rate
     bf = plan(c, dims, 65536, recompute="block", training=training_spec(lora_rank=16, base_precision="bf16"))
     w8 = plan(c, dims, 65536, recompute="block", training=training_spec(lora_rank=16, base_precision="w8a16"))
-    assert bf.memory["parameters"] > 1.9 * p.memory["parameters"]
-    assert w8.memory["parameters"] == p.memory["parameters"] and not w8.memory.get("fp8 workspace")
+    assert bf.memory.parameters > 1.9 * p.memory.parameters
+    assert w8.memory.parameters == p.memory.parameters and not w8.memory.fp8_workspace
     assert w8.step_s > p.step_s and w8.step_s > bf.step_s
     assert p.step_s == pytest.approx(bf.step_s, rel=0.1)  # FP8 compute measured at about the bf16 rate
     # --fp8-linears: the frozen dense groups LoRA does not adapt (compressor; the others carry LoRA) in FP8 too
     lin = plan(c, dims, 65536, recompute="block", training=training_spec(lora_rank=16, fp8_linears=True))
-    assert lin.memory["parameters"] == pytest.approx(p.memory["parameters"] - tot["compressor"].matrix
+    assert lin.memory.parameters == pytest.approx(p.memory.parameters - tot["compressor"].matrix
                                                      * (2 - FP8_BYTES) / 8)
 
 

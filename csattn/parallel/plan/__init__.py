@@ -14,17 +14,22 @@ Pure functions, no GPU, no process group. What a rank holds (``csattn.parallel.p
   bf16), no gradient, optimizer state or reduce-scatter, and skip their weight-gradient GEMM; LoRA pairs train
   like any parameter.
 
-The phases, one module each: ``counts`` (parameters by kind and by fine-tuning group), ``memory`` (per-rank
-bytes, the peak that decides the fit), ``timing`` (FLOPs run, MFU, communication), ``meshes`` (the search, what
-would fit, the docs table), ``cli`` (``csattn plan``). Kept activations come from the measured bytes per token per
-layer of the proxy (:data:`KEPT_KIB`), scaled by the geometry; the backward's transient memory from the proxy's
-measured step peaks (:data:`TRANSIENT`). The step time is the FLOPs run at the measured one-GPU MFU
-(:data:`MFU_BY_ROWS`) times the recompute's measured slow-down, plus the communication model of :func:`step_time`.
+The phases, one module each, each importing only those before it: ``load`` (the model's ``config.json``),
+``counts`` (parameters by kind and by fine-tuning group), ``records`` (the :class:`Plan` record and the H200 it must
+fit), ``measured`` (the measured constants, generated), ``timing`` (FLOPs run, MFU, communication), ``memory``
+(per-rank bytes, the peak that decides the fit; builds the plan), ``meshes`` (the search, what would fit, the docs
+table), ``cli`` (``csattn plan``).
+
+Kept activations come from the measured bytes per token per layer of the proxy (:data:`KEPT_KIB`), scaled by the
+geometry; the backward's transient memory from the proxy's measured step peaks (:data:`TRANSIENT`). The step time
+is the FLOPs run at the measured one-GPU MFU (:data:`MFU_BY_ROWS`) times the recompute's measured slow-down, plus
+the communication model of :func:`step_time`. ``measured.py`` (``TRANSIENT``, ``MFU_BY_ROWS``, ``FP8_GEMM_SPEEDUP``)
+is written by ``python -m benchmarks.results`` from ``benchmarks/results/h200/``: re-measuring updates the planner.
 """
 
 from __future__ import annotations
 
-from .cli import add_plan_args, format_plan, load_config, main, run_plan, train_command
+from .cli import add_plan_args, format_plan, main, run_plan, train_command
 from .counts import (
     BASE_PRECISIONS,
     DEFAULT_LORA_TARGETS,
@@ -39,24 +44,16 @@ from .counts import (
     group_of,
     training_spec,
 )
-from .memory import (
-    FP8_BYTES,
-    H200_BYTES,
-    HEADROOM,
-    KEPT_KIB,
-    LIMIT_BYTES,
-    TRANSIENT,
-    Plan,
-    fp8_workspace,
-    kept_bytes_per_token,
-    plan,
-)
+from .load import load_config
+from .measured import FP8_GEMM_SPEEDUP, MFU_BY_ROWS, TRANSIENT
+from .memory import FP8_BYTES, KEPT_KIB, fp8_workspace, kept_bytes_per_token, plan
 from .meshes import docs_table, nearest_fits, rank_plans, search
-from .timing import FP8_GEMM_SPEEDUP, MFU_BY_ROWS, RECOMPUTE_SLOWDOWN, mfu_at, step_flops, step_time
+from .records import H200_BYTES, HEADROOM, LIMIT_BYTES, Memory, Plan
+from .timing import RECOMPUTE_SLOWDOWN, mfu_at, step_flops, step_time
 
 __all__ = ["BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "FP8_BYTES", "FP8_GEMM_SPEEDUP", "FP8_GROUPS",
            "GROUPS", "GroupCount", "GroupCounts", "H200_BYTES", "HEADROOM", "KEPT_KIB",
-           "LIMIT_BYTES", "MFU_BY_ROWS", "ParamCounts", "Plan", "RECOMPUTE_SLOWDOWN", "TRANSIENT", "Training",
+           "LIMIT_BYTES", "MFU_BY_ROWS", "Memory", "ParamCounts", "Plan", "RECOMPUTE_SLOWDOWN", "TRANSIENT", "Training",
            "add_plan_args", "count_groups", "count_params", "docs_table", "format_plan", "fp8_workspace", "group_of",
            "kept_bytes_per_token", "load_config", "main", "mfu_at", "nearest_fits", "plan", "rank_plans", "run_plan",
            "search", "step_flops", "step_time", "train_command", "training_spec"]

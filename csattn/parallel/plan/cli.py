@@ -11,29 +11,15 @@ from dataclasses import asdict
 from ...models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfig
 from ..mesh import ParallelDims
 from .counts import BASE_PRECISIONS, DEFAULT_LORA_TARGETS, GROUPS, Training, training_spec
-from .memory import H200_BYTES, HEADROOM, GiB, Plan, plan
+from .load import load_config
+from .memory import plan
 from .meshes import MESH_FLAGS, Suggestion, check_valid, docs_table, nearest_fits, rank_plans, runner_ups
+from .records import H200_BYTES, HEADROOM, GiB, Plan
 from .timing import GPUS_PER_NODE
 
-__all__ = ["add_plan_args", "format_plan", "load_config", "main", "run_plan", "train_command"]
+__all__ = ["add_plan_args", "format_plan", "main", "run_plan", "train_command"]
 
 RUNNER_UPS = 3
-
-
-def load_config(path: str) -> DeepseekV4ModelConfig:
-    """The model config of an HF ``config.json`` (or a checkpoint directory holding one); ``ValueError`` naming
-    ``--config`` when it is missing, unreadable or not a DeepSeek-V4 config."""
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    try:
-        with open(file) as fh:
-            data = json.load(fh)
-        return DeepseekV4ModelConfig.from_hf(data)
-    except OSError as e:
-        raise ValueError(f"--config {path}: cannot read it ({e.strerror or e})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--config {path}: not JSON ({e})") from None
-    except (TypeError, KeyError, ValueError, AttributeError) as e:
-        raise ValueError(f"--config {path}: not a DeepSeek-V4 HF config.json ({e})") from None
 
 
 def _mesh_str(d: dict[str, int]) -> str:
@@ -114,7 +100,7 @@ def format_plan(p: Plan) -> str:
                  f"{'FSDP2, fp32 master weights' if p.sharded else 'one process, no FSDP'}")
     lines += _training_lines(p)
     lines.append("  per rank (GiB):")
-    lines += [f"    {k:<18}{_gib(v)}" for k, v in p.memory.items()]
+    lines += [f"    {k:<18}{_gib(v)}" for k, v in p.memory.terms()]
     lines.append(f"  peak: {p.peak / GiB:.2f} GiB per rank, at {p.peak_at}: the figure that decides the fit (the "
                  "terms above never all peak at once)")
     lines.append(f"fit: {'yes' if p.fits else 'NO'}: peak {p.peak / GiB:.2f} GiB "

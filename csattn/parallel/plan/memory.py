@@ -3,25 +3,24 @@ the FSDP units in flight, kept activations and the backward's workspaces; the pe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from ...models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfig
 from ..mesh import ParallelDims
 from .counts import GROUPS, GroupCount, Training, cached, count_groups, layer_kinds
+from .measured import TRANSIENT
+from .records import GiB, Memory, Part, Plan, Sizes
+from .timing import step_time
 
-__all__ = ["GiB", "H200_BYTES", "HEADROOM", "LIMIT_BYTES", "FP8_BYTES", "KEPT_KIB", "TRANSIENT", "Plan", "Sizes",
-           "kept_bytes_per_token", "plan", "sizes"]
+__all__ = ["FP8_BYTES", "KEPT_KIB", "fp8_workspace", "kept_bytes_per_token", "plan", "sizes"]
 
-GiB = 2**30
-H200_BYTES = 139.8 * GiB  # the H200's memory as torch.cuda reports it (shared/GPU.md)
-HEADROOM = 0.05  # left to the caching allocator (fragmentation, reserved-but-free blocks)
-LIMIT_BYTES = (1 - HEADROOM) * H200_BYTES  # a plan fits when its peak is at most this
 FP8_BYTES = 1 + 4 / (128 * 128)  # e4m3 plus one fp32 scale per 128x128 block, per element
 FP8_ACT_BYTES = 1 + 4 / 128  # e4m3 plus one fp32 scale per 1x128 tile (activations)
 
 # Kept for the backward, KiB per token per layer, measured on the 4-layer proxy at 16k tokens, recompute none
 # (lab/results/model_kept_16k_h200_3f37546.txt, `python -m benchmarks.live_tensors --model --tokens 16384`).
-# Geometry of the measurement: D 4096, hc_mult 4, top-2 of 8 experts, I 2048, q_lora 1024, index_topk 512.
+# Geometry of the measurement: D 4096, hc_mult 4, top-2 of 8 experts, I 2048, q_lora 1024, index_topk 512. No stage
+# of benchmarks/results measures it, so it is typed here (measured.TRANSIENT is derived with it).
 KEPT_KIB = {
     "combines": 64.0,  # two bf16 stream sets [n, D] (scales with n * D)
     "moe": 34.11,  # routed gate/up [k, 2I] 16 + shared [2I] 8 + output [D] 8 + routing 2.11
@@ -32,11 +31,6 @@ KEPT_KIB = {
     "embed": 8.0,  # per model: the embedding [D]
     "head": 8.02,  # per model (and per MTP head): the head's normed output [D]
 }
-# The backward's memory beyond what is kept, the proxy's step peak minus its kept bytes (benchmarks/results/h200/
-# model.json 16k 9.60 GiB and 64k 34.15 GiB, model_128k.json 66.38 GiB, recompute none): a fixed part (the
-# attention core's workspace, 1 GiB by default, and the kernels' buffers) plus a part per token of the rank
-# (stream gradients, one layer's backward temporaries); fits 64k within 0.6 %.
-TRANSIENT = {"fixed_gib": 1.493 - 1.0, "kib_per_token": 22.1}
 PROXY = {"D": 4096, "n": 4, "k": 2, "I": 2048, "ql": 1024, "topk": 512}
 
 
@@ -76,64 +70,6 @@ def kept_bytes_per_token(c: DeepseekV4ModelConfig, recompute: str) -> dict[str, 
     else:
         raise ValueError(f"--recompute must be one of {RECOMPUTE_CHOICES}, got {recompute!r}")
     return {**per, "model": model, "recompute_extra": extra}
-
-
-@dataclass
-class Plan:
-    """One mesh's per-rank memory (bytes) and estimated step time (seconds). ``peak`` decides ``fits``;
-    ``total`` (every term at once) is never reached."""
-
-    config: str
-    gpus: int
-    seq_len: int
-    batch_seqs: int
-    dims: dict[str, int]
-    recompute: str
-    dtype: str
-    sharded: bool
-    params_total: int
-    rows: int  # stream rows a rank processes per step
-    training: dict = field(default_factory=dict)  # train / lora_rank / lora_targets / base_precision
-    params_trained: int = 0  # trained in full, plus the LoRA parameters
-    params_lora: int = 0
-    memory: dict[str, float] = field(default_factory=dict)
-    total: float = 0.0
-    peak: float = 0.0
-    peak_at: str = ""
-    limit: float = LIMIT_BYTES
-    fits: bool = False
-    time: dict[str, float] = field(default_factory=dict)
-    step_s: float = 0.0
-    tokens_per_s: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    config_path: str = ""
-
-
-@dataclass(frozen=True)
-class Part:
-    """Elements trained (matrices incl. LoRA / vectors) and bytes of frozen storage of some groups."""
-
-    trained: float = 0.0
-    trained_small: float = 0.0
-    frozen: float = 0.0
-
-    @property
-    def train_elems(self) -> float:
-        return self.trained + self.trained_small
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """:class:`Part` of the whole model, the largest block (an FSDP unit) and the root, dense and routed experts
-    apart (they shard over different meshes)."""
-
-    dense: Part
-    experts: Part
-    unit_dense: Part
-    unit_experts: Part
-    root: Part
-    head_trained: float  # trained elements of the LM head (the embedding's when tied)
-    blocks: int
 
 
 def _part(groups: dict[str, GroupCount], t: Training, cbytes: int, experts: bool) -> Part:
@@ -205,8 +141,6 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
             replica). recompute: one of ``RECOMPUTE_CHOICES``. dtype: ``bfloat16`` or ``float32``.
         training: what trains (default: everything, :class:`Training`).
     """
-    from .timing import step_time
-
     t = Training() if training is None else training
     dims, batch_seqs = _resolve(c, dims, seq_len, batch_seqs, recompute, dtype)
     if t.fp8("experts"):
@@ -225,59 +159,58 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
              training={"train": [g for g in GROUPS if g in t.train], "lora_rank": t.lora_rank,
                        "lora_targets": [g for g in GROUPS if g in t.lora_targets], "base_precision": t.base_precision,
                        "fp8_linears": t.fp8_linears, "fp8": [g for g in GROUPS if t.fp8(g)]})
-    held = _weights(p, c, dims, sz, cb)
-    _activations(p, c, dims, t)
-    _peak(p, c, held)
+    weights, grads_at_peak, reduce_scatter = _weights(p, c, dims, sz, cb)
+    kept, workspaces = _activations(p, c, dims)
+    p.memory = replace(weights, activations_kept=kept, workspaces=workspaces, fp8_workspace=fp8_workspace(c, rows, t))
+    _peak(p, c, grads_at_peak, reduce_scatter)
     step_time(p, c, dims, sz, t)
     return p
 
 
-def _weights(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, sz: Sizes, cb: int) -> tuple[float, float]:
-    """Fill the weight terms of ``p.memory``; returns (the gradients alive at the backward's start, the
-    reduce-scatter buffers alive at its end)."""
-    m = p.memory
+def _weights(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, sz: Sizes,
+             cb: int) -> tuple[Memory, float, float]:
+    """The weight terms of the memory; the gradients alive at the backward's start; the reduce-scatter buffers
+    alive at its end."""
     trained = sz.dense.train_elems + sz.experts.train_elems
     if p.sharded:
         f, ep, ef = dims.fsdp, dims.ep, dims.efsdp
-        m["parameters"] = (4.0 * trained + sz.dense.frozen + sz.experts.frozen) / f
-        m["gradients"] = 4.0 * trained / f
-        m["optimizer"] = 8.0 * trained / f
 
         def gathered(x: Part, group: int) -> float:  # bf16 copies of what trains; frozen weights as held
             return cb * x.train_elems + (x.frozen if group > 1 else 0.0)
 
         unit_tr = sz.unit_dense.train_elems + sz.unit_experts.train_elems / ep
-        m["gathered units"] = gathered(sz.root, f) + 2 * (gathered(sz.unit_dense, f)
-                                                          + gathered(sz.unit_experts, ef) / ep)
         # reduce-scatter: the unit's unsharded gradient in the compute dtype and its fp32 copy-in, alive only
         # once the backward has reduced a unit (so not at its start, where the activations peak); all-gather:
         # the shard's copy-in (the output is the gathered unit above)
         reduce_scatter = (cb + 4.0) * unit_tr
-        m["comm buffers"] = reduce_scatter + (cb * unit_tr + sz.unit_dense.frozen + sz.unit_experts.frozen / ep) / f
+        m = Memory(parameters=(4.0 * trained + sz.dense.frozen + sz.experts.frozen) / f,
+                   gradients=4.0 * trained / f, optimizer=8.0 * trained / f,
+                   gathered_units=gathered(sz.root, f) + 2 * (gathered(sz.unit_dense, f)
+                                                              + gathered(sz.unit_experts, ef) / ep),
+                   comm_buffers=reduce_scatter + (cb * unit_tr + sz.unit_dense.frozen
+                                                  + sz.unit_experts.frozen / ep) / f)
         # gradients are set to None after each step: at the backward's start only the root's and the last
         # block's exist (sharded)
         grads_at_peak = 4.0 * (sz.root.train_elems + unit_tr) / f
     else:
         pbytes = cb * (sz.dense.trained + sz.experts.trained) + 4.0 * (sz.dense.trained_small
                                                                        + sz.experts.trained_small)
-        m["parameters"] = pbytes + sz.dense.frozen + sz.experts.frozen
-        m["gradients"] = pbytes
-        m["optimizer"] = 2.0 * pbytes  # torch AdamW's moments in the parameters' dtype
-        m["gathered units"] = 0.0
-        m["comm buffers"] = 0.0
+        m = Memory(parameters=pbytes + sz.dense.frozen + sz.experts.frozen, gradients=pbytes,
+                   optimizer=2.0 * pbytes)  # torch AdamW's moments in the parameters' dtype
         reduce_scatter = 0.0
         # at the peak (the backward's start) only the head's and the last block's gradients exist
         grads_at_peak = cb * (sz.head_trained + sz.unit_dense.train_elems + sz.unit_experts.train_elems)
+    comm = m.comm_buffers
     if dims.ep > 1:
-        m["comm buffers"] += p.rows * c.num_experts_per_tok * c.hidden_size * 2.0 * 2
+        comm += p.rows * c.num_experts_per_tok * c.hidden_size * 2.0 * 2
     if dims.cp > 1:  # halo: one window of raw keys, every layer's compressed stream gathered (kept, below)
-        m["comm buffers"] += c.sliding_window * (c.hc_mult * c.hidden_size + c.head_dim) * 2.0
-    return grads_at_peak, reduce_scatter
+        comm += c.sliding_window * (c.hc_mult * c.hidden_size + c.head_dim) * 2.0
+    return replace(m, comm_buffers=comm), grads_at_peak, reduce_scatter
 
 
-def _activations(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, t: Training) -> None:
-    """Kept activations, the backward's workspaces and (frozen FP8 weights) the FP8 GEMMs' workspace."""
-    m, rows = p.memory, p.rows
+def _activations(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims) -> tuple[float, float]:
+    """Bytes of the kept activations and of the backward's workspaces."""
+    rows = p.rows
     kinds = layer_kinds(c)
     kept = kept_bytes_per_token(c, p.recompute)
     act = sum(kept[k] for k in kinds) * rows + kept["model"] * rows
@@ -291,15 +224,12 @@ def _activations(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims, t: Train
                         / rates["compressed_sparse_attention"])
             elif k == "hca":
                 act += seqs * p.seq_len * (1 - 1 / dims.cp) * a.head_dim * 2 / rates["heavily_compressed_attention"]
-    m["activations kept"] = act
     scale = c.hidden_size / PROXY["D"]
     moe_rows = min(rows, c.moe_chunk_rows)
-    m["workspaces"] = (c.workspace_bytes + TRANSIENT["fixed_gib"] * GiB + kept["recompute_extra"] * rows
-                       + TRANSIENT["kib_per_token"] * 1024 * scale * rows
-                       + max(0, c.num_experts_per_tok - PROXY["k"]) * 2 * c.hidden_size * 2.0 * moe_rows)
-    ws = fp8_workspace(c, rows, t)
-    if ws:
-        m["fp8 workspace"] = ws
+    workspaces = (c.workspace_bytes + TRANSIENT["fixed_gib"] * GiB + kept["recompute_extra"] * rows
+                  + TRANSIENT["kib_per_token"] * 1024 * scale * rows
+                  + max(0, c.num_experts_per_tok - PROXY["k"]) * 2 * c.hidden_size * 2.0 * moe_rows)
+    return act, workspaces
 
 
 def fp8_workspace(c: DeepseekV4ModelConfig, rows: int, t: Training) -> float:
@@ -320,16 +250,15 @@ def fp8_workspace(c: DeepseekV4ModelConfig, rows: int, t: Training) -> float:
     return out
 
 
-def _peak(p: Plan, c: DeepseekV4ModelConfig, held: tuple[float, float]) -> None:
+def _peak(p: Plan, c: DeepseekV4ModelConfig, grads_at_peak: float, reduce_scatter: float) -> None:
     """The peak is the backward's start (every kept activation, few gradients, no reduce-scatter yet) or its end
     (every gradient and the reduce-scatter buffers, the activations freed, the fixed workspaces still held)."""
-    grads_at_peak, reduce_scatter = held
     m = p.memory
-    p.total = sum(m.values())
+    p.total = m.total
     fixed = c.workspace_bytes + TRANSIENT["fixed_gib"] * GiB
-    base = p.total - m["gradients"] - m["activations kept"] - m["workspaces"] - reduce_scatter
-    start = m["activations kept"] + m["workspaces"] + grads_at_peak
-    end = m["gradients"] + fixed + reduce_scatter
+    base = p.total - m.gradients - m.activations_kept - m.workspaces - reduce_scatter
+    start = m.activations_kept + m.workspaces + grads_at_peak
+    end = m.gradients + fixed + reduce_scatter
     p.peak = base + max(start, end)
     p.peak_at = "the backward's start" if start >= end else "the backward's end"
     p.fits = p.peak <= p.limit

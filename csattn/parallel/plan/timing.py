@@ -1,5 +1,5 @@
 """Estimated step time of one plan (:func:`step_time`): the FLOPs actually run at the measured one-GPU MFU, FP8
-GEMMs at an assumed rate, plus the communication model."""
+GEMMs at their measured rate (both from ``measured.py``), plus the communication model."""
 
 from __future__ import annotations
 
@@ -9,29 +9,24 @@ from ...models.deepseek_v4.config import DeepseekV4ModelConfig
 from ...report.flops import PEAK_FLOPS
 from ..mesh import ParallelDims
 from .counts import Training, cached, count_groups
-from .memory import Part, Plan, Sizes
+from .measured import FP8_GEMM_SPEEDUP, MFU_BY_ROWS
+from .records import Part, Plan, Sizes
 
-__all__ = ["NVLINK_BPS", "IB_BPS", "GPUS_PER_NODE", "MFU_BY_ROWS", "RECOMPUTE_SLOWDOWN", "FP8_GEMM_SPEEDUP",
-           "mfu_at", "step_flops", "step_time"]
+__all__ = ["NVLINK_BPS", "IB_BPS", "GPUS_PER_NODE", "RECOMPUTE_SLOWDOWN", "mfu_at", "step_flops", "step_time"]
 
 NVLINK_BPS = 900e9  # bytes/s per GPU within a node
 IB_BPS = 50e9  # bytes/s per GPU across nodes (400 Gb/s)
 GPUS_PER_NODE = 8
-# Measured one-GPU MFU of the proxy by tokens per step (benchmarks/results/h200/model.json, model_128k.json);
-# interpolated in log(tokens), held outside.
-MFU_BY_ROWS = {16384: 0.436, 65536: 0.420, 131072: 0.424}
 # Step time of each recompute relative to none, the proxy at 16k (benchmarks.run --op model --shape
-# recompute=none,mhc,moe,block,full; ms per step, one H200).
+# recompute=none,mhc,moe,block,full; ms per step, one H200; lab/LOG.md at f0cc06a: no stage of benchmarks/results
+# measures it, so it is not in measured.py).
 RECOMPUTE_SLOWDOWN = {"none": 1.0, "mhc": 411.5 / 393.6, "moe": 409.0 / 393.6, "block": 496.8 / 393.6,
                       "full": 575.9 / 408.0}
-# The rate of the GEMMs of FP8-held frozen weights relative to the bf16 rate the MFU above reflects, by compute mode:
-# the frozen routed experts' forward + input gradient, 256 experts top-6, 16k tokens, D 4096, I 2048 (BENCHMARKS.md
-# "Fine-tuning", benchmarks/results/h200/finetune.json at 225fe84): bf16 grouped 20.83 ms, fp8 21.43, w8a16 44.73.
-FP8_GEMM_SPEEDUP = {"fp8": 20.83 / 21.43, "w8a16": 20.83 / 44.73}
 
 
 def mfu_at(rows: float) -> float:
-    """Measured one-GPU MFU at ``rows`` tokens per rank (log-linear between the measured points)."""
+    """Measured one-GPU MFU at ``rows`` tokens per rank (:data:`MFU_BY_ROWS`, log-linear between the measured points,
+    held outside)."""
     pts = sorted(MFU_BY_ROWS.items())
     if rows <= pts[0][0]:
         return pts[0][1]
