@@ -117,6 +117,23 @@ def test_gluon_grouped_vs_same_operands(case, trans):
         assert rel_err(out, same) < 4e-3
 
 
+# every (K, N) of the tiny GPU models and the block counts around cuBLAS's limit (SCALED_MM_MIN_K): the forward and
+# the input gradient, whose contraction is N
+@pytest.mark.parametrize("k,n", [(128, 256), (256, 256), (256, 512), (384, 2048), (512, 256), (2048, 128), (256, 128)])
+def test_fp8_linear_small_shapes(k, n):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    m = 256
+    q, s = _weight((n, k), g, k)
+    x = torch.randn(m, k, generator=g, device="cuda").bfloat16().requires_grad_()
+    dy = torch.randn(m, n, generator=g, device="cuda").bfloat16()
+    out = fp8_linear(x, q, s, "fp8")
+    (dx,) = torch.autograd.grad(out, x, dy)
+    want = fp8_linear_quantized(x.detach(), q, s)
+    dwant = fp8_linear_quantized(dy, q.t().contiguous(), s.t().contiguous())
+    print(f"k {k} n {n}: out {rel_err(out, want):.2e} dx {rel_err(dx, dwant):.2e}")
+    assert rel_err(out, want) < 4e-3 and rel_err(dx, dwant) < 4e-3, (rel_err(out, want), rel_err(dx, dwant))
+
+
 @pytest.mark.parametrize("m", [4096, 1000])
 @pytest.mark.parametrize("compute", ["fp8", "w8a16"])
 def test_fp8_linear_vs_same_operands(m, compute):

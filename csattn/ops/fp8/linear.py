@@ -33,11 +33,18 @@ def quantize_1x128(x: Tensor, scale_t: bool = False) -> tuple[Tensor, Tensor]:
     return (q, s.t().contiguous().t()) if scale_t else (q, s)
 
 
+# cuBLAS's blockwise FP8 GEMM (torch 2.11 / CUDA 13 on the H200) returns wrong values, even NaN, for a contraction
+# of fewer than 4 blocks when the output has more than one column block (lab/probes/scaled_mm_shapes.py: relative
+# errors 0.3 to 1e34 at K 128-384, N 256-2048; right at K 512 and beyond): such shapes run the Triton kernel
+SCALED_MM_MIN_K = 4 * BLOCK
+
+
 def _scaled_mm_ok(a: Tensor, n_out: int) -> bool:
     """Whether cuBLAS's blockwise FP8 GEMM (sm_90 ``torch._scaled_mm`` with 1x128 / 128x128 scales) takes ``a
-    [M, C] @ B [C, n_out]``: Hopper, all dimensions whole blocks / aligned."""
+    [M, C] @ B [C, n_out]`` and computes it right: Hopper, all dimensions whole blocks / aligned, ``C`` at least
+    :data:`SCALED_MM_MIN_K`."""
     return (torch.cuda.get_device_capability(a.device) == (9, 0) and a.shape[0] % 16 == 0
-            and a.shape[1] % BLOCK == 0 and n_out % BLOCK == 0)
+            and a.shape[1] % BLOCK == 0 and a.shape[1] >= SCALED_MM_MIN_K and n_out % BLOCK == 0)
 
 
 def _one_group(a: Tensor) -> Tensor:
