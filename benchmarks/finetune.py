@@ -61,6 +61,10 @@ class Mode:
     what: str
     base: str  # "fp8" | "w8a16" | "bf16": the frozen experts' storage and compute
     lora: bool
+    # "sgd" for (d): AdamW's two states of the slice's 26.6 B parameters (~99 GiB in bf16) beside its weights and
+    # gradients do not fit one H200; plain SGD keeps no state and its step is a shorter pass over the weights than
+    # AdamW's, so (d)'s tokens/s is an upper bound of AdamW's and (a) / (d) a lower bound of the speedup
+    optimizer: str = "adamw"
 
     def training(self, rank: int) -> Any:
         """The planner's :class:`Training` of this mode."""
@@ -75,7 +79,7 @@ MODES = {
     "a": Mode("a", "frozen FP8 experts, FP8 compute, LoRA", "fp8", True),
     "b": Mode("b", "frozen FP8 experts, weight-only (w8a16), LoRA", "w8a16", True),
     "c": Mode("c", "frozen bf16 experts, LoRA", "bf16", True),
-    "d": Mode("d", "everything trained, bf16", "bf16", False),
+    "d": Mode("d", "everything trained, bf16 (SGD: AdamW's states do not fit one GPU)", "bf16", False, "sgd"),
 }
 
 
@@ -189,7 +193,8 @@ def planned_gib(config: Any, mode: Mode, tokens: int, rank: int, world: int = 1,
 
     dims = ParallelDims(world=world, **({"dp_shard": world, "ep": ep} if world > 1 else {}))
     p = plan(config, dims, tokens, recompute="none", training=mode.training(rank))
-    return {"planned_gib": round(p.peak / 2**30, 2), "planned_fits": bool(p.fits)}
+    stateless = p.memory.optimizer if mode.optimizer == "sgd" else 0  # the planner counts AdamW's states
+    return {"planned_gib": round((p.peak - stateless) / 2**30, 2), "planned_fits": bool(p.fits)}
 
 
 def lora_counts(model: nn.Module) -> dict[str, float]:
@@ -232,15 +237,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(model: nn.Module, tokens: int, device: torch.device, steps: int) -> dict[str, Any]:
-    """``steps`` timed training steps after one warm-up on the proxy's packed documents of ``tokens``: median ms,
-    losses, the peak allocated (weights included) and the documents."""
+def time_steps(model: nn.Module, tokens: int, device: torch.device, steps: int,
+               optimizer: str = "adamw") -> dict[str, Any]:
+    """``steps`` timed training steps (``optimizer`` "adamw" or "sgd") after one warm-up on the proxy's packed
+    documents of ``tokens``: median ms, losses, the peak allocated (weights included) and the documents."""
     from csattn.report.model import proxy_batch, proxy_lengths
 
     lengths = proxy_lengths(tokens)
     ids, packed, labels = proxy_batch(lengths, model.config.vocab_size, device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
-                            fused=device.type == "cuda")
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = device.type == "cuda"
+    opt = torch.optim.SGD(params, lr=1e-5, fused=fused) if optimizer == "sgd" else \
+        torch.optim.AdamW(params, lr=1e-5, fused=fused)
     times, losses = [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -299,7 +307,7 @@ def _one_case(model: nn.Module, mode: Mode, tokens: int, args: argparse.Namespac
     rec: dict[str, Any] = {}
     try:
         rec["weights_gib"], rec["lora_counts"] = weight_gib(model), lora_counts(model)
-        rec.update(time_steps(model, tokens, device, args.steps))
+        rec.update(time_steps(model, tokens, device, args.steps, mode.optimizer), optimizer=mode.optimizer)
     except torch.cuda.OutOfMemoryError:
         rec["error"] = "does not fit (out of memory)"
     except Exception as e:  # keep the other cases going; the JSON says what broke
