@@ -3,9 +3,9 @@ climbs up, and the areas' import graph has no circle.
 
 From the bottom: ``amp`` / ``nosync`` (leaf helpers) -> ``ops`` (kernels and references: know nothing of layers,
 CP, models or training) -> ``config``, ``packing``, ``capture_safe`` -> ``layers`` (no process groups, no model) ->
-``cp`` -> ``models`` (no trainer, no ``parallel``) -> ``parallel`` (wires the model; may count FLOPs with
-``report.flops``; not the trainer) -> ``finetune`` (groups, LoRA, adapters) -> ``train``, ``report``,
-``integrations`` -> ``demo``, ``cli``. Nothing in
+``cp`` -> ``models`` (no trainer, no ``parallel``; ``models/deepseek_v4/flops.py`` counts a step's FLOPs for the
+planner, the trainer and the report) -> ``parallel`` (wires the model; not the trainer, not the report) ->
+``finetune`` (groups, LoRA, adapters) -> ``train``, ``report``, ``integrations`` -> ``demo``, ``cli``. Nothing in
 ``csattn`` imports ``benchmarks``, ``lab`` or ``tests``, nor the package root (the public API re-exports; it is
 not a dependency). Lazy imports inside functions count as imports.
 """
@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 FORBIDDEN: dict[str, set[str]] = {
     "models": {"train", "parallel", "finetune", "report", "integrations", "demo", "cli", "__main__"},
-    "parallel": {"train", "finetune", "integrations", "demo", "cli", "__main__"},
+    "parallel": {"train", "finetune", "integrations", "report", "demo", "cli", "__main__"},
     # fine-tuning wires LoRA and freezing into the model (above models/, ops/ and parallel/), below the trainer
     "finetune": {"train", "integrations", "report", "demo", "cli", "__main__"},
     "integrations": {"train", "parallel", "report", "demo", "cli", "__main__"},

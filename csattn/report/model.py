@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .flops import PEAK_FLOPS, model_flops
+from ..models.deepseek_v4.flops import PEAK_FLOPS, model_flops
 
 __all__ = ["proxy_config", "proxy_lengths", "proxy_model", "proxy_batch", "model_step_record", "PEAK_TFLOPS"]
 
