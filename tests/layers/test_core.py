@@ -80,7 +80,7 @@ def test_block_ids_freed_after_the_core_backward(layer_type):
     window ids) must not outlive the core's backward."""
     import gc
 
-    from benchmarks.live_tensors import LiveStorages
+    from csattn.report.live_tensors import LiveStorages
 
     packed = PackedSeqs.from_lengths([23, 5, 40])
     t = 68
