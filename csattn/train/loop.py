@@ -87,7 +87,7 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int | None = None,
     which replace the config's (the data carries the tokenizer's)."""
     overrides: dict[str, Any] = dict(**(special_ids or {}), indexer_loss_coeff=cfg.indexer_loss_coeff,
                                      mtp_loss_coeff=cfg.mtp_loss_coeff,
-                                     attention_backend=cfg.attention_backend,
+                                     backend=cfg.attention_backend,
                                      deterministic=cfg.deterministic,
                                      recompute="block" if cfg.activation_checkpointing else cfg.recompute,
                                      offload_block_inputs=cfg.offload_block_inputs)

@@ -96,13 +96,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = HybridAttention(c.attention_config(layer_idx))
         self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
                        c.vocab_size, hashed, c.scoring_func, c.routed_scaling_factor, c.swiglu_limit,
-                       backend=c.attention_backend, chunk_rows=c.moe_chunk_rows, local_experts=experts)
+                       backend=c.backend, chunk_rows=c.moe_chunk_rows, local_experts=experts)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.attn_hc = HyperConnection(c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
-                                       backend=c.attention_backend)
+                                       backend=c.backend)
         self.ffn_hc = HyperConnection(c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
-                                      backend=c.attention_backend)
+                                      backend=c.backend)
 
     @property
     def rebuilds_inputs(self) -> bool:
@@ -161,7 +161,7 @@ class MTPBlock(DecoderLayer):
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.attention_backend)
+        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.backend)
 
     def forward(self, streams: Tensor, next_embeds: Tensor, input_ids: Tensor, packed: PackedSeqs,
                 cp: ContextParallelGroup | None = None, real: Tensor | None = None) -> Tensor:
@@ -180,7 +180,7 @@ class TopParts(nn.Module):
         self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, c.pad_token_id)
         nn.init.normal_(self.model.embed_tokens.weight, std=c.initializer_range)
         self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.model.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.attention_backend)
+        self.model.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.backend)
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
             nn.init.normal_(self.lm_head.weight, std=c.initializer_range)
@@ -209,7 +209,7 @@ class _Backbone(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, std=c.initializer_range)
         self.layers = nn.ModuleList([DecoderLayer(c, i) for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.attention_backend)
+        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.backend)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
