@@ -93,3 +93,5 @@ def test_model_config_backend_and_its_older_name():
         DeepseekV4ModelConfig.from_hf(raw, attention_backend="reference")
     with pytest.raises(ValueError, match="backend must be one of 'auto', 'reference', 'triton', got 'cuda'"):
         DeepseekV4ModelConfig.from_hf(raw, backend="cuda")
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'reference', 'triton', got 'cuda'"):
+        csattn.AttentionConfig(backend="cuda")
