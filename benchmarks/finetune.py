@@ -221,8 +221,8 @@ def lora_counts(model: nn.Module) -> dict[str, float]:
 def step_flops(config: Any, cu: list[int], mode: Mode, rank: int, lora: dict[str, float]) -> dict[str, float]:
     """The FLOPs one step of ``mode`` runs on documents ``cu`` (forward, backward, the FP8 part): the planner's
     per-group multiply-adds for what is frozen, the model's own LoRA counts (``lora_counts``)."""
+    from csattn.models.deepseek_v4.flops import finetune_flops
     from csattn.parallel.plan import count_groups
-    from csattn.report import finetune_flops
 
     groups = count_groups(config).total()
     t = mode.training(rank)
@@ -302,7 +302,7 @@ def measure_mode(base: nn.Module, mode: Mode, tokens: list[int], args: argparse.
 
 def _one_case(model: nn.Module, mode: Mode, tokens: int, args: argparse.Namespace,
               device: torch.device) -> dict[str, Any]:
-    from csattn.report.flops import peak_flops
+    from csattn.models.deepseek_v4.flops import peak_flops
 
     rec: dict[str, Any] = {}
     try:

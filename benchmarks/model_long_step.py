@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.providers.model import _batch, proxy_config
 from benchmarks.run import run_meta
-from csattn.report import model_flops
+from csattn.models.deepseek_v4.flops import model_flops
 from csattn.report.model import PEAK_TFLOPS, proxy_model
 
 

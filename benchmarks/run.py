@@ -25,7 +25,7 @@ import traceback
 
 import torch
 
-from csattn.report.flops import PEAK_FLOPS
+from csattn.models.deepseek_v4.flops import PEAK_FLOPS
 
 from .registry import PROVIDERS, SHAPE_DEFAULTS, Skip, load_providers
 

@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .ops.backend import BackendChoice, check_backend
 from .ops.indexer.config import IndexerConfig
 from .ops.indexer_loss.config import IndexerLossConfig
 from .ops.rope import YarnScaling
@@ -66,7 +67,7 @@ class AttentionConfig:
     # recompute each block in the backward (csattn/layers/core.py), so no [T, H, d] tensor is kept; False keeps
     # q and o whole (plain autograd around the ops)
     recompute_projections: bool = True
-    backend: Literal["auto", "reference", "triton"] = "auto"
+    backend: BackendChoice = "auto"  # the kernels of every op the layer runs (csattn.ops.backend)
     # launch settings of the fused sparse-attention kernels (tile sizes, Gluon or Triton); None: the tuned
     # defaults. A "key=value,..." string or a dict (SparseAttnConfig.parse / as_dict) is converted on construction
     sparse_attn_kernel: SparseAttnConfig | None = None
@@ -96,6 +97,7 @@ class AttentionConfig:
         """Raise ``ValueError`` naming the field on inconsistent settings."""
         if self.layer_type not in LAYER_TYPES:
             raise ValueError(f"layer_type must be one of {LAYER_TYPES}, got {self.layer_type!r}")
+        check_backend(self.backend)
         # sizes must be ints: a float slips through the range checks below and fails deep inside an op
         for name in _INT_FIELDS:
             value = getattr(self, name)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from csattn.report import layer_flops
+from csattn.models.deepseek_v4.flops import layer_flops
 
 from ..registry import Case, Skip, register
 

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from csattn.report import model_flops
+from csattn.models.deepseek_v4.flops import model_flops
 from csattn.report.model import proxy_model
 
 from ..registry import Case, Skip, register

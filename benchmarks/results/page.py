@@ -111,9 +111,10 @@ def render_page(json_dir: Path, page: Path, plots_dir: Path, report_dir: Path, r
     lines += ["", "## Method", "",
               "Times are medians of `triton.testing.do_bench` (L2 flushed between calls) unless a table says "
               "otherwise; the longest model steps are timed one step after a warm-up. TFLOP/s count the useful "
-              "matrix products (`csattn.report.layer_flops` / `model_flops`: real tokens, the keys each row sees, "
-              "recomputation not counted); MFU = TFLOP/s / 790, the H200's measured dense bf16 rate. Memory is "
-              "`torch.cuda.max_memory_allocated` above what was allocated before the measured call.", "",
+              "matrix products (`csattn.models.deepseek_v4.flops.layer_flops` / `model_flops`: real tokens, the "
+              "keys each row sees, recomputation not counted); MFU = TFLOP/s / 790, the H200's measured dense "
+              "bf16 rate. Memory is `torch.cuda.max_memory_allocated` above what was allocated before the measured "
+              "call.", "",
               "Measure every file at one commit (a GPU with the `cudnn` provider's package and transformers >= 5.23; "
               "`--budget-s` stops starting commands near a time limit), then render anywhere:", "",
               f"    python -m benchmarks.results --measure --json-dir {ctx.json_link} --stages "

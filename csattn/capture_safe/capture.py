@@ -7,12 +7,15 @@ device prefix sums. Every pack must keep the captured ``T``, number of documents
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from ..packing_capture_safe import CaptureSafePackedSeqs
+
+if TYPE_CHECKING:
+    from ..layers.plan import ContextParallelGroup
 
 __all__ = ["CapturedLayerStep"]
 
@@ -43,7 +46,7 @@ class CapturedLayerStep:
     """
 
     def __init__(self, layer: nn.Module, x: Tensor, dy: Tensor, cu_seqlens: Tensor, cu_seqlens_padded: Tensor,
-                 max_seqlen: int, warmup: int = 3, cp: Any = None) -> None:
+                 max_seqlen: int, warmup: int = 3, cp: ContextParallelGroup | None = None) -> None:
         if not x.is_cuda:
             raise ValueError("CapturedLayerStep needs CUDA tensors (x is on the CPU)")
         if dy.shape != x.shape:

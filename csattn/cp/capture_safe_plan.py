@@ -25,13 +25,11 @@ A CUDA-graph capture needs collectives that can be captured (NCCL); gloo's copy 
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import Tensor
 
 from ..config import AttentionConfig
 from ..layers.op_sets import CAPTURE_SAFE
-from ..layers.plan import Entries, LayerPlan
+from ..layers.plan import ContextParallelGroup, Entries, LayerPlan
 from ..nosync import host_reads_forbidden
 from ..ops.indices import window_indices
 from ..packing_capture_safe import CaptureSafePackedSeqs
@@ -43,7 +41,7 @@ __all__ = ["build_capture_safe_plan", "check_capture_safe_inputs"]
 
 
 def check_capture_safe_inputs(x_local: Tensor, static: CaptureSafePackedSeqs, cfg: AttentionConfig,
-                              cp: Any) -> tuple[int, int]:
+                              cp: ContextParallelGroup) -> tuple[int, int]:
     """``(L, Hh)``; every rank raises the same ValueError on bad input (eager calls only)."""
     size, total = cp.size, static.num_rows
     halo = halo_rows(cfg)
@@ -83,7 +81,8 @@ def check_capture_safe_inputs(x_local: Tensor, static: CaptureSafePackedSeqs, cf
     return rows, halo
 
 
-def build_capture_safe_plan(x_local: Tensor, static: CaptureSafePackedSeqs, cfg: AttentionConfig, cp: Any) -> LayerPlan:
+def build_capture_safe_plan(x_local: Tensor, static: CaptureSafePackedSeqs, cfg: AttentionConfig,
+                            cp: ContextParallelGroup) -> LayerPlan:
     """This rank's capture-safe plan: local rows, halo rows and the entries it owns from its rows of the
     contiguous layout; visible ranges, window ids and the global real-row count from the static global metadata.
 

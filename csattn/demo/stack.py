@@ -12,6 +12,7 @@ import torch
 
 from ..config import AttentionConfig
 from ..layers import HybridAttention
+from ..layers.plan import ContextParallelGroup
 from ..packing import PackedSeqs
 
 __all__ = ["demo_config", "build_demo_stack", "demo_batch", "run_stack", "run_stack_demo", "add_demo_args"]
@@ -46,7 +47,8 @@ def demo_batch(lengths: list[int], hidden: int, dtype: torch.dtype, seed: int = 
     return torch.randn(sum(lengths), hidden, generator=g).to(dtype)
 
 
-def run_stack(layers, x: torch.Tensor, packed: PackedSeqs, cp=None) -> tuple[torch.Tensor, list]:
+def run_stack(layers, x: torch.Tensor, packed: PackedSeqs,
+              cp: ContextParallelGroup | None = None) -> tuple[torch.Tensor, list]:
     """Residual stack ``x + attn(x)``; returns the output and the per-layer outputs."""
     outs = []
     h = x

@@ -35,6 +35,7 @@ from transformers.integrations import finegrained_fp8 as hf_fp8
 
 from ..amp import autocast_dtype, autocast_off
 from ..models.deepseek_v4.quant import _apply_raw, decode_scale, mxfp4_to_fp8
+from ..ops.backend import BackendChoice
 from ..ops.fp8 import BLOCK, COMPUTES, dequantize, fp8_linear
 from ..ops.moe import ExpertLora, moe_experts
 
@@ -207,7 +208,7 @@ def _convert_fp4(module: nn.Module, where: str) -> None:
 PATCHED = {FP8Linear: PatchedFP8Linear, hf_fp8.FP8GroupedLinear: PatchedFP8GroupedLinear}
 
 
-def swap(module: nn.Module, where: str, dtype: torch.dtype, compute: str, backend: str) -> None:
+def swap(module: nn.Module, where: str, dtype: torch.dtype, compute: str, backend: BackendChoice) -> None:
     """Make HF's FP8 ``module`` run csattn's FP8 ops, in place (its parameters untouched): ``dtype`` is the
     model's compute dtype (dequantized weights; the ``dtype_tag`` buffer), ``compute`` the FP8 ops' mode (one of
     :data:`COMPUTES`), ``backend`` the experts'. ``ValueError`` naming ``where`` for what they cannot run."""

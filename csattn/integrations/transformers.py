@@ -59,7 +59,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 from ..config import AttentionConfig
 from ..layers import HybridAttention
 from ..ops import mhc as mhc_ops
-from ..ops.backend import BACKENDS, check_backend
+from ..ops.backend import BACKENDS, BackendChoice, check_backend
 from ..ops.moe import ExpertLora, moe_experts
 from ..ops.rope import rope_inv_freq
 from ..packing import PackedSeqs
@@ -345,7 +345,7 @@ class _PatchedModel(hf.DeepseekV4Model):
         return MoeModelOutputWithPast(last_hidden_state=layout.scatter(final), router_logits=logits)
 
 
-def _hc_pre(site: hf.DeepseekV4HyperConnection, streams: Tensor, backend: str,
+def _hc_pre(site: hf.DeepseekV4HyperConnection, streams: Tensor, backend: BackendChoice,
             norm: hf.DeepseekV4RMSNorm) -> tuple[Tensor, Tensor, Tensor]:
     # HF's RMSNorm math (fp32, weight applied before the cast back) applied by the site, which keeps one scale per
     # row instead of the collapsed input
@@ -372,7 +372,7 @@ def _refuse_unsupported(past_key_values: Any, use_cache: bool | None, kwargs: di
 # ---------------------------------------------------------------------------------------------- patch / unpatch
 @dataclass
 class _PatchState:
-    backend: str
+    backend: BackendChoice
     indexer_loss_coeff: float
     hf_attention: list[nn.Module]  # HF's attention modules, put back by unpatch
     experts_patched: bool
@@ -401,7 +401,7 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(path) if path else module), leaf
 
 
-def _csattn_attention(hf_attn: nn.Module, config: Any, layer_idx: int, backend: str,
+def _csattn_attention(hf_attn: nn.Module, config: Any, layer_idx: int, backend: BackendChoice,
                       indexer_loss_coeff: float, deterministic: bool = False) -> _PatchedAttention:
     cfg = AttentionConfig.from_hf(config, layer_idx, backend=backend, indexer_loss_coeff=indexer_loss_coeff,
                                   compute_indexer_loss=indexer_loss_coeff > 0, deterministic=deterministic)
@@ -436,7 +436,7 @@ def _csattn_attention(hf_attn: nn.Module, config: Any, layer_idx: int, backend: 
     return attn
 
 
-def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float = 0.0,
+def patch(model: nn.Module, *, backend: BackendChoice = "auto", indexer_loss_coeff: float = 0.0,
           deterministic: bool = False, fp8_compute: str = "fp8") -> nn.Module:
     """Make an HF ``DeepseekV4ForCausalLM`` (or ``DeepseekV4Model``) run csattn's kernels, in place.
 
@@ -529,7 +529,7 @@ def _check_patchable(backbone: hf.DeepseekV4Model) -> None:
     peft_bridge.check_adapters(backbone)
 
 
-def _swap_held(backbone: hf.DeepseekV4Model, backend: str, compute: str) -> list[nn.Module]:
+def _swap_held(backbone: hf.DeepseekV4Model, backend: BackendChoice, compute: str) -> list[nn.Module]:
     """HF's FP8 modules of the decoder onto csattn's FP8 ops (:func:`csattn.integrations.hf_fp8.swap`, which refuses
     what they cannot run), dequantized weights in the embedding's dtype (the model's compute dtype); on a refusal the
     modules swapped so far are restored, so the model is as it was."""

@@ -319,7 +319,7 @@ class HybridAttention(nn.Module):
         if want_loss:
             row_weight = loss.row_weight(torch.promote_types(qr.dtype, torch.float32))
             teacher = SparseTeacher(qr.shape[0], compressed_ids.shape[1], row_weight.dtype, qr.device,
-                                    fused=backend == "triton")
+                                    backend=backend)
 
             def on_block(lo: int, hi: int, q: Tensor, lse: Tensor) -> None:
                 sparse_teacher_block(teacher, lo, loss.q_idx[lo:hi], loss.w[lo:hi], loss.k_idx, q, ckv, lse,
@@ -331,7 +331,7 @@ class HybridAttention(nn.Module):
         if teacher is not None:
             # the backward recomputes the indexer queries block by block instead of keeping q_idx [T, HI, cI]
             queries = self.compressor.indexer.student_queries(qr.detach(), cos, sin, self._indexer_query_rows(),
-                                                              fused=backend == "triton",
+                                                              backend=backend,
                                                               weight=self.projection_weight(_INDEXER_Q))
             kl = indexer_kl_from_teacher(queries, loss.w, loss.k_idx, teacher, row_weight, compressed_ids,
                                          workspace_bytes=cfg.workspace_bytes, backend=backend,
@@ -390,7 +390,7 @@ class HybridAttention(nn.Module):
         cfg, entries = self.config, plan.entries
         indexer: Indexer = self.compressor.indexer
         q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=self._indexer_query_rows(),
-                                fused=self._backend_for(qr) == "triton", weight=self.projection_weight(_INDEXER_Q))
+                                backend=self._backend_for(qr), weight=self.projection_weight(_INDEXER_Q))
         w = indexer.scorer(x.detach())
         selected = plan.ops.indexer_topk(q_idx, w, index_keys, entries.vis_start, entries.vis_end,
                                          self._effective_topk(entries.max_visible), entries.max_visible,

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops.backend import Backend
 from ..ops.recompute import NoCtx
 from ..ops.rope import apply_rope
 from ..ops.sparse_attn import SparseAttnConfig, sparse_attn_chunk, sparse_attn_ref
@@ -57,32 +58,33 @@ BlockHook = Callable[[int, int, Tensor, Tensor], None]
 
 
 def query_heads(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float,
-                fused: bool = False) -> Tensor:
+                backend: Backend = "reference") -> Tensor:
     """``qr [R, q_lora]`` -> ``q [R, H, d]``: projection, per-head RMSNorm without weight, RoPE (one Triton
-    pass with ``fused``)."""
-    return _norm_rope_heads(F.linear(qr, weight), cos, sin, heads, eps, fused)
+    pass on ``backend="triton"``)."""
+    return _norm_rope_heads(F.linear(qr, weight), cos, sin, heads, eps, backend)
 
 
-def _norm_rope_heads(qp: Tensor, cos: Tensor, sin: Tensor, heads: int, eps: float, fused: bool) -> Tensor:
+def _norm_rope_heads(qp: Tensor, cos: Tensor, sin: Tensor, heads: int, eps: float, backend: Backend) -> Tensor:
     """The query projection's output ``[R, H d]`` -> ``q [R, H, d]``: per-head RMSNorm, RoPE."""
     q = qp.unflatten(-1, (heads, -1))
-    if fused:
+    if backend == "triton":
         from ..ops.rope.triton import head_norm_rope_triton  # lazy: importing csattn must not need Triton
 
         return head_norm_rope_triton(q, cos, sin, eps)
     return apply_rope(rms_norm_unweighted(q, eps), cos, sin)
 
 
-def grouped_output(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, groups: int, fused: bool = False,
+def grouped_output(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, groups: int, backend: Backend = "reference",
                    consume: bool = False) -> Tensor:
-    """``o [R, H, d]`` -> ``[R, G o_lora]``: inverse RoPE (one Triton pass with ``fused``), grouped ``o_a_proj``.
+    """``o [R, H, d]`` -> ``[R, G o_lora]``: inverse RoPE (one Triton pass on ``backend="triton"``), grouped
+    ``o_a_proj``.
     ``consume``: ``o`` is not read again, so the fused path rotates it in place (outside autograd)."""
-    return grouped_linear(_unrope_groups(o, cos, sin, groups, fused, consume), w_a, groups)
+    return grouped_linear(_unrope_groups(o, cos, sin, groups, backend, consume), w_a, groups)
 
 
-def _unrope_groups(o: Tensor, cos: Tensor, sin: Tensor, groups: int, fused: bool, consume: bool = False) -> Tensor:
+def _unrope_groups(o: Tensor, cos: Tensor, sin: Tensor, groups: int, backend: Backend, consume: bool = False) -> Tensor:
     """``o [R, H, d]`` -> ``[R, G, H d / G]``: inverse RoPE, the heads grouped for ``o_a_proj``."""
-    if fused:
+    if backend == "triton":
         from ..ops.rope.triton import rope_heads_triton, rope_heads_triton_
 
         o = rope_heads_triton_(o, cos, sin, inverse=True) if consume else rope_heads_triton(o, cos, sin, inverse=True)
@@ -91,11 +93,11 @@ def _unrope_groups(o: Tensor, cos: Tensor, sin: Tensor, groups: int, fused: bool
     return o.reshape(o.shape[0], groups, -1)
 
 
-def _unrope_grad(du: Tensor, cos: Tensor, sin: Tensor, heads: int, fused: bool) -> Tensor:
+def _unrope_grad(du: Tensor, cos: Tensor, sin: Tensor, heads: int, backend: Backend) -> Tensor:
     """The attention output's gradient from that of its inverse rotation, ``du [R, G, H d / G]`` -> ``[R, H, d]``:
     a rotation's transpose is the opposite rotation. The fused path rotates the fresh ``du`` in place."""
     g = du.view(du.shape[0], heads, -1)
-    if fused:
+    if backend == "triton":
         from ..ops.rope.triton import rope_heads_triton_
 
         return rope_heads_triton_(g, cos, sin)
@@ -115,10 +117,10 @@ def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 
 def output_projection(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int,
-                      fused: bool = False, consume: bool = False) -> Tensor:
+                      backend: Backend = "reference", consume: bool = False) -> Tensor:
     """``o [R, H, d]`` -> ``[R, D]``: inverse RoPE, grouped ``o_a_proj``, then ``o_b_proj`` (``consume``: see
     :func:`grouped_output`)."""
-    return F.linear(grouped_output(o, cos, sin, w_a, groups, fused, consume), w_b)
+    return F.linear(grouped_output(o, cos, sin, w_a, groups, backend, consume), w_b)
 
 
 @dataclass(frozen=True)
@@ -130,16 +132,11 @@ class CoreGeometry:
     eps: float
     scale: float
     block_rows: int
-    backend: str  # "triton" or "reference"
+    backend: Backend  # resolved: "triton" or "reference"
     ref_chunk_rows: int = 1024  # row chunks of the reference attention inside one block
     # launch settings of the fused attention (None: the defaults); kept on the autograd node with the rest of the
     # geometry, so the backward's recomputed forward and its attention backward launch as the forward did
     sparse_attn: SparseAttnConfig | None = None
-
-    @property
-    def fused_elementwise(self) -> bool:
-        """The per-head RMSNorm / RoPE passes run as Triton kernels on the Triton backend."""
-        return self.backend == "triton"
 
 
 def _attn_forward(q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, geo: CoreGeometry) -> tuple[Tensor, Tensor]:
@@ -198,11 +195,11 @@ class _AttentionCore(torch.autograd.Function):
         out = qr.new_empty(total, w_ob.shape[0])
         for lo in range(0, total, geo.block_rows):
             hi = min(lo + geo.block_rows, total)
-            q = query_heads(qr[lo:hi], cos[lo:hi], sin[lo:hi], w_q, geo.heads, geo.eps, geo.fused_elementwise)
+            q = query_heads(qr[lo:hi], cos[lo:hi], sin[lo:hi], w_q, geo.heads, geo.eps, geo.backend)
             o, lse = _attn_forward(q, keys, ids_fn(lo, hi), sinks, geo)
             if on_block is not None:
                 on_block(lo, hi, q, lse)
-            out[lo:hi] = output_projection(o, cos[lo:hi], sin[lo:hi], w_oa, w_ob, geo.groups, geo.fused_elementwise,
+            out[lo:hi] = output_projection(o, cos[lo:hi], sin[lo:hi], w_oa, w_ob, geo.groups, geo.backend,
                                            consume=True)
         return out
 
@@ -231,11 +228,11 @@ class _AttentionCore(torch.autograd.Function):
             qp = F.linear(qr_b, w_q)
             with torch.enable_grad():
                 qp.requires_grad_()
-                q = _norm_rope_heads(qp, c, s, geo.heads, geo.eps, geo.fused_elementwise)
+                q = _norm_rope_heads(qp, c, s, geo.heads, geo.eps, geo.backend)
             q_d = q.detach().contiguous()
             o, lse = _attn_forward(q_d, keys, ids, sinks, geo)
             dy_b = dy[lo:hi]
-            u = _unrope_groups(o, c, s, geo.groups, geo.fused_elementwise)  # [R, G, i]; o stays for the backward
+            u = _unrope_groups(o, c, s, geo.groups, geo.backend)  # [R, G, i]; o stays for the backward
             z = grouped_linear(u, w_oa, geo.groups)  # [R, G o_lora] (no autograd here)
             u_g = u.transpose(0, 1)  # [G, R, i], a view: the GEMMs take the strides as they are
             _add_product(dw[2], dy_b.t(), z)
@@ -245,7 +242,7 @@ class _AttentionCore(torch.autograd.Function):
             du = torch.empty_like(u)  # [R, G, i], written group by group through its [G, R, i] view
             torch.bmm(dz, w_g, out=du.transpose(0, 1))
             del u, u_g, dz
-            do = _unrope_grad(du, c, s, geo.heads, geo.fused_elementwise)
+            do = _unrope_grad(du, c, s, geo.heads, geo.backend)
             del du
             if stored is None:
                 stored = _keys_in_stored_order(q_d, keys, geo)

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..ops.backend import Backend
 from ..ops.compressor import compress_pool
 from ..ops.indexer_loss import StudentQueries
 from ..ops.recompute import row_chunked
@@ -115,7 +116,7 @@ class Compressor(nn.Module):
         self.kv_norm = RMSNorm(dim, eps)
 
     def compress(self, x: Tensor | RowPieces, meta: CompressMeta, inv_freq: Tensor,
-                 backend: str = "reference") -> Tensor:
+                 backend: Backend = "reference") -> Tensor:
         """Entries ``[Nc, dim]`` from rows ``x [T, D]`` (``meta.entry_row`` indexes ``x``'s rows: under context
         parallelism the plan gives them in the rank's halo-extended rows)."""
         kv = map_rows(self.kv_proj, x)
@@ -158,8 +159,9 @@ class Indexer(Compressor):
         self.scorer = IndexerScorer(hidden_size, n_heads, head_dim)
 
     def queries(self, qr: Tensor, cos: Tensor, sin: Tensor, chunk_rows: int | None = None,
-                fused: bool = False, weight: Tensor | None = None) -> Tensor:
-        """``qr [T, q_lora]`` -> ``[T, HI, cI]`` with RoPE at each row's position (one Triton pass with ``fused``).
+                backend: Backend = "reference", weight: Tensor | None = None) -> Tensor:
+        """``qr [T, q_lora]`` -> ``[T, HI, cI]`` with RoPE at each row's position (one Triton pass on
+        ``backend="triton"``).
 
         With ``chunk_rows`` the rows are computed ``chunk_rows`` at a time into the output and recomputed that
         way in the backward (``row_chunked``): the projection's output and the fp32 RoPE temporaries, about
@@ -167,30 +169,32 @@ class Indexer(Compressor):
         cI = 128), never exceed one chunk. ``weight`` replaces ``q_b_proj.weight`` (the layer passes its effective
         weight, see ``HybridAttention.projection_weight``).
         """
-        fn = self._query_fn(fused)
+        fn = self._query_fn(backend)
         weight = self.q_b_proj.weight if weight is None else weight
         if chunk_rows is None or qr.shape[0] <= chunk_rows or torch.compiler.is_compiling():
             return fn(qr, cos, sin, weight)
         return row_chunked(fn, (qr, cos, sin), (weight,), chunk_rows)
 
     def student_queries(self, qr: Tensor, cos: Tensor, sin: Tensor, chunk_rows: int,
-                        fused: bool = False, weight: Tensor | None = None) -> StudentQueries:
+                        backend: Backend = "reference", weight: Tensor | None = None) -> StudentQueries:
         """The same queries as a recipe for the sparse indexer loss, which recomputes them ``chunk_rows`` at a
         time in its backward instead of keeping them (``weight`` as in :meth:`queries`)."""
         weight = self.q_b_proj.weight if weight is None else weight
-        return StudentQueries(self._query_fn(fused), qr, cos, sin, weight, chunk_rows)
+        return StudentQueries(self._query_fn(backend), qr, cos, sin, weight, chunk_rows)
 
-    def _query_fn(self, fused: bool) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-        return partial(indexer_queries, heads=self.n_heads, fused=fused)
+    def _query_fn(self, backend: Backend) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+        return partial(indexer_queries, heads=self.n_heads, backend=backend)
 
 
-def indexer_queries(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, fused: bool = False) -> Tensor:
+def indexer_queries(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int,
+                    backend: Backend = "reference") -> Tensor:
     """The lightning indexer's queries: ``qr [T, q_lora]`` -> ``[T, HI, cI]`` (``q_b_proj`` with ``weight
-    [HI cI, q_lora]``, then RoPE at each row's position; with ``fused`` in one Triton pass, as the query heads')."""
+    [HI cI, q_lora]``, then RoPE at each row's position; on ``backend="triton"`` in one Triton pass, as the query
+    heads')."""
     q = torch.nn.functional.linear(qr, weight).unflatten(-1, (heads, -1))
     if not cos.numel():
         return q
-    if fused:
+    if backend == "triton":
         from ..ops.rope.triton import rope_heads_triton  # lazy: importing csattn must not need Triton
 
         return rope_heads_triton(q, cos, sin)

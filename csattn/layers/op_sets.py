@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops.backend import Backend
 from ..ops.compressor.custom_ops import compress_pool_op
 from ..ops.indexer import IndexerConfig, indexer_topk
 from ..ops.indexer.custom_ops import indexer_topk_capture_safe_op
@@ -32,22 +33,22 @@ __all__ = ["OpSet", "EagerOps", "CaptureSafeOps", "EAGER", "CAPTURE_SAFE"]
 class EagerOps:
     """The ops called directly (the default path)."""
 
-    def compress(self, comp: Compressor, x: Tensor | RowPieces, entries, inv_freq: Tensor, backend: str) -> Tensor:
+    def compress(self, comp: Compressor, x: Tensor | RowPieces, entries, inv_freq: Tensor, backend: Backend) -> Tensor:
         """``[Nc, dim]`` entries ``entries.meta`` lists, pooled from the ext rows ``x``."""
         return comp.compress(x, entries.meta, inv_freq, backend=backend)
 
     def indexer_topk(self, q_idx: Tensor, w: Tensor, keys: Tensor, vis_start: Tensor, vis_end: Tensor, topk: int,
-                     width: int, workspace_bytes: int, backend: str, config: IndexerConfig | None = None) -> Tensor:
+                     width: int, workspace_bytes: int, backend: Backend, config: IndexerConfig | None = None) -> Tensor:
         """``[T, topk]`` global ids (``width`` bounds the visible ranges; the eager op reads them itself)."""
         return indexer_topk(q_idx, w, keys, vis_start, vis_end, topk, workspace_bytes=workspace_bytes, backend=backend,
                             config=config)
 
     def sparse_attn(self, q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, scale: float, chunk_rows: int,
-                    backend: str, config: SparseAttnConfig | None = None) -> tuple[Tensor, Tensor]:
+                    backend: Backend, config: SparseAttnConfig | None = None) -> tuple[Tensor, Tensor]:
         return sparse_attn(q, keys, ids, sinks, scale, chunk_rows=chunk_rows, backend=backend, config=config)
 
     def indexer_kl_loss(self, loss, q: Tensor, ckv: Tensor, lse: Tensor, scale: float, selected: Tensor | None,
-                        workspace_bytes: int, backend: str, config: IndexerLossConfig | None = None) -> Tensor:
+                        workspace_bytes: int, backend: Backend, config: IndexerLossConfig | None = None) -> Tensor:
         """The indexer KL loss of :class:`~csattn.layers.plan.IndexerLossInputs` ``loss`` (sparse over
         ``selected``, dense over the visible ranges when it is None)."""
         return indexer_kl_loss(loss.q_idx, loss.w, loss.k_idx, q, ckv, lse, scale, loss.row_weight(lse.dtype),
@@ -77,7 +78,7 @@ class EagerOps:
 class CaptureSafeOps(EagerOps):
     """The custom ops over static bounds: no host sync, no data-dependent shape (CUDA graphs, compile)."""
 
-    def compress(self, comp: Compressor, x: Tensor | RowPieces, entries, inv_freq: Tensor, backend: str) -> Tensor:
+    def compress(self, comp: Compressor, x: Tensor | RowPieces, entries, inv_freq: Tensor, backend: Backend) -> Tensor:
         """``[capacity, dim]``: entry ``e`` pools from ext row ``meta.entry_row[e] - shift``. Slots not in
         ``entries.keep`` pool a zero scratch block appended after the rows, with no previous block, so they
         come out exactly zero and send no gradient to real rows (the fused backward stores, not adds, each
@@ -92,17 +93,17 @@ class CaptureSafeOps(EagerOps):
         return comp.finish(pooled, meta.entry_pos, inv_freq)
 
     def indexer_topk(self, q_idx: Tensor, w: Tensor, keys: Tensor, vis_start: Tensor, vis_end: Tensor, topk: int,
-                     width: int, workspace_bytes: int, backend: str, config: IndexerConfig | None = None) -> Tensor:
+                     width: int, workspace_bytes: int, backend: Backend, config: IndexerConfig | None = None) -> Tensor:
         return indexer_topk_capture_safe_op(q_idx, w, keys, vis_start, vis_end, topk, width, workspace_bytes, backend,
                                       config.spec() if config else "")
 
     def sparse_attn(self, q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, scale: float, chunk_rows: int,
-                    backend: str, config: SparseAttnConfig | None = None) -> tuple[Tensor, Tensor]:
+                    backend: Backend, config: SparseAttnConfig | None = None) -> tuple[Tensor, Tensor]:
         # the custom op takes the settings as their parse string (custom ops take no dataclasses)
         return sparse_attn_op(q, keys, ids, sinks, scale, chunk_rows, backend, config.spec() if config else "")
 
     def indexer_kl_loss(self, loss, q: Tensor, ckv: Tensor, lse: Tensor, scale: float, selected: Tensor | None,
-                        workspace_bytes: int, backend: str, config: IndexerLossConfig | None = None) -> Tensor:
+                        workspace_bytes: int, backend: Backend, config: IndexerLossConfig | None = None) -> Tensor:
         return indexer_kl_loss_op(loss.q_idx, loss.w, loss.k_idx, q.detach(), ckv.detach(), lse.detach(), scale,
                                   loss.row_weight(lse.dtype), selected, loss.vis_start, loss.vis_end, loss.width,
                                   workspace_bytes, backend, config.spec() if config else "")

@@ -13,7 +13,7 @@ the exchange steps between the phases (the identity on one process) and the op s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -25,8 +25,11 @@ from ..packing_capture_safe import CaptureSafeCompressMeta, CaptureSafePackedSeq
 from .modules import RowPieces
 from .op_sets import CAPTURE_SAFE, EAGER, OpSet
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["CompressedRange", "IndexerLossInputs", "Entries", "Exchange", "IDENTITY", "LayerPlan", "LocalPlanner",
-           "LOCAL", "Packed", "PackedSeqParamsLike", "Planner", "capture_safe_pack"]
+           "LOCAL", "ContextParallelGroup", "Packed", "PackedSeqParamsLike", "Planner", "capture_safe_pack"]
 
 
 class PackedSeqParamsLike(Protocol):
@@ -138,6 +141,36 @@ class Planner(Protocol):
 
     def plan(self, x: Tensor, packed: Packed, config: AttentionConfig) -> LayerPlan:
         """This rank's plan for its rows ``x [L, D]`` of the stream ``packed`` describes."""
+        ...
+
+
+class ContextParallelGroup(Planner, Protocol):
+    """The type of every ``cp=`` above the layer (the model, the capture-safe step, the CP plans, the trainer):
+    what they use of a ``csattn.ContextParallel`` (``csattn/cp``, the one implementation), beyond its plans. It
+    lives here, below ``cp/``, so those floors can name it without importing ``cp/``.
+
+    ``packed`` always describes the global stream (every rank passes the same one).
+    """
+
+    group: ProcessGroup | None  # the CP process group (None: the default group)
+    partition: str  # how the stream's rows are dealt to the ranks: "contiguous" or "balanced"
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in ``group``."""
+        ...
+
+    @property
+    def size(self) -> int:
+        """The ranks of ``group`` (P)."""
+        ...
+
+    def local_rows(self, packed: Packed, device: torch.device | str | None = None) -> Tensor:
+        """``[T / P]`` int64 global row index of each of this rank's rows, in local order."""
+        ...
+
+    def shard(self, tensor: Tensor, packed: Packed) -> Tensor:
+        """This rank's rows ``[T / P, ...]`` of a global ``[T, ...]`` tensor (differentiable)."""
         ...
 
 

@@ -1,8 +1,6 @@
 """The memory and speed scaling report (``csattn report``)."""
 
-from .flops import finetune_flops, layer_flops, model_flops
 from .run import add_report_args, plan_groups, run_report
 from .worker import Job, ragged_lengths, report_config
 
-__all__ = ["Job", "add_report_args", "finetune_flops", "layer_flops", "model_flops", "plan_groups", "ragged_lengths",
-           "report_config", "run_report"]
+__all__ = ["Job", "add_report_args", "plan_groups", "ragged_lengths", "report_config", "run_report"]

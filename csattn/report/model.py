@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from .flops import PEAK_FLOPS, model_flops
+from ..models.deepseek_v4.flops import PEAK_FLOPS, model_flops
+from ..ops.backend import BackendChoice
 
 __all__ = ["proxy_config", "proxy_lengths", "proxy_model", "proxy_batch", "model_step_record", "PEAK_TFLOPS"]
 
@@ -24,7 +25,7 @@ _W, _C, _H = "sliding_attention", "compressed_sparse_attention", "heavily_compre
 
 
 def proxy_config(geometry: str = "real", experts: int = 8, topk: int = 2, layers: int = 4, recompute: str = "none",
-                 backend: str = "auto", indexer_loss_coeff: float = 0.01) -> Any:
+                 backend: BackendChoice = "auto", indexer_loss_coeff: float = 0.01) -> Any:
     """The ``DeepseekV4ModelConfig`` of the model proxy (``"real"``: V4-Flash widths; ``"tiny"``: CPU-sized)."""
     from ..models.deepseek_v4 import DeepseekV4ModelConfig
 
@@ -32,7 +33,7 @@ def proxy_config(geometry: str = "real", experts: int = 8, topk: int = 2, layers
     kw: dict[str, Any] = dict(
         vocab_size=32000, num_hidden_layers=layers, layer_types=[pattern[i % 4] for i in range(layers)],
         mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1), n_routed_experts=experts, num_experts_per_tok=topk,
-        num_nextn_predict_layers=0, recompute=recompute, attention_backend=backend,
+        num_nextn_predict_layers=0, recompute=recompute, backend=backend,
         indexer_loss_coeff=indexer_loss_coeff,
     )
     if geometry == "tiny":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
-from .flops import PEAK_FLOPS
+from ..models.deepseek_v4.flops import PEAK_FLOPS
 
 __all__ = ["render_report", "summarize"]
 

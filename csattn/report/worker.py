@@ -22,8 +22,8 @@ from torch import Tensor
 
 from ..config import AttentionConfig
 from ..layers import HybridAttention
+from ..models.deepseek_v4.flops import layer_flops
 from ..packing import PackedSeqs
-from .flops import layer_flops
 
 __all__ = ["Job", "report_config", "ragged_lengths", "init_rank", "build_case", "run_group", "run_isolated"]
 

@@ -30,6 +30,7 @@ from ..finetune.precision import check_fp8_mesh, hold_base
 from ..finetune.setup import Finetune, save_checkpoint_files
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from ..models.deepseek_v4.checkpoint import read_config
+from ..models.deepseek_v4.flops import model_flops, peak_flops
 from ..ops.backend import resolve_backend
 from ..ops.indexer_loss import IndexerLossAutoScaler
 from ..parallel import (
@@ -43,7 +44,6 @@ from ..parallel import (
     save_sharded,
 )
 from ..parallel import parallelize as parallelize_model
-from ..report.flops import model_flops, peak_flops
 from .checkpointing import (
     checkpoint_dir,
     compare_resume_config,
@@ -87,7 +87,7 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int | None = None,
     which replace the config's (the data carries the tokenizer's)."""
     overrides: dict[str, Any] = dict(**(special_ids or {}), indexer_loss_coeff=cfg.indexer_loss_coeff,
                                      mtp_loss_coeff=cfg.mtp_loss_coeff,
-                                     attention_backend=cfg.attention_backend,
+                                     backend=cfg.attention_backend,
                                      deterministic=cfg.deterministic,
                                      recompute="block" if cfg.activation_checkpointing else cfg.recompute,
                                      offload_block_inputs=cfg.offload_block_inputs)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..layers.plan import ContextParallelGroup
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM
 from ..ops.indexer_loss import IndexerLossAutoScaler
 from ..packing import PackedSeqs
@@ -77,7 +78,7 @@ def _to_device(batch: PackedBatch, device: torch.device) -> tuple[PackedSeqs, Te
     return packed, batch.input_ids.to(device), batch.labels.to(device)
 
 
-def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: Any, meshes: Meshes,
+def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: ContextParallelGroup | None, meshes: Meshes,
                optimizer: torch.optim.Optimizer, grad_clip: float, router_bias_rate: float,
                device: torch.device, save_due: bool = False) -> Callable[[], dict[str, Any]]:
     """One optimizer step on this rank's data-replica stream ``batch``, launched: returns ``finish()``, which waits

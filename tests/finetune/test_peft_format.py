@@ -27,7 +27,7 @@ TOL = 1e-5
 
 
 def _ours(hf, cfg, targets=ALL, rank=4, alpha=8.0, seed=0, train=None):
-    model = DeepseekV4ForCausalLM(DeepseekV4ModelConfig.from_hf(cfg, attention_backend="reference"))
+    model = DeepseekV4ForCausalLM(DeepseekV4ModelConfig.from_hf(cfg, backend="reference"))
     model.load_state_dict(hf.state_dict(), strict=True)
     if targets:
         spec = LoraSpec(rank, alpha, 0.0, targets)

@@ -30,7 +30,7 @@ STEPS = 3
 def _csattn_lora(hf, cfg: dict) -> tuple[DeepseekV4ForCausalLM, LoraSpec]:
     """csattn's model on HF's weights, LoRA on every group it adapts; ``B`` random (a trained adapter) so every
     factor gets a gradient."""
-    model = DeepseekV4ForCausalLM(DeepseekV4ModelConfig.from_hf(cfg, attention_backend="reference"))
+    model = DeepseekV4ForCausalLM(DeepseekV4ModelConfig.from_hf(cfg, backend="reference"))
     model.load_state_dict(hf.state_dict(), strict=True)
     spec = LoraSpec(4, 8.0, 0.0, TARGETS)
     apply_freezing(model, resolve_choice(None, None, ",".join(TARGETS), spec.rank))

@@ -80,7 +80,7 @@ def test_block_ids_freed_after_the_core_backward(layer_type):
     window ids) must not outlive the core's backward."""
     import gc
 
-    from benchmarks.live_tensors import LiveStorages
+    from csattn.report.live_tensors import LiveStorages
 
     packed = PackedSeqs.from_lengths([23, 5, 40])
     t = 68
@@ -161,7 +161,7 @@ def test_loss_from_block_teacher_equals_one_call(backend):
     q_idx = fn(qr, cos, sin, weight)
     ref = indexer_kl_loss(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected=selected, backend=backend)
     ref_grads = torch.autograd.grad(ref, leaves)
-    teacher = SparseTeacher(t, k, torch.promote_types(dtype, torch.float32), q.device, fused=backend == "triton")
+    teacher = SparseTeacher(t, k, torch.promote_types(dtype, torch.float32), q.device, backend=backend)
     q_idx = q_idx.detach()
     for lo, hi_ in ((0, 8), (8, 16), (16, t)):
         sparse_teacher_block(teacher, lo, q_idx[lo:hi_], w[lo:hi_], k_idx, q[lo:hi_], ckv, lse[lo:hi_], scale,

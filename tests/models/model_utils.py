@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
+from safetensors import safe_open
 
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 
@@ -84,3 +87,13 @@ def tiny_model(pattern: str = "flash", seed: int = 0, **kwargs) -> DeepseekV4For
     model = DeepseekV4ForCausalLM(cfg)
     randomize_model_(model, seed + 1)
     return model
+
+
+def disk(path: str, key: str) -> torch.Tensor:
+    """The tensor ``key`` as a checkpoint directory ``path`` holds it on disk (whichever shard has it)."""
+    for file in sorted(os.listdir(path)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(path, file), "pt") as f:
+                if key in f.keys():
+                    return f.get_tensor(key)
+    raise KeyError(key)

@@ -8,14 +8,13 @@ import os
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig, load_pretrained
-from csattn.models.deepseek_v4.checkpoint import held_linears, read_config
+from csattn.models.deepseek_v4.checkpoint import held_linears
 from csattn.models.deepseek_v4.quant import Fp8Experts, Fp8Linear, dequantize_fp8, hold_in_fp8, mxfp4_to_fp8
 from csattn.models.deepseek_v4.release import write_release_checkpoint
 from csattn.packing import PackedSeqs
-from tests.models.model_utils import tiny_config_dict
+from tests.models.model_utils import disk, tiny_config_dict
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,15 +37,6 @@ def release(tmp_path_factory):
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.uint8)
-
-
-def disk(path: str, key: str) -> torch.Tensor:
-    for file in sorted(os.listdir(path)):
-        if file.endswith(".safetensors"):
-            with safe_open(os.path.join(path, file), "pt") as f:
-                if key in f.keys():
-                    return f.get_tensor(key)
-    raise KeyError(key)
 
 
 def test_experts_are_held_as_the_converted_release_values(release):
@@ -417,27 +407,6 @@ def test_expert_parallel_ranks_read_only_their_experts_and_train(release, fsdp, 
     for rank, res in enumerate(out):
         torch.testing.assert_close(res["loss"], whole[rank][0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(res["emb"], sum(emb) if fsdp else emb[rank], rtol=1e-4, atol=1e-6)
-
-
-def test_make_release_checkpoint_tool(tmp_path, capsys):
-    """The benchmark tool writes a shrunk geometry in the release's format, one shard per unit, that loads FP8-held
-    and dequantized alike."""
-    import json
-
-    from benchmarks.make_release_checkpoint import main
-
-    raw = tiny_config_dict("flash", mtp=1)
-    raw.update(hidden_size=64, moe_intermediate_size=128)
-    (tmp_path / "c.json").write_text(json.dumps(raw))
-    main(["--config", str(tmp_path / "c.json"), "--out", str(tmp_path / "out"), "--layers", "3", "--experts", "2",
-          "--mtp", "0"])
-    printed = json.loads(capsys.readouterr().out)
-    assert printed["shards"] == 4  # top + 3 layers
-    saved = read_config(str(tmp_path / "out"))
-    assert saved["quantization_config"]["scale_fmt"] == "ue8m0" and saved["expert_dtype"] == "fp4"
-    model = load_pretrained(str(tmp_path / "out"), base_precision="fp8")
-    assert len(model.model.layers) == 3 and model.model.layers[2].mlp.experts.gate_up_proj.shape == (2, 256, 64)
-    assert disk(str(tmp_path / "out"), "layers.0.attn.wq_b.scale").dtype == torch.float8_e8m0fnu
 
 
 def test_fp8_held_weights_come_only_from_a_quantized_checkpoint(tmp_path):

@@ -19,7 +19,7 @@ TOL = 1e-4  # fp32: HF's MoE kernels refuse fp64
 
 
 def _ours_from_hf(hf, cfg_dict, backend="reference", dtype=torch.float32):
-    ours = DeepseekV4ForCausalLM(DeepseekV4ModelConfig.from_hf(cfg_dict, attention_backend=backend))
+    ours = DeepseekV4ForCausalLM(DeepseekV4ModelConfig.from_hf(cfg_dict, backend=backend))
     ours.load_state_dict(hf.state_dict(), strict=True)
     return ours.to(dtype)
 

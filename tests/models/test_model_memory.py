@@ -11,7 +11,7 @@ component, against the bounds its design states (csattn/ops/mhc/README.md, csatt
   and two int64 indices, and the router's ``[E]`` rows (a few fp32 tensors).
 
 Counted with ``torch.autograd.graph.saved_tensors_hooks`` (every saved storage once, parameters left out) and with
-the storages still alive after the forward (``benchmarks.live_tensors``), on the fused mHC kernels (Triton
+the storages still alive after the forward (``csattn.report.live_tensors``), on the fused mHC kernels (Triton
 interpreter) and the grouped MoE; the attention keeps what its own tests bound (tests/layers/test_core.py,
 tests/layers/test_memory_bounds.py).
 """
@@ -19,10 +19,10 @@ tests/layers/test_memory_bounds.py).
 import pytest
 import torch
 
-from benchmarks.live_tensors import model_kept
 from csattn import PackedSeqs
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
 from csattn.models.deepseek_v4.model import future_tokens
+from csattn.report.live_tensors import model_kept
 from csattn.report.model import proxy_config, proxy_lengths
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,8 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
-from csattn.report import model_flops
-from csattn.report.flops import _sum_div, _sum_min
+from csattn.models.deepseek_v4.flops import _sum_div, _sum_min, model_flops
 from csattn.report.model import proxy_config, proxy_lengths
 
 JSON = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs", "v4_flash_proxy.json")

@@ -4,10 +4,10 @@ redone forward is the same computation), and keeps less for the backward in the 
 import pytest
 import torch
 
-from benchmarks.live_tensors import model_kept
 from csattn import PackedSeqs
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from csattn.models.deepseek_v4.model import future_tokens
+from csattn.report.live_tensors import model_kept
 from csattn.train.loop import tiny_model_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

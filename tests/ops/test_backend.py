@@ -55,8 +55,43 @@ def test_triton_off_cuda_is_a_clear_error_unless_interpreting(monkeypatch):
     with pytest.raises(ValueError, match=r"backend 'triton' .* need CUDA tensors; these are on cpu: use 'auto'"):
         resolve_backend("triton", torch.zeros(1))
     assert resolve_backend("auto", torch.zeros(1)) == "reference"
-    model = DeepseekV4ForCausalLM(tiny_model_config(64, attention_backend="triton", num_nextn_predict_layers=0))
+    model = DeepseekV4ForCausalLM(tiny_model_config(64, backend="triton", num_nextn_predict_layers=0))
     with pytest.raises(ValueError, match="--attention-backend auto"):
         model(torch.randint(0, 64, (24,)), packed=PackedSeqs.from_lengths([24]))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_backend("triton", torch.zeros(1)) == "triton"
+
+
+def test_one_spelling_of_the_backend():
+    """Every function of the package that picks kernels takes ``backend`` (``BackendChoice`` / ``Backend``): no
+    ``use_triton`` / ``fused`` flag, no ``impl`` or ``attention_backend`` argument beside it."""
+    import ast
+
+    root = Path(csattn.__file__).parent
+    other = {"use_triton", "fused", "impl", "kernel_backend", "attention_backend"}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                found += [f"{path.relative_to(root)}:{node.lineno} {node.name}({a.arg})"
+                          for a in args if a.arg in other]
+    assert not found, found
+
+
+def test_model_config_backend_and_its_older_name():
+    """``DeepseekV4ModelConfig.backend`` (once ``attention_backend``): a saved setting under the older name still
+    loads, the older keyword is refused naming the new one, a bad value names the choices."""
+    from csattn.models.deepseek_v4 import DeepseekV4ModelConfig
+    from tests.models.model_utils import tiny_config_dict
+
+    raw = tiny_config_dict("flash", mtp=1)
+    assert DeepseekV4ModelConfig.from_hf(raw).backend == "auto"
+    assert DeepseekV4ModelConfig.from_hf({**raw, "attention_backend": "reference"}).backend == "reference"
+    assert DeepseekV4ModelConfig.from_hf(raw, backend="triton").training_dict()["backend"] == "triton"
+    with pytest.raises(ValueError, match=r"attention_backend= is now backend="):
+        DeepseekV4ModelConfig.from_hf(raw, attention_backend="reference")
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'reference', 'triton', got 'cuda'"):
+        DeepseekV4ModelConfig.from_hf(raw, backend="cuda")
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'reference', 'triton', got 'cuda'"):
+        csattn.AttentionConfig(backend="cuda")

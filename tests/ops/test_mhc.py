@@ -77,7 +77,7 @@ def test_triton_site_saves_streams_and_per_row_floats_only():
 
 
 def test_config_backend_reaches_every_mhc_module():
-    cfg = DeepseekV4ModelConfig.from_hf(tiny_config_dict("mixed", mtp=1), attention_backend="triton")
+    cfg = DeepseekV4ModelConfig.from_hf(tiny_config_dict("mixed", mtp=1), backend="triton")
     model = DeepseekV4ForCausalLM(cfg)
     mods = [m for m in model.modules() if isinstance(m, (HyperConnection, HyperHead))]
     assert len(mods) == 2 * 4 + 2 and all(m.backend == "triton" for m in mods)
@@ -94,7 +94,7 @@ def _step(model, ids, packed, dy):
 @pytest.mark.usefixtures("one_thread")
 def test_model_with_triton_mhc_matches_reference():
     """fp64 model, attention and MoE on the reference; every mHC site, combine and head on the kernels."""
-    cfg = DeepseekV4ModelConfig.from_hf(tiny_config_dict("mixed", mtp=1), attention_backend="reference")
+    cfg = DeepseekV4ModelConfig.from_hf(tiny_config_dict("mixed", mtp=1), backend="reference")
     torch.manual_seed(1)
     ref = DeepseekV4ForCausalLM(cfg)
     randomize_model_(ref, 2)

@@ -88,7 +88,7 @@ def test_group_counts_match_the_model_on_meta(overrides):
 def test_group_macs_match_model_flops():
     """One token: the FLOP counter's forward is twice the groups' multiply-adds plus each block's attention core
     on its one key (``4 H d``)."""
-    from csattn.report.flops import model_flops
+    from csattn.models.deepseek_v4.flops import model_flops
 
     for name in ("v4_flash_proxy.json", "v4_flash.json"):
         c = _load(name)
@@ -99,7 +99,7 @@ def test_group_macs_match_model_flops():
 
 
 def test_frozen_groups_run_no_weight_gradient_and_lora_adds_its_gemms():
-    from csattn.report.flops import model_flops
+    from csattn.models.deepseek_v4.flops import model_flops
 
     c, T = _load("v4_flash_proxy.json"), 4096
     fl = model_flops(c, [0, T])

@@ -1,8 +1,8 @@
-"""``benchmarks.live_tensors``: the storages a forward leaves alive are listed, the freed ones are not."""
+"""``csattn.report.live_tensors``: the storages a forward leaves alive are listed, the freed ones are not."""
 
 import torch
 
-from benchmarks.live_tensors import LiveStorages
+from csattn.report.live_tensors import LiveStorages
 
 
 def test_lists_what_the_forward_keeps_and_nothing_it_freed():

@@ -8,7 +8,8 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from csattn.cli import build_parser  # noqa: E402
-from csattn.report import layer_flops, plan_groups, ragged_lengths, report_config  # noqa: E402
+from csattn.models.deepseek_v4.flops import layer_flops  # noqa: E402
+from csattn.report import plan_groups, ragged_lengths, report_config  # noqa: E402
 
 
 def test_ragged_lengths_fill_exactly():

@@ -536,7 +536,7 @@ def _build(config: DeepseekV4ModelConfig, layers: list[int], mtp: list[int], top
         model.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
     if "hc_head" in top:
         model.model.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps,
-                                        backend=c.attention_backend)
+                                        backend=c.backend)
     if "lm_head" in top and not c.tie_word_embeddings:
         model.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         nn.init.normal_(model.lm_head.weight, std=c.initializer_range)

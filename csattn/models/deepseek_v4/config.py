@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ...config import AttentionConfig
+from ...ops.backend import BackendChoice, check_backend
 
 __all__ = ["DeepseekV4ModelConfig", "HF_LAYER_TYPES", "MLP_LAYER_TYPES", "RECOMPUTE_CHOICES"]
 
@@ -17,7 +18,7 @@ HF_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_c
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 _RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # Settings that only this library reads; they are not written into ``config.json``.
-_TRAINING_FIELDS = ("indexer_loss_coeff", "mtp_loss_coeff", "mtp_layer_types", "attention_backend",
+_TRAINING_FIELDS = ("indexer_loss_coeff", "mtp_loss_coeff", "mtp_layer_types", "backend",
                     "attn_chunk_rows", "workspace_bytes", "activation_checkpointing", "recompute", "moe_chunk_rows",
                     "sparse_attn_kernel", "indexer_kernel", "indexer_loss_kernel", "offload_block_inputs",
                     "deterministic")
@@ -94,7 +95,8 @@ class DeepseekV4ModelConfig:
     indexer_loss_coeff: float = 0.0
     mtp_loss_coeff: float = 0.3
     mtp_layer_types: list[str] = field(default_factory=lambda: ["sliding_attention"])
-    attention_backend: str = "auto"
+    # every op's kernels (attention, mHC, MoE, RMSNorm): "auto" = Triton on CUDA, the reference elsewhere
+    backend: BackendChoice = "auto"
     attn_chunk_rows: int = 1024
     workspace_bytes: int = 1 << 30
     activation_checkpointing: bool = False  # the older spelling of recompute="block"
@@ -167,6 +169,7 @@ class DeepseekV4ModelConfig:
         if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, n_routed_experts={self.n_routed_experts}], "
                              f"got {self.num_experts_per_tok}")
+        check_backend(self.backend)
         if self.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
             raise ValueError(f"scoring_func must be sqrtsoftplus, sigmoid or softmax, got {self.scoring_func!r}")
         if self.hidden_act != "silu":
@@ -199,7 +202,7 @@ class DeepseekV4ModelConfig:
                            mlp_layer_types=["moe"], num_nextn_predict_layers=0)
             return view.attention_config(0)
         return AttentionConfig.from_hf(
-            self, layer_idx, indexer_loss_coeff=self.indexer_loss_coeff, backend=self.attention_backend,
+            self, layer_idx, indexer_loss_coeff=self.indexer_loss_coeff, backend=self.backend,
             attn_chunk_rows=self.attn_chunk_rows, workspace_bytes=self.workspace_bytes,
             sparse_attn_kernel=self.sparse_attn_kernel or None, indexer_kernel=self.indexer_kernel or None,
             indexer_loss_kernel=self.indexer_loss_kernel or None, deterministic=self.deterministic,
@@ -219,6 +222,11 @@ class DeepseekV4ModelConfig:
         # built by hand) are taken, not dropped; overrides still win over them.
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in src.items() if k in names}
+        if "attention_backend" in overrides:
+            raise ValueError("DeepseekV4ModelConfig: attention_backend= is now backend= (same values: 'auto', "
+                             f"'reference', 'triton'), got attention_backend={overrides['attention_backend']!r}")
+        if "attention_backend" in src and "backend" not in src:  # training settings saved before the rename
+            kwargs["backend"] = src["attention_backend"]
         n = int(src.get("num_hidden_layers", cls.num_hidden_layers))
         ratios = src.get("compress_ratios")
         if kwargs.get("layer_types") is None and ratios is not None:

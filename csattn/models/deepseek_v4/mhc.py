@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from ...layers.modules import RMSNorm
 from ...ops import mhc as mhc_ops
+from ...ops.backend import BackendChoice
 
 __all__ = ["HyperConnection", "HyperHead", "expand_streams", "hc_combine"]
 
@@ -24,7 +25,8 @@ def expand_streams(x: Tensor, n: int) -> Tensor:
     return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]).contiguous()
 
 
-def hc_combine(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, backend: str = "auto") -> Tensor:
+def hc_combine(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor,
+               backend: BackendChoice = "auto") -> Tensor:
     """New streams ``X'_k = post_k * y + sum_j comb[j, k] X_j``.
 
     Args:
@@ -45,7 +47,7 @@ class HyperConnection(nn.Module):
     """
 
     def __init__(self, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-                 backend: str = "auto") -> None:
+                 backend: BackendChoice = "auto") -> None:
         super().__init__()
         self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps
         self.backend = backend
@@ -71,7 +73,8 @@ class HyperHead(nn.Module):
     """Final collapse of the streams (sigmoid weights, no Sinkhorn): ``[T, n, D]`` -> ``[T, D]``, normed by
     ``norm`` (the model's final RMSNorm) when given, as :class:`HyperConnection` does."""
 
-    def __init__(self, hidden_size: int, hc_mult: int, hc_eps: float, norm_eps: float, backend: str = "auto") -> None:
+    def __init__(self, hidden_size: int, hc_mult: int, hc_eps: float, norm_eps: float,
+                 backend: BackendChoice = "auto") -> None:
         super().__init__()
         self.hc_eps, self.norm_eps = hc_eps, norm_eps
         self.backend = backend

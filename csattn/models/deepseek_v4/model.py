@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...layers import HybridAttention
 from ...layers.modules import RMSNorm
+from ...layers.plan import ContextParallelGroup
 from ...ops.mhc import Site
 from ...ops.recompute import rebuilt_saves
 from ...packing import PackedSeqs
@@ -95,13 +96,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = HybridAttention(c.attention_config(layer_idx))
         self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
                        c.vocab_size, hashed, c.scoring_func, c.routed_scaling_factor, c.swiglu_limit,
-                       backend=c.attention_backend, chunk_rows=c.moe_chunk_rows, local_experts=experts)
+                       backend=c.backend, chunk_rows=c.moe_chunk_rows, local_experts=experts)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.attn_hc = HyperConnection(c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
-                                       backend=c.attention_backend)
+                                       backend=c.backend)
         self.ffn_hc = HyperConnection(c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
-                                      backend=c.attention_backend)
+                                      backend=c.backend)
 
     @property
     def rebuilds_inputs(self) -> bool:
@@ -109,7 +110,7 @@ class DecoderLayer(nn.Module):
         (every choice but block recompute, whose checkpoint redoes them anyway)."""
         return self.recompute not in ("block", "full")
 
-    def forward(self, streams: Tensor, input_ids: Tensor, packed: PackedSeqs, cp: Any = None,
+    def forward(self, streams: Tensor, input_ids: Tensor, packed: PackedSeqs, cp: ContextParallelGroup | None = None,
                 real: Tensor | None = None, streams_again: Callable[[], Tensor] | None = None) -> Tensor:
         """``streams [T, n, D]`` (this rank's rows), ``input_ids [T]`` -> ``[T, n, D]``.
 
@@ -160,10 +161,10 @@ class MTPBlock(DecoderLayer):
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.attention_backend)
+        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.backend)
 
     def forward(self, streams: Tensor, next_embeds: Tensor, input_ids: Tensor, packed: PackedSeqs,
-                cp: Any = None, real: Tensor | None = None) -> Tensor:
+                cp: ContextParallelGroup | None = None, real: Tensor | None = None) -> Tensor:
         """``streams [T, n, D]``, ``next_embeds [T, D]`` (embedding of token t+j+1) -> new streams."""
         mixed = self.e_proj(self.enorm(next_embeds)).unsqueeze(-2) + self.h_proj(self.hnorm(streams))
         return super().forward(mixed, input_ids, packed, cp, real)
@@ -179,7 +180,7 @@ class TopParts(nn.Module):
         self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, c.pad_token_id)
         nn.init.normal_(self.model.embed_tokens.weight, std=c.initializer_range)
         self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.model.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.attention_backend)
+        self.model.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.backend)
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
             nn.init.normal_(self.lm_head.weight, std=c.initializer_range)
@@ -208,7 +209,7 @@ class _Backbone(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, std=c.initializer_range)
         self.layers = nn.ModuleList([DecoderLayer(c, i) for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.attention_backend)
+        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.backend)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -274,7 +275,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self,
         input_ids: Tensor,
         packed: Any = None,
-        cp: Any = None,
+        cp: ContextParallelGroup | None = None,
         labels: Tensor | None = None,
         mtp_labels: Tensor | None = None,
         label_counts: Tensor | None = None,
@@ -361,7 +362,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     # ------------------------------------------------------------------ helpers
     loss_chunk_rows = 4096
 
-    def _decoder(self, embeds: Tensor, ids: Tensor, packed: PackedSeqs, cp: Any,
+    def _decoder(self, embeds: Tensor, ids: Tensor, packed: PackedSeqs, cp: ContextParallelGroup | None,
                  real: Tensor) -> tuple[Tensor, Tensor | None]:
         """``embeds [T, D]`` -> the final normed hidden ``[T, D]`` and the last streams ``[T, n, D]`` (what the MTP
         blocks continue from; None when the last block ends with the head, see below).
@@ -432,14 +433,14 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError(f"{name} must have shape {shape}, got {got}")
         return labels.long()
 
-    def _packed(self, packed: Any, t: int, cp: Any) -> PackedSeqs:
+    def _packed(self, packed: Any, t: int, cp: ContextParallelGroup | None) -> PackedSeqs:
         if packed is None:
             if cp is not None:
                 raise ValueError("packed is required under context parallelism (it describes the global stream)")
             return PackedSeqs.uniform(1, t)
         return PackedSeqs.coerce(packed)
 
-    def _local_real(self, packed: PackedSeqs, t: int, cp: Any, device: torch.device) -> Tensor:
+    def _local_real(self, packed: PackedSeqs, t: int, cp: ContextParallelGroup | None, device: torch.device) -> Tensor:
         real = packed.rows(device).real
         if cp is None:
             return real
@@ -448,7 +449,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError(f"input_ids has {t} rows but this rank owns {local.shape[0]} rows of the stream")
         return real[local]
 
-    def _label_counts(self, targets: list[Tensor], given: Tensor | None, cp: Any) -> Tensor:
+    def _label_counts(self, targets: list[Tensor], given: Tensor | None, cp: ContextParallelGroup | None) -> Tensor:
         if given is not None:
             counts = torch.as_tensor(given, dtype=torch.float32, device=targets[0].device).reshape(-1)
             if counts.numel() != len(targets):
@@ -458,7 +459,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         if cp is not None:
             import torch.distributed as dist
 
-            dist.all_reduce(counts, group=getattr(cp, "group", None))
+            dist.all_reduce(counts, group=cp.group)
         return counts
 
 

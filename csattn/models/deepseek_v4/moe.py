@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from csattn.ops.autograd import with_zero_grads
+from csattn.ops.backend import BackendChoice
 from csattn.ops.moe import clamped_swiglu, expert_load, moe_experts, route_plan
 
 from .expert_parallel import ExpertParallel, all_to_all_rows, exchange_counts
@@ -98,7 +99,7 @@ class Experts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float,
-                 backend: str = "auto", local: range | None = None) -> None:
+                 backend: BackendChoice = "auto", local: range | None = None) -> None:
         super().__init__()
         self.local = range(num_experts) if local is None else local
         self.num_experts, self.limit, self.backend = num_experts, limit, backend
@@ -153,7 +154,7 @@ class SharedExpert(nn.Module):
     activation, where three ``nn.Linear`` calls and an eager SwiGLU keep about five ``[T, I]`` tensors.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, limit: float, backend: str = "auto") -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, limit: float, backend: BackendChoice = "auto") -> None:
         super().__init__()
         self.limit, self.backend = limit, backend
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
@@ -191,7 +192,7 @@ class MoE(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, vocab_size: int,
                  hashed: bool, scoring_func: str, routed_scaling_factor: float, swiglu_limit: float,
-                 backend: str = "auto", chunk_rows: int = 65536, local_experts: range | None = None) -> None:
+                 backend: BackendChoice = "auto", chunk_rows: int = 65536, local_experts: range | None = None) -> None:
         super().__init__()
         self.chunk_rows = chunk_rows
         self.gate = Router(hidden_size, num_experts, top_k, vocab_size, hashed, scoring_func, routed_scaling_factor)

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ...layers.modules import grouped_linear
+from ...ops.backend import BackendChoice
 from ...ops.fp8 import COMPUTES, check_compute, dequantize, fp8_linear
 from .moe import Experts
 
@@ -413,7 +414,7 @@ class Fp8Experts(Experts):
     frozen_storage = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float,
-                 backend: str = "auto", local: range | None = None, compute: str = "fp8",
+                 backend: BackendChoice = "auto", local: range | None = None, compute: str = "fp8",
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None) -> None:
         nn.Module.__init__(self)  # not Experts.__init__: no full-precision tensors, no initializer
         self.local = range(num_experts) if local is None else local

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..backend import Backend
 from .chunks import fixed_row_chunks, ids_ascending
 from .naive import indexer_scores_ref
 
@@ -34,7 +35,7 @@ def indexer_topk_capture_safe(
     topk: int,
     width: int,
     workspace_bytes: int = 1 << 30,
-    backend: str = "reference",
+    backend: Backend = "reference",
     config=None,
 ) -> Tensor:
     """Causal top-k of indexer scores without host syncs; same result as ``indexer_topk``.

@@ -9,6 +9,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..backend import Backend
+
 __all__ = ["SparseTeacher", "StudentQueries"]
 
 
@@ -22,10 +24,10 @@ class SparseTeacher:
     ``stats [T, 2]`` (student log-sum-exp and mass total) for its backward kernel.
     """
 
-    def __init__(self, num_rows: int, topk: int, dtype: torch.dtype, device: torch.device, fused: bool) -> None:
+    def __init__(self, num_rows: int, topk: int, dtype: torch.dtype, device: torch.device, backend: Backend) -> None:
         self.mass = torch.zeros(num_rows, topk, dtype=dtype, device=device)
-        self.loss_rows = torch.zeros(num_rows, dtype=dtype, device=device) if fused else None
-        self.stats = torch.zeros(num_rows, 2, dtype=dtype, device=device) if fused else None
+        self.loss_rows = torch.zeros(num_rows, dtype=dtype, device=device) if backend == "triton" else None
+        self.stats = torch.zeros(num_rows, 2, dtype=dtype, device=device) if backend == "triton" else None
         self.geometry: tuple | None = None  # (H, d, dtype) of the attention queries, set by the fused path
 
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..backend import BACKENDS, resolve_backend
+from ..backend import BACKENDS, BackendChoice, resolve_backend
 from ..rms_norm import rms_norm
 from .naive import hc_combine_ref, hc_head_ref, hc_pre_ref, sinkhorn_ref
 
@@ -35,7 +35,7 @@ class Site(NamedTuple):
 
 def hc_pre(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn_iters: int, hc_eps: float,
            norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 1e-6,
-           backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+           backend: BackendChoice = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """One mHC site: mixing weights from the RMS-normalized flattened streams, and the collapsed block input.
 
     ``mix = (X / rms(X)) @ fn^T``; ``pre = sigmoid(mix_pre * scale[0] + base_pre) + eps``;
@@ -59,7 +59,8 @@ def hc_pre(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn
 
 
 def hc_site(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn_iters: int, hc_eps: float,
-            norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 1e-6, backend: str = "auto") -> Site:
+            norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 1e-6,
+            backend: BackendChoice = "auto") -> Site:
     """:func:`hc_pre` with what a block does around it (same arguments):
 
     - ``Site.streams``: the streams to hand to this site's :func:`hc_combine`. On the fused path an alias of
@@ -89,7 +90,7 @@ def hc_site(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhor
 
 
 def hc_head(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, hc_eps: float, norm_eps: float,
-            norm_weight: Tensor | None = None, rms_eps: float = 1e-6, backend: str = "auto") -> Tensor:
+            norm_weight: Tensor | None = None, rms_eps: float = 1e-6, backend: BackendChoice = "auto") -> Tensor:
     """Final collapse ``sum_j pre_j X_j`` with ``pre = sigmoid((X / rms(X)) @ fn^T * scale + base) + eps``.
 
     Args:
@@ -108,7 +109,8 @@ def hc_head(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, hc_eps:
     return out if norm_weight is None else rms_norm(out, norm_weight, rms_eps)
 
 
-def hc_combine(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, *, backend: str = "auto") -> Tensor:
+def hc_combine(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, *,
+               backend: BackendChoice = "auto") -> Tensor:
     """New streams ``X'_k = post_k * y + sum_j comb[j, k] X_j`` (``post`` / ``comb`` cast to the stream dtype).
 
     Args:

@@ -3,6 +3,8 @@ SwiGLU, no host read of device data. See ``README.md``."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from torch import Tensor
 
 from ...amp import autocast_dtype, autocast_off
@@ -12,14 +14,17 @@ from ..fp8 import check_compute, check_weight
 from .grouped import GROUPED_DTYPES, RoutePlan, grouped_experts, grouped_mm_supported, route_plan
 from .naive import ExpertLora, clamped_swiglu, experts_ref, gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
 
-__all__ = ["BACKENDS", "ExpertLora", "RoutePlan", "clamped_swiglu", "expert_load", "experts_ref", "gather_sum_ref",
-           "grouped_experts", "grouped_mm_supported", "moe_experts", "resolve_backend", "route_plan",
+__all__ = ["BACKENDS", "ExpertLora", "MoeBackend", "RoutePlan", "clamped_swiglu", "expert_load", "experts_ref",
+           "gather_sum_ref", "grouped_experts", "grouped_mm_supported", "moe_experts", "resolve_backend", "route_plan",
            "swiglu_bwd_ref", "swiglu_fwd_ref"]
 
-BACKENDS = ("auto", "reference", "grouped", "triton")
+# the backends of every op (csattn.ops.backend.BackendChoice) and "grouped": grouped GEMMs with the elementwise
+# parts in PyTorch (what "auto" takes off CUDA)
+MoeBackend = Literal["auto", "reference", "grouped", "triton"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "grouped", "triton")
 
 
-def resolve_backend(backend: str, x: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> str:
+def resolve_backend(backend: MoeBackend, x: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> str:
     """The path :func:`moe_experts` takes: ``"reference"``, ``"grouped"`` or ``"triton"``.
 
     - ``"reference"``: the per-expert loop (:func:`experts_ref`).
@@ -36,7 +41,7 @@ def resolve_backend(backend: str, x: Tensor, gate_up_proj: Tensor, down_proj: Te
     return _resolve(backend, x, choices=BACKENDS, off_cuda="grouped")
 
 
-def _fp8_path(backend: str, x: Tensor) -> str:
+def _fp8_path(backend: MoeBackend, x: Tensor) -> str:
     """The path of frozen FP8 experts: the reference for ``"reference"`` and activations other than fp32 / bf16
     (fp64 in the tests), else as :func:`resolve_backend` (the GEMMs are :func:`~csattn.ops.fp8.fp8_grouped_mm`,
     which runs its own reference off CUDA)."""
@@ -46,7 +51,7 @@ def _fp8_path(backend: str, x: Tensor) -> str:
 
 
 def moe_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
-                limit: float, backend: str = "auto", gate_up_lora: ExpertLora | None = None,
+                limit: float, backend: MoeBackend = "auto", gate_up_lora: ExpertLora | None = None,
                 down_lora: ExpertLora | None = None, *, gate_up_scale: Tensor | None = None,
                 down_scale: Tensor | None = None, fp8_compute: str = "fp8") -> Tensor:
     """Weighted sum of each token's ``k`` routed experts, clamped-SwiGLU MLPs.
@@ -95,9 +100,10 @@ def moe_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tenso
     if path == "reference":
         return experts_ref(x, experts, weights, gate_up_proj, down_proj, limit, gate_up_lora, down_lora,
                            gate_up_scale, down_scale)
-    return grouped_experts(x, experts, weights, gate_up_proj, down_proj, limit, use_triton=path == "triton",
-                           gate_up_lora=gate_up_lora, down_lora=down_lora, gate_up_scale=gate_up_scale,
-                           down_scale=down_scale, fp8_compute=fp8_compute)
+    return grouped_experts(x, experts, weights, gate_up_proj, down_proj, limit,
+                           backend="triton" if path == "triton" else "reference", gate_up_lora=gate_up_lora,
+                           down_lora=down_lora, gate_up_scale=gate_up_scale, down_scale=down_scale,
+                           fp8_compute=fp8_compute)
 
 
 def _lora_fits(x: Tensor, lora: ExpertLora) -> bool:

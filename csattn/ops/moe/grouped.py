@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..autograd import named_grads
+from ..backend import Backend, use_triton
 from ..fp8 import fp8_grouped_mm
 from .naive import ExpertLora, gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
 
@@ -108,13 +109,13 @@ def _expert_mm(a: Tensor, weight: Tensor, offs: Tensor, scale: Tensor | None, co
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor, experts: Tensor,
-                limit: float, use_triton: bool, gate_up_a: Tensor | None = None, gate_up_b: Tensor | None = None,
+                limit: float, backend: Backend, gate_up_a: Tensor | None = None, gate_up_b: Tensor | None = None,
                 down_a: Tensor | None = None, down_b: Tensor | None = None,
                 lora_scales: tuple[float, float] = (0.0, 0.0), gate_up_scale: Tensor | None = None,
                 down_scale: Tensor | None = None, fp8_compute: str = "fp8") -> Tensor:
         t, d = x.shape
         k = experts.shape[-1]
-        ctx.limit, ctx.use_triton, ctx.k, ctx.fp8_compute = limit, use_triton, k, fp8_compute
+        ctx.limit, ctx.backend, ctx.k, ctx.fp8_compute = limit, backend, k, fp8_compute
         ctx.weights_dtype = weights.dtype
         ctx.lora_scales = lora_scales
         lora = (gate_up_a, gate_up_b, down_a, down_b)
@@ -123,7 +124,7 @@ class _GroupedExperts(torch.autograd.Function):
             ctx.save_for_backward(gate_up_proj, down_proj, *lora)
             return x.new_zeros((t, d))
         ctx.empty = False
-        swiglu_fwd, gather_sum = _elementwise(use_triton)[:2]
+        swiglu_fwd, gather_sum = _elementwise(backend)[:2]
         plan = route_plan(experts, gate_up_proj.shape[0])
         w = weights.reshape(-1).index_select(0, plan.order)
         xp = x.index_select(0, plan.token)
@@ -157,7 +158,7 @@ class _GroupedExperts(torch.autograd.Function):
         (x, gate_up_proj, down_proj, gu, w, token, inv, offs, gu_a, gu_b, dn_a, dn_b, xa, ha, gate_up_scale,
          down_scale) = ctx.saved_tensors
         k = ctx.k
-        _, gather_sum, swiglu_bwd = _elementwise(ctx.use_triton)
+        _, gather_sum, swiglu_bwd = _elementwise(ctx.backend)
         dy = dout.index_select(0, token)  # [N, D]: un-permute's adjoint, a gather in expert order
         dh = _expert_mm(dy, down_proj, offs, down_scale, ctx.fp8_compute, trans=True)  # [N, I]
         dh, dyb = _lora_add_t(dh, dy, dn_a, dn_b, ctx.lora_scales[1], offs)
@@ -211,9 +212,9 @@ def _lora_grads(dy: Tensor, v: Tensor | None, dyb: Tensor | None, va: Tensor | N
     return da, db
 
 
-def _elementwise(use_triton: bool):
+def _elementwise(backend: Backend):
     """(swiglu forward, gather-sum, swiglu backward): the Triton kernels or their PyTorch references."""
-    if use_triton:
+    if use_triton(backend):
         from .triton import gather_sum_triton, swiglu_bwd_triton, swiglu_fwd_triton  # lazy: Triton optional
 
         return swiglu_fwd_triton, gather_sum_triton, swiglu_bwd_triton
@@ -221,7 +222,7 @@ def _elementwise(use_triton: bool):
 
 
 def grouped_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
-                    limit: float, use_triton: bool = False, gate_up_lora: ExpertLora | None = None,
+                    limit: float, backend: Backend = "reference", gate_up_lora: ExpertLora | None = None,
                     down_lora: ExpertLora | None = None, *, gate_up_scale: Tensor | None = None,
                     down_scale: Tensor | None = None, fp8_compute: str = "fp8") -> Tensor:
     """Routed experts by grouped GEMMs (see the module docstring); operands as in
@@ -230,17 +231,17 @@ def grouped_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: T
     ``gate_up_lora`` / ``down_lora``: low-rank terms per expert, each two more grouped GEMMs through the rank
     (forward ``(v a_e^T) b_e^T``; the backward's input gradient ``(dy b_e) a_e`` and the two factor gradients).
 
-    ``use_triton`` runs the SwiGLU and gather-sum as Triton kernels (CUDA, or the CPU interpreter), else as
-    their PyTorch references. With ``gate_up_scale`` and ``down_scale`` the weights are frozen FP8 (e4m3 with
-    128x128 block scales) and the GEMMs, forward and input gradient, run :func:`~csattn.ops.fp8.fp8_grouped_mm`
-    (mode ``fp8_compute``); there is no weight gradient.
+    ``backend="triton"`` runs the SwiGLU and gather-sum as Triton kernels (CUDA, or the CPU interpreter),
+    ``"reference"`` their PyTorch references. With ``gate_up_scale`` and ``down_scale`` the weights are frozen FP8
+    (e4m3 with 128x128 block scales) and the GEMMs, forward and input gradient, run
+    :func:`~csattn.ops.fp8.fp8_grouped_mm` (mode ``fp8_compute``); there is no weight gradient.
     """
     if gate_up_scale is None and not grouped_mm_supported(x, gate_up_proj, down_proj):
         raise ValueError("grouped_mm does not take these operands (dtype, device, layout or alignment): "
                          f"x {tuple(x.shape)} {x.dtype}, gate_up_proj {tuple(gate_up_proj.shape)} "
                          f"{gate_up_proj.dtype}, down_proj {tuple(down_proj.shape)} {down_proj.dtype}")
     gl, dl = gate_up_lora, down_lora
-    return _GroupedExperts.apply(x, weights, gate_up_proj, down_proj, experts, float(limit), use_triton,
+    return _GroupedExperts.apply(x, weights, gate_up_proj, down_proj, experts, float(limit), backend,
                                  *(gl[:2] if gl else (None, None)), *(dl[:2] if dl else (None, None)),
                                  (float(gl.scale) if gl else 0.0, float(dl.scale) if dl else 0.0),
                                  gate_up_scale, down_scale, fp8_compute)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..autograd import named_grads
-from ..backend import resolve_backend
+from ..backend import BackendChoice, resolve_backend
 from .naive import rms_norm_ref
 
 __all__ = ["rms_norm", "rms_norm_backward", "rms_norm_forward", "rms_norm_ref"]
@@ -30,7 +30,7 @@ def _chunk_rows(channels: int) -> int:
     return max(1, CHUNK_BYTES // (4 * channels))
 
 
-def _use_triton(x: Tensor, backend: str) -> bool:
+def _use_triton(x: Tensor, backend: BackendChoice) -> bool:
     """``"auto"``: the Triton kernels on CUDA for rows they take in registers, the PyTorch chunks elsewhere."""
     if resolve_backend(backend, x) != "triton":
         return False
@@ -41,7 +41,7 @@ def _use_triton(x: Tensor, backend: str) -> bool:
     return True
 
 
-def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> tuple[Tensor, Tensor]:
+def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, backend: BackendChoice = "auto") -> tuple[Tensor, Tensor]:
     """``(out, rstd)``: the normed rows ``[..., C]`` in ``x.dtype`` and ``1 / rms`` per row ``[R, 1]`` (fp32, fp64
     for fp64 input), without autograd; the forward of :func:`rms_norm`, shared with fused callers that keep
     ``x`` some other way (e.g. the mHC site recomputes its collapse). ``backend``: ``"auto"`` (Triton on CUDA),
@@ -65,7 +65,7 @@ def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, backend: str = "auto
 
 
 def rms_norm_backward(x: Tensor, weight: Tensor, rstd: Tensor, dy: Tensor, need_x: bool = True,
-                      need_w: bool = True, backend: str = "auto") -> tuple[Tensor | None, Tensor | None]:
+                      need_w: bool = True, backend: BackendChoice = "auto") -> tuple[Tensor | None, Tensor | None]:
     """``(dx, dweight)`` of :func:`rms_norm` from its input ``x [..., C]``, ``weight [C]``, the forward's ``rstd
     [R, 1]`` and ``dy [..., C]`` (None where not needed); ``backend`` as in :func:`rms_norm_forward`."""
     if _use_triton(x, backend):
@@ -95,7 +95,7 @@ def rms_norm_backward(x: Tensor, weight: Tensor, rstd: Tensor, dy: Tensor, need_
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float, backend: str) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, backend: BackendChoice) -> Tensor:
         out, rstd = rms_norm_forward(x, weight, eps, backend)
         ctx.save_for_backward(x, weight, rstd)
         ctx.backend = backend
@@ -111,7 +111,7 @@ class _RMSNorm(torch.autograd.Function):
 _RMSNormGrads = named_grads(_RMSNorm)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: BackendChoice = "auto") -> Tensor:
     """``w * x / sqrt(mean(x^2) + eps)`` over the last dimension, in fp32 (fp64 for fp64 input), cast back.
 
     Args:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ...models.deepseek_v4.config import DeepseekV4ModelConfig
-from ...report.flops import PEAK_FLOPS
+from ...models.deepseek_v4.flops import PEAK_FLOPS
 from ..mesh import ParallelDims
 from .counts import Training, cached, count_groups
 from .measured import FP8_GEMM_SPEEDUP, MFU_BY_ROWS
@@ -39,7 +39,7 @@ def mfu_at(rows: float) -> float:
 
 def _seq_flops(c: DeepseekV4ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs of one sequence of ``seq_len`` tokens, one document, everything trained."""
-    from ...report.flops import model_flops
+    from ...models.deepseek_v4.flops import model_flops
 
     def f() -> float:
         fl = model_flops(c, [0, seq_len])

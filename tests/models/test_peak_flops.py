@@ -1,6 +1,7 @@
-"""The MFU denominator is defined once (``csattn.report.flops``): a user's value, else a known GPU's, else none."""
+"""The MFU denominator is defined once (``csattn.models.deepseek_v4.flops``): a user's value, else a known GPU's,
+else none."""
 
-from csattn.report.flops import PEAK_FLOPS, peak_flops
+from csattn.models.deepseek_v4.flops import PEAK_FLOPS, peak_flops
 from csattn.report.model import PEAK_TFLOPS
 
 

@@ -5,8 +5,8 @@ count on the V4-Flash slice."""
 
 import pytest
 
+from csattn.models.deepseek_v4.flops import finetune_flops, model_flops
 from csattn.parallel.plan import count_groups, load_config, step_flops, training_spec
-from csattn.report import finetune_flops, model_flops
 
 SLICE = "benchmarks/configs/v4_flash_slice.json"
 

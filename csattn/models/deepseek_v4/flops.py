@@ -1,13 +1,18 @@
-"""Matrix-multiply FLOPs of one attention layer, or one model step, on a packed batch (the numerator of reported
-TFLOP/s and MFU), and the peak FLOP/s of a GPU (the denominator of MFU)."""
+"""Matrix-multiply FLOPs of one attention layer, or one DeepSeek-V4 training or fine-tuning step, on a packed batch
+(the numerator of reported TFLOP/s and MFU), and the peak FLOP/s of a GPU (the denominator of MFU).
+
+Counted from the configs alone (no model is built), here below the planner (``csattn.parallel.plan``), the
+trainer and ``csattn report``, which all report them."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
-from ..config import AttentionConfig
+from ...config import AttentionConfig
+from .config import DeepseekV4ModelConfig
 
 __all__ = ["PEAK_FLOPS", "finetune_flops", "layer_flops", "model_flops", "peak_flops"]
 
@@ -72,7 +77,7 @@ def layer_flops(cfg: AttentionConfig, lengths: list[int]) -> dict[str, float]:
     return {"fwd": proj + scores + attn, "bwd": 2 * proj + 2 * scores + 2.5 * attn}
 
 
-def model_flops(config: Any, cu_seqlens: Any) -> dict[str, float]:
+def model_flops(config: DeepseekV4ModelConfig, cu_seqlens: Tensor | Sequence[int]) -> dict[str, float]:
     """Matrix-multiply FLOPs of one training step of a DeepSeek-V4 model (``DeepseekV4ModelConfig``) on a
     packed stream whose documents hold ``cu_seqlens`` real tokens (the numerator of the model's MFU).
 
@@ -114,8 +119,9 @@ def model_flops(config: Any, cu_seqlens: Any) -> dict[str, float]:
     return {"fwd": fwd + dense, "bwd": bwd + 2 * dense}
 
 
-def finetune_flops(config: Any, cu_seqlens: Any, *, frozen_macs: float, fp8_macs: float = 0.0, lora_rank: int = 0,
-                   lora_io: float = 0.0, effective_macs: float = 0.0) -> dict[str, float]:
+def finetune_flops(config: DeepseekV4ModelConfig, cu_seqlens: Tensor | Sequence[int], *, frozen_macs: float,
+                   fp8_macs: float = 0.0, lora_rank: int = 0, lora_io: float = 0.0,
+                   effective_macs: float = 0.0) -> dict[str, float]:
     """The FLOPs one fine-tuning step runs: :func:`model_flops` less the weight-gradient GEMMs of frozen weights,
     plus LoRA's GEMMs, with the part run on FP8 tensor cores apart.
 
