@@ -8,9 +8,11 @@ from typing import Any
 from .data import gib, ms, num, times, tok
 from .sections import Claim, Context, Section, _anchor, _provenance, _table
 
-__all__ = ["FINETUNE", "finetune_section"]
+__all__ = ["FINETUNE", "QUALITY", "QUALITY_PLOT", "finetune_section", "quality_lines"]
 
 FINETUNE = "finetune.json"
+QUALITY = "finetune_quality.json"  # benchmarks.finetune_quality's quality.json, run by lab/finetune_session.sh
+QUALITY_PLOT = "finetune_loss.png"
 TITLE = "Fine-tuning"
 
 
@@ -95,6 +97,36 @@ def _one_node_lines() -> list[str]:
             "(GiB):", "", *_table(["term", "GiB"], rows), "", "    " + train_command(p)]
 
 
+def _a_over_d(records: list[dict]) -> list[str]:
+    """(a)'s tokens/s over (d)'s at 16k (target 1.35x), when both are timed."""
+    by = {(r["mode"], r["tokens"]): r for r in records if r.get("tokens_per_s")}
+    a, d = by.get(("a", 16384)), by.get(("d", 16384))
+    if not (a and d):
+        return []
+    both = " (measured side by side)" if a.get("commit") and a.get("commit") == d.get("commit") else ""
+    return ["", f"(a) over (d) at 16k: {a['tokens_per_s'] / d['tokens_per_s']:.2f}x the tokens/s{both}; target >= "
+            "1.35x. (d) steps with SGD, whose step is a shorter pass over the weights than AdamW's: the ratio is a "
+            "lower bound of (a) over an AdamW (d)."]
+
+
+def quality_lines(ctx: Context) -> list[str]:
+    """The LoRA run on real text (``finetune_quality.json``): the loss falls, its plot, where it came from."""
+    q = ctx.res.files.get(QUALITY)
+    if not isinstance(q, dict) or not q.get("losses"):
+        return []
+    meta, corpus, losses = q.get("meta", {}), q.get("corpus", {}), q["losses"]
+    tenth = max(1, len(losses) // 10)
+    text = (f"{q['steps']} LoRA steps on real text with the FP8 base (`--base-precision fp8`), "
+            f"{corpus.get('documents')} documents of English prose ({corpus.get('source', '?')}, "
+            f"{corpus.get('chars'):,} characters, sha256 `{str(corpus.get('sha256', ''))[:12]}`) through a "
+            f"byte-level BPE tokenizer of {q.get('tokenizer_vocab')} tokens trained on them, 2k tokens a step: "
+            f"the loss falls from {q['first_mean']:.2f} (mean of the first {tenth} steps) to "
+            f"{q['last_mean']:.2f} (the last {tenth}); peak {gib(q.get('peak_gib'))} GiB.")
+    where = (f"From [`{QUALITY}`]({ctx.json_link}/{QUALITY}) (commit `{meta.get('commit', '?')}`), "
+             f"`{meta.get('driver', 'python -m benchmarks.finetune_quality')}`:")
+    return ["", f"**Quality**: {text} {where}", "", f"![loss per step]({ctx.plots_link}/{QUALITY_PLOT})"]
+
+
 def finetune_section(ctx: Context) -> Section | None:
     data = ctx.res.files.get(FINETUNE)
     if not isinstance(data, dict):
@@ -111,6 +143,7 @@ def finetune_section(ctx: Context) -> Section | None:
              "run (target: within 10 %); weights GiB by storage dtype.", "",
              *_table(["mode", "tokens", "ms/step", "tokens/s", "MFU", "peak GiB", "planned GiB", "planned / peak",
                       "weights GiB"], _step_rows(data.get("results", [])), right_from=2)]
+    lines += _a_over_d(data.get("results", []))
     logits = data.get("logits") or {}
     if logits.get("rel_l2") is not None:
         lines += ["", f"Logits with FP8 compute against the weight-only mode (same weights, {tok(logits['tokens'])} "
@@ -120,6 +153,7 @@ def finetune_section(ctx: Context) -> Section | None:
     if moe_lines:
         lines += ["", *moe_lines]
     lines += _ranks_lines(data.get("ranks"))
+    lines += quality_lines(ctx)
     lines += _one_node_lines()
     lines += _provenance(ctx, [FINETUNE])
     return Section(TITLE, lines, claims)

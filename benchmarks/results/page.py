@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 
 from .data import Results, times
-from .finetune import finetune_section
-from .plots import model_plot
+from .finetune import QUALITY, QUALITY_PLOT, finetune_section
+from .plots import loss_plot, model_plot
 from .readme import fill_readme, readme_paragraphs
 from .sections import (
     Claim,
@@ -98,6 +98,8 @@ def render_page(json_dir: Path, page: Path, plots_dir: Path, report_dir: Path, r
     sections: list[Section] = [s for s in (build(ctx) for build in SECTIONS) if s is not None]
     model = [r for f in ("model.json", "model_128k.json", "model_512k.json") for r in res.records(f)]
     model_plot(model, plots_dir / "model_step.png")
+    loss_plot((res.files.get(QUALITY) or {}).get("losses", []), plots_dir / QUALITY_PLOT,
+              "LoRA on the V4-Flash slice, FP8 base, real text (2k tokens a step), one H200")
     claims = [c for s in sections for c in s.claims]
     lines = _header(res, report)
     head = model_headline(res)

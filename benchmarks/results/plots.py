@@ -1,10 +1,11 @@
-"""The page's own plot (the layer and CP plots are the scaling report's): the model step against tokens, log-log."""
+"""The page's own plots (the layer and CP plots are the scaling report's): the model step against tokens, log-log;
+the fine-tuning loss per step."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["model_plot"]
+__all__ = ["loss_plot", "model_plot"]
 
 
 def model_plot(rows: list[dict], path: Path) -> bool:
@@ -40,6 +41,34 @@ def model_plot(rows: list[dict], path: Path) -> bool:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("4-layer V4-Flash proxy, one training step, one GPU", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def loss_plot(losses: list[float], path: Path, title: str) -> bool:
+    """The loss of each training step and its running mean over a tenth of the steps. False if nothing to plot."""
+    if not losses:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    width = max(1, len(losses) // 10)
+    mean = [sum(losses[max(0, i + 1 - width):i + 1]) / len(losses[max(0, i + 1 - width):i + 1])
+            for i in range(len(losses))]
+    steps = list(range(1, len(losses) + 1))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, losses, linewidth=0.8, alpha=0.5, label="loss per step")
+    ax.plot(steps, mean, linewidth=1.8, label=f"mean of the last {width} steps")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats per token)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
