@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from csattn import AttentionConfig, HybridAttention
@@ -88,3 +90,76 @@ def poison_kernel_outputs(monkeypatch, *modules) -> None:
     (the kernels' outputs; floating ones with NaN) for the rest of the test."""
     for module in modules:
         monkeypatch.setattr(module, "torch", _PoisonedTorch(torch))
+
+
+def _fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` quantized per 1x128 tile to e4m3 and back, in ``x``'s dtype (what the FP8 kernels feed
+    their MMA, emulated)."""
+    from csattn.ops.fp8.naive import _dequant_rows, quantize_1x128_ref
+
+    flat = x.reshape(-1, x.shape[-1])
+    return _dequant_rows(*quantize_1x128_ref(flat)).to(x.dtype).view(x.shape)
+
+
+class _EmulatedFp8Linear(torch.autograd.Function):
+    """``fp8_linear``'s FP8 recipe in plain PyTorch: the input quantized 1x128 in the forward, the output gradient
+    quantized 1x128 in the backward, times the dequantized weight in the input's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, scale):
+        from csattn.ops.fp8.naive import dequantize
+
+        ctx.save_for_backward(weight, scale)
+        return _fp8_round_trip(x) @ dequantize(weight, scale, x.dtype).T
+
+    @staticmethod
+    def backward(ctx, dy):
+        from csattn.ops.fp8.naive import dequantize
+
+        weight, scale = ctx.saved_tensors
+        return _fp8_round_trip(dy) @ dequantize(weight, scale, dy.dtype), None, None
+
+
+def emulate_fp8_compute(monkeypatch) -> None:
+    """Make the FP8 ops' CPU references compute what the FP8 kernels compute (activations and output gradients
+    quantized per 1x128 tile, fp64 elsewhere for fp64 inputs): "the same computation in plain PyTorch" that the
+    GPU's FP8 model is held to."""
+    import csattn.ops.fp8.grouped as grouped
+    import csattn.ops.fp8.linear as linear
+    from csattn.ops.fp8.naive import fp8_grouped_mm_ref
+
+    monkeypatch.setattr(linear, "fp8_linear_ref", _EmulatedFp8Linear.apply)
+    monkeypatch.setattr(grouped, "fp8_grouped_mm_ref",
+                        lambda a, w, s, offs, trans=False: fp8_grouped_mm_ref(_fp8_round_trip(a), w, s, offs, trans))
+
+
+def model_errors(loss: torch.Tensor, grads: dict[str, torch.Tensor], exact_loss: torch.Tensor,
+                 exact_grads: dict[str, torch.Tensor], logits: torch.Tensor | None = None,
+                 exact_logits: torch.Tensor | None = None) -> dict[str, float]:
+    """A model run against the exact one: relative errors of the loss, the logits, every gradient as one vector
+    (``"grads"``) and the median over the parameters of each one's (``"median"``). Per-parameter errors of a small
+    random model are too spread to bound one by one (a gradient summing terms that cancel moves by O(1) under bf16
+    rounding); these four move together, and a broken GEMM moves them all. Every parameter whose exact gradient is
+    nonzero must have a finite gradient in ``grads`` (None or missing fails)."""
+    names = [n for n, g in exact_grads.items() if g is not None and bool(g.abs().sum() > 0)]
+    missing = [n for n in names if grads.get(n) is None]
+    assert not missing, f"no gradient: {missing}"
+    got = {n: grads[n].detach().double().cpu() for n in names}
+    bad = [n for n, g in got.items() if not torch.isfinite(g).all()]
+    assert not bad, f"non-finite gradients: {bad}"
+    want = {n: exact_grads[n].detach().double().cpu() for n in names}
+    out = {"loss": rel_err(loss.cpu(), exact_loss.cpu()),
+           "grads": rel_err(torch.cat([got[n].flatten() for n in names]),
+                            torch.cat([want[n].flatten() for n in names])),
+           "median": statistics.median(rel_err(got[n], want[n]) for n in names)}
+    if logits is not None:
+        out["logits"] = rel_err(logits.cpu(), exact_logits.cpu())
+    return out
+
+
+def within_references(got: dict[str, float], *refs: dict[str, float], floor: float = 2**-8) -> dict:
+    """The metrics of :func:`model_errors` that exceed twice the sum of the references' (runs whose error is
+    expected: bf16 rounding, the FP8 recipe emulated in plain PyTorch) plus ``floor`` (the gradients' metrics; the
+    loss's floor is 1e-4): ``{metric: (got, bound)}``, empty when all hold."""
+    bounds = {k: 2 * sum(r[k] for r in refs) + (1e-4 if k == "loss" else floor) for k in got}
+    return {k: (got[k], bounds[k]) for k in got if got[k] > bounds[k]}

@@ -24,6 +24,7 @@ from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQu
 
 from csattn.integrations.transformers import is_patched, patch, unpatch  # noqa: E402
 from csattn.models.deepseek_v4.release import quantize_fp8_blocks, quantize_mxfp4  # noqa: E402
+from tests.helpers import emulate_fp8_compute, model_errors, within_references  # noqa: E402
 from tests.integrations import peft_support as ps  # noqa: E402
 from tests.models.model_utils import hf_model, tiny_config_dict  # noqa: E402
 
@@ -268,32 +269,37 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.gpu
 @pytest.mark.parametrize("compute", ["fp8", "w8a16"])
 @pytest.mark.parametrize("expert_dtype", ["fp8", "fp4"])
-def test_fp8_model_on_the_gpu_trains_like_the_dequantized_one(expert_dtype, compute):
+def test_fp8_model_on_the_gpu_trains_like_the_dequantized_one(expert_dtype, compute, monkeypatch):
     """On the GPU, under bf16 autocast, the FP8 kernels (``fp8_linear``, the grouped FP8 GEMMs with LoRA per
-    expert): loss and adapter gradients as close to the fp32 CPU run as the dequantized model's in bf16, up to the
-    activation quantization of ``"fp8"`` (as tests/models/test_fp8_model_gpu.py bounds it)."""
+    expert): loss and adapter gradients against the fp32 CPU run within twice the dequantized model's error in
+    bf16, plus for ``"fp8"`` the FP8 recipe's own (the FP8 model on the CPU with the ops' references quantizing as
+    the kernels do: :func:`tests.helpers.emulate_fp8_compute`); every adapter that trains on the CPU trains here."""
     shape = dict(hidden_size=256, n_routed_experts=8, index_topk=64)  # the top-k holds every compressed entry
-    held, ref = fp8_pair(expert_dtype, intermediate=256, **shape)
     lora = _lora(experts=expert_dtype == "fp8")
     exact = get_peft_model(patch(fp8_pair(expert_dtype, intermediate=256, **shape)[1]), lora)
-    models = {"fp8": get_peft_model(patch(held, fp8_compute=compute), lora).cuda(),
-              "bf16": get_peft_model(patch(ref), lora).cuda()}
-    for model in models.values():
-        model.load_state_dict({n: p for n, p in exact.state_dict().items() if ".lora_" in n}, strict=False)
+    state = {n: p for n, p in exact.state_dict().items() if ".lora_" in n}
     docs = ps.docs([100, 156], 64, seed=2)
-    results = {}
-    for name, model in [*models.items(), ("exact", exact)]:
-        device = "cpu" if name == "exact" else "cuda"
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=name != "exact"):
+
+    def grads(model, device):
+        model.load_state_dict(state, strict=False)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
             loss = ps.flattened_loss(model, docs, device)
         loss.backward()
-        results[name] = (loss.detach(), {n: p.grad for n, p in ps.adapters(model).items() if p.grad is not None})
-    want_loss, want = results["exact"]
-    errs = {"loss": (_rel(results["fp8"][0], want_loss), _rel(results["bf16"][0], want_loss))}
-    for n, g in want.items():
-        errs[n] = (_rel(results["fp8"][1][n], g), _rel(results["bf16"][1][n], g))
-    print({k: (f"{a:.2e}", f"{b:.2e}") for k, (a, b) in errs.items()})
-    factor, floor = (2.0, 2**-8) if compute == "w8a16" else (2.0, 2**-3)
-    bad = {k: v for k, v in errs.items() if v[0] > factor * v[1] + floor}
+        return loss.detach(), {n: p.grad for n, p in ps.adapters(model).items()}
+
+    want_loss, want = grads(exact, "cpu")
+
+    def errors(model, device):
+        return model_errors(*grads(model, device), want_loss, want)
+
+    refs = [errors(get_peft_model(patch(fp8_pair(expert_dtype, intermediate=256, **shape)[1]), lora).cuda(), "cuda")]
+    if compute == "fp8":
+        with monkeypatch.context() as m:
+            emulate_fp8_compute(m)
+            held = fp8_pair(expert_dtype, intermediate=256, **shape)[0]
+            refs.append(errors(get_peft_model(patch(held, fp8_compute="fp8"), lora), "cpu"))
+    held = fp8_pair(expert_dtype, intermediate=256, **shape)[0]
+    got = errors(get_peft_model(patch(held, fp8_compute=compute), lora).cuda(), "cuda")
+    print(expert_dtype, compute, {k: f"{v:.2e}" for k, v in got.items()}, "references", refs)
+    bad = within_references(got, *refs)
     assert not bad, bad
-    assert len(want) == len(results["fp8"][1])  # every adapter that trains on the CPU trains on the GPU
