@@ -29,7 +29,6 @@ ALLOWED: dict[str, set[str]] = {
     "packing": {"ops", "nosync", "config"},
     "packing_capture_safe": {"ops", "nosync", "packing", "config"},
     "capture_safe": {"amp", "nosync", "ops", "config", "packing", "packing_capture_safe"},
-    "graphs": {"capture_safe"},  # the older name of capture_safe, re-exporting it
     "layers": {"amp", "nosync", "ops", "config", "packing", "packing_capture_safe", "capture_safe"},
     "cp": {"amp", "nosync", "ops", "config", "packing", "packing_capture_safe", "capture_safe", "layers"},
 }

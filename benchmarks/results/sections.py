@@ -300,7 +300,7 @@ def graphs_section(ctx: Context) -> Section | None:
                                 f"eager: {ms(eager)} ms", speed, None, _anchor("CUDA-graph step")))
     lines = ["One CSA layer's training step (forward + backward with a fixed output gradient): the default eager "
              "path, the capture-safe path run eagerly, and that step captured once in a CUDA graph "
-             "(`csattn.graphs.CapturedLayerStep`) and replayed with new `cu_seqlens`.", "",
+             "(`csattn.capture_safe.CapturedLayerStep`) and replayed with new `cu_seqlens`.", "",
              *_table(["tokens", "eager ms", "capture-safe eager ms", "graph replay ms", "replay faster"], rows),
              *_provenance(ctx, ["layer_step.json"])]
     return Section("CUDA-graph step", lines, claims)

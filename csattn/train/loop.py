@@ -89,7 +89,7 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int | None = None,
                                      mtp_loss_coeff=cfg.mtp_loss_coeff,
                                      attention_backend=cfg.attention_backend,
                                      deterministic=cfg.deterministic,
-                                     recompute="block" if cfg.activation_checkpointing else cfg.recompute,
+                                     recompute=cfg.recompute,
                                      offload_block_inputs=cfg.offload_block_inputs)
     if cfg.mtp_layers is not None:
         overrides["num_nextn_predict_layers"] = cfg.mtp_layers

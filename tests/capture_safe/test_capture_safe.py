@@ -230,15 +230,3 @@ def test_capture_safe_keeps_the_indexer_loss_scale(assert_close):
     name = "compressor.indexer.q_b_proj.weight"  # trained by the indexer loss only
     assert_close(got[name], 0.25 * unscaled[name], 1e-12, name)
 
-
-def test_older_names_still_import():
-    """``csattn.graphs`` and its ``Static*`` names (the capture-safe mode's older names) are the same objects."""
-    import csattn.capture_safe as current
-    import csattn.graphs as older
-
-    assert older.StaticPackedSeqs is current.CaptureSafePackedSeqs
-    assert older.StaticRowMeta is current.CaptureSafeRowMeta
-    assert older.StaticCompressMeta is current.CaptureSafeCompressMeta
-    assert older.indexer_topk_static is current.indexer_topk_capture_safe
-    assert older.indexer_kl_loss_dense_static is current.indexer_kl_loss_dense_capture_safe
-    assert older.CapturedLayerStep is current.CapturedLayerStep and set(current.__all__) <= set(older.__all__)

@@ -148,16 +148,15 @@ def test_chunked_loss_equals_full_logits_loss(assert_close):
             assert_close(p.grad, grads[n], 1e-12, f"grad {n}")
 
 
-def test_activation_checkpointing_changes_nothing():
+def test_block_recompute_changes_nothing():
     """Blocks recomputed in the backward: bitwise the same loss and gradients (indexer loss included)."""
-    model = tiny_model("pro", seed=6, mtp=1, indexer_loss_coeff=0.5).double()
     ids = torch.randint(0, 64, (36,), generator=torch.Generator().manual_seed(5))
     packed = PackedSeqs.from_lengths([20, 16])
     labels = future_tokens(ids, packed, 2)
     runs = []
-    for recompute in (False, True):
-        model.zero_grad()
-        model.config.activation_checkpointing = recompute
+    for recompute in ("none", "block"):
+        model = tiny_model("pro", seed=6, mtp=1, indexer_loss_coeff=0.5, recompute=recompute).double()
+        assert model.config.recompute == recompute
         out = model(ids, packed=packed, labels=labels[0], mtp_labels=labels[1:])
         out.loss.backward()
         runs.append((out.loss.detach(), out.indexer_loss, {n: p.grad.clone() for n, p in model.named_parameters()
