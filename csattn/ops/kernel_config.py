@@ -1,5 +1,5 @@
 """Launch settings of the fused kernels as values: one frozen dataclass per op (``SparseAttnConfig``,
-``IndexerConfig``, ``IndexerLossConfig``), handed to the host functions as ``config=``.
+``IndexerConfig``, ``IndexerLossConfig``, ``MhcConfig``), handed to the host functions as ``config=``.
 
 Nothing here reads the environment or keeps mutable state: a tuning run parses its variant string with
 :meth:`KernelConfig.parse` and passes the result; the layer takes one from its ``AttentionConfig``.
