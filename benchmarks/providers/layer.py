@@ -37,6 +37,8 @@ def attention_config(shape: dict, backend: str, sparse_attn_kernel=None):
         rope_theta=10000.0 if layer == "sliding" else 160000.0,
         rope_scaling=None if layer == "sliding" else AttentionConfig().rope_scaling,
         indexer_loss_coeff=shape["loss_coeff"], backend=backend, sparse_attn_kernel=sparse_attn_kernel,
+        # a "deterministic=1" variant is the layer's flag (it passes it to every kernel config)
+        deterministic=bool(sparse_attn_kernel is not None and sparse_attn_kernel.deterministic),
     )
 
 

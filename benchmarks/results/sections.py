@@ -351,7 +351,7 @@ def deterministic_section(ctx: Context) -> Section | None:
     soak = next(iter(ctx.res.records(SOAK)), None)
     if not rows and soak is None:
         return None
-    lines = ["`deterministic=True` (`csattn train --deterministic`, `csattn.set_deterministic()`): the key gradients "
+    lines = ["`deterministic=True` (`csattn train --deterministic`, `csattn.deterministic_mode()`): the key gradients "
              "of the sparse attention and the indexer loss summed in exact int64 fixed point (the same bits in any "
              "order), and torch's deterministic mode for the proxy step. Time with it over time without "
              "(the cost); bf16, H200. Both sparse-attention backwards run the Gluon kernel (deterministic mode its "

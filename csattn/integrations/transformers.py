@@ -449,7 +449,8 @@ def patch(model: nn.Module, *, backend: str = "auto", indexer_loss_coeff: float 
         indexer_loss_coeff: weight of csattn's indexer KL loss on CSA layers (its gradient trains the lightning
             indexer, which the LM loss never reaches); 0 = none, as in HF.
         deterministic: the attention kernels' scatter-add gradients in exact fixed point (bitwise reproducible;
-            ``AttentionConfig.deterministic``); call ``csattn.set_deterministic()`` too for the torch ops.
+            ``AttentionConfig.deterministic``); run the steps inside ``csattn.deterministic_mode()`` too for
+            the torch ops.
         fp8_compute: for a model loaded in FP8 (HF's ``FineGrainedFP8Config``): ``"fp8"`` (activations quantized
             per 1x128 tile, FP8 tensor cores) or ``"w8a16"`` (the weight dequantized in the kernel, bf16 numerics)
             on the GPU; the CPU dequantizes exactly either way (:mod:`csattn.integrations.hf_fp8`).

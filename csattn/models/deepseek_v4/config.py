@@ -110,7 +110,7 @@ class DeepseekV4ModelConfig:
     indexer_kernel: str = ""  # IndexerConfig.parse string, every CSA layer
     indexer_loss_kernel: str = ""  # IndexerLossConfig.parse string, every CSA layer
     # every layer's AttentionConfig.deterministic: the fused kernels' scatter-add gradients in exact fixed point
-    # (bitwise reproducible backward; with csattn.set_deterministic() for the torch ops)
+    # (bitwise reproducible backward; with csattn.deterministic_mode() for the torch ops)
     deterministic: bool = False
 
     def __post_init__(self) -> None:

@@ -40,10 +40,10 @@ class SparseAttnConfig(KernelConfig):
     # rest of the 512 a thread slot has (224 with these): the split at which no partition spills.
     fwd_side_regs: int = 216
     fwd_producer_regs: int = 64
-    # 1: the backward sums dkv in exact int64 fixed point (csattn/ops/fixed_point.py), the same bits run to run
-    # (the Gluon backward's fixed-point variant where the Gluon backward applies, else the Triton pair);
-    # 0: fp32 atomics (faster)
-    deterministic: int = 0
+    # True: the backward sums dkv in exact int64 fixed point (csattn/ops/fixed_point.py), the same bits run to run
+    # (the Gluon backward's fixed-point variant where the Gluon backward applies, else the Triton pair); False: fp32
+    # atomics (faster). Set by the caller (a layer: from AttentionConfig.deterministic); the kernels read only this
+    deterministic: bool = False
 
     # The lab's switches at their kept values (SparseAttnAblation makes them settable): not user settings.
     fwd_persistent: ClassVar[int] = 1

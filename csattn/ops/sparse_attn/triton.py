@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..autograd import named_grads
 from ..backend import interpreting, sm_count
-from ..fixed_point import abs_max, fixed_point_scale, from_fixed_point, wants_deterministic
+from ..fixed_point import abs_max, fixed_point_scale, from_fixed_point
 from .config import SparseAttnConfig
 
 __all__ = [
@@ -202,7 +202,7 @@ def sparse_attn_bwd_kernel_dkv(
     lse2 = tl.load(lse + t * stride_lt + offs_h, mask=mask_h, other=float("inf")) * 1.4426950408889634
     qk_scale_log2 = scale * 1.4426950408889634
 
-    # FIXED (deterministic=1): dkv is an int64 buffer of fixed-point sums, fx points at the fp32 2**e
+    # FIXED (config.deterministic): dkv is an int64 buffer of fixed-point sums, fx points at the fp32 2**e
     fx_scale = 1.0
     if FIXED:
         fx_scale = tl.load(fx)
@@ -430,7 +430,7 @@ def dkv_in_stored_order(q: Tensor, kv: Tensor, config: SparseAttnConfig | None =
     once at the end (the same answer for every block of the same q / kv dtypes, heads, d and config whose rows are
     16-byte aligned; a block that is not is refused by ``dkv_accum_stored``, never summed in the wrong order)."""
     cfg = _fit(config or _DEFAULT, q.dtype, q.shape[-1])
-    return uses_gluon_bwd(q, kv, cfg) and not wants_deterministic(cfg.deterministic)
+    return uses_gluon_bwd(q, kv, cfg) and not cfg.deterministic
 
 
 def sparse_attn_bwd(
@@ -448,10 +448,10 @@ def sparse_attn_bwd(
     adds that to ``dkv_accum`` in true order (a pass over ``[N, d]`` per call); with it (only where
     :func:`dkv_in_stored_order`), it sums into ``dkv_accum`` directly and :func:`dkv_columns` puts the sum in order.
     ``config``: launch settings (None: the defaults); pass the forward's to reproduce its ``(o, lse)``.
-    With ``config.deterministic`` or under ``torch.use_deterministic_algorithms(True)`` (the Gluon kernel's
-    fixed-point variant where the Gluon kernel applies, else the Triton pair) ``dkv`` is summed exactly in int64
-    fixed point (``fixed_point.py``; an ``N * d * 8`` bytes buffer of its own, added to ``dkv_accum`` in one pass at
-    the end): the same bits run to run. ``dkv_accum_stored`` is refused in this mode.
+    With ``config.deterministic`` (the Gluon kernel's fixed-point variant where the Gluon kernel applies, else the
+    Triton pair) ``dkv`` is summed exactly in int64 fixed point (``fixed_point.py``; an ``N * d * 8`` bytes buffer
+    of its own, added to ``dkv_accum`` in one pass at the end): the same bits run to run. ``dkv_accum_stored`` is
+    refused in this mode.
     """
     T, H, D = q.shape
     cfg = _fit(config or _DEFAULT, q.dtype, D)
@@ -472,7 +472,7 @@ def sparse_attn_bwd(
     # The Gluon kernel keeps each 64-column chunk of its sums in its own column order (dkv_columns puts them
     # back), so it sums into a caller's buffer only where the caller keeps that order.
     own = dkv_accum is None or (gluon and not dkv_accum_stored)
-    fixed = wants_deterministic(cfg.deterministic)
+    fixed = bool(cfg.deterministic)
     if fixed:
         dkv32 = torch.zeros(kv.shape, device=kv.device, dtype=torch.int64)
         fx = fixed_point_scale(_dkv_bound(q, kv, o, do, dlse, scale)) if T > 0 else None
