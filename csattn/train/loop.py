@@ -31,7 +31,6 @@ from ..finetune.setup import Finetune, save_checkpoint_files
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from ..models.deepseek_v4.checkpoint import read_config
 from ..ops.backend import resolve_backend
-from ..ops.indexer_loss import IndexerLossAutoScaler
 from ..parallel import (
     Meshes,
     ParallelDims,
@@ -391,7 +390,6 @@ def _train(cfg: TrainConfig) -> TrainResult:
                 saved_at = time.monotonic()
             batch = upcoming
     finally:
-        IndexerLossAutoScaler.main_loss_backward_scale = None
         if bar is not None:
             bar.close()
         if log is not None:
