@@ -59,12 +59,12 @@ def _inputs(shape: dict, device, dtype):
 
 def _ours(shape, device, dtype, backend: str, variant: str = "") -> Case:
     from csattn import HybridAttention, PackedSeqs
-    from csattn.ops.sparse_attn.config import SparseAttnAblation
+    from csattn.ops.sparse_attn.config import SparseAttnConfig
 
     if variant and backend != "triton":
         raise Skip(f"the reference takes no variant, got {variant!r}")
-    try:  # variant "bk_fwd=32,fwd_gluon=0": the sparse-attention kernels' launch settings (and the lab's switches)
-        kernel = SparseAttnAblation.parse(variant) if variant else None
+    try:  # variant "bk_fwd=32,fwd_gluon=0": the sparse-attention kernels' launch settings
+        kernel = SparseAttnConfig.parse(variant) if variant else None
     except ValueError as e:
         raise Skip(f"bad variant {variant!r}: {e}") from e
     torch.manual_seed(shape["seed"])

@@ -165,7 +165,7 @@ def test_gluon_fixed_host_side(monkeypatch):
     plain = kernels.sparse_attn_bwd(q, kv, idx, sink, d**-0.5, o, lse, do, config=DET)  # the Triton pair
     monkeypatch.setattr(kernels, "_gluon_applies", lambda q, kv, cfg: True)
     monkeypatch.setattr(kernels, "_gluon_kernel", lambda name: _FixedGluonStandIn() if name == "bwd" else None)
-    monkeypatch.setattr(kernels, "_programs", lambda n_work, device, per_sm: 1)
+    monkeypatch.setattr(kernels, "_programs", lambda n_work, device: 1)
     _FixedGluonStandIn.calls = []
     cfg = DET
     dq, dkv, dsink = kernels.sparse_attn_bwd(q, kv, idx, sink, d**-0.5, o, lse, do, config=cfg)

@@ -329,10 +329,10 @@ def _gluon_applies(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
     return torch.cuda.get_device_capability(q.device) == (9, 0)
 
 
-def _programs(n_work: int, device: torch.device, per_sm: int) -> int:
-    """Grid of a persistent Gluon kernel: ``per_sm`` programs an SM looping over ``n_work`` items (0: one program
-    per item)."""
-    return min(n_work, sm_count(device) * per_sm) if per_sm else n_work
+def _programs(n_work: int, device: torch.device) -> int:
+    """Grid of a persistent Gluon kernel: one program an SM looping over ``n_work`` items (lab/NOTES.md has the
+    numbers of one program per item and of two an SM)."""
+    return min(n_work, sm_count(device))
 
 
 def uses_gluon_fwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
@@ -386,11 +386,11 @@ def sparse_attn_fwd(
         return o, lse
     if uses_gluon_fwd(q, kv, cfg):
         n_work = T * (H // 64)
-        kernel = _gluon_kernel("fwd")[(_programs(n_work, q.device, cfg.fwd_persistent),)](
+        kernel = _gluon_kernel("fwd")[(_programs(n_work, q.device),)](
             q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
             K, scale * LOG2E, n_work, H // 64,
-            HAS_LEN=topk_length is not None, TRIM=bool(cfg.skip_empty_tiles), BH=64, BD=D, BK=64,
+            HAS_LEN=topk_length is not None, BH=64, BD=D, BK=64,
             SIDE1_REGS=cfg.fwd_side_regs,
             PRODUCER_REGS=cfg.fwd_producer_regs, num_warps=4,
         )
@@ -497,10 +497,9 @@ def sparse_attn_bwd(
             del common["D"], common["BH"], common["BD"], common["DOT_PREC"]
             n_work = T * (H // 64)
             # FIXED: int64 fixed-point sums into dkv32 (gluon_bwd.red_rows)
-            kernel = _gluon_kernel("bwd")[(_programs(n_work, q.device, cfg.bwd_persistent),)](
+            kernel = _gluon_kernel("bwd")[(_programs(n_work, q.device),)](
                 sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, fx=fx if fixed else dkv32, n_work=n_work,
-                n_hb=H // 64, BH=64, BD=D, BK=64, KEY_REGS=240, FULL_LINES=bool(cfg.bwd_full_lines),
-                TRIM=bool(cfg.skip_empty_tiles), FIXED=fixed, num_warps=4, **common)
+                n_hb=H // 64, BH=64, BD=D, BK=64, KEY_REGS=240, FIXED=fixed, num_warps=4, **common)
             _report("bwd_gluon", kernel, cfg)
         else:
             kernel = sparse_attn_bwd_kernel_dq[grid](
