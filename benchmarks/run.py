@@ -22,9 +22,11 @@ import subprocess
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 
 import torch
 
+from csattn.deterministic import deterministic_mode
 from csattn.models.deepseek_v4.flops import PEAK_FLOPS
 
 from .registry import PROVIDERS, SHAPE_DEFAULTS, Skip, load_providers
@@ -172,14 +174,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help=f"the GPU's dense bf16 matmul rate for MFU (default: {PEAK_FLOPS / 1e12:.0f}, measured on "
                          "the H200)")
     ap.add_argument("--deterministic", action="store_true",
-                    help="torch's deterministic mode for the whole run (csattn.set_deterministic, before any CUDA "
-                         "work), as csattn train --deterministic sets it")
+                    help="torch's deterministic mode for the whole run (csattn.deterministic_mode, before any "
+                         "CUDA work), as csattn train --deterministic sets it; the kernels' own flag is the "
+                         "providers' deterministic=1 variant")
     args = ap.parse_args(argv)
-    if args.deterministic:
-        from csattn.deterministic import set_deterministic
-
-        set_deterministic()
-
     modes = [m for m in args.mode.split(",") if m]
     for m in modes:
         if m not in MODES:
@@ -194,7 +192,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if key not in sweep:
             ap.error(f"--shape: unknown key {key!r} for {args.op} (known: {sorted(sweep)})")
         sweep[key] = [_parse_value(v) for v in values.split(",")]
+    with deterministic_mode() if args.deterministic else nullcontext():
+        return _sweep(args, modes, providers, sweep)
 
+
+def _sweep(args: argparse.Namespace, modes: list[str], providers: list[tuple[str, str]],
+           sweep: dict[str, list]) -> list[dict]:
+    """Every shape of ``sweep`` x provider x mode, printed and written to ``args.json`` as it goes."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     bench = _timer(device, args.warmup_ms, args.rep_ms, args.single)
     meta = run_meta(device, args.commit)

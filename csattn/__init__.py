@@ -2,7 +2,7 @@
 
 from .config import AttentionConfig
 from .cp import ContextParallel
-from .deterministic import deterministic_mode, set_deterministic
+from .deterministic import deterministic_mode
 from .layers import HybridAttention
 from .ops.indexer_loss import IndexerLossAutoScaler
 from .ops.rope import YarnScaling
@@ -10,6 +10,6 @@ from .packing import PackedSeqs
 
 __all__ = [
     "AttentionConfig", "ContextParallel", "HybridAttention", "IndexerLossAutoScaler", "PackedSeqs", "YarnScaling",
-    "deterministic_mode", "set_deterministic",
+    "deterministic_mode",
 ]
 __version__ = "0.1.0"

@@ -79,18 +79,24 @@ class AttentionConfig:
     # partition only
     capture_safe: bool = False
     # bitwise reproducible backward: the fused kernels sum their scatter-add gradients (sparse attention's key
-    # gradient, the indexer loss's) in exact fixed point instead of fp32 atomics (csattn/ops/fixed_point.py);
-    # sets deterministic=1 on sparse_attn_kernel and indexer_loss_kernel. The torch ops around them need
-    # csattn.set_deterministic() (torch.use_deterministic_algorithms) too
+    # gradient, the indexer loss's) in exact fixed point instead of fp32 atomics (csattn/ops/fixed_point.py). The
+    # one flag: it sets deterministic on sparse_attn_kernel and indexer_loss_kernel, which must not ask for it on
+    # their own. The torch ops around them need csattn.deterministic_mode() too (csattn/deterministic.py)
     deterministic: bool = False
 
     def __post_init__(self) -> None:
         self.sparse_attn_kernel = SparseAttnConfig.coerce(self.sparse_attn_kernel)
         self.indexer_kernel = IndexerConfig.coerce(self.indexer_kernel)
         self.indexer_loss_kernel = IndexerLossConfig.coerce(self.indexer_loss_kernel)
+        for name in ("sparse_attn_kernel", "indexer_loss_kernel"):
+            kernel = getattr(self, name)
+            if kernel is not None and kernel.deterministic and not self.deterministic:
+                raise ValueError(f"{name} asks for deterministic=1: set AttentionConfig.deterministic=True "
+                                 "(DeepseekV4ModelConfig.deterministic for a model) instead, which passes it to the "
+                                 "kernel configs")
         if self.deterministic:
-            self.sparse_attn_kernel = (self.sparse_attn_kernel or SparseAttnConfig()).replace(deterministic=1)
-            self.indexer_loss_kernel = (self.indexer_loss_kernel or IndexerLossConfig()).replace(deterministic=1)
+            self.sparse_attn_kernel = (self.sparse_attn_kernel or SparseAttnConfig()).replace(deterministic=True)
+            self.indexer_loss_kernel = (self.indexer_loss_kernel or IndexerLossConfig()).replace(deterministic=True)
         self.validate()
 
     def validate(self) -> None:

@@ -42,13 +42,14 @@ def random_layer(cfg: AttentionConfig, dtype=torch.float64, seed: int = 0) -> Hy
 
 
 def layer_step(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, packed=None,
-               run=None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+               run=None, indexer_loss_scale: float | torch.Tensor = 1.0
+               ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """One forward + backward of an attention layer on a fresh copy of ``x`` with output cotangent ``dy``: the
     output ``"y"``, the input gradient ``"x"`` and every parameter gradient by name, and the logged indexer loss.
-    ``run(x)`` replaces ``layer(x, packed=packed)`` (a compiled step, say)."""
+    ``run(x)`` replaces ``layer(x, packed=packed, indexer_loss_scale=indexer_loss_scale)`` (a compiled step, say)."""
     layer.zero_grad()
     x = x.detach().clone().requires_grad_()
-    y = run(x) if run is not None else layer(x, packed=packed)
+    y = run(x) if run is not None else layer(x, packed=packed, indexer_loss_scale=indexer_loss_scale)
     (y * dy).sum().backward()
     out = {"y": y.detach(), "x": x.grad}
     out.update({n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})

@@ -31,7 +31,6 @@ ALLOWED: dict[str, set[str]] = {
     "packing_capture_safe": {"ops", "nosync", "packing", "config"},
     # the capture-safe step runs a layer (it names the layer's ``cp=`` type, layers.plan.ContextParallelGroup)
     "capture_safe": {"amp", "nosync", "ops", "config", "packing", "packing_capture_safe", "layers"},
-    "graphs": {"capture_safe"},  # the older name of capture_safe, re-exporting it
     "layers": {"amp", "nosync", "ops", "config", "packing", "packing_capture_safe"},
     "cp": {"amp", "nosync", "ops", "config", "packing", "packing_capture_safe", "capture_safe", "layers"},
 }

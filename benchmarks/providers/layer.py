@@ -37,6 +37,8 @@ def attention_config(shape: dict, backend: str, sparse_attn_kernel=None):
         rope_theta=10000.0 if layer == "sliding" else 160000.0,
         rope_scaling=None if layer == "sliding" else AttentionConfig().rope_scaling,
         indexer_loss_coeff=shape["loss_coeff"], backend=backend, sparse_attn_kernel=sparse_attn_kernel,
+        # a "deterministic=1" variant is the layer's flag (it passes it to every kernel config)
+        deterministic=bool(sparse_attn_kernel is not None and sparse_attn_kernel.deterministic),
     )
 
 
@@ -57,12 +59,12 @@ def _inputs(shape: dict, device, dtype):
 
 def _ours(shape, device, dtype, backend: str, variant: str = "") -> Case:
     from csattn import HybridAttention, PackedSeqs
-    from csattn.ops.sparse_attn.config import SparseAttnAblation
+    from csattn.ops.sparse_attn.config import SparseAttnConfig
 
     if variant and backend != "triton":
         raise Skip(f"the reference takes no variant, got {variant!r}")
-    try:  # variant "bk_fwd=32,fwd_gluon=0": the sparse-attention kernels' launch settings (and the lab's switches)
-        kernel = SparseAttnAblation.parse(variant) if variant else None
+    try:  # variant "bk_fwd=32,fwd_gluon=0": the sparse-attention kernels' launch settings
+        kernel = SparseAttnConfig.parse(variant) if variant else None
     except ValueError as e:
         raise Skip(f"bad variant {variant!r}: {e}") from e
     torch.manual_seed(shape["seed"])

@@ -8,8 +8,8 @@
 - ``pre``: the pre-mapping alone (output: the collapsed rows); ``head``: the final collapse (HyperHead);
 - ``combine``: ``post * y + comb^T X`` alone.
 
-Providers: ``triton`` (the fused kernels; variant ``triton[fwd_rows=64,bwd_k=64,...]`` overrides
-``csattn.ops.mhc.triton.TILES``) and ``reference`` (plain PyTorch autograd). The op is memory-bound:
+Providers: ``triton`` (the fused kernels; variant ``triton[fwd_rows=64,bwd_k=64,...]``: the
+``csattn.ops.mhc.MhcConfig`` they run with) and ``reference`` (plain PyTorch autograd). The op is memory-bound:
 ``info["bytes"]`` holds the compulsory traffic per mode (each stream-sized tensor read or written once),
 and the runner reports GB/s against it.
 
@@ -24,20 +24,16 @@ import torch
 from ..registry import Case, Skip, register
 
 DEFAULTS = dict(tokens=16384, hidden=4096, hc=4, iters=20, part="site", seed=0)
-DEFAULT_TILES: dict = {}
 EPS = 1e-6
 
 
-def _tiles(variant: str) -> None:
-    from csattn.ops.mhc import triton as kernels
+def _config(variant: str):
+    from csattn.ops.mhc import MhcConfig
 
-    DEFAULT_TILES.update(DEFAULT_TILES or kernels.TILES)
-    kernels.TILES.update(DEFAULT_TILES)
-    for item in filter(None, variant.split(",")):
-        key, _, value = item.partition("=")
-        if key not in kernels.TILES:
-            raise Skip(f"unknown tile option {key!r} (known: {sorted(kernels.TILES)})")
-        kernels.TILES[key] = int(value)
+    try:
+        return MhcConfig.parse(variant)
+    except ValueError as e:
+        raise Skip(str(e)) from None
 
 
 def _bytes(part: str, t: int, n: int, d: int, es: int) -> dict[str, float]:
@@ -53,10 +49,11 @@ def _case(shape: dict, device, dtype, backend: str, variant: str) -> Case:
     from csattn.ops.backend import interpreting
     from csattn.ops.mhc import hc_combine, hc_head, hc_pre
 
+    config = None
     if backend == "triton":
         if device.type != "cuda" and not interpreting():
             raise Skip("the Triton path is timed on CUDA only (TRITON_INTERPRET=1 runs it on the CPU, slowly)")
-        _tiles(variant)
+        config = _config(variant)
     elif variant:
         raise Skip(f"the reference takes no variant, got {variant!r}")
     t, d, n, iters, part = shape["tokens"], shape["hidden"], shape["hc"], shape["iters"], shape["part"]
@@ -77,10 +74,12 @@ def _case(shape: dict, device, dtype, backend: str, variant: str) -> Case:
     info = {"bytes": _bytes(part, t, n, d, es), "part": part}
 
     def pre():
-        return hc_pre(x, fn, base, scale, sinkhorn_iters=iters, hc_eps=EPS, norm_eps=EPS, backend=backend)
+        return hc_pre(x, fn, base, scale, sinkhorn_iters=iters, hc_eps=EPS, norm_eps=EPS, backend=backend,
+                      config=config)
 
     if part == "head":
-        return Case(forward=lambda: (hc_head(x, fn, base, scale, hc_eps=EPS, norm_eps=EPS, backend=backend),),
+        return Case(forward=lambda: (hc_head(x, fn, base, scale, hc_eps=EPS, norm_eps=EPS, backend=backend,
+                                             config=config),),
                     leaves=[x, fn, base, scale], flops={}, info=info)
     if part == "pre":
         return Case(forward=lambda: (pre()[2],), leaves=[x, fn, base, scale], flops={}, info=info)
@@ -88,12 +87,12 @@ def _case(shape: dict, device, dtype, backend: str, variant: str) -> Case:
         with torch.no_grad():
             post, comb, y = (o.detach() for o in pre())
         y.requires_grad_(), post.requires_grad_(), comb.requires_grad_()
-        return Case(forward=lambda: (hc_combine(x, y, post, comb, backend=backend),), leaves=[x, y, post, comb],
-                    flops={}, info=info)
+        return Case(forward=lambda: (hc_combine(x, y, post, comb, backend=backend, config=config),),
+                    leaves=[x, y, post, comb], flops={}, info=info)
 
     def site():
         post, comb, collapsed = pre()
-        return (hc_combine(x, collapsed, post, comb, backend=backend),)
+        return (hc_combine(x, collapsed, post, comb, backend=backend, config=config),)
 
     return Case(forward=site, leaves=[x, fn, base, scale], flops={}, info=info)
 

@@ -60,12 +60,11 @@ def _build(shape: dict, device, dtype, backend: str, variant: str) -> Case:
     scale = shape["dim"] ** -0.5
     config = None
     if backend == "triton":
-        from csattn.ops.sparse_attn.config import SparseAttnAblation
+        from csattn.ops.sparse_attn.config import SparseAttnConfig
 
-        # variant "bk_fwd=32,fwd_gluon=0": the kernels' launch settings, or the lab's switches ("fwd_persistent=0";
-        # SparseAttnAblation); the defaults otherwise
+        # variant "bk_fwd=32,fwd_gluon=0": the kernels' launch settings; the defaults otherwise
         try:
-            config = SparseAttnAblation.parse(variant)
+            config = SparseAttnConfig.parse(variant)
         except ValueError as e:
             raise Skip(f"bad variant {variant!r}: {e}") from e
         info["config"] = config.as_dict()

@@ -300,7 +300,7 @@ def graphs_section(ctx: Context) -> Section | None:
                                 f"eager: {ms(eager)} ms", speed, None, _anchor("CUDA-graph step")))
     lines = ["One CSA layer's training step (forward + backward with a fixed output gradient): the default eager "
              "path, the capture-safe path run eagerly, and that step captured once in a CUDA graph "
-             "(`csattn.graphs.CapturedLayerStep`) and replayed with new `cu_seqlens`.", "",
+             "(`csattn.capture_safe.CapturedLayerStep`) and replayed with new `cu_seqlens`.", "",
              *_table(["tokens", "eager ms", "capture-safe eager ms", "graph replay ms", "replay faster"], rows),
              *_provenance(ctx, ["layer_step.json"])]
     return Section("CUDA-graph step", lines, claims)
@@ -351,7 +351,7 @@ def deterministic_section(ctx: Context) -> Section | None:
     soak = next(iter(ctx.res.records(SOAK)), None)
     if not rows and soak is None:
         return None
-    lines = ["`deterministic=True` (`csattn train --deterministic`, `csattn.set_deterministic()`): the key gradients "
+    lines = ["`deterministic=True` (`csattn train --deterministic`, `csattn.deterministic_mode()`): the key gradients "
              "of the sparse attention and the indexer loss summed in exact int64 fixed point (the same bits in any "
              "order), and torch's deterministic mode for the proxy step. Time with it over time without "
              "(the cost); bf16, H200. Both sparse-attention backwards run the Gluon kernel (deterministic mode its "

@@ -106,7 +106,7 @@ STAGES: dict[str, tuple[Source, ...]] = {
                                              "--hf-max-tokens", "8192", "--steps", "2", "--model-tokens"), 285),
     ),
     # deterministic mode's cost: the key-gradient kernels with fixed-point sums beside the default ones (one process
-    # each), and the proxy step under csattn.set_deterministic with every layer deterministic beside its default
+    # each), and the proxy step under csattn.deterministic_mode with every layer deterministic beside its default
     # step; about 3 min
     "deterministic": (
         Source("deterministic_kernels.json", _RUN, ("--op", "sparse_attn", "--mode", "bwd", "--providers",

@@ -30,6 +30,8 @@ class CapturedLayerStep:
         cu_seqlens, cu_seqlens_padded: ``[N+1]`` example pack (copied into static buffers).
         max_seqlen: host bound on the longest physical document of every pack to be replayed.
         warmup: eager steps on a side stream before capture (Triton compiles its kernels there).
+        indexer_loss_scale: the layer's ``indexer_loss_scale`` in the captured step (a number is fixed at capture;
+            a 0-d CUDA tensor is read by every replay).
         cp: optional ``csattn.ContextParallel`` (contiguous partition): ``x`` / ``dy`` are this rank's rows and
             the pack is the global stream (``T = P * x.shape[0]`` rows). Every rank captures its own graph and
             all ranks replay together. The collectives are captured too, which needs a backend that supports
@@ -46,13 +48,15 @@ class CapturedLayerStep:
     """
 
     def __init__(self, layer: nn.Module, x: Tensor, dy: Tensor, cu_seqlens: Tensor, cu_seqlens_padded: Tensor,
-                 max_seqlen: int, warmup: int = 3, cp: ContextParallelGroup | None = None) -> None:
+                 max_seqlen: int, warmup: int = 3, cp: ContextParallelGroup | None = None,
+                 indexer_loss_scale: float | Tensor = 1.0) -> None:
         if not x.is_cuda:
             raise ValueError("CapturedLayerStep needs CUDA tensors (x is on the CPU)")
         if dy.shape != x.shape:
             raise ValueError(f"dy must have the shape of x {tuple(x.shape)}, got {tuple(dy.shape)}")
         self.layer = layer
         self.cp = cp
+        self.indexer_loss_scale = indexer_loss_scale
         self.num_rows = x.shape[0] * (cp.size if cp is not None else 1)
         self.max_seqlen = int(max_seqlen)
         self.x = x.detach().clone().requires_grad_()
@@ -82,7 +86,7 @@ class CapturedLayerStep:
 
     def _step(self) -> Tensor:
         packed = CaptureSafePackedSeqs(self.cu, self.cu_pad, num_rows=self.num_rows, max_seqlen=self.max_seqlen)
-        y = self.layer(self.x, packed=packed, cp=self.cp)
+        y = self.layer(self.x, packed=packed, cp=self.cp, indexer_loss_scale=self.indexer_loss_scale)
         y.backward(self.dy)
         return y.detach()
 

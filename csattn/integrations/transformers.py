@@ -37,8 +37,8 @@ Limits: training forwards only. ``past_key_values`` or ``use_cache=True`` (``gen
 ``ValueError``; call :func:`unpatch` first (it puts HF's modules back, the same parameters). No
 ``output_attentions`` / ``output_hidden_states``. ``position_ids`` must count
 0, 1, 2, ... inside each document. The lightning indexer gets no LM gradient (as in HF); with
-``indexer_loss_coeff > 0`` it trains on csattn's indexer KL loss (under gradient accumulation also call
-``csattn.IndexerLossAutoScaler.set_loss_scale(1 / gradient_accumulation_steps)``).
+``indexer_loss_coeff > 0`` it trains on csattn's indexer KL loss (under gradient accumulation also pass
+``patch(..., indexer_loss_scale=1 / gradient_accumulation_steps)``).
 
 PEFT: ``patch`` takes a ``PeftModel`` too, and adapters put on after ``patch`` work as well; each one either trains
 as in HF + PEFT or is refused (:mod:`csattn.integrations.peft`). A model loaded in FP8 (``FineGrainedFP8Config``:
@@ -235,6 +235,7 @@ class _PatchedDecoderLayer(hf.DeepseekV4DecoderLayer):
 
     _csattn_backend = "auto"
     _csattn_where = "model.layers.?"
+    _csattn_indexer_loss_scale = 1.0
 
     def forward(self, hidden_states: Tensor, input_ids: Tensor | None = None, packed: PackedSeqs | None = None,
                 **kwargs: Any) -> Tensor:
@@ -245,7 +246,7 @@ class _PatchedDecoderLayer(hf.DeepseekV4DecoderLayer):
                             f"DeepseekV4Model only (it needs packed=); to run HF's code, {_UNPATCH}")
         backend = self._csattn_backend
         post, comb, x = _hc_pre(self.attn_hc, hidden_states, backend, self.input_layernorm)
-        y = self.self_attn(x, packed=packed)
+        y = self.self_attn(x, packed=packed, indexer_loss_scale=self._csattn_indexer_loss_scale)
         streams = mhc_ops.hc_combine(hidden_states, y, post, comb, backend=backend)
         post, comb, x = _hc_pre(self.ffn_hc, streams, backend, self.post_attention_layernorm)
         y = _moe(self.mlp, x, input_ids, f"{self._csattn_where}.mlp.experts")
@@ -437,7 +438,7 @@ def _csattn_attention(hf_attn: nn.Module, config: Any, layer_idx: int, backend: 
 
 
 def patch(model: nn.Module, *, backend: BackendChoice = "auto", indexer_loss_coeff: float = 0.0,
-          deterministic: bool = False, fp8_compute: str = "fp8") -> nn.Module:
+          indexer_loss_scale: float = 1.0, deterministic: bool = False, fp8_compute: str = "fp8") -> nn.Module:
     """Make an HF ``DeepseekV4ForCausalLM`` (or ``DeepseekV4Model``) run csattn's kernels, in place.
 
     Args:
@@ -448,8 +449,11 @@ def patch(model: nn.Module, *, backend: BackendChoice = "auto", indexer_loss_coe
             ``"reference"`` (plain PyTorch everywhere, the per-expert MoE loop) or ``"triton"``.
         indexer_loss_coeff: weight of csattn's indexer KL loss on CSA layers (its gradient trains the lightning
             indexer, which the LM loss never reaches); 0 = none, as in HF.
+        indexer_loss_scale: the gradient each backward sends into the indexer loss: the scale the trainer puts on
+            the LM loss, ``1 / gradient_accumulation_steps`` under gradient accumulation (default 1).
         deterministic: the attention kernels' scatter-add gradients in exact fixed point (bitwise reproducible;
-            ``AttentionConfig.deterministic``); call ``csattn.set_deterministic()`` too for the torch ops.
+            ``AttentionConfig.deterministic``); run the steps inside ``csattn.deterministic_mode()`` too for
+            the torch ops.
         fp8_compute: for a model loaded in FP8 (HF's ``FineGrainedFP8Config``): ``"fp8"`` (activations quantized
             per 1x128 tile, FP8 tensor cores) or ``"w8a16"`` (the weight dequantized in the kernel, bf16 numerics)
             on the GPU; the CPU dequantizes exactly either way (:mod:`csattn.integrations.hf_fp8`).
@@ -463,6 +467,9 @@ def patch(model: nn.Module, *, backend: BackendChoice = "auto", indexer_loss_coe
     check_backend(backend)
     if not indexer_loss_coeff >= 0:
         raise ValueError(f"indexer_loss_coeff must be >= 0, got {indexer_loss_coeff}")
+    if not 0 < indexer_loss_scale < float("inf"):
+        raise ValueError(f"indexer_loss_scale must be a finite number > 0 (e.g. 1 / gradient_accumulation_steps), "
+                         f"got {indexer_loss_scale}")
     _check_patchable(backbone)
     if fp8_compute not in hf_fp8.COMPUTES:
         raise ValueError(f"fp8_compute must be one of {hf_fp8.COMPUTES}, got {fp8_compute!r}")
@@ -488,6 +495,7 @@ def patch(model: nn.Module, *, backend: BackendChoice = "auto", indexer_loss_coe
         layer.self_attn = attn
         layer.__class__ = _PatchedDecoderLayer
         layer._csattn_backend, layer._csattn_where = backend, f"model.layers.{i}"
+        layer._csattn_indexer_loss_scale = float(indexer_loss_scale)
         moe = peft_bridge.innermost(layer.mlp.experts)  # LoRA on the experts' tensors wraps them
         if experts and not hf_fp8.is_held(moe):
             moe.__class__ = _PatchedExperts
@@ -566,7 +574,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         peft_bridge.reattach(hf_attn, found)
         layer.self_attn = hf_attn
         layer.__class__ = hf.DeepseekV4DecoderLayer
-        del layer._csattn_backend, layer._csattn_where
+        del layer._csattn_backend, layer._csattn_where, layer._csattn_indexer_loss_scale
         moe = peft_bridge.innermost(layer.mlp.experts)
         if state.experts_patched and not hf_fp8.is_held(moe):
             moe.__class__ = hf.DeepseekV4Experts

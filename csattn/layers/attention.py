@@ -94,12 +94,15 @@ class HybridAttention(nn.Module):
         self.last_indexer_loss: Tensor | None = None
 
     # ------------------------------------------------------------------ public API
-    def forward(self, hidden_states: Tensor, packed: Packed | None = None, cp: Planner | None = None) -> Tensor:
+    def forward(self, hidden_states: Tensor, packed: Packed | None = None, cp: Planner | None = None,
+                indexer_loss_scale: float | Tensor = 1.0) -> Tensor:
         """Args:
             hidden_states: ``[B, S, D]`` or packed ``[T, D]`` (the normalized block input).
             packed: packed metadata for ``[T, D]`` input (None = one document). Under ``cp`` it describes
                 the global stream and ``hidden_states`` holds this rank's rows.
             cp: optional ``csattn.ContextParallel`` (any :class:`~csattn.layers.plan.Planner`).
+            indexer_loss_scale: the gradient the backward sends into the attached indexer loss, the scale of the
+                caller's main loss (e.g. ``1 / num_microbatches``); a number, or a 0-d tensor read in the backward.
 
         Returns:
             ``[B, S, D]`` or ``[T, D]``, like the input. Input without rows (``T = 0``, ``B = 0`` or ``S = 0``:
@@ -112,19 +115,20 @@ class HybridAttention(nn.Module):
             # autocast is off
             x = hidden_states.to(low) if hidden_states.is_floating_point() else hidden_states
             with autocast_off(hidden_states), low_precision_parameters(self, low):
-                return self.forward(x, packed, cp)
+                return self.forward(x, packed, cp, indexer_loss_scale)
         if isinstance(hidden_states, Tensor) and hidden_states.dim() in (2, 3) and not hidden_states.shape[:-1].numel():
             return self._empty_forward(hidden_states, packed, cp)
         if cp is not None and not callable(getattr(cp, "plan", None)):  # a Planner (no isinstance: traced code)
             raise ValueError(f"cp= must be a csattn.ContextParallel, got {type(cp).__name__}")
         x, packed, batch_shape = self._flatten(hidden_states, packed, cp)
-        out = self.forward_plan(x, (LOCAL if cp is None else cp).plan(x, packed, self.config))
+        out = self.forward_plan(x, (LOCAL if cp is None else cp).plan(x, packed, self.config), indexer_loss_scale)
         return out.view(*batch_shape, -1) if batch_shape is not None else out
 
-    def forward_plan(self, x: Tensor, plan: LayerPlan) -> Tensor:
+    def forward_plan(self, x: Tensor, plan: LayerPlan, indexer_loss_scale: float | Tensor = 1.0) -> Tensor:
         """The one flow of the layer over this rank's rows ``x [L, D]``; ``plan`` says what differs between the
         single-process, context-parallel and capture-safe runs (see ``layers/README.md``). Each exchange is
-        started before, and finished after, a phase that does not need it, so the collective overlaps it."""
+        started before, and finished after, a phase that does not need it, so the collective overlaps it.
+        ``indexer_loss_scale``: see :meth:`forward`."""
         cfg, ops, exchange, entries = self.config, plan.ops, plan.exchange, plan.entries
         if plan.padding:
             # Padding is not data (a collator may leave uninitialized memory there): zeroed before any projection,
@@ -153,7 +157,7 @@ class HybridAttention(nn.Module):
                 compressed_ids = CompressedRange(entries.vis_start, entries.vis_end, entries.max_visible)
             else:
                 compressed_ids, loss = self._select(x, qr, cos, sin, keys[0], plan)
-        out = self._heads(qr, cos, sin, kv, ckv, plan.window_ids, compressed_ids, loss, ops)
+        out = self._heads(qr, cos, sin, kv, ckv, plan.window_ids, compressed_ids, loss, ops, indexer_loss_scale)
         if self.compressor is not None and (entries is None or entries.meta.entry_row.numel() == 0):
             # no whole window in this rank's rows: the compressor pooled nothing, but every rank of an FSDP mesh
             # must reduce the same gradients, so its parameters get zeros rather than none (a shape, no sync)
@@ -287,6 +291,7 @@ class HybridAttention(nn.Module):
         compressed_ids: Tensor | CompressedRange | None,
         loss: IndexerLossInputs | None,
         ops: OpSet = EAGER,
+        loss_scale: float | Tensor = 1.0,
     ) -> Tensor:
         """Everything per head, from the query latent to the layer output ``[T, D]``: query heads, sparse
         attention over window + compressed keys, the indexer loss (attached to the output) and the output
@@ -295,14 +300,13 @@ class HybridAttention(nn.Module):
         With ``recompute_projections`` (the default) this runs block by block in :func:`attention_core`, and
         no ``[T, H, d]`` tensor is ever whole; the dense indexer loss needs all queries at once, so it takes
         the unblocked path (queries and output projection still recomputed block by block), and so does the
-        capture-safe op set where it must (see :meth:`~csattn.layers.op_sets.EagerOps.unblocked`). ``ops`` also
-        fixes the indexer loss's gradient scale (captured graphs) or leaves it to the backward. Nothing here
+        capture-safe op set where it must (see :meth:`~csattn.layers.op_sets.EagerOps.unblocked`).
+        ``loss_scale``: the indexer loss's gradient scale (:meth:`forward`'s ``indexer_loss_scale``). Nothing here
         reads device values on the host.
         """
         cfg = self.config
         self.last_indexer_loss = None
         want_loss = loss is not None and ckv is not None and self._wants_indexer_loss()
-        loss_scale = ops.loss_scale()
         if not cfg.recompute_projections or ops.unblocked(cfg.layer_type, cfg.indexer_loss_type, want_loss):
             q = self._query_heads(qr, cos, sin, ops)
             o, lse = self._attend(q, kv, ckv, window_ids, compressed_ids, ops)
@@ -399,7 +403,7 @@ class HybridAttention(nn.Module):
                                            entries.vis_end, entries.max_visible)
 
     def _with_indexer_loss(self, o: Tensor, loss: IndexerLossInputs, q: Tensor, ckv: Tensor, lse: Tensor,
-                          selected: Tensor, loss_scale: float | None = None, ops: OpSet = EAGER) -> Tensor:
+                          selected: Tensor, loss_scale: float | Tensor = 1.0, ops: OpSet = EAGER) -> Tensor:
         """Attach ``coeff * sum_t KL_t / num_real`` over the real rows to ``o`` (its gradient flows in ``o``'s
         backward) and log the KL in ``last_indexer_loss``.
 

@@ -65,10 +65,6 @@ class EagerOps:
         """The output projection of ``o [T, H, d]``, recomputed block by block in the backward."""
         return row_chunked(partial(output_projection, groups=groups), (o, cos, sin), (w_a, w_b), chunk_rows)
 
-    def loss_scale(self) -> float | None:
-        """The indexer loss's gradient scale: None = read the global one in the backward."""
-        return None
-
     def unblocked(self, layer_type: str, loss_type: str, want_loss: bool) -> bool:
         """Whether the heads run unblocked (all queries at once) although projections are recomputed: the
         dense indexer loss needs every query."""
@@ -115,12 +111,6 @@ class CaptureSafeOps(EagerOps):
     def output(self, o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int,
                chunk_rows: int) -> Tensor:
         return output_proj_op(o, cos, sin, w_a, w_b, groups, chunk_rows)
-
-    def loss_scale(self) -> float | None:
-        """Read when the forward runs, so a captured graph or compiled function keeps the scale it was built with."""
-        from .frozen_scale import frozen_loss_scale  # lazy: it imports torch._dynamo (see its module)
-
-        return frozen_loss_scale()
 
     def unblocked(self, layer_type: str, loss_type: str, want_loss: bool) -> bool:
         """Also under ``torch.compile``: the block-recomputed core calls ``torch.autograd.grad``, which the compiler

@@ -1,9 +1,9 @@
 """Exact fixed-point accumulation: what makes the scatter-add gradients of the fused kernels deterministic.
 
 Several query rows add into the same key row (sparse attention's ``dkv``, the indexer loss's ``dk``), and fp32
-atomics sum in whatever order the GPU schedules them: not bitwise reproducible. With ``deterministic=1`` in the
-kernel configs (or under ``torch.use_deterministic_algorithms(True)``), each contribution ``x`` is rounded once to
-an integer ``round(x * 2**e)`` and added with int64 atomics into an int64 buffer. Integer addition is
+atomics sum in whatever order the GPU schedules them: not bitwise reproducible. With ``deterministic=True`` in
+the kernel configs (set by their caller: csattn/deterministic.py), each contribution ``x`` is rounded once to an
+integer ``round(x * 2**e)`` and added with int64 atomics into an int64 buffer. Integer addition is
 associative, so the sum is the same bits whatever the order (also across GPUs with other SM counts and grids); the
 host turns it back into floats once (``sum * 2**-e``). Workspace: an int64 ``[N, d]`` buffer (``N * d * 8``
 bytes) instead of the fp32 one.
@@ -23,15 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["abs_max", "fixed_point_scale", "from_fixed_point", "wants_deterministic"]
+__all__ = ["abs_max", "fixed_point_scale", "from_fixed_point"]
 
 _HEADROOM_BITS = 60  # |partial sum| * 2**e <= 2**60: int64 has 3 more bits for the bound's rounding in log2
-
-
-def wants_deterministic(flag: int | bool) -> bool:
-    """Whether a kernel sums in fixed point: its config's ``deterministic``, or torch's deterministic mode
-    (``torch.use_deterministic_algorithms(True)``, which ``csattn.set_deterministic()`` sets) is on."""
-    return bool(flag) or torch.are_deterministic_algorithms_enabled()
 
 
 def abs_max(x: Tensor) -> Tensor:

@@ -1,5 +1,5 @@
 """Launch settings of the fused kernels as values: one frozen dataclass per op (``SparseAttnConfig``,
-``IndexerConfig``, ``IndexerLossConfig``), handed to the host functions as ``config=``.
+``IndexerConfig``, ``IndexerLossConfig``, ``MhcConfig``), handed to the host functions as ``config=``.
 
 Nothing here reads the environment or keeps mutable state: a tuning run parses its variant string with
 :meth:`KernelConfig.parse` and passes the result; the layer takes one from its ``AttentionConfig``.
@@ -16,7 +16,8 @@ _C = TypeVar("_C", bound="KernelConfig")
 
 
 class KernelConfig:
-    """Shared helpers of the per-op kernel settings (subclasses are frozen dataclasses of int fields)."""
+    """Shared helpers of the per-op kernel settings (subclasses are frozen dataclasses of int fields and bool
+    flags; a flag is written ``0`` / ``1`` in a :meth:`parse` string)."""
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -32,7 +33,8 @@ class KernelConfig:
     @classmethod
     def parse(cls: type[_C], spec: str) -> _C:
         """``"bk_fwd=32,warps_fwd=4"`` -> the defaults with those fields set (an empty string: the defaults)."""
-        values: dict[str, int] = {}
+        flags = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, bool)}
+        values: dict[str, int | bool] = {}
         for item in filter(None, (part.strip() for part in spec.split(","))):
             key, sep, value = item.partition("=")
             key = key.strip()
@@ -43,6 +45,10 @@ class KernelConfig:
                 values[key] = int(value)
             except ValueError:
                 raise ValueError(f"{cls.__name__}: {key}={value!r} is not an int") from None
+            if key in flags:
+                if values[key] not in (0, 1):
+                    raise ValueError(f"{cls.__name__}: {key} is a flag, 0 or 1, got {value!r}")
+                values[key] = bool(values[key])
         return cls(**values)
 
     @classmethod
@@ -72,4 +78,5 @@ class KernelConfig:
     def spec(self) -> str:
         """The fields that differ from the defaults as a :meth:`parse` string (``""`` for the defaults)."""
         default = type(self)()
-        return ",".join(f"{k}={v}" for k, v in self.as_dict().items() if getattr(default, k) != v)
+        return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in self.as_dict().items()
+                        if getattr(default, k) != v)

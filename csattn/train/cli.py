@@ -64,8 +64,6 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--deterministic", action="store_true",
                    help="bitwise-reproducible steps on the same GPU and software: torch's deterministic mode and "
                         "fixed-point sums in the attention kernels' key gradients (slower: see BENCHMARKS.md)")
-    m.add_argument("--activation-checkpointing", action="store_true",
-                   help="the same as --recompute block")
     d = parser.add_argument_group("data")
     d.add_argument("--data", choices=["synthetic", "pysrc", "text", "jsonl", "parquet"], default=_D.data,
                    help="synthetic = Markov-chain documents with copy structure (default); pysrc = byte-level "

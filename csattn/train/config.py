@@ -109,8 +109,7 @@ class TrainConfig:
     mtp_layers: int | None = None
     dtype: str = "float32"
     attention_backend: str = "auto"
-    deterministic: bool = False  # bitwise-reproducible steps (csattn.set_deterministic + fixed-point kernels)
-    activation_checkpointing: bool = False  # the same as recompute="block"
+    deterministic: bool = False  # bitwise-reproducible steps (csattn.deterministic_mode + fixed-point kernels)
     recompute: str = "none"
     offload_block_inputs: bool = False  # with recompute block / full: block inputs in pinned host memory
     # data

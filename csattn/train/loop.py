@@ -32,7 +32,6 @@ from ..models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from ..models.deepseek_v4.checkpoint import read_config
 from ..models.deepseek_v4.flops import model_flops, peak_flops
 from ..ops.backend import resolve_backend
-from ..ops.indexer_loss import IndexerLossAutoScaler
 from ..parallel import (
     Meshes,
     ParallelDims,
@@ -89,7 +88,7 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int | None = None,
                                      mtp_loss_coeff=cfg.mtp_loss_coeff,
                                      backend=cfg.attention_backend,
                                      deterministic=cfg.deterministic,
-                                     recompute="block" if cfg.activation_checkpointing else cfg.recompute,
+                                     recompute=cfg.recompute,
                                      offload_block_inputs=cfg.offload_block_inputs)
     if cfg.mtp_layers is not None:
         overrides["num_nextn_predict_layers"] = cfg.mtp_layers
@@ -391,7 +390,6 @@ def _train(cfg: TrainConfig) -> TrainResult:
                 saved_at = time.monotonic()
             batch = upcoming
     finally:
-        IndexerLossAutoScaler.main_loss_backward_scale = None
         if bar is not None:
             bar.close()
         if log is not None:

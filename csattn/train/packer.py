@@ -39,14 +39,6 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return sum(self.lengths)
 
-    def shard(self, rank: int, world: int) -> tuple[Tensor, Tensor]:
-        """Rows ``[rank * L, (rank + 1) * L)`` of ``input_ids`` and ``labels`` (contiguous CP split)."""
-        t = self.input_ids.shape[0]
-        if t % world:
-            raise ValueError(f"{t} rows do not split over {world} context-parallel ranks")
-        n = t // world
-        return self.input_ids[rank * n:(rank + 1) * n], self.labels[:, rank * n:(rank + 1) * n]
-
 
 def concat_batches(batches: list[PackedBatch]) -> PackedBatch:
     """The packed streams of ``batches`` back to back (their documents side by side in one stream)."""

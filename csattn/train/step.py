@@ -24,7 +24,6 @@ from torch import Tensor, nn
 
 from ..layers.plan import ContextParallelGroup
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM
-from ..ops.indexer_loss import IndexerLossAutoScaler
 from ..packing import PackedSeqs
 from ..parallel.mesh import Meshes
 from .packer import PackedBatch
@@ -92,13 +91,12 @@ def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: ContextPara
     local = torch.cat([(labels != -100).sum(dim=1), labels.new_tensor([batch.num_tokens])]).double()
     totals = all_sum(local.clone(), meshes) / meshes.dims.cp
     counts, share = totals[:-1].float(), local[-1] / totals[-1].clamp_min(1)
-    IndexerLossAutoScaler.set_loss_scale(share)
     if cp is not None:
         ids = cp.shard(ids, packed)
         labels = cp.shard(labels.t().contiguous(), packed).t()
     optimizer.zero_grad(set_to_none=True)
     out = model(ids, packed=packed, cp=cp, labels=labels[0], mtp_labels=labels[1:] if len(model.mtp) else None,
-                label_counts=counts.to(device), return_logits=False)
+                label_counts=counts.to(device), return_logits=False, indexer_loss_scale=share)
     out.loss.backward()
     grad_norm = clip_grad_norm(model, grad_clip, meshes)  # global (over every rank) already
     zero = torch.zeros((), device=device, dtype=torch.float64)

@@ -210,35 +210,18 @@ def test_capture_safe_batch_and_single_document_input(layer_type, assert_close):
         _compare(got, ref, assert_close)
 
 
-def test_capture_safe_keeps_the_indexer_loss_scale(assert_close):
-    from csattn import IndexerLossAutoScaler
-
+@pytest.mark.parametrize("scale", [0.25, torch.tensor(0.25, dtype=torch.float64)], ids=["number", "tensor"])
+def test_capture_safe_keeps_the_indexer_loss_scale(scale, assert_close):
     cfg = tiny_config("csa")
     layer = random_layer(cfg)
     packed, static = _static(*PACKS["padded"])
     g = torch.Generator().manual_seed(4)
     x = torch.randn(static.num_rows, 32, generator=g, dtype=torch.float64)
     dy = torch.randn(static.num_rows, 32, generator=g, dtype=torch.float64)
-    IndexerLossAutoScaler.set_loss_scale(0.25)
-    try:
-        ref, _ = layer_step(layer, x, dy, packed)
-        got, _ = layer_step(layer, x, dy, static)
-    finally:
-        IndexerLossAutoScaler.main_loss_backward_scale = None
+    ref, _ = layer_step(layer, x, dy, packed, indexer_loss_scale=scale)
+    got, _ = layer_step(layer, x, dy, static, indexer_loss_scale=scale)
     unscaled, _ = layer_step(layer, x, dy, static)
     _compare(got, ref, assert_close)
     name = "compressor.indexer.q_b_proj.weight"  # trained by the indexer loss only
     assert_close(got[name], 0.25 * unscaled[name], 1e-12, name)
 
-
-def test_older_names_still_import():
-    """``csattn.graphs`` and its ``Static*`` names (the capture-safe mode's older names) are the same objects."""
-    import csattn.capture_safe as current
-    import csattn.graphs as older
-
-    assert older.StaticPackedSeqs is current.CaptureSafePackedSeqs
-    assert older.StaticRowMeta is current.CaptureSafeRowMeta
-    assert older.StaticCompressMeta is current.CaptureSafeCompressMeta
-    assert older.indexer_topk_static is current.indexer_topk_capture_safe
-    assert older.indexer_kl_loss_dense_static is current.indexer_kl_loss_dense_capture_safe
-    assert older.CapturedLayerStep is current.CapturedLayerStep and set(current.__all__) <= set(older.__all__)

@@ -160,6 +160,30 @@ def test_errors_name_the_argument():
         patch(hf_model(cfg, seed=SEED), backend="cuda")
     with pytest.raises(TypeError, match="DeepseekV4ForCausalLM"):
         patch(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="indexer_loss_scale must be a finite number > 0"):
+        patch(hf_model(cfg, seed=SEED), indexer_loss_scale=0.0)
+
+
+def test_indexer_loss_scale_scales_the_indexer_gradient_only():
+    """``patch(..., indexer_loss_scale=s)``: the indexer's own parameters get ``s`` times the gradient of the
+    indexer loss, every other gradient the same bits; ``unpatch`` takes the setting away with the patch."""
+    cfg = tiny_config_dict("flash")
+    ids = torch.randint(0, cfg["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for scale in (1.0, 0.25):
+        model = patch(hf_model(cfg, seed=SEED).double(), indexer_loss_coeff=0.5, indexer_loss_scale=scale)
+        model(input_ids=ids, labels=ids).loss.backward()
+        runs.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        unpatch(model)
+        assert not any(hasattr(m, "_csattn_indexer_loss_scale") for m in model.modules())
+    indexer = [n for n in runs[0] if ".indexer." in n and "q_b_proj" in n]
+    assert indexer
+    for name, grad in runs[0].items():
+        if name in indexer:
+            assert torch.count_nonzero(grad) > 0, name
+            torch.testing.assert_close(runs[1][name], 0.25 * grad, rtol=1e-12, atol=0)
+        elif ".indexer." not in name:
+            assert torch.equal(runs[1][name], grad), name
 
 
 def test_batch_layout_documents():

@@ -81,7 +81,8 @@ def randomize_model_(model: torch.nn.Module, seed: int) -> None:
 
 def tiny_model(pattern: str = "flash", seed: int = 0, **kwargs) -> DeepseekV4ForCausalLM:
     """Our model on a tiny config with random non-default weights (no transformers needed)."""
-    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in ("indexer_loss_coeff", "mtp_loss_coeff")}
+    training = ("indexer_loss_coeff", "mtp_loss_coeff", "recompute", "mtp_layer_types")
+    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in training}
     cfg = DeepseekV4ModelConfig.from_hf(tiny_config_dict(pattern, **kwargs), **overrides)
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(cfg)

@@ -148,16 +148,15 @@ def test_chunked_loss_equals_full_logits_loss(assert_close):
             assert_close(p.grad, grads[n], 1e-12, f"grad {n}")
 
 
-def test_activation_checkpointing_changes_nothing():
+def test_block_recompute_changes_nothing():
     """Blocks recomputed in the backward: bitwise the same loss and gradients (indexer loss included)."""
-    model = tiny_model("pro", seed=6, mtp=1, indexer_loss_coeff=0.5).double()
     ids = torch.randint(0, 64, (36,), generator=torch.Generator().manual_seed(5))
     packed = PackedSeqs.from_lengths([20, 16])
     labels = future_tokens(ids, packed, 2)
     runs = []
-    for recompute in (False, True):
-        model.zero_grad()
-        model.config.activation_checkpointing = recompute
+    for recompute in ("none", "block"):
+        model = tiny_model("pro", seed=6, mtp=1, indexer_loss_coeff=0.5, recompute=recompute).double()
+        assert model.config.recompute == recompute
         out = model(ids, packed=packed, labels=labels[0], mtp_labels=labels[1:])
         out.loss.backward()
         runs.append((out.loss.detach(), out.indexer_loss, {n: p.grad.clone() for n, p in model.named_parameters()
@@ -166,3 +165,29 @@ def test_activation_checkpointing_changes_nothing():
     assert runs[0][2].keys() == runs[1][2].keys()
     for name, grad in runs[0][2].items():
         assert torch.equal(grad, runs[1][2][name]), name
+
+
+@pytest.mark.parametrize("recompute", ["none", "block"])
+def test_indexer_loss_scale_reaches_every_csa_layer(recompute):
+    """``indexer_loss_scale`` scales exactly the gradient of the indexer loss: the parameters only it trains get
+    ``scale`` times theirs (decoder and MTP blocks, blocks recomputed or not; a 0-d tensor the same bits as the
+    number), every other gradient stays the same bits."""
+    ids = torch.randint(0, 64, (36,), generator=torch.Generator().manual_seed(5))
+    packed = PackedSeqs.from_lengths([20, 16])
+    labels = future_tokens(ids, packed, 2)
+    runs = []
+    for scale in (1.0, 0.25, torch.tensor(0.25)):
+        model = tiny_model("pro", seed=6, mtp=1, indexer_loss_coeff=0.5, recompute=recompute,
+                           mtp_layer_types=["compressed_sparse_attention"]).double()
+        out = model(ids, packed=packed, labels=labels[0], mtp_labels=labels[1:], indexer_loss_scale=scale)
+        out.loss.backward()
+        runs.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    indexer = [n for n in runs[0] if ".indexer." in n and "q_b_proj" in n]
+    assert indexer and any(n.startswith("mtp.") for n in indexer)
+    for name, grad in runs[0].items():
+        assert torch.equal(runs[1][name], runs[2][name]), name
+        if name in indexer:
+            assert torch.count_nonzero(grad) > 0, name
+            torch.testing.assert_close(runs[1][name], 0.25 * grad, rtol=1e-12, atol=0)
+        elif ".indexer." not in name:
+            assert torch.equal(runs[1][name], grad), name

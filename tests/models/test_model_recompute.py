@@ -92,8 +92,7 @@ def test_block_recompute_without_mtp_keeps_one_stream_set_per_boundary(recompute
 
 
 def test_config_recompute_choices():
-    assert tiny_model_config(activation_checkpointing=True).recompute == "block"
-    assert tiny_model_config(recompute="block").activation_checkpointing
+    assert tiny_model_config(recompute="block").recompute == "block"
     with pytest.raises(ValueError, match="recompute must be one of"):
         tiny_model_config(recompute="all")
     d = tiny_model_config(recompute="moe").to_hf_dict()

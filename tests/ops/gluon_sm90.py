@@ -28,7 +28,7 @@ if which == "fwd":
            "lse": "*fp32", **{f"stride_{n}": "i64" for n in strides}, "K": "i32", "qk_scale_log2": "fp32",
            "n_work": "i32", "n_hb": "i32"}
     cfg = SparseAttnConfig()
-    consts = {"HAS_LEN": has_len, "TRIM": True, "BH": 64, "BD": d, "BK": bk, "SIDE1_REGS": cfg.fwd_side_regs,
+    consts = {"HAS_LEN": has_len, "BH": 64, "BD": d, "BK": bk, "SIDE1_REGS": cfg.fwd_side_regs,
               "PRODUCER_REGS": cfg.fwd_producer_regs}
 else:  # "bwd", or "bwd_fixed": deterministic mode's int64 fixed-point dkv
     fixed = which == "bwd_fixed"
@@ -37,8 +37,8 @@ else:  # "bwd", or "bwd_fixed": deterministic mode's int64 fixed-point dkv
            "do": "*bf16", "lse": "*fp32", "dlse": "*fp32", "dq": "*bf16", "dkv": "*i64" if fixed else "*fp32",
            "dsink_rows": "*fp32", "fx": "*fp32", **{f"stride_{n}": "i64" for n in strides + ("dlt",)},
            "H": "i32", "K": "i32", "scale": "fp32", "n_work": "i32", "n_hb": "i32"}
-    consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "TRIM": True, "BH": 64, "BD": d, "BK": bk, "KEY_REGS": 240,
-              "FULL_LINES": True, "FIXED": fixed}
+    consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "BH": 64, "BD": d, "BK": bk, "KEY_REGS": 240,
+              "FIXED": fixed}
 sig.update({k: "constexpr" for k in consts})
 # what the launcher's specialization sees at run time: 16-aligned pointers and strides
 attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]

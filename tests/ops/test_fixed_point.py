@@ -1,12 +1,12 @@
 """The fixed-point helpers of deterministic mode (csattn/ops/fixed_point.py) and how the flag reaches the kernels'
-configs (AttentionConfig, DeepseekV4ModelConfig, csattn.set_deterministic)."""
+configs (AttentionConfig, DeepseekV4ModelConfig), and csattn.deterministic_mode for torch's own ops."""
 
 import math
 
 import pytest
 import torch
 
-from csattn.ops.fixed_point import abs_max, fixed_point_scale, from_fixed_point, wants_deterministic
+from csattn.ops.fixed_point import abs_max, fixed_point_scale, from_fixed_point
 
 
 def test_scale_is_power_of_two_within_headroom():
@@ -50,17 +50,24 @@ def test_flag_reaches_kernel_configs():
 
     assert AttentionConfig().sparse_attn_kernel is None  # the default path is untouched
     cfg = AttentionConfig(deterministic=True, sparse_attn_kernel="bk_dkv=32")
-    assert cfg.sparse_attn_kernel == SparseAttnConfig(bk_dkv=32, deterministic=1)
-    assert cfg.indexer_loss_kernel.deterministic == 1
+    assert cfg.sparse_attn_kernel == SparseAttnConfig(bk_dkv=32, deterministic=True)
+    assert cfg.indexer_loss_kernel.deterministic is True
     model = DeepseekV4ModelConfig(num_hidden_layers=2, deterministic=True)
-    assert all(model.attention_config(i).sparse_attn_kernel.deterministic == 1 for i in range(2))
+    assert all(model.attention_config(i).sparse_attn_kernel.deterministic is True for i in range(2))
     assert "deterministic" not in model.to_hf_dict() and model.training_dict()["deterministic"] is True
-    assert SparseAttnConfig.parse("deterministic=1").deterministic == 1
+    assert SparseAttnConfig.parse("deterministic=1").deterministic is True
+    assert SparseAttnConfig(deterministic=True).spec() == "deterministic=1"
+    with pytest.raises(ValueError, match="deterministic is a flag"):
+        SparseAttnConfig.parse("deterministic=2")
+    # one road: a kernel config does not ask for it behind the layer's flag
+    for name in ("sparse_attn_kernel", "indexer_loss_kernel"):
+        with pytest.raises(ValueError, match=f"{name} asks for deterministic=1: set AttentionConfig.deterministic"):
+            AttentionConfig(**{name: "deterministic=1"})
 
 
-def test_set_deterministic(monkeypatch):
-    """``deterministic_mode`` (``set_deterministic`` for a block) turns torch's deterministic mode on without its
-    NaN fill of new tensors, sets cuBLAS's workspace, and gives every setting back after the block."""
+def test_deterministic_mode(monkeypatch):
+    """``deterministic_mode`` turns torch's deterministic mode on for the block without its NaN fill of new
+    tensors, sets cuBLAS's workspace, and gives every setting back after the block."""
     import os
 
     from csattn import deterministic_mode
@@ -70,30 +77,25 @@ def test_set_deterministic(monkeypatch):
     before = (torch.are_deterministic_algorithms_enabled(), fill.fill_uninitialized_memory,
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     with deterministic_mode():
-        assert torch.are_deterministic_algorithms_enabled() and wants_deterministic(0)
+        assert torch.are_deterministic_algorithms_enabled()
         assert not fill.fill_uninitialized_memory and torch.backends.cudnn.deterministic
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert (torch.are_deterministic_algorithms_enabled(), fill.fill_uninitialized_memory,
             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) == before
-    assert not wants_deterministic(0) or before[0]
 
 
 @pytest.mark.parametrize("layer_type", ["csa", "hca"])
 def test_layer_runs_under_torch_deterministic_mode(layer_type, one_thread):
-    """The layer's torch ops (reference backend, CPU) raise nothing under use_deterministic_algorithms and give the
-    same bits twice."""
-    from csattn import PackedSeqs
+    """The layer's torch ops (reference backend, CPU) raise nothing under ``csattn.deterministic_mode`` (torch's
+    use_deterministic_algorithms) and give the same bits twice."""
+    from csattn import PackedSeqs, deterministic_mode
     from tests.helpers import layer_step, random_layer, tiny_config
 
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_mode():
         layer = random_layer(tiny_config(layer_type, backend="reference", deterministic=True), dtype=torch.float32)
         gen = torch.Generator().manual_seed(1)
         x, dy = torch.randn(24, 32, generator=gen), torch.randn(24, 32, generator=gen)
         packed = PackedSeqs.from_lengths([13, 7], [16, 8])
         runs = [layer_step(layer, x, dy, packed=packed)[0] for _ in range(2)]
-    finally:
-        torch.use_deterministic_algorithms(before)
     for name, g in runs[0].items():
         assert torch.equal(g, runs[1][name]), name

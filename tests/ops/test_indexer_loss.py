@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from csattn import IndexerLossAutoScaler, PackedSeqs
+from csattn import PackedSeqs
 from tests.helpers import random_layer, tiny_config
 
 
@@ -64,15 +64,10 @@ def test_loss_and_grads_equal_brute_force(dense, assert_close):
         assert_close(g, layer.get_parameter(n).grad, 1e-10, n)
 
 
-def _indexer_and_trunk_grads(coeff, scale=None, compute=True):
+def _indexer_and_trunk_grads(coeff, scale=1.0, compute=True):
     layer = random_layer(tiny_config("csa", indexer_loss_coeff=coeff, compute_indexer_loss=compute))
     x = torch.randn(40, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    if scale is not None:
-        IndexerLossAutoScaler.set_loss_scale(scale)
-    try:
-        layer(x).square().sum().backward()
-    finally:
-        IndexerLossAutoScaler.set_loss_scale(1.0)
+    layer(x, indexer_loss_scale=scale).square().sum().backward()
     idx = {n: p.grad for n, p in layer.named_parameters() if ".indexer." in n}
     trunk = {n: p.grad for n, p in layer.named_parameters() if ".indexer." not in n}
     return idx, trunk
@@ -94,8 +89,10 @@ def test_lm_loss_sends_no_gradient_into_indexer():
 def test_loss_scale_and_coefficient_scale_indexer_grads():
     base, _ = _indexer_and_trunk_grads(1.0)
     half, _ = _indexer_and_trunk_grads(1.0, scale=0.5)
+    half_tensor, _ = _indexer_and_trunk_grads(1.0, scale=torch.tensor(0.5))  # read in the backward
     triple, _ = _indexer_and_trunk_grads(3.0)
     for n, g in base.items():
         assert torch.count_nonzero(g) > 0, n
         torch.testing.assert_close(half[n], 0.5 * g, rtol=1e-12, atol=0)
+        assert torch.equal(half_tensor[n], half[n]), n
         torch.testing.assert_close(triple[n], 3.0 * g, rtol=1e-12, atol=1e-300)

@@ -1,4 +1,4 @@
-"""Indexer KL loss with ``deterministic=1``: ``dk`` summed in exact int64 fixed point (csattn/ops/fixed_point.py).
+"""Indexer KL loss with ``deterministic=True``: ``dk`` summed in exact int64 fixed point (csattn/ops/fixed_point.py).
 
 CPU (TRITON_INTERPRET=1): the loss and the gradients of ``q_idx``, ``w`` and ``k_idx`` against the fp64 reference
 at the tolerances of ``test_indexer_loss_triton.py``, sparse and dense, and the same bits over two runs. GPU
@@ -13,7 +13,7 @@ from csattn.ops.indexer_loss import IndexerLossConfig, indexer_kl_loss
 from tests.helpers import poison_kernel_outputs, rel_err
 from tests.ops.test_indexer_loss_triton import _case, _run
 
-DET = IndexerLossConfig(deterministic=1)
+DET = IndexerLossConfig(deterministic=True)
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,6 @@ from csattn.models.deepseek_v4.config import DeepseekV4ModelConfig
 from csattn.ops.indexer import IndexerConfig
 from csattn.ops.indexer_loss import IndexerLossConfig
 from csattn.ops.sparse_attn import SparseAttnConfig, sparse_attn
-from csattn.ops.sparse_attn.config import SparseAttnAblation
 from tests.helpers import random_layer, tiny_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs on CUDA, or the interpreter (conftest)
@@ -47,19 +46,18 @@ def test_parse_spec_round_trip():
     assert IndexerConfig.parse("register_row=8,seg=16") == IndexerConfig(register_row=8, seg=16)
 
 
-def test_lab_switches_are_not_user_settings():
-    """The variants measured and not kept are :class:`SparseAttnAblation`'s keys, not the public config's; the
-    public config reads them at their kept values, and the custom ops' spec carries either."""
+def test_variants_not_kept_are_gone():
+    """The variants measured and not kept (lab/NOTES.md) are no settings at all: parsing one names the key, and
+    the custom ops' spec carries the public config only."""
     from csattn.ops.sparse_attn.custom_ops import _config
 
     for key in ("fwd_persistent", "bwd_persistent", "bwd_full_lines", "skip_empty_tiles"):
-        assert key not in SparseAttnConfig.keys() and getattr(SparseAttnConfig(), key) == 1
+        assert key not in SparseAttnConfig.keys() and not hasattr(SparseAttnConfig(), key)
         with pytest.raises(ValueError, match=f"unknown key '{key}'"):
             SparseAttnConfig.parse(f"{key}=0")
     assert "verbose" not in SparseAttnConfig.keys() and "radix" not in IndexerConfig.keys()
-    lab = SparseAttnAblation.parse(f"{SMALL},fwd_persistent=0")
-    assert isinstance(lab, SparseAttnConfig) and lab.fwd_persistent == 0 and lab.bk_fwd == 16
-    assert _config(lab.spec()) == lab and _config(SMALL) == SparseAttnConfig.parse(SMALL) and _config("") is None
+    small = SparseAttnConfig.parse(SMALL)
+    assert _config(small.spec()) == small and _config("") is None
 
 
 def test_attention_config_takes_the_kernel_settings():

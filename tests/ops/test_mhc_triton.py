@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from csattn.ops.mhc import hc_combine, hc_combine_ref, hc_head, hc_head_ref, hc_pre, hc_pre_ref, hc_site
+from csattn.ops.mhc import MhcConfig, hc_combine, hc_combine_ref, hc_head, hc_head_ref, hc_pre, hc_pre_ref, hc_site
 from csattn.ops.rms_norm import rms_norm
 from tests.helpers import rel_err
 
@@ -37,15 +37,15 @@ def _site_inputs(t, n, d, head, gen):
     return [x, fn, base, scale]
 
 
-def _run_site(backend, inputs, dtype, head, iters, cotangents):
+def _run_site(backend, inputs, dtype, head, iters, cotangents, config=None):
     """Outputs and gradients of one site (pre-mapping or head) with streams in ``dtype``."""
     wide = torch.promote_types(dtype, torch.float32)
     x, fn, base, scale = inputs
     leaves = [x.to(DEVICE, dtype).requires_grad_()] + [p.to(DEVICE, wide).requires_grad_() for p in (fn, base, scale)]
     if head:
-        outs = (hc_head(*leaves, hc_eps=EPS, norm_eps=EPS, backend=backend),)
+        outs = (hc_head(*leaves, hc_eps=EPS, norm_eps=EPS, backend=backend, config=config),)
     else:
-        outs = hc_pre(*leaves, sinkhorn_iters=iters, hc_eps=EPS, norm_eps=EPS, backend=backend)
+        outs = hc_pre(*leaves, sinkhorn_iters=iters, hc_eps=EPS, norm_eps=EPS, backend=backend, config=config)
     loss = sum((o.double() * c.to(DEVICE)).sum() for o, c in zip(outs, cotangents) if c is not None)
     grads = torch.autograd.grad(loss, leaves)
     return [o.detach().cpu() for o in outs], [g.cpu() for g in grads]
@@ -65,30 +65,27 @@ def test_site_fp64(t, n, d, head):
     _check_site_fp64(t, n, d, head)
 
 
-SMALL_TILES = dict(fwd_rows=16, fwd_k=16, fwd_k_fma=16, fwd_d=8, coef_rows=4, coef_d=8, bwd_rows=16, bwd_k=16,
-                   comb_rows=2, comb_d=8)
+SMALL_TILES = MhcConfig(fwd_rows=16, fwd_k=16, fwd_k_fma=16, fwd_d=8, coef_rows=4, coef_d=8, bwd_rows=16, bwd_k=16,
+                        comb_rows=2, comb_d=8, scratch_rows=8)
 
 
 @pytest.mark.slow  # many small tiles under the interpreter
 @pytest.mark.parametrize("head", [False, True], ids=["pre", "head"])
-def test_site_fp64_small_tiles(head, monkeypatch):
+def test_site_fp64_small_tiles(head):
     """Many programs per kernel: row blocks, channel tiles, backward scratch chunks."""
-    for key, value in SMALL_TILES.items():
-        monkeypatch.setitem(kernels.TILES, key, value)
-    monkeypatch.setattr(kernels, "SCRATCH_ROWS", 8)
-    _check_site_fp64(37, 4, 12, head)
-    _check_site_fp64(23, 3, 20, head)
+    _check_site_fp64(37, 4, 12, head, SMALL_TILES)
+    _check_site_fp64(23, 3, 20, head, SMALL_TILES)
     if not head:
-        _check_combine_fp64(37, 4, 12)
+        _check_combine_fp64(37, 4, 12, SMALL_TILES)
 
 
-def _check_site_fp64(t, n, d, head):
+def _check_site_fp64(t, n, d, head, config=None):
     gen = torch.Generator().manual_seed(t * 100 + n * 10 + d)
     inputs = _site_inputs(t, n, d, head, gen)
     plain = (hc_head_ref(*inputs, EPS, EPS),) if head else hc_pre_ref(*inputs, 20, EPS, EPS)
     cot = _cotangents(plain, gen, [True] * 3)
     ref_outs, ref_grads = _run_site("reference", inputs, torch.float64, head, 20, cot)
-    outs, grads = _run_site("triton", inputs, torch.float64, head, 20, cot)
+    outs, grads = _run_site("triton", inputs, torch.float64, head, 20, cot, config)
     names = ["collapsed"] if head else ["post", "comb", "collapsed"]
     for name, o, r in zip(names, outs, ref_outs):
         assert o.dtype == r.dtype and o.shape == r.shape, name
@@ -113,19 +110,17 @@ def test_pre_each_output_path(keep):
 @pytest.mark.parametrize("dtype,split",
                          [(torch.float32, (0, 0)), (torch.bfloat16, (0, 0)), (torch.bfloat16, (1, 0)),
                           (torch.bfloat16, (1, 1))], ids=["fp32", "bf16", "bf16-split", "bf16-split-both"])
-def test_pre_low_precision(dtype, split, monkeypatch):
+def test_pre_low_precision(dtype, split):
     """fp32 math inside for fp32 and bf16 streams (bf16 with the split-operand products in neither pass, in the
     forward only, or in both, the default): against fp64 on the same rounded inputs, the fp32 outputs and parameter
     gradients carry fp32-level error, the stream-dtype ones their own rounding."""
-    monkeypatch.setitem(kernels.TILES, "fwd_split", split[0])
-    monkeypatch.setitem(kernels.TILES, "bwd_split", split[1])
     gen = torch.Generator().manual_seed(11)
     inputs = _site_inputs(20, 4, 24, False, gen)
     inputs[0] = inputs[0].to(dtype).double()
     cot = _cotangents(hc_pre_ref(*inputs, 20, EPS, EPS), gen, [True] * 3)
     cot[2] = cot[2].to(dtype).double()  # the gradient of a stream-dtype output arrives in that dtype
     ref_outs, ref_grads = _run_site("reference", inputs, torch.float64, False, 20, cot)
-    outs, grads = _run_site("triton", inputs, dtype, False, 20, cot)
+    outs, grads = _run_site("triton", inputs, dtype, False, 20, cot, MhcConfig(fwd_split=split[0], bwd_split=split[1]))
     low = 2e-2 if dtype == torch.bfloat16 else 1e-5  # tensors stored in the stream dtype
     for name, o, r, tol in zip(["post", "comb", "collapsed"], outs, ref_outs, [1e-5, 1e-5, low]):
         assert rel_err(o, r) < tol, f"{name}: {rel_err(o, r):.2e}"
@@ -144,7 +139,7 @@ def test_site_no_rows(head):
     assert all(float(g.abs().sum()) == 0.0 for g in grads[1:])
 
 
-def _run_normed_site(backend, inputs, norm_w, dtype, head, cotangents, fused=True):
+def _run_normed_site(backend, inputs, norm_w, dtype, head, cotangents, fused=True, config=None):
     """Outputs and gradients of a site followed by its RMSNorm: the fused op (``norm_weight=``) or, with
     ``fused=False``, the site then :func:`rms_norm` as two autograd nodes."""
     wide = torch.promote_types(dtype, torch.float32)
@@ -153,9 +148,10 @@ def _run_normed_site(backend, inputs, norm_w, dtype, head, cotangents, fused=Tru
                                                        for p in (fn, base, scale, norm_w)]
     kw = dict(norm_weight=leaves[4], rms_eps=1e-5) if fused else {}
     if head:
-        outs = [hc_head(*leaves[:4], hc_eps=EPS, norm_eps=EPS, **kw, backend=backend)]
+        outs = [hc_head(*leaves[:4], hc_eps=EPS, norm_eps=EPS, **kw, backend=backend, config=config)]
     else:
-        outs = list(hc_pre(*leaves[:4], sinkhorn_iters=20, hc_eps=EPS, norm_eps=EPS, **kw, backend=backend))
+        outs = list(hc_pre(*leaves[:4], sinkhorn_iters=20, hc_eps=EPS, norm_eps=EPS, **kw, backend=backend,
+                           config=config))
     if not fused:
         outs[-1] = rms_norm(outs[-1], leaves[4], 1e-5)
     loss = sum((o.double() * c.to(DEVICE)).sum() for o, c in zip(outs, cotangents))
@@ -165,19 +161,18 @@ def _run_normed_site(backend, inputs, norm_w, dtype, head, cotangents, fused=Tru
 
 @pytest.mark.parametrize("t,n,d", [(5, 4, 24), (37, 4, 12), (1, 2, 7)], ids=["n4_D24", "T37", "T1_n2_D7"])
 @pytest.mark.parametrize("head", [False, True], ids=["pre", "head"])
-def test_site_with_norm_fp64(t, n, d, head, monkeypatch):
+def test_site_with_norm_fp64(t, n, d, head):
     """The site with its RMSNorm fused (the collapse recomputed in the backward, over several programs) equals the
     reference site followed by the norm: outputs and the gradients of the streams, the site's parameters and the
     norm weight."""
-    monkeypatch.setitem(kernels.TILES, "collapse_rows", 4)
-    monkeypatch.setitem(kernels.TILES, "collapse_d", 8)
     gen = torch.Generator().manual_seed(t * 7 + n + d)
     inputs = _site_inputs(t, n, d, head, gen)
     norm_w = 1 + 0.5 * torch.randn(d, dtype=torch.float64, generator=gen)
     plain = (hc_head_ref(*inputs, EPS, EPS),) if head else hc_pre_ref(*inputs, 20, EPS, EPS)
     cot = _cotangents(plain, gen, [True] * 3)
     ref_outs, ref_grads = _run_normed_site("reference", inputs, norm_w, torch.float64, head, cot)
-    outs, grads = _run_normed_site("triton", inputs, norm_w, torch.float64, head, cot)
+    outs, grads = _run_normed_site("triton", inputs, norm_w, torch.float64, head, cot,
+                                   config=MhcConfig(collapse_rows=4, collapse_d=8))
     for o, r in zip(outs, ref_outs):
         assert o.shape == r.shape and rel_err(o, r) < 1e-12
     for name, g, r in zip(["streams", "fn", "base", "scale", "norm_weight"], grads, ref_grads):
@@ -203,11 +198,10 @@ def test_site_with_norm_equals_unfused(head):
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("dtype,norm", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
                          ids=["fp32_norm", "bf16_norm", "bf16"])
-def test_rebuild_gives_the_block_input_bit_for_bit(backend, dtype, norm, monkeypatch):
+def test_rebuild_gives_the_block_input_bit_for_bit(backend, dtype, norm):
     """``hc_site``'s ``again(streams)`` is the block input again, the same bits (the model drops
     that tensor from its consumers' saves and rebuilds it in the backward), over several collapse programs; it
     runs without autograd and leaves the site's own backward as it was."""
-    monkeypatch.setitem(kernels.TILES, "collapse_rows", 4)
     gen = torch.Generator().manual_seed(5)
     x, fn, base, scale = _site_inputs(23, 4, 24, False, gen)
     wide = torch.promote_types(dtype, torch.float32)
@@ -215,6 +209,7 @@ def test_rebuild_gives_the_block_input_bit_for_bit(backend, dtype, norm, monkeyp
     params = [p.to(DEVICE, wide).requires_grad_() for p in (fn, base, scale)]
     kw = dict(norm_weight=(1 + 0.5 * torch.randn(24, dtype=torch.float64, generator=gen)).to(DEVICE, wide),
               rms_eps=1e-5) if norm else {}
+    kw["config"] = MhcConfig(collapse_rows=4)  # the reference ignores it
     post, comb, out, _, again = hc_site(streams, *params, sinkhorn_iters=20, hc_eps=EPS, norm_eps=EPS,
                                         backend=backend, **kw)
     plain = hc_pre(streams, *params, sinkhorn_iters=20, hc_eps=EPS, norm_eps=EPS, backend=backend, **kw)
@@ -284,12 +279,12 @@ def test_norm_weight_shape_is_checked():
                norm_eps=EPS, norm_weight=torch.ones(7, dtype=torch.float64, device=DEVICE), backend="triton")
 
 
-def _run_combine(backend, inputs, dtype, cot):
+def _run_combine(backend, inputs, dtype, cot, config=None):
     wide = torch.promote_types(dtype, torch.float32)
     x, y, post, comb = inputs
     leaves = [x.to(DEVICE, dtype).requires_grad_(), y.to(DEVICE, dtype).requires_grad_(),
               post.to(DEVICE, wide).requires_grad_(), comb.to(DEVICE, wide).requires_grad_()]
-    out = hc_combine(*leaves, backend=backend)
+    out = hc_combine(*leaves, backend=backend, config=config)
     grads = torch.autograd.grad((out.double() * cot.to(DEVICE)).sum(), leaves)
     return out.detach().cpu(), [g.cpu() for g in grads]
 
@@ -305,12 +300,12 @@ def test_combine_fp64(t, n, d):
     _check_combine_fp64(t, n, d)
 
 
-def _check_combine_fp64(t, n, d):
+def _check_combine_fp64(t, n, d, config=None):
     gen = torch.Generator().manual_seed(t + n + d)
     inputs = _combine_inputs(t, n, d, gen)
     cot = torch.randn(t, n, d, dtype=torch.float64, generator=gen)
     ref, ref_grads = _run_combine("reference", inputs, torch.float64, cot)
-    out, grads = _run_combine("triton", inputs, torch.float64, cot)
+    out, grads = _run_combine("triton", inputs, torch.float64, cot, config)
     assert out.shape == ref.shape and rel_err(out, ref) < 1e-13
     for name, g, r in zip(["streams", "block_out", "post", "comb"], grads, ref_grads):
         assert g.shape == r.shape and torch.isfinite(g).all() and rel_err(g, r) < 1e-13, name

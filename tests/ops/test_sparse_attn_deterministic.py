@@ -1,4 +1,4 @@
-"""Sparse attention with ``deterministic=1``: ``dkv`` summed in exact int64 fixed point (csattn/ops/fixed_point.py).
+"""Sparse attention with ``deterministic=True``: ``dkv`` summed in exact int64 fixed point (csattn/ops/fixed_point.py).
 
 CPU (TRITON_INTERPRET=1, conftest): fp32 outputs and every gradient against the fp64 reference at the tolerance of
 ``test_sparse_attn_triton.py``, repeated keys and rows without keys included, and the same bits over two runs (and
@@ -18,8 +18,8 @@ from tests.helpers import poison_kernel_outputs, rel_err
 from tests.ops.gluon_sm90 import compile_sm90
 from tests.ops.sparse_attn_cases import NAMES, grads_of, launch_reference_grads, lowp_attn, packed_indices
 
-DET = SparseAttnConfig(deterministic=1)  # on sm_90 the Gluon backward's fixed-point variant, elsewhere the Triton pair
-DET_PAIR = SparseAttnConfig(deterministic=1, bwd_gluon=0)  # the Triton pair everywhere
+DET = SparseAttnConfig(deterministic=True)  # sm_90: the Gluon backward's fixed-point variant, elsewhere the Triton pair
+DET_PAIR = SparseAttnConfig(deterministic=True, bwd_gluon=0)  # the Triton pair everywhere
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +54,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_deterministic_matches_reference(case, assert_close):
     spec = dict(CASES[case])
-    config = SparseAttnConfig.parse(spec.pop("config", "")).replace(deterministic=1)
+    config = SparseAttnConfig.parse(spec.pop("config", "")).replace(deterministic=True)
     q, kv, sink, idx, do, dlse = _case(seed=list(CASES).index(case), **spec)
     scale = spec["d"] ** -0.5
     ref = grads_of(lambda a, b, c: sparse_attn_ref(a, b, idx, c.double(), scale), q, kv, sink, do, dlse)
@@ -90,25 +90,26 @@ def test_topk_length_and_dkv_accum(assert_close):
     assert_close(accum, leaves[1].grad, 2e-5, "dkv_accum")
 
 
-def test_torch_deterministic_mode_selects_fixed_point(monkeypatch):
-    """Under ``torch.use_deterministic_algorithms(True)`` the default config sums dkv in fixed point too."""
+def test_only_the_config_selects_fixed_point(monkeypatch):
+    """The config's flag alone picks the fixed-point sums: torch's deterministic mode (``csattn.deterministic_mode``)
+    leaves the default config on fp32 atomics, and ``deterministic=True`` sums in fixed point outside it."""
     import csattn.ops.sparse_attn.triton as tri
+    from csattn import deterministic_mode
 
     calls = []
     real = tri.fixed_point_scale
     monkeypatch.setattr(tri, "fixed_point_scale", lambda b: calls.append(1) or real(b))
     q, kv, sink, idx, do, dlse = _case(T=8, H=2, d=16, N=10, K=6, seed=3)
-    before = torch.are_deterministic_algorithms_enabled()
-    try:
-        torch.use_deterministic_algorithms(True)
-        grads_of(lambda a, b, c: sparse_attn(a, b, idx, c, 0.25, backend="triton"), q.float(), kv.float(), sink,
-                 do, dlse)
-    finally:
-        torch.use_deterministic_algorithms(before)
+
+    def run(config):
+        grads_of(lambda a, b, c: sparse_attn(a, b, idx, c, 0.25, backend="triton", config=config), q.float(),
+                 kv.float(), sink, do, dlse)
+
+    with deterministic_mode():
+        run(None)
+    assert not calls, "torch's deterministic mode changed the kernels' path"
+    run(DET_PAIR)
     assert calls, "the fixed-point path did not run"
-    calls.clear()
-    grads_of(lambda a, b, c: sparse_attn(a, b, idx, c, 0.25, backend="triton"), q.float(), kv.float(), sink, do, dlse)
-    assert not calls, "the default path changed"
 
 
 def _true_of_place(d: int) -> torch.Tensor:
@@ -164,7 +165,7 @@ def test_gluon_fixed_host_side(monkeypatch):
     plain = kernels.sparse_attn_bwd(q, kv, idx, sink, d**-0.5, o, lse, do, config=DET)  # the Triton pair
     monkeypatch.setattr(kernels, "_gluon_applies", lambda q, kv, cfg: True)
     monkeypatch.setattr(kernels, "_gluon_kernel", lambda name: _FixedGluonStandIn() if name == "bwd" else None)
-    monkeypatch.setattr(kernels, "_programs", lambda n_work, device, per_sm: 1)
+    monkeypatch.setattr(kernels, "_programs", lambda n_work, device: 1)
     _FixedGluonStandIn.calls = []
     cfg = DET
     dq, dkv, dsink = kernels.sparse_attn_bwd(q, kv, idx, sink, d**-0.5, o, lse, do, config=cfg)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from csattn.ops.sparse_attn import sparse_attn, sparse_attn_ref
-from csattn.ops.sparse_attn.config import SparseAttnAblation, SparseAttnConfig
+from csattn.ops.sparse_attn.config import SparseAttnConfig
 from tests.helpers import rel_err
 from tests.ops.gluon_sm90 import compile_sm90
 from tests.ops.sparse_attn_cases import NAMES, grads_of, launch_reference_grads, lowp_attn, packed_indices
@@ -141,7 +141,7 @@ def _fake_gluon_backward(monkeypatch):
 
     monkeypatch.setattr(kernels, "uses_gluon_bwd", lambda q, kv, cfg: True)
     monkeypatch.setattr(kernels, "_gluon_kernel", lambda name: _StoredOrderBackward())
-    monkeypatch.setattr(kernels, "_programs", lambda n_work, device, per_sm: 1)
+    monkeypatch.setattr(kernels, "_programs", lambda n_work, device: 1)
     _StoredOrderBackward.calls = 0
 
 
@@ -221,10 +221,7 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "bwd_gluon=0", "bwd_persistent=0,fwd_persistent=0", "bwd_full_lines=0",
-                                     "skip_empty_tiles=0"],
-                         ids=["gluon", "gluon_fwd_only", "gluon_program_per_item", "gluon_half_lines",
-                              "gluon_every_tile"])
+@pytest.mark.parametrize("variant", ["", "bwd_gluon=0"], ids=["gluon", "gluon_fwd_only"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
 def test_gpu_gluon_kernels(case, dtype, variant):
@@ -250,7 +247,7 @@ def test_gpu_gluon_kernels(case, dtype, variant):
     assert uses_gluon_bwd(q.to(dtype), kv.to(dtype), SparseAttnConfig())
 
     def fused(spec):
-        config = SparseAttnAblation.parse(spec)
+        config = SparseAttnConfig.parse(spec)
         return grads_of(lambda a, b, s: sparse_attn(a, b, idx, s, scale, topk_length=length, backend="triton",
                                                     config=config),
                         q.to(dtype), kv.to(dtype), sink, do, dlse)
@@ -269,8 +266,7 @@ def test_gpu_gluon_kernels(case, dtype, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "fwd_persistent=0"], ids=["persistent", "program_per_item"])
-def test_gpu_gluon_forward_is_deterministic(variant):
+def test_gpu_gluon_forward_is_deterministic():
     """The forward has a fixed summation order and no atomics, so repeated runs on the same inputs give the same
     bits; a shared-memory race in the key slots, the q reload or the exchanges between the sides shows up as a
     run that differs. Rows without keys sit between rows with keys (``topk_length``), and int32 index lists (read
@@ -288,7 +284,7 @@ def test_gpu_gluon_forward_is_deterministic(variant):
     idx = idx.cuda()
     length = torch.randint(0, idx.shape[1] + 1, (T,), generator=gen).cuda()
     length[::5] = 0
-    config = SparseAttnAblation.parse(variant)
+    config = SparseAttnConfig()
     o0, lse0 = sparse_attn_fwd(q, kv, idx, sink, d**-0.5, topk_length=length, config=config)
     for _ in range(20):
         o, lse = sparse_attn_fwd(q, kv, idx, sink, d**-0.5, topk_length=length, config=config)
@@ -302,14 +298,13 @@ def test_gpu_gluon_forward_is_deterministic(variant):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 def test_gpu_gluon_skips_only_empty_tiles(dtype, ids_dtype):
-    """``skip_empty_tiles``: a row ends at its last tile holding an id >= 0. Rows here hold their ids in one, two or
-    none of ten 64-key tiles (first, middle, last, only the last slot of the list, trailing / leading / interior
-    tiles of -1), beside full rows. A tile of -1 adds exact zeros, so skipping it changes no bit of o, lse, dq or
-    dsink: they must equal the run over every tile bitwise (a valid tile skipped breaks that), and both stay within
-    2x the same-dtype error of fp64; dkv's fp32 sums (atomics in any order) within fp32 rounding."""
+    """A row ends at its last tile holding an id >= 0. Rows here hold their ids in one, two or none of ten 64-key
+    tiles (first, middle, last, only the last slot of the list, trailing / leading / interior tiles of -1), beside
+    full rows. A valid tile skipped is an O(1) error: every output and gradient must stay within 2x the same-dtype
+    error of fp64 and within 1.5x the Triton kernels' error (they run every tile), and rows without ids give
+    zeros."""
     if not _hopper():
         pytest.skip("the Gluon kernels are built for sm_90")
-    from csattn.ops.sparse_attn.triton import sparse_attn_bwd
 
     gen = torch.Generator().manual_seed(11)
     T, H, d, K, BK, N = 700, 64, 512, 640, 64, 3000
@@ -334,30 +329,19 @@ def test_gpu_gluon_skips_only_empty_tiles(dtype, ids_dtype):
     scale = d**-0.5
 
     def fused(spec):
-        config = SparseAttnAblation.parse(spec)
+        config = SparseAttnConfig.parse(spec)
         return grads_of(lambda a, b, s: sparse_attn(a, b, idx.to(ids_dtype), s, scale, backend="triton",
                                                     config=config),
                         q.to(dtype), kv.to(dtype), sink, do, dlse)
 
-    skip, every = fused("skip_empty_tiles=1"), fused("skip_empty_tiles=0")
+    gluon, tri = fused(""), fused("fwd_gluon=0,bwd_gluon=0")
     ref = grads_of(lambda a, b, s: sparse_attn_ref(a, b, idx, s, scale, chunk_rows=512),
                    q.double(), kv.double(), sink.double(), do.double(), dlse.double())
     base = grads_of(lambda a, b, s: lowp_attn(a, b, idx, s, scale), q.to(dtype), kv.to(dtype), sink, do, dlse)
-    for name, a, e, b, r in zip(NAMES, skip, every, base, ref):
+    for name, a, t, b, r in zip(NAMES, gluon, tri, base, ref):
         assert torch.isfinite(a).all(), name
-        if name != "dkv":
-            assert torch.equal(a, e), f"{name}: skipping empty tiles changed bits"
-        err, bound = rel_err(a, r), rel_err(b, r)
+        err, bound, tri_err = rel_err(a, r), rel_err(b, r), rel_err(t, r)
         assert err <= 2 * bound + 1e-5, f"{name}: gluon {err:.2e} vs same-dtype torch {bound:.2e}"
-    # dkv: the fp32 sums before the cast (atomics in any order: fp32 rounding apart, where a skipped valid tile is
-    # O(1)); the cast results above may differ by one ulp of the output dtype where a sum sits on a rounding edge
-    sums = []
-    o, lse = every[0].detach(), every[1].detach()
-    for spec in ("skip_empty_tiles=1", "skip_empty_tiles=0"):
-        acc = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
-        sparse_attn_bwd(q.to(dtype), kv.to(dtype), idx.to(ids_dtype), sink, scale, o, lse, do.to(dtype), dlse,
-                        config=SparseAttnAblation.parse(spec), dkv_accum=acc)
-        sums.append(acc)
-    assert rel_err(sums[0], sums[1]) < 1e-6, rel_err(sums[0], sums[1])
+        assert err <= 1.5 * tri_err + 1e-5, f"{name}: gluon {err:.2e} vs triton kernels {tri_err:.2e}"
     empty = (idx < 0).all(1)
-    assert empty.sum() >= 80 and torch.all(skip[0][empty] == 0)
+    assert empty.sum() >= 80 and torch.all(gluon[0][empty] == 0)

@@ -32,10 +32,10 @@ def _reference(**kw):
 
 @pytest.mark.parametrize("cp,partition,recompute", [(2, "contiguous", {}), (4, "contiguous", {}),
                                                     (2, "balanced", {}),
-                                                    (2, "contiguous", {"activation_checkpointing": True}),
+                                                    (2, "contiguous", {"recompute": "block"}),
                                                     (2, "contiguous", {"recompute": "full",
                                                                        "offload_block_inputs": True})],
-                         ids=["cp2", "cp4", "cp2-balanced", "cp2-activation-checkpointing", "cp2-full-offload"])
+                         ids=["cp2", "cp4", "cp2-balanced", "cp2-block-recompute", "cp2-full-offload"])
 def test_cp_step_equals_single_process_fp64(cp, partition, recompute):
     """fp64: every updated tensor agrees to 1e-9, so nothing but rounding differs. With activation
     checkpointing (or full recompute with the block inputs in host memory, recomputed in the backward's own

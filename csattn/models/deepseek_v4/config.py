@@ -19,7 +19,7 @@ MLP_LAYER_TYPES = ("hash_moe", "moe")
 _RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # Settings that only this library reads; they are not written into ``config.json``.
 _TRAINING_FIELDS = ("indexer_loss_coeff", "mtp_loss_coeff", "mtp_layer_types", "backend",
-                    "attn_chunk_rows", "workspace_bytes", "activation_checkpointing", "recompute", "moe_chunk_rows",
+                    "attn_chunk_rows", "workspace_bytes", "recompute", "moe_chunk_rows",
                     "sparse_attn_kernel", "indexer_kernel", "indexer_loss_kernel", "offload_block_inputs",
                     "deterministic")
 # What the backward recomputes instead of keeping (``DeepseekV4ModelConfig.recompute``):
@@ -99,7 +99,6 @@ class DeepseekV4ModelConfig:
     backend: BackendChoice = "auto"
     attn_chunk_rows: int = 1024
     workspace_bytes: int = 1 << 30
-    activation_checkpointing: bool = False  # the older spelling of recompute="block"
     recompute: str = "none"  # one of RECOMPUTE_CHOICES (see there)
     # tokens per MoE pass: the experts' forward and backward temporaries ([T k, D] gathers, products) scale with
     # the rows of one pass, about 57 KiB a token at V4-Flash's geometry (top-2), 28 GiB at 512k tokens at once
@@ -113,14 +112,11 @@ class DeepseekV4ModelConfig:
     indexer_kernel: str = ""  # IndexerConfig.parse string, every CSA layer
     indexer_loss_kernel: str = ""  # IndexerLossConfig.parse string, every CSA layer
     # every layer's AttentionConfig.deterministic: the fused kernels' scatter-add gradients in exact fixed point
-    # (bitwise reproducible backward; with csattn.set_deterministic() for the torch ops)
+    # (bitwise reproducible backward; with csattn.deterministic_mode() for the torch ops)
     deterministic: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
-        if self.activation_checkpointing and self.recompute == "none":
-            self.recompute = "block"
-        self.activation_checkpointing = self.recompute in ("block", "full")
         if self.layer_types is None:  # HF's default: the Pro pattern (2 x HCA, then CSA on odd indices)
             rest = ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
                     for i in range(max(n - 2, 0))]

@@ -111,8 +111,10 @@ class DecoderLayer(nn.Module):
         return self.recompute not in ("block", "full")
 
     def forward(self, streams: Tensor, input_ids: Tensor, packed: PackedSeqs, cp: ContextParallelGroup | None = None,
-                real: Tensor | None = None, streams_again: Callable[[], Tensor] | None = None) -> Tensor:
-        """``streams [T, n, D]`` (this rank's rows), ``input_ids [T]`` -> ``[T, n, D]``.
+                real: Tensor | None = None, indexer_loss_scale: float | Tensor = 1.0,
+                streams_again: Callable[[], Tensor] | None = None) -> Tensor:
+        """``streams [T, n, D]`` (this rank's rows), ``input_ids [T]`` -> ``[T, n, D]``. ``indexer_loss_scale``:
+        the attention's (:meth:`~csattn.layers.attention.HybridAttention.forward`).
 
         The normed input of each sub-block (``[T, D]``, read by the attention's first projections, or the router,
         the experts and the shared expert) is not kept by them: the backward rebuilds it from the streams, which
@@ -121,7 +123,7 @@ class DecoderLayer(nn.Module):
         """
         attn = self._site(self.attn_hc, self.input_layernorm, streams)
         with rebuilt_saves(attn.x, self._again(attn, streams_again or (lambda: streams))):
-            y = self.self_attn(attn.x, packed=packed, cp=cp)
+            y = self.self_attn(attn.x, packed=packed, cp=cp, indexer_loss_scale=indexer_loss_scale)
         mid = self.attn_hc.combine(attn.streams, y, attn.post, attn.comb)
         ffn = self._site(self.ffn_hc, self.post_attention_layernorm, mid)
         with rebuilt_saves(ffn.x, self._again(ffn, lambda: mid)):
@@ -164,10 +166,11 @@ class MTPBlock(DecoderLayer):
         self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps, backend=c.backend)
 
     def forward(self, streams: Tensor, next_embeds: Tensor, input_ids: Tensor, packed: PackedSeqs,
-                cp: ContextParallelGroup | None = None, real: Tensor | None = None) -> Tensor:
+                cp: ContextParallelGroup | None = None, real: Tensor | None = None,
+                indexer_loss_scale: float | Tensor = 1.0) -> Tensor:
         """``streams [T, n, D]``, ``next_embeds [T, D]`` (embedding of token t+j+1) -> new streams."""
         mixed = self.e_proj(self.enorm(next_embeds)).unsqueeze(-2) + self.h_proj(self.hnorm(streams))
-        return super().forward(mixed, input_ids, packed, cp, real)
+        return super().forward(mixed, input_ids, packed, cp, real, indexer_loss_scale)
 
 
 class TopParts(nn.Module):
@@ -280,6 +283,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         mtp_labels: Tensor | None = None,
         label_counts: Tensor | None = None,
         return_logits: bool = True,
+        indexer_loss_scale: float | Tensor = 1.0,
     ) -> CausalLMOutput:
         """Args:
             input_ids: ``[T]`` int64 token ids (this rank's rows under ``cp``).
@@ -295,6 +299,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                 denominators. Defaults to the local counts, summed over the CP group.
             return_logits: keep the ``[T, V]`` logits in the output. Without them the loss runs over row chunks
                 whose logits are recomputed in the backward, so ``[T, V]`` is never stored.
+            indexer_loss_scale: the gradient every CSA layer's backward sends into its indexer loss: the scale of
+                the caller's loss (e.g. this micro-batch's share of the step); a 0-d tensor is read in the backward.
         Returns:
             :class:`CausalLMOutput`.
         """
@@ -303,7 +309,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         t = ids.shape[0]
         packed = self._packed(packed, t, cp)
         real = self._local_real(packed, t, cp, ids.device)
-        final, streams = self._decoder(self.model.embed_tokens(ids), ids, packed, cp, real)
+        final, streams = self._decoder(self.model.embed_tokens(ids), ids, packed, cp, real, indexer_loss_scale)
         logits = self.lm_head(final) if return_logits else None
 
         out = CausalLMOutput(logits=logits)
@@ -327,7 +333,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             h = streams
             for j, block in enumerate(self.mtp):
                 next_ids = targets[j].clamp_min(0)  # token t+j+1 (rows without one have no MTP label)
-                h = self._run_block(block, h, self.model.embed_tokens(next_ids), ids, packed, cp, real)
+                h = self._run_block(block, h, self.model.embed_tokens(next_ids), ids, packed, cp, real,
+                                    indexer_loss_scale)
                 mtp_final = block.hc_head(h, block.norm)
                 mtp_logits = self.lm_head(mtp_final) if return_logits else None
                 if mtp_logits is not None:
@@ -363,7 +370,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     loss_chunk_rows = 4096
 
     def _decoder(self, embeds: Tensor, ids: Tensor, packed: PackedSeqs, cp: ContextParallelGroup | None,
-                 real: Tensor) -> tuple[Tensor, Tensor | None]:
+                 real: Tensor, indexer_loss_scale: float | Tensor = 1.0) -> tuple[Tensor, Tensor | None]:
         """``embeds [T, D]`` -> the final normed hidden ``[T, D]`` and the last streams ``[T, n, D]`` (what the MTP
         blocks continue from; None when the last block ends with the head, see below).
 
@@ -382,7 +389,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         for i, layer in enumerate(layers):
             head = self.model if head_inside and i == len(layers) - 1 else None
             step = partial(_block_step, layer, n if i == 0 else 0, head)
-            h = self._run_block(step, h, ids, packed, cp, real, offload=True)
+            h = self._run_block(step, h, ids, packed, cp, real, indexer_loss_scale, offload=True)
         if head_inside:
             return h, None
         return self.model.hc_head(h, self.model.norm), h

@@ -23,6 +23,6 @@ class IndexerLossConfig(KernelConfig):
     bk_bwd: int = 64
     warps_fwd: int = 4
     warps_bwd: int = 8
-    # 1: the backward sums the key gradient in exact int64 fixed point (csattn/ops/fixed_point.py), the same bits
-    # run to run; 0: fp32 atomics
-    deterministic: int = 0
+    # True: the backward sums the key gradient in exact int64 fixed point (csattn/ops/fixed_point.py), the same bits
+    # run to run; False: fp32 atomics. Set by the caller (a layer: from AttentionConfig.deterministic)
+    deterministic: bool = False

@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..autograd import named_grads
-from ..fixed_point import abs_max, fixed_point_scale, from_fixed_point, wants_deterministic
+from ..fixed_point import abs_max, fixed_point_scale, from_fixed_point
 from .config import IndexerLossConfig
 
 __all__ = ["IndexerLossConfig", "indexer_kl_loss_triton", "indexer_kl_fwd", "indexer_kl_bwd",
@@ -134,7 +134,7 @@ def indexer_kl_bwd_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.load(grad) * tl.load(row_weight + t)
-    # FIXED (deterministic=1): dk is an int64 buffer of fixed-point sums, fx points at the fp32 2**e
+    # FIXED (config.deterministic): dk is an int64 buffer of fixed-point sums, fx points at the fp32 2**e
     fx_scale = 1.0
     if FIXED:
         fx_scale = tl.load(fx)
@@ -240,7 +240,7 @@ def indexer_kl_bwd(
     """Gradients ``(dq_idx [T, HI, cI], dw [T, HI], dk_idx [Nc, cI])``: dq in ``q_idx.dtype`` and dw in
     ``w.dtype`` (each row is written by one program), dk in fp32 (rows picked by many queries add up), added
     into ``dk_accum`` when given (blocks of rows in turn). ``config``: tiles and warps (None: the defaults).
-    With ``config.deterministic`` (or under ``torch.use_deterministic_algorithms(True)``) the kernel sums ``dk``
+    With ``config.deterministic`` the kernel sums ``dk``
     exactly in int64 fixed point (``fixed_point.py``; an ``Nc * cI * 8`` bytes buffer of its own, turned into fp32
     / added to ``dk_accum`` once): the same bits run to run."""
     cfg = config or _DEFAULT
@@ -250,7 +250,7 @@ def indexer_kl_bwd(
     dq = torch.zeros(q_idx.shape, dtype=q_idx.dtype, device=q_idx.device)
     dw = torch.zeros(w.shape, dtype=w.dtype, device=q_idx.device)
     dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=q_idx.device) if dk_accum is None else dk_accum
-    fixed = wants_deterministic(cfg.deterministic) and num_rows > 0
+    fixed = bool(cfg.deterministic) and num_rows > 0
     fx = fixed_point_scale(_dk_bound(grad, q_idx, w, row_weight)) if fixed else dk
     dk_sum = torch.zeros(k_idx.shape, dtype=torch.int64, device=q_idx.device) if fixed else dk
     dummy = stats

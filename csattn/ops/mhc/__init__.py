@@ -16,10 +16,11 @@ from torch import Tensor
 
 from ..backend import BACKENDS, BackendChoice, resolve_backend
 from ..rms_norm import rms_norm
+from .config import MhcConfig
 from .naive import hc_combine_ref, hc_head_ref, hc_pre_ref, sinkhorn_ref
 
-__all__ = ["BACKENDS", "Site", "hc_site", "hc_pre", "hc_head", "hc_combine", "resolve_backend", "hc_pre_ref",
-           "hc_head_ref", "hc_combine_ref", "sinkhorn_ref"]
+__all__ = ["BACKENDS", "MhcConfig", "Site", "hc_site", "hc_pre", "hc_head", "hc_combine", "resolve_backend",
+           "hc_pre_ref", "hc_head_ref", "hc_combine_ref", "sinkhorn_ref"]
 
 
 
@@ -35,7 +36,7 @@ class Site(NamedTuple):
 
 def hc_pre(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn_iters: int, hc_eps: float,
            norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 1e-6,
-           backend: BackendChoice = "auto") -> tuple[Tensor, Tensor, Tensor]:
+           backend: BackendChoice = "auto", config: MhcConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """One mHC site: mixing weights from the RMS-normalized flattened streams, and the collapsed block input.
 
     ``mix = (X / rms(X)) @ fn^T``; ``pre = sigmoid(mix_pre * scale[0] + base_pre) + eps``;
@@ -48,19 +49,21 @@ def hc_pre(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn
         norm_weight: optional ``[D]``: return the block input ``rms_norm(collapsed, norm_weight, rms_eps)`` instead
             of ``collapsed`` (the RMSNorm that follows every site). The fused kernels then recompute the collapse in
             the backward instead of keeping it: ``D`` stream-dtype elements a token less per site.
+        config: the fused kernels' launch settings (:class:`MhcConfig`; None: its defaults); the reference
+            ignores it.
 
     Returns:
         ``post [T, n]``, ``comb [T, n, n]`` (fp32; fp64 for fp64 streams) and ``collapsed [T, D]`` (stream dtype;
         normed with ``norm_weight``).
     """
     site = hc_site(streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps,
-                   norm_weight=norm_weight, rms_eps=rms_eps, backend=backend)
+                   norm_weight=norm_weight, rms_eps=rms_eps, backend=backend, config=config)
     return site.post, site.comb, site.x
 
 
 def hc_site(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhorn_iters: int, hc_eps: float,
             norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 1e-6,
-            backend: BackendChoice = "auto") -> Site:
+            backend: BackendChoice = "auto", config: MhcConfig | None = None) -> Site:
     """:func:`hc_pre` with what a block does around it (same arguments):
 
     - ``Site.streams``: the streams to hand to this site's :func:`hc_combine`. On the fused path an alias of
@@ -76,7 +79,7 @@ def hc_site(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhor
         from .triton import hc_site_triton  # lazy: importing csattn must not need Triton
 
         return Site(*hc_site_triton(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight,
-                                    rms_eps))
+                                    rms_eps, config))
 
     def site(streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         post, comb, collapsed = hc_pre_ref(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
@@ -90,13 +93,15 @@ def hc_site(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, sinkhor
 
 
 def hc_head(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, hc_eps: float, norm_eps: float,
-            norm_weight: Tensor | None = None, rms_eps: float = 1e-6, backend: BackendChoice = "auto") -> Tensor:
+            norm_weight: Tensor | None = None, rms_eps: float = 1e-6, backend: BackendChoice = "auto",
+            config: MhcConfig | None = None) -> Tensor:
     """Final collapse ``sum_j pre_j X_j`` with ``pre = sigmoid((X / rms(X)) @ fn^T * scale + base) + eps``.
 
     Args:
         streams: ``[T, n, D]``. fn: ``[n, n*D]``. base: ``[n]``. scale: ``[1]``.
         norm_weight: optional ``[D]``: return ``rms_norm(collapse, norm_weight, rms_eps)`` (the model's final
             norm), the collapse recomputed in the fused backward (see :func:`hc_pre`).
+        config: as in :func:`hc_pre`.
 
     Returns:
         ``[T, D]`` in the stream dtype.
@@ -104,17 +109,18 @@ def hc_head(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, hc_eps:
     if resolve_backend(backend, streams) == "triton":
         from .triton import hc_head_triton
 
-        return hc_head_triton(streams, fn, base, scale, hc_eps, norm_eps, norm_weight, rms_eps)
+        return hc_head_triton(streams, fn, base, scale, hc_eps, norm_eps, norm_weight, rms_eps, config)
     out = hc_head_ref(streams, fn, base, scale, hc_eps, norm_eps)
     return out if norm_weight is None else rms_norm(out, norm_weight, rms_eps)
 
 
 def hc_combine(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, *,
-               backend: BackendChoice = "auto") -> Tensor:
+               backend: BackendChoice = "auto", config: MhcConfig | None = None) -> Tensor:
     """New streams ``X'_k = post_k * y + sum_j comb[j, k] X_j`` (``post`` / ``comb`` cast to the stream dtype).
 
     Args:
         streams: ``[T, n, D]``. block_out: ``[T, D]``. post: ``[T, n]``. comb: ``[T, n, n]``.
+        config: as in :func:`hc_pre`.
 
     Returns:
         ``[T, n, D]`` in the stream dtype.
@@ -122,5 +128,5 @@ def hc_combine(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, *
     if resolve_backend(backend, streams) == "triton":
         from .triton import hc_combine_triton
 
-        return hc_combine_triton(streams, block_out, post, comb)
+        return hc_combine_triton(streams, block_out, post, comb, config)
     return hc_combine_ref(streams, block_out, post, comb)

@@ -42,25 +42,10 @@ from torch import Tensor
 from ..autograd import named_grads
 from ..backend import interpreting, sm_count
 from ..rms_norm import rms_norm_backward, rms_norm_forward
+from .config import MhcConfig
 
-__all__ = ["hc_site_triton", "hc_pre_triton", "hc_head_triton", "hc_combine_triton", "TILES"]
+__all__ = ["hc_site_triton", "hc_pre_triton", "hc_head_triton", "hc_combine_triton"]
 
-# Tile sizes (rows, flat channels ``n*D``, channels ``D``), warps and options; the benchmark's variants override
-# these. Chosen so that no kernel spills registers on sm_90 (ptxas -v) at n = 4: the forward's collapse loads
-# n row tiles of fwd_d channels at once, and the fp32 FMA dot (streams not bf16) takes the narrower fwd_k_fma.
-TILES = dict(fwd_rows=64, fwd_rows_small=32, fwd_k=64, fwd_k_fma=32, fwd_d=32, fwd_warps=8,
-             coef_rows=16, coef_d=256, coef_warps=4,
-             bwd_rows=64, bwd_k=64, bwd_warps=4,
-             comb_rows=4, comb_d=256, comb_warps=4, collapse_rows=16, collapse_d=256, collapse_warps=4,
-             fwd_split=1, bwd_split=1)
-# *_split=1: bf16 streams meet the fp32 weights on the tensor cores, the fp32 operand in three bf16 parts
-# (hi + mid + lo, exact to 24 bits; the products are exact). The tensor cores' fp32 accumulation is not IEEE, so
-# the forward sums only one k tile (3 * fwd_k products) there and adds the tiles' partial sums in IEEE fp32:
-# the logits then stay as close to fp32 as the FMA dot's, several times faster (README). The backward's g @ fn
-# (K-dim M: no long accumulation) is split the same way (bwd_split=1); its other product, the fn gradient g^T @ X,
-# is one cuBLAS GEMM over the rows (_fn_grad), so the stream kernel is a plain row x channel tiling that reads and
-# writes each stream element once.
-SCRATCH_ROWS = 16384  # rows per backward kernel-1 launch: bounds its Sinkhorn scratch (S * n^2 floats per row)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -448,12 +433,12 @@ def _geometry(streams: Tensor, width: int) -> dict:
     return dict(N=n, NP=triton.next_power_of_2(n), D=d, K=n * d, M=width, MP=max(16, triton.next_power_of_2(width)))
 
 
-def _split(streams: Tensor, key: str) -> bool:
-    return bool(TILES[key]) and streams.dtype == torch.bfloat16
+def _split(streams: Tensor, flag: int) -> bool:
+    return bool(flag) and streams.dtype == torch.bfloat16
 
 
 def _pre_forward(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, hc_eps: float,
-                 norm_eps: float, head: bool):
+                 norm_eps: float, head: bool, cfg: MhcConfig):
     t, n, d = streams.shape
     cdt = fn.dtype
     geo = _geometry(streams, fn.shape[0])
@@ -464,26 +449,26 @@ def _pre_forward(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters
     comb = _empty((t, n, n), cdt, dev) if not head else _empty((0,), cdt, dev)
     out = _empty((t, d), streams.dtype, dev)
     if t:
-        bt = TILES["fwd_rows"]
+        bt = cfg.fwd_rows
         if streams.is_cuda and triton.cdiv(t, bt) < sm_count(streams.device):
-            bt = TILES["fwd_rows_small"]  # fill the SMs at a few thousand rows
-        split = _split(streams, "fwd_split")
+            bt = cfg.fwd_rows_small  # fill the SMs at a few thousand rows
+        split = _split(streams, cfg.fwd_split)
         hc_pre_fwd_kernel[(triton.cdiv(t, bt),)](
             streams, fn, base, scale, mix, rstd, post, comb, out, t, norm_eps, hc_eps, **geo, ITERS=iters,
-            HEAD=head, BT=bt, BK=TILES["fwd_k"] if split else TILES["fwd_k_fma"],
-            BD=min(TILES["fwd_d"], triton.next_power_of_2(d)), SPLIT=split, INTERP=_interp(streams),
-            num_warps=TILES["fwd_warps"])
+            HEAD=head, BT=bt, BK=cfg.fwd_k if split else cfg.fwd_k_fma,
+            BD=min(cfg.fwd_d, triton.next_power_of_2(d)), SPLIT=split, INTERP=_interp(streams),
+            num_warps=cfg.fwd_warps)
     return post, comb, out, mix, rstd
 
 
 def _pre_backward(streams, fn, base, scale, mix, rstd, dout, dpost, dcomb, iters: int, hc_eps: float, head: bool,
-                  dx_in: Tensor | None = None):
+                  cfg: MhcConfig, dx_in: Tensor | None = None):
     """The site's gradients; ``dx_in`` (the streams' gradient from another consumer) is added into ``dx``."""
     t, n, d = streams.shape
     cdt = fn.dtype
     geo = _geometry(streams, fn.shape[0])
     dev = streams.device
-    bt = TILES["coef_rows"]
+    bt = cfg.coef_rows
     blocks = triton.cdiv(t, bt)
     g = _empty(mix.shape, cdt, dev)
     e = _empty((t,), cdt, dev)
@@ -492,7 +477,7 @@ def _pre_backward(streams, fn, base, scale, mix, rstd, dout, dpost, dcomb, iters
     part_base = _empty((blocks, geo["MP"]), cdt, dev)
     part_scale = _empty((blocks, geo["MP"]), cdt, dev)
     steps = 2 * iters - 1
-    chunk = SCRATCH_ROWS // bt * bt
+    chunk = max(cfg.scratch_rows // bt, 1) * bt
     scratch = _empty((0 if head else min(chunk, t), steps * geo["NP"] ** 2), cdt, dev)
     if head:
         dpost = dcomb = mix  # not read
@@ -500,15 +485,15 @@ def _pre_backward(streams, fn, base, scale, mix, rstd, dout, dpost, dcomb, iters
         rows = min(chunk, t - row0)
         hc_pre_bwd_coef_kernel[(triton.cdiv(rows, bt),)](
             streams, dout, dpost, dcomb, mix, rstd, base, scale, g, e, pre, part_base, part_scale, scratch, t, row0,
-            hc_eps, **geo, ITERS=iters, HEAD=head, BT=bt, BD=min(TILES["coef_d"], triton.next_power_of_2(d)),
-            num_warps=TILES["coef_warps"])
+            hc_eps, **geo, ITERS=iters, HEAD=head, BT=bt, BD=min(cfg.coef_d, triton.next_power_of_2(d)),
+            num_warps=cfg.coef_warps)
     dx = _empty(streams.shape, streams.dtype, dev)
-    bt2, bk = TILES["bwd_rows"], TILES["bwd_k"]
+    bt2, bk = cfg.bwd_rows, cfg.bwd_k
     if t:
         hc_pre_bwd_stream_kernel[(triton.cdiv(geo["K"], bk), triton.cdiv(t, bt2))](
             streams, dout, fn, g, e, pre, streams if dx_in is None else dx_in, dx, t, N=n, D=d,
-            K=geo["K"], M=geo["M"], MP=geo["MP"], BT=bt2, BK=bk, SPLIT=_split(streams, "bwd_split"),
-            HAS_DXIN=dx_in is not None, INTERP=_interp(streams), num_warps=TILES["bwd_warps"])
+            K=geo["K"], M=geo["M"], MP=geo["MP"], BT=bt2, BK=bk, SPLIT=_split(streams, cfg.bwd_split),
+            HAS_DXIN=dx_in is not None, INTERP=_interp(streams), num_warps=cfg.bwd_warps)
     dfn = _fn_grad(g, streams)
     dbase = part_base.sum(0)[:geo["M"]]
     by_col = part_scale.sum(0)
@@ -519,16 +504,17 @@ def _pre_backward(streams, fn, base, scale, mix, rstd, dout, dpost, dcomb, iters
     return dx, dfn, dbase, dscale
 
 
-def _collapse_again(streams: Tensor, mix: Tensor, base: Tensor, scale: Tensor, hc_eps: float) -> Tensor:
+def _collapse_again(streams: Tensor, mix: Tensor, base: Tensor, scale: Tensor, hc_eps: float,
+                    cfg: MhcConfig) -> Tensor:
     """The forward's ``collapsed [T, D]``, bit for bit, from the streams and the saved logits (one read of the
     streams): what the fused RMSNorm's backward needs, recomputed instead of kept."""
     t, n, d = streams.shape
     out = _empty((t, d), streams.dtype, streams.device)
     if t:
-        bt, bd = TILES["collapse_rows"], min(TILES["collapse_d"], triton.next_power_of_2(d))
+        bt, bd = cfg.collapse_rows, min(cfg.collapse_d, triton.next_power_of_2(d))
         hc_collapse_kernel[(triton.cdiv(t, bt),)](
             streams, mix, base, scale, out, t, hc_eps, N=n, NP=triton.next_power_of_2(n), D=d, K=n * d,
-            M=mix.shape[1], BT=bt, BD=bd, num_warps=TILES["collapse_warps"])
+            M=mix.shape[1], BT=bt, BD=bd, num_warps=cfg.collapse_warps)
     return out
 
 
@@ -547,12 +533,12 @@ class _Collapse:
 
 
 def _input_again(streams: Tensor, mix: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_w: Tensor | None,
-                 rms_eps: float, shared: _Collapse | None = None) -> Tensor:
+                 rms_eps: float, cfg: MhcConfig, shared: _Collapse | None = None) -> Tensor:
     """A site's third output again, bit for bit: the collapse from the logits, then the same RMSNorm; the collapse
     waits in ``shared`` for the site's backward (``streams`` are the site's, or a bit-identical copy)."""
     cdt = mix.dtype
     streams = streams.detach().contiguous()
-    out = _collapse_again(streams, mix, base.to(cdt).contiguous(), scale.to(cdt).contiguous(), hc_eps)
+    out = _collapse_again(streams, mix, base.to(cdt).contiguous(), scale.to(cdt).contiguous(), hc_eps, cfg)
     if norm_w is None:
         return out
     if shared is not None:
@@ -566,16 +552,18 @@ class _HcPre(torch.autograd.Function):
     logits and two scales per row)."""
 
     @staticmethod
-    def forward(ctx, streams, fn, base, scale, iters, hc_eps, norm_eps, head, norm_w=None, rms_eps=0.0, shared=None):
+    def forward(ctx, streams, fn, base, scale, iters, hc_eps, norm_eps, head, cfg, norm_w=None, rms_eps=0.0,
+                shared=None):
         cdt = torch.promote_types(streams.dtype, torch.float32)
         fn_c, base_c, scale_c = fn.to(cdt).contiguous(), base.to(cdt).contiguous(), scale.to(cdt).contiguous()
-        post, comb, out, mix, rstd = _pre_forward(streams, fn_c, base_c, scale_c, iters, hc_eps, norm_eps, head)
+        post, comb, out, mix, rstd = _pre_forward(streams, fn_c, base_c, scale_c, iters, hc_eps, norm_eps, head,
+                                                  cfg)
         saved = [streams, fn, base, scale, mix, rstd]
         if norm_w is not None:
             out, norm_rstd = rms_norm_forward(out, norm_w, rms_eps)
             saved += [norm_w, norm_rstd]
         ctx.save_for_backward(*saved)
-        ctx.cfg = (iters, hc_eps, head, norm_w is not None)
+        ctx.cfg = (iters, hc_eps, head, norm_w is not None, cfg)
         ctx.shared = shared
         if head:
             return out
@@ -588,7 +576,7 @@ class _HcPre(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         streams, fn, base, scale, mix, rstd, *norm = ctx.saved_tensors
-        iters, hc_eps, head, fused_norm = ctx.cfg
+        iters, hc_eps, head, fused_norm, cfg = ctx.cfg
         cdt = mix.dtype
         dx_in = None
         if head:
@@ -603,11 +591,11 @@ class _HcPre(torch.autograd.Function):
             norm_w, norm_rstd = norm
             collapsed = ctx.shared.take() if ctx.shared is not None else None
             if collapsed is None:
-                collapsed = _collapse_again(streams, mix, base_c, scale_c, hc_eps)
-            dout, dnorm_w = rms_norm_backward(collapsed, norm_w, norm_rstd, dout, True, ctx.needs_input_grad[8])
+                collapsed = _collapse_again(streams, mix, base_c, scale_c, hc_eps, cfg)
+            dout, dnorm_w = rms_norm_backward(collapsed, norm_w, norm_rstd, dout, True, ctx.needs_input_grad[9])
             del collapsed
         dx, dfn, dbase, dscale = _pre_backward(streams, fn_c, base_c, scale_c, mix, rstd, dout.contiguous(), dpost,
-                                               dcomb, iters, hc_eps, head, dx_in)
+                                               dcomb, iters, hc_eps, head, cfg, dx_in)
         return _HcPreGrads(streams=dx, fn=dfn.to(fn.dtype), base=dbase.to(base.dtype), scale=dscale.to(scale.dtype),
                            norm_w=dnorm_w)
 
@@ -617,29 +605,31 @@ _HcPreGrads = named_grads(_HcPre)
 
 class _HcCombine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, streams, y, post, comb):
+    def forward(ctx, streams, y, post, comb, cfg):
         t, n, d = streams.shape
         out = _empty((t, n, d), torch.promote_types(streams.dtype, y.dtype), streams.device)
         if t:
-            bt, bd = TILES["comb_rows"], min(TILES["comb_d"], triton.next_power_of_2(d))
+            bt, bd = cfg.comb_rows, min(cfg.comb_d, triton.next_power_of_2(d))
             hc_combine_fwd_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
                 streams, y, post, comb, out, t, N=n, NP=triton.next_power_of_2(n), D=d, K=n * d, BT=bt, BD=bd,
-                num_warps=TILES["comb_warps"])
+                num_warps=cfg.comb_warps)
         ctx.save_for_backward(streams, y, post, comb)
+        ctx.cfg = cfg
         return out
 
     @staticmethod
     def backward(ctx, dout):
         streams, y, post, comb = ctx.saved_tensors
+        cfg = ctx.cfg
         t, n, d = streams.shape
         dx, dy = _empty(streams.shape, streams.dtype, streams.device), _empty(y.shape, y.dtype, y.device)
         dpost, dcomb = _empty(post.shape, post.dtype, post.device), _empty(comb.shape, comb.dtype, comb.device)
         if t:
-            bt, bd = TILES["comb_rows"], min(TILES["comb_d"], triton.next_power_of_2(d))
+            bt, bd = cfg.comb_rows, min(cfg.comb_d, triton.next_power_of_2(d))
             hc_combine_bwd_kernel[(triton.cdiv(t, bt),)](
                 streams, y, post, comb, dout.contiguous(), dx, dy, dpost, dcomb, t, N=n, NP=triton.next_power_of_2(n),
-                D=d, K=n * d, BT=bt, BD=bd, num_warps=TILES["comb_warps"])
-        return dx, dy, dpost, dcomb
+                D=d, K=n * d, BT=bt, BD=bd, num_warps=cfg.comb_warps)
+        return dx, dy, dpost, dcomb, None
 
 
 def _check_streams(streams: Tensor, fn: Tensor, width: int) -> None:
@@ -657,7 +647,8 @@ def _check_norm_weight(streams: Tensor, norm_weight: Tensor | None) -> None:
 
 
 def hc_site_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, sinkhorn_iters: int, hc_eps: float,
-                   norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 0.0) -> tuple:
+                   norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 0.0,
+                   config: MhcConfig | None = None) -> tuple:
     """Fused :func:`~csattn.ops.mhc.naive.hc_pre_ref`: ``streams [T, n, D]``, ``fn [(2+n)*n, n*D]``,
     ``base [(2+n)*n]``, ``scale [3]`` -> ``post [T, n]``, ``comb [T, n, n]`` (fp32; fp64 for fp64 streams),
     ``collapsed [T, D]`` (stream dtype), the streams for the site's combine (an alias whose gradient this site's
@@ -665,31 +656,34 @@ def hc_site_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, sin
     logits; see :func:`csattn.ops.mhc.hc_site`). Saves the streams, ``[T, (2+n)*n]`` logits and ``[T]`` rstd.
 
     With ``norm_weight [D]`` the third output is ``rms_norm(collapsed, norm_weight, rms_eps)`` instead, and the
-    collapse is recomputed in the backward rather than kept (one more ``[T]`` scale saved)."""
+    collapse is recomputed in the backward rather than kept (one more ``[T]`` scale saved). ``config``: the launch
+    settings (:class:`~csattn.ops.mhc.config.MhcConfig`; None: its defaults), kept for the backward."""
     n = streams.shape[-2] if streams.dim() == 3 else 0
     _check_streams(streams, fn, (2 + n) * n)
     if base.shape != (fn.shape[0],) or scale.shape != (3,):
         raise ValueError(f"base must be [{fn.shape[0]}] and scale [3], got {tuple(base.shape)}, {tuple(scale.shape)}")
     _check_norm_weight(streams, norm_weight)
+    cfg = config or MhcConfig()
     shared = _Collapse()
     post, comb, out, mix, alias = _HcPre.apply(streams.contiguous(), fn, base, scale, int(sinkhorn_iters),
-                                               float(hc_eps), float(norm_eps), False, norm_weight, float(rms_eps),
-                                               shared)
+                                               float(hc_eps), float(norm_eps), False, cfg, norm_weight,
+                                               float(rms_eps), shared)
     again = functools.partial(_input_again, mix=mix, base=base.detach(), scale=scale.detach(), hc_eps=float(hc_eps),
                               norm_w=None if norm_weight is None else norm_weight.detach(), rms_eps=float(rms_eps),
-                              shared=shared)
+                              cfg=cfg, shared=shared)
     return post, comb, out, alias, again
 
 
 def hc_pre_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, sinkhorn_iters: int, hc_eps: float,
-                  norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 0.0
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+                  norm_eps: float, norm_weight: Tensor | None = None, rms_eps: float = 0.0,
+                  config: MhcConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The first three outputs of :func:`hc_site_triton`."""
-    return hc_site_triton(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, rms_eps)[:3]
+    return hc_site_triton(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, rms_eps,
+                          config)[:3]
 
 
 def hc_head_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_eps: float,
-                   norm_weight: Tensor | None = None, rms_eps: float = 0.0) -> Tensor:
+                   norm_weight: Tensor | None = None, rms_eps: float = 0.0, config: MhcConfig | None = None) -> Tensor:
     """Fused :func:`~csattn.ops.mhc.naive.hc_head_ref`: ``streams [T, n, D]``, ``fn [n, n*D]``, ``base [n]``,
     ``scale [1]`` -> ``[T, D]`` (stream dtype); normed by ``norm_weight [D]`` when given (see
     :func:`hc_pre_triton`)."""
@@ -698,11 +692,12 @@ def hc_head_triton(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_
     if base.shape != (n,) or scale.shape != (1,):
         raise ValueError(f"base must be [{n}] and scale [1], got {tuple(base.shape)}, {tuple(scale.shape)}")
     _check_norm_weight(streams, norm_weight)
-    return _HcPre.apply(streams.contiguous(), fn, base, scale, 1, float(hc_eps), float(norm_eps), True, norm_weight,
-                        float(rms_eps), None)
+    return _HcPre.apply(streams.contiguous(), fn, base, scale, 1, float(hc_eps), float(norm_eps), True,
+                        config or MhcConfig(), norm_weight, float(rms_eps), None)
 
 
-def hc_combine_triton(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+def hc_combine_triton(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor,
+                      config: MhcConfig | None = None) -> Tensor:
     """Fused :func:`~csattn.ops.mhc.naive.hc_combine_ref`: ``streams [T, n, D]``, ``block_out [T, D]``,
     ``post [T, n]``, ``comb [T, n, n]`` -> ``[T, n, D]``. Saves its four inputs (no copies)."""
     if streams.dim() != 3:
@@ -713,4 +708,4 @@ def hc_combine_triton(streams: Tensor, block_out: Tensor, post: Tensor, comb: Te
                          f"got {tuple(block_out.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}")
     cdt = torch.promote_types(streams.dtype, torch.float32)
     return _HcCombine.apply(streams.contiguous(), block_out.contiguous(), post.to(cdt).contiguous(),
-                            comb.to(cdt).contiguous())
+                            comb.to(cdt).contiguous(), config or MhcConfig())

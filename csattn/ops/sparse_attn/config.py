@@ -1,14 +1,13 @@
 """``SparseAttnConfig``: launch settings of the fused sparse-attention kernels (no Triton import here, so
-``csattn.config.AttentionConfig`` can carry one); ``SparseAttnAblation``: the lab's switches on top of them."""
+``csattn.config.AttentionConfig`` can carry one)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from ..kernel_config import KernelConfig
 
-__all__ = ["SparseAttnAblation", "SparseAttnConfig"]
+__all__ = ["SparseAttnConfig"]
 
 
 @dataclass(frozen=True)
@@ -40,32 +39,8 @@ class SparseAttnConfig(KernelConfig):
     # rest of the 512 a thread slot has (224 with these): the split at which no partition spills.
     fwd_side_regs: int = 216
     fwd_producer_regs: int = 64
-    # 1: the backward sums dkv in exact int64 fixed point (csattn/ops/fixed_point.py), the same bits run to run
-    # (the Gluon backward's fixed-point variant where the Gluon backward applies, else the Triton pair);
-    # 0: fp32 atomics (faster)
-    deterministic: int = 0
+    # True: the backward sums dkv in exact int64 fixed point (csattn/ops/fixed_point.py), the same bits run to run
+    # (the Gluon backward's fixed-point variant where the Gluon backward applies, else the Triton pair); False: fp32
+    # atomics (faster). Set by the caller (a layer: from AttentionConfig.deterministic); the kernels read only this
+    deterministic: bool = False
 
-    # The lab's switches at their kept values (SparseAttnAblation makes them settable): not user settings.
-    fwd_persistent: ClassVar[int] = 1
-    bwd_persistent: ClassVar[int] = 1
-    bwd_full_lines: ClassVar[int] = 1
-    skip_empty_tiles: ClassVar[int] = 1
-
-
-@dataclass(frozen=True)
-class SparseAttnAblation(SparseAttnConfig):
-    """The settings of :class:`SparseAttnConfig` plus the variants measured and not kept, for benchmark ablations
-    and the tests that compare against them (not part of the public API; BENCHMARKS.md has the numbers):
-
-    - ``fwd_persistent`` / ``bwd_persistent``: programs an SM of the Gluon kernels, each looping over (row, 64-head)
-      items; 0: one program per item (slower: the next item's loads no longer hide under this item's math).
-    - ``bwd_full_lines``: 1: the Gluon backward's dkv reductions cover whole L2 lines; 0: 8 rows x 64 bytes straight
-      from the MMA registers (slower).
-    - ``skip_empty_tiles``: 1: a row ends at its last 64-key tile holding an id >= 0; 0: every row runs every tile
-      (the same bits but dkv's summation order; slower where selections are not full).
-    """
-
-    fwd_persistent: int = 1
-    bwd_persistent: int = 1
-    bwd_full_lines: int = 1
-    skip_empty_tiles: int = 1

@@ -14,21 +14,15 @@ from torch import Tensor
 
 from ..autograd import autograd_vjp, named_grads
 from . import sparse_attn as _sparse_attn
-from .config import SparseAttnAblation, SparseAttnConfig
+from .config import SparseAttnConfig
 from .naive import sparse_attn_chunk
 
 __all__ = ["sparse_attn_op"]
 
 
 def _config(spec: str) -> SparseAttnConfig | None:
-    """The op's ``config`` argument: a :meth:`SparseAttnConfig.parse` string (custom ops take no dataclasses), or
-    a :class:`SparseAttnAblation`'s where it names a lab switch."""
-    if not spec:
-        return None
-    try:
-        return SparseAttnConfig.parse(spec)
-    except ValueError:
-        return SparseAttnAblation.parse(spec)
+    """The op's ``config`` argument: a :meth:`SparseAttnConfig.parse` string (custom ops take no dataclasses)."""
+    return SparseAttnConfig.parse(spec) if spec else None
 
 
 @torch.library.custom_op("csattn::sparse_attn", mutates_args=())

@@ -3,7 +3,7 @@
 
 Same contract and math as the Triton pair ``sparse_attn_bwd_kernel_dq`` + ``sparse_attn_bwd_kernel_dkv`` in
 ``triton.py`` (README.md). A work item is one query row x 64 heads; a program loops over items (persistent: one
-program an SM by default, so an item's row terms and first gather run under the last chunks of the item
+program an SM, so an item's row terms and first gather run under the last chunks of the item
 before). Its two warpgroups have one job each and run out of phase, handing work over through shared memory and
 mbarriers:
 
@@ -52,16 +52,13 @@ _QDO_COLS = gl.constexpr(128)
 
 
 @gluon.constexpr_function
-def red_layout(full_lines):
+def red_layout():
     """Register layout of a ``[64, 64]`` fp32 key-side tile in stored column order (see ``_stored_columns``)
     for its reductions into ``dkv``: each thread holds 4 adjacent columns in consecutive registers (one
-    ``red.v4``). Without ``full_lines`` it is the MMA layout's own registers renamed, and a warp instruction
-    covers 8 rows x 64 bytes; ``full_lines`` trades one lane bit (a row) for one register bit (a column) by
-    warp shuffles, for 4 rows x 128 bytes (whole L2 lines)."""
-    if full_lines:
-        reg, lane = [[0, 1], [0, 2], [8, 0], [1, 0], [0, 32]], [[0, 4], [0, 8], [0, 16], [2, 0], [4, 0]]
-    else:
-        reg, lane = [[0, 1], [0, 2], [8, 0], [0, 16], [0, 32]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
+    ``red.v4``). The MMA layout's own registers renamed would make a warp instruction cover 8 rows x 64 bytes;
+    this one trades one lane bit (a row) for one register bit (a column) by warp shuffles, for 4 rows x 128
+    bytes (whole L2 lines; lab/NOTES.md has the half-line variant's numbers)."""
+    reg, lane = [[0, 1], [0, 2], [8, 0], [1, 0], [0, 32]], [[0, 4], [0, 8], [0, 16], [2, 0], [4, 0]]
     return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[[16, 0], [32, 0]],
                                       block_bases=[], shape=[64, 64])
 
@@ -103,8 +100,7 @@ def _red_s64_asm(byte_offset):
 
 
 @gluon.jit
-def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr, FIXED: gl.constexpr = False,
-             fx_scale=1.0):
+def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FIXED: gl.constexpr = False, fx_scale=1.0):
     """``dkv[ids[r], col0 + f] += tile[r, c(f)]`` for a ``[64, 64]`` MMA-layout tile, ``c(f)`` the stored
     column order of ``_stored_columns`` (fp32 relaxed reductions, ``-1`` ids skipped). ``col0`` is a
     compile-time column; the row pointers do not depend on it, so a tile's chunks share them.
@@ -118,7 +114,7 @@ def red_rows(dkv, ids, tile, col0, BD: gl.constexpr, FULL_LINES: gl.constexpr, F
     interleaved, stored place ``(f & 3) * 8 + (f >> 2)`` for half column ``f`` (``triton._fixed_stored`` undoes
     it), so that one warp instruction (one place of every pack) adds 64 contiguous bytes a row; a pack's values at
     adjacent 8-byte places instead add 8 bytes in each of 8 sectors (about 3x slower on the H200)."""
-    layout: gl.constexpr = red_layout(FULL_LINES)
+    layout: gl.constexpr = red_layout()
     vals = gl.convert_layout(_stored_columns(tile), layout)
     # the two 32-column halves (a register bit in this layout) share row pointers, +128 bytes as an immediate
     lo, hi = gl.split(gl.permute(gl.reshape(vals, [64, 2, 32]), (0, 2, 1)))
@@ -199,11 +195,10 @@ def _item_tiles(n_keys, BK: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(w, n_hb, idx, topk_len, stride_it, K, BH: gl.constexpr, BK: gl.constexpr, HAS_LEN: gl.constexpr,
-               TRIM: gl.constexpr):
+def _work_item(w, n_hb, idx, topk_len, stride_it, K, BH: gl.constexpr, BK: gl.constexpr, HAS_LEN: gl.constexpr):
     """Work item ``w``: its row, first head and index list (``_item_row``), key count and key tiles."""
     t, h0, _ = _item_row(w, n_hb, idx, stride_it, BH)
-    idx_row, n_keys, _ = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN, TRIM)
+    idx_row, n_keys, _ = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
     return t, h0, idx_row, n_keys, _item_tiles(n_keys, BK)
 
 
@@ -213,8 +208,7 @@ def _score_partition(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
     H, K, scale, n_work, n_hb,
     smem,
-    HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, TRIM: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr,
-    BK: gl.constexpr,
+    HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
 ):
     S_L: gl.constexpr = mma_layout(BK, 1)
     O_L: gl.constexpr = mma_layout(BD // 2, 1)
@@ -230,18 +224,18 @@ def _score_partition(
     s_zero = gl.zeros([BH, BK], gl.float32, layout=S_L)
 
     # The first item's first key tile; later items' first tiles are gathered at the end of the item before.
-    _, _, idx_row, n_keys, _ = _work_item(pid, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN, TRIM)
+    _, _, idx_row, n_keys, _ = _work_item(pid, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN)
     ids_g = tile_ids(idx_row, 0, n_keys, BK, gl.SliceLayout(1, ROWS))
     _copy_rows(k_all.index(0), kv, ids_g, stride_kvn, BD, ids_g >= 0)
     g = 0  # key tiles done so far by this program: the per-tile barriers' phases
     it = 0  # items done so far: the phases of qdo_free
     for w in range(pid, n_work, n_prog):
         # This item's key count was read with the item before (its first gather); the next item's is read now,
-        # once (with TRIM a scan of its list), and carried over: one register through the tile loop.
+        # once (a scan of its list), and carried over: one register through the tile loop.
         t, h0, idx_row = _item_row(w, n_hb, idx, stride_it, BH)
         n_tiles = _item_tiles(n_keys, BK)
         w_n = gl.minimum(w + n_prog, n_work - 1)  # the last item again at the end (its gather is skipped then)
-        _, _, _, n_keys_n, _ = _work_item(w_n, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN, TRIM)
+        _, _, _, n_keys_n, _ = _work_item(w_n, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN)
         offs_hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ROWS))
         # Row terms first, while the key warpgroup may still be on the previous item's last chunks:
         # delta = rowsum(dO * O) - dlse from global, in column chunks, and the sink's share of the gradient.
@@ -322,7 +316,7 @@ def _score_partition(
 
 @gluon.jit
 def _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, i, g, LAST: gl.constexpr, BD: gl.constexpr,
-              BK: gl.constexpr, FULL_LINES: gl.constexpr, FIXED: gl.constexpr, fx_scale):
+              BK: gl.constexpr, FIXED: gl.constexpr, fx_scale):
     """The key warpgroup's share of key tile ``i`` (the program's ``g``-th): its half of dS K into ``dq_acc``
     and the tile's dkv rows, ``P^T dO + dS^T q`` in 64-column chunks, two in flight, each reduced into ``dkv``
     as the next one runs. ``LAST``: the item's last tile, which also frees q and dO column piece by piece for
@@ -354,13 +348,13 @@ def _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, i, g, LAST: gl.constex
         if LAST and (c * DC) % _QDO_COLS == 0:
             # the item's last reads of the q and dO columns before c * DC: the next item's may come in
             mbarrier.arrive(qdo_free.index(c * DC // _QDO_COLS - 1), count=1)
-        red_rows(dkv, ids_c, done, (c - 1) * DC, BD, FULL_LINES, FIXED, fx_scale)
+        red_rows(dkv, ids_c, done, (c - 1) * DC, BD, FIXED, fx_scale)
         prev = cur
     done = warpgroup_mma_wait(0, deps=[prev])
     mbarrier.arrive(pds_empty.index(slot), count=1)
     if LAST:
         mbarrier.arrive(qdo_free.index(BD // _QDO_COLS - 1), count=1)
-    red_rows(dkv, ids_c, done, BD - DC, BD, FULL_LINES, FIXED, fx_scale)
+    red_rows(dkv, ids_c, done, BD - DC, BD, FIXED, fx_scale)
     return dq_acc
 
 
@@ -368,8 +362,7 @@ def _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, i, g, LAST: gl.constex
 def _key_partition(
     idx, topk_len, dq, dkv, stride_qt, stride_qh, stride_it, K, n_work, n_hb,
     smem,
-    HAS_LEN: gl.constexpr, TRIM: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
-    FULL_LINES: gl.constexpr, FIXED: gl.constexpr, fx,
+    HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, FIXED: gl.constexpr, fx,
 ):
     C_L: gl.constexpr = mma_layout(64, 1)
     O_L: gl.constexpr = mma_layout(BD // 2, 1)
@@ -383,14 +376,13 @@ def _key_partition(
 
     g = 0
     for w in range(pid, n_work, n_prog):
-        _, _, idx_row, n_keys, n_tiles = _work_item(w, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN, TRIM)
+        _, _, idx_row, n_keys, n_tiles = _work_item(w, n_hb, idx, topk_len, stride_it, K, BH, BK, HAS_LEN)
         dq_acc = gl.zeros([BH, BD // 2], gl.float32, layout=O_L)
         for i in range(n_tiles - 1):
-            dq_acc = _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, i, g, False, BD, BK, FULL_LINES,
-                               FIXED, fx_scale)
+            dq_acc = _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, i, g, False, BD, BK, FIXED, fx_scale)
             g += 1
-        dq_acc = _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, n_tiles - 1, g, True, BD, BK,
-                           FULL_LINES, FIXED, fx_scale)
+        dq_acc = _key_tile(smem, dkv, idx_row, n_keys, dq_acc, c_zero, n_tiles - 1, g, True, BD, BK, FIXED,
+                           fx_scale)
         g += 1
         # the row and head block again from w, rather than kept live through the tiles
         store_half(dq, (w // n_hb).to(gl.int64), (w % n_hb) * BH, stride_qt, stride_qh, dq_acc.to(dtype), 1, BH, BD)
@@ -401,9 +393,8 @@ def sparse_attn_bwd_gluon_kernel(
     q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dkv, dsink_rows, fx,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt, stride_dlt,
     H, K, scale, n_work, n_hb,
-    HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr, TRIM: gl.constexpr,
-    BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr, FULL_LINES: gl.constexpr,
-    FIXED: gl.constexpr,
+    HAS_LEN: gl.constexpr, HAS_DLSE: gl.constexpr,
+    BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr, KEY_REGS: gl.constexpr, FIXED: gl.constexpr,
 ):
     # FIXED (deterministic mode, red_rows): dkv is an int64 buffer of fixed-point sums, in its stored column order,
     # and fx the fp32 [3] of fixed_point.fixed_point_scale; False: fp32 sums, fx unused
@@ -432,8 +423,7 @@ def sparse_attn_bwd_gluon_kernel(
     gl.warp_specialize([
         (_score_partition, (q, kv, idx, topk_len, sink, o, do, lse, dlse, dq, dsink_rows,
                             stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
-                            stride_dlt, H, K, scale, n_work, n_hb, smem, HAS_LEN, HAS_DLSE, TRIM, BH, BD,
-                            BK)),
+                            stride_dlt, H, K, scale, n_work, n_hb, smem, HAS_LEN, HAS_DLSE, BH, BD, BK)),
         (_key_partition, (idx, topk_len, dq, dkv, stride_qt, stride_qh, stride_it, K, n_work, n_hb, smem,
-                          HAS_LEN, TRIM, BH, BD, BK, FULL_LINES, FIXED, fx)),
+                          HAS_LEN, BH, BD, BK, FIXED, fx)),
     ], [4], [KEY_REGS])

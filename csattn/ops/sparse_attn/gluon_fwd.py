@@ -103,17 +103,16 @@ def _key_count(idx_row, n_keys, SCAN: gl.constexpr):
 
 
 @gluon.jit
-def row_keys(idx, topk_len, t, stride_it, K, BK: gl.constexpr, HAS_LEN: gl.constexpr, TRIM: gl.constexpr):
+def row_keys(idx, topk_len, t, stride_it, K, BK: gl.constexpr, HAS_LEN: gl.constexpr):
     """Row ``t``'s index list, its key count (``topk_len`` limits it when given) and its number of key tiles.
-    ``TRIM``: the count ends at the row's last valid id, so the tiles of ``-1`` after it are not run (they add
-    nothing: rows whose selection is not full, such as a document's first ``k * ratio`` rows, padding rows, HCA's
+    The count ends at the row's last valid id, so the tiles of ``-1`` after it are not run (they add nothing:
+    rows whose selection is not full, such as a document's first ``k * ratio`` rows, padding rows, HCA's
     ranges)."""
     idx_row = idx + t * stride_it
     n_keys = K
     if HAS_LEN:
         n_keys = gl.minimum(gl.load(topk_len + t).to(gl.int32), K)
-    if TRIM:
-        n_keys = _key_count(idx_row, n_keys, 512)
+    n_keys = _key_count(idx_row, n_keys, 512)
     return idx_row, n_keys, gl.cdiv(n_keys, BK)
 
 
@@ -193,7 +192,7 @@ def keys_valid(idx_row, start, n_keys, BK: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def _producer(
     q, kv, idx, topk_len, stride_qt, stride_qh, stride_kvn, stride_it, K, n_work, n_hb, smem,
-    HAS_LEN: gl.constexpr, TRIM: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
+    HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
 ):
     """Every copy: each item's q once both sides' score products of the item before are done, then per pair of
     key tiles the four slot halves in the order their last readers finish (a free barrier's first wait, on the
@@ -206,7 +205,7 @@ def _producer(
     c = 0  # items with keys issued
     for w in range(pid, n_work, n_prog):
         t = (w // n_hb).to(gl.int64)
-        idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN, TRIM)
+        idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
         n_pairs = gl.cdiv(n_tiles, 2)
         if n_pairs > 0:
             mbarrier.wait(bars.index(_Q_FREE), (c & 1) ^ 1)
@@ -261,7 +260,7 @@ def _side(
     stride_it, stride_ot, stride_oh, stride_lt,
     K, qk_scale_log2, n_work, n_hb,
     smem,
-    SIDE: gl.constexpr, HAS_LEN: gl.constexpr, TRIM: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
+    SIDE: gl.constexpr, HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
 ):
     S_L: gl.constexpr = mma_layout(BK, 1)
     O_L: gl.constexpr = mma_layout(BD // 2, 1)
@@ -285,7 +284,7 @@ def _side(
     for w in range(pid, n_work, n_prog):
         t = (w // n_hb).to(gl.int64)
         h0 = (w % n_hb) * BH
-        idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN, TRIM)
+        idx_row, n_keys, n_tiles = row_keys(idx, topk_len, t, stride_it, K, BK, HAS_LEN)
         n_pairs = gl.cdiv(n_tiles, 2)
         offs_hs = h0 + gl.arange(0, BH, layout=ROW_V)
         # The sink is the softmax's starting state (max = sink, sum = 1), its 1 counted on side 0 only.
@@ -385,7 +384,7 @@ def sparse_attn_fwd_gluon_kernel(
     q, kv, idx, topk_len, sink, o, lse,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
     K, qk_scale_log2, n_work, n_hb,
-    HAS_LEN: gl.constexpr, TRIM: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
+    HAS_LEN: gl.constexpr, BH: gl.constexpr, BD: gl.constexpr, BK: gl.constexpr,
     SIDE1_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     dtype: gl.constexpr = q.dtype.element_ty
@@ -409,9 +408,9 @@ def sparse_attn_fwd_gluon_kernel(
     smem = (k_all, q_all, p_all, mx_all, l_all, bars)
     gl.warp_specialize([
         (_side, (kv, idx, topk_len, sink, o, lse, stride_it, stride_ot, stride_oh, stride_lt, K, qk_scale_log2,
-                 n_work, n_hb, smem, _EVEN, HAS_LEN, TRIM, BH, BD, BK)),
+                 n_work, n_hb, smem, _EVEN, HAS_LEN, BH, BD, BK)),
         (_side, (kv, idx, topk_len, sink, o, lse, stride_it, stride_ot, stride_oh, stride_lt, K, qk_scale_log2,
-                 n_work, n_hb, smem, _ODD, HAS_LEN, TRIM, BH, BD, BK)),
+                 n_work, n_hb, smem, _ODD, HAS_LEN, BH, BD, BK)),
         (_producer, (q, kv, idx, topk_len, stride_qt, stride_qh, stride_kvn, stride_it, K, n_work, n_hb, smem,
-                     HAS_LEN, TRIM, BH, BD, BK)),
+                     HAS_LEN, BH, BD, BK)),
     ], [4, 4], [SIDE1_REGS, PRODUCER_REGS])

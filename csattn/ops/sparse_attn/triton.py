@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..autograd import named_grads
 from ..backend import interpreting, sm_count
-from ..fixed_point import abs_max, fixed_point_scale, from_fixed_point, wants_deterministic
+from ..fixed_point import abs_max, fixed_point_scale, from_fixed_point
 from .config import SparseAttnConfig
 
 __all__ = [
@@ -202,7 +202,7 @@ def sparse_attn_bwd_kernel_dkv(
     lse2 = tl.load(lse + t * stride_lt + offs_h, mask=mask_h, other=float("inf")) * 1.4426950408889634
     qk_scale_log2 = scale * 1.4426950408889634
 
-    # FIXED (deterministic=1): dkv is an int64 buffer of fixed-point sums, fx points at the fp32 2**e
+    # FIXED (config.deterministic): dkv is an int64 buffer of fixed-point sums, fx points at the fp32 2**e
     fx_scale = 1.0
     if FIXED:
         fx_scale = tl.load(fx)
@@ -329,10 +329,10 @@ def _gluon_applies(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
     return torch.cuda.get_device_capability(q.device) == (9, 0)
 
 
-def _programs(n_work: int, device: torch.device, per_sm: int) -> int:
-    """Grid of a persistent Gluon kernel: ``per_sm`` programs an SM looping over ``n_work`` items (0: one program
-    per item)."""
-    return min(n_work, sm_count(device) * per_sm) if per_sm else n_work
+def _programs(n_work: int, device: torch.device) -> int:
+    """Grid of a persistent Gluon kernel: one program an SM looping over ``n_work`` items (lab/NOTES.md has the
+    numbers of one program per item and of two an SM)."""
+    return min(n_work, sm_count(device))
 
 
 def uses_gluon_fwd(q: Tensor, kv: Tensor, cfg: SparseAttnConfig) -> bool:
@@ -386,11 +386,11 @@ def sparse_attn_fwd(
         return o, lse
     if uses_gluon_fwd(q, kv, cfg):
         n_work = T * (H // 64)
-        kernel = _gluon_kernel("fwd")[(_programs(n_work, q.device, cfg.fwd_persistent),)](
+        kernel = _gluon_kernel("fwd")[(_programs(n_work, q.device),)](
             q, kv, indices, topk_length if topk_length is not None else indices, sink, o, lse,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o.stride(0), o.stride(1), lse.stride(0),
             K, scale * LOG2E, n_work, H // 64,
-            HAS_LEN=topk_length is not None, TRIM=bool(cfg.skip_empty_tiles), BH=64, BD=D, BK=64,
+            HAS_LEN=topk_length is not None, BH=64, BD=D, BK=64,
             SIDE1_REGS=cfg.fwd_side_regs,
             PRODUCER_REGS=cfg.fwd_producer_regs, num_warps=4,
         )
@@ -430,7 +430,7 @@ def dkv_in_stored_order(q: Tensor, kv: Tensor, config: SparseAttnConfig | None =
     once at the end (the same answer for every block of the same q / kv dtypes, heads, d and config whose rows are
     16-byte aligned; a block that is not is refused by ``dkv_accum_stored``, never summed in the wrong order)."""
     cfg = _fit(config or _DEFAULT, q.dtype, q.shape[-1])
-    return uses_gluon_bwd(q, kv, cfg) and not wants_deterministic(cfg.deterministic)
+    return uses_gluon_bwd(q, kv, cfg) and not cfg.deterministic
 
 
 def sparse_attn_bwd(
@@ -448,10 +448,10 @@ def sparse_attn_bwd(
     adds that to ``dkv_accum`` in true order (a pass over ``[N, d]`` per call); with it (only where
     :func:`dkv_in_stored_order`), it sums into ``dkv_accum`` directly and :func:`dkv_columns` puts the sum in order.
     ``config``: launch settings (None: the defaults); pass the forward's to reproduce its ``(o, lse)``.
-    With ``config.deterministic`` or under ``torch.use_deterministic_algorithms(True)`` (the Gluon kernel's
-    fixed-point variant where the Gluon kernel applies, else the Triton pair) ``dkv`` is summed exactly in int64
-    fixed point (``fixed_point.py``; an ``N * d * 8`` bytes buffer of its own, added to ``dkv_accum`` in one pass at
-    the end): the same bits run to run. ``dkv_accum_stored`` is refused in this mode.
+    With ``config.deterministic`` (the Gluon kernel's fixed-point variant where the Gluon kernel applies, else the
+    Triton pair) ``dkv`` is summed exactly in int64 fixed point (``fixed_point.py``; an ``N * d * 8`` bytes buffer
+    of its own, added to ``dkv_accum`` in one pass at the end): the same bits run to run. ``dkv_accum_stored`` is
+    refused in this mode.
     """
     T, H, D = q.shape
     cfg = _fit(config or _DEFAULT, q.dtype, D)
@@ -472,7 +472,7 @@ def sparse_attn_bwd(
     # The Gluon kernel keeps each 64-column chunk of its sums in its own column order (dkv_columns puts them
     # back), so it sums into a caller's buffer only where the caller keeps that order.
     own = dkv_accum is None or (gluon and not dkv_accum_stored)
-    fixed = wants_deterministic(cfg.deterministic)
+    fixed = bool(cfg.deterministic)
     if fixed:
         dkv32 = torch.zeros(kv.shape, device=kv.device, dtype=torch.int64)
         fx = fixed_point_scale(_dkv_bound(q, kv, o, do, dlse, scale)) if T > 0 else None
@@ -497,10 +497,9 @@ def sparse_attn_bwd(
             del common["D"], common["BH"], common["BD"], common["DOT_PREC"]
             n_work = T * (H // 64)
             # FIXED: int64 fixed-point sums into dkv32 (gluon_bwd.red_rows)
-            kernel = _gluon_kernel("bwd")[(_programs(n_work, q.device, cfg.bwd_persistent),)](
+            kernel = _gluon_kernel("bwd")[(_programs(n_work, q.device),)](
                 sink=sink, dq=dq, dkv=dkv32, dsink_rows=dsink_rows, fx=fx if fixed else dkv32, n_work=n_work,
-                n_hb=H // 64, BH=64, BD=D, BK=64, KEY_REGS=240, FULL_LINES=bool(cfg.bwd_full_lines),
-                TRIM=bool(cfg.skip_empty_tiles), FIXED=fixed, num_warps=4, **common)
+                n_hb=H // 64, BH=64, BD=D, BK=64, KEY_REGS=240, FIXED=fixed, num_warps=4, **common)
             _report("bwd_gluon", kernel, cfg)
         else:
             kernel = sparse_attn_bwd_kernel_dq[grid](
