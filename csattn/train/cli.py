@@ -39,7 +39,17 @@ def _checked(kind: type, name: str) -> Any:
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
-    """Every option of :class:`TrainConfig`, with help."""
+    """Every option of :class:`TrainConfig`, with help, in its flag group."""
+    _model_args(parser)
+    _data_args(parser)
+    _optimization_args(parser)
+    _parallel_args(parser)
+    _checkpoint_args(parser)
+    add_finetune_args(parser)
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the model to train and how its steps run."""
     m = parser.add_argument_group("model")
     m.add_argument("--init-from", metavar="DIR", default=None,
                    help="start from an HF-format checkpoint directory (config.json + safetensors; the released "
@@ -66,6 +76,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "fixed-point sums in the attention kernels' key gradients (slower: see BENCHMARKS.md)")
     m.add_argument("--activation-checkpointing", action="store_true",
                    help="the same as --recompute block")
+
+
+def _data_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the documents and their packing."""
     d = parser.add_argument_group("data")
     d.add_argument("--data", choices=["synthetic", "pysrc", "text", "jsonl", "parquet"], default=_D.data,
                    help="synthetic = Markov-chain documents with copy structure (default); pysrc = byte-level "
@@ -97,6 +111,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="pad every document to a multiple of this many rows (cu_seqlens_padded) (default %(default)s)")
     d.add_argument("--no-split", action="store_true",
                    help="do not cut documents at batch ends: close the batch with padding instead")
+
+
+def _optimization_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of AdamW, its LR schedule, the losses and the non-finite-step limit."""
     o = parser.add_argument_group("optimization")
     o.add_argument("--steps", type=_checked(int, "steps"), default=_D.steps,
                    help="total optimizer steps (default %(default)s)")
@@ -125,6 +143,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "--warmup-steps or a --grad-clip (default %(default)s)")
     o.add_argument("--router-bias-rate", type=_checked(float, "router_bias_rate"), default=_D.router_bias_rate,
                    help="step of the load-balancing router bias update per optimizer step (default %(default)s)")
+
+
+def _parallel_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the mesh, the process group and the batch."""
     p = parser.add_argument_group("parallelism and runtime")
     p.add_argument("--dp-replicate", type=_checked(int, "dp_replicate"), default=_D.dp_replicate,
                    help="data-parallel replicas that each hold the whole (sharded) model: HSDP across nodes "
@@ -154,6 +176,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=_D.device,
                    help="auto = cuda:LOCAL_RANK with NCCL when available, else CPU with gloo (default %(default)s)")
     p.add_argument("--seed", type=int, default=_D.seed, help="initial weights and data order (default %(default)s)")
+
+
+def _checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of checkpoints, resuming, logging and metrics."""
     c = parser.add_argument_group("checkpoints and logging")
     c.add_argument("--output", metavar="DIR", default=None,
                    help="directory for checkpoints: the final step is always saved there (DIR/checkpoint-<step>); "
@@ -194,8 +220,6 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--peak-tflops", type=_checked(float, "peak_tflops"), default=_D.peak_tflops,
                    help="the GPU's dense matmul TFLOP/s, for the MFU shown with tokens/s (default: 790 on H100 / "
                         "H200, the measured bf16 rate; none elsewhere)")
-    add_finetune_args(parser)
-
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
