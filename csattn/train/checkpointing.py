@@ -9,8 +9,8 @@ and sha256) is written last: a checkpoint without one is incomplete, one whose f
 and neither is ever resumed (``--resume auto`` takes the newest intact one) nor counted by ``--keep-last``.
 
 The trainer state is tensors (safetensors) plus JSON (:mod:`.safe_state`): opening a checkpoint from
-elsewhere runs no code. Checkpoints of earlier versions hold a pickled ``trainer_state.pt`` instead, which
-can run arbitrary code when loaded; they load only with ``trust_checkpoint=True`` (``--trust-checkpoint``).
+elsewhere runs no code. A checkpoint of csattn's pickle era (a ``trainer_state.pt``, before DCP) is refused with
+one line saying what to do.
 """
 
 from __future__ import annotations
@@ -18,24 +18,18 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from ..finetune.setup import resume_mismatch
-from ..models.deepseek_v4 import DeepseekV4ForCausalLM
-from ..models.deepseek_v4.checkpoint import load_state_dict_into, read_safetensors
-from .manifest import INCOMPLETE, MANIFEST, discard_manifest, from_rank0, verify_checkpoint
+from .manifest import INCOMPLETE, discard_manifest, from_rank0, verify_checkpoint
 from .safe_state import load_state, save_state
 
-__all__ = ["write_trainer_state", "mark_latest", "load_checkpoint", "load_checkpoint_weights", "read_trainer_state",
-           "resolve_resume", "prune_checkpoints", "list_checkpoints", "prepare_checkpoint_dir",
-           "checkpoint_dir", "compare_resume_config"]
+__all__ = ["write_trainer_state", "mark_latest", "read_trainer_state", "legacy_error", "resolve_resume",
+           "prune_checkpoints", "list_checkpoints", "prepare_checkpoint_dir", "checkpoint_dir", "compare_resume_config"]
 
 STATE_NAME = "trainer_state.safetensors"
-LEGACY_STATE_NAME = "trainer_state.pt"  # pickle: loaded only when the caller trusts the checkpoint
+LEGACY_STATE_NAME = "trainer_state.pt"  # a pickle, written by csattn before DCP checkpoints: never read
 LATEST = "latest"
 
 # options that decide which documents the saved packer position points into (the corpus and its order):
@@ -59,6 +53,17 @@ def write_trainer_state(path: str, step: int, state: dict[str, Any]) -> None:
     """``path/trainer_state.safetensors`` (call on one rank)."""
     os.makedirs(path, exist_ok=True)
     save_state(os.path.join(path, STATE_NAME), {**state, "step": step})
+
+
+def legacy_error(path: str) -> str | None:
+    """The one line to refuse checkpoint ``path`` with when it is of csattn's pickle era (a ``trainer_state.pt`` and
+    no ``trainer_state.safetensors``: its trainer state is a pickle, which can run code, and its weights predate the
+    DCP shards), else None."""
+    if os.path.isfile(os.path.join(path, STATE_NAME)) or not os.path.isfile(os.path.join(path, LEGACY_STATE_NAME)):
+        return None
+    return (f"checkpoint {path} was written by an older csattn (a pickled {LEGACY_STATE_NAME}, before DCP "
+            "checkpoints), which this csattn does not read: start a new run from its HF-format model files with "
+            f"--init-from {path} (export them with the older csattn if it has none), or re-create the checkpoint")
 
 
 def prepare_checkpoint_dir(path: str, rank: int) -> str | None:
@@ -101,86 +106,51 @@ def list_checkpoints(output: str) -> list[str]:
     return [os.path.join(output, name) for _, name in found]
 
 
-def resolve_resume(resume: str, output: str | None, trust_checkpoint: bool = False,
-                   warn: Callable[[str], None] | None = None) -> str | None:
+def resolve_resume(resume: str, output: str | None, warn: Callable[[str], None] | None = None) -> str | None:
     """The checkpoint to resume, verified against its manifest (a collective under torch.distributed: every rank
     gets the same answer).
 
     ``"auto"``: the newest intact checkpoint under ``output`` (None if there is none); each newer damaged or
-    incomplete one is skipped, named with why in one ``warn`` line. A directory: itself, once verified; a damaged
-    or incomplete one raises ``ValueError`` naming what is wrong. ``trust_checkpoint`` also admits a directory
-    without a manifest (an older csattn's), unverified, and says so through ``warn``.
+    incomplete one is skipped, named with why in one ``warn`` line. A directory: itself, once verified; a damaged,
+    incomplete or pickle-era one raises ``ValueError`` naming what is wrong and what to do.
     """
     say = warn or (lambda line: None)
     if resume != "auto":
-        if not any(os.path.isfile(os.path.join(resume, n)) for n in (STATE_NAME, LEGACY_STATE_NAME)):
+        if why := legacy_error(resume):
+            raise ValueError(why)
+        if not os.path.isfile(os.path.join(resume, STATE_NAME)):
             raise ValueError(f"--resume {resume!r} has no {STATE_NAME}: pass a checkpoint-<step> directory "
                              "written by csattn train, or --resume auto with --output")
-        return _verified(resume, trust_checkpoint, say)
+        return _verified(resume)
     if output is None:
         raise ValueError("--resume auto needs --output (the run directory whose latest checkpoint to resume)")
     for path in reversed(from_rank0(list_checkpoints(output))):
         why = verify_checkpoint(path)
         if why is None:
             return path
-        hint = f" (an older csattn's resumes with --resume {path} --trust-checkpoint)" if why == INCOMPLETE else ""
+        hint = f" ({legacy_error(path)})" if why == INCOMPLETE and legacy_error(path) else ""
         say(f"csattn train: warning: --resume auto: skipping {path}: {why}{hint}")
     return None
 
 
-def _verified(path: str, trust_checkpoint: bool, say: Callable[[str], None]) -> str:
+def _verified(path: str) -> str:
     why = verify_checkpoint(path)
     if why is None:
         return path
     if why == INCOMPLETE:
-        if trust_checkpoint:
-            say(f"csattn train: warning: --resume {path}: no {MANIFEST}: resuming it unverified (--trust-checkpoint)")
-            return path
-        if os.path.isfile(os.path.join(path, LEGACY_STATE_NAME)):
-            return path  # an older csattn's pickled state: read_trainer_state refuses it, naming --trust-checkpoint
         raise ValueError(f"--resume {path!r} is incomplete: {why}. Resume another checkpoint (--resume auto with "
-                         "--output takes the newest intact one), or pass --trust-checkpoint to resume it unverified")
+                         "--output takes the newest intact one)")
     raise ValueError(f"--resume {path!r} is damaged: {why}. Resume another checkpoint (--resume auto with --output "
                      "takes the newest intact one)")
 
 
-def load_checkpoint(path: str, model: DeepseekV4ForCausalLM, trust_checkpoint: bool = False) -> dict[str, Any]:
-    """Load the weights into ``model`` (errors name any missing / unexpected / misshaped tensor) and return
-    the trainer state (:func:`read_trainer_state`). A checkpoint with a manifest is verified first (this process
-    alone); one without is loaded as it is."""
-    if os.path.isfile(os.path.join(path, MANIFEST)) and (why := verify_checkpoint(path, collective=False)):
-        raise ValueError(f"checkpoint {path} is damaged: {why}")
-    state = read_trainer_state(path, trust_checkpoint)
-    load_checkpoint_weights(path, model)
-    return state
-
-
-def load_checkpoint_weights(path: str, model: DeepseekV4ForCausalLM) -> None:
-    """The checkpoint's weights into ``model``; errors name any missing / unexpected / misshaped tensor."""
-    load_state_dict_into(model, read_safetensors(path))
-
-
-def read_trainer_state(path: str, trust_checkpoint: bool = False) -> dict[str, Any]:
+def read_trainer_state(path: str) -> dict[str, Any]:
     """The trainer state of checkpoint ``path`` (not its weights: a resuming run checks its options against
-    the state's ``train_config`` first, since other data options also explain other weight shapes).
-
-    ``trust_checkpoint``: also accept an old-format pickled ``trainer_state.pt``. Unpickling can run any code
-    the file names, so only do this for checkpoints from a source you trust.
-    """
-    safe = os.path.join(path, STATE_NAME)
-    legacy = os.path.join(path, LEGACY_STATE_NAME)
-    if not os.path.isfile(safe) and os.path.isfile(legacy) and not trust_checkpoint:
-        # refuse before touching anything else of the checkpoint
-        raise ValueError(
-            f"checkpoint {path} holds its trainer state as {LEGACY_STATE_NAME}, a pickle (written by an older "
-            "csattn), and loading a pickle can run arbitrary code. If you trust where this checkpoint came from, "
-            "pass --trust-checkpoint (train(TrainConfig(..., trust_checkpoint=True)) / load_checkpoint(..., "
-            f"trust_checkpoint=True)); the next checkpoint this run saves is written as {STATE_NAME}, which "
-            "loads without running code.")
-    if os.path.isfile(safe):
-        return load_state(safe)
-    warnings.warn(f"loading the pickled {legacy} because trust_checkpoint=True", stacklevel=2)
-    return torch.load(legacy, map_location="cpu", weights_only=False)
+    the state's ``train_config`` first, since other data options also explain other weight shapes). Runs no code
+    from the file; a pickle-era checkpoint raises ``ValueError`` saying what to do instead."""
+    if why := legacy_error(path):
+        raise ValueError(why)
+    return load_state(os.path.join(path, STATE_NAME))
 
 
 def compare_resume_config(path: str, saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:

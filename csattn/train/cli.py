@@ -200,9 +200,6 @@ def _checkpoint_args(parser: argparse.ArgumentParser) -> None:
                         "there: starts from step 0 and says so); refuses other data options than the checkpoint's, "
                         "warns on other LR-schedule options; the metrics file's lines after the resumed step are "
                         "dropped (TensorBoard's too)")
-    c.add_argument("--trust-checkpoint", action="store_true",
-                   help="also resume from checkpoints of older csattn versions, whose trainer_state.pt is a "
-                        "pickle that can run arbitrary code when loaded: only for checkpoints you trust")
     c.add_argument("--log-every", type=_checked(int, "log_every"), default=_D.log_every,
                    help="print a log line every N steps (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -418,7 +418,7 @@ def _resume_path(cfg: TrainConfig, rank: int) -> str | None:
     if not cfg.resume:
         return None
     skipped: list[str] = []  # a line for each damaged or incomplete checkpoint --resume auto passed over
-    resume = resolve_resume(cfg.resume, cfg.output, cfg.trust_checkpoint, skipped.append)
+    resume = resolve_resume(cfg.resume, cfg.output, skipped.append)
     if rank == 0:
         for line in skipped:
             print(line, flush=True)
@@ -435,10 +435,7 @@ def _resume_state(cfg: TrainConfig, rank: int) -> tuple[str | None, dict[str, An
     resume = _resume_path(cfg, rank)
     if resume is None:
         return None, None
-    with warnings.catch_warnings(record=True) as caught:  # the legacy pickle's, said once
-        warnings.simplefilter("always")
-        state = read_trainer_state(resume, trust_checkpoint=cfg.trust_checkpoint)
-    _relay_warnings(caught, rank, lambda m: m.replace("trust_checkpoint=True", "--trust-checkpoint"))
+    state = read_trainer_state(resume)
     notes = compare_resume_config(resume, state.get("train_config"), asdict(cfg))
     if rank == 0:
         for note in notes:

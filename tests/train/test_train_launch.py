@@ -198,17 +198,17 @@ def test_the_summary_line_is_rank_0s(monkeypatch, capsys):
 
 
 def test_warnings_every_rank_raises_alike_are_said_once_by_rank_0():
-    """A phase every rank runs alike (reading the checkpoint, the --init-from weights) warns once, on rank 0:
+    """A phase every rank runs alike (reading the --init-from weights) warns once, on rank 0:
     csattn's own warnings as TrainWarning (restated for the command line), torch's as they were."""
-    here = os.path.join(os.path.dirname(loop.__file__), "checkpointing.py")
+    here = os.path.join(os.path.dirname(os.path.dirname(loop.__file__)), "parallel", "init.py")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            warnings.warn_explicit("loading the pickled x because trust_checkpoint=True", UserWarning, here, 1)
+            warnings.warn_explicit("rounding x because allow_inexact_fp8=True", UserWarning, here, 1)
             warnings.warn_explicit("torch's own", UserWarning, "/elsewhere/torch/utils.py", 1)
-    for rank, expected in ((1, []), (0, [("loading the pickled x because --trust-checkpoint", TrainWarning),
+    for rank, expected in ((1, []), (0, [("rounding x because --allow-inexact-fp8", TrainWarning),
                                          ("torch's own", UserWarning)])):
         with warnings.catch_warnings(record=True) as relayed:
             warnings.simplefilter("always")
-            loop._relay_warnings(caught, rank, lambda m: m.replace("trust_checkpoint=True", "--trust-checkpoint"))
+            loop._relay_warnings(caught, rank, lambda m: m.replace("allow_inexact_fp8=True", "--allow-inexact-fp8"))
         assert [(str(w.message), w.category) for w in relayed] == expected
