@@ -60,7 +60,7 @@ from .errors import TrainingStopped, TrainWarning, user_errors
 from .manifest import write_manifest
 from .metrics import BOARD_TAGS, loss_history, metrics_file, plot_losses, summary_writer
 from .packer import DocumentPacker, PackedBatch, concat_batches
-from .step import train_step
+from .step import BadSteps, TrainState, train_step
 
 __all__ = ["TrainConfig", "TrainResult", "train", "check_launch_options", "tiny_model_config", "loss_history",
            "build_model_config"]
@@ -296,6 +296,8 @@ def _train(cfg: TrainConfig) -> TrainResult:
                              range(dp_rank * per, (dp_rank + 1) * per))
     optimizer = _optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    bias_rate = Finetune.from_options(cfg).router_bias_rate(cfg.router_bias_rate)  # 0 with a frozen router
+    train_state = TrainState(model, optimizer, scheduler, meshes, device, cp, cfg.grad_clip, bias_rate)
 
     start = 0
     if state is not None:
@@ -325,8 +327,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
     recent: deque[tuple[float, int, float]] = deque([(t0, 0, 0.0)], maxlen=RATE_WINDOW + 1)
     save_s = cfg.save_minutes * 60 if cfg.output else 0.0  # time-based checkpoints (0: none)
     saved_at = time.monotonic()
-    bad_run = 0  # non-finite steps in a row
-    bias_rate = Finetune.from_options(cfg).router_bias_rate(cfg.router_bias_rate)  # 0 with a frozen router
+    bad = BadSteps(cfg.max_bad_steps, cfg.output)
     with user_errors():  # the data files
         batch = next(reader) if start < cfg.steps else None
     try:
@@ -334,7 +335,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             late = bool(save_s) and time.monotonic() - saved_at >= save_s  # this rank's clock; the step agrees it
-            finish = train_step(model, batch, cp, meshes, optimizer, cfg.grad_clip, bias_rate, device, late)
+            finish = train_step(train_state, batch, late)
             # the next batch is built on the host while the device runs this step; a checkpoint of this step holds
             # the readers' position before it
             consumed = reader.state_dict()
@@ -342,9 +343,6 @@ def _train(cfg: TrainConfig) -> TrainResult:
                 upcoming = next(reader) if step + 1 < cfg.steps else None
             metrics = finish()
             save_due = metrics.pop("save_due")  # any rank's clock: every rank saves at the same step
-            # a skipped (non-finite) step advances the schedule too: the LR stays a function of the step number,
-            # so --steps ends the decay where it says and a resumed run continues the same curve
-            scheduler.step()
             losses.append(metrics["loss"])
             lm_losses.append(metrics["lm_loss"])
             idx_losses.append(metrics["indexer_loss"])
@@ -382,7 +380,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
                 _say(bar, f"step {step + 1}: loss {metrics['loss']:.4f} lm {metrics['lm_loss']:.4f} "
                      f"indexer {metrics['indexer_loss']:.4g} lr {scheduler.get_last_lr()[0]:.3g} tok/s {tps:.0f}"
                      + (f" MFU {mfu}" if mfu else ""))
-            bad_run = _check_finite_step(cfg, step + 1, metrics["nonfinite"], bad_run, rank, bar)
+            bad.check(step + 1, metrics["nonfinite"], lambda line: _say(bar, line) if rank == 0 else None)
             # with --output the final step is always saved; --save-every and --save-every-minutes add the
             # intermediate checkpoints
             last = step + 1 == cfg.steps
@@ -449,27 +447,6 @@ def _special_ids(tokenizer: Any) -> dict[str, Any] | None:
     if tokenizer is None:
         return None
     return {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
-
-
-def _check_finite_step(cfg: TrainConfig, step: int, nonfinite: str | None, bad_run: int, rank: int,
-                       bar: Any) -> int:
-    """Count non-finite (skipped) steps in a row: a warning line for each (rank 0), :class:`TrainingStopped` at
-    ``max_bad_steps``. Returns the new count. Every rank got the same all-reduced
-    verdict from the step, so every rank stops alike."""
-    if nonfinite is None:
-        return 0
-    bad_run += 1
-    if rank == 0:
-        _say(bar, f"warning: step {step}: non-finite {nonfinite}: step skipped (weights, optimizer state and router "
-                  f"biases unchanged; {bad_run} in a row, the run stops at --max-bad-steps {cfg.max_bad_steps})")
-    if bad_run >= cfg.max_bad_steps:
-        where = f"the latest checkpoint under {cfg.output}" if cfg.output else "a checkpoint"
-        raise TrainingStopped(
-            f"steps {step - bad_run + 1}..{step}: {bad_run} non-finite steps in a row (--max-bad-steps "
-            f"{cfg.max_bad_steps}; the last one: non-finite {nonfinite}); the run stopped with the weights of step "
-            f"{step - bad_run}. Resume from {where} (--resume auto) with a lower --lr, more --warmup-steps or a "
-            "--grad-clip; a non-finite loss from the first step on points at the data or the --init-from weights")
-    return bad_run
 
 
 def _weights_finite(model: DeepseekV4ForCausalLM, meshes: Meshes) -> bool:

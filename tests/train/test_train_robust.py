@@ -47,13 +47,14 @@ def _record_steps(monkeypatch) -> list[dict]:
     """After each step: the model's weights and the AdamW step count of its first parameter."""
     step, seen = loop.train_step, []
 
-    def recorded(model, batch, cp, meshes, optimizer, *args):
-        finish = step(model, batch, cp, meshes, optimizer, *args)
+    def recorded(state, *args):
+        finish = step(state, *args)
 
         def done():
             metrics = finish()
+            optimizer = state.optimizer
             first = optimizer.state.get(optimizer.param_groups[0]["params"][0], {})
-            seen.append({"weights": {k: v.clone() for k, v in model.state_dict().items()},
+            seen.append({"weights": {k: v.clone() for k, v in state.model.state_dict().items()},
                          "adam_step": float(first["step"]) if "step" in first else 0.0, **metrics})
             return metrics
         return done
@@ -108,8 +109,9 @@ def test_a_run_recovers_from_fewer_bad_steps_than_the_limit(monkeypatch, capsys)
 def test_nonfinite_weights_are_never_saved_and_keep_last_keeps_the_good_one(tmp_path, monkeypatch):
     step = loop.train_step
 
-    def breaks_weights(model, *args):
-        finish = step(model, *args)
+    def breaks_weights(state, *args):
+        finish = step(state, *args)
+        model = state.model
 
         def done():
             metrics = finish()
