@@ -21,7 +21,7 @@ def _damaged_init_from(path: str) -> str | None:
     """Why the ``--init-from`` directory, a checkpoint of ``csattn train`` (it has a manifest), is damaged; None if
     it is intact or has no manifest (an HF download). Sizes only (no file is read: every rank checks the same files
     alike at startup), which finds a truncated or missing file."""
-    from .manifest import MANIFEST, verify_checkpoint
+    from .checkpoint.manifest import MANIFEST, verify_checkpoint
 
     if not os.path.isfile(os.path.join(path, MANIFEST)):
         return None

@@ -18,7 +18,7 @@ import time
 import warnings
 from collections import deque
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..deterministic import deterministic_mode
 from ..finetune.precision import check_fp8_mesh, hold_base
-from ..finetune.setup import Finetune, save_checkpoint_files
+from ..finetune.setup import Finetune
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from ..models.deepseek_v4.checkpoint import read_config
 from ..ops.backend import resolve_backend
@@ -38,26 +38,15 @@ from ..parallel import (
     build_meshes,
     check_launch,
     load_hf_sharded,
-    load_sharded,
     materialize,
-    save_sharded,
 )
 from ..parallel import parallelize as parallelize_model
 from ..report.flops import model_flops, peak_flops
-from .checkpointing import (
-    checkpoint_dir,
-    compare_resume_config,
-    mark_latest,
-    prepare_checkpoint_dir,
-    prune_checkpoints,
-    read_trainer_state,
-    resolve_resume,
-    write_trainer_state,
-)
+from .checkpoint.resume import find_resume, restore
+from .checkpoint.save import Checkpointer
 from .config import TrainConfig, tiny_model_config
 from .data import build_corpus, load_tokenizer
-from .errors import TrainingStopped, TrainWarning, user_errors
-from .manifest import write_manifest
+from .errors import TrainWarning, user_errors
 from .metrics import BOARD_TAGS, loss_history, metrics_file, plot_losses, summary_writer
 from .packer import DocumentPacker, PackedBatch, concat_batches
 from .step import BadSteps, TrainState, train_step
@@ -278,7 +267,8 @@ def _train(cfg: TrainConfig) -> TrainResult:
               "fragments (tens of GiB reserved but unallocated): run with "
               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", flush=True)
     with user_errors():  # the checkpoint to resume, its options against these, the tokenizer
-        resume, state = _resume_state(cfg, rank)
+        resume = find_resume(cfg, rank)
+        state = resume.state if resume else None
         batch_seqs = int(state.get("batch_seqs", state.get("dp", 1))) if state else (cfg.batch_seqs or dims.dp)
         if batch_seqs % dims.dp:
             saved = " (the checkpoint's)" if state else ""
@@ -299,18 +289,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
     bias_rate = Finetune.from_options(cfg).router_bias_rate(cfg.router_bias_rate)  # 0 with a frozen router
     train_state = TrainState(model, optimizer, scheduler, meshes, device, cp, cfg.grad_clip, bias_rate)
 
-    start = 0
-    if state is not None:
-        with user_errors():  # a checkpoint of another model config names the tensor
-            load_sharded(resume, model, optimizer, meshes)
-        if rank == 0:
-            print(f"resuming from {resume} at step {int(state['step'])}", flush=True)
-        scheduler.load_state_dict(state["scheduler"])
-        with user_errors():
-            reader.load_state_dict(state["packers"])
-        rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
-        torch.set_rng_state(rngs[rank] if len(rngs) == dims.world else rngs[0])
-        start = int(state["step"])
+    start = restore(train_state, reader, resume) if resume else 0
 
     losses, lm_losses, idx_losses = [], [], []
     bar = None
@@ -325,8 +304,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
     # throughput over the last steps (the first steps also compile kernels: a rate since the start would
     # understate the steady state for hundreds of steps)
     recent: deque[tuple[float, int, float]] = deque([(t0, 0, 0.0)], maxlen=RATE_WINDOW + 1)
-    save_s = cfg.save_minutes * 60 if cfg.output else 0.0  # time-based checkpoints (0: none)
-    saved_at = time.monotonic()
+    saver = Checkpointer(cfg, batch_seqs, tokenizer)
     bad = BadSteps(cfg.max_bad_steps, cfg.output)
     with user_errors():  # the data files
         batch = next(reader) if start < cfg.steps else None
@@ -334,8 +312,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
         for step in range(start, cfg.steps):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            late = bool(save_s) and time.monotonic() - saved_at >= save_s  # this rank's clock; the step agrees it
-            finish = train_step(train_state, batch, late)
+            finish = train_step(train_state, batch, saver.late())  # this rank's clock; the step agrees it
             # the next batch is built on the host while the device runs this step; a checkpoint of this step holds
             # the readers' position before it
             consumed = reader.state_dict()
@@ -381,12 +358,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
                      f"indexer {metrics['indexer_loss']:.4g} lr {scheduler.get_last_lr()[0]:.3g} tok/s {tps:.0f}"
                      + (f" MFU {mfu}" if mfu else ""))
             bad.check(step + 1, metrics["nonfinite"], lambda line: _say(bar, line) if rank == 0 else None)
-            # with --output the final step is always saved; --save-every and --save-every-minutes add the
-            # intermediate checkpoints
-            last = step + 1 == cfg.steps
-            if cfg.output and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0) or save_due):
-                _save(cfg, step + 1, model, optimizer, scheduler, consumed, meshes, batch_seqs, last, tokenizer)
-                saved_at = time.monotonic()
+            saver.after_step(train_state, step + 1, consumed, save_due)
             batch = upcoming
     finally:
         IndexerLossAutoScaler.main_loss_backward_scale = None
@@ -410,111 +382,9 @@ def _say(bar: Any, line: str) -> None:
         print(line, flush=True)
 
 
-def _resume_path(cfg: TrainConfig, rank: int) -> str | None:
-    """The checkpoint to resume, verified against its manifest (a collective); None: start at step 0, said aloud when
-    ``--resume auto`` found no intact one. Each damaged or incomplete checkpoint it skipped is named in a line."""
-    if not cfg.resume:
-        return None
-    skipped: list[str] = []  # a line for each damaged or incomplete checkpoint --resume auto passed over
-    resume = resolve_resume(cfg.resume, cfg.output, skipped.append)
-    if rank == 0:
-        for line in skipped:
-            print(line, flush=True)
-        if resume is None:
-            intact = " intact" if skipped else ""
-            print(f"--resume auto: no{intact} checkpoint under {cfg.output}: starting from step 0", flush=True)
-    return resume
-
-
-def _resume_state(cfg: TrainConfig, rank: int) -> tuple[str | None, dict[str, Any] | None]:
-    """The verified checkpoint to resume (:func:`_resume_path`) and its trainer state, its options compared with
-    these (raises on other data options, before the weights: another --tokenizer also changes the vocab shape;
-    warns once of the others); (None, None) to start at step 0."""
-    resume = _resume_path(cfg, rank)
-    if resume is None:
-        return None, None
-    state = read_trainer_state(resume)
-    notes = compare_resume_config(resume, state.get("train_config"), asdict(cfg))
-    if rank == 0:
-        for note in notes:
-            warnings.warn(note, TrainWarning, stacklevel=3)
-    return resume, state
-
-
 def _special_ids(tokenizer: Any) -> dict[str, Any] | None:
     """The tokenizer's BOS / EOS / PAD ids for the model config (so the saved config.json agrees with the tokenizer
     saved next to it, and HF ``generate`` stops at its EOS); None without a tokenizer."""
     if tokenizer is None:
         return None
     return {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
-
-
-def _weights_finite(model: DeepseekV4ForCausalLM, meshes: Meshes) -> bool:
-    """Whether every weight (parameters and floating buffers: router biases) is finite on every rank: one MAX
-    all-reduce of this rank's verdict on its shards, so every rank decides alike."""
-    from torch.distributed.tensor import DTensor
-
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in (*model.parameters(), *model.buffers())]
-    # FP8-held frozen codes (one byte) never change: checked once when read
-    flags = [~torch.isfinite(t).all() for t in local if t.is_floating_point() and t.element_size() > 1 and t.numel()]
-    bad = torch.stack(flags).any().float().reshape(1) if flags else torch.zeros(1)
-    if meshes.distributed:
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return not bad.item()
-
-
-def _gather(obj: Any, meshes: Meshes) -> list[Any]:
-    if not meshes.distributed:
-        return [obj]
-    everyone: list[Any] = [None] * meshes.dims.world
-    dist.all_gather_object(everyone, obj)
-    return everyone
-
-
-def _save(cfg: TrainConfig, step: int, model: DeepseekV4ForCausalLM, optimizer: torch.optim.Optimizer,
-          scheduler: Any, reader_state: dict[int, Any], meshes: Meshes, batch_seqs: int, last: bool,
-          tokenizer: Any = None) -> None:
-    """Checkpoint ``step`` (a collective): DCP shards of the model and optimizer, the trainer state (rank 0), the
-    HF-format model files when ``--export-hf`` asks, the tokenizer's files, the manifest (every file's size and
-    sha256) and ``latest`` once everything is written; then ``--keep-last`` prunes the older ones. Refuses
-    non-finite weights before writing anything."""
-    path = checkpoint_dir(cfg.output, step)
-    if not _weights_finite(model, meshes):
-        # a checkpoint of them would only resume into the same failure, and --keep-last would prune good ones
-        raise TrainingStopped(
-            f"step {step}: the model's weights hold NaN or inf values: refusing to save {path}; the checkpoints "
-            f"already under {cfg.output} are kept. Resume from the latest (--resume auto) with a lower --lr, more "
-            "--warmup-steps or a --grad-clip")
-    moved = prepare_checkpoint_dir(path, meshes.rank)  # an earlier checkpoint of this step
-    if moved:
-        print(f"note: {moved}", flush=True)
-    if meshes.distributed:
-        dist.barrier()  # before any rank writes into path
-    save_sharded(path, model, optimizer, meshes)
-    packers: list[Any] = [None] * batch_seqs
-    for states in _gather(reader_state, meshes):
-        for s, st in states.items():
-            packers[s] = st
-    rngs = _gather(torch.get_rng_state(), meshes)
-    # adapter/ in PEFT's format with LoRA; the HF-format model (adapters merged) when --export-hf asks
-    save_checkpoint_files(model, path, meshes, export=cfg.export_hf == "every" or (cfg.export_hf == "final" and last))
-    if meshes.rank == 0:
-        if tokenizer is not None:  # the checkpoint decodes and generates on its own (config.json has its ids)
-            tokenizer.save_pretrained(path)
-        write_trainer_state(path, step, {
-            "scheduler": scheduler.state_dict(), "packers": packers, "rng": rngs, "batch_seqs": batch_seqs,
-            "mesh": asdict(meshes.dims), "train_config": asdict(cfg), "model_training": model.config.training_dict(),
-        })
-    if meshes.distributed:
-        dist.barrier()  # every rank's shards are on disk before the manifest lists them
-    write_manifest(path, step)  # last: the checkpoint is complete once it is there
-    if meshes.rank == 0:
-        mark_latest(cfg.output, path)
-        from tqdm import tqdm
-
-        tqdm.write(f"saved checkpoint {path}")  # above any progress bar
-        if cfg.keep_last:  # only now that the new checkpoint is complete and named latest
-            for old in prune_checkpoints(cfg.output, cfg.keep_last):
-                tqdm.write(f"removed checkpoint {old} (--keep-last {cfg.keep_last})")
-    if meshes.distributed:
-        dist.barrier()
