@@ -23,9 +23,10 @@ from typing import Any
 
 from ..finetune.flags import add_finetune_args, checked
 from ..models.deepseek_v4.config import RECOMPUTE_CHOICES
+from .build import check_launch_options
 from .config import RULES, TrainConfig
 from .errors import TrainingStopped, TrainWarning, UserError, user_errors
-from .loop import check_launch_options, train
+from .run import train
 
 __all__ = ["add_train_args", "config_from_args", "run_train"]
 

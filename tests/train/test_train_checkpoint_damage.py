@@ -16,7 +16,7 @@ import torch
 from csattn.cli import main
 from csattn.train.checkpoint import MANIFEST, prune_checkpoints, verify_checkpoint
 from csattn.train.errors import UserError
-from csattn.train.loop import TrainConfig, train
+from csattn.train.run import TrainConfig, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

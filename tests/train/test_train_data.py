@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from csattn.train.data import JsonlCorpus, ParquetCorpus, TokenEncoder, build_corpus, load_tokenizer
-from csattn.train.loop import TrainConfig, train
 from csattn.train.metrics import loss_history
 from csattn.train.packer import DocumentPacker
+from csattn.train.run import TrainConfig, train
 from tests.models.model_utils import tiny_config_dict
 
 pq = pytest.importorskip("pyarrow.parquet")

@@ -13,7 +13,7 @@ from csattn.cli import main
 from csattn.train.checkpoint import MANIFEST, STATE_NAME, read_trainer_state
 from csattn.train.checkpoint.layout import LEGACY_STATE_NAME
 from csattn.train.checkpoint.safe_state import load_state, save_state
-from csattn.train.loop import TrainConfig, train
+from csattn.train.run import TrainConfig, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,6 +1,6 @@
-"""The training loop on PyTorch's distributed engine: a named ``DeviceMesh`` (dp_replicate x dp_shard x cp, experts
-over ep), the model built on the meta device and sharded with FSDP2 (``csattn.parallel``), packed batches, AdamW,
-clipping, DCP checkpoints with exact resume on any mesh.
+"""The build phase of a run: the process group and the named ``DeviceMesh`` (dp_replicate x dp_shard x cp, experts
+over ep), the model built on the meta device with its fine-tuning choices (frozen groups, LoRA, an FP8-held base:
+``csattn.finetune``) and sharded with FSDP2 (``csattn.parallel``), AdamW and its LR schedule, and the data reader.
 
 Data: a step reads ``batch_seqs`` packed sequences of ``seq_len`` rows (default: one per data replica); data replica
 ``d`` of ``dp`` packs sequences ``d * n .. (d + 1) * n - 1`` (``n = batch_seqs / dp``) back to back into its stream,
@@ -14,10 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 import warnings
-from collections import deque
-from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -25,48 +22,69 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..deterministic import deterministic_mode
 from ..finetune.precision import check_fp8_mesh, hold_base
 from ..finetune.setup import Finetune
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from ..models.deepseek_v4.checkpoint import read_config
 from ..ops.backend import resolve_backend
-from ..ops.indexer_loss import IndexerLossAutoScaler
-from ..parallel import (
-    Meshes,
-    ParallelDims,
-    build_meshes,
-    check_launch,
-    load_hf_sharded,
-    materialize,
-)
+from ..parallel import Meshes, ParallelDims, build_meshes, check_launch, load_hf_sharded, materialize
 from ..parallel import parallelize as parallelize_model
-from ..report.flops import model_flops, peak_flops
-from .checkpoint.resume import find_resume, restore
-from .checkpoint.save import Checkpointer
 from .config import TrainConfig, tiny_model_config
 from .data import build_corpus, load_tokenizer
 from .errors import TrainWarning, user_errors
-from .metrics import BOARD_TAGS, loss_history, metrics_file, plot_losses, summary_writer
 from .packer import DocumentPacker, PackedBatch, concat_batches
-from .step import BadSteps, TrainState, train_step
+from .step import TrainState
 
-__all__ = ["TrainConfig", "TrainResult", "train", "check_launch_options", "tiny_model_config", "loss_history",
-           "build_model_config"]
-
-
-RATE_WINDOW = 20  # steps over which tokens/s and MFU are reported
+__all__ = ["Trainer", "build", "setup_distributed", "check_launch_options", "build_model_config", "build_model",
+           "build_optimizer", "lr_lambda", "BatchReader", "offload_hint"]
 
 
 @dataclass
-class TrainResult:
-    losses: list[float]  # total loss (LM + MTP) of each step run here, of the global batch
-    lm_losses: list[float]
-    indexer_losses: list[float]
-    start_step: int
-    model: DeepseekV4ForCausalLM  # sharded under a mesh: csattn.parallel.full_state_dict(model, meshes) gathers it
-    tokens_per_second: float
-    meshes: Meshes | None = None
+class Trainer:
+    """A built run: the step's :class:`TrainState`, this data replica's reader and what a save keeps beside them."""
+
+    state: TrainState
+    reader: BatchReader
+    model_cfg: DeepseekV4ModelConfig
+    tokenizer: Any
+    batch_seqs: int
+
+
+def build(cfg: TrainConfig, meshes: Meshes, device: torch.device, saved: dict[str, Any] | None = None) -> Trainer:
+    """Everything a run needs on ``meshes`` (:func:`setup_distributed`), fresh or for the resumed checkpoint whose
+    trainer state is ``saved`` (it keeps its ``batch_seqs``); its weights are still the fresh or ``--init-from``
+    ones (the checkpoint phase restores the rest)."""
+    dims = meshes.dims
+    with user_errors():  # the batch size against the mesh, the tokenizer
+        batch_seqs = int(saved.get("batch_seqs", saved.get("dp", 1))) if saved else (cfg.batch_seqs or dims.dp)
+        if batch_seqs % dims.dp:
+            which = " (the checkpoint's)" if saved else ""
+            raise ValueError(f"{batch_seqs} packed sequences per step{which} do not split over {dims.dp} data "
+                             f"replicas (--dp-replicate x --dp-shard): pick sizes whose data replicas divide "
+                             f"{batch_seqs}")
+        tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+        model_cfg = build_model_config(cfg, len(tokenizer) if tokenizer is not None else None,
+                                       special_ids=_special_ids(tokenizer))
+    model, cp = build_model(cfg, model_cfg, meshes, device)
+    per, dp_rank = batch_seqs // dims.dp, meshes.coords["dp"]
+    with user_errors():  # the data files
+        reader = BatchReader(cfg, model_cfg, tokenizer, 1 + len(model.mtp), batch_seqs,
+                             range(dp_rank * per, (dp_rank + 1) * per))
+    optimizer = build_optimizer(model, cfg, device)
+    bias_rate = Finetune.from_options(cfg).router_bias_rate(cfg.router_bias_rate)  # 0 with a frozen router
+    state = TrainState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)), meshes,
+                       device, cp, cfg.grad_clip, bias_rate)
+    return Trainer(state, reader, model_cfg, tokenizer, batch_seqs)
+
+
+def offload_hint(cfg: TrainConfig, device: torch.device, rank: int) -> None:
+    """A note (rank 0) when ``--offload-block-inputs`` runs on CUDA without the allocator setting it needs."""
+    if cfg.offload_block_inputs and device.type == "cuda" and rank == 0 and \
+            "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        # a hint only: the allocator setting is PyTorch's own and must be set before CUDA starts
+        print("note: --offload-block-inputs is for the longest sequences; there PyTorch's allocator may fail on "
+              "fragments (tens of GiB reserved but unallocated): run with "
+              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", flush=True)
 
 
 def build_model_config(cfg: TrainConfig, tokenizer_vocab: int | None = None,
@@ -93,7 +111,8 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int | None = None,
     return tiny_model_config(tokenizer_vocab or cfg.vocab_size, **overrides)
 
 
-def _lr_lambda(cfg: TrainConfig):
+def lr_lambda(cfg: TrainConfig) -> Any:
+    """The LR factor of each step: linear warmup, then a cosine decay to ``--min-lr`` at ``--steps``."""
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
@@ -202,7 +221,9 @@ def _relay_warnings(caught: list[warnings.WarningMessage], rank: int, rewrite: A
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
-def _optimizer(model: DeepseekV4ForCausalLM, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: DeepseekV4ForCausalLM, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the parameters that train; weight decay on matrices only (not on norms, sinks, position / router
+    biases, nor the mHC weights)."""
     # weight decay on matrices only: not on norms, sinks, position / router biases, nor the mHC weights
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -240,146 +261,6 @@ class BatchReader:
     def load_state_dict(self, states: list[Any]) -> None:
         for s, p in zip(self.shards, self.packers):
             p.load_state_dict(states[s])
-
-
-def train(cfg: TrainConfig) -> TrainResult:
-    """Run ``cfg.steps`` optimizer steps (counting any resumed ones). Works in one process or under torchrun.
-
-    Raises :class:`UserError` on a mistake in the options, checkpoints or data files, and :class:`TrainingStopped`
-    after ``max_bad_steps`` non-finite steps in a row or when the weights to save are not finite.
-
-    ``cfg.deterministic`` turns torch's deterministic mode on for the run (:func:`csattn.deterministic_mode`, before
-    any CUDA work) and gives the model's kernels fixed-point sums: two runs, or a run killed and resumed, give the
-    same bits on the same GPU and software. The process's previous mode is restored at the end."""
-    cfg.validate()
-    with deterministic_mode() if cfg.deterministic else nullcontext():
-        return _train(cfg)
-
-
-def _train(cfg: TrainConfig) -> TrainResult:
-    with user_errors():
-        meshes, device = setup_distributed(cfg)
-    dims, rank = meshes.dims, meshes.rank
-    if cfg.offload_block_inputs and device.type == "cuda" and rank == 0 and \
-            "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        # a hint only: the allocator setting is PyTorch's own and must be set before CUDA starts
-        print("note: --offload-block-inputs is for the longest sequences; there PyTorch's allocator may fail on "
-              "fragments (tens of GiB reserved but unallocated): run with "
-              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", flush=True)
-    with user_errors():  # the checkpoint to resume, its options against these, the tokenizer
-        resume = find_resume(cfg, rank)
-        state = resume.state if resume else None
-        batch_seqs = int(state.get("batch_seqs", state.get("dp", 1))) if state else (cfg.batch_seqs or dims.dp)
-        if batch_seqs % dims.dp:
-            saved = " (the checkpoint's)" if state else ""
-            raise ValueError(f"{batch_seqs} packed sequences per step{saved} do not split over {dims.dp} data "
-                             f"replicas (--dp-replicate x --dp-shard): pick sizes whose data replicas divide "
-                             f"{batch_seqs}")
-        tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
-        model_cfg = build_model_config(cfg, len(tokenizer) if tokenizer is not None else None,
-                                       special_ids=_special_ids(tokenizer))
-    model, cp = build_model(cfg, model_cfg, meshes, device)
-    per = batch_seqs // dims.dp
-    dp_rank = meshes.coords["dp"]
-    with user_errors():  # the data files
-        reader = BatchReader(cfg, model_cfg, tokenizer, 1 + len(model.mtp), batch_seqs,
-                             range(dp_rank * per, (dp_rank + 1) * per))
-    optimizer = _optimizer(model, cfg, device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
-    bias_rate = Finetune.from_options(cfg).router_bias_rate(cfg.router_bias_rate)  # 0 with a frozen router
-    train_state = TrainState(model, optimizer, scheduler, meshes, device, cp, cfg.grad_clip, bias_rate)
-
-    start = restore(train_state, reader, resume) if resume else 0
-
-    losses, lm_losses, idx_losses = [], [], []
-    bar = None
-    if cfg.progress and rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
-    peak = peak_flops(device, cfg.peak_tflops)
-    log = metrics_file(cfg, rank, start if state is not None else None)
-    board = summary_writer(cfg, rank, start)
-    tokens, t0 = 0, time.perf_counter()
-    # throughput over the last steps (the first steps also compile kernels: a rate since the start would
-    # understate the steady state for hundreds of steps)
-    recent: deque[tuple[float, int, float]] = deque([(t0, 0, 0.0)], maxlen=RATE_WINDOW + 1)
-    saver = Checkpointer(cfg, batch_seqs, tokenizer)
-    bad = BadSteps(cfg.max_bad_steps, cfg.output)
-    with user_errors():  # the data files
-        batch = next(reader) if start < cfg.steps else None
-    try:
-        for step in range(start, cfg.steps):
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            finish = train_step(train_state, batch, saver.late())  # this rank's clock; the step agrees it
-            # the next batch is built on the host while the device runs this step; a checkpoint of this step holds
-            # the readers' position before it
-            consumed = reader.state_dict()
-            with user_errors():
-                upcoming = next(reader) if step + 1 < cfg.steps else None
-            metrics = finish()
-            save_due = metrics.pop("save_due")  # any rank's clock: every rank saves at the same step
-            losses.append(metrics["loss"])
-            lm_losses.append(metrics["lm_loss"])
-            idx_losses.append(metrics["indexer_loss"])
-            step_tokens = batch.num_tokens * dims.dp  # replicas hold the same number of rows, tokens may differ
-            tokens += step_tokens
-            step_flops = 0.0
-            if peak:
-                f = model_flops(model_cfg, batch.packed.cu_seqlens)
-                step_flops = (f["fwd"] + f["bwd"]) * dims.dp
-            now = time.perf_counter()
-            step_time = now - recent[-1][0]
-            recent.append((now, step_tokens, step_flops))
-            window = max(now - recent[0][0], 1e-9)
-            steps = list(recent)[1:]  # recent[0] only marks the window's start time
-            tps = sum(r[1] for r in steps) / window
-            mfu_value = sum(r[2] for r in steps) / window / (peak * dims.world) if peak else None
-            mfu = f"{mfu_value:.1%}" if peak else None
-            if log is not None or board is not None:
-                rec = {"step": step + 1, **metrics, "lr": scheduler.get_last_lr()[0], "tokens": step_tokens,
-                       "tokens_per_s": tps, "mfu": mfu_value, "step_time": step_time, "time": time.time()}
-                if device.type == "cuda":
-                    rec["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            if log is not None:
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
-            if board is not None:
-                for key, value in rec.items():
-                    if key in BOARD_TAGS and value is not None:
-                        board.add_scalar(BOARD_TAGS[key], value, step + 1)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", idx=f"{metrics['indexer_loss']:.3g}",
-                                tok_s=f"{tps:.0f}", **({"mfu": mfu} if mfu else {}))
-            if rank == 0 and (step + 1) % cfg.log_every == 0:
-                _say(bar, f"step {step + 1}: loss {metrics['loss']:.4f} lm {metrics['lm_loss']:.4f} "
-                     f"indexer {metrics['indexer_loss']:.4g} lr {scheduler.get_last_lr()[0]:.3g} tok/s {tps:.0f}"
-                     + (f" MFU {mfu}" if mfu else ""))
-            bad.check(step + 1, metrics["nonfinite"], lambda line: _say(bar, line) if rank == 0 else None)
-            saver.after_step(train_state, step + 1, consumed, save_due)
-            batch = upcoming
-    finally:
-        IndexerLossAutoScaler.main_loss_backward_scale = None
-        if bar is not None:
-            bar.close()
-        if log is not None:
-            log.close()
-        if board is not None:
-            board.close()
-    if rank == 0 and (cfg.log_dir or cfg.output) and losses:
-        plot_losses(cfg, start, losses, lm_losses, idx_losses)
-    return TrainResult(losses, lm_losses, idx_losses, start, model, tokens / max(time.perf_counter() - t0, 1e-9),
-                       meshes)
-
-
-def _say(bar: Any, line: str) -> None:
-    """One log line (rank 0), above the progress bar when there is one."""
-    if bar:
-        bar.write(line)
-    else:
-        print(line, flush=True)
 
 
 def _special_ids(tokenizer: Any) -> dict[str, Any] | None:
