@@ -77,52 +77,6 @@ def build(cfg: TrainConfig, meshes: Meshes, device: torch.device, saved: dict[st
     return Trainer(state, reader, model_cfg, tokenizer, batch_seqs)
 
 
-def offload_hint(cfg: TrainConfig, device: torch.device, rank: int) -> None:
-    """A note (rank 0) when ``--offload-block-inputs`` runs on CUDA without the allocator setting it needs."""
-    if cfg.offload_block_inputs and device.type == "cuda" and rank == 0 and \
-            "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        # a hint only: the allocator setting is PyTorch's own and must be set before CUDA starts
-        print("note: --offload-block-inputs is for the longest sequences; there PyTorch's allocator may fail on "
-              "fragments (tens of GiB reserved but unallocated): run with "
-              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", flush=True)
-
-
-def build_model_config(cfg: TrainConfig, tokenizer_vocab: int | None = None,
-                       special_ids: dict[str, Any] | None = None) -> DeepseekV4ModelConfig:
-    """The model to train; from scratch its vocabulary is the tokenizer's (``tokenizer_vocab``, loaded from
-    ``cfg.tokenizer`` if not given) or ``cfg.vocab_size``. ``special_ids``: the tokenizer's BOS / EOS / PAD ids,
-    which replace the config's (the data carries the tokenizer's)."""
-    overrides: dict[str, Any] = dict(**(special_ids or {}), indexer_loss_coeff=cfg.indexer_loss_coeff,
-                                     mtp_loss_coeff=cfg.mtp_loss_coeff,
-                                     attention_backend=cfg.attention_backend,
-                                     deterministic=cfg.deterministic,
-                                     recompute="block" if cfg.activation_checkpointing else cfg.recompute,
-                                     offload_block_inputs=cfg.offload_block_inputs)
-    if cfg.mtp_layers is not None:
-        overrides["num_nextn_predict_layers"] = cfg.mtp_layers
-    if cfg.init_from:
-        return DeepseekV4ModelConfig.from_hf(read_config(cfg.init_from), **overrides)
-    if cfg.config_json:
-
-        with open(cfg.config_json) as f:
-            return DeepseekV4ModelConfig.from_hf(json.load(f), **overrides)
-    if cfg.tokenizer and tokenizer_vocab is None:
-        tokenizer_vocab = len(load_tokenizer(cfg.tokenizer))
-    return tiny_model_config(tokenizer_vocab or cfg.vocab_size, **overrides)
-
-
-def lr_lambda(cfg: TrainConfig) -> Any:
-    """The LR factor of each step: linear warmup, then a cosine decay to ``--min-lr`` at ``--steps``."""
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        span = max(cfg.steps - cfg.warmup_steps, 1)
-        frac = min((step - cfg.warmup_steps) / span, 1.0)
-        floor = cfg.min_lr / cfg.lr if cfg.lr else 0.0
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
-    return f
-
-
 def check_launch_options(cfg: TrainConfig) -> tuple[ParallelDims, bool, str]:
     """What the options and torchrun's environment decide before any process group exists: the mesh sizes
     resolved against ``WORLD_SIZE`` (the check :func:`csattn.parallel.build_meshes` makes), whether to run on CUDA
@@ -168,6 +122,47 @@ def _check_gpus_per_node(backend: str, use_cuda: bool) -> None:
         raise ValueError(f"{local_world} processes on this node (torchrun --nproc-per-node) but {gpus} GPU(s) are "
                          f"visible, and NCCL takes one GPU per rank: start at most {gpus} per node, or pass "
                          "--dist-backend gloo to share GPUs")
+
+
+def offload_hint(cfg: TrainConfig, device: torch.device, rank: int) -> None:
+    """A note (rank 0) when ``--offload-block-inputs`` runs on CUDA without the allocator setting it needs."""
+    if cfg.offload_block_inputs and device.type == "cuda" and rank == 0 and \
+            "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        # a hint only: the allocator setting is PyTorch's own and must be set before CUDA starts
+        print("note: --offload-block-inputs is for the longest sequences; there PyTorch's allocator may fail on "
+              "fragments (tens of GiB reserved but unallocated): run with "
+              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", flush=True)
+
+
+def build_model_config(cfg: TrainConfig, tokenizer_vocab: int | None = None,
+                       special_ids: dict[str, Any] | None = None) -> DeepseekV4ModelConfig:
+    """The model to train; from scratch its vocabulary is the tokenizer's (``tokenizer_vocab``, loaded from
+    ``cfg.tokenizer`` if not given) or ``cfg.vocab_size``. ``special_ids``: the tokenizer's BOS / EOS / PAD ids,
+    which replace the config's (the data carries the tokenizer's)."""
+    overrides: dict[str, Any] = dict(**(special_ids or {}), indexer_loss_coeff=cfg.indexer_loss_coeff,
+                                     mtp_loss_coeff=cfg.mtp_loss_coeff,
+                                     attention_backend=cfg.attention_backend,
+                                     deterministic=cfg.deterministic,
+                                     recompute="block" if cfg.activation_checkpointing else cfg.recompute,
+                                     offload_block_inputs=cfg.offload_block_inputs)
+    if cfg.mtp_layers is not None:
+        overrides["num_nextn_predict_layers"] = cfg.mtp_layers
+    if cfg.init_from:
+        return DeepseekV4ModelConfig.from_hf(read_config(cfg.init_from), **overrides)
+    if cfg.config_json:
+        with open(cfg.config_json) as f:
+            return DeepseekV4ModelConfig.from_hf(json.load(f), **overrides)
+    if cfg.tokenizer and tokenizer_vocab is None:
+        tokenizer_vocab = len(load_tokenizer(cfg.tokenizer))
+    return tiny_model_config(tokenizer_vocab or cfg.vocab_size, **overrides)
+
+
+def _special_ids(tokenizer: Any) -> dict[str, Any] | None:
+    """The tokenizer's BOS / EOS / PAD ids for the model config (so the saved config.json agrees with the tokenizer
+    saved next to it, and HF ``generate`` stops at its EOS); None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
 
 
 def build_model(cfg: TrainConfig, model_cfg: DeepseekV4ModelConfig, meshes: Meshes,
@@ -220,7 +215,6 @@ def _relay_warnings(caught: list[warnings.WarningMessage], rank: int, rewrite: A
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
-
 def build_optimizer(model: DeepseekV4ForCausalLM, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW over the parameters that train; weight decay on matrices only (not on norms, sinks, position / router
     biases, nor the mHC weights)."""
@@ -235,6 +229,18 @@ def build_optimizer(model: DeepseekV4ForCausalLM, cfg: TrainConfig, device: torc
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
         fused=device.type == "cuda")  # one kernel for all parameters on the GPU (the CPU keeps the default path)
+
+
+def lr_lambda(cfg: TrainConfig) -> Any:
+    """The LR factor of each step: linear warmup, then a cosine decay to ``--min-lr`` at ``--steps``."""
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        span = max(cfg.steps - cfg.warmup_steps, 1)
+        frac = min((step - cfg.warmup_steps) / span, 1.0)
+        floor = cfg.min_lr / cfg.lr if cfg.lr else 0.0
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+    return f
 
 
 class BatchReader:
@@ -261,11 +267,3 @@ class BatchReader:
     def load_state_dict(self, states: list[Any]) -> None:
         for s, p in zip(self.shards, self.packers):
             p.load_state_dict(states[s])
-
-
-def _special_ids(tokenizer: Any) -> dict[str, Any] | None:
-    """The tokenizer's BOS / EOS / PAD ids for the model config (so the saved config.json agrees with the tokenizer
-    saved next to it, and HF ``generate`` stops at its EOS); None without a tokenizer."""
-    if tokenizer is None:
-        return None
-    return {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
