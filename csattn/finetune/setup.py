@@ -20,7 +20,7 @@ from .groups import Choice, apply_freezing, resolve_choice
 from .lora import LoraSpec, add_lora, init_lora, lora_modules
 from .peft_format import merge_lora, save_adapter, saved_modules
 
-__all__ = ["Finetune", "OPTIONS", "ADAPTER_DIR", "resume_mismatch", "save_checkpoint_files"]
+__all__ = ["Finetune", "OPTIONS", "ADAPTER_DIR", "resume_mismatch", "save_adapters", "export_merged"]
 
 ADAPTER_DIR = "adapter"
 # the TrainConfig fields (flags) that decide what trains; a resume must keep them
@@ -84,17 +84,19 @@ class Finetune:
         return rate if "router" in self.choice.train else 0.0
 
 
-def save_checkpoint_files(model: nn.Module, path: str, meshes: Meshes, export: bool) -> None:
-    """Beside the DCP shards of a checkpoint (a collective): ``adapter/`` when the model has LoRA, and with
-    ``export`` the HF-format model, its adapters merged into the weights."""
+def save_adapters(model: nn.Module, path: str, meshes: Meshes) -> None:
+    """``path/adapter/`` in PEFT's format when the model has LoRA (a collective; rank 0 writes), else nothing."""
     modules = lora_modules(model)
     if modules:
-        spec = _spec_of(modules)
-        save_adapter(model, os.path.join(path, ADAPTER_DIR), spec, gather=lambda n, t: full_tensor(t, n, meshes),
-                     write=meshes.rank == 0)
-    if export:
-        scale = modules[0][1].lora_scale if modules else None
-        export_hf(model, path, meshes, transform=(lambda unit: merge_lora(unit, scale)) if modules else None)
+        save_adapter(model, os.path.join(path, ADAPTER_DIR), _spec_of(modules),
+                     gather=lambda n, t: full_tensor(t, n, meshes), write=meshes.rank == 0)
+
+
+def export_merged(model: nn.Module, path: str, meshes: Meshes) -> None:
+    """The HF-format model under ``path`` (a collective), any LoRA adapters merged into their weights."""
+    modules = lora_modules(model)
+    scale = modules[0][1].lora_scale if modules else None
+    export_hf(model, path, meshes, transform=(lambda unit: merge_lora(unit, scale)) if modules else None)
 
 
 def _spec_of(modules: list[tuple[str, nn.Module]]) -> LoraSpec:

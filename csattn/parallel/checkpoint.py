@@ -57,8 +57,7 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
 
     where = os.path.join(path, DCP_DIR)
     if not os.path.isdir(where):
-        raise ValueError(f"checkpoint {path} has no {DCP_DIR}/ (sharded model and optimizer state): it was written "
-                         f"by an older csattn; start a new run from its weights with --init-from {path}")
+        raise ValueError(f"{path} has no {DCP_DIR}/: not a checkpoint written by save_sharded")
     reader = SafeReader(where)
     state = _state(model, optimizer, meshes)
     _check_shapes(path, reader.read_metadata(), state["model"])

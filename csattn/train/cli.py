@@ -23,9 +23,10 @@ from typing import Any
 
 from ..finetune.flags import add_finetune_args, checked
 from ..models.deepseek_v4.config import RECOMPUTE_CHOICES
+from .build import check_launch_options
 from .config import RULES, TrainConfig
 from .errors import TrainingStopped, TrainWarning, UserError, user_errors
-from .loop import check_launch_options, train
+from .run import train
 
 __all__ = ["add_train_args", "config_from_args", "run_train"]
 
@@ -39,7 +40,17 @@ def _checked(kind: type, name: str) -> Any:
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
-    """Every option of :class:`TrainConfig`, with help."""
+    """Every option of :class:`TrainConfig`, with help, in its flag group."""
+    _model_args(parser)
+    _data_args(parser)
+    _optimization_args(parser)
+    _parallel_args(parser)
+    _checkpoint_args(parser)
+    add_finetune_args(parser)
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the model to train and how its steps run."""
     m = parser.add_argument_group("model")
     m.add_argument("--init-from", metavar="DIR", default=None,
                    help="start from an HF-format checkpoint directory (config.json + safetensors; the released "
@@ -64,6 +75,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--deterministic", action="store_true",
                    help="bitwise-reproducible steps on the same GPU and software: torch's deterministic mode and "
                         "fixed-point sums in the attention kernels' key gradients (slower: see BENCHMARKS.md)")
+
+
+def _data_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the documents and their packing."""
     d = parser.add_argument_group("data")
     d.add_argument("--data", choices=["synthetic", "pysrc", "text", "jsonl", "parquet"], default=_D.data,
                    help="synthetic = Markov-chain documents with copy structure (default); pysrc = byte-level "
@@ -95,6 +110,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="pad every document to a multiple of this many rows (cu_seqlens_padded) (default %(default)s)")
     d.add_argument("--no-split", action="store_true",
                    help="do not cut documents at batch ends: close the batch with padding instead")
+
+
+def _optimization_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of AdamW, its LR schedule, the losses and the non-finite-step limit."""
     o = parser.add_argument_group("optimization")
     o.add_argument("--steps", type=_checked(int, "steps"), default=_D.steps,
                    help="total optimizer steps (default %(default)s)")
@@ -123,6 +142,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "--warmup-steps or a --grad-clip (default %(default)s)")
     o.add_argument("--router-bias-rate", type=_checked(float, "router_bias_rate"), default=_D.router_bias_rate,
                    help="step of the load-balancing router bias update per optimizer step (default %(default)s)")
+
+
+def _parallel_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the mesh, the process group and the batch."""
     p = parser.add_argument_group("parallelism and runtime")
     p.add_argument("--dp-replicate", type=_checked(int, "dp_replicate"), default=_D.dp_replicate,
                    help="data-parallel replicas that each hold the whole (sharded) model: HSDP across nodes "
@@ -152,6 +175,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=_D.device,
                    help="auto = cuda:LOCAL_RANK with NCCL when available, else CPU with gloo (default %(default)s)")
     p.add_argument("--seed", type=int, default=_D.seed, help="initial weights and data order (default %(default)s)")
+
+
+def _checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of checkpoints, resuming, logging and metrics."""
     c = parser.add_argument_group("checkpoints and logging")
     c.add_argument("--output", metavar="DIR", default=None,
                    help="directory for checkpoints: the final step is always saved there (DIR/checkpoint-<step>); "
@@ -172,9 +199,6 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "there: starts from step 0 and says so); refuses other data options than the checkpoint's, "
                         "warns on other LR-schedule options; the metrics file's lines after the resumed step are "
                         "dropped (TensorBoard's too)")
-    c.add_argument("--trust-checkpoint", action="store_true",
-                   help="also resume from checkpoints of older csattn versions, whose trainer_state.pt is a "
-                        "pickle that can run arbitrary code when loaded: only for checkpoints you trust")
     c.add_argument("--log-every", type=_checked(int, "log_every"), default=_D.log_every,
                    help="print a log line every N steps (default %(default)s)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -192,8 +216,6 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--peak-tflops", type=_checked(float, "peak_tflops"), default=_D.peak_tflops,
                    help="the GPU's dense matmul TFLOP/s, for the MFU shown with tokens/s (default: 790 on H100 / "
                         "H200, the measured bf16 rate; none elsewhere)")
-    add_finetune_args(parser)
-
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}

@@ -21,7 +21,7 @@ def _damaged_init_from(path: str) -> str | None:
     """Why the ``--init-from`` directory, a checkpoint of ``csattn train`` (it has a manifest), is damaged; None if
     it is intact or has no manifest (an HF download). Sizes only (no file is read: every rank checks the same files
     alike at startup), which finds a truncated or missing file."""
-    from .manifest import MANIFEST, verify_checkpoint
+    from .checkpoint.manifest import MANIFEST, verify_checkpoint
 
     if not os.path.isfile(os.path.join(path, MANIFEST)):
         return None
@@ -155,8 +155,6 @@ class TrainConfig:
     save_every_minutes: float | None = None  # also one when this many minutes passed; None = 30 without save_every
     keep_last: int | None = None  # keep only the newest N checkpoints under output (None = all)
     resume: str | None = None
-    trust_checkpoint: bool = False  # also load old pickled trainer_state.pt files (they can run code) and, unverified,
-    # checkpoints without a manifest (older csattn versions)
     log_every: int = 10
     progress: bool = True
     peak_tflops: float = 0.0  # the GPU's dense matmul TFLOP/s for the MFU figure; 0 = known GPUs only

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from ..cp import free_port
+from .checkpoint.safe_state import load_state, save_state
 from .config import TrainConfig
-from .loop import train
-from .safe_state import load_state, save_state
+from .run import train
 
 __all__ = ["add_model_demo_args", "run_model_demo", "run_spawned"]
 

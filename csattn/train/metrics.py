@@ -1,16 +1,129 @@
-"""Per-step metrics of a run: the JSON-lines file, TensorBoard scalars, the loss plot, the MFU's peak rate."""
+"""Per-step metrics of a run: the losses kept for the result, tokens/s and MFU over the last steps, the log lines,
+the progress bar, the JSON-lines file, TensorBoard scalars and the loss plot (rank 0 writes)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import time
 import warnings
+from collections import deque
 from typing import Any
 
-from .errors import TrainWarning, UserError
+import torch
 
-__all__ = ["metrics_file", "summary_writer", "loss_history", "plot_losses", "BOARD_TAGS"]
+from ..models.deepseek_v4 import DeepseekV4ModelConfig
+from ..models.deepseek_v4.flops import model_flops, peak_flops
+from ..parallel import Meshes
+from .errors import TrainWarning, UserError
+from .packer import PackedBatch
+
+__all__ = ["RunMetrics", "metrics_file", "summary_writer", "loss_history", "plot_losses", "BOARD_TAGS",
+           "RATE_WINDOW"]
+
+RATE_WINDOW = 20  # steps over which tokens/s and MFU are reported
+
+
+class RunMetrics:
+    """What a run reports of its steps from ``start`` on: :meth:`begin_step` before a step, :meth:`record` after it,
+    :meth:`say` for a log line (rank 0, above the progress bar), :meth:`close` at the end, :meth:`plot` once the
+    run ended well. ``resumed``: the metrics file drops its lines after ``start`` (the run does those steps again)."""
+
+    def __init__(self, cfg: Any, model_cfg: DeepseekV4ModelConfig, meshes: Meshes, device: torch.device,
+                 start: int, resumed: bool) -> None:
+        self.cfg, self.model_cfg, self.dims, self.rank, self.device = cfg, model_cfg, meshes.dims, meshes.rank, device
+        self.start = start
+        self.losses: list[float] = []  # total loss (LM + MTP) of each step run here, of the global batch
+        self.lm_losses: list[float] = []
+        self.indexer_losses: list[float] = []
+        self.bar = None
+        if cfg.progress and self.rank == 0:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
+        self.peak = peak_flops(device, cfg.peak_tflops)
+        self.log = metrics_file(cfg, self.rank, start if resumed else None)
+        self.board = summary_writer(cfg, self.rank, start)
+        self.tokens, self.t0 = 0, time.perf_counter()
+        # throughput over the last steps (the first steps also compile kernels: a rate since the start would
+        # understate the steady state for hundreds of steps)
+        self.recent: deque[tuple[float, int, float]] = deque([(self.t0, 0, 0.0)], maxlen=RATE_WINDOW + 1)
+
+    def begin_step(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def record(self, step: int, metrics: dict[str, Any], batch: PackedBatch, lr: float) -> None:
+        """Step ``step``'s global ``metrics`` (``train_step``'s), of this replica's ``batch``, at learning rate
+        ``lr``: kept, then written to the file, TensorBoard, the bar and, every ``--log-every`` steps, a line."""
+        self.losses.append(metrics["loss"])
+        self.lm_losses.append(metrics["lm_loss"])
+        self.indexer_losses.append(metrics["indexer_loss"])
+        step_tokens = batch.num_tokens * self.dims.dp  # replicas hold the same number of rows, tokens may differ
+        self.tokens += step_tokens
+        tps, mfu, step_time = self._rates(step_tokens, batch)
+        if self.log is not None or self.board is not None:
+            rec = {"step": step, **metrics, "lr": lr, "tokens": step_tokens, "tokens_per_s": tps, "mfu": mfu,
+                   "step_time": step_time, "time": time.time()}
+            if self.device.type == "cuda":
+                rec["peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            self._write(step, rec)
+        shown = f"{mfu:.1%}" if self.peak else None
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", idx=f"{metrics['indexer_loss']:.3g}",
+                                 tok_s=f"{tps:.0f}", **({"mfu": shown} if shown else {}))
+        if step % self.cfg.log_every == 0:
+            self.say(f"step {step}: loss {metrics['loss']:.4f} lm {metrics['lm_loss']:.4f} indexer "
+                     f"{metrics['indexer_loss']:.4g} lr {lr:.3g} tok/s {tps:.0f}" + (f" MFU {shown}" if shown else ""))
+
+    def _rates(self, step_tokens: int, batch: PackedBatch) -> tuple[float, float | None, float]:
+        """Tokens/s and MFU over the last ``RATE_WINDOW`` steps (MFU None without a peak rate), and this step's time."""
+        step_flops = 0.0
+        if self.peak:
+            f = model_flops(self.model_cfg, batch.packed.cu_seqlens)
+            step_flops = (f["fwd"] + f["bwd"]) * self.dims.dp
+        now = time.perf_counter()
+        step_time = now - self.recent[-1][0]
+        self.recent.append((now, step_tokens, step_flops))
+        window = max(now - self.recent[0][0], 1e-9)
+        steps = list(self.recent)[1:]  # recent[0] only marks the window's start time
+        tps = sum(r[1] for r in steps) / window
+        mfu = sum(r[2] for r in steps) / window / (self.peak * self.dims.world) if self.peak else None
+        return tps, mfu, step_time
+
+    def _write(self, step: int, rec: dict[str, Any]) -> None:
+        if self.log is not None:
+            self.log.write(json.dumps(rec) + "\n")
+            self.log.flush()
+        if self.board is not None:
+            for key, value in rec.items():
+                if key in BOARD_TAGS and value is not None:
+                    self.board.add_scalar(BOARD_TAGS[key], value, step)
+
+    def say(self, line: str) -> None:
+        """One log line (rank 0), above the progress bar when there is one."""
+        if self.rank != 0:
+            return
+        if self.bar:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+
+    def close(self) -> None:
+        for out in (self.bar, self.log, self.board):
+            if out is not None:
+                out.close()
+
+    def plot(self) -> None:
+        """``loss.png`` (rank 0, with ``--log-dir`` or ``--output``, when the run ran a step)."""
+        if self.rank == 0 and (self.cfg.log_dir or self.cfg.output) and self.losses:
+            plot_losses(self.cfg, self.start, self.losses, self.lm_losses, self.indexer_losses)
 
 
 def metrics_file(cfg: Any, rank: int, resumed_step: int | None = None) -> Any:

@@ -16,6 +16,7 @@ backward, then launches the optimizer step without waiting for it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,9 +27,27 @@ from ..layers.plan import ContextParallelGroup
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM
 from ..packing import PackedSeqs
 from ..parallel.mesh import Meshes
+from .errors import TrainingStopped
 from .packer import PackedBatch
 
-__all__ = ["train_step", "clip_grad_norm", "all_sum"]
+__all__ = ["TrainState", "train_step", "BadSteps", "clip_grad_norm", "all_sum"]
+
+
+@dataclass
+class TrainState:
+    """What a step works on, built once by the build phase (``build.py``) and saved / restored by the checkpoint
+    phase: the sharded model and its ``ContextParallel`` (``cp``, None without context parallelism), AdamW and its LR
+    schedule, the meshes and device, and the options a step reads (``grad_clip``: 0 = no clipping;
+    ``router_bias_rate``: 0 with a frozen router)."""
+
+    model: DeepseekV4ForCausalLM
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    meshes: Meshes
+    device: torch.device
+    cp: ContextParallelGroup | None = None
+    grad_clip: float = 0.0
+    router_bias_rate: float = 0.0
 
 
 def all_sum(x: Tensor, meshes: Meshes) -> Tensor:
@@ -77,13 +96,13 @@ def _to_device(batch: PackedBatch, device: torch.device) -> tuple[PackedSeqs, Te
     return packed, batch.input_ids.to(device), batch.labels.to(device)
 
 
-def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: ContextParallelGroup | None, meshes: Meshes,
-               optimizer: torch.optim.Optimizer, grad_clip: float, router_bias_rate: float,
-               device: torch.device, save_due: bool = False) -> Callable[[], dict[str, Any]]:
-    """One optimizer step on this rank's data-replica stream ``batch``, launched: returns ``finish()``, which waits
-    for the step and gives its global metrics (identical on every rank). Between the two the host is free while the
-    device runs the step's tail (the loop builds the next batch there). ``save_due``: this rank's clock says a
-    time-based checkpoint is due; ``finish()["save_due"]`` is true when any rank's says so."""
+def train_step(state: TrainState, batch: PackedBatch, save_due: bool = False) -> Callable[[], dict[str, Any]]:
+    """One optimizer step of ``state`` on this rank's data-replica stream ``batch``, launched: returns ``finish()``,
+    which waits for the step, launches the optimizer step, advances the LR schedule and gives the step's global
+    metrics (identical on every rank). Between the two the host is free while the device runs the step's tail (the
+    loop builds the next batch there). ``save_due``: this rank's clock says a time-based checkpoint is due;
+    ``finish()["save_due"]`` is true when any rank's says so."""
+    model, optimizer, meshes, cp, device = state.model, state.optimizer, state.meshes, state.cp, state.device
     packed, ids, labels = _to_device(batch, device)
     # label counts and real rows of the whole global batch: the loss denominators (CP ranks of a replica hold the
     # same batch, so their sum counts it cp times)
@@ -98,7 +117,7 @@ def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: ContextPara
     out = model(ids, packed=packed, cp=cp, labels=labels[0], mtp_labels=labels[1:] if len(model.mtp) else None,
                 label_counts=counts.to(device), return_logits=False, indexer_loss_scale=share)
     out.loss.backward()
-    grad_norm = clip_grad_norm(model, grad_clip, meshes)  # global (over every rank) already
+    grad_norm = clip_grad_norm(model, state.grad_clip, meshes)  # global (over every rank) already
     zero = torch.zeros((), device=device, dtype=torch.float64)
     loss = out.loss.detach().double()
     # this rank's shares of the losses, its non-finite flags (loss, global gradient norm) and its save clock, summed
@@ -121,12 +140,40 @@ def train_step(model: DeepseekV4ForCausalLM, batch: PackedBatch, cp: ContextPara
         if nonfinite is None:
             optimizer.step()
             loads = model.expert_loads()
-            if loads and router_bias_rate > 0:  # load balancing from the loads of every rank: the same bias everywhere
+            if loads and state.router_bias_rate > 0:  # balancing from every rank's loads: the same bias everywhere
                 stacked = all_sum(torch.stack([x.to(torch.float32) for x in loads]), meshes)
-                model.update_router_biases(list(stacked), router_bias_rate)
+                model.update_router_biases(list(stacked), state.router_bias_rate)
         else:
             optimizer.zero_grad(set_to_none=True)  # the non-finite gradients reach nothing
+        # a skipped (non-finite) step advances the schedule too: the LR stays a function of the step number, so
+        # --steps ends the decay where it says and a resumed run continues the same curve
+        state.scheduler.step()
         return {"loss": loss, "lm_loss": lm, "indexer_loss": idx, "mtp_loss": mtp if has_mtp else None,
                 "grad_norm": norm, "nonfinite": nonfinite, "save_due": due > 0}
 
     return finish
+
+
+class BadSteps:
+    """Counts non-finite (skipped) steps in a row: a warning line for each (through ``say``, rank 0),
+    :class:`TrainingStopped` at ``max_bad_steps``. Every rank got the same all-reduced verdict from the step, so
+    every rank stops alike."""
+
+    def __init__(self, max_bad_steps: int, output: str | None) -> None:
+        self.max_bad_steps, self.output, self.run = max_bad_steps, output, 0
+
+    def check(self, step: int, nonfinite: str | None, say: Callable[[str], None]) -> None:
+        if nonfinite is None:
+            self.run = 0
+            return
+        self.run += 1
+        bad_run, limit = self.run, self.max_bad_steps
+        say(f"warning: step {step}: non-finite {nonfinite}: step skipped (weights, optimizer state and router "
+            f"biases unchanged; {bad_run} in a row, the run stops at --max-bad-steps {limit})")
+        if bad_run >= limit:
+            where = f"the latest checkpoint under {self.output}" if self.output else "a checkpoint"
+            raise TrainingStopped(
+                f"steps {step - bad_run + 1}..{step}: {bad_run} non-finite steps in a row (--max-bad-steps "
+                f"{limit}; the last one: non-finite {nonfinite}); the run stopped with the weights of step "
+                f"{step - bad_run}. Resume from {where} (--resume auto) with a lower --lr, more --warmup-steps or a "
+                "--grad-clip; a non-finite loss from the first step on points at the data or the --init-from weights")

@@ -15,8 +15,9 @@ from csattn.cli import main
 from csattn.finetune.lora import lora_modules
 from csattn.models.deepseek_v4.checkpoint import load_pretrained
 from csattn.packing import PackedSeqs
+from csattn.train.build import build_model, build_model_config, setup_distributed
 from csattn.train.demo import run_spawned
-from csattn.train.loop import TrainConfig, build_model, build_model_config, setup_distributed, train
+from csattn.train.run import TrainConfig, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,8 +13,9 @@ import torch
 
 from csattn.cli import main
 from csattn.models.deepseek_v4.release import write_release_checkpoint
+from csattn.train.build import check_launch_options
 from csattn.train.demo import run_spawned
-from csattn.train.loop import TrainConfig, check_launch_options, train
+from csattn.train.run import TrainConfig, train
 from tests.models.test_fp8_model import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

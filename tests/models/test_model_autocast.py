@@ -9,7 +9,7 @@ import torch
 from csattn import PackedSeqs
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
 from csattn.models.deepseek_v4.model import future_tokens
-from csattn.train.loop import tiny_model_config
+from csattn.train.config import tiny_model_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,7 +8,7 @@ from csattn import PackedSeqs
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
 from csattn.models.deepseek_v4.model import future_tokens
 from csattn.report.live_tensors import model_kept
-from csattn.train.loop import tiny_model_config
+from csattn.train.config import tiny_model_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -429,7 +429,7 @@ def test_bad_checkpoints_name_the_tensor_or_field(tmp_path):
 def test_train_init_from_a_quantized_release(tmp_path):
     """``csattn train --init-from`` takes a release checkpoint as it is: its first step starts from the
     dequantized weights (those load_pretrained gives) and trains."""
-    from csattn.train.loop import TrainConfig, train
+    from csattn.train.run import TrainConfig, train
 
     model = tiny(seed=5, mtp=1)
     write_quantized(model, tmp_path / "release", convention="reference")

@@ -49,7 +49,7 @@ def test_triton_off_cuda_is_a_clear_error_unless_interpreting(monkeypatch):
     the model on a CPU fails with that message at its first forward. Triton's CPU interpreter still takes it."""
     from csattn import PackedSeqs
     from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
-    from csattn.train.loop import tiny_model_config
+    from csattn.train.config import tiny_model_config
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match=r"backend 'triton' .* need CUDA tensors; these are on cpu: use 'auto'"):

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from csattn.parallel import full_grads, full_state_dict
-from csattn.train.loop import TrainConfig, train
+from csattn.train.run import TrainConfig, train
 
 # fp64, 3 AdamW steps of the tiny model (W / CSA / HCA layers, hash + learned MoE, shared expert, MTP) on packs
 # whose documents cross rank boundaries; 4 packed sequences of 64 rows per step on every mesh

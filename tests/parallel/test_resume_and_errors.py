@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from csattn.cp.launch import free_port
+from csattn.train.config import tiny_model_config
 from csattn.train.demo import run_spawned
-from csattn.train.loop import TrainConfig, tiny_model_config, train
+from csattn.train.run import TrainConfig, train
 from tests.cp_pool import RankPool
 from tests.parallel.tasks import BASE, error_task
 

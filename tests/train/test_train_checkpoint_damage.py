@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from csattn.cli import main
-from csattn.train.checkpointing import prune_checkpoints
+from csattn.train.checkpoint import MANIFEST, prune_checkpoints, verify_checkpoint
 from csattn.train.errors import UserError
-from csattn.train.loop import TrainConfig, train
-from csattn.train.manifest import MANIFEST, verify_checkpoint
+from csattn.train.run import TrainConfig, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

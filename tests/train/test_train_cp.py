@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from csattn.train.demo import run_spawned
-from csattn.train.loop import TrainConfig, train
+from csattn.train.run import TrainConfig, train
 
 try:
     import csattn.cp  # noqa: F401

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from csattn.train.data import JsonlCorpus, ParquetCorpus, TokenEncoder, build_corpus, load_tokenizer
-from csattn.train.loop import TrainConfig, loss_history, train
+from csattn.train.metrics import loss_history
 from csattn.train.packer import DocumentPacker
+from csattn.train.run import TrainConfig, train
 from tests.models.model_utils import tiny_config_dict
 
 pq = pytest.importorskip("pyarrow.parquet")
@@ -187,7 +188,7 @@ def test_run_and_exact_resume(kind, files, tokenizer_dir, tmp_path):
     assert all(torch.isfinite(torch.tensor(full.losses))) and len(full.losses) == 4
     tok = load_tokenizer(tokenizer_dir)
     assert full.model.config.vocab_size == len(tok)  # from scratch: the tokenizer's vocabulary
-    from csattn.train.safe_state import load_state
+    from csattn.train.checkpoint.safe_state import load_state
 
     state = load_state(os.path.join(out, "checkpoint-000002", "trainer_state.safetensors"))
     corpus_pos = state["packers"][0]["corpus"]

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from csattn.cli import main
 from csattn.cp import free_port
 from csattn.parallel import ParallelDims, build_meshes, check_launch, launch_world_size
-from csattn.train import cli, loop
+from csattn.train import build, cli
 from csattn.train.errors import TrainWarning, UserError
-from csattn.train.loop import TrainConfig, TrainResult, train
+from csattn.train.run import TrainConfig, TrainResult, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -84,7 +84,7 @@ def test_a_bad_world_size_in_the_environment_is_refused(text, monkeypatch):
 def test_no_process_group_starts_when_the_mesh_does_not_fit(monkeypatch):
     started = []
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: started.append(1))
-    monkeypatch.setattr(loop, "build_model", lambda *a: started.append(2))
+    monkeypatch.setattr(build, "build_model", lambda *a: started.append(2))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match=r"--dp-shard 3 x --cp 1 = 3 ranks, but the world size is 2"):
         train(TrainConfig(steps=1, dp_shard=3, **SMALL))
@@ -96,10 +96,10 @@ def test_nccl_with_more_ranks_than_gpus_on_the_node_is_refused_before_the_group(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(ValueError, match=r"4 processes on this node .* but 2 GPU\(s\) are visible, and NCCL takes "
                                          r"one GPU per rank: .*--dist-backend gloo"):
-        loop._check_gpus_per_node("nccl", use_cuda=True)
-    loop._check_gpus_per_node("gloo", use_cuda=True)  # gloo shares GPUs
+        build._check_gpus_per_node("nccl", use_cuda=True)
+    build._check_gpus_per_node("gloo", use_cuda=True)  # gloo shares GPUs
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    loop._check_gpus_per_node("nccl", use_cuda=True)
+    build._check_gpus_per_node("nccl", use_cuda=True)
 
 
 def test_every_rank_prints_the_same_line_and_tells_torchrun(tmp_path, monkeypatch, capsys):
@@ -198,17 +198,17 @@ def test_the_summary_line_is_rank_0s(monkeypatch, capsys):
 
 
 def test_warnings_every_rank_raises_alike_are_said_once_by_rank_0():
-    """A phase every rank runs alike (reading the checkpoint, the --init-from weights) warns once, on rank 0:
+    """A phase every rank runs alike (reading the --init-from weights) warns once, on rank 0:
     csattn's own warnings as TrainWarning (restated for the command line), torch's as they were."""
-    here = os.path.join(os.path.dirname(loop.__file__), "checkpointing.py")
+    here = os.path.join(os.path.dirname(os.path.dirname(build.__file__)), "parallel", "init.py")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            warnings.warn_explicit("loading the pickled x because trust_checkpoint=True", UserWarning, here, 1)
+            warnings.warn_explicit("rounding x because allow_inexact_fp8=True", UserWarning, here, 1)
             warnings.warn_explicit("torch's own", UserWarning, "/elsewhere/torch/utils.py", 1)
-    for rank, expected in ((1, []), (0, [("loading the pickled x because --trust-checkpoint", TrainWarning),
+    for rank, expected in ((1, []), (0, [("rounding x because --allow-inexact-fp8", TrainWarning),
                                          ("torch's own", UserWarning)])):
         with warnings.catch_warnings(record=True) as relayed:
             warnings.simplefilter("always")
-            loop._relay_warnings(caught, rank, lambda m: m.replace("trust_checkpoint=True", "--trust-checkpoint"))
+            build._relay_warnings(caught, rank, lambda m: m.replace("allow_inexact_fp8=True", "--allow-inexact-fp8"))
         assert [(str(w.message), w.category) for w in relayed] == expected

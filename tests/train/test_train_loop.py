@@ -11,7 +11,8 @@ import torch
 
 from csattn.cli import build_parser, main
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
-from csattn.train.loop import TrainConfig, build_model_config, train
+from csattn.train.build import build_model_config
+from csattn.train.run import TrainConfig, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

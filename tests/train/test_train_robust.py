@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 
 from csattn.cli import build_parser, main
 from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
-from csattn.train import loop
+from csattn.train import build, run
 from csattn.train.errors import TrainingStopped, UserError
-from csattn.train.loop import TrainConfig, train
+from csattn.train.run import TrainConfig, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,20 +45,21 @@ def _poison_from(monkeypatch, first_call: int, what: str) -> None:
 
 def _record_steps(monkeypatch) -> list[dict]:
     """After each step: the model's weights and the AdamW step count of its first parameter."""
-    step, seen = loop.train_step, []
+    step, seen = run.train_step, []
 
-    def recorded(model, batch, cp, meshes, optimizer, *args):
-        finish = step(model, batch, cp, meshes, optimizer, *args)
+    def recorded(state, *args):
+        finish = step(state, *args)
 
         def done():
             metrics = finish()
+            optimizer = state.optimizer
             first = optimizer.state.get(optimizer.param_groups[0]["params"][0], {})
-            seen.append({"weights": {k: v.clone() for k, v in model.state_dict().items()},
+            seen.append({"weights": {k: v.clone() for k, v in state.model.state_dict().items()},
                          "adam_step": float(first["step"]) if "step" in first else 0.0, **metrics})
             return metrics
         return done
 
-    monkeypatch.setattr(loop, "train_step", recorded)
+    monkeypatch.setattr(run, "train_step", recorded)
     return seen
 
 
@@ -106,10 +107,11 @@ def test_a_run_recovers_from_fewer_bad_steps_than_the_limit(monkeypatch, capsys)
 
 
 def test_nonfinite_weights_are_never_saved_and_keep_last_keeps_the_good_one(tmp_path, monkeypatch):
-    step = loop.train_step
+    step = run.train_step
 
-    def breaks_weights(model, *args):
-        finish = step(model, *args)
+    def breaks_weights(state, *args):
+        finish = step(state, *args)
+        model = state.model
 
         def done():
             metrics = finish()
@@ -120,7 +122,7 @@ def test_nonfinite_weights_are_never_saved_and_keep_last_keeps_the_good_one(tmp_
         model.optimizer_steps = getattr(model, "optimizer_steps", 0) + 1
         return done
 
-    monkeypatch.setattr(loop, "train_step", breaks_weights)
+    monkeypatch.setattr(run, "train_step", breaks_weights)
     out = str(tmp_path / "run")
     with pytest.raises(TrainingStopped, match=r"step 2: the model's weights hold NaN or inf values: refusing to save "
                        r".*checkpoint-000002; the checkpoints already under .* are kept"):
@@ -207,7 +209,7 @@ def test_user_mistakes_end_in_one_line_without_traceback(argv, expected, capsys)
 def test_triton_backend_without_cuda_is_refused_at_startup(monkeypatch, capsys):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     built = []
-    monkeypatch.setattr(loop, "build_model", lambda *a: built.append(1))  # refused before the model is built
+    monkeypatch.setattr(build, "build_model", lambda *a: built.append(1))  # refused before the model is built
     assert main(BASE + ["--attention-backend", "triton"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("csattn train: error: backend 'triton' runs the Triton kernels, which need CUDA tensors")
@@ -283,7 +285,7 @@ def test_deterministic_runs_are_bitwise_equal_and_the_mode_is_restored():
     args = build_parser().parse_args(argv)
     assert args.deterministic
     seen = []
-    real = loop.build_model
+    real = build.build_model
 
     def spy(cfg, model_cfg, *a, **k):
         seen.append((model_cfg.deterministic, torch.are_deterministic_algorithms_enabled()))
@@ -291,7 +293,7 @@ def test_deterministic_runs_are_bitwise_equal_and_the_mode_is_restored():
 
     runs = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loop, "build_model", spy)
+        mp.setattr(build, "build_model", spy)
         for _ in range(2):
             runs.append(train(TrainConfig(steps=3, seq_len=64, device="cpu", progress=False, deterministic=True)))
     assert seen == [(True, True), (True, True)]

@@ -1,17 +1,19 @@
 """Checkpoints load without running code, and ``csattn train`` says clearly what is wrong and what it did:
-old pickled trainer states are refused unless trusted, resuming with other data is refused, the final
+old pickled trainer states are refused saying what to do, resuming with other data is refused, the final
 checkpoint is written and its path printed, and misuse of --device / --cp / --init-from is explained."""
 
 import os
+import shutil
 import warnings
 
 import pytest
 import torch
 
-from csattn.train.checkpointing import LEGACY_STATE_NAME, STATE_NAME, load_checkpoint
-from csattn.train.loop import TrainConfig, train
-from csattn.train.manifest import MANIFEST
-from csattn.train.safe_state import load_state, save_state
+from csattn.cli import main
+from csattn.train.checkpoint import MANIFEST, STATE_NAME, read_trainer_state
+from csattn.train.checkpoint.layout import LEGACY_STATE_NAME
+from csattn.train.checkpoint.safe_state import load_state, save_state
+from csattn.train.run import TrainConfig, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,50 +30,35 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
-def _old_format_checkpoint(tmp_path, payload: object) -> str:
-    """A checkpoint of the old layout: model weights plus a pickled ``trainer_state.pt``."""
+def test_a_pickle_era_checkpoint_is_refused_in_one_line_and_never_runs(tmp_path, capsys):
+    """A checkpoint of csattn before DCP (HF-format model files and a pickled ``trainer_state.pt``) is never
+    unpickled: ``--resume`` refuses it in one line saying what to do, ``--resume auto`` names it and starts afresh,
+    and the advice (``--init-from`` it) works. ``--trust-checkpoint`` is gone."""
     out = str(tmp_path / "run")
     train(TrainConfig(steps=1, output=out, **SMALL))
     ckpt = os.path.join(out, "checkpoint-000001")
-    os.remove(os.path.join(ckpt, STATE_NAME))
-    os.remove(os.path.join(ckpt, MANIFEST))  # older csattn versions wrote none
-    torch.save(payload, os.path.join(ckpt, LEGACY_STATE_NAME))  # torch.save pickles: __reduce__ is kept
-    return ckpt
-
-
-def test_malicious_old_trainer_state_is_refused_and_never_runs(tmp_path, capsys):
+    for name in (STATE_NAME, MANIFEST):
+        os.remove(os.path.join(ckpt, name))
+    shutil.rmtree(os.path.join(ckpt, "dcp"))
     marker = tmp_path / "pwned"
-    ckpt = _old_format_checkpoint(tmp_path, {"step": 1, "x": _Payload(str(marker))})
-    with pytest.raises(ValueError, match=r"trainer_state\.pt.*pickle.*--trust-checkpoint"):
-        train(TrainConfig(steps=2, resume=ckpt, **SMALL))
-    # --resume auto never resumes a checkpoint without a manifest: it names it and how to resume it, starts afresh
-    fresh = train(TrainConfig(steps=1, output=os.path.dirname(ckpt), resume="auto", **SMALL))
-    assert fresh.start_step == 0 and not marker.exists()
+    torch.save({"step": 1, "x": _Payload(str(marker))}, os.path.join(ckpt, LEGACY_STATE_NAME))  # keeps __reduce__
+    args = ["train", "--steps", "2", "--seq-len", "32", "--no-progress", "--device", "cpu"]
+    assert main(args + ["--resume", ckpt]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"csattn train: error: checkpoint {ckpt} was written by an older csattn (a pickled "
+                   "trainer_state.pt, before DCP checkpoints), which this csattn does not read: start a new run from "
+                   f"its HF-format model files with --init-from {ckpt} (export them with the older csattn if it has "
+                   "none), or re-create the checkpoint"], err
+    with pytest.raises(ValueError, match=r"pickled trainer_state\.pt"):
+        read_trainer_state(ckpt)
+    fresh = train(TrainConfig(steps=1, output=out, resume="auto", **SMALL))
     text = capsys.readouterr().out
-    assert f"skipping {ckpt}: no manifest.json" in text and f"--resume {ckpt} --trust-checkpoint" in text
-    # its step's new checkpoint moved it aside (nothing is deleted)
-    assert f"moved the earlier {ckpt} aside to {ckpt}.incomplete" in text
-    ckpt += ".incomplete"
-    # the explicit opt-in does unpickle it (which is why it is opt-in)
-    model = train(TrainConfig(steps=1, **SMALL)).model
-    with pytest.warns(UserWarning, match="pickled"):
-        state = load_checkpoint(ckpt, model, trust_checkpoint=True)
-    state["x"].close()
-    assert marker.exists()
-
-
-def test_trusted_old_checkpoint_still_resumes_exactly(tmp_path):
-    """An old-format checkpoint (the same state, pickled) resumes with --trust-checkpoint and continues exactly."""
-    out = str(tmp_path / "run")
-    full = train(TrainConfig(steps=3, output=out, save_every=1, **SMALL))
-    ckpt = os.path.join(out, "checkpoint-000002")
-    state = load_state(os.path.join(ckpt, STATE_NAME))
-    torch.save(state, os.path.join(ckpt, LEGACY_STATE_NAME))
-    os.remove(os.path.join(ckpt, STATE_NAME))
-    os.remove(os.path.join(ckpt, MANIFEST))
-    with pytest.warns(UserWarning, match="pickled"):
-        resumed = train(TrainConfig(steps=3, resume=ckpt, trust_checkpoint=True, **SMALL))
-    assert resumed.losses == full.losses[2:]
+    assert fresh.start_step == 0 and f"skipping {ckpt}: no manifest.json" in text and "--init-from" in text
+    assert f"moved the earlier {ckpt} aside to {ckpt}.incomplete" in text  # nothing is deleted
+    assert train(TrainConfig(steps=1, init_from=ckpt + ".incomplete", **SMALL)).losses
+    assert not marker.exists()
+    with pytest.raises(SystemExit):
+        main(args + ["--trust-checkpoint"])
 
 
 def test_safe_state_round_trip_is_exact_and_typed(tmp_path):

@@ -77,6 +77,6 @@ def load_state(path: str) -> Any:
         meta = f.metadata() or {}
         if meta.get("format") != _FORMAT or _META_KEY not in meta:
             raise ValueError(f"{path} is not a csattn state file (no {_META_KEY!r} metadata); was it written by "
-                             "csattn.train.safe_state.save_state?")
+                             "csattn.train.checkpoint.safe_state.save_state?")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     return _decode(json.loads(meta[_META_KEY]), tensors)
