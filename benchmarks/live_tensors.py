@@ -14,6 +14,8 @@ CPU (reference backend, float32, a few thousand tokens):
     python -m benchmarks.live_tensors --layer csa --tokens 2048 --cp 4 --device cpu --dtype float32
 The whole model (the 4-layer V4-Flash proxy), per component, KiB per token per layer:
     python -m benchmarks.live_tensors --model --tokens 16384 --recompute none
+with ``--json``, the per-component bytes and the run's ``meta`` (commit, versions) as JSON (the planner's
+``KEPT_KIB`` is derived from ``benchmarks/results/h200/model_kept.json``).
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def _run_model(args: argparse.Namespace) -> None:
     from csattn.report.model import proxy_model
 
     from .providers.model import DEFAULTS, _batch, proxy_config
+    from .run import run_meta
 
     device = torch.device(args.device)
     shape = {**DEFAULTS, "tokens": args.tokens, "experts": args.experts, "topk_experts": args.topk_experts,
@@ -119,9 +122,10 @@ def _run_model(args: argparse.Namespace) -> None:
         print(f"{nb / 2**20:12.1f} MiB  {nb / T / 1024:8.2f} KiB/token  {name or '(outside any module)'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tokens": T, "layers": n, "recompute": cfg.recompute, "experts": cfg.n_routed_experts,
-                       "topk": cfg.num_experts_per_tok, "dtype": args.dtype, "total_bytes": total,
-                       "kib_per_token_per_layer": total / T / n / 1024, "by_component": kept}, f, indent=1)
+            json.dump({"meta": run_meta(device, args.commit), "tokens": T, "layers": n, "recompute": cfg.recompute,
+                       "experts": cfg.n_routed_experts, "topk": cfg.num_experts_per_tok, "dtype": args.dtype,
+                       "total_bytes": total, "kib_per_token_per_layer": total / T / n / 1024,
+                       "by_component": kept}, f, indent=1)
     loss.backward()
 
 
@@ -134,6 +138,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4, help="with --model: decoder layers")
     p.add_argument("--recompute", default="none", choices=["none", "mhc", "moe", "block"], help="with --model")
     p.add_argument("--json", default=None, help="with --model: write the per-component bytes here")
+    p.add_argument("--commit", default=None, help="with --json: the recorded commit (default: git rev-parse)")
     p.add_argument("--layer", default="csa", choices=["csa", "hca"])
     p.add_argument("--tokens", type=int, default=32768, help="packed tokens (ragged documents, as in the report)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (rank 0 is listed)")
