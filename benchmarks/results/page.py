@@ -21,6 +21,7 @@ from .sections import (
     layer_section,
     model_headline,
     model_section,
+    planner_inputs_section,
     sharded_section,
 )
 from .sources import REPORT_PARTS, listed_stages
@@ -28,7 +29,7 @@ from .sources import REPORT_PARTS, listed_stages
 __all__ = ["render_page"]
 
 SECTIONS = (model_section, hf_section, layer_section, cp_section, kernels_section, graphs_section, sharded_section,
-            deterministic_section, finetune_section)
+            deterministic_section, finetune_section, planner_inputs_section)
 
 
 def _link(target: Path, page: Path) -> str:

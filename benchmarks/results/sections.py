@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .data import Results, gib, ms, num, times, tok
+from .data import Results, commit_of, gib, ms, num, times, tok
+from .planner import KEPT, RECOMPUTE, MissingMeasurement, kept_kib
 from .sources import SHARDED, source
 
 __all__ = ["Section", "Claim", "Context", "model_section", "hf_section", "layer_section", "cp_section",
-           "kernels_section", "graphs_section", "sharded_section", "deterministic_section"]
+           "kernels_section", "graphs_section", "sharded_section", "deterministic_section", "planner_inputs_section"]
 
 PATHS = {"triton": "csattn (fused)", "unfused": "unfused PyTorch", "reference": "PyTorch reference",
          "hf": "HF eager"}
@@ -64,8 +65,8 @@ def _provenance(ctx: Context, files: list[str]) -> list[str]:
     """Which files (with their commit and date) a table comes from, and the commands that write them."""
     present = [f for f in files if f in ctx.res.files]
     commits: dict[str, None] = {}
-    for f in present:
-        for r in ctx.res.records(f):
+    for f in present:  # a file of one record (no "results") has its file's commit
+        for r in ctx.res.records(f) or [{"commit": commit_of({}, ctx.res.meta(f))}]:
             commits[r["commit"]] = None
     dates = sorted({str((ctx.res.meta(f) or {}).get("date", ""))[:10] for f in present} - {""})
     when = f"commit {', '.join(f'`{c}`' for c in commits) or '?'}" + (f", {', '.join(dates)}" if dates else "")
@@ -385,3 +386,27 @@ def _soak_lines(r: dict) -> list[str]:
                      "final weights bitwise equal"],
                     [["killed twice and resumed", yes(losses, "killed"), yes(weights, "killed")],
                      ["a second uninterrupted run", yes(losses, "again"), yes(weights, "again")]])]
+
+
+def planner_inputs_section(ctx: Context) -> Section | None:
+    """The proxy's step under each recompute and what its forward keeps, the planner's measured inputs."""
+    steps = [r for r in ctx.res.records(RECOMPUTE, op="model", provider="csattn") if r.get("ms")]
+    none = {r["commit"]: r["ms"] for r in steps if r["shape"].get("recompute") == "none"}
+    try:
+        kept = kept_kib(ctx.res)[0]
+    except MissingMeasurement:
+        kept = {}
+    if not steps and not kept:
+        return None
+    lines = ["What `csattn plan` reads beside the proxy's MFU (`csattn/parallel/plan/measured.py`, written from these "
+             "files): the 4-layer proxy's step at 16k tokens under each recompute, over the step without recompute at "
+             "the same commit, and what its forward keeps for the backward, KiB per token per layer by component."]
+    if steps:
+        rows = [[str(r["shape"]["recompute"]), f"`{r['commit']}`", tok(r["shape"]["tokens"]), ms(r["ms"]),
+                 times(r["ms"] / none[r["commit"]] if r["commit"] in none else None), gib(r.get("peak_gib"))]
+                for r in steps]
+        lines += ["", *_table(["recompute", "commit", "tokens", "ms", "over none", "peak GiB"], rows, right_from=2)]
+    if kept:
+        lines += ["", *_table(["kept for the backward", "KiB per token per layer (embed, head: per model)"],
+                              [[k, num(v, ".2f")] for k, v in kept.items()])]
+    return Section("Planner inputs", [*lines, *_provenance(ctx, [RECOMPUTE, KEPT])])

@@ -59,7 +59,8 @@ _TIMED = ("--warmup-ms", "5", "--rep-ms", "30")
 
 STAGES: dict[str, tuple[Source, ...]] = {
     # the 4-layer V4-Flash proxy: 16k and 64k by do_bench medians, 128k one timed step after one warm-up, 512k
-    # (block recompute, block inputs in host memory) the second of two steps; about 3.5 min with the model builds
+    # (block recompute, block inputs in host memory) the second of two steps; about 3.5 min with the model builds,
+    # then the planner's two inputs
     "model": (
         Source("model.json", _RUN, ("--op", "model", "--mode", "fwdbwd", "--providers", "csattn",
                                     "--shape", "tokens=16384,65536", *_TIMED), 150),
@@ -68,6 +69,12 @@ STAGES: dict[str, tuple[Source, ...]] = {
         Source("model_512k.json", "benchmarks.model_long_step",
                ("--tokens", "524288", "--recompute", "full+offload", "--steps", "2"), 200,
                (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)),
+        # the planner's inputs (benchmarks/results/planner.py): each recompute's step at 16k, and what the
+        # forward keeps for the backward per component; estimated 1.5 min with the model builds
+        Source("model_recompute.json", _RUN, ("--op", "model", "--mode", "fwdbwd", "--providers", "csattn",
+                                              "--shape", "tokens=16384", "--shape", "recompute=none,mhc,moe,block,full",
+                                              *_TIMED), 120),
+        Source("model_kept.json", "benchmarks.live_tensors", ("--model", "--tokens", "16384"), 90),
     ),
     # one CSA layer step, eager against CUDA-graph replay; about 30 s
     "graphs": (

@@ -72,6 +72,13 @@ def json_dir(tmp_path: Path) -> Path:
     _runner(d / "deterministic_indexer_loss.json", [_kernel("triton", 32768, 7.5, 0.5), det])
     _runner(d / "model_deterministic.json", [{**_model(16384, 330.0, 9.6), "variant": "deterministic"}])
     _runner(d / "model_deterministic_base.json", [_model(16384, 300.0, 9.6)])
+    _runner(d / "model_recompute.json", [_model(16384, 300.0, 9.6), _model(16384, 330.0, 5.0, recompute="block")])
+    kib = 1024 * 1024  # bytes of 1 KiB per token at 1024 tokens
+    kept_parts = {"": 64, ".mlp": 34, ".self_attn": 16, ".attn_hc": 0.25, ".ffn_hc": 0.25}
+    (d / "model_kept.json").write_text(json.dumps({
+        "meta": META, "tokens": 1024, "layers": 4, "recompute": "none", "experts": 8, "topk": 2,
+        "by_component": {**{f"model.layers.{i}{p}": v * kib for i in range(4) for p, v in kept_parts.items()},
+                         "model.embed_tokens": 8 * kib, "model.hc_head": 8 * kib}}))
     _runner(d / "soak_deterministic.json", [{
         "steps": 240, "wall_s": 316.0, "kills": [{"after_s": 120.5, "last_step_logged": 81},
                                                 {"after_s": 215.8, "last_step_logged": 161}],
@@ -114,7 +121,8 @@ def test_page_from_json_alone(tmp_path, json_dir):
                 "| killed twice and resumed | yes | yes |", "| a second uninterrupted run | yes | **no** |",
                 "killed with SIGKILL after steps 81 and 161",
                 "| indexer-loss backward | 32k | 7.500 | 9.000 | 1.20x |",
-                "| proxy training step | 16k | 300.0 | 330.0 | 1.10x |"):
+                "| proxy training step | 16k | 300.0 | 330.0 | 1.10x |",
+                "| block | `abc1234` | 16k | 330.0 | 1.10x | 5.00 |", "| mhc | 0.50 |", "| attn_hca | 16.00 |"):
         assert row in md
     # every table names the JSON it comes from and the command that writes it
     for name in ("model.json", "model_512k.json", "model_hf.json", "report_cp1.json", "sparse_attn_bwd.json",

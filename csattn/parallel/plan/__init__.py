@@ -45,11 +45,11 @@ from .counts import (
     training_spec,
 )
 from .load import load_config
-from .measured import FP8_GEMM_SPEEDUP, MFU_BY_ROWS, TRANSIENT
-from .memory import FP8_BYTES, KEPT_KIB, fp8_workspace, kept_bytes_per_token, plan
+from .measured import FP8_GEMM_SPEEDUP, KEPT_KIB, MFU_BY_ROWS, RECOMPUTE_SLOWDOWN, TRANSIENT
+from .memory import FP8_BYTES, fp8_workspace, kept_bytes_per_token, plan
 from .meshes import docs_table, nearest_fits, rank_plans, search
 from .records import H200_BYTES, HEADROOM, LIMIT_BYTES, Memory, Plan
-from .timing import RECOMPUTE_SLOWDOWN, mfu_at, step_flops, step_time
+from .timing import mfu_at, step_flops, step_time
 
 __all__ = ["BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "FP8_BYTES", "FP8_GEMM_SPEEDUP", "FP8_GROUPS",
            "GROUPS", "GroupCount", "GroupCounts", "H200_BYTES", "HEADROOM", "KEPT_KIB",

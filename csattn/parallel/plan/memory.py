@@ -3,54 +3,44 @@ the FSDP units in flight, kept activations and the backward's workspaces; the pe
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 from ...models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfig
 from ..mesh import ParallelDims
 from .counts import GROUPS, GroupCount, Training, cached, count_groups, layer_kinds
-from .measured import TRANSIENT
+from .measured import KEPT_KIB, TRANSIENT
 from .records import GiB, Memory, Part, Plan, Sizes
 from .timing import step_time
 
-__all__ = ["FP8_BYTES", "KEPT_KIB", "fp8_workspace", "kept_bytes_per_token", "plan", "sizes"]
+__all__ = ["FP8_BYTES", "fp8_workspace", "kept_bytes_per_token", "plan", "sizes"]
 
 FP8_BYTES = 1 + 4 / (128 * 128)  # e4m3 plus one fp32 scale per 128x128 block, per element
 FP8_ACT_BYTES = 1 + 4 / 128  # e4m3 plus one fp32 scale per 1x128 tile (activations)
 
-# Kept for the backward, KiB per token per layer, measured on the 4-layer proxy at 16k tokens, recompute none
-# (lab/results/model_kept_16k_h200_3f37546.txt, `python -m benchmarks.live_tensors --model --tokens 16384`).
-# Geometry of the measurement: D 4096, hc_mult 4, top-2 of 8 experts, I 2048, q_lora 1024, index_topk 512. No stage
-# of benchmarks/results measures it, so it is typed here (measured.TRANSIENT is derived with it).
-KEPT_KIB = {
-    "combines": 64.0,  # two bf16 stream sets [n, D] (scales with n * D)
-    "moe": 34.11,  # routed gate/up [k, 2I] 16 + shared [2I] 8 + output [D] 8 + routing 2.11
-    "attn_sliding": 15.27,  # output [D] 8 + query latent, keys (scale with q_lora)
-    "attn_csa": 27.27,  # + compressed entries, indexer state; top-k ids (int64) and teacher masses (fp32) 6
-    "attn_hca": 17.29,
-    "mhc": 0.36,  # the two sites' logits and scales
-    "embed": 8.0,  # per model: the embedding [D]
-    "head": 8.02,  # per model (and per MTP head): the head's normed output [D]
-}
+# the geometry KEPT_KIB (measured.py) was measured at: the 4-layer proxy at 16k tokens, recompute none
 PROXY = {"D": 4096, "n": 4, "k": 2, "I": 2048, "ql": 1024, "topk": 512}
 
 
-def kept_bytes_per_token(c: DeepseekV4ModelConfig, recompute: str) -> dict[str, float]:
+def kept_bytes_per_token(c: DeepseekV4ModelConfig, recompute: str,
+                         kept_kib: Mapping[str, float] = KEPT_KIB) -> dict[str, float]:
     """Bytes per token of the rank kept for the backward, by layer kind and per model, for ``recompute``:
     ``{"sliding"|"csa"|"hca": per layer, "model": embedding + heads, "recompute_extra": one layer's state alive
-    while it is recomputed}``, scaled from :data:`KEPT_KIB` by the geometry."""
-    K, p = 1024.0, PROXY
+    while it is recomputed}``, scaled by the geometry from ``kept_kib`` (the proxy's measured KiB per token per
+    layer by component, :data:`KEPT_KIB` unless another measurement is given)."""
+    K, p, kib = 1024.0, PROXY, kept_kib
     D, n, k, I = c.hidden_size, c.hc_mult, c.num_experts_per_tok, c.moe_intermediate_size
     ql, topk = c.q_lora_rank, c.index_topk
-    combines = KEPT_KIB["combines"] * K * (n * D) / (p["n"] * p["D"])
-    moe = (k * 2 * I * 2 + 2 * I * 2 + D * 2) + (KEPT_KIB["moe"] - 32.0) * K * k / p["k"]
+    combines = kib["combines"] * K * (n * D) / (p["n"] * p["D"])
+    moe = (k * 2 * I * 2 + 2 * I * 2 + D * 2) + (kib["moe"] - 32.0) * K * k / p["k"]
     out = D * 2.0
     topk_part = 6.0 * K * topk / p["topk"]
-    attn = {"sliding": (KEPT_KIB["attn_sliding"] - 8.0) * K * ql / p["ql"] + out,
-            "csa": (KEPT_KIB["attn_csa"] - 14.0) * K * ql / p["ql"] + topk_part + out,
-            "hca": (KEPT_KIB["attn_hca"] - 8.0) * K * ql / p["ql"] + out}
-    mhc = KEPT_KIB["mhc"] * K
+    attn = {"sliding": (kib["attn_sliding"] - 8.0) * K * ql / p["ql"] + out,
+            "csa": (kib["attn_csa"] - 14.0) * K * ql / p["ql"] + topk_part + out,
+            "hca": (kib["attn_hca"] - 8.0) * K * ql / p["ql"] + out}
+    mhc = kib["mhc"] * K
     heads = 1 + c.num_nextn_predict_layers
-    model = (KEPT_KIB["embed"] + KEPT_KIB["head"] * heads) * K * D / p["D"]
+    model = (kib["embed"] + kib["head"] * heads) * K * D / p["D"]
     full_layer = {t: combines + moe + a + mhc for t, a in attn.items()}
     if recompute == "none":
         per = full_layer

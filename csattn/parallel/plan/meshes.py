@@ -196,9 +196,10 @@ def docs_table(configs: tuple[tuple[str, str], ...] = (("V4-Flash", "benchmarks/
            f"({100 - HEADROOM * 100:.0f} % of the H200's {H200_BYTES / GiB:.1f} GiB, the rest left to the "
            "allocator). Memory: fp32 master weights, gradients and AdamW state sharded by FSDP2, bf16 "
            "compute copies of the root and two units in flight, kept activations from the measured bytes per token "
-           "per layer (`csattn/parallel/plan/memory.py` `KEPT_KIB`). Time: `model_flops` at the proxy's measured "
-           f"one-GPU MFU ({_mfu_range()}, `csattn/parallel/plan/measured.py`) x the recompute's measured slow-down, "
-           "FSDP collectives overlapped except the first "
+           "per layer (`KEPT_KIB`). Time: `model_flops` at the proxy's measured one-GPU MFU (`MFU_BY_ROWS`, "
+           f"{_mfu_range()}) x the recompute's measured slow-down (`RECOMPUTE_SLOWDOWN`; all three in "
+           "`csattn/parallel/plan/measured.py`, written from `benchmarks/results/h200/`), FSDP collectives "
+           "overlapped except the first "
            "/ last unit and the root, EP all-to-all not overlapped (NVLink 900 GB/s in a node of 8, InfiniBand "
            "50 GB/s per GPU across nodes). Estimates, not measurements.", ""]
     for label, path in configs:

@@ -9,19 +9,14 @@ from ...models.deepseek_v4.config import DeepseekV4ModelConfig
 from ...models.deepseek_v4.flops import PEAK_FLOPS
 from ..mesh import ParallelDims
 from .counts import Training, cached, count_groups
-from .measured import FP8_GEMM_SPEEDUP, MFU_BY_ROWS
+from .measured import FP8_GEMM_SPEEDUP, MFU_BY_ROWS, RECOMPUTE_SLOWDOWN
 from .records import Part, Plan, Sizes
 
-__all__ = ["NVLINK_BPS", "IB_BPS", "GPUS_PER_NODE", "RECOMPUTE_SLOWDOWN", "mfu_at", "step_flops", "step_time"]
+__all__ = ["NVLINK_BPS", "IB_BPS", "GPUS_PER_NODE", "mfu_at", "step_flops", "step_time"]
 
 NVLINK_BPS = 900e9  # bytes/s per GPU within a node
 IB_BPS = 50e9  # bytes/s per GPU across nodes (400 Gb/s)
 GPUS_PER_NODE = 8
-# Step time of each recompute relative to none, the proxy at 16k (benchmarks.run --op model --shape
-# recompute=none,mhc,moe,block,full; ms per step, one H200; lab/LOG.md at f0cc06a: no stage of benchmarks/results
-# measures it, so it is not in measured.py).
-RECOMPUTE_SLOWDOWN = {"none": 1.0, "mhc": 411.5 / 393.6, "moe": 409.0 / 393.6, "block": 496.8 / 393.6,
-                      "full": 575.9 / 408.0}
 
 
 def mfu_at(rows: float) -> float:
