@@ -47,7 +47,7 @@ def resolve_backend(backend: str, where: torch.Tensor | torch.device | str, *, c
     if backend == "triton" and device.type != "cuda" and not interpreting():
         raise ValueError(f"backend 'triton' runs the Triton kernels, which need CUDA tensors; these are on "
                          f"{device.type}: use 'auto' (the reference off CUDA) or 'reference' (csattn train: "
-                         "--attention-backend auto), or set TRITON_INTERPRET=1 for Triton's CPU interpreter "
+                         "--backend auto), or set TRITON_INTERPRET=1 for Triton's CPU interpreter "
                          "(slow; for tests)")
     if backend != "auto":
         return backend

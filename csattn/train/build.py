@@ -88,9 +88,9 @@ def check_launch_options(cfg: TrainConfig) -> tuple[ParallelDims, bool, str]:
         raise ValueError(f"--device cuda: {why} (torch {torch.__version__}); install the CUDA build of torch on "
                          "a GPU machine, or pass --device cpu (or --device auto)")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    # --attention-backend triton off CUDA (without Triton's interpreter) would otherwise fail only at the first
+    # --backend triton off CUDA (without Triton's interpreter) would otherwise fail only at the first
     # forward
-    resolve_backend(cfg.attention_backend, "cuda" if use_cuda else "cpu")
+    resolve_backend(cfg.backend, "cuda" if use_cuda else "cpu")
     dims = check_launch(ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, ep=cfg.ep))
     check_fp8_mesh(dims, cfg.base_precision)
     backend = cfg.dist_backend if cfg.dist_backend != "auto" else "nccl" if use_cuda else "gloo"
@@ -141,7 +141,7 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int | None = None,
     which replace the config's (the data carries the tokenizer's)."""
     overrides: dict[str, Any] = dict(**(special_ids or {}), indexer_loss_coeff=cfg.indexer_loss_coeff,
                                      mtp_loss_coeff=cfg.mtp_loss_coeff,
-                                     backend=cfg.attention_backend,
+                                     backend=cfg.backend,
                                      deterministic=cfg.deterministic,
                                      recompute=cfg.recompute,
                                      offload_block_inputs=cfg.offload_block_inputs)

@@ -62,8 +62,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                    help="number of MTP blocks (default: the config's num_nextn_predict_layers; the tiny model has 1)")
     m.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=_D.dtype,
                    help="parameter dtype; mHC, sinks, biases and norms stay at least fp32 (default %(default)s)")
-    m.add_argument("--attention-backend", choices=["auto", "reference", "triton"], default=_D.attention_backend,
-                   help="attention kernels: auto = Triton on CUDA, reference on CPU (default %(default)s)")
+    m.add_argument("--backend", choices=["auto", "reference", "triton"], default=_D.backend,
+                   help="the layers' kernels: auto = Triton on CUDA, reference on CPU (default %(default)s)")
     m.add_argument("--recompute", choices=list(RECOMPUTE_CHOICES), default=_D.recompute,
                    help="what the backward recomputes instead of keeping: none; mhc = the mHC pre-mapping and "
                         "norm of each sub-block; moe = each MoE; block = each whole block from its input streams; "

@@ -108,7 +108,7 @@ class TrainConfig:
     config_json: str | None = None
     mtp_layers: int | None = None
     dtype: str = "float32"
-    attention_backend: str = "auto"
+    backend: str = "auto"  # the kernels of every layer: auto | reference | triton
     deterministic: bool = False  # bitwise-reproducible steps (csattn.deterministic_mode + fixed-point kernels)
     recompute: str = "none"
     offload_block_inputs: bool = False  # with recompute block / full: block inputs in pinned host memory

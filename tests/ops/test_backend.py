@@ -44,7 +44,7 @@ def test_one_reading_of_triton_interpret():
 
 
 def test_triton_off_cuda_is_a_clear_error_unless_interpreting(monkeypatch):
-    """``backend="triton"`` (``csattn train --attention-backend triton``) on a CPU used to reach Triton's launch
+    """``backend="triton"`` (``csattn train --backend triton``) on a CPU used to reach Triton's launch
     and fail there with "0 active drivers"; it is refused where the backend is resolved, saying what to use, and
     the model on a CPU fails with that message at its first forward. Triton's CPU interpreter still takes it."""
     from csattn import PackedSeqs
@@ -56,7 +56,7 @@ def test_triton_off_cuda_is_a_clear_error_unless_interpreting(monkeypatch):
         resolve_backend("triton", torch.zeros(1))
     assert resolve_backend("auto", torch.zeros(1)) == "reference"
     model = DeepseekV4ForCausalLM(tiny_model_config(64, backend="triton", num_nextn_predict_layers=0))
-    with pytest.raises(ValueError, match="--attention-backend auto"):
+    with pytest.raises(ValueError, match="--backend auto"):
         model(torch.randint(0, 64, (24,)), packed=PackedSeqs.from_lengths([24]))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_backend("triton", torch.zeros(1)) == "triton"

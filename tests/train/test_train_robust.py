@@ -210,10 +210,10 @@ def test_triton_backend_without_cuda_is_refused_at_startup(monkeypatch, capsys):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     built = []
     monkeypatch.setattr(build, "build_model", lambda *a: built.append(1))  # refused before the model is built
-    assert main(BASE + ["--attention-backend", "triton"]) == 2
+    assert main(BASE + ["--backend", "triton"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("csattn train: error: backend 'triton' runs the Triton kernels, which need CUDA tensors")
-    assert "--attention-backend auto" in err and "TRITON_INTERPRET=1" in err and not built
+    assert "--backend auto" in err and "TRITON_INTERPRET=1" in err and not built
     assert "Traceback" not in err and "active drivers" not in err
 
 
