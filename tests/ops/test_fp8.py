@@ -97,6 +97,34 @@ def test_fp8_linear_reference_vs_fp64(assert_close):
     assert torch.equal(fp8_linear_ref(x, q, s), out)
 
 
+def test_fp8_emulation_computes_what_the_kernels_compute(monkeypatch, assert_close):
+    """The GPU model tests' reference for ``compute="fp8"`` (``tests.helpers.emulate_fp8_compute``): through the ops'
+    CPU paths, the forward is the input quantized 1x128 times the dequantized weight and the input gradient the
+    output gradient quantized 1x128 times it (the products ``fp8_linear_quantized`` / ``fp8_grouped_mm_quantized``
+    name), not the unquantized product the references compute otherwise."""
+    from csattn.ops.fp8 import fp8_linear_quantized
+    from tests.helpers import emulate_fp8_compute
+
+    g = torch.Generator().manual_seed(6)
+    q, s = _weight((200, 260), g)
+    x = _activations(9, 260, g).double().requires_grad_()
+    dy = _activations(9, 200, g).double()
+    plain = fp8_linear(x, q, s)
+    emulate_fp8_compute(monkeypatch)
+    out = fp8_linear(x, q, s)
+    (dx,) = torch.autograd.grad(out, x, dy)
+    assert torch.equal(out, fp8_linear_quantized(x.detach(), q, s))
+    # the same products in fp64, summed in another order (dy @ W against dy @ (W^T)^T)
+    assert_close(dx, fp8_linear_quantized(dy, q.t().contiguous(), s.t().contiguous()), 1e-12, "dx")
+    assert not torch.equal(out, plain)  # the emulation is not the plain reference
+    qe, se = _weight((3, 256, 384), g)
+    offs = torch.tensor([5, 5, 12], dtype=torch.int32)
+    a = _activations(14, 384, g).double()
+    assert torch.equal(fp8_grouped_mm(a, qe, se, offs), fp8_grouped_mm_quantized(a, qe, se, offs))
+    b = _activations(14, 256, g).double()
+    assert torch.equal(fp8_grouped_mm(b, qe, se, offs, trans=True), fp8_grouped_mm_quantized(b, qe, se, offs, True))
+
+
 def test_fp8_ops_refuse_trainable_weights_and_bad_args():
     q, s = _weight((128, 128), torch.Generator().manual_seed(4))
     with pytest.raises(ValueError, match="requires grad"):
