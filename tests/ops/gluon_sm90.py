@@ -11,11 +11,8 @@ import sys
 import pytest
 
 _SCRIPT = r"""
-import json, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.experimental.gluon._runtime import GluonASTSource
+import json, re, sys
+from tests.ops.gluon_sm90 import build_sm90
 from csattn.ops.sparse_attn.config import SparseAttnConfig
 from csattn.ops.sparse_attn.gluon_bwd import sparse_attn_bwd_gluon_kernel
 from csattn.ops.sparse_attn.gluon_fwd import sparse_attn_fwd_gluon_kernel
@@ -39,22 +36,10 @@ else:  # "bwd", or "bwd_fixed": deterministic mode's int64 fixed-point dkv
            "H": "i32", "K": "i32", "scale": "fp32", "n_work": "i32", "n_hb": "i32"}
     consts = {"HAS_LEN": has_len, "HAS_DLSE": True, "BH": 64, "BD": d, "BK": bk, "KEY_REGS": 240,
               "FIXED": fixed}
-sig.update({k: "constexpr" for k in consts})
 # what the launcher's specialization sees at run time: 16-aligned pointers and strides
-attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
-         for k, v in sig.items() if v.startswith("*") or k.startswith("stride")}
-src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
-                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-ptx = kernel.asm["ptx"]
-# spills of the sm_90a build: the ptxas Triton compiled with, run again with -v on the same PTX
-with tempfile.TemporaryDirectory() as tmp:
-    open(f"{tmp}/k.ptx", "w").write(ptx)
-    run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                         capture_output=True, text=True)
-spills = re.findall(r"(\d+) bytes spill stores", run.stdout + run.stderr)
-print(json.dumps({"ptxas_rc": run.returncode, "ptxas": run.stderr[-2000:],
-                  "spill_stores": int(spills[0]) if spills else None,
+aligned = [k for k, v in sig.items() if v.startswith("*") or k.startswith("stride")]
+kernel, ptx, info = build_sm90(fn, sig, consts, aligned)
+print(json.dumps({**info,
                   "wgmma_n": re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx),
                   "shared": kernel.metadata.shared, "cp_async": "cp.async" in ptx,
                   "atomics": re.findall(r"(?:atom|red)\.global[.a-z]*\.add[.a-z0-9]*", ptx),
@@ -62,6 +47,36 @@ print(json.dumps({"ptxas_rc": run.returncode, "ptxas": run.stderr[-2000:],
                   "cvt_s64": len(re.findall(r"cvt\.rni\.s64\.f32", ptx)),
                   "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))}))
 """
+
+
+def build_sm90(fn, sig: dict, consts: dict, divisible: list[str]):
+    """Gluon kernel ``fn`` compiled for sm_90a (signature ``sig``, constexprs ``consts``, the arguments ``divisible``
+    16-aligned as the launcher specializes them), then its PTX through Triton's ptxas with ``-v``. Returns
+    ``(kernel, ptx, info)``, ``info``: ptxas's exit status, the end of its log and the spill stores. Run inside a
+    build script (:func:`run_build`), not under the interpreter."""
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {**sig, **{k: "constexpr" for k in consts}}
+    src = GluonASTSource(fn=fn, signature=sig, attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]]
+                                                      for k in divisible},
+                         constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(ptx)
+        run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                             capture_output=True, text=True)
+    log = run.stdout + run.stderr
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    return kernel, ptx, {"ptxas_rc": run.returncode, "ptxas": log[-2000:],
+                         "spill_stores": int(spills[0]) if spills else None}
 
 
 def run_build(script: str, *args: str) -> dict:

@@ -9,11 +9,8 @@ import pytest
 from tests.ops.gluon_sm90 import run_build
 
 _SCRIPT = r"""
-import json, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.experimental.gluon._runtime import GluonASTSource
+import json, re, sys
+from tests.ops.gluon_sm90 import build_sm90
 from csattn.ops.fp8.gluon import fp8_grouped_gluon_kernel as fn, launch_settings, tile_smem
 
 trans = sys.argv[1] == "1"
@@ -22,21 +19,9 @@ ints = ("M", "N", "KC", "E", "W_ROWS", "tiles_m", "tiles_n", "stride_sam", "stri
         "stride_sbn", "stride_om")
 sig = {"a_desc": desc, "w_desc": desc, "sa": "*fp32", "sw": "*fp32", "table": "*i32", "out": "*bf16",
        **{k: "i32" for k in ints}}
-consts = dict(TRANS=trans, E_P2=512, **launch_settings(trans))
-sig.update({k: "constexpr" for k in consts})
-attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
-src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
-                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-ptx = kernel.asm["ptx"]
-with tempfile.TemporaryDirectory() as tmp:
-    open(f"{tmp}/k.ptx", "w").write(ptx)
-    run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                         capture_output=True, text=True)
-log = run.stdout + run.stderr
-spills = re.findall(r"(\d+) bytes spill stores", log)
-print(json.dumps({"ptxas_rc": run.returncode, "ptxas": log[-2000:], "spill_stores": int(spills[0]) if spills else None,
-                  "serialized": "C7514" in log or "C7512" in log or "C7517" in log,
+kernel, ptx, info = build_sm90(fn, sig, dict(TRANS=trans, E_P2=512, **launch_settings(trans)),
+                               [k for k, v in sig.items() if v.startswith("*")])
+print(json.dumps({**info, "serialized": any(c in info["ptxas"] for c in ("C7514", "C7512", "C7517")),
                   "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.",
                                                  ptx))),
                   "wait_group": sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))),
