@@ -15,12 +15,12 @@ import csattn.ops.fp8.linear as linear
 from csattn.integrations.transformers import patch
 from csattn.models.deepseek_v4 import DeepseekV4ModelConfig, load_pretrained
 from csattn.models.deepseek_v4.release import write_release_checkpoint
+from lab.probes.fp8_lora_grads import SHAPE, grads
 from tests.integrations import peft_support as ps
 from tests.integrations.test_integration_hf_fp8 import _lora, _rel, fp8_pair
 from tests.models import test_fp8_model_gpu as native
 from tests.models.model_utils import tiny_config_dict
 
-SHAPE = dict(hidden_size=256, n_routed_experts=8, index_topk=64)
 KC = grouped.kernel_compute
 
 
@@ -49,32 +49,24 @@ def summary(name, loss, grads, want_loss, want):
           flush=True)
 
 
-def hf_grads(model, device, docs, autocast):
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-        loss = ps.flattened_loss(model, docs, device)
-    loss.backward()
-    return loss.detach().cpu(), {n: p.grad.detach().double().cpu() for n, p in ps.adapters(model).items()
-                                  if p.grad is not None}
-
-
 def hf_probe():
     print("patched HF FP8 model + PEFT LoRA (experts FP8)", flush=True)
     lora = _lora(experts=True)
     exact = get_peft_model(patch(fp8_pair("fp8", intermediate=256, **SHAPE)[1]), lora)
     state = {n: p for n, p in exact.state_dict().items() if ".lora_" in n}
     docs = ps.docs([100, 156], 64, seed=2)
-    want_loss, want = hf_grads(exact, "cpu", docs, False)
+    want_loss, want = grads(exact, "cpu", docs, False)
     held, ref = fp8_pair("fp8", intermediate=256, **SHAPE)
     model = get_peft_model(patch(ref), lora).cuda()
     model.load_state_dict(state, strict=False)
-    summary("bf16 (dequantized)", *hf_grads(model, "cuda", docs, True), want_loss, want)
+    summary("bf16 (dequantized)", *grads(model, "cuda", docs, True), want_loss, want)
     for name, (on, off) in VARIANTS.items():
         on()
         try:
             model = get_peft_model(patch(fp8_pair("fp8", intermediate=256, **SHAPE)[0], fp8_compute="fp8"),
                                    lora).cuda()
             model.load_state_dict(state, strict=False)
-            summary(name, *hf_grads(model, "cuda", docs, True), want_loss, want)
+            summary(name, *grads(model, "cuda", docs, True), want_loss, want)
         finally:
             off()
 
