@@ -31,10 +31,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from ..ops.fp8 import dequantize
 from .lora import LoraExperts, LoraSpec, lora_modules
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_tensors", "adapter_config", "save_adapter",
-           "load_adapter", "read_adapter_config", "merged_state_dict", "merge_lora"]
+           "load_adapter", "read_adapter_config", "merged_config", "merged_state_dict", "merge_lora"]
+
+SCALE_SUFFIX = "_scale_inv"  # an FP8-held tensor's block scales: HF's name of them
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -225,9 +228,13 @@ def merged_state_dict(model: nn.Module, gather: Gather = _whole) -> dict[str, Te
 def merge_lora(state: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
     """``state`` (whole tensors by model name, e.g. one FSDP unit's) with each adapted weight replaced by
     ``W + scale * B @ A`` (per expert for the routed experts) and the factors dropped. Summed in fp32 (fp64 for
-    fp64) and rounded once to W's dtype, or to bf16 for a weight held in a float8 type (a delta merged into FP8
-    would mostly round away)."""
+    fp64) and rounded once to W's dtype. Every FP8-held weight (``<name>`` e4m3 beside ``<name>_scale_inv``) is
+    written dequantized to bf16, adapted or not: a delta merged into FP8 would mostly round away, and the merged
+    model is one bf16 checkpoint (its config carries no ``quantization_config``: :func:`merged_config`)."""
     out = {k: v for k, v in state.items() if not any(p.startswith("lora_") for p in k.split("."))}
+    for key in [k for k in out if k.endswith(SCALE_SUFFIX)]:
+        base = key[:-len(SCALE_SUFFIX)]
+        out[base] = dequantize(out[base], out.pop(key), torch.bfloat16)
     for key, a in state.items():
         module, _, leaf = key.rpartition(".")
         if leaf == "lora_A":
@@ -241,5 +248,11 @@ def merge_lora(state: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
             w = out[f"{module}.{pname}"]
             c = torch.promote_types(fa.dtype, torch.float32)
             delta = scale * torch.matmul(fb.to(c), fa.to(c))
-            out[f"{module}.{pname}"] = (w.to(c) + delta).to(torch.bfloat16 if w.element_size() == 1 else w.dtype)
+            out[f"{module}.{pname}"] = (w.to(c) + delta).to(w.dtype)
     return out
+
+
+def merged_config(config: dict) -> dict:
+    """The ``config.json`` of a merged export (:func:`merge_lora`): ``config`` without its
+    ``quantization_config``, the weights being bf16."""
+    return {k: v for k, v in config.items() if k != "quantization_config"}

@@ -18,7 +18,7 @@ from ..parallel.export import full_tensor
 from ..parallel.init import copy_into
 from .groups import Choice, apply_freezing, resolve_choice
 from .lora import LoraSpec, add_lora, init_lora, lora_modules
-from .peft_format import merge_lora, save_adapter, saved_modules
+from .peft_format import merge_lora, merged_config, save_adapter, saved_modules
 
 __all__ = ["Finetune", "OPTIONS", "ADAPTER_DIR", "resume_mismatch", "save_adapters", "export_merged"]
 
@@ -96,7 +96,10 @@ def export_merged(model: nn.Module, path: str, meshes: Meshes) -> None:
     """The HF-format model under ``path`` (a collective), any LoRA adapters merged into their weights."""
     modules = lora_modules(model)
     scale = modules[0][1].lora_scale if modules else None
-    export_hf(model, path, meshes, transform=(lambda unit: merge_lora(unit, scale)) if modules else None)
+    if modules:
+        export_hf(model, path, meshes, transform=lambda unit: merge_lora(unit, scale), config=merged_config)
+    else:
+        export_hf(model, path, meshes)
 
 
 def _spec_of(modules: list[tuple[str, nn.Module]]) -> LoraSpec:

@@ -65,11 +65,12 @@ def full_grads(model: DeepseekV4ForCausalLM, meshes: Meshes) -> dict[str, Tensor
 
 
 def export_hf(model: DeepseekV4ForCausalLM, path: str, meshes: Meshes,
-              transform: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None) -> None:
+              transform: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
+              config: Callable[[dict], dict] | None = None) -> None:
     """Write ``config.json``, one safetensors file per unit and ``model.safetensors.index.json`` under ``path``
     (a collective; rank 0 writes). Loads with :func:`csattn.models.deepseek_v4.checkpoint.load_pretrained` and
     ``transformers`` alike. ``transform``: maps each unit's whole tensors (model names) to what is written, e.g.
-    adapters merged into their weights (``csattn.finetune``)."""
+    adapters merged into their weights (``csattn.finetune``); ``config``: maps the config written likewise."""
     from safetensors.torch import save_file
 
     if not meshes.distributed and transform is None:  # one process holds the whole model anyway: one file
@@ -100,7 +101,7 @@ def export_hf(model: DeepseekV4ForCausalLM, path: str, meshes: Meshes,
     if write:
         with open(os.path.join(path, INDEX_NAME), "w") as f:
             json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-        cfg = hf_config(model)
+        cfg = hf_config(model) if config is None else config(hf_config(model))
         with open(os.path.join(path, CONFIG_NAME), "w") as f:
             json.dump(cfg, f, indent=2, sort_keys=True)
     if meshes.distributed:

@@ -73,6 +73,32 @@ def test_fp8_linears_hold_the_frozen_dense_layers_without_lora(release):
     assert params["mtp.0.e_proj.weight"].dtype == torch.float32
 
 
+def test_merged_export_of_an_fp8_base_is_the_trained_model_in_bf16(release, tmp_path):
+    """``--export-hf`` with LoRA on FP8-held experts and dense linears: every FP8 weight written dequantized to bf16
+    (with its delta where adapted), no scales and no ``quantization_config``; the export's logits are the trained
+    model's up to that rounding (2^-9 relative per weight)."""
+    import json
+
+    from csattn.models.deepseek_v4 import load_pretrained
+
+    out = str(tmp_path / "run")
+    cfg = TrainConfig(**{**_base(release), "steps": 2, "export_hf": "final"}, base_precision="fp8", fp8_linears=True,
+                      lora_targets="attention,experts", output=out, save_every=2)
+    held = train(cfg).model
+    path = os.path.join(out, "checkpoint-000002")
+    assert "quantization_config" not in json.load(open(os.path.join(path, "config.json")))
+    merged = load_pretrained(path, dtype=torch.float32)
+    assert not any(n.endswith("_scale_inv") for n in merged.state_dict())
+    ids = torch.randint(0, held.config.vocab_size, (48,), generator=torch.Generator().manual_seed(1))
+    from csattn.packing import PackedSeqs
+
+    packed = PackedSeqs.from_lengths([48])
+    with torch.no_grad():
+        want, got = held(ids, packed=packed).logits, merged(ids, packed=packed).logits
+    err = float((got - want).norm() / want.norm())
+    assert err < 2e-2, err  # the FP8 codes taken as values (no scales) give logits off by O(1)
+
+
 def test_refusals_are_one_line(release, tmp_path, capsys, monkeypatch):
     base = ["train", "--steps", "1", "--seq-len", "32", "--no-progress", "--device", "cpu"]
     cases = [(["--base-precision", "fp8", "--lora-rank", "4"], "pass --init-from DIR"),
