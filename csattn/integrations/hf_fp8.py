@@ -33,7 +33,6 @@ import torch
 from torch import Tensor, nn
 from transformers.integrations import finegrained_fp8 as hf_fp8
 
-from ..amp import autocast_dtype, autocast_off
 from ..models.deepseek_v4.quant import _apply_raw, decode_scale, mxfp4_to_fp8
 from ..ops.backend import BackendChoice
 from ..ops.fp8 import BLOCK, COMPUTES, dequantize, fp8_linear
@@ -136,11 +135,7 @@ class PatchedFP8Linear(FP8Linear):
         """``x [..., K]`` -> ``[..., N]``."""
         codes = _codes(self, "weight")
         scale = block_scales(self.weight_scale_inv, codes.shape, self._csattn_where)
-        low = autocast_dtype(x)
-        if low is None:
-            return fp8_linear(x, codes, scale, compute=self._csattn_compute)
-        with autocast_off(x):  # as a linear under autocast: the input in the autocast dtype, the result in it
-            return fp8_linear(x.to(low), codes, scale, compute=self._csattn_compute)
+        return fp8_linear(x, codes, scale, compute=self._csattn_compute)
 
 
 class PatchedFP8GroupedLinear(hf_fp8.FP8GroupedLinear):

@@ -125,6 +125,20 @@ def test_fp8_emulation_computes_what_the_kernels_compute(monkeypatch, assert_clo
     assert torch.equal(fp8_grouped_mm(b, qe, se, offs, trans=True), fp8_grouped_mm_quantized(b, qe, se, offs, True))
 
 
+def test_fp8_linear_under_autocast_is_a_linear():
+    """Under autocast the op casts its input to the autocast dtype and returns that dtype, as ``nn.Linear`` does (every
+    caller, csattn's ``Fp8Linear`` and the patched HF ``FP8Linear`` alike), gradient included."""
+    g = torch.Generator().manual_seed(8)
+    q, s = _weight((256, 384), g)
+    x = torch.randn(5, 384, generator=g, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fp8_linear(x, q, s)
+    (dx,) = torch.autograd.grad(out.float().sum(), x)
+    want = fp8_linear(x.detach().bfloat16(), q, s)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    assert dx.dtype == torch.float32 and torch.isfinite(dx).all() and dx.abs().sum() > 0
+
+
 def test_fp8_ops_refuse_trainable_weights_and_bad_args():
     q, s = _weight((128, 128), torch.Generator().manual_seed(4))
     with pytest.raises(ValueError, match="requires grad"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...amp import autocast_dtype, autocast_off
 from .grouped import kernel_compute
 from .naive import BLOCK, check_weight, dequantize, fp8_linear_ref, quantize_1x128_ref
 
@@ -108,8 +109,13 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, compute: str = "fp8") -
     cuBLAS blockwise ``torch._scaled_mm``; other sm_89+ / unaligned shapes: the Triton kernel); the input gradient
     likewise FP8 (:data:`DGRAD`). ``compute="w8a16"``: the weight tile dequantized to ``x``'s dtype inside the
     kernel, bf16 / fp16 MMA. CPU, fp32 / fp64 ``x`` and older GPUs: the reference (the weight dequantized to
-    ``x``'s dtype, a plain matmul).
+    ``x``'s dtype, a plain matmul). Under ``torch.autocast`` ``x`` is cast to the autocast dtype first and the result
+    is in it, as for a linear (see :mod:`csattn.amp`).
     """
+    low = autocast_dtype(x)
+    if low is not None:
+        with autocast_off(x):
+            return fp8_linear(x.to(low), weight, scale, compute)
     check_weight(weight, scale)
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"fp8_linear takes x [..., K] and weight [N, K], got {tuple(x.shape)} and "
