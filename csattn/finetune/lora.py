@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..layers.attention import HybridAttention
 from ..layers.modules import GroupedLinear
 from ..models.deepseek_v4.moe import Experts
 from ..ops.autograd import with_zero_grads
@@ -42,8 +43,7 @@ __all__ = ["LoraSpec", "LoraLinear", "LoraWeight", "LoraReader", "LoraExperts", 
            "lora_delta", "WEIGHT_READ"]
 
 # linears whose weight the layer reads directly (relative to a decoder layer)
-WEIGHT_READ = ("self_attn.q_b_proj", "self_attn.o_a_proj", "self_attn.o_b_proj",
-               "self_attn.compressor.indexer.q_b_proj", "mlp.shared_experts.gate_proj",
+WEIGHT_READ = (*(f"self_attn.{n}" for n in HybridAttention.READ_PROJECTIONS), "mlp.shared_experts.gate_proj",
                "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj")
 
 

@@ -29,8 +29,9 @@ def _unit_of(name: str) -> str:
     return "top"
 
 
-def _full(t: Tensor, name: str, model: DeepseekV4ForCausalLM, meshes: Meshes) -> Tensor:
-    """The whole tensor on every rank of its meshes (FSDP all-gather; routed experts also over ``ep``)."""
+def full_tensor(t: Tensor, name: str, meshes: Meshes) -> Tensor:
+    """The whole tensor of the model's parameter or buffer ``name`` on every rank of its meshes (a collective under
+    sharding: FSDP all-gather; routed experts also over ``ep``)."""
     from torch.distributed.tensor import DTensor
 
     full = t.full_tensor() if isinstance(t, DTensor) else t
@@ -43,24 +44,19 @@ def _full(t: Tensor, name: str, model: DeepseekV4ForCausalLM, meshes: Meshes) ->
     return full.detach()
 
 
-def full_tensor(t: Tensor, name: str, meshes: Meshes) -> Tensor:
-    """The whole tensor of the model's parameter or buffer ``name`` on every rank (a collective under sharding)."""
-    return _full(t, name, None, meshes)
-
-
 def full_state_dict(model: DeepseekV4ForCausalLM, meshes: Meshes, unit: str | None = None) -> dict[str, Tensor]:
     """The whole ``state_dict`` (or one unit's: ``"top"``, ``"layer-003"``, ``"mtp-00"``) on every rank, on the
     CPU (a collective). For tests and small models; :func:`export_hf` writes a large one unit by unit."""
     out = {}
     for name, t in model.state_dict().items():
         if unit is None or _unit_of(name) == unit:
-            out[name] = _full(t, name, model, meshes).cpu()
+            out[name] = full_tensor(t, name, meshes).cpu()
     return out
 
 
 def full_grads(model: DeepseekV4ForCausalLM, meshes: Meshes) -> dict[str, Tensor]:
     """Every parameter's whole gradient on every rank, on the CPU (a collective; for tests and small models)."""
-    return {name: _full(p.grad, name, model, meshes).cpu() for name, p in model.named_parameters()
+    return {name: full_tensor(p.grad, name, meshes).cpu() for name, p in model.named_parameters()
             if p.grad is not None}
 
 
@@ -89,7 +85,7 @@ def export_hf(model: DeepseekV4ForCausalLM, path: str, meshes: Meshes,
         for name, t in state.items():
             if _unit_of(name) != unit:
                 continue
-            full = _full(t, name, model, meshes)
+            full = full_tensor(t, name, meshes)
             if write and not (model.config.tie_word_embeddings and name == "lm_head.weight"):
                 tensors[name] = full.cpu().contiguous()
         if write:

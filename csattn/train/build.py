@@ -44,10 +44,8 @@ class Trainer:
     """A built run: the step's :class:`TrainState`, this data replica's reader and what a save keeps beside them."""
 
     state: TrainState
-    reader: BatchReader
-    model_cfg: DeepseekV4ModelConfig
+    reader: BatchReader  # its batch_seqs: the sequences of a global batch
     tokenizer: Any
-    batch_seqs: int
 
 
 def build(cfg: TrainConfig, meshes: Meshes, device: torch.device, saved: dict[str, Any] | None = None) -> Trainer:
@@ -74,7 +72,7 @@ def build(cfg: TrainConfig, meshes: Meshes, device: torch.device, saved: dict[st
     bias_rate = Finetune.from_options(cfg).router_bias_rate(cfg.router_bias_rate)  # 0 with a frozen router
     state = TrainState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)), meshes,
                        device, cp, cfg.grad_clip, bias_rate)
-    return Trainer(state, reader, model_cfg, tokenizer, batch_seqs)
+    return Trainer(state, reader, tokenizer)
 
 
 def check_launch_options(cfg: TrainConfig) -> tuple[ParallelDims, bool, str]:

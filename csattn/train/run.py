@@ -57,8 +57,9 @@ def run(cfg: TrainConfig) -> TrainResult:
     trainer = build(cfg, meshes, device, resume.state if resume else None)
     state, reader = trainer.state, trainer.reader
     start = restore(state, reader, resume) if resume else 0
-    metrics = RunMetrics(cfg, trainer.model_cfg, meshes, device, start, resumed=resume is not None)
-    saver, bad = Checkpointer(cfg, trainer.batch_seqs, trainer.tokenizer), BadSteps(cfg.max_bad_steps, cfg.output)
+    metrics = RunMetrics(cfg, trainer.state.model.config, meshes, device, start, resumed=resume is not None)
+    saver = Checkpointer(cfg, trainer.reader.batch_seqs, trainer.tokenizer)
+    bad = BadSteps(cfg.max_bad_steps, cfg.output)
     with user_errors():  # the data files
         batch = next(reader) if start < cfg.steps else None
     try:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ...layers.modules import grouped_linear
 from ...ops.backend import BackendChoice
-from ...ops.fp8 import COMPUTES, check_compute, dequantize, fp8_linear
+from ...ops.fp8 import BLOCK, COMPUTES, check_compute, dequantize, fp8_linear
 from .moe import Experts
 
 __all__ = ["E2M1_VALUES", "FP8_BLOCK", "MXFP4_GROUP", "QuantConfig", "decode_scale", "dequantize_fp8",
@@ -209,7 +209,7 @@ def dequantize_mxfp4(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.f
 
 
 # ------------------------------------------------------------------------------------- MXFP4 -> FP8, exactly
-FP8_BLOCK = 128  # rows and columns per scale of the FP8-held weights (the release's weight_block_size)
+FP8_BLOCK = BLOCK  # rows and columns per scale of the FP8-held weights (the release's weight_block_size)
 # e2m1 magnitude index i (1..7) as c * 2**q0 with c odd: 0.5, 1, 1.5, 2, 3, 4, 6
 _E2M1_Q0 = (0, -1, 0, -1, 1, 0, 2, 1)
 # the largest power of two that c * 2**q may reach in e4m3 (max 448 = 1.75 * 2**8): 8 for c = 1, 7 for c = 3
@@ -492,9 +492,9 @@ def hold_in_fp8(model: nn.Module, compute: str, linears: Iterable[str] = ()) -> 
         raise ValueError(f"linears= names {missing[:4]}, which are not modules of the model")
     for name, module in list(modules.items()):
         if isinstance(module, Experts) and not isinstance(module, Fp8Experts):
-            _replace(model, name, Fp8Experts.like(module, compute))
+            model.set_submodule(name, Fp8Experts.like(module, compute))
         elif name in wanted:
-            _replace(model, name, _fp8_linear_like(name, module, compute))
+            model.set_submodule(name, _fp8_linear_like(name, module, compute))
     return model
 
 
@@ -506,6 +506,3 @@ def _fp8_linear_like(name: str, module: nn.Module, compute: str) -> Fp8Linear:
     return Fp8Linear(w.shape[1], w.shape[0], compute, w.dtype, getattr(module, "groups", 1), w.device)
 
 
-def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, leaf, new)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from ...ops.fp8 import FP8_MAX
 from .config import DeepseekV4ModelConfig
 from .model import DecoderLayer, MTPBlock, TopParts, draw_unit
 from .names import internal_name, to_disk
@@ -24,7 +25,6 @@ from .quant import E2M1_VALUES, MXFP4_GROUP
 
 __all__ = ["quantize_fp8_blocks", "quantize_mxfp4", "release_kind", "write_release_checkpoint"]
 
-FP8_MAX = 448.0
 # the release stores these as FP8 blocks (suffixes of state_dict names) ...
 FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "self_attn.kv_proj.weight", "o_a_proj.weight",
                "o_b_proj.weight", "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["MANIFEST", "INCOMPLETE", "write_manifest", "discard_manifest", "verify_checkpoint", "from_rank0"]
+__all__ = ["MANIFEST", "INCOMPLETE", "write_manifest", "discard_manifest", "verify_checkpoint", "from_rank0",
+           "gather_objects"]
 
 MANIFEST = "manifest.json"
 # verify_checkpoint's answer for a checkpoint without a manifest
@@ -43,7 +44,7 @@ def write_manifest(path: str, step: int) -> None:
         except OSError as e:  # gathered first, so every rank fails alike instead of some waiting
             mine[name] = f"{name}: {e}"
     entries: dict[str, Any] = {}
-    for part in _gather(mine, world):
+    for part in gather_objects(mine, world):
         entries.update(part)
     failed = sorted(v for v in entries.values() if isinstance(v, str))
     if failed:
@@ -79,7 +80,7 @@ def verify_checkpoint(path: str, deep: bool = True, collective: bool = True) -> 
     names = sorted(files, key=lambda n: (-files[n]["size"], n))
     for check in (_size_problem, _hash_problem) if deep else (_size_problem,):
         found = [p for n in _share(names, rank, world) if (p := check(path, n, files[n])) is not None]
-        everyone = sorted(p for part in _gather(found, world) for p in part)
+        everyone = sorted(p for part in gather_objects(found, world) for p in part)
         if everyone:
             more = f" (and {len(everyone) - 1} other file(s))" if len(everyone) > 1 else ""
             return everyone[0][1] + more
@@ -170,7 +171,8 @@ def from_rank0(obj: Any, world: int | None = None) -> Any:
     return box[0]
 
 
-def _gather(obj: Any, world: int) -> list[Any]:
+def gather_objects(obj: Any, world: int) -> list[Any]:
+    """``obj`` of every rank, in rank order (``[obj]`` in one process; a collective otherwise)."""
     if world == 1:
         return [obj]
     everyone: list[Any] = [None] * world

@@ -19,7 +19,7 @@ from ..config import TrainConfig
 from ..errors import TrainingStopped
 from ..step import TrainState
 from .layout import checkpoint_dir, mark_latest, prepare_checkpoint_dir, prune_checkpoints, write_trainer_state
-from .manifest import write_manifest
+from .manifest import gather_objects, write_manifest
 
 __all__ = ["Checkpointer", "save_checkpoint"]
 
@@ -86,10 +86,10 @@ def _trainer_state(cfg: TrainConfig, state: TrainState, reader_state: dict[int, 
     """What the DCP shards do not hold: the LR schedule, every data stream's position and every rank's RNG state
     (collectives), the mesh, the run's options and the model's training settings."""
     packers: list[Any] = [None] * batch_seqs
-    for states in _gather(reader_state, state.meshes):
+    for states in gather_objects(reader_state, state.meshes.dims.world):
         for s, st in states.items():
             packers[s] = st
-    rngs = _gather(torch.get_rng_state(), state.meshes)
+    rngs = gather_objects(torch.get_rng_state(), state.meshes.dims.world)
     return {"scheduler": state.scheduler.state_dict(), "packers": packers, "rng": rngs, "batch_seqs": batch_seqs,
             "mesh": asdict(state.meshes.dims), "train_config": asdict(cfg),
             "model_training": state.model.config.training_dict()}
@@ -120,9 +120,3 @@ def _weights_finite(model: DeepseekV4ForCausalLM, meshes: Meshes) -> bool:
     return not bad.item()
 
 
-def _gather(obj: Any, meshes: Meshes) -> list[Any]:
-    if not meshes.distributed:
-        return [obj]
-    everyone: list[Any] = [None] * meshes.dims.world
-    dist.all_gather_object(everyone, obj)
-    return everyone
