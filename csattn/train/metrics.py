@@ -14,15 +14,29 @@ from typing import Any
 import torch
 
 from ..models.deepseek_v4 import DeepseekV4ModelConfig
-from ..models.deepseek_v4.flops import model_flops, peak_flops
+from ..models.deepseek_v4.flops import finetune_flops, peak_flops
 from ..parallel import Meshes
+from ..parallel.plan import count_groups, training_spec
 from .errors import TrainWarning, UserError
 from .packer import PackedBatch
 
-__all__ = ["RunMetrics", "metrics_file", "summary_writer", "loss_history", "plot_losses", "BOARD_TAGS",
+__all__ = ["RunMetrics", "flop_counts", "metrics_file", "summary_writer", "loss_history", "plot_losses", "BOARD_TAGS",
            "RATE_WINDOW"]
 
 RATE_WINDOW = 20  # steps over which tokens/s and MFU are reported
+
+
+def flop_counts(cfg: Any, model_cfg: DeepseekV4ModelConfig) -> dict[str, float]:
+    """:func:`~csattn.models.deepseek_v4.flops.finetune_flops`'s counts for the run's options, by the planner's
+    parameter groups: the frozen groups' multiply-adds per token (no weight gradient), the part multiplied in FP8
+    (``--base-precision fp8``), LoRA's rank and maps (``in + out`` per token). All zero when everything trains."""
+    t = training_spec(lora_rank=cfg.lora_rank, lora_targets=cfg.lora_targets, train=cfg.train_groups,
+                      freeze=cfg.freeze_groups, base_precision=cfg.base_precision, fp8_linears=cfg.fp8_linears)
+    groups = count_groups(model_cfg).total()
+    fp8 = cfg.base_precision == "fp8"  # the weight-only base multiplies in bf16
+    return {"frozen_macs": sum(v.macs for g, v in groups.items() if g not in t.train),
+            "fp8_macs": sum(v.macs for g, v in groups.items() if fp8 and t.fp8(g)),
+            "lora_rank": t.lora_rank, "lora_io": sum(v.lora_macs for g, v in groups.items() if g in t.lora_targets)}
 
 
 class RunMetrics:
@@ -43,6 +57,7 @@ class RunMetrics:
 
             self.bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
         self.peak = peak_flops(device, cfg.peak_tflops)
+        self.counts = flop_counts(cfg, model_cfg)  # what a step runs: frozen weights have no weight gradient
         self.log = metrics_file(cfg, self.rank, start if resumed else None)
         self.board = summary_writer(cfg, self.rank, start)
         self.tokens, self.t0 = 0, time.perf_counter()
@@ -82,7 +97,7 @@ class RunMetrics:
         """Tokens/s and MFU over the last ``RATE_WINDOW`` steps (MFU None without a peak rate), and this step's time."""
         step_flops = 0.0
         if self.peak:
-            f = model_flops(self.model_cfg, batch.packed.cu_seqlens)
+            f = finetune_flops(self.model_cfg, batch.packed.cu_seqlens, **self.counts)
             step_flops = (f["fwd"] + f["bwd"]) * self.dims.dp
         now = time.perf_counter()
         step_time = now - self.recent[-1][0]
