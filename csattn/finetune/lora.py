@@ -184,7 +184,9 @@ def add_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
         raise ValueError("the model already has LoRA modules: add_lora runs once per model")
     targets = _targets(model, spec)
     if spec.dropout > 0:
-        read = sorted({group_of(n + ".weight") for n, m in targets if _reads_weight(n, m)})
+        # the routed experts too: their LoRA runs through the grouped GEMMs, with no input dropout
+        read = sorted({group_of(n + (".gate_up_proj" if isinstance(m, Experts) else ".weight")) for n, m in targets
+                       if isinstance(m, Experts) or _reads_weight(n, m)})
         if read:
             raise ValueError(f"--lora-dropout {spec.dropout}: the groups {', '.join(read)} have linears whose weight "
                              "the layer reads directly (the attention core's q_b / o_a / o_b projections, the "

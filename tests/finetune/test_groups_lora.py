@@ -130,6 +130,8 @@ def test_dropout_refused_where_the_weight_is_read():
     model = tiny_model("mixed")
     with pytest.raises(ValueError, match="--lora-dropout 0.1: the groups attention"):
         add_lora(model, LoraSpec(4, 8.0, 0.1, ("attention", "compressor")))
+    with pytest.raises(ValueError, match="--lora-dropout 0.1: the groups experts"):  # as the trainer's options
+        add_lora(tiny_model("mixed"), LoraSpec(4, 8.0, 0.1, ("experts",)))
     model = tiny_model("mixed")
     names = add_lora(model, LoraSpec(4, 8.0, 0.1, ("compressor",)))
     assert names and all(isinstance(dict(model.named_modules())[n], LoraLinear) for n in names)
