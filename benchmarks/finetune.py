@@ -8,8 +8,8 @@ part that reads it), the parts (``--parts``; those not run are kept from an exis
 - ``steps``: one training step (forward, backward, AdamW) at 16k and 64k tokens of packed documents per mode:
   (a) frozen FP8 experts multiplied in FP8 + LoRA rank 16 on attention, indexer, shared and routed experts;
   (b) the same, weight-only (``w8a16``); (c) frozen bf16 experts + the same LoRA; (d) everything trained in bf16.
-  Each: tokens/s, MFU over the FLOPs run (:func:`csattn.report.finetune_flops`: no weight-gradient GEMM for frozen
-  weights but those whose LoRA is an effective weight, LoRA's GEMMs counted as the model runs them, the FP8 part
+  Each: tokens/s, MFU over the FLOPs run (:func:`csattn.models.deepseek_v4.flops.finetune_flops`: no
+  weight-gradient GEMM for frozen weights but those whose LoRA is an effective weight, LoRA's GEMMs counted as the model runs them, the FP8 part
   apart), the step's peak (``torch.cuda.max_memory_allocated``, weights
   included), the weights' bytes by storage dtype, and the planner's predicted peak beside it (target: within 10 %).
   A case that runs out of memory is recorded as not fitting.
@@ -201,10 +201,8 @@ def lora_counts(model: nn.Module) -> dict[str, float]:
     """What the model's LoRA runs per token: ``io``, the summed ``in + out`` of the maps run factored (linears called
     as modules; the routed experts' two pairs for each of the ``k`` experts a token runs), and ``effective_macs``,
     the multiply-adds of the frozen linears whose LoRA is an effective weight ``W + s B A``."""
-    try:
-        from csattn.finetune.lora import LoraExperts, LoraLinear, lora_modules
-    except ImportError:  # a tree without csattn.finetune: no LoRA
-        return {"io": 0.0, "effective_macs": 0.0}
+    from csattn.finetune.lora import LoraExperts, LoraLinear, lora_modules
+
     k = model.config.num_experts_per_tok
     io = eff = 0.0
     for _, m in lora_modules(model):
@@ -388,11 +386,13 @@ def moe_micro(args: argparse.Namespace, out: dict | None = None) -> dict[str, An
 
 
 def _moe_summary(recs: list[dict]) -> dict[str, Any]:
+    from csattn.parallel.plan import FP8_BYTES
+
     by = {r["provider"]: r for r in recs}
     bf16 = by.get("bf16", {}).get("ms")
     speed = {p: bf16 / r["ms"] for p, r in by.items() if r.get("ms") and bf16 and p != "bf16"}
     e, d, i = 256, 4096, 2048  # V4-Flash's routed experts of one layer
-    fp8_bytes = e * 3 * d * i * (1 + 4 / (128 * 128))  # e4m3 codes + one fp32 scale per 128x128 block
+    fp8_bytes = e * 3 * d * i * FP8_BYTES  # e4m3 codes + one fp32 scale per 128x128 block
     return {"records": recs, "speedup_over_bf16": speed, "target_fp8_speedup": 1.3,
             "expert_bytes_fp8_over_bf16": fp8_bytes / (e * 3 * d * i * 2), "target_bytes": 0.52}
 
@@ -415,25 +415,13 @@ def rank_args(ckpt: str, tokens: int, steps: int, rank: int, metrics: str, base:
             "--log-every", "1", "--metrics", metrics]
 
 
-def trainer_flags() -> set[str]:
-    """The option strings ``csattn train`` takes in this tree (its parser, not a process)."""
-    from csattn.train.cli import add_train_args
-
-    parser = argparse.ArgumentParser()
-    add_train_args(parser)
-    return {s for action in parser._actions for s in action.option_strings}
-
-
 def run_ranks(config: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Mode (a) through ``csattn train`` on 2 gloo ranks sharing the GPU (ep 2): each rank's peak beside the
-    planner's per-rank peak. Mode (c) where the trainer has ``--lora-rank`` but no ``--base-precision`` yet."""
-    flags = trainer_flags()
-    mode, tokens = MODES["a" if "--base-precision" in flags else "c"], args.rank_tokens
+    planner's per-rank peak."""
+    mode, tokens = MODES["a"], args.rank_tokens
     rec: dict[str, Any] = {"mode": mode.name, "ranks": 2, "mesh": "dp_shard 2 x ep 2 (gloo, one GPU)",
                            "tokens_per_rank": tokens, **planned_gib(config, mode, tokens, args.lora_rank, 2, 2)}
-    if "--lora-rank" not in flags:
-        return {**rec, "error": "csattn train has no --lora-rank in this tree"}
-    base = "fp8" if mode.name == "a" else None
+    base = mode.base
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",

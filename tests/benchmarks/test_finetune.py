@@ -123,9 +123,8 @@ def test_rank_wrapper_records_its_peak(tmp_path):
     assert rc == 0 and rec == {"peak_gib": None, "rc": 0}
 
 
-def test_two_rank_run_needs_the_finetuning_flags(tmp_path):
-    """Without csattn train's LoRA flags the ranks part says so (and launches nothing); without --base-precision it
-    runs mode (c)."""
+def test_two_rank_run_is_mode_a_beside_the_planner(tmp_path):
+    """The ranks part runs mode (a) through csattn train, its planned per-rank peak beside it."""
     import argparse
 
     from csattn.parallel.plan import load_config
@@ -133,12 +132,8 @@ def test_two_rank_run_needs_the_finetuning_flags(tmp_path):
     args = argparse.Namespace(rank_tokens=16384, lora_rank=16, ckpt=str(tmp_path), rank_steps=1, rank_timeout=5)
     rec = ft.run_ranks(load_config(ft.SLICE), args)
     assert rec["planned_gib"] > 0 and rec["ranks"] == 2
-    flags = ft.trainer_flags()
-    assert rec["mode"] == ("a" if "--base-precision" in flags else "c")
-    if "--lora-rank" not in flags:
-        assert rec["error"] == "csattn train has no --lora-rank in this tree"
-    else:
-        assert rec["rc"] != 0  # no checkpoint in tmp_path, no GPU here
+    assert rec["mode"] == "a" and "--base-precision fp8" in rec["command"]
+    assert rec["rc"] != 0  # no checkpoint in tmp_path, no GPU here
 
 
 def test_slice_is_v4_flash_first_layers_and_what_fits():
