@@ -9,8 +9,8 @@ part that reads it), the parts (``--parts``; those not run are kept from an exis
   (a) frozen FP8 experts multiplied in FP8 + LoRA rank 16 on attention, indexer, shared and routed experts;
   (b) the same, weight-only (``w8a16``); (c) frozen bf16 experts + the same LoRA; (d) everything trained in bf16.
   Each: tokens/s, MFU over the FLOPs run (:func:`csattn.models.deepseek_v4.flops.finetune_flops`: no
-  weight-gradient GEMM for frozen weights but those whose LoRA is an effective weight, LoRA's GEMMs counted as the model runs them, the FP8 part
-  apart), the step's peak (``torch.cuda.max_memory_allocated``, weights
+  weight-gradient GEMM for frozen weights but those whose LoRA is an effective weight, LoRA's GEMMs counted as the
+  model runs them, the FP8 part apart), the step's peak (``torch.cuda.max_memory_allocated``, weights
   included), the weights' bytes by storage dtype, and the planner's predicted peak beside it (target: within 10 %).
   A case that runs out of memory is recorded as not fitting.
 - ``moe``: the frozen-expert MoE alone (forward + input gradient; 256 experts top-6, 16k tokens, D 4096, I 2048):
