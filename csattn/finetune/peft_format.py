@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.fp8 import dequantize
+from ..ops.moe import ExpertLora
 from .lora import LoraExperts, LoraSpec, lora_modules
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_tensors", "adapter_config", "save_adapter",
@@ -58,16 +59,6 @@ def _expert_keys(name: str) -> dict[str, str]:
             "lora_A_down": f"{base}.lora_A.weight", "lora_B_down": f"{base}.lora_B.weight"}
 
 
-def _experts_to_peft(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """``a [E, r, in]``, ``b [E, out, r]`` -> PEFT's ``lora_A.weight [E r, in]``, ``lora_B.weight [out, r E]``."""
-    e, r, inp = a.shape
-    return a.reshape(e * r, inp), b.permute(1, 2, 0).reshape(b.shape[1], r * e)
-
-
-def _experts_from_peft(a: Tensor, b: Tensor, e: int) -> tuple[Tensor, Tensor]:
-    """The inverse of :func:`_experts_to_peft` for ``e`` experts."""
-    r = a.shape[0] // e
-    return a.reshape(e, r, a.shape[1]), b.reshape(b.shape[0], r, e).permute(2, 0, 1)
 
 
 def saved_modules(model: nn.Module) -> list[str]:
@@ -99,7 +90,7 @@ def adapter_tensors(model: nn.Module, gather: Gather = _whole) -> dict[str, Tens
             keys = _expert_keys(name)
             full = {p: gather(f"{name}.{p}", getattr(module, p)) for p in keys}
             for which in ("gate_up", "down"):
-                a, b = _experts_to_peft(full[f"lora_A_{which}"], full[f"lora_B_{which}"])
+                a, b = ExpertLora(full[f"lora_A_{which}"], full[f"lora_B_{which}"], 0.0).to_peft()
                 out[keys[f"lora_A_{which}"]], out[keys[f"lora_B_{which}"]] = a, b
         else:
             out[f"{PREFIX}{name}.lora_A.weight"] = gather(f"{name}.lora_A", module.lora_A)
@@ -200,7 +191,7 @@ def load_adapter(model: nn.Module, path: str, copy: Callable[[str, Tensor], None
             keys = _expert_keys(name)
             for which in ("gate_up", "down"):
                 e = module.num_experts
-                a, b = _experts_from_peft(stored[keys[f"lora_A_{which}"]], stored[keys[f"lora_B_{which}"]], e)
+                a, b, _ = ExpertLora.from_peft(stored[keys[f"lora_A_{which}"]], stored[keys[f"lora_B_{which}"]], e)
                 copy(f"{name}.lora_A_{which}", a[module.local.start:module.local.stop])
                 copy(f"{name}.lora_B_{which}", b[module.local.start:module.local.stop])
         else:

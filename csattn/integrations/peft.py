@@ -315,12 +315,11 @@ def expert_loras(experts: nn.Module, shapes: dict[str, tuple[int, int]], where: 
                     f"{tuple(b.shape)} for {e} experts, which does not fit the experts' [{out}, {inp}] weights (FP4-"
                     "packed experts hold half the columns, so PEFT's factors for them are wrong); leave the "
                     "experts out of target_parameters, or load the experts as FP8 / bf16")
-            found.setdefault(name, []).append((a.reshape(e, -1, inp), b.reshape(out, -1, e).permute(2, 0, 1),
-                                               float(w.scaling[adapter])))
+            found.setdefault(name, []).append(ExpertLora.from_peft(a, b, e, float(w.scaling[adapter])))
     loras = {}
     for name, pairs in found.items():
         if len(pairs) == 1:
-            loras[name] = ExpertLora(*pairs[0])
+            loras[name] = pairs[0]
         else:
             loras[name] = ExpertLora(torch.cat([a for a, _, _ in pairs], 1),
                                      torch.cat([b * s for _, b, s in pairs], 2), 1.0)

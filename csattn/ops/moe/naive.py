@@ -34,6 +34,18 @@ class ExpertLora(NamedTuple):
     b: Tensor
     scale: float
 
+    @classmethod
+    def from_peft(cls, a: Tensor, b: Tensor, experts: int, scale: float = 0.0) -> ExpertLora:
+        """From PEFT's factors of a 3-D expert parameter (``target_parameters``): ``lora_A.weight [E r, in]`` (expert
+        ``e``'s rows ``e r .. e r + r - 1``) and ``lora_B.weight [out, r E]`` (its columns ``j E + e``)."""
+        r = a.shape[0] // experts
+        return cls(a.reshape(experts, r, a.shape[1]), b.reshape(b.shape[0], r, experts).permute(2, 0, 1), scale)
+
+    def to_peft(self) -> tuple[Tensor, Tensor]:
+        """PEFT's ``(lora_A.weight [E r, in], lora_B.weight [out, r E])``: the inverse of :meth:`from_peft`."""
+        e, r, inp = self.a.shape
+        return self.a.reshape(e * r, inp), self.b.permute(1, 2, 0).reshape(self.b.shape[1], r * e)
+
 
 def lora_linear(v: Tensor, weight: Tensor, lora: ExpertLora | None, e: int) -> Tensor:
     """``v @ weight^T`` plus expert ``e``'s low-rank term (``weight``: that expert's ``[out, in]``)."""
