@@ -83,13 +83,7 @@ def block_scales(scale: Tensor, shape: torch.Size, where: str, check: bool = Fal
     ``R`` is ``ceil(N / 128)``, or 2 for a fused ``gate_up_proj`` with ``2I <= 128`` (HF keeps one scale row per
     half; csattn's one block then holds both halves, so their scales must be equal). ``check``: also refuse ue8m0
     NaN bytes and unequal halves (reads the values: a host sync; :func:`swap` checks once, forwards do not)."""
-    scale = scale.detach()
-    if check:
-        decode_scale(scale, where)  # ValueError on a ue8m0 NaN byte
-    if scale.dtype == torch.float8_e8m0fnu or scale.dtype == torch.uint8:  # 2 ** (byte - 127), exact in fp32
-        s = torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127.0)
-    else:
-        s = scale.to(torch.float32)
+    s = decode_scale(scale.detach(), where, check)  # ue8m0: 2 ** (byte - 127), exact in fp32
     rows = -(-shape[-2] // BLOCK)
     if s.shape[-2] > rows:
         if check and bool((s[..., rows:, :] != s[..., :1, :]).any()):

@@ -103,13 +103,22 @@ class QuantConfig:
         return cls(block_size=(int(block[0]), int(block[1])), scale_fmt=scale_fmt, expert_dtype=expert)
 
 
-def decode_scale(scale: Tensor, name: str = "scale") -> Tensor:
+def _ue8m0_bytes(scale: Tensor, name: str, check: bool = True) -> Tensor | None:
+    """The bytes of a ue8m0 ``scale`` (``float8_e8m0fnu`` or ``uint8``), None for another dtype. ``check``: a
+    ``ValueError`` naming ``name`` for byte 255 (NaN; reads the values: a host sync)."""
+    if scale.dtype != torch.uint8 and (_E8M0 is None or scale.dtype != _E8M0):
+        return None
+    byte = scale.view(torch.uint8)
+    if check and bool((byte == 255).any()):
+        raise ValueError(f"tensor {name!r}: ue8m0 scale byte 255 (NaN); the checkpoint is corrupt")
+    return byte
+
+
+def decode_scale(scale: Tensor, name: str = "scale", check: bool = True) -> Tensor:
     """Scale values as fp32 (same shape): ue8m0 (``float8_e8m0fnu`` or ``uint8`` bytes) -> ``2 ** (byte - 127)``,
-    floats as they are. ``ValueError`` naming ``name`` for other dtypes or ue8m0 NaN (byte 255)."""
-    if scale.dtype == torch.uint8 or (_E8M0 is not None and scale.dtype == _E8M0):
-        byte = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
-        if bool((byte == 255).any()):
-            raise ValueError(f"tensor {name!r}: ue8m0 scale byte 255 (NaN); the checkpoint is corrupt")
+    floats as they are. ``ValueError`` naming ``name`` for other dtypes or (``check``) ue8m0 NaN (byte 255)."""
+    byte = _ue8m0_bytes(scale, name, check)
+    if byte is not None:
         # exp2 of an integer in [-127, 127] is exact in fp32 (2**-127 is a subnormal)
         return torch.exp2(byte.to(torch.float32) - 127.0)
     if scale.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -222,10 +231,8 @@ _NONE = 1 << 12  # "no constraint" sentinel for exponent bounds (far outside eve
 def _group_exponents(scale: Tensor, name: str) -> Tensor:
     """MXFP4 group scales -> their integer exponents (int32): ue8m0 bytes ``b`` give ``b - 127``; fp32 scales
     must be powers of two. ``ValueError`` naming ``name`` for byte 255 (NaN) or a scale that is not ``2**e``."""
-    if scale.dtype == torch.uint8 or (_E8M0 is not None and scale.dtype == _E8M0):
-        byte = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
-        if bool((byte == 255).any()):
-            raise ValueError(f"tensor {name!r}: ue8m0 scale byte 255 (NaN); the checkpoint is corrupt")
+    byte = _ue8m0_bytes(scale, name)
+    if byte is not None:
         return byte.to(torch.int32) - 127
     s = decode_scale(scale, name)
     mant, exp = torch.frexp(s)
