@@ -178,17 +178,17 @@ def _convert_fp4(module: nn.Module, where: str) -> None:
     """MXFP4 experts -> FP8 e4m3 copies with 128 x 128 block scales (non-persistent buffers), exactly."""
     out = []
     for name in ("gate_up_proj", "down_proj"):
-        packed = _codes(module, name)
-        # on the host (the converter's lookup tables live there), one layer's tensor at a time
-        codes, scale, inexact = mxfp4_to_fp8(packed.cpu(), getattr(module, f"{name}_scale_inv").detach().cpu(),
-                                             f"{where}.{name}")
+        packed, group_scale = _codes(module, name), getattr(module, f"{name}_scale_inv").detach()
+        # where the experts are, one expert at a time (the converter's intermediates are a few times its input)
+        codes, scale, inexact = (torch.stack(t) for t in zip(*(
+            mxfp4_to_fp8(packed[e], group_scale[e], f"{where}.{name}") for e in range(packed.shape[0]))))
         if bool(inexact.any()):
             e, r, c = (int(i) for i in inexact.nonzero()[0])
             raise ValueError(f"{where}.{name}: expert {e}'s {BLOCK} x {BLOCK} block ({r}, {c}) mixes MXFP4 group "
                              "scales too far apart for one FP8 block scale (its small values would round); load a "
                              "bf16 copy (FineGrainedFP8Config(dequantize=True)) or csattn's own loader "
                              "(load_pretrained(..., allow_inexact_fp8=True))")
-        out += [codes.to(packed.device), scale.to(packed.device)]
+        out += [codes, scale]
     for name, t in zip(_CONVERTED, out):
         module.register_buffer(name, t, persistent=False)
     module.frozen_storage = (*PatchedFP8Experts.frozen_storage, *_CONVERTED)
