@@ -11,7 +11,7 @@ from ...amp import autocast_dtype, autocast_off
 from ..backend import check_backend
 from ..backend import resolve_backend as _resolve
 from ..fp8 import check_compute, check_weight
-from .grouped import GROUPED_DTYPES, RoutePlan, grouped_experts, grouped_mm_supported, route_plan
+from .grouped import RoutePlan, grouped_experts, grouped_mm_supported, route_plan
 from .naive import ExpertLora, clamped_swiglu, experts_ref, gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
 
 __all__ = ["BACKENDS", "ExpertLora", "MoeBackend", "RoutePlan", "clamped_swiglu", "expert_load", "experts_ref",
@@ -37,15 +37,6 @@ def resolve_backend(backend: MoeBackend, x: Tensor, gate_up_proj: Tensor, down_p
     runs in fp64 in the tests.
     """
     if check_backend(backend, BACKENDS) == "reference" or not grouped_mm_supported(x, gate_up_proj, down_proj):
-        return "reference"
-    return _resolve(backend, x, choices=BACKENDS, off_cuda="grouped")
-
-
-def _fp8_path(backend: MoeBackend, x: Tensor) -> str:
-    """The path of frozen FP8 experts: the reference for ``"reference"`` and activations other than fp32 / bf16
-    (fp64 in the tests), else as :func:`resolve_backend` (the GEMMs are :func:`~csattn.ops.fp8.fp8_grouped_mm`,
-    which runs its own reference off CUDA)."""
-    if check_backend(backend, BACKENDS) == "reference" or x.dim() != 2 or x.dtype not in GROUPED_DTYPES:
         return "reference"
     return _resolve(backend, x, choices=BACKENDS, off_cuda="grouped")
 
@@ -92,9 +83,7 @@ def moe_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tenso
         check_compute(fp8_compute)
         check_weight(gate_up_proj, gate_up_scale, "gate_up_proj")
         check_weight(down_proj, down_scale, "down_proj")
-        path = _fp8_path(backend, x)
-    else:
-        path = resolve_backend(backend, x, gate_up_proj, down_proj)
+    path = resolve_backend(backend, x, gate_up_proj, down_proj)
     if path != "reference" and not all(lo is None or _lora_fits(x, lo) for lo in loras):
         path = "reference"  # the same math; grouped_mm cannot take these factors
     if path == "reference":

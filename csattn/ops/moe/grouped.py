@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..autograd import named_grads
 from ..backend import Backend, use_triton
-from ..fp8 import fp8_grouped_mm
+from ..fp8 import FP8_DTYPE, fp8_grouped_mm
 from .naive import ExpertLora, gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
 
 __all__ = ["RoutePlan", "route_plan", "grouped_mm_supported", "grouped_experts"]
@@ -69,7 +69,10 @@ def route_plan(experts: Tensor, num_experts: int) -> RoutePlan:
 
 def grouped_mm_supported(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> bool:
     """Whether ``grouped_mm`` takes these operands: fp32 / bf16, one dtype and device, contiguous weights, and
-    rows of D and I elements a multiple of 16 bytes (the kernels' stride alignment)."""
+    rows of D and I elements a multiple of 16 bytes (the kernels' stride alignment). Frozen FP8 weights
+    (``float8_e4m3fn``) run :func:`~csattn.ops.fp8.fp8_grouped_mm` instead, which takes any fp32 / bf16 ``x [N, D]``."""
+    if gate_up_proj.dtype == down_proj.dtype == FP8_DTYPE:
+        return x.dim() == 2 and x.dtype in GROUPED_DTYPES
     if _grouped_mm is None or x.dim() != 2 or gate_up_proj.dim() != 3 or down_proj.dim() != 3:
         return False
     if x.dtype not in GROUPED_DTYPES or not (x.dtype == gate_up_proj.dtype == down_proj.dtype):
@@ -236,7 +239,7 @@ def grouped_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: T
     (e4m3 with 128x128 block scales) and the GEMMs, forward and input gradient, run
     :func:`~csattn.ops.fp8.fp8_grouped_mm` (mode ``fp8_compute``); there is no weight gradient.
     """
-    if gate_up_scale is None and not grouped_mm_supported(x, gate_up_proj, down_proj):
+    if not grouped_mm_supported(x, gate_up_proj, down_proj):
         raise ValueError("grouped_mm does not take these operands (dtype, device, layout or alignment): "
                          f"x {tuple(x.shape)} {x.dtype}, gate_up_proj {tuple(gate_up_proj.shape)} "
                          f"{gate_up_proj.dtype}, down_proj {tuple(down_proj.shape)} {down_proj.dtype}")
