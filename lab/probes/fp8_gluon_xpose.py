@@ -1,0 +1,158 @@
+"""Where the Gluon FP8 grouped GEMM's input gradient (``trans``) loses to its forward: the kernel of
+``csattn.ops.fp8.gluon`` with the producer's transposition switched by ``XPOSE`` (H200; prequantized operands at the
+MoE shapes: 256 experts top-6, 16k tokens, D 4096, I 2048).
+
+- 0: the library's transposition (its register layout: ``ldmatrix`` reads, 16-byte stores 4-way conflicting);
+- 1: none (the weight tile as copied, marked ready at once: the product is wrong, its time is the bound);
+- 2: stores only (zeros, in layout 3's pattern; wrong product);
+- 3: a layout 2-way conflicting both ways (a thread: 16 rows by 4 bytes; lanes: one row bit, then the words).
+
+Each case: ms, TFLOP/s and whether the output equals the library kernel's (cases 0 and 3 must).
+Run on an H200: python -m lab.probes.fp8_gluon_xpose"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+import csattn.ops.fp8.gluon as lib
+from csattn.ops.fp8 import quantize_1x128
+from csattn.ops.moe import route_plan
+
+BM, BN, BK = lib.BM, lib.BN, lib.BK
+
+
+@gluon.constexpr_function
+def conflict2_layout():
+    """A ``[128, 64]`` piece (rows: the contraction ``n``, columns ``k``): a thread holds rows ``{0..3, 4, 8}`` by
+    bytes ``{0..3}``; lane bit 0 moves 16 rows, the others the 4-byte words; warps 32 and 64 rows."""
+    return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [4, 0], [8, 0]],
+                                      lane_bases=[[16, 0], [0, 4], [0, 8], [0, 16], [0, 32]],
+                                      warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 64])
+
+
+@gluon.jit
+def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, XPOSE: gl.constexpr):
+    s = j % STAGES
+    mbarrier.wait(land.index(s), (j // STAGES) & 1)
+    if XPOSE == 0:
+        for c in gl.static_range(2):
+            piece = raw.index(s).slice(c * 64, 64, dim=1).load(lib.transpose_layout())
+            bt.index(s).slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
+    elif XPOSE == 2:
+        for c in gl.static_range(2):
+            zero = gl.zeros([128, 64], gl.float8e4nv, layout=conflict2_layout())
+            bt.index(s).slice(c * 64, 64, dim=0).store(gl.permute(zero, (1, 0)))
+    elif XPOSE == 3:
+        for c in gl.static_range(2):
+            piece = raw.index(s).slice(c * 64, 64, dim=1).load(conflict2_layout())
+            bt.index(s).slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
+    fence_async_shared()
+    lib._cta_sync()
+    mbarrier.arrive(ready.index(s), count=1)
+
+
+@gluon.jit
+def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem,
+              TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              LAG: gl.constexpr, XPOSE: gl.constexpr):
+    a_smem, raw, bt, land, ready, empty = smem
+    nk = KC // BK
+    it = 0
+    for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+        g, row0, row_end, pid_n = lib._tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
+        if g < E:
+            for kb in range(nk):
+                if it >= LAG:
+                    _transpose_stage(it - LAG, raw, bt, land, ready, STAGES, XPOSE)
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(land.index(s), BM * BK + BK * BN)
+                lib._tma_load(a_desc, [row0, kb * BK], land.index(s), a_smem.index(s))
+                lib._tma_load(w_desc, [g * W_ROWS + kb * BK, pid_n * BN], land.index(s), raw.index(s))
+                it += 1
+    for j in range(gl.maximum(it - LAG, 0), it):
+        _transpose_stage(j, raw, bt, land, ready, STAGES, XPOSE)
+
+
+@gluon.jit
+def fp8_grouped_gluon_kernel(
+    a_desc, w_desc, sa, sw, table, out, M, N, KC, E, W_ROWS, tiles_m, tiles_n,
+    stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om,
+    TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
+    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, XPOSE: gl.constexpr,
+):
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], lib.tile_smem())
+    raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], lib.tile_smem())
+    if XPOSE == 1:
+        bt = raw
+    else:
+        bt = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], lib.tile_smem())
+    land = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(land.index(s), count=1)
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    smem = (a_smem, raw, bt, land, ready, empty)
+    gl.warp_specialize([
+        (lib._math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                     stride_sbk, stride_sbn, stride_om, smem, lib._UPPER, TRANS, E_P2, GROUP_M, STAGES)),
+        (lib._math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                     stride_sbk, stride_sbn, stride_om, smem, lib._LOWER, TRANS, E_P2, GROUP_M, STAGES)),
+        (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, TRANS, E_P2, GROUP_M, STAGES,
+                     LAG, XPOSE)),
+    ], [4, 4], [MATH_REGS, PRODUCER_REGS])
+
+
+def timed(call, flops: float) -> str:
+    ms = triton.testing.do_bench(call, warmup=10, rep=60)
+    return f"{ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s"
+
+
+def one_gemm(name: str, n_w: int, k_w: int, offs: torch.Tensor, m: int, g: torch.Generator) -> None:
+    """The library kernel, the forward kernel on a resident transposed copy, then each variant."""
+    library = lib.fp8_grouped_gluon_kernel
+    q = (torch.randn(e_, n_w, k_w, device="cuda", generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.rand(e_, n_w // 128, k_w // 128, device="cuda", generator=g) * 1e-3 + 1e-3
+    qa, sa = quantize_1x128(torch.randn(m, n_w, device="cuda", generator=g).bfloat16())
+    flops = 2 * m * n_w * k_w
+    qt, st = q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous()
+    ref = lib.grouped_mm_gluon(qa, sa, q, s, offs, True)
+    print(f"{name} library: {timed(lambda: lib.grouped_mm_gluon(qa, sa, q, s, offs, True), flops)}")
+    same = torch.equal(lib.grouped_mm_gluon(qa, sa, qt, st, offs), ref)
+    print(f"{name} forward kernel on a resident transposed copy: "
+          f"{timed(lambda: lib.grouped_mm_gluon(qa, sa, qt, st, offs), flops)}, equal: {same}")
+    lib.fp8_grouped_gluon_kernel = fp8_grouped_gluon_kernel
+    try:
+        for xpose, lag in ((0, 2), (1, 2), (2, 2), (3, 2), (3, 3), (3, 1)):
+            # the new layout needs 64 registers in the producer (48: 16 bytes spilled), the math warpgroups 224
+            settings = {"XPOSE": xpose, "LAG": lag, "MATH_REGS": 224, "PRODUCER_REGS": 64}
+            tag = f"{name} XPOSE={xpose} LAG={lag} (224 / 64 registers)"
+            try:
+                out = lib.grouped_mm_gluon(qa, sa, q, s, offs, True, settings=settings)
+                time = timed(lambda settings=settings: lib.grouped_mm_gluon(qa, sa, q, s, offs, True,
+                                                                            settings=settings), flops)
+                print(f"{tag}: {time}, equal to the library: {torch.equal(out, ref)}")
+            except Exception as err:  # noqa: BLE001 (a variant that does not build is reported, the others run)
+                print(f"{tag}: failed: {type(err).__name__}: {str(err)[:300]}")
+    finally:
+        lib.fp8_grouped_gluon_kernel = library
+
+
+e_ = 256
+
+
+def main() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens, k, d, inter = 16384, 6, 4096, 2048
+    ids = torch.topk(torch.randn(tokens, e_, device="cuda", generator=g), k, dim=-1).indices
+    offs = route_plan(ids, e_).offs
+    one_gemm("gate_up_t", 2 * inter, d, offs, tokens * k, g)
+    one_gemm("down_t", d, inter, offs, tokens * k, g)
+
+
+if __name__ == "__main__":
+    main()
