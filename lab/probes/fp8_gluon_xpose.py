@@ -5,7 +5,10 @@ MoE shapes: 256 experts top-6, 16k tokens, D 4096, I 2048).
 - 0: the library's transposition (its register layout: ``ldmatrix`` reads, 16-byte stores 4-way conflicting);
 - 1: none (the weight tile as copied, marked ready at once: the product is wrong, its time is the bound);
 - 2: stores only (zeros, in layout 3's pattern; wrong product);
-- 3: a layout 2-way conflicting both ways (a thread: 16 rows by 4 bytes; lanes: one row bit, then the words).
+- 3: a layout 2-way conflicting both ways (a thread: 16 rows by 4 bytes; lanes: one row bit, then the words);
+- 4, 5, 8: a transposer warpgroup of its own (layouts 3, 0, 7) and a one-warp partition issuing the copies;
+- 6: layout 3 with both pieces loaded before the first store;
+- 7: virtual coordinates through linear shared layouts: no conflict either way.
 
 Each case: ms, TFLOP/s and whether the output equals the library kernel's (cases 0 and 3 must).
 Run on an H200: python -m lab.probes.fp8_gluon_xpose"""
@@ -21,6 +24,8 @@ from csattn.ops.fp8 import quantize_1x128
 from csattn.ops.moe import route_plan
 
 BM, BN, BK = lib.BM, lib.BN, lib.BK
+_UPPER = gl.constexpr(0)
+_LOWER = gl.constexpr(1)
 
 
 @gluon.constexpr_function
@@ -30,6 +35,34 @@ def conflict2_layout():
     return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [4, 0], [8, 0]],
                                       lane_bases=[[16, 0], [0, 4], [0, 8], [0, 16], [0, 32]],
                                       warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 64])
+
+
+# 7: virtual coordinates. The register tensor is a plain blocked layout over (x, y); shared memory is read and
+# written through linear layouts that put the element (x, y) at the weight's (n, k) = (x ^ A(y), y), A(y) moving n by
+# 16 and 32 with y's bits 3 and 4. A thread holds 16 rows by 4 bytes; lanes walk the 4-byte words, and two of them
+# also move 16 / 32 rows: the 4-byte loads and the 16-byte stores each fill a wavefront (no conflict either way).
+RAW_V = [[0, 1], [0, 2], [0, 4], [16, 8], [32, 16], [0, 32], [0, 64], [33, 16], [2, 32], [4, 64], [8, 0], [16, 0],
+         [32, 0], [64, 0]]
+BT_V = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32], [0, 64], [1, 16], [2, 32], [4, 64], [8, 16], [16, 32],
+        [32, 0], [64, 0]]
+_reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret
+
+
+@gluon.constexpr_function
+def virtual_layout():
+    return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [0, 1], [0, 2]],
+                                      lane_bases=[[0, 4], [0, 8], [0, 16], [0, 32], [0, 64]],
+                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 128])
+
+
+@gluon.constexpr_function
+def raw_virtual():
+    return gl.SharedLinearLayout(offset_bases=RAW_V)
+
+
+@gluon.constexpr_function
+def bt_virtual():
+    return gl.SharedLinearLayout(offset_bases=BT_V)
 
 
 @gluon.jit
@@ -48,6 +81,17 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, XPOSE: gl.co
         for c in gl.static_range(2):
             piece = raw.index(s).slice(c * 64, 64, dim=1).load(conflict2_layout())
             bt.index(s).slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
+    elif XPOSE == 7:
+        rv = _reinterpret(raw.index(s), gl.float8e4nv, [128, 128], raw_virtual())
+        bv = _reinterpret(bt.index(s), gl.float8e4nv, [128, 128], bt_virtual())
+        for c in gl.static_range(2):
+            piece = rv.slice(c * 64, 64, dim=0).load(virtual_layout())
+            bv.slice(c * 64, 64, dim=1).store(gl.permute(piece, (1, 0)))
+    elif XPOSE == 6:  # layout 3, both pieces' loads issued before the first store
+        p0 = raw.index(s).slice(0, 64, dim=1).load(conflict2_layout())
+        p1 = raw.index(s).slice(64, 64, dim=1).load(conflict2_layout())
+        bt.index(s).slice(0, 64, dim=0).store(gl.permute(p0, (1, 0)))
+        bt.index(s).slice(64, 64, dim=0).store(gl.permute(p1, (1, 0)))
     fence_async_shared()
     lib._cta_sync()
     mbarrier.arrive(ready.index(s), count=1)
@@ -76,12 +120,80 @@ def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem,
         _transpose_stage(j, raw, bt, land, ready, STAGES, XPOSE)
 
 
+@gluon.constexpr_function
+def one_warp_lanes(n):
+    """:func:`lib.lanes_layout` for a one-warp partition."""
+    per = n // 32
+    return gl.DistributedLinearLayout(reg_bases=[[1 << b] for b in range(per.bit_length() - 1)],
+                                      lane_bases=[[per << b] for b in range(5)], warp_bases=[], block_bases=[],
+                                      shape=[n])
+
+
+@gluon.jit
+def _tile1(t, table, tiles_m, tiles_n, E_P2: gl.constexpr, GROUP_M: gl.constexpr):
+    """:func:`lib._tile` in one warp."""
+    per_group = GROUP_M * tiles_n
+    first_m = (t // per_group) * GROUP_M
+    size_m = gl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (t % per_group) % size_m
+    pid_n = (t % per_group) // size_m
+    idx = gl.arange(0, 128, layout=one_warp_lanes(128))
+    g = pid_m * 0
+    for c in gl.static_range(E_P2 // 128):
+        g += gl.sum((gl.load(table + 2 * E_P2 + c * 128 + idx) <= pid_m).to(gl.int32), axis=0)
+    start = gl.load(table + g)
+    end = gl.load(table + E_P2 + g)
+    first = gl.load(table + 2 * E_P2 + g) - (gl.maximum(end - start, 0) + BM - 1) // BM
+    return g, start + (pid_m - first) * BM, end, pid_n
+
+
+@gluon.jit
+def _tma_only(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, E_P2: gl.constexpr,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """The copies alone (``XPOSE`` 4, 5): a stage is reused once the math warpgroups are done with it, which is
+    after the transposer read its weight tile."""
+    a_smem, raw, bt, land, ready, empty = smem
+    nk = KC // BK
+    it = 0
+    for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+        g, row0, row_end, pid_n = _tile1(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
+        if g < E:
+            for kb in range(nk):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(land.index(s), BM * BK + BK * BN)
+                lib._tma_load(a_desc, [row0, kb * BK], land.index(s), a_smem.index(s))
+                lib._tma_load(w_desc, [g * W_ROWS + kb * BK, pid_n * BN], land.index(s), raw.index(s))
+                it += 1
+
+
+@gluon.jit
+def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
+                STAGES: gl.constexpr, XPOSE: gl.constexpr):
+    """Every landed weight tile transposed as soon as it lands (``XPOSE`` 4: layout 3; 5: the library's; 8: 7)."""
+    a_smem, raw, bt, land, ready, empty = smem
+    nk = KC // BK
+    it = 0
+    for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+        g, row0, row_end, pid_n = lib._tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
+        if g < E:
+            for _ in range(nk):
+                if XPOSE == 4:
+                    _transpose_stage(it, raw, bt, land, ready, STAGES, 3)
+                elif XPOSE == 8:
+                    _transpose_stage(it, raw, bt, land, ready, STAGES, 7)
+                else:
+                    _transpose_stage(it, raw, bt, land, ready, STAGES, 0)
+                it += 1
+
+
 @gluon.jit
 def fp8_grouped_gluon_kernel(
     a_desc, w_desc, sa, sw, table, out, M, N, KC, E, W_ROWS, tiles_m, tiles_n,
     stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
-    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, XPOSE: gl.constexpr,
+    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, XPOSE: gl.constexpr, XREGS: gl.constexpr,
+    TMA_REGS: gl.constexpr,
 ):
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], lib.tile_smem())
     raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], lib.tile_smem())
@@ -97,14 +209,24 @@ def fp8_grouped_gluon_kernel(
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)
     smem = (a_smem, raw, bt, land, ready, empty)
-    gl.warp_specialize([
-        (lib._math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                     stride_sbk, stride_sbn, stride_om, smem, lib._UPPER, TRANS, E_P2, GROUP_M, STAGES)),
-        (lib._math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                     stride_sbk, stride_sbn, stride_om, smem, lib._LOWER, TRANS, E_P2, GROUP_M, STAGES)),
-        (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, TRANS, E_P2, GROUP_M, STAGES,
-                     LAG, XPOSE)),
-    ], [4, 4], [MATH_REGS, PRODUCER_REGS])
+    if XPOSE >= 4:
+        gl.warp_specialize([
+            (lib._math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                         stride_sbk, stride_sbn, stride_om, smem, _UPPER, TRANS, E_P2, GROUP_M, STAGES)),
+            (lib._math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                         stride_sbk, stride_sbn, stride_om, smem, _LOWER, TRANS, E_P2, GROUP_M, STAGES)),
+            (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, XPOSE)),
+            (_tma_only, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES)),
+        ], [4, 4, 1], [MATH_REGS, XREGS, TMA_REGS])
+    else:
+        gl.warp_specialize([
+            (lib._math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                         stride_sbk, stride_sbn, stride_om, smem, _UPPER, TRANS, E_P2, GROUP_M, STAGES)),
+            (lib._math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                         stride_sbk, stride_sbn, stride_om, smem, _LOWER, TRANS, E_P2, GROUP_M, STAGES)),
+            (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, TRANS, E_P2, GROUP_M,
+                         STAGES, LAG, XPOSE)),
+        ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 
 def timed(call, flops: float) -> str:
@@ -127,10 +249,12 @@ def one_gemm(name: str, n_w: int, k_w: int, offs: torch.Tensor, m: int, g: torch
           f"{timed(lambda: lib.grouped_mm_gluon(qa, sa, qt, st, offs), flops)}, equal: {same}")
     lib.fp8_grouped_gluon_kernel = fp8_grouped_gluon_kernel
     try:
-        for xpose, lag in ((0, 2), (1, 2), (2, 2), (3, 2), (3, 3), (3, 1)):
-            # the new layout needs 64 registers in the producer (48: 16 bytes spilled), the math warpgroups 224
-            settings = {"XPOSE": xpose, "LAG": lag, "MATH_REGS": 224, "PRODUCER_REGS": 64}
-            tag = f"{name} XPOSE={xpose} LAG={lag} (224 / 64 registers)"
+        for xpose, lag in ((1, 2), (3, 2), (6, 2), (7, 2), (7, 3), (4, 0), (5, 0), (8, 0)):
+            # the math warpgroups at 224 registers (232 in the library): the producer needs 64 where it holds a
+            # piece in layout 3 or 7 (48: spills); a transposer of its own (4, 5, 8) gets 40 and the copies 24
+            settings = {"XPOSE": xpose, "LAG": lag, "MATH_REGS": 224, "PRODUCER_REGS": 64, "XREGS": 40,
+                        "TMA_REGS": 24}
+            tag = f"{name} XPOSE={xpose} LAG={lag}"
             try:
                 out = lib.grouped_mm_gluon(qa, sa, q, s, offs, True, settings=settings)
                 time = timed(lambda settings=settings: lib.grouped_mm_gluon(qa, sa, q, s, offs, True,
