@@ -1,6 +1,7 @@
 """The Gluon FP8 grouped GEMM builds for sm_90 on any machine (no GPU): TMA copies, FP8 warpgroup MMAs with one
 product left running while the last is promoted (``wait_group 1``), no register spills at its register split, and
-the transposition of the weight tile (``TRANS``) through ``ldmatrix`` and byte permutes."""
+the transposition of the weight tile (``TRANS``) through 4-byte shared loads, byte permutes and 16-byte shared
+stores (the forward reads shared memory by TMA only)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ print(json.dumps({**info, "serialized": any(c in info["ptxas"] for c in ("C7514"
                   "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.",
                                                  ptx))),
                   "wait_group": sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))),
-                  "tma": "cp.async.bulk.tensor" in ptx, "ldmatrix": "ldmatrix" in ptx,
+                  "tma": "cp.async.bulk.tensor" in ptx, "loads_b32": len(re.findall(r"ld\.shared\.b32", ptx)),
+                  "stores_v4": len(re.findall(r"st\.shared\.v4", ptx)),
                   "shared": kernel.metadata.shared}))
 """
 
@@ -37,5 +39,7 @@ def test_gluon_fp8_grouped_builds_for_sm90(trans):
     assert info["ptxas_rc"] == 0, info["ptxas"]
     assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]
     assert info["wgmma"] == [["m64n128k32", "e4m3"]] and info["wait_group"] == ["0", "1"] and info["tma"]
-    assert info["ldmatrix"] == trans  # the transposition's reads (the forward reads shared memory by TMA only)
+    # the transposition: a stage's weight tile is 16 KB, 128 bytes a producer thread: 32 4-byte loads, 8 16-byte
+    # stores, in the loop and again in the drain after it (the forward moves its tiles by TMA only)
+    assert (info["loads_b32"], info["stores_v4"]) == ((64, 16) if trans else (0, 0))
     assert info["shared"] <= 227 * 1024

@@ -72,10 +72,16 @@ def lanes_layout(n):
 
 @gluon.constexpr_function
 def transpose_layout():
-    """Register layout of a ``[128, 64]`` FP8 piece of a weight tile read for the transposition: 16 rows by 4 bytes
-    a thread (16 four-byte loads), so that after the permutation a thread holds 4 rows of 16 bytes (four 16-byte
-    stores)."""
-    return gl.BlockedLayout(size_per_thread=[16, 4], threads_per_warp=[2, 16], warps_per_cta=[4, 1], order=[1, 0])
+    """Register layout of a ``[128, 64]`` FP8 piece of a weight tile (rows: the contraction, as copied) read for the
+    transposition. A thread holds 16 rows by 4 bytes (each row one 4-byte load; after the permutation 4 rows of 16
+    bytes, four 16-byte stores); lane bit 0 moves 16 rows, the other lanes walk the 4-byte words, the warps 32 and
+    64 rows. In the 128-byte-swizzled tiles that makes both the loads and the stores 2-way bank-conflicting, where
+    a plain blocked layout (whose reads ``ldmatrix`` takes) had its stores 4-way: 535 against 458 TFLOP/s for the
+    input gradient on the H200 (``lab/probes/fp8_gluon_xpose.py``; a conflict-free mapping through linear shared
+    layouts ran slower, 481: its addresses cost more than the conflicts)."""
+    return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [4, 0], [8, 0]],
+                                      lane_bases=[[16, 0], [0, 4], [0, 8], [0, 16], [0, 32]],
+                                      warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 64])
 
 
 @gluon.jit
@@ -268,9 +274,19 @@ def launch_settings(trans: bool) -> dict:
     """The kernel's tuning constexprs: 4 stages (128 KB of tiles; 192 KB with the transposed buffers), the
     transposition ``LAG`` steps behind the copies (at most ``STAGES - 1``: a math warpgroup frees a stage only
     once the next one is ready, and the producer transposes before it waits for a free stage), and the registers
-    of the math warpgroups and the producer (``setmaxnreg``; no spills at these, tests/ops/test_fp8_gluon_build.py;
-    the producer needs more where it transposes)."""
-    return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=48 if trans else 40)
+    of the math warpgroups and the producer (``setmaxnreg``; no spills at these, tests/ops/test_fp8_gluon_build.py
+    builds with the Triton at hand). Where it transposes, the producer holds a 64-byte piece a thread: Triton 3.6
+    (measured on the H200) needs 64 registers there and leaves the math warpgroups 224; 3.9 needs 232 for the math
+    warpgroups and 48 for the producer."""
+    if not trans:
+        return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40)
+    math, producer = (224, 64) if _triton_version() <= (3, 6) else (232, 48)
+    return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer)
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
