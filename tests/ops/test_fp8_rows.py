@@ -11,11 +11,99 @@ import torch
 
 from csattn.ops.fp8 import FP8_DTYPE, Fp8Rows, fp8_grouped_mm, quantize_1x128_ref, takes_fp8_rows
 from csattn.ops.fp8 import grouped as fp8_grouped
+from csattn.ops.moe import swiglu_bwd_ref, swiglu_fwd_ref
+from tests.helpers import rel_err
+
+LIMIT = 1.5  # the clamps bind on a good share of the activations below
+
+
+def _nan(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.full(shape, float("nan")).to(dtype)
+
+
+def _poisoned_rows(n: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _nan((n, cols), FP8_DTYPE), _nan((n, -(-cols // 128)), torch.float32)
 
 
 def _bitwise(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
     assert torch.equal(got[1], want[1])
+
+
+def _ulps(dtype: torch.dtype) -> float:
+    """Relative distance of the kernels' outputs from fp64: a few fp32 roundings, then one to ``dtype``."""
+    return torch.finfo(dtype).eps + 16 * torch.finfo(torch.float32).eps
+
+
+def _problem(n: int, inter: int, dtype: torch.dtype, seed: int):
+    """``gu [N, 2I]`` at and beyond the clamps with magnitudes over 6 decades (e4m3 subnormals inside a tile),
+    ``w [N]`` with a zero (an all-zero row: scale 1), ``dh [N, I]``."""
+    g = torch.Generator().manual_seed(seed)
+    gu = torch.randn(n, 2 * inter, generator=g) * 2 * torch.logspace(-3, 3, 2 * inter)[None, :].sqrt()
+    gu[0, :4] = torch.tensor([LIMIT, -LIMIT, LIMIT + 1, -LIMIT - 1])
+    gu[1, inter:inter + 4] = torch.tensor([LIMIT, -LIMIT, LIMIT + 1, -LIMIT - 1])
+    w = torch.rand(n, generator=g) + 0.1
+    w[3] = 0
+    dh = torch.randn(n, inter, generator=g) * torch.logspace(-3, 3, n)[:, None]
+    return gu.to(dtype), w, dh.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [256, 200])
+def test_swiglu_fwd_writes_h_quantized(dtype, inter):
+    from csattn.ops.moe.triton import swiglu_fwd_triton
+
+    n = 37  # not a multiple of the 16-row tile; I 200: a partial last column tile
+    gu, w, _ = _problem(n, inter, dtype, seed=inter)
+    h = swiglu_fwd_triton(gu, w, LIMIT, out=_nan((n, inter), dtype))
+    h_also, rows = _nan((n, inter), dtype), _poisoned_rows(n, inter)
+    assert swiglu_fwd_triton(gu, w, LIMIT, out=h_also, fp8_out=rows) is h_also
+    assert torch.equal(h_also, h)  # h unchanged by the quantized output
+    # the quantized output is the quantizer's of h as stored (rounded to its dtype), bit for bit
+    _bitwise(rows, quantize_1x128_ref(h))
+    only = _poisoned_rows(n, inter)
+    assert swiglu_fwd_triton(gu, w, LIMIT, fp8_out=only, keep_h=False) is None
+    _bitwise(only, rows)
+    assert torch.equal(rows[1][3], torch.ones_like(rows[1][3]))  # w = 0: all-zero tiles take scale 1
+    # h is the reference's up to the kernel's fp32 roundings and its own (one ulp of its dtype)
+    exact = swiglu_fwd_ref(gu.double(), w.double(), LIMIT)
+    assert ((h.double() - exact).abs() <= _ulps(dtype) * exact.abs() + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_bwd_writes_dgu_quantized(dtype):
+    from csattn.ops.moe.triton import swiglu_bwd_triton
+
+    n, inter = 37, 256  # two 128-column tiles per half
+    gu, w, dh = _problem(n, inter, dtype, seed=3)
+    poisoned = (_nan((n, 2 * inter), dtype), _nan((n, inter), dtype), _nan((n,), torch.float32))
+    dgu, h, dw = swiglu_bwd_triton(gu, w, dh, LIMIT, out=poisoned)
+    also = (_nan((n, 2 * inter), dtype), _nan((n, inter), dtype), _nan((n,), torch.float32))
+    rows = _poisoned_rows(n, 2 * inter)
+    got = swiglu_bwd_triton(gu, w, dh, LIMIT, out=also, fp8_out=rows)
+    for a, b in zip(got, (dgu, h, dw)):
+        assert torch.equal(a, b)  # the plain outputs unchanged by the quantized one
+    _bitwise(rows, quantize_1x128_ref(dgu))
+    only = _poisoned_rows(n, 2 * inter)
+    none, h2, dw2 = swiglu_bwd_triton(gu, w, dh, LIMIT, fp8_out=only, keep_dgu=False)
+    assert none is None and torch.equal(h2, h) and torch.equal(dw2, dw)
+    _bitwise(only, rows)
+    exact = swiglu_bwd_ref(gu.double(), w.double(), dh.double(), LIMIT)[0]
+    assert rel_err(dgu, exact) < _ulps(dtype)  # in norm: silu' cancels in fp32 (1 - sigmoid near 1)
+
+
+def test_swiglu_quantized_outputs_refuse_bad_args():
+    from csattn.ops.moe.triton import swiglu_bwd_triton, swiglu_fwd_triton
+
+    gu, w, dh = _problem(5, 200, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="I % 128"):
+        swiglu_bwd_triton(gu, w, dh, LIMIT, fp8_out=_poisoned_rows(5, 400))
+    with pytest.raises(ValueError, match="keep_h=False"):
+        swiglu_fwd_triton(gu, w, LIMIT, keep_h=False)
+    with pytest.raises(ValueError, match="keep_dgu=False"):
+        swiglu_bwd_triton(gu, w, dh, LIMIT, keep_dgu=False)
+    with pytest.raises(ValueError, match="fp8_out must be"):
+        swiglu_fwd_triton(gu, w, LIMIT, fp8_out=_poisoned_rows(5, 256))
 
 
 def test_quantize_then_gather_is_gather_then_quantize():
