@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from csattn.ops.fp8 import FP8_DTYPE, Fp8Rows, fp8_grouped_mm, quantize_1x128_ref, takes_fp8_rows
+from csattn.ops.fp8 import fp8_grouped_mm_ref as fp8_grouped_ref
 from csattn.ops.fp8 import grouped as fp8_grouped
-from csattn.ops.moe import swiglu_bwd_ref, swiglu_fwd_ref
+from csattn.ops.moe import ExpertLora, moe_experts, swiglu_bwd_ref, swiglu_fwd_ref
 from tests.helpers import rel_err
 
 LIMIT = 1.5  # the clamps bind on a good share of the activations below
@@ -166,3 +167,55 @@ def test_fp8_rows_refused_where_no_kernel_takes_them():
         fp8_grouped_mm(a, weight, scale, offs, out_dtype=torch.float32)
     assert torch.equal(fp8_grouped_mm(a, weight, scale, offs, out_dtype=torch.bfloat16),
                        fp8_grouped_mm(a, weight, scale, offs))
+
+
+def _emulated_fp8_mm(a, weight, scale, offs, trans=False, compute="fp8", out_dtype=None):
+    """What the FP8 kernels compute, on the CPU: the rows quantized 1x128 (unless given so), dequantized, times
+    each dequantized expert in fp32, in the rows' dtype."""
+    rows = a if isinstance(a, Fp8Rows) else Fp8Rows(*quantize_1x128_ref(a))
+    deq = rows.q.float() * rows.s.repeat_interleave(128, dim=-1)[:, :rows.q.shape[1]]
+    return fp8_grouped_ref(deq, weight, scale, offs, trans).to(out_dtype or a.dtype)
+
+
+@pytest.mark.parametrize("backend", ["grouped", "triton"])
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_moe_hands_its_gemms_rows_quantized_where_made(backend, with_lora, monkeypatch):
+    """The MoE's wiring with the FP8 kernels emulated on the CPU: where every GEMM takes quantized rows the step
+    (output, dx, dweights, the LoRA factors' gradients) is bit for bit the one whose GEMMs quantize their bf16
+    inputs themselves; the bf16 rows are not made where nothing needs them (no LoRA)."""
+    import csattn.ops.moe.grouped as moe_grouped
+
+    g = torch.Generator().manual_seed(9)
+    t, e, k, d, inter, r = 12, 4, 2, 256, 128, 8
+    gu = ((torch.randn(e, 2 * inter, d, generator=g) * 50).to(FP8_DTYPE), torch.rand(e, 2, 2, generator=g) * 1e-3)
+    dn = ((torch.randn(e, d, inter, generator=g) * 50).to(FP8_DTYPE), torch.rand(e, 2, 1, generator=g) * 2e-3)
+    x = torch.randn(t, d, generator=g).bfloat16()
+    ids = torch.rand(t, e, generator=g).argsort(-1)[:, :k] % (e - 1)  # expert e-1 gets no rows
+    w = (torch.rand(t, k, generator=g) + 0.1).bfloat16()
+    dout = torch.randn(t, d, generator=g).bfloat16()
+    factors = [(torch.randn(shape, generator=g) * 0.1).bfloat16()
+               for shape in ((e, r, d), (e, 2 * inter, r), (e, r, inter), (e, d, r))] if with_lora else []
+    given = []
+
+    def gemm(a, *args, **kwargs):
+        given.append(isinstance(a, Fp8Rows))
+        return _emulated_fp8_mm(a, *args, **kwargs)
+
+    monkeypatch.setattr(moe_grouped, "fp8_grouped_mm", gemm)
+
+    def run(rows: bool):
+        monkeypatch.setattr(moe_grouped, "takes_fp8_rows", lambda *args: rows)
+        given.clear()
+        leaves = [v.detach().requires_grad_() for v in (x, w, *factors)]
+        lora = {"gate_up_lora": ExpertLora(leaves[2], leaves[3], 2.0),
+                "down_lora": ExpertLora(leaves[4], leaves[5], 0.5)} if with_lora else {}
+        out = moe_experts(leaves[0], ids, leaves[1], gu[0], dn[0], LIMIT, backend, gate_up_scale=gu[1],
+                          down_scale=dn[1], **lora)
+        grads = torch.autograd.grad(out, leaves, dout)
+        assert given == [rows] * 4  # x, h forward; dout, dgu backward
+        return [out, *grads]
+
+    fused, separate = run(True), run(False)
+    assert torch.isfinite(fused[0]).all() and fused[0].abs().max() > 0
+    for a, b in zip(fused, separate):
+        assert torch.equal(a, b)

@@ -5,7 +5,10 @@ Why: in PyTorch the SwiGLU on ``[N, 2I]`` makes a pass per op (casts to fp32, tw
 products, the weight, the cast back; about twice as many in the backward, plus a concatenation of the gate and
 up gradients); here each element of ``gu`` is read once and each output written once. The gather-sum reads
 the ``k`` rows of every token and sums them in fp32 registers: no atomics (so the result is deterministic and
-rounded once, unlike a bf16 ``index_add_``) and no ``[T, k, D]`` temporary.
+rounded once, unlike a bf16 ``index_add_``) and no ``[T, k, D]`` temporary. For frozen FP8 experts the SwiGLU
+kernels also write their output quantized per 1x128 tile (``fp8_out``: the next FP8 GEMM's input, which would
+otherwise take a pass of the quantizer over it), with the quantizer's own arithmetic on the output as rounded
+(``csattn.ops.fp8.triton.quantize_tile``), so the bits are the quantizer's.
 
 Same math as :mod:`csattn.ops.moe.naive` (``swiglu_fwd_ref``, ``swiglu_bwd_ref``, ``gather_sum_ref``).
 """
