@@ -1,7 +1,8 @@
 """The FP8 ops on the GPU at real shapes: the fused quantizer bit for bit against its reference; the grouped
 kernel (FP8 and W8A16, forward and transposed) and the FP8 linear (forward and every input-gradient route)
 against fp64 math on the same quantized operands (fp32 summation apart); frozen FP8 experts in moe_experts
-against the dequantized bf16 experts, within the error the bf16 path itself has against fp64."""
+against the dequantized bf16 experts, within the error the bf16 path itself has against fp64, and bit for bit the
+same step with the GEMM inputs quantized in separate passes (the op quantizes them where they are made)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,20 @@ import torch
 
 from csattn.ops.fp8 import (
     FP8_DTYPE,
+    Fp8Rows,
     dequantize,
+    fp8_grouped_mm,
     fp8_grouped_mm_quantized,
     fp8_linear,
     fp8_linear_quantized,
     quantize_1x128,
     quantize_1x128_ref,
+    takes_fp8_rows,
 )
 from csattn.ops.fp8.grouped import gluon_fits
 from csattn.ops.fp8.linear import DGRADS, input_grad
 from csattn.ops.fp8.triton import grouped_mm_triton
-from csattn.ops.moe import moe_experts
+from csattn.ops.moe import ExpertLora, moe_experts
 from tests.helpers import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -183,3 +187,96 @@ def test_moe_fp8_experts_vs_bf16():
             # FP8: the two GEMM inputs of each pass quantized in series, each moved by an RMS of at most
             # 2^-4 / sqrt(3) of itself (e4m3 rounding): 2 x that bounds the relative error; W8A16: the bf16 path's
             assert ea <= (2 * 2.0 ** -4 / 3 ** 0.5 if compute == "fp8" else 1.5 * eb + 1e-3), (name, ea, eb)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_fp8_rows_are_the_rows_quantized_inside(trans):
+    g = torch.Generator(device="cuda").manual_seed(6)
+    e, n, k = 8, 384, 256
+    q, s = _weight((e, n, k), g, n if trans else k)
+    if not takes_fp8_rows(torch.bfloat16, torch.device("cuda"), q, "fp8", trans):
+        pytest.skip("no FP8 kernel takes quantized rows in this direction on this GPU")
+    counts = torch.randint(0, 100, (e,), generator=g, device="cuda")
+    counts[2] = 0
+    offs = counts.cumsum(0).to(torch.int32)
+    a = torch.randn(int(offs[-1]) + 9, n if trans else k, generator=g, device="cuda").bfloat16()
+    got = fp8_grouped_mm(Fp8Rows(*quantize_1x128(a)), q, s, offs, trans, out_dtype=torch.bfloat16)
+    assert torch.equal(got, fp8_grouped_mm(a, q, s, offs, trans))
+
+
+def _composed_moe(x, w, ids, dout, gu, dn, e, lora):
+    """The frozen-FP8 MoE step from public ops, each FP8 GEMM quantizing its bf16 input itself (the separate
+    passes), the LoRA terms as the op adds them: (out, dx, dweights)."""
+    from csattn.ops.moe import route_plan
+    from csattn.ops.moe.triton import gather_sum_triton, swiglu_bwd_triton, swiglu_fwd_triton
+
+    mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    k = ids.shape[-1]
+    plan = route_plan(ids, e)
+    offs = plan.offs
+    ws = w.reshape(-1).index_select(0, plan.order)
+    xp = x.index_select(0, plan.token)
+    gup = fp8_grouped_mm(xp, *gu, offs)
+    if lora:
+        gup = gup + lora[0].scale * mm(mm(xp, lora[0].a.transpose(-2, -1), offs=offs), lora[0].b.transpose(-2, -1),
+                                       offs=offs)
+    h = swiglu_fwd_triton(gup, ws, LIMIT)
+    y = fp8_grouped_mm(h, *dn, offs)
+    if lora:
+        y = y + lora[1].scale * mm(mm(h, lora[1].a.transpose(-2, -1), offs=offs), lora[1].b.transpose(-2, -1),
+                                   offs=offs)
+    out = gather_sum_triton(y, plan.inv, k)
+    dy = dout.index_select(0, plan.token)
+    dh = fp8_grouped_mm(dy, *dn, offs, trans=True)
+    if lora:
+        dh = dh + lora[1].scale * mm(mm(dy, lora[1].b, offs=offs), lora[1].a, offs=offs)
+    dgu, _, dw = swiglu_bwd_triton(gup, ws, dh, LIMIT)
+    dxp = fp8_grouped_mm(dgu, *gu, offs, trans=True)
+    if lora:
+        dxp = dxp + lora[0].scale * mm(mm(dgu, lora[0].b, offs=offs), lora[0].a, offs=offs)
+    return out, gather_sum_triton(dxp, plan.inv, k), dw.index_select(0, plan.inv).view(-1, k).to(w.dtype)
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_moe_fp8_quantizes_where_made_bitwise(with_lora, monkeypatch):
+    """The MoE with frozen FP8 experts hands its GEMMs rows quantized where they are made (x and dout before their
+    gathers, h and dgu by the SwiGLU kernels): bit for bit what quantizing in separate passes gives."""
+    import csattn.ops.moe.grouped as moe_grouped
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    t, e, k, d, inter, r = 512, 64, 6, 512, 256, 16
+    gu, dn = _weight((e, 2 * inter, d), g, d), _weight((e, d, inter), g, inter)
+    cuda = torch.device("cuda")
+    if not takes_fp8_rows(torch.bfloat16, cuda, gu[0], "fp8", False):
+        pytest.skip("no FP8 tensor cores (sm_89+)")
+    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
+    top = torch.topk(torch.randn(t, e, generator=g, device="cuda"), k, dim=-1)
+    ids, w = top.indices, torch.softmax(top.values, -1).bfloat16()
+    dout = torch.randn(t, d, generator=g, device="cuda").bfloat16()
+    lora = None
+    if with_lora:
+        f = [torch.randn(shape, generator=g, device="cuda").bfloat16() * 0.05
+             for shape in ((e, r, d), (e, 2 * inter, r), (e, r, inter), (e, d, r))]
+        lora = (ExpertLora(f[0], f[1], 2.0), ExpertLora(f[2], f[3], 0.5))
+    given, plain = [], moe_grouped.fp8_grouped_mm
+
+    def spy(a, *args, **kwargs):  # which GEMM inputs come quantized
+        given.append(isinstance(a, Fp8Rows))
+        return plain(a, *args, **kwargs)
+
+    monkeypatch.setattr(moe_grouped, "fp8_grouped_mm", spy)
+    leaves = [v.detach().requires_grad_() for v in (x, w, *(lora[0][:2] + lora[1][:2] if lora else ()))]
+    grouped = {} if lora is None else {
+        "gate_up_lora": ExpertLora(leaves[2], leaves[3], 2.0), "down_lora": ExpertLora(leaves[4], leaves[5], 0.5)}
+    out = moe_experts(leaves[0], ids, leaves[1], gu[0], dn[0], LIMIT, "triton", gate_up_scale=gu[1],
+                      down_scale=dn[1], fp8_compute="fp8", **grouped)
+    got = [out, *torch.autograd.grad(out, leaves[:2], dout)]
+    # the forward's two GEMMs, and the input gradient's where the Gluon kernel takes them (dgu: I % 128 == 0)
+    want_rows = [True, True, takes_fp8_rows(torch.bfloat16, cuda, dn[0], "fp8", True),
+                 takes_fp8_rows(torch.bfloat16, cuda, gu[0], "fp8", True)]
+    print(f"lora={with_lora}: quantized rows given to the four GEMMs: {given}")
+    assert given == want_rows
+    want = _composed_moe(x, w, ids, dout, gu, dn, e, lora)
+    for name, a, b in zip(("out", "dx", "dweights"), got, want):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), (name, rel_err(a, b))

@@ -4,17 +4,37 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..backend import interpreting
-from .naive import _check_grouped, fp8_grouped_mm_ref
+from .naive import BLOCK, FP8_DTYPE, _cdiv, _check_grouped, fp8_grouped_mm_ref
 
-__all__ = ["COMPUTES", "check_compute", "fp8_grouped_mm", "gluon_fits", "kernel_compute"]
+__all__ = ["COMPUTES", "Fp8Rows", "check_compute", "fp8_grouped_mm", "gluon_fits", "kernel_compute", "takes_fp8_rows"]
 
 COMPUTES = ("fp8", "w8a16")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class Fp8Rows(NamedTuple):
+    """Rows already quantized per 1x128 tile (as :func:`~csattn.ops.fp8.quantize_1x128` gives them), for
+    :func:`fp8_grouped_mm` where :func:`takes_fp8_rows` holds: so that a kernel that produces the rows can write
+    them quantized, or rows can be quantized before a gather (per-row quantization commutes with it).
+
+    Attributes:
+        q: ``[M, C]`` ``float8_e4m3fn``. s: ``[M, ceil(C/128)]`` fp32, ``rows ~ q * s`` per tile.
+    """
+
+    q: Tensor
+    s: Tensor
+
+    def index_select(self, index: Tensor) -> Fp8Rows:
+        """Rows ``index`` of both (bitwise ``quantize_1x128(rows[index])``); the bytes go through ``uint8``, as
+        ``index_select`` takes no float8."""
+        return Fp8Rows(self.q.view(torch.uint8).index_select(0, index).view(self.q.dtype),
+                       self.s.index_select(0, index))
 
 
 def check_compute(compute: str) -> str:
@@ -28,21 +48,35 @@ def check_compute(compute: str) -> str:
 def kernel_compute(x: Tensor, compute: str) -> str | None:
     """The kernel mode the FP8 ops run for activations ``x`` and ``compute``: ``"fp8"`` (FP8 tensor cores, sm_89+),
     ``"w8a16"`` (bf16 / fp16 tensor cores), or None for the reference (CPU, fp32 / fp64, older GPUs)."""
+    return _kernel_mode(x.dtype, x.device, compute)
+
+
+def _kernel_mode(dtype: torch.dtype, device: torch.device, compute: str) -> str | None:
     check_compute(compute)
-    if x.device.type != "cuda" or x.dtype not in KERNEL_DTYPES:
+    if device.type != "cuda" or dtype not in KERNEL_DTYPES:
         return None
-    cap = torch.cuda.get_device_capability(x.device)
+    cap = torch.cuda.get_device_capability(device)
     if compute == "fp8":
         return "fp8" if cap >= (8, 9) else None
     return "w8a16" if cap >= (8, 0) else None
 
 
-def fp8_grouped_mm(a: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
-                   compute: str = "fp8") -> Tensor:
+def takes_fp8_rows(dtype: torch.dtype, device: torch.device, weight: Tensor, compute: str, trans: bool) -> bool:
+    """Whether :func:`fp8_grouped_mm` quantizes rows of ``dtype`` on ``device`` per 1x128 tile for ``weight`` in mode
+    ``compute`` (and so takes them as :class:`Fp8Rows` instead): the FP8 kernels run (``compute="fp8"`` on sm_89+,
+    bf16 / fp16 rows) and the direction is one they take quantized rows in (``trans=False``, or the Gluon kernel)."""
+    if _kernel_mode(dtype, device, compute) != "fp8":
+        return False
+    return not trans or _gluon_on(device, weight)
+
+
+def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
+                   compute: str = "fp8", out_dtype: torch.dtype | None = None) -> Tensor:
     """Expert GEMMs over contiguous expert-sorted rows, frozen FP8 weights.
 
     Args:
-        a: ``[M, K]`` (``trans=False``) or ``[M, N]`` (``trans=True``), rows sorted by expert.
+        a: ``[M, K]`` (``trans=False``) or ``[M, N]`` (``trans=True``), rows sorted by expert; or those rows already
+            quantized (:class:`Fp8Rows`), where :func:`takes_fp8_rows` holds for ``out_dtype`` (else a ``ValueError``).
         weight: ``[E, N, K]`` ``float8_e4m3fn`` (not requiring grad). scale: ``[E, ceil(N/128), ceil(K/128)]`` fp32.
         offs: ``[E]`` int32, cumulative row end of each expert (as ``torch.nn.functional.grouped_mm`` takes);
             ``offs[-1] <= M``.
@@ -54,12 +88,21 @@ def fp8_grouped_mm(a: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans
             weight tile cast to ``a``'s dtype in the kernel, bf16 / fp16 MMA.
             On CPU, for fp32 / fp64 ``a`` or GPUs without the MMA, the reference runs (``W_e`` dequantized to
             ``a``'s dtype one expert at a time, plain matmuls).
+        out_dtype: the output dtype: required for :class:`Fp8Rows` (the dtype the rows were quantized from), else
+            ``a``'s dtype (None or that).
 
     Returns:
-        ``[M, N]`` or ``[M, K]`` in ``a``'s dtype; rows past ``offs[-1]`` are zero. Not differentiable (callers
-        use it inside their own backward): ``a`` that requires grad under grad mode is refused.
+        ``[M, N]`` or ``[M, K]`` in ``a``'s dtype (``out_dtype``); rows past ``offs[-1]`` are zero. Not
+        differentiable (callers use it inside their own backward): ``a`` that requires grad under grad mode is
+        refused.
     """
+    if isinstance(a, Fp8Rows):
+        _check_rows(a, weight, scale, offs, trans, compute, out_dtype)
+        return _fp8_mm(a, weight, scale, offs, trans, out_dtype)
     _check_grouped(a, weight, scale, offs, trans)
+    if out_dtype not in (None, a.dtype):
+        raise ValueError(f"out_dtype {out_dtype} is for pre-quantized rows (Fp8Rows); the output of a {a.dtype} "
+                         "tensor a is in its dtype: leave out_dtype out")
     if a.requires_grad and torch.is_grad_enabled():
         raise ValueError("fp8_grouped_mm is not differentiable: call it under torch.no_grad() or inside an "
                          "autograd.Function (the MoE op does), or use fp8_linear for a differentiable dense layer")
@@ -68,18 +111,39 @@ def fp8_grouped_mm(a: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans
         return fp8_grouped_mm_ref(a, weight, scale, offs, trans)
     from .triton import grouped_mm_triton, quantize_1x128_triton  # lazy: Triton optional
 
-    if mode == "fp8" and gluon_fits(a, weight):
-        from .gluon import grouped_mm_gluon  # lazy: Gluon is experimental API
-
-        q, s = quantize_1x128_triton(a)
-        return grouped_mm_gluon(q, s, weight, scale, offs, trans, out_dtype=a.dtype)
-    if mode == "fp8" and not trans:
-        q, s = quantize_1x128_triton(a)
-        return grouped_mm_triton(q, s, weight, scale, offs, False, out_dtype=a.dtype)
+    if takes_fp8_rows(a.dtype, a.device, weight, compute, trans):
+        return _fp8_mm(Fp8Rows(*quantize_1x128_triton(a)), weight, scale, offs, trans, a.dtype)
     # trans=True elsewhere runs W8A16 in both modes: FP8 MMA wants W K-major, and neither Triton's transposition of
     # the FP8 tile (91-125 TFLOP/s on the H200) nor a transposed copy per call (107-110) beat the bf16 MMA on the
     # cast tile (~235); the Gluon kernel transposes the tile in shared memory (see README.md)
     return grouped_mm_triton(a, None, weight, scale, offs, trans, out_dtype=a.dtype)
+
+
+def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool, out_dtype: torch.dtype) -> Tensor:
+    """The FP8 kernels on quantized rows: Gluon where it fits, else Triton (``trans=False``)."""
+    if gluon_fits(a.q, weight):
+        from .gluon import grouped_mm_gluon  # lazy: Gluon is experimental API
+
+        return grouped_mm_gluon(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype)
+    from .triton import grouped_mm_triton  # lazy: Triton optional
+
+    return grouped_mm_triton(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype)
+
+
+def _check_rows(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool, compute: str,
+                out_dtype: torch.dtype | None) -> None:
+    """A ``ValueError`` unless the pre-quantized rows ``a`` fit the GEMM and reach a kernel that takes them."""
+    _check_grouped(a.q, weight, scale, offs, trans)
+    m, c = a.q.shape
+    if a.q.dtype != FP8_DTYPE or a.s.dtype != torch.float32 or tuple(a.s.shape) != (m, _cdiv(c, BLOCK)):
+        raise ValueError(f"Fp8Rows must be q [M, C] float8_e4m3fn and s [M, ceil(C/128)] fp32, got q {a.q.dtype} "
+                         f"{tuple(a.q.shape)}, s {a.s.dtype} {tuple(a.s.shape)}")
+    if out_dtype is None:
+        raise ValueError("fp8_grouped_mm on Fp8Rows needs out_dtype (the dtype the rows were quantized from)")
+    if not takes_fp8_rows(out_dtype, a.q.device, weight, compute, trans):
+        raise ValueError(f"pre-quantized rows (Fp8Rows) reach no FP8 kernel here (device {a.q.device}, out_dtype "
+                         f"{out_dtype}, compute {compute!r}, trans={trans}, weight {tuple(weight.shape)}): where "
+                         "takes_fp8_rows(...) is False pass the unquantized rows")
 
 
 @functools.cache
@@ -101,6 +165,10 @@ def gluon_fits(a: Tensor, weight: Tensor) -> bool:
     """Whether the FP8 grouped GEMM runs the Gluon kernel (``gluon.py``) for activations ``a`` and the weight
     ``[E, N, K]``: sm_90 (Hopper's warpgroup MMA and TMA), not under the interpreter, ``N`` and ``K`` multiples
     of 128 (each 128-wide output tile and contraction step one block of scales). Elsewhere the Triton kernel runs."""
-    if a.device.type != "cuda" or interpreting() or weight.shape[-1] % 128 or weight.shape[-2] % 128:
+    return _gluon_on(a.device, weight)
+
+
+def _gluon_on(device: torch.device, weight: Tensor) -> bool:
+    if device.type != "cuda" or interpreting() or weight.shape[-1] % 128 or weight.shape[-2] % 128:
         return False
-    return torch.cuda.get_device_capability(a.device) == (9, 0) and _gluon_available()
+    return torch.cuda.get_device_capability(device) == (9, 0) and _gluon_available()

@@ -40,6 +40,18 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def quantize_tile(v, FP8MAX: tl.constexpr):
+    """One 1x128 tile per row of ``v [BR, 128]`` (fp32; zeros past the data) -> (``q`` fp32 holding e4m3 values,
+    ``s [BR]``): the quantizer's arithmetic, shared with the kernels that quantize what they produce (the MoE's
+    SwiGLU), so that theirs is :func:`quantize_1x128_triton`'s bit for bit."""
+    amax = tl.max(tl.abs(v), axis=1)
+    # IEEE divisions (div_rn): Triton's `/` on fp32 is the approximate one, and the scales and values must be the
+    # reference's bit for bit
+    scale = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, FP8MAX))
+    return _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(v, scale[:, None]), -FP8MAX), FP8MAX)), scale
+
+
+@triton.jit
 def _quantize_kernel(x, q, s, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
                      BR: tl.constexpr, BK: tl.constexpr, FP8MAX: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -48,11 +60,7 @@ def _quantize_kernel(x, q, s, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
     mask = rmask[:, None] & (cols < K)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     v = tl.load(x + r64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(v), axis=1)
-    # IEEE divisions (div_rn): Triton's `/` on fp32 is the approximate one, and the scales and values must be the
-    # reference's bit for bit
-    scale = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, FP8MAX))
-    qv = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(v, scale[:, None]), -FP8MAX), FP8MAX))
+    qv, scale = quantize_tile(v, FP8MAX)
     tl.store(q + r64 * stride_qm + cols[None, :], qv.to(q.dtype.element_ty), mask=mask)
     tl.store(s + rows.to(tl.int64) * stride_sm + tl.program_id(1) * stride_sk, scale, mask=rmask)
 

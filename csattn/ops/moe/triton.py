@@ -5,7 +5,10 @@ Why: in PyTorch the SwiGLU on ``[N, 2I]`` makes a pass per op (casts to fp32, tw
 products, the weight, the cast back; about twice as many in the backward, plus a concatenation of the gate and
 up gradients); here each element of ``gu`` is read once and each output written once. The gather-sum reads
 the ``k`` rows of every token and sums them in fp32 registers: no atomics (so the result is deterministic and
-rounded once, unlike a bf16 ``index_add_``) and no ``[T, k, D]`` temporary.
+rounded once, unlike a bf16 ``index_add_``) and no ``[T, k, D]`` temporary. For frozen FP8 experts the SwiGLU
+kernels also write their output quantized per 1x128 tile (``fp8_out``: the next FP8 GEMM's input, which would
+otherwise take a pass of the quantizer over it), with the quantizer's own arithmetic on the output as rounded
+(``csattn.ops.fp8.triton.quantize_tile``), so the bits are the quantizer's.
 
 Same math as :mod:`csattn.ops.moe.naive` (``swiglu_fwd_ref``, ``swiglu_bwd_ref``, ``gather_sum_ref``).
 """
@@ -17,10 +20,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..fp8.naive import BLOCK, FP8_DTYPE, FP8_MAX
+from ..fp8.triton import quantize_tile
+
 __all__ = ["swiglu_fwd_triton", "swiglu_bwd_triton", "gather_sum_triton"]
 
 BLOCK_ROWS = 16
-BLOCK_COLS = 128
+BLOCK_COLS = BLOCK  # one 1x128 quantization tile per column block (the fused FP8 outputs)
 
 
 @triton.jit
@@ -34,24 +40,32 @@ def _swiglu_parts(g, u, limit):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(gu, w, h, N, I, stride_gu, stride_h, limit,
-                       BM: tl.constexpr, BN: tl.constexpr):
+def _swiglu_fwd_kernel(gu, w, h, q, s, N, I, stride_gu, stride_h, stride_q, stride_sm, stride_sk, limit,
+                       BM: tl.constexpr, BN: tl.constexpr, WRITE_H: tl.constexpr, QUANT: tl.constexpr,
+                       FP8MAX: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rmask = rows < N
     mask = rmask[:, None] & (cols < I)[None, :]
-    base = rows.to(tl.int64)[:, None] * stride_gu + cols[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    base = r64 * stride_gu + cols[None, :]
     g = tl.load(gu + base, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu + base + I, mask=mask, other=0.0).to(tl.float32)
     wr = tl.load(w + rows, mask=rmask, other=0.0).to(tl.float32)
     _, _, _, _, act = _swiglu_parts(g, u, limit)
-    out = act * wr[:, None]
-    tl.store(h + rows.to(tl.int64)[:, None] * stride_h + cols[None, :], out.to(h.dtype.element_ty), mask=mask)
+    out = (act * wr[:, None]).to(h.dtype.element_ty)  # h's rounding (h is gu when not written: the same dtype)
+    if WRITE_H:
+        tl.store(h + r64 * stride_h + cols[None, :], out, mask=mask)
+    if QUANT:  # h itself quantized (zeros past the data, as the quantizer pads): quantize_1x128(h) bit for bit
+        qv, sv = quantize_tile(out.to(tl.float32), FP8MAX)
+        tl.store(q + r64 * stride_q + cols[None, :], qv.to(q.dtype.element_ty), mask=mask)
+        tl.store(s + rows.to(tl.int64) * stride_sm + tl.program_id(1) * stride_sk, sv, mask=rmask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(gu, w, dh, dgu, h, dw, N, I, stride_gu, stride_dh, stride_dgu, stride_h, limit,
-                       BM: tl.constexpr, BN: tl.constexpr):
+def _swiglu_bwd_kernel(gu, w, dh, dgu, h, dw, q, s, N, I, stride_gu, stride_dh, stride_dgu, stride_h, stride_q,
+                       stride_sm, stride_sk, limit, BM: tl.constexpr, BN: tl.constexpr, WRITE_DGU: tl.constexpr,
+                       QUANT: tl.constexpr, FP8MAX: tl.constexpr):
     # one program per block of rows, looping over the columns: dw is a row sum over all I columns
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < N
@@ -65,16 +79,26 @@ def _swiglu_bwd_kernel(gu, w, dh, dgu, h, dw, N, I, stride_gu, stride_dh, stride
         g = tl.load(gu + base, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu + base + I, mask=mask, other=0.0).to(tl.float32)
         d = tl.load(dh + r64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        gc, uc, s, silu, act = _swiglu_parts(g, u, limit)
+        gc, uc, s_, silu, act = _swiglu_parts(g, u, limit)
         tl.store(h + r64 * stride_h + cols[None, :], (act * wr[:, None]).to(h.dtype.element_ty), mask=mask)
         acc += tl.sum(d * act, axis=1)
         d = d * wr[:, None]
         # clamp passes the gradient inside the closed interval, as torch.clamp's backward does
-        dg = tl.where(g <= limit, d * uc * (s * (1 + gc * (1 - s))), 0.0)
-        du = tl.where((u >= -limit) & (u <= limit), d * silu, 0.0)
-        out = r64 * stride_dgu + cols[None, :]
-        tl.store(dgu + out, dg.to(dgu.dtype.element_ty), mask=mask)
-        tl.store(dgu + out + I, du.to(dgu.dtype.element_ty), mask=mask)
+        dg = tl.where(g <= limit, d * uc * (s_ * (1 + gc * (1 - s_))), 0.0).to(dgu.dtype.element_ty)
+        du = tl.where((u >= -limit) & (u <= limit), d * silu, 0.0).to(dgu.dtype.element_ty)
+        if WRITE_DGU:
+            out = r64 * stride_dgu + cols[None, :]
+            tl.store(dgu + out, dg, mask=mask)
+            tl.store(dgu + out + I, du, mask=mask)
+        if QUANT:  # dgu's gate and up tiles quantized as rounded (I % 128 == 0: each half starts on a tile)
+            qo = q + r64 * stride_q + cols[None, :]
+            so = s + rows.to(tl.int64) * stride_sm + (c0 // BN) * stride_sk
+            qg, sg = quantize_tile(dg.to(tl.float32), FP8MAX)
+            tl.store(qo, qg.to(q.dtype.element_ty), mask=mask)
+            tl.store(so, sg, mask=rmask)
+            qu, su = quantize_tile(du.to(tl.float32), FP8MAX)
+            tl.store(qo + I, qu.to(q.dtype.element_ty), mask=mask)
+            tl.store(so + (I // BN) * stride_sk, su, mask=rmask)
     tl.store(dw + rows, acc, mask=rmask)
 
 
@@ -99,42 +123,85 @@ def _check_rows(t: Tensor, name: str) -> None:
                          f"strides {t.stride()}")
 
 
-def swiglu_fwd_triton(gu: Tensor, w: Tensor, limit: float, out: Tensor | None = None) -> Tensor:
-    """Triton :func:`~csattn.ops.moe.naive.swiglu_fwd_ref`: ``gu [N, 2I]``, ``w [N]`` -> ``[N, I]``."""
+def _check_fp8_out(fp8_out: tuple[Tensor, Tensor], n: int, cols: int) -> None:
+    q, s = fp8_out
+    want = (n, triton.cdiv(cols, BLOCK))
+    if q.dtype != FP8_DTYPE or tuple(q.shape) != (n, cols) or s.dtype != torch.float32 or tuple(s.shape) != want:
+        raise ValueError(f"fp8_out must be (q [{n}, {cols}] float8_e4m3fn, s {list(want)} fp32), got q {q.dtype} "
+                         f"{tuple(q.shape)}, s {s.dtype} {tuple(s.shape)}")
+    _check_rows(q, "fp8_out q")
+
+
+def swiglu_fwd_triton(gu: Tensor, w: Tensor, limit: float, out: Tensor | None = None,
+                      fp8_out: tuple[Tensor, Tensor] | None = None, keep_h: bool = True) -> Tensor | None:
+    """Triton :func:`~csattn.ops.moe.naive.swiglu_fwd_ref`: ``gu [N, 2I]``, ``w [N]`` -> ``h [N, I]`` (into ``out``
+    if given).
+
+    ``fp8_out``: ``(q [N, I] e4m3, s [N, ceil(I/128)] fp32)`` written as well: ``h`` quantized per 1x128 tile in the
+    same pass, bitwise ``quantize_1x128(h)`` (the FP8 down GEMM's input with no pass of its own). ``keep_h=False``
+    (with ``fp8_out``): ``h`` itself is not written (nothing else needs it) and None is returned.
+    """
     _check_rows(gu, "gu")
     n, inter = gu.shape[0], gu.shape[1] // 2
-    out = torch.empty((n, inter), dtype=gu.dtype, device=gu.device) if out is None else out
-    _check_rows(out, "out")
+    if not keep_h and fp8_out is None:
+        raise ValueError("keep_h=False leaves swiglu_fwd_triton nothing to write: give fp8_out")
+    if keep_h:
+        out = torch.empty((n, inter), dtype=gu.dtype, device=gu.device) if out is None else out
+        _check_rows(out, "out")
+    if fp8_out is not None:
+        _check_fp8_out(fp8_out, n, inter)
+    h = out if keep_h else gu  # unwritten stand-in of h's dtype when not kept
+    q, s = fp8_out if fp8_out is not None else (gu, w)  # unused stand-ins
     if n and inter:
         grid = (triton.cdiv(n, BLOCK_ROWS), triton.cdiv(inter, BLOCK_COLS))
-        _swiglu_fwd_kernel[grid](gu, w.contiguous(), out, n, inter, gu.stride(0), out.stride(0), float(limit),
-                                 BM=BLOCK_ROWS, BN=BLOCK_COLS)
-    return out
+        _swiglu_fwd_kernel[grid](gu, w.contiguous(), h, q, s, n, inter, gu.stride(0), h.stride(0), q.stride(0),
+                                 s.stride(0), s.stride(-1), float(limit), BM=BLOCK_ROWS, BN=BLOCK_COLS,
+                                 WRITE_H=keep_h, QUANT=fp8_out is not None, FP8MAX=FP8_MAX)
+    return out if keep_h else None
 
 
 def swiglu_bwd_triton(gu: Tensor, w: Tensor, dh: Tensor, limit: float,
-                      out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                      out: tuple[Tensor | None, Tensor, Tensor] | None = None,
+                      fp8_out: tuple[Tensor, Tensor] | None = None,
+                      keep_dgu: bool = True) -> tuple[Tensor | None, Tensor, Tensor]:
     """Triton :func:`~csattn.ops.moe.naive.swiglu_bwd_ref`: ``gu [N, 2I]``, ``w [N]``, ``dh [N, I]`` ->
     ``dgu [N, 2I]``, ``h [N, I]`` (weighted, recomputed), ``dw [N]`` fp32. ``out`` optionally gives the three
-    destinations."""
+    destinations.
+
+    ``fp8_out``: ``(q [N, 2I] e4m3, s [N, 2I/128] fp32)`` written as well: ``dgu`` quantized per 1x128 tile in the
+    same pass, bitwise ``quantize_1x128(dgu)`` (``I`` a multiple of 128: each half starts on a tile).
+    ``keep_dgu=False`` (with ``fp8_out``): ``dgu`` itself is not written and None is returned in its place.
+    """
     _check_rows(gu, "gu")
     dh = dh if dh.stride(-1) == 1 else dh.contiguous()
     n, inter = gu.shape[0], gu.shape[1] // 2
+    if not keep_dgu and fp8_out is None:
+        raise ValueError("keep_dgu=False leaves swiglu_bwd_triton's dgu nowhere: give fp8_out")
+    if fp8_out is not None and inter % BLOCK_COLS:
+        raise ValueError(f"fp8_out needs I % {BLOCK_COLS} == 0 (each half of dgu starts on a 1x128 tile), "
+                         f"got I {inter}")
     if out is None:
-        dgu = torch.empty_like(gu, memory_format=torch.contiguous_format)
+        dgu = torch.empty_like(gu, memory_format=torch.contiguous_format) if keep_dgu else None
         h = torch.empty((n, inter), dtype=gu.dtype, device=gu.device)
         dw = torch.empty((n,), dtype=torch.float32, device=gu.device)
     else:
         dgu, h, dw = out
-    _check_rows(dgu, "dgu")
+        dgu = dgu if keep_dgu else None
+    if dgu is not None:
+        _check_rows(dgu, "dgu")
     _check_rows(h, "h")
+    if fp8_out is not None:
+        _check_fp8_out(fp8_out, n, 2 * inter)
+    d = dgu if dgu is not None else gu  # unwritten stand-in of dgu's dtype when not kept
+    q, s = fp8_out if fp8_out is not None else (gu, w)  # unused stand-ins
     if n:
         if not inter:
             dw.zero_()
         else:
             _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK_ROWS),)](
-                gu, w.contiguous(), dh, dgu, h, dw, n, inter, gu.stride(0), dh.stride(0), dgu.stride(0),
-                h.stride(0), float(limit), BM=BLOCK_ROWS, BN=BLOCK_COLS)
+                gu, w.contiguous(), dh, d, h, dw, q, s, n, inter, gu.stride(0), dh.stride(0), d.stride(0),
+                h.stride(0), q.stride(0), s.stride(0), s.stride(-1), float(limit), BM=BLOCK_ROWS, BN=BLOCK_COLS,
+                WRITE_DGU=dgu is not None, QUANT=fp8_out is not None, FP8MAX=FP8_MAX)
     return dgu, h, dw
 
 
