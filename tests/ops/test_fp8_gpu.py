@@ -206,7 +206,7 @@ def test_fp8_rows_are_the_rows_quantized_inside(trans):
 
 def _composed_moe(x, w, ids, dout, gu, dn, e, lora):
     """The frozen-FP8 MoE step from public ops, each FP8 GEMM quantizing its bf16 input itself (the separate
-    passes), the LoRA terms as the op adds them: (out, dx, dweights)."""
+    passes), the LoRA terms as the op adds them (the scale folded into the add): (out, dx, dweights)."""
     from csattn.ops.moe import route_plan
     from csattn.ops.moe.triton import gather_sum_triton, swiglu_bwd_triton, swiglu_fwd_triton
 
@@ -218,22 +218,22 @@ def _composed_moe(x, w, ids, dout, gu, dn, e, lora):
     xp = x.index_select(0, plan.token)
     gup = fp8_grouped_mm(xp, *gu, offs)
     if lora:
-        gup = gup + lora[0].scale * mm(mm(xp, lora[0].a.transpose(-2, -1), offs=offs), lora[0].b.transpose(-2, -1),
-                                       offs=offs)
+        gup = torch.add(gup, mm(mm(xp, lora[0].a.transpose(-2, -1), offs=offs), lora[0].b.transpose(-2, -1),
+                                offs=offs), alpha=lora[0].scale)
     h = swiglu_fwd_triton(gup, ws, LIMIT)
     y = fp8_grouped_mm(h, *dn, offs)
     if lora:
-        y = y + lora[1].scale * mm(mm(h, lora[1].a.transpose(-2, -1), offs=offs), lora[1].b.transpose(-2, -1),
-                                   offs=offs)
+        y = torch.add(y, mm(mm(h, lora[1].a.transpose(-2, -1), offs=offs), lora[1].b.transpose(-2, -1), offs=offs),
+                      alpha=lora[1].scale)
     out = gather_sum_triton(y, plan.inv, k)
     dy = dout.index_select(0, plan.token)
     dh = fp8_grouped_mm(dy, *dn, offs, trans=True)
     if lora:
-        dh = dh + lora[1].scale * mm(mm(dy, lora[1].b, offs=offs), lora[1].a, offs=offs)
+        dh = torch.add(dh, mm(mm(dy, lora[1].b, offs=offs), lora[1].a, offs=offs), alpha=lora[1].scale)
     dgu, _, dw = swiglu_bwd_triton(gup, ws, dh, LIMIT)
     dxp = fp8_grouped_mm(dgu, *gu, offs, trans=True)
     if lora:
-        dxp = dxp + lora[0].scale * mm(mm(dgu, lora[0].b, offs=offs), lora[0].a, offs=offs)
+        dxp = torch.add(dxp, mm(mm(dgu, lora[0].b, offs=offs), lora[0].a, offs=offs), alpha=lora[0].scale)
     return out, gather_sum_triton(dxp, plan.inv, k), dw.index_select(0, plan.inv).view(-1, k).to(w.dtype)
 
 

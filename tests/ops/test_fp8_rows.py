@@ -89,6 +89,10 @@ def test_swiglu_bwd_writes_dgu_quantized(dtype):
     none, h2, dw2 = swiglu_bwd_triton(gu, w, dh, LIMIT, fp8_out=only, keep_dgu=False)
     assert none is None and torch.equal(h2, h) and torch.equal(dw2, dw)
     _bitwise(only, rows)
+    lean = _poisoned_rows(n, 2 * inter)  # frozen experts without a down LoRA: neither dgu nor h is read after
+    none, no_h, dw3 = swiglu_bwd_triton(gu, w, dh, LIMIT, fp8_out=lean, keep_dgu=False, keep_h=False)
+    assert none is None and no_h is None and torch.equal(dw3, dw)
+    _bitwise(lean, rows)
     exact = swiglu_bwd_ref(gu.double(), w.double(), dh.double(), LIMIT)[0]
     assert rel_err(dgu, exact) < _ulps(dtype)  # in norm: silu' cancels in fp32 (1 - sigmoid near 1)
 

@@ -196,8 +196,10 @@ class _GroupedExperts(torch.autograd.Function):
         # the kernel quantizes dgu where its two halves are whole 1x128 tiles (I % 128 == 0)
         dgu_rows = (need_x and (gu.shape[1] // 2) % BLOCK == 0
                     and _takes_rows(gu, gate_up_proj, gate_up_scale, compute, trans=True))
+        # h serves only the down projection's weight gradient and its LoRA a gradient
         dgu, dguq, h, dw = _swiglu_bwd(backend, gu, w, dh, ctx.limit, quantize=dgu_rows,
-                                       keep_dgu=need_gu or gu_a is not None or not dgu_rows)
+                                       keep_dgu=need_gu or gu_a is not None or not dgu_rows,
+                                       keep_h=need_down or need_lora[2])
         del dh
         d_down = _zero_empty_groups(_grouped_mm(dy.t(), h, offs=offs), offs) if need_down else None
         d_dn_a, d_dn_b = _lora_grads(dy, h, dyb, ha, ctx.lora_scales[1], offs, need_lora[2:])
@@ -226,7 +228,9 @@ def _lora_add(y: Tensor, v: Tensor, a: Tensor | None, b: Tensor | None, scale: f
     if a is None:
         return y, None
     va = _grouped_mm(v, a.transpose(-2, -1), offs=offs)
-    return y + scale * _grouped_mm(va, b.transpose(-2, -1), offs=offs), va
+    # in place, the scale folded into the add (one rounding): y is this op's own fresh GEMM output, and over the
+    # [N, out] rows a separate product and sum would be two more passes
+    return y.add_(_grouped_mm(va, b.transpose(-2, -1), offs=offs), alpha=scale), va
 
 
 def _lora_add_t(dv: Tensor | None, dy: Tensor, a: Tensor | None, b: Tensor | None, scale: float,
@@ -236,7 +240,7 @@ def _lora_add_t(dv: Tensor | None, dy: Tensor, a: Tensor | None, b: Tensor | Non
         return dv, None
     dyb = _grouped_mm(dy, b, offs=offs)
     if dv is not None:
-        dv = dv + scale * _grouped_mm(dyb, a, offs=offs)
+        dv = dv.add_(_grouped_mm(dyb, a, offs=offs), alpha=scale)  # dv: a fresh GEMM output (as in _lora_add)
     return dv, dyb
 
 
@@ -264,15 +268,16 @@ def _swiglu_fwd(backend: Backend, gu: Tensor, w: Tensor, limit: float, keep_h: b
 
 
 def _swiglu_bwd(backend: Backend, gu: Tensor, w: Tensor, dh: Tensor, limit: float, keep_dgu: bool,
-                quantize: bool) -> tuple[Tensor | None, Fp8Rows | None, Tensor, Tensor]:
-    """``(dgu, dgu quantized per 1x128 tile, h, dw)``, the first two only if asked (as :func:`_swiglu_fwd`)."""
+                quantize: bool, keep_h: bool) -> tuple[Tensor | None, Fp8Rows | None, Tensor | None, Tensor]:
+    """``(dgu, dgu quantized per 1x128 tile, h, dw)``, the first three only if asked (as :func:`_swiglu_fwd`)."""
     if not use_triton(backend):
         dgu, h, dw = swiglu_bwd_ref(gu, w, dh, limit)
-        return (dgu if keep_dgu else None), (Fp8Rows(*quantize_1x128(dgu)) if quantize else None), h, dw
+        return ((dgu if keep_dgu else None), (Fp8Rows(*quantize_1x128(dgu)) if quantize else None),
+                (h if keep_h else None), dw)
     from .triton import swiglu_bwd_triton  # lazy: Triton optional
 
     dguq = _empty_rows(gu.shape[0], gu.shape[1], gu.device) if quantize else None
-    dgu, h, dw = swiglu_bwd_triton(gu, w, dh, limit, fp8_out=dguq, keep_dgu=keep_dgu)
+    dgu, h, dw = swiglu_bwd_triton(gu, w, dh, limit, fp8_out=dguq, keep_dgu=keep_dgu, keep_h=keep_h)
     return dgu, dguq, h, dw
 
 

@@ -65,7 +65,7 @@ def _swiglu_fwd_kernel(gu, w, h, q, s, N, I, stride_gu, stride_h, stride_q, stri
 @triton.jit
 def _swiglu_bwd_kernel(gu, w, dh, dgu, h, dw, q, s, N, I, stride_gu, stride_dh, stride_dgu, stride_h, stride_q,
                        stride_sm, stride_sk, limit, BM: tl.constexpr, BN: tl.constexpr, WRITE_DGU: tl.constexpr,
-                       QUANT: tl.constexpr, FP8MAX: tl.constexpr):
+                       WRITE_H: tl.constexpr, QUANT: tl.constexpr, FP8MAX: tl.constexpr):
     # one program per block of rows, looping over the columns: dw is a row sum over all I columns
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < N
@@ -80,7 +80,8 @@ def _swiglu_bwd_kernel(gu, w, dh, dgu, h, dw, q, s, N, I, stride_gu, stride_dh, 
         u = tl.load(gu + base + I, mask=mask, other=0.0).to(tl.float32)
         d = tl.load(dh + r64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         gc, uc, s_, silu, act = _swiglu_parts(g, u, limit)
-        tl.store(h + r64 * stride_h + cols[None, :], (act * wr[:, None]).to(h.dtype.element_ty), mask=mask)
+        if WRITE_H:
+            tl.store(h + r64 * stride_h + cols[None, :], (act * wr[:, None]).to(h.dtype.element_ty), mask=mask)
         acc += tl.sum(d * act, axis=1)
         d = d * wr[:, None]
         # clamp passes the gradient inside the closed interval, as torch.clamp's backward does
@@ -163,14 +164,15 @@ def swiglu_fwd_triton(gu: Tensor, w: Tensor, limit: float, out: Tensor | None = 
 def swiglu_bwd_triton(gu: Tensor, w: Tensor, dh: Tensor, limit: float,
                       out: tuple[Tensor | None, Tensor, Tensor] | None = None,
                       fp8_out: tuple[Tensor, Tensor] | None = None,
-                      keep_dgu: bool = True) -> tuple[Tensor | None, Tensor, Tensor]:
+                      keep_dgu: bool = True, keep_h: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor]:
     """Triton :func:`~csattn.ops.moe.naive.swiglu_bwd_ref`: ``gu [N, 2I]``, ``w [N]``, ``dh [N, I]`` ->
     ``dgu [N, 2I]``, ``h [N, I]`` (weighted, recomputed), ``dw [N]`` fp32. ``out`` optionally gives the three
     destinations.
 
     ``fp8_out``: ``(q [N, 2I] e4m3, s [N, 2I/128] fp32)`` written as well: ``dgu`` quantized per 1x128 tile in the
     same pass, bitwise ``quantize_1x128(dgu)`` (``I`` a multiple of 128: each half starts on a tile).
-    ``keep_dgu=False`` (with ``fp8_out``): ``dgu`` itself is not written and None is returned in its place.
+    ``keep_dgu=False`` (with ``fp8_out``): ``dgu`` itself is not written and None is returned in its place;
+    ``keep_h=False``: ``h`` likewise (it serves the down projection's weight and LoRA gradients only).
     """
     _check_rows(gu, "gu")
     dh = dh if dh.stride(-1) == 1 else dh.contiguous()
@@ -182,26 +184,28 @@ def swiglu_bwd_triton(gu: Tensor, w: Tensor, dh: Tensor, limit: float,
                          f"got I {inter}")
     if out is None:
         dgu = torch.empty_like(gu, memory_format=torch.contiguous_format) if keep_dgu else None
-        h = torch.empty((n, inter), dtype=gu.dtype, device=gu.device)
+        h = torch.empty((n, inter), dtype=gu.dtype, device=gu.device) if keep_h else None
         dw = torch.empty((n,), dtype=torch.float32, device=gu.device)
     else:
         dgu, h, dw = out
-        dgu = dgu if keep_dgu else None
+        dgu, h = (dgu if keep_dgu else None), (h if keep_h else None)
     if dgu is not None:
         _check_rows(dgu, "dgu")
-    _check_rows(h, "h")
+    if h is not None:
+        _check_rows(h, "h")
     if fp8_out is not None:
         _check_fp8_out(fp8_out, n, 2 * inter)
-    d = dgu if dgu is not None else gu  # unwritten stand-in of dgu's dtype when not kept
+    d = dgu if dgu is not None else gu  # unwritten stand-ins of dgu's and h's dtype when not kept
+    hk = h if h is not None else dh
     q, s = fp8_out if fp8_out is not None else (gu, w)  # unused stand-ins
     if n:
         if not inter:
             dw.zero_()
         else:
             _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK_ROWS),)](
-                gu, w.contiguous(), dh, d, h, dw, q, s, n, inter, gu.stride(0), dh.stride(0), d.stride(0),
-                h.stride(0), q.stride(0), s.stride(0), s.stride(-1), float(limit), BM=BLOCK_ROWS, BN=BLOCK_COLS,
-                WRITE_DGU=dgu is not None, QUANT=fp8_out is not None, FP8MAX=FP8_MAX)
+                gu, w.contiguous(), dh, d, hk, dw, q, s, n, inter, gu.stride(0), dh.stride(0), d.stride(0),
+                hk.stride(0), q.stride(0), s.stride(0), s.stride(-1), float(limit), BM=BLOCK_ROWS, BN=BLOCK_COLS,
+                WRITE_DGU=dgu is not None, WRITE_H=h is not None, QUANT=fp8_out is not None, FP8MAX=FP8_MAX)
     return dgu, h, dw
 
 
