@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Device call: the frozen-expert MoE (the finetune page's moe part), then (a) / (c) / (d) side by side at 16k on the
+# V4-Flash slice written in the release format on the GPU. In $OUT.   COMMIT=<sha> bash lab/finetune_moe_session.sh
+set -u
+OUT=${OUT:-/tmp/ftmoe}; mkdir -p "$OUT"; START=$SECONDS
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
+timeout 90 python3 -m benchmarks.finetune --ckpt /tmp/none --json "$OUT/finetune_moe.json" --parts moe \
+  --commit "${COMMIT:-unknown}" 2>&1 | grep -E "^(fp8|bf16|w8a16) " | tail -6
+echo "[moe] $((SECONDS - START)) s"
+timeout 420 python3 -m benchmarks.finetune --ckpt /tmp/csattn_v4_flash_slice --json "$OUT/finetune_steps.json" \
+  --parts write,steps --draw device --cases "${CASES:-a:16384;c:16384;d:16384}" --commit "${COMMIT:-unknown}" 2>&1 \
+  | grep -E "^\[" | tail -20
+echo "[session] $((SECONDS - START)) s"
