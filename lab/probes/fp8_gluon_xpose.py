@@ -8,7 +8,8 @@ MoE shapes: 256 experts top-6, 16k tokens, D 4096, I 2048).
 - 3: a layout 2-way conflicting both ways (a thread: 16 rows by 4 bytes; lanes: one row bit, then the words);
 - 4, 5, 8: a transposer warpgroup of its own (layouts 3, 0, 7) and a one-warp partition issuing the copies;
 - 6: layout 3 with both pieces loaded before the first store;
-- 7: virtual coordinates through linear shared layouts: no conflict either way.
+- 7: virtual coordinates through linear shared layouts: no conflict either way;
+- 9: layout 3 with its lanes reordered so that Triton reads it with ``ldmatrix``; 10: 9 in a transposer of its own.
 
 Each case: ms, TFLOP/s and whether the output equals the library kernel's (cases 0 and 3 must).
 Run on an H200: python -m lab.probes.fp8_gluon_xpose"""
@@ -34,6 +35,15 @@ def conflict2_layout():
     bytes ``{0..3}``; lane bit 0 moves 16 rows, the others the 4-byte words; warps 32 and 64 rows."""
     return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [4, 0], [8, 0]],
                                       lane_bases=[[16, 0], [0, 4], [0, 8], [0, 16], [0, 32]],
+                                      warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 64])
+
+
+@gluon.constexpr_function
+def ldmatrix_layout():
+    """Layout 3 with its lanes reordered (the 4-byte words first, then the 16-row step): Triton reads it with
+    ``ldmatrix`` (16 bytes a thread an instruction, four times fewer loads), both ways 2-way conflicting as 3."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0], [8, 0]],
+                                      lane_bases=[[0, 4], [0, 8], [16, 0], [0, 16], [0, 32]],
                                       warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 64])
 
 
@@ -87,6 +97,10 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, XPOSE: gl.co
         for c in gl.static_range(2):
             piece = rv.slice(c * 64, 64, dim=0).load(virtual_layout())
             bv.slice(c * 64, 64, dim=1).store(gl.permute(piece, (1, 0)))
+    elif XPOSE == 9:
+        for c in gl.static_range(2):
+            piece = raw.index(s).slice(c * 64, 64, dim=1).load(ldmatrix_layout())
+            bt.index(s).slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
     elif XPOSE == 6:  # layout 3, both pieces' loads issued before the first store
         p0 = raw.index(s).slice(0, 64, dim=1).load(conflict2_layout())
         p1 = raw.index(s).slice(64, 64, dim=1).load(conflict2_layout())
@@ -182,6 +196,8 @@ def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_
                     _transpose_stage(it, raw, bt, land, ready, STAGES, 3)
                 elif XPOSE == 8:
                     _transpose_stage(it, raw, bt, land, ready, STAGES, 7)
+                elif XPOSE == 10:
+                    _transpose_stage(it, raw, bt, land, ready, STAGES, 9)
                 else:
                     _transpose_stage(it, raw, bt, land, ready, STAGES, 0)
                 it += 1
@@ -209,7 +225,7 @@ def fp8_grouped_gluon_kernel(
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)
     smem = (a_smem, raw, bt, land, ready, empty)
-    if XPOSE >= 4:
+    if XPOSE == 4 or XPOSE == 5 or XPOSE == 8 or XPOSE == 10:
         gl.warp_specialize([
             (lib._math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                          stride_sbk, stride_sbn, stride_om, smem, _UPPER, TRANS, E_P2, GROUP_M, STAGES)),
@@ -249,7 +265,7 @@ def one_gemm(name: str, n_w: int, k_w: int, offs: torch.Tensor, m: int, g: torch
           f"{timed(lambda: lib.grouped_mm_gluon(qa, sa, qt, st, offs), flops)}, equal: {same}")
     lib.fp8_grouped_gluon_kernel = fp8_grouped_gluon_kernel
     try:
-        for xpose, lag in ((1, 2), (3, 2), (6, 2), (7, 2), (7, 3), (4, 0), (5, 0), (8, 0)):
+        for xpose, lag in ((1, 2), (3, 2), (9, 2), (9, 3), (4, 0), (8, 0), (10, 0)):
             # the math warpgroups at 224 registers (232 in the library): the producer needs 64 where it holds a
             # piece in layout 3 or 7 (48: spills); a transposer of its own (4, 5, 8) gets 40 and the copies 24
             settings = {"XPOSE": xpose, "LAG": lag, "MATH_REGS": 224, "PRODUCER_REGS": 64, "XREGS": 40,
