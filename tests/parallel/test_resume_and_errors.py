@@ -80,8 +80,9 @@ def test_killed_rank_does_not_hang_the_others_and_the_run_resumes_on_another_mes
             "--save-every", "2", "--dist-timeout", "20", "--export-hf", "never"]
     procs = _launch(4, free_port(), args, str(tmp_path))
     deadline = time.time() + 240
-    while time.time() < deadline and not os.path.isfile(os.path.join(out, "checkpoint-000002", "trainer_state"
-                                                                      ".safetensors")):
+    # the kill waits for a whole checkpoint: "latest" is written once every file of one is in (a kill between its
+    # trainer state and that pointer leaves no checkpoint to resume, as it should)
+    while time.time() < deadline and not os.path.isfile(os.path.join(out, "latest")):
         time.sleep(0.2)
     assert os.path.isdir(os.path.join(out, "checkpoint-000002")), "no checkpoint was written"
     procs[3].send_signal(signal.SIGKILL)
