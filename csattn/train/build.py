@@ -63,13 +63,14 @@ def build(cfg: TrainConfig, meshes: Meshes, device: torch.device, saved: dict[st
         tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
         model_cfg = build_model_config(cfg, len(tokenizer) if tokenizer is not None else None,
                                        special_ids=_special_ids(tokenizer))
-    model, cp = build_model(cfg, model_cfg, meshes, device)
+    tuning = Finetune.from_options(cfg)  # what trains and the LoRA: the model's build and the step read it
+    model, cp = build_model(cfg, model_cfg, meshes, device, tuning)
     per, dp_rank = batch_seqs // dims.dp, meshes.coords["dp"]
     with user_errors():  # the data files
         reader = BatchReader(cfg, model_cfg, tokenizer, 1 + len(model.mtp), batch_seqs,
                              range(dp_rank * per, (dp_rank + 1) * per))
     optimizer = build_optimizer(model, cfg, device)
-    bias_rate = Finetune.from_options(cfg).router_bias_rate(cfg.router_bias_rate)  # 0 with a frozen router
+    bias_rate = tuning.router_bias_rate(cfg.router_bias_rate)  # 0 with a frozen router
     state = TrainState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)), meshes,
                        device, cp, cfg.grad_clip, bias_rate)
     return Trainer(state, reader, tokenizer)
@@ -163,10 +164,11 @@ def _special_ids(tokenizer: Any) -> dict[str, Any] | None:
     return {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
 
 
-def build_model(cfg: TrainConfig, model_cfg: DeepseekV4ModelConfig, meshes: Meshes,
-                device: torch.device) -> tuple[DeepseekV4ForCausalLM, Any]:
+def build_model(cfg: TrainConfig, model_cfg: DeepseekV4ModelConfig, meshes: Meshes, device: torch.device,
+                tuning: Finetune) -> tuple[DeepseekV4ForCausalLM, Any]:
     """The model on the meta device, sharded over ``meshes``, then given storage and weights one unit at a time
-    (fresh from ``--seed``, or ``--init-from``'s HF checkpoint); returns it and its ``ContextParallel``."""
+    (fresh from ``--seed``, or ``--init-from``'s HF checkpoint); returns it and its ``ContextParallel``.
+    ``tuning``: the frozen groups and LoRA, applied between the expert split and FSDP."""
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(model_cfg)
     dtype = getattr(torch, cfg.dtype)
@@ -179,7 +181,6 @@ def build_model(cfg: TrainConfig, model_cfg: DeepseekV4ModelConfig, meshes: Mesh
         model.to(torch.float64)
     # gradients reduced in fp32, or in the storage dtype when that is wider
     reduce_dtype = torch.promote_types(dtype, torch.float32)
-    tuning = Finetune.from_options(cfg)  # frozen groups and LoRA, between the expert split and FSDP
     hold_base(model, cfg, tuning.choice)  # --base-precision fp8 / w8a16: FP8-held modules, before sharding
     cp = parallelize_model(model, meshes, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                            cp_partition=cfg.cp_partition, prepare=tuning.prepare)

@@ -13,6 +13,7 @@ import torch
 
 from csattn.cli import main
 from csattn.finetune.lora import lora_modules
+from csattn.finetune.setup import Finetune
 from csattn.models.deepseek_v4.checkpoint import load_pretrained
 from csattn.packing import PackedSeqs
 from csattn.train.build import build_model, build_model_config, setup_distributed
@@ -28,7 +29,8 @@ LORA = dict(lora_rank=4, lora_alpha=8.0)
 def _initial(cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """The weights a run of ``cfg`` starts from."""
     meshes, device = setup_distributed(cfg)
-    return {k: v.clone() for k, v in build_model(cfg, build_model_config(cfg), meshes, device)[0].state_dict().items()}
+    model = build_model(cfg, build_model_config(cfg), meshes, device, Finetune.from_options(cfg))[0]
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def test_lora_run_trains_adapters_only_resumes_exactly_and_exports(tmp_path, assert_close):
