@@ -220,14 +220,11 @@ def step_flops(config: Any, cu: list[int], mode: Mode, rank: int, lora: dict[str
     """The FLOPs one step of ``mode`` runs on documents ``cu`` (forward, backward, the FP8 part): the planner's
     per-group multiply-adds for what is frozen, the model's own LoRA counts (``lora_counts``)."""
     from csattn.models.deepseek_v4.flops import finetune_flops
-    from csattn.parallel.plan import count_groups
+    from csattn.parallel.plan import flop_counts
 
-    groups = count_groups(config).total()
-    t = mode.training(rank)
-    frozen = sum(v.macs for g, v in groups.items() if g not in t.train)
-    fp8 = groups["experts"].macs if mode.base == "fp8" else 0.0  # the load holds the routed experts in FP8 only
-    return finetune_flops(config, cu, frozen_macs=frozen, fp8_macs=fp8, lora_rank=rank if mode.lora else 0,
-                          lora_io=lora["io"], effective_macs=lora["effective_macs"])
+    # the load holds the routed experts in FP8 only (no --fp8-linears): as the planner's Training of the mode
+    counts = flop_counts(config, mode.training(rank), fp8_held=mode.base == "fp8")
+    return finetune_flops(config, cu, **{**counts, "lora_io": lora["io"], "effective_macs": lora["effective_macs"]})
 
 
 def _sync(device: torch.device) -> None:

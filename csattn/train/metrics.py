@@ -16,7 +16,8 @@ import torch
 from ..models.deepseek_v4 import DeepseekV4ModelConfig
 from ..models.deepseek_v4.flops import finetune_flops, peak_flops
 from ..parallel import Meshes
-from ..parallel.plan import count_groups, training_spec
+from ..parallel.plan import flop_counts as plan_flop_counts
+from ..parallel.plan import training_spec
 from .errors import TrainWarning, UserError
 from .packer import PackedBatch
 
@@ -28,15 +29,11 @@ RATE_WINDOW = 20  # steps over which tokens/s and MFU are reported
 
 def flop_counts(cfg: Any, model_cfg: DeepseekV4ModelConfig) -> dict[str, float]:
     """:func:`~csattn.models.deepseek_v4.flops.finetune_flops`'s counts for the run's options, by the planner's
-    parameter groups: the frozen groups' multiply-adds per token (no weight gradient), the part multiplied in FP8
-    (``--base-precision fp8``), LoRA's rank and maps (``in + out`` per token). All zero when everything trains."""
+    parameter groups (:func:`csattn.parallel.plan.flop_counts`; the FP8 part only with ``--base-precision fp8``:
+    the weight-only base multiplies in bf16). All zero when everything trains."""
     t = training_spec(lora_rank=cfg.lora_rank, lora_targets=cfg.lora_targets, train=cfg.train_groups,
                       freeze=cfg.freeze_groups, base_precision=cfg.base_precision, fp8_linears=cfg.fp8_linears)
-    groups = count_groups(model_cfg).total()
-    fp8 = cfg.base_precision == "fp8"  # the weight-only base multiplies in bf16
-    return {"frozen_macs": sum(v.macs for g, v in groups.items() if g not in t.train),
-            "fp8_macs": sum(v.macs for g, v in groups.items() if fp8 and t.fp8(g)),
-            "lora_rank": t.lora_rank, "lora_io": sum(v.lora_macs for g, v in groups.items() if g in t.lora_targets)}
+    return plan_flop_counts(model_cfg, t, fp8_held=cfg.base_precision == "fp8")
 
 
 class RunMetrics:

@@ -175,3 +175,22 @@ def test_cases_and_the_device_copy(tmp_path, tiny):
     for k, v in want.items():
         assert got[k].dtype == v.dtype and got[k].data_ptr() != v.data_ptr(), k
         assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_planner_counts_lora_as_the_model_runs_it():
+    """The planner's LoRA counts by group (``flop_counts``: ``in + out`` of the maps run factored, multiply-adds of
+    the matrices read whole, an effective weight) are the model's own, LoRA on every group it adapts."""
+    from csattn.finetune.groups import LORA_GROUPS
+    from csattn.finetune.lora import LoraSpec, add_lora
+    from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from csattn.parallel.plan import flop_counts, training_spec
+    from csattn.train.config import tiny_model_config
+
+    config = tiny_model_config()
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config)
+    add_lora(model, LoraSpec(4, 8.0, 0.0, tuple(LORA_GROUPS)))
+    got = ft.lora_counts(model)
+    want = flop_counts(config, training_spec(lora_rank=4, lora_targets=",".join(LORA_GROUPS)))
+    assert (want["lora_io"], want["effective_macs"]) == (got["io"], got["effective_macs"])
+    assert want["effective_macs"] > 0 and want["lora_io"] > 0

@@ -41,6 +41,7 @@ from .counts import (
     Training,
     count_groups,
     count_params,
+    flop_counts,
     group_of,
     training_spec,
 )
@@ -54,6 +55,7 @@ from .timing import mfu_at, step_flops, step_time
 __all__ = ["BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "FP8_BYTES", "FP8_GEMM_SPEEDUP", "FP8_GROUPS",
            "GROUPS", "GroupCount", "GroupCounts", "H200_BYTES", "HEADROOM", "KEPT_KIB",
            "LIMIT_BYTES", "MFU_BY_ROWS", "Memory", "ParamCounts", "Plan", "RECOMPUTE_SLOWDOWN", "TRANSIENT", "Training",
-           "add_plan_args", "count_groups", "count_params", "docs_table", "format_plan", "fp8_workspace", "group_of",
+           "add_plan_args", "count_groups", "count_params", "docs_table", "flop_counts", "format_plan",
+           "fp8_workspace", "group_of",
            "kept_bytes_per_token", "load_config", "main", "mfu_at", "nearest_fits", "plan", "rank_plans", "run_plan",
            "search", "step_flops", "step_time", "train_command", "training_spec"]

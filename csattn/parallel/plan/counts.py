@@ -12,7 +12,8 @@ from ...models.deepseek_v4.config import DeepseekV4ModelConfig
 from ...models.deepseek_v4.groups import DEFAULT_LORA_TARGETS, GROUPS, LORA_GROUPS, group_of
 
 __all__ = ["GROUPS", "FP8_GROUPS", "BASE_PRECISIONS", "DEFAULT_LORA_TARGETS", "ParamCounts",
-           "GroupCount", "GroupCounts", "Training", "count_params", "count_groups", "group_of", "training_spec"]
+           "GroupCount", "GroupCounts", "Training", "count_params", "count_groups", "flop_counts", "group_of",
+           "training_spec"]
 
 # Groups whose matrices the release stores in FP8 (128x128 block scales) and a frozen base may keep in FP8; the
 # router, mHC, embedding and head stay bf16 / fp32.
@@ -81,18 +82,23 @@ def count_params(c: DeepseekV4ModelConfig) -> ParamCounts:
 class GroupCount:
     """One group's share of a block (or of the root). ``matrix`` / ``small``: stored elements of its matrices
     (bf16- or FP8-held) and of its vectors (norms, sinks, position biases, mHC: fp32); ``macs``: matrix
-    multiply-adds per token (the forward's FLOPs / 2); ``lora`` / ``lora_macs``: sum of ``in + out`` over its
-    adapted linear maps, stored and applied per token (times the rank: the LoRA parameters and multiply-adds)."""
+    multiply-adds per token (the forward's FLOPs / 2); ``lora``: sum of ``in + out`` over its adapted linear maps
+    (times the rank: the LoRA parameters); ``lora_macs``: the same over the maps whose LoRA runs factored per token
+    (``x A^T B^T``: a linear called as a module, the routed experts' pairs for the ``k`` a token runs; times the
+    rank: its multiply-adds per token); ``read_macs``: multiply-adds per token of the matrices the layer reads whole
+    (the attention core's ``q_b`` / ``o_a`` / ``o_b``, the indexer's ``q_b``, the shared expert's three), whose LoRA
+    is an effective weight ``W + s B A``: their weight-gradient GEMM runs even when frozen."""
 
     matrix: int = 0
     small: int = 0
     macs: int = 0
     lora: int = 0
     lora_macs: int = 0
+    read_macs: int = 0
 
     def __add__(self, o: GroupCount) -> GroupCount:
         return GroupCount(self.matrix + o.matrix, self.small + o.small, self.macs + o.macs, self.lora + o.lora,
-                          self.lora_macs + o.lora_macs)
+                          self.lora_macs + o.lora_macs, self.read_macs + o.read_macs)
 
     @property
     def params(self) -> int:
@@ -122,14 +128,16 @@ def _attention_groups(c: DeepseekV4ModelConfig, i: int) -> dict[str, GroupCount]
     mat = D * ql + ql * Hd + D * d + ol * Hd + D * g * ol
     # o_a_proj is block-diagonal: one adapter pair per group, in H*d/g + out o_lora each
     io = (D + ql) + (ql + Hd) + (D + d) + (Hd + g * ol) + (g * ol + D)
-    out = {"attention": GroupCount(mat, H + ql + d, mat, io, io)}
+    read = ql * Hd + ol * Hd + D * g * ol  # q_b, o_a, o_b: read whole (HybridAttention.READ_PROJECTIONS)
+    out = {"attention": GroupCount(mat, H + ql + d, mat, io, (D + ql) + (D + d), read)}
     if a.layer_type == "csa":
         r, HI, cI = a.compress_ratio, a.index_n_heads, a.index_head_dim
         m = 2 * 2 * d * D
         out["compressor"] = GroupCount(m, r * 2 * d + d, m, 2 * (D + 2 * d), 2 * (D + 2 * d))
         m = 2 * 2 * cI * D + HI * cI * ql + HI * D
         io = 2 * (D + 2 * cI) + (ql + HI * cI) + (D + HI)
-        out["indexer"] = GroupCount(m, r * 2 * cI + cI, m, io, io)
+        # its q_b_proj is read whole; the compressor's two projections and the head weights run as modules
+        out["indexer"] = GroupCount(m, r * 2 * cI + cI, m, io, 2 * (D + 2 * cI) + (D + HI), HI * cI * ql)
     elif a.layer_type == "hca":
         m = 2 * d * D
         out["compressor"] = GroupCount(m, a.compress_ratio * d + d, m, 2 * (D + d), 2 * (D + d))
@@ -142,16 +150,18 @@ def _block_groups(c: DeepseekV4ModelConfig, i: int) -> dict[str, GroupCount]:
     hc_head = n * n * D + n + 1
     out = _attention_groups(c, i)
     out["router"] = GroupCount(E * D, 0, E * D, D + E, D + E)
-    out["shared_experts"] = GroupCount(3 * D * I, 0, 3 * D * I, 3 * (D + I), 3 * (D + I))
+    out["shared_experts"] = GroupCount(3 * D * I, 0, 3 * D * I, 3 * (D + I), 0, 3 * D * I)  # read whole
     # per expert: gate_up [2I, D] and down [D, I], one adapter pair each; k experts per token
     out["experts"] = GroupCount(E * 3 * D * I, 0, k * 3 * D * I, E * (3 * I + 2 * D), k * (3 * I + 2 * D))
     mhc_macs = 2 * (2 + n) * n * n * D
     if i < c.num_hidden_layers:
         out["mhc"] = GroupCount(0, 2 * hc_site + 2 * D, mhc_macs)
-    else:  # MTP block: its hyper-head; e_proj on the embedding, h_proj on every stream, three norms
-        out["mhc"] = GroupCount(0, 2 * hc_site + 2 * D + hc_head, mhc_macs + n * n * D)
-        out["head"] = GroupCount(2 * D * D, 3 * D, D * D + n * D * D, 4 * D, 2 * D + n * 2 * D)
-    return out
+        return out
+    # MTP block: its hyper-head; e_proj on the embedding, h_proj on every stream, three norms. LoRA adapts the
+    # decoder layers only (csattn.finetune.lora): an MTP block has no LoRA counts
+    out["mhc"] = GroupCount(0, 2 * hc_site + 2 * D + hc_head, mhc_macs + n * n * D)
+    out["head"] = GroupCount(2 * D * D, 3 * D, D * D + n * D * D)
+    return {g: GroupCount(v.matrix, v.small, v.macs) for g, v in out.items()}
 
 
 def count_groups(c: DeepseekV4ModelConfig) -> GroupCounts:
@@ -238,6 +248,20 @@ def training_spec(*, lora_rank: int = 0, lora_targets: Any = None, train: Any = 
         raise ValueError("--fp8-linears holds frozen dense linears in FP8: it needs --base-precision fp8 or w8a16")
     return Training(train=trained, lora_rank=lora_rank, lora_targets=targets, base_precision=precision,
                     fp8_linears=fp8_linears)
+
+
+def flop_counts(c: DeepseekV4ModelConfig, t: Training, fp8_held: bool = True) -> dict[str, float]:
+    """What one step of ``t`` runs beside the full model's FLOPs, per token: the keyword arguments of
+    :func:`~csattn.models.deepseek_v4.flops.finetune_flops` from the groups' counts. ``frozen_macs``: the frozen
+    groups' multiply-adds (no weight gradient); ``fp8_macs``: those held in FP8 (``fp8_held``; False: none, for a
+    weight-only base that multiplies in bf16); ``lora_rank``; ``lora_io``: ``in + out`` of the adapted maps run
+    factored; ``effective_macs``: the adapted matrices read whole (an effective weight ``W + s B A``)."""
+    groups = cached(c, "totals", 0, lambda: count_groups(c).total())
+    lora = [v for g, v in groups.items() if g in t.lora_targets] if t.lora_rank else []
+    return {"frozen_macs": sum(v.macs for g, v in groups.items() if g not in t.train),
+            "fp8_macs": sum(v.macs for g, v in groups.items() if fp8_held and t.fp8(g)),
+            "lora_rank": t.lora_rank, "lora_io": sum(v.lora_macs for v in lora),
+            "effective_macs": sum(v.read_macs for v in lora)}
 
 
 _CACHE: dict[tuple[int, str, Any], tuple[DeepseekV4ModelConfig, Any]] = {}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 from ...models.deepseek_v4.config import DeepseekV4ModelConfig
-from ...models.deepseek_v4.flops import PEAK_FLOPS
+from ...models.deepseek_v4.flops import PEAK_FLOPS, finetune_flops
 from ..mesh import ParallelDims
-from .counts import Training, cached, count_groups
+from .counts import Training, cached, flop_counts
 from .measured import FP8_GEMM_SPEEDUP, MFU_BY_ROWS, RECOMPUTE_SLOWDOWN
 from .records import Part, Plan, Sizes
 
@@ -32,33 +32,14 @@ def mfu_at(rows: float) -> float:
     return pts[-1][1]
 
 
-def _seq_flops(c: DeepseekV4ModelConfig, seq_len: int) -> float:
-    """Forward + backward FLOPs of one sequence of ``seq_len`` tokens, one document, everything trained."""
-    from ...models.deepseek_v4.flops import model_flops
-
-    def f() -> float:
-        fl = model_flops(c, [0, seq_len])
-        return fl["fwd"] + fl["bwd"]
-
-    return cached(c, "flops", seq_len, f)
-
-
 def step_flops(c: DeepseekV4ModelConfig, seq_len: int, t: Training) -> tuple[float, float]:
-    """``(bf16 FLOPs, FP8-held FLOPs)`` run on one sequence of ``seq_len`` tokens under ``t``: ``model_flops``'s
-    forward + backward, less the weight-gradient GEMM of every frozen group (``2 x macs`` per token), its forward and
-    input-gradient GEMMs counted apart when held in FP8 (either compute mode), plus LoRA's three GEMM pairs per adapted
-    map (forward, input and weight gradient: ``6 r (in + out)`` per token)."""
+    """``(bf16 FLOPs, FP8-held FLOPs)`` run on one sequence of ``seq_len`` tokens under ``t``:
+    :func:`~csattn.models.deepseek_v4.flops.finetune_flops` of the groups' counts (:func:`flop_counts`: no
+    weight-gradient GEMM for a frozen group unless its LoRA is an effective weight, LoRA's GEMMs), the forward and
+    input-gradient GEMMs of FP8-held groups counted apart (either compute mode: the caller applies its rate)."""
     def f() -> tuple[float, float]:
-        bf16, fp8 = _seq_flops(c, seq_len), 0.0
-        for g, v in count_groups(c).total().items():
-            if g not in t.train:
-                bf16 -= 2.0 * v.macs * seq_len
-                if t.fp8(g):
-                    bf16 -= 4.0 * v.macs * seq_len
-                    fp8 += 4.0 * v.macs * seq_len
-            if g in t.lora_targets:
-                bf16 += 6.0 * t.lora_rank * v.lora_macs * seq_len
-        return bf16, fp8
+        fl = finetune_flops(c, [0, seq_len], **flop_counts(c, t))
+        return fl["fwd"] + fl["bwd"] - fl["fp8"], fl["fp8"]
 
     return cached(c, "step_flops", (seq_len, t), f)
 
