@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ...ops.fp8 import FP8_MAX
 from .config import DeepseekV4ModelConfig
@@ -108,26 +108,38 @@ def _quantized(state: dict[str, Tensor], block: tuple[int, int], scale_kind: str
     return out
 
 
-def _units(c: DeepseekV4ModelConfig, seed: int) -> Iterator[tuple[str, dict[str, Tensor]]]:
-    """``(shard name, state_dict)`` of each unit, drawn one at a time from its own seed."""
-    top = draw_unit(seed, 0, lambda: TopParts(c)).state_dict()
+Draw = Callable[[int, Callable[[], nn.Module]], dict[str, Tensor]]
+
+
+def _units(c: DeepseekV4ModelConfig, draw: Draw,
+           experts: range | None = None) -> Iterator[tuple[str, dict[str, Tensor]]]:
+    """``(shard name, state_dict)`` of each unit, drawn one at a time: ``draw(index, make)`` builds unit ``index``
+    with ``make`` and returns its tensors; ``experts``: the routed experts the blocks build (default all)."""
+    local = () if experts is None else (experts,)
+    top = draw(0, lambda: TopParts(c))
     yield "model-top.safetensors", {k: v for k, v in top.items() if k != "lm_head.weight"
                                     or not c.tie_word_embeddings}
     for i in range(c.num_hidden_layers):
-        layer = draw_unit(seed, 1 + i, lambda i=i: DecoderLayer(c, i))
-        yield f"model-layer{i:05d}.safetensors", {f"model.layers.{i}.{k}": v for k, v in layer.state_dict().items()}
+        layer = draw(1 + i, lambda i=i: DecoderLayer(c, i, *local))
+        yield f"model-layer{i:05d}.safetensors", {f"model.layers.{i}.{k}": v for k, v in layer.items()}
     for j in range(c.num_nextn_predict_layers):
-        block = draw_unit(seed, 1 + c.num_hidden_layers + j, lambda j=j: MTPBlock(c, j))
-        yield f"model-mtp{j:02d}.safetensors", {f"mtp.{j}.{k}": v for k, v in block.state_dict().items()}
+        block = draw(1 + c.num_hidden_layers + j, lambda j=j: MTPBlock(c, j, *local))
+        yield f"model-mtp{j:02d}.safetensors", {f"mtp.{j}.{k}": v for k, v in block.items()}
 
 
-def _units_on(c: DeepseekV4ModelConfig, seed: int, device: torch.device) -> Iterator[tuple[str, dict[str, Tensor]]]:
-    """As :func:`_units`, every unit drawn on ``device``: its modules' own initialization run there (from the
-    device's generator, seeded per unit) and each layer's routed experts drawn whole, ``normal(0, 0.02)`` as
-    ``Experts`` draws them, from a generator on ``device``: the model's scales, not its values."""
+def _model_draw(seed: int) -> Draw:
+    """Each unit from the model's own generators on the host (the values ``csattn.parallel.materialize`` gives)."""
+    return lambda index, make: draw_unit(seed, index, make).state_dict()
+
+
+def _device_draw(c: DeepseekV4ModelConfig, seed: int, device: torch.device) -> Draw:
+    """Each unit drawn on ``device`` (build its blocks without experts: ``_units(..., experts=range(0))``): its
+    modules' own initialization run there (from the device's generator, seeded per unit) and each block's routed
+    experts drawn whole, ``normal(0, 0.02)`` as ``Experts`` draws them, from a generator on ``device``: the model's
+    scales, not its values."""
     devices = [device.index or 0] if device.type == "cuda" else []
 
-    def draw(index: int, make) -> dict[str, Tensor]:
+    def draw(index: int, make: Callable[[], nn.Module]) -> dict[str, Tensor]:
         with torch.random.fork_rng(devices=devices), torch.device(device):
             torch.manual_seed(seed * 1_000_003 + index)
             module = make()
@@ -141,15 +153,7 @@ def _units_on(c: DeepseekV4ModelConfig, seed: int, device: torch.device) -> Iter
                 state[f"mlp.experts.{name}"] = torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)
         return state
 
-    top = draw(0, lambda: TopParts(c))
-    yield "model-top.safetensors", {k: v for k, v in top.items() if k != "lm_head.weight"
-                                    or not c.tie_word_embeddings}
-    for i in range(c.num_hidden_layers):
-        layer = draw(1 + i, lambda i=i: DecoderLayer(c, i, range(0)))
-        yield f"model-layer{i:05d}.safetensors", {f"model.layers.{i}.{k}": v for k, v in layer.items()}
-    for j in range(c.num_nextn_predict_layers):
-        block = draw(1 + c.num_hidden_layers + j, lambda j=j: MTPBlock(c, j, range(0)))
-        yield f"model-mtp{j:02d}.safetensors", {f"mtp.{j}.{k}": v for k, v in block.items()}
+    return draw
 
 
 def write_release_checkpoint(config: DeepseekV4ModelConfig, path: str, seed: int = 0,
@@ -180,7 +184,8 @@ def write_release_checkpoint(config: DeepseekV4ModelConfig, path: str, seed: int
     weight_map: dict[str, str] = {}
     if draw not in ("model", "device"):
         raise ValueError(f"draw must be 'model' or 'device', got {draw!r}")
-    units = _units(config, seed) if draw == "model" else _units_on(config, seed, torch.device(device))
+    units = _units(config, _model_draw(seed)) if draw == "model" else \
+        _units(config, _device_draw(config, seed, torch.device(device)), experts=range(0))
     for shard, state in units:
         tensors = _quantized({k: v.to(device) for k, v in state.items()}, block, scale_kind)
         tensors = {k: v.cpu() for k, v in tensors.items()}
