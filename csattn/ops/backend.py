@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 __all__ = ["BACKENDS", "Backend", "BackendChoice", "check_backend", "interpreting", "resolve_backend", "sm_count",
-           "use_triton"]
+           "triton_version", "use_triton"]
 
 Backend = Literal["reference", "triton"]
 BackendChoice = Literal["auto", "reference", "triton"]
@@ -27,6 +27,17 @@ def interpreting() -> bool:
     """Whether Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET`` set to a true value), read at
     each call so a test may set it."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes", "y")
+
+
+@functools.cache
+def triton_version() -> tuple[int, int]:
+    """``(major, minor)`` of the installed Triton (its Gluon kernels depend on the release: measured on 3.6)."""
+    import re
+
+    import triton  # lazy: Triton optional
+
+    major, minor = (int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
+    return major, minor
 
 
 def check_backend(backend: str, choices: tuple[str, ...] = BACKENDS) -> str:

@@ -34,6 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..backend import sm_count, triton_version
+
 __all__ = ["fp8_grouped_gluon_kernel"]
 
 # Renamed between releases (Triton 3.6: async_copy_global_to_shared and thread_barrier; later: async_load, barrier)
@@ -280,13 +282,8 @@ def launch_settings(trans: bool) -> dict:
     warpgroups and 48 for the producer."""
     if not trans:
         return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40)
-    math, producer = (224, 64) if _triton_version() <= (3, 6) else (232, 48)
+    math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
     return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer)
-
-
-def _triton_version() -> tuple[int, int]:
-    major, minor = triton.__version__.split(".")[:2]
-    return int(major), int(minor)
 
 
 def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
@@ -296,8 +293,6 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     and its 1x128 scales; the weight's ``N`` and ``K`` multiples of 128 (``grouped.gluon_fits``). ``settings``:
     :func:`launch_settings` to override (measurements)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from ..backend import sm_count
 
     m, c = a.shape
     e, n_w, k_w = weight.shape

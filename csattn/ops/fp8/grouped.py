@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import functools
-import re
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ..backend import interpreting
+from ..backend import interpreting, triton_version
 from .naive import BLOCK, FP8_DTYPE, _cdiv, _check_grouped, fp8_grouped_mm_ref
 
 __all__ = ["COMPUTES", "Fp8Rows", "check_compute", "fp8_grouped_mm", "gluon_fits", "kernel_compute", "takes_fp8_rows"]
@@ -29,6 +28,22 @@ class Fp8Rows(NamedTuple):
 
     q: Tensor
     s: Tensor
+
+    @classmethod
+    def empty(cls, rows: int, cols: int, device: torch.device) -> Fp8Rows:
+        """Unwritten rows ``[rows, cols]`` (a kernel's destination)."""
+        return cls(torch.empty((rows, cols), dtype=FP8_DTYPE, device=device),
+                   torch.empty((rows, _cdiv(cols, BLOCK)), dtype=torch.float32, device=device))
+
+    def check(self, name: str, rows: int | None = None, cols: int | None = None) -> None:
+        """A ``ValueError`` naming ``name`` unless ``q`` is ``[rows, cols]`` e4m3 (by default its own shape) and ``s``
+        ``[rows, ceil(cols/128)]`` fp32."""
+        m, c = self.q.shape if rows is None else (rows, cols)
+        want = (m, _cdiv(c, BLOCK))
+        if self.q.dtype != FP8_DTYPE or tuple(self.q.shape) != (m, c) or self.s.dtype != torch.float32 \
+                or tuple(self.s.shape) != want:
+            raise ValueError(f"{name} must be (q [{m}, {c}] float8_e4m3fn, s {list(want)} fp32), got q "
+                             f"{self.q.dtype} {tuple(self.q.shape)}, s {self.s.dtype} {tuple(self.s.shape)}")
 
     def index_select(self, index: Tensor) -> Fp8Rows:
         """Rows ``index`` of both (bitwise ``quantize_1x128(rows[index])``); the bytes go through ``uint8``, as
@@ -134,10 +149,7 @@ def _check_rows(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: 
                 out_dtype: torch.dtype | None) -> None:
     """A ``ValueError`` unless the pre-quantized rows ``a`` fit the GEMM and reach a kernel that takes them."""
     _check_grouped(a.q, weight, scale, offs, trans)
-    m, c = a.q.shape
-    if a.q.dtype != FP8_DTYPE or a.s.dtype != torch.float32 or tuple(a.s.shape) != (m, _cdiv(c, BLOCK)):
-        raise ValueError(f"Fp8Rows must be q [M, C] float8_e4m3fn and s [M, ceil(C/128)] fp32, got q {a.q.dtype} "
-                         f"{tuple(a.q.shape)}, s {a.s.dtype} {tuple(a.s.shape)}")
+    a.check("Fp8Rows")
     if out_dtype is None:
         raise ValueError("fp8_grouped_mm on Fp8Rows needs out_dtype (the dtype the rows were quantized from)")
     if not takes_fp8_rows(out_dtype, a.q.device, weight, compute, trans):
@@ -150,9 +162,7 @@ def _check_rows(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: 
 def _gluon_available() -> bool:
     """Whether this Triton builds the Gluon kernel: measured on 3.6, compiled on 3.9 (a CPU test builds it for
     sm_90); Gluon is experimental API that changes between releases."""
-    import triton
-
-    if tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2]) < (3, 6):
+    if triton_version() < (3, 6):
         return False
     try:
         from .gluon import fp8_grouped_gluon_kernel  # noqa: F401

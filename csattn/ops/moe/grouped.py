@@ -263,7 +263,7 @@ def _swiglu_fwd(backend: Backend, gu: Tensor, w: Tensor, limit: float, keep_h: b
         return (h if keep_h else None), (Fp8Rows(*quantize_1x128(h)) if quantize else None)
     from .triton import swiglu_fwd_triton  # lazy: Triton optional
 
-    hq = _empty_rows(n, inter, gu.device) if quantize else None
+    hq = Fp8Rows.empty(n, inter, gu.device) if quantize else None
     return swiglu_fwd_triton(gu, w, limit, fp8_out=hq, keep_h=keep_h), hq
 
 
@@ -276,7 +276,7 @@ def _swiglu_bwd(backend: Backend, gu: Tensor, w: Tensor, dh: Tensor, limit: floa
                 (h if keep_h else None), dw)
     from .triton import swiglu_bwd_triton  # lazy: Triton optional
 
-    dguq = _empty_rows(gu.shape[0], gu.shape[1], gu.device) if quantize else None
+    dguq = Fp8Rows.empty(gu.shape[0], gu.shape[1], gu.device) if quantize else None
     dgu, h, dw = swiglu_bwd_triton(gu, w, dh, limit, fp8_out=dguq, keep_dgu=keep_dgu, keep_h=keep_h)
     return dgu, dguq, h, dw
 
@@ -287,11 +287,6 @@ def _gather_sum(backend: Backend, src: Tensor, inv: Tensor, k: int) -> Tensor:
     from .triton import gather_sum_triton  # lazy: Triton optional
 
     return gather_sum_triton(src, inv, k)
-
-
-def _empty_rows(n: int, cols: int, device: torch.device) -> Fp8Rows:
-    return Fp8Rows(torch.empty((n, cols), dtype=FP8_DTYPE, device=device),
-                   torch.empty((n, -(-cols // BLOCK)), dtype=torch.float32, device=device))
 
 
 def grouped_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..fp8.naive import BLOCK, FP8_DTYPE, FP8_MAX
+from ..fp8.grouped import Fp8Rows
+from ..fp8.naive import BLOCK, FP8_MAX
 from ..fp8.triton import quantize_tile
 
 __all__ = ["swiglu_fwd_triton", "swiglu_bwd_triton", "gather_sum_triton"]
@@ -125,12 +126,8 @@ def _check_rows(t: Tensor, name: str) -> None:
 
 
 def _check_fp8_out(fp8_out: tuple[Tensor, Tensor], n: int, cols: int) -> None:
-    q, s = fp8_out
-    want = (n, triton.cdiv(cols, BLOCK))
-    if q.dtype != FP8_DTYPE or tuple(q.shape) != (n, cols) or s.dtype != torch.float32 or tuple(s.shape) != want:
-        raise ValueError(f"fp8_out must be (q [{n}, {cols}] float8_e4m3fn, s {list(want)} fp32), got q {q.dtype} "
-                         f"{tuple(q.shape)}, s {s.dtype} {tuple(s.shape)}")
-    _check_rows(q, "fp8_out q")
+    Fp8Rows(*fp8_out).check("fp8_out", n, cols)
+    _check_rows(fp8_out[0], "fp8_out q")
 
 
 def swiglu_fwd_triton(gu: Tensor, w: Tensor, limit: float, out: Tensor | None = None,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 
 import torch
 import triton
@@ -19,7 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..autograd import named_grads
-from ..backend import interpreting, sm_count
+from ..backend import interpreting, sm_count, triton_version
 from ..fixed_point import abs_max, fixed_point_scale, from_fixed_point
 from .config import SparseAttnConfig
 
@@ -301,7 +300,7 @@ def _gluon_kernel(name: str):
     Gluon is experimental API that changes between releases: the kernels were measured on Triton 3.6 and compile
     on 3.9 (a CPU test compiles them for sm_90); older releases run the Triton kernels.
     """
-    if tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2]) < (3, 6):
+    if triton_version() < (3, 6):
         return None
     try:
         if name == "fwd":
