@@ -63,9 +63,7 @@ def one(base, name: str, tokens: int, rank: int) -> None:
         print(f"  {ms:8.2f} ms  {g}")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:40]:
         print(f"  {e.device_time_total / 1e3:8.2f} ms x{e.count:<4d} {e.key[:120]}")
-    del model, opt, params
     gc.collect()
-    torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -78,6 +76,8 @@ def main() -> None:
     base, _ = load_base(args.ckpt, "cuda")
     for name in args.modes.split(","):
         one(base, name, args.tokens, args.lora_rank)
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

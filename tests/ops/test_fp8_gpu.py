@@ -12,11 +12,13 @@ import torch
 from csattn.ops.fp8 import (
     FP8_DTYPE,
     Fp8Rows,
+    LowRank,
     dequantize,
     fp8_grouped_mm,
     fp8_grouped_mm_quantized,
     fp8_linear,
     fp8_linear_quantized,
+    low_rank_ref,
     quantize_1x128,
     quantize_1x128_ref,
     takes_fp8_rows,
@@ -119,6 +121,41 @@ def test_gluon_grouped_vs_same_operands(case, trans):
     assert err < 2.0 ** -12, err
     if most:
         assert rel_err(out, same) < 4e-3
+
+
+@pytest.mark.parametrize("rank", [16, 8, 32])
+@pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize("case", ["ragged", "all_tail"])
+def test_gluon_low_rank_term_vs_same_operands(case, trans, rank):
+    """LoRA's term in the kernel's epilogue (rank 16; 8 padded to it; 32 added after the kernel): the product plus
+    ``scale * v w_e^T`` against fp64 on the same operands; rows past ``offs[-1]`` zero; the same bits twice."""
+    e, n, k, most = GLUON_CASES[case]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, s = _weight((e, n, k), g, n if trans else k)
+    if not gluon_fits(torch.empty(1, device="cuda"), q):
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    n_out = k if trans else n
+    counts = torch.randint(0, most + 1, (e,), generator=g, device="cuda")
+    counts[0] = counts[e // 2] = 0
+    offs = counts.cumsum(0).to(torch.int32)
+    m = int(offs[-1]) + 77
+    a = torch.randn(m, n if trans else k, generator=g, device="cuda").bfloat16()
+    v = torch.randn(m, rank, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(e, n_out, rank, generator=g, device="cuda") * 0.3).bfloat16()
+    lr = LowRank(v, w, 0.75)
+    out = torch.full((m, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out[:] = fp8_grouped_mm(a, q, s, offs, trans, low_rank=lr)
+    again = fp8_grouped_mm(a, q, s, offs, trans, low_rank=lr)
+    same = fp8_grouped_mm_quantized(a, q, s, offs, trans) + 0.75 * low_rank_ref(v.double(), w.double(), offs)
+    assert torch.isfinite(out).all() and (out[int(offs[-1]):] == 0).all()
+    assert torch.equal(out, again)
+    if most:
+        err = rel_err(out, same)
+        print(f"gluon low rank {case} trans={trans} r={rank}: {err:.2e}")
+        assert err < 4e-3, err  # bf16's rounding of the output (as the kernel without the term)
+    # B = 0 (LoRA at step 0): the output is the kernel's without the term, bit for bit
+    zero = fp8_grouped_mm(a, q, s, offs, trans, low_rank=LowRank(v, torch.zeros_like(w), 0.75))
+    assert torch.equal(zero, fp8_grouped_mm(a, q, s, offs, trans))
 
 
 # every (K, N) of the tiny GPU models and the block counts around cuBLAS's limit (SCALED_MM_MIN_K): the forward and

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from csattn.ops.fp8 import FP8_DTYPE, Fp8Rows, fp8_grouped_mm, quantize_1x128_ref, takes_fp8_rows
+from csattn.ops.fp8 import FP8_DTYPE, Fp8Rows, fp8_grouped_mm, low_rank_ref, quantize_1x128_ref, takes_fp8_rows
 from csattn.ops.fp8 import fp8_grouped_mm_ref as fp8_grouped_ref
 from csattn.ops.fp8 import grouped as fp8_grouped
 from csattn.ops.moe import ExpertLora, moe_experts, swiglu_bwd_ref, swiglu_fwd_ref
@@ -173,12 +173,15 @@ def test_fp8_rows_refused_where_no_kernel_takes_them():
                        fp8_grouped_mm(a, weight, scale, offs))
 
 
-def _emulated_fp8_mm(a, weight, scale, offs, trans=False, compute="fp8", out_dtype=None):
+def _emulated_fp8_mm(a, weight, scale, offs, trans=False, compute="fp8", out_dtype=None, low_rank=None):
     """What the FP8 kernels compute, on the CPU: the rows quantized 1x128 (unless given so), dequantized, times
-    each dequantized expert in fp32, in the rows' dtype."""
+    each dequantized expert in fp32, plus the low-rank term in fp32, rounded once to the rows' dtype."""
     rows = a if isinstance(a, Fp8Rows) else Fp8Rows(*quantize_1x128_ref(a))
     deq = rows.q.float() * rows.s.repeat_interleave(128, dim=-1)[:, :rows.q.shape[1]]
-    return fp8_grouped_ref(deq, weight, scale, offs, trans).to(out_dtype or a.dtype)
+    out = fp8_grouped_ref(deq, weight, scale, offs, trans)
+    if low_rank is not None:
+        out = out + low_rank.scale * low_rank_ref(low_rank.v.float(), low_rank.w.float(), offs)
+    return out.to(out_dtype or a.dtype)
 
 
 @pytest.mark.parametrize("backend", ["grouped", "triton"])

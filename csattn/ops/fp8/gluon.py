@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..backend import sm_count, triton_version
 
-__all__ = ["fp8_grouped_gluon_kernel"]
+__all__ = ["RANK", "fp8_grouped_gluon_kernel", "grouped_mm_gluon"]
 
 # Renamed between releases (Triton 3.6: async_copy_global_to_shared and thread_barrier; later: async_load, barrier)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -45,6 +45,7 @@ _cta_sync = getattr(gl, "thread_barrier", None) or gl.barrier
 BM: gl.constexpr = gl.constexpr(128)  # rows of a tile: two math warpgroups of 64
 BN: gl.constexpr = gl.constexpr(128)  # output columns of a tile: one block of the weight's scales
 BK: gl.constexpr = gl.constexpr(128)  # contraction step: one block of both scales
+RANK = 16  # the low-rank term's depth: its two buffers of two [128, R] tiles (16 KB) beside the 192 KB of stages
 _UPPER = gl.constexpr(0)  # the math warpgroups, by the 64 rows of a tile they own
 _LOWER = gl.constexpr(1)
 
@@ -124,15 +125,19 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem,
+def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank,
               TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              LAG: gl.constexpr):
+              LAG: gl.constexpr, LOW_RANK: gl.constexpr):
     a_smem, raw, bt, land, ready, empty = smem
     nk = KC // BK
     it = 0
+    nt = 0  # tiles with a group: the low-rank buffers' turns
     for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
         g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
         if g < E:
+            if LOW_RANK:
+                _load_low_rank(low_rank, nt, row0, g * (tiles_n * BN) + pid_n * BN)
+                nt += 1
             for kb in range(nk):
                 if TRANS:
                     # the transposition first: it waits only for its copies, not for a free stage, so the ready
@@ -151,6 +156,35 @@ def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem,
     if TRANS:
         for j in range(gl.maximum(it - LAG, 0), it):
             _transpose_stage(j, raw, bt, land, ready, STAGES)
+
+
+@gluon.jit
+def _load_low_rank(low_rank, nt, row0, w_row):
+    """The low-rank term's tiles of the program's ``nt``-th tile: ``v`` rows ``[row0, row0 + 128)`` (rows past ``M``
+    read as zeros; rows of the next group are read, and their results not stored) and ``w`` rows ``[w_row,
+    w_row + 128)``, into buffer ``nt % 2`` once the math warpgroups have released it."""
+    v_desc, lw_desc, l_scale, v_buf, w_buf, lr_land, lr_empty = low_rank
+    b = nt % 2
+    mbarrier.wait(lr_empty.index(b), ((nt // 2) & 1) ^ 1)  # the first turn of each buffer: at once
+    mbarrier.expect(lr_land.index(b), v_desc.block_type.nbytes + lw_desc.block_type.nbytes)
+    _tma_load(v_desc, [row0, 0], lr_land.index(b), v_buf.index(b))
+    _tma_load(lw_desc, [w_row, 0], lr_land.index(b), w_buf.index(b))
+
+
+@gluon.jit
+def _low_rank_start(low_rank, nt, HALF: gl.constexpr):
+    """The accumulator's start for the program's ``nt``-th tile: ``l_scale * v[rows] @ w^T`` (this warpgroup's 64
+    rows), one bf16 / fp16 MMA of depth ``R``; the contraction's products are added to it."""
+    v_desc, lw_desc, l_scale, v_buf, w_buf, lr_land, lr_empty = low_rank
+    b = nt % 2
+    mbarrier.wait(lr_land.index(b), (nt // 2) & 1)
+    # the instruction's depth is part of the accumulator's layout type (16 for 16-bit operands, 32 for e4m3); the
+    # registers of the two are the same
+    LO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    lo = warpgroup_mma(v_buf.index(b).slice(HALF * 64, 64, dim=0), w_buf.index(b).permute((1, 0)),
+                       gl.zeros([64, BN], gl.float32, layout=LO), use_acc=False)
+    mbarrier.arrive(lr_empty.index(b), count=1)
+    return gl.convert_layout(lo * l_scale, acc_layout())
 
 
 @gluon.jit
@@ -189,8 +223,8 @@ def _store(out, acc, rows, rmask, pid_n, N, stride_om):
 
 @gluon.jit
 def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
-          stride_sbn, stride_om, smem, HALF: gl.constexpr, TRANS: gl.constexpr, E_P2: gl.constexpr,
-          GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+          stride_sbn, stride_om, smem, low_rank, HALF: gl.constexpr, TRANS: gl.constexpr, E_P2: gl.constexpr,
+          GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr):
     """Math warpgroup ``HALF``: rows ``[64 HALF, 64 HALF + 64)`` of each tile."""
     ACC: gl.constexpr = acc_layout()
     ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
@@ -200,6 +234,7 @@ def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_
     zero = gl.zeros([64, BN], gl.float32, layout=ACC)
     nk = KC // BK
     it = 0
+    nt = 0
     for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
         g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
         rows = row0 + HALF * 64 + gl.arange(0, 64, layout=ROWS)
@@ -210,7 +245,11 @@ def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_
             # Four steps a round, each in its own accumulator registers, the product of the next step started
             # before the last one is added in; no product runs across the loop's back edge (ptxas would copy
             # its registers there and serialize the MMAs)
-            acc = zero
+            if LOW_RANK:  # started in the accumulator: no second one at the end, where the registers are short
+                acc = _low_rank_start(low_rank, nt, HALF)
+                nt += 1
+            else:
+                acc = zero
             for r in range(0, nk // 4):
                 j = it + 4 * r
                 sc0 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r, stride_sak, stride_sbk)
@@ -238,14 +277,16 @@ def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_
 @gluon.jit
 def fp8_grouped_gluon_kernel(
     a_desc, w_desc, sa, sw, table, out, M, N, KC, E, W_ROWS, tiles_m, tiles_n,
-    stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om,
+    stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
-    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
     (blocks ``[128, 128]``); ``sa [M, KC/128]`` and ``sw [E, ., .]`` their fp32 scales (strides ``sbk`` along the
-    contraction, ``sbn`` along the output columns); ``table``: :func:`group_table`."""
+    contraction, ``sbn`` along the output columns); ``table``: :func:`group_table`. ``LOW_RANK``: plus
+    ``l_scale * v[rows of e] @ w_e^T``, ``v_desc`` of ``v [M, R]`` (blocks ``[128, R]``), ``lw_desc`` of ``w`` ``[E * N,
+    R]`` (blocks ``[128, R]``), 16-bit, added in fp32 before the one rounding."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], tile_smem())
     raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
     if TRANS:
@@ -260,13 +301,24 @@ def fp8_grouped_gluon_kernel(
         mbarrier.init(ready.index(s), count=1)  # the producer, once the weight tile is transposed (TRANS)
         mbarrier.init(empty.index(s), count=2)  # each math warpgroup, once its MMA on the stage is done
     smem = (a_smem, raw, bt, land, ready, empty)
+    if LOW_RANK:  # two buffers of the low-rank term's tiles: the producer fills one tile ahead
+        v_buf = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        w_buf = gl.allocate_shared_memory(lw_desc.dtype, [2] + lw_desc.block_type.shape, lw_desc.layout)
+        lr_land = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        lr_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(lr_land.index(b), count=1)
+            mbarrier.init(lr_empty.index(b), count=2)
+        low_rank = (v_desc, lw_desc, l_scale, v_buf, w_buf, lr_land, lr_empty)
+    else:
+        low_rank = (v_desc, lw_desc, l_scale, a_smem, a_smem, land, empty)
     gl.warp_specialize([
         (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
-                 stride_sbn, stride_om, smem, _UPPER, TRANS, E_P2, GROUP_M, STAGES)),
+                 stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES, LOW_RANK)),
         (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
-                 stride_sbn, stride_om, smem, _LOWER, TRANS, E_P2, GROUP_M, STAGES)),
-        (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, TRANS, E_P2, GROUP_M, STAGES,
-                     LAG)),
+                 stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES, LOW_RANK)),
+        (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS, E_P2, GROUP_M,
+                     STAGES, LAG, LOW_RANK)),
     ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 
@@ -288,10 +340,12 @@ def launch_settings(trans: bool) -> dict:
 
 def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
                      out_dtype: torch.dtype = torch.bfloat16, out: Tensor | None = None,
-                     settings: dict | None = None) -> Tensor:
+                     settings: dict | None = None, low_rank: tuple[Tensor, Tensor, float] | None = None) -> Tensor:
     """The Gluon kernel on prepared operands, same contract as :func:`.triton.grouped_mm_triton` with ``a`` e4m3
     and its 1x128 scales; the weight's ``N`` and ``K`` multiples of 128 (``grouped.gluon_fits``). ``settings``:
-    :func:`launch_settings` to override (measurements)."""
+    :func:`launch_settings` to override (measurements). ``low_rank``: ``(v [M, R], w [E, n_out, R], scale)``, one
+    16-bit dtype, ``R`` = :data:`RANK`: ``scale * v[rows of e] @ w[e]^T`` is added to the output before its
+    rounding."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, c = a.shape
@@ -314,12 +368,37 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
         ssk, ssn = scale.stride(2), scale.stride(1)
     tiles_m, tiles_n = triton.cdiv(m, BM.value) + e + 1, n_out // BN.value
     grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
+    v_desc, lw_desc, l_scale = (a_desc, a_desc, 0.0) if low_rank is None else _low_rank_descs(*low_rank, m, e, n_out)
     fp8_grouped_gluon_kernel[grid](
         a_desc, w_desc, a_scale, scale, table, out, m, n_out, c, e, n_w, tiles_m, tiles_n,
-        a_scale.stride(0), a_scale.stride(1), scale.stride(0), ssk, ssn, out.stride(0),
-        TRANS=trans, E_P2=e_p2, **{**launch_settings(trans), **(settings or {})},
+        a_scale.stride(0), a_scale.stride(1), scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale,
+        TRANS=trans, E_P2=e_p2, **{**launch_settings(trans), **(settings or {})}, LOW_RANK=low_rank is not None,
         num_warps=4)
     return out
+
+
+def _low_rank_descs(v: Tensor, w: Tensor, scale: float, m: int, e: int, n_out: int) -> tuple:
+    """TMA descriptors of the low-rank term's ``v [M, R]`` and ``w [E, n_out, R]`` (blocks ``[128, R]``) and its
+    scale; a ``ValueError`` unless they fit (:func:`low_rank_fits`)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if not low_rank_fits(v, w) or v.shape[0] != m or tuple(w.shape[:2]) != (e, n_out) or v.device != w.device:
+        raise ValueError(f"low_rank takes v [{m}, {RANK}] and w [{e}, {n_out}, {RANK}] of one 16-bit dtype, got v "
+                         f"{v.dtype} {tuple(v.shape)}, w {w.dtype} {tuple(w.shape)}")
+    r = v.shape[1]
+    v, w = v.contiguous(), w.contiguous().view(e * n_out, r)
+    gdt = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([BM.value, r], gdt)
+    return (TensorDescriptor(v, [m, r], [r, 1], [BM.value, r], layout),
+            TensorDescriptor(w, [e * n_out, r], [r, 1], [BN.value, r], layout), float(scale))
+
+
+def low_rank_fits(v: Tensor, w: Tensor) -> bool:
+    """Whether the kernel takes the low-rank term of ``v [M, R]`` and ``w [E, N, R]``: one 16-bit dtype, ``R`` =
+    :data:`RANK` (a lower rank is padded with zeros by the caller, a higher one added after the kernel: 32 would
+    take the transposing kernel past the 227 KB of shared memory)."""
+    return (v.dim() == 2 and w.dim() == 3 and v.dtype == w.dtype and v.dtype in (torch.bfloat16, torch.float16)
+            and v.shape[1] == w.shape[2] == RANK)
 
 
 def group_table(offs: Tensor, m: int, e_p2: int) -> Tensor:

@@ -9,11 +9,13 @@ import torch
 from torch import Tensor
 
 from ..backend import interpreting, triton_version
-from .naive import BLOCK, FP8_DTYPE, _cdiv, _check_grouped, fp8_grouped_mm_ref
+from .naive import BLOCK, FP8_DTYPE, _cdiv, _check_grouped, fp8_grouped_mm_ref, low_rank_ref
 
-__all__ = ["COMPUTES", "Fp8Rows", "check_compute", "fp8_grouped_mm", "gluon_fits", "kernel_compute", "takes_fp8_rows"]
+__all__ = ["COMPUTES", "Fp8Rows", "LowRank", "check_compute", "fp8_grouped_mm", "gluon_fits", "kernel_compute",
+           "takes_fp8_rows"]
 
 COMPUTES = ("fp8", "w8a16")
+_grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -52,6 +54,19 @@ class Fp8Rows(NamedTuple):
                        self.s.index_select(0, index))
 
 
+class LowRank(NamedTuple):
+    """A low-rank term added to a grouped GEMM's output: rows of group ``e`` get ``scale * v[rows] @ w[e]^T`` (LoRA's
+    ``(x a_e^T) b_e^T``, or in the input gradient ``(dy b_e) a_e``, with ``w = a^T``).
+
+    Attributes:
+        v: ``[M, R]`` in the output's dtype. w: ``[E, n_out, R]``, same dtype. scale: the factor.
+    """
+
+    v: Tensor
+    w: Tensor
+    scale: float
+
+
 def check_compute(compute: str) -> str:
     """``compute`` itself if it is one of :data:`COMPUTES`, else a ``ValueError`` naming them."""
     if compute not in COMPUTES:
@@ -86,7 +101,8 @@ def takes_fp8_rows(dtype: torch.dtype, device: torch.device, weight: Tensor, com
 
 
 def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
-                   compute: str = "fp8", out_dtype: torch.dtype | None = None) -> Tensor:
+                   compute: str = "fp8", out_dtype: torch.dtype | None = None,
+                   low_rank: LowRank | None = None) -> Tensor:
     """Expert GEMMs over contiguous expert-sorted rows, frozen FP8 weights.
 
     Args:
@@ -105,6 +121,10 @@ def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Ten
             ``a``'s dtype one expert at a time, plain matmuls).
         out_dtype: the output dtype: required for :class:`Fp8Rows` (the dtype the rows were quantized from), else
             ``a``'s dtype (None or that).
+        low_rank: a :class:`LowRank` term added to the output (``w [E, n_out, R]``, ``n_out`` the output's
+            columns). The Gluon kernel adds it to its fp32 result before the one rounding (rank 16 or less, padded;
+            one bf16 MMA a tile, its operands copied ahead by the producer); elsewhere, and at higher ranks, a
+            grouped GEMM adds it after.
 
     Returns:
         ``[M, N]`` or ``[M, K]`` in ``a``'s dtype (``out_dtype``); rows past ``offs[-1]`` are zero. Not
@@ -113,7 +133,8 @@ def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Ten
     """
     if isinstance(a, Fp8Rows):
         _check_rows(a, weight, scale, offs, trans, compute, out_dtype)
-        return _fp8_mm(a, weight, scale, offs, trans, out_dtype)
+        _check_low_rank(low_rank, a.q.shape[0], weight, trans, out_dtype)
+        return _fp8_mm(a, weight, scale, offs, trans, out_dtype, low_rank)
     _check_grouped(a, weight, scale, offs, trans)
     if out_dtype not in (None, a.dtype):
         raise ValueError(f"out_dtype {out_dtype} is for pre-quantized rows (Fp8Rows); the output of a {a.dtype} "
@@ -121,28 +142,68 @@ def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Ten
     if a.requires_grad and torch.is_grad_enabled():
         raise ValueError("fp8_grouped_mm is not differentiable: call it under torch.no_grad() or inside an "
                          "autograd.Function (the MoE op does), or use fp8_linear for a differentiable dense layer")
+    _check_low_rank(low_rank, a.shape[0], weight, trans, a.dtype)
     mode = kernel_compute(a, compute)
     if mode is None:
-        return fp8_grouped_mm_ref(a, weight, scale, offs, trans)
+        return _add_low_rank(fp8_grouped_mm_ref(a, weight, scale, offs, trans), low_rank, offs)
     from .triton import grouped_mm_triton, quantize_1x128_triton  # lazy: Triton optional
 
     if takes_fp8_rows(a.dtype, a.device, weight, compute, trans):
-        return _fp8_mm(Fp8Rows(*quantize_1x128_triton(a)), weight, scale, offs, trans, a.dtype)
+        return _fp8_mm(Fp8Rows(*quantize_1x128_triton(a)), weight, scale, offs, trans, a.dtype, low_rank)
     # trans=True elsewhere runs W8A16 in both modes: FP8 MMA wants W K-major, and neither Triton's transposition of
     # the FP8 tile (91-125 TFLOP/s on the H200) nor a transposed copy per call (107-110) beat the bf16 MMA on the
     # cast tile (~235); the Gluon kernel transposes the tile in shared memory (see README.md)
-    return grouped_mm_triton(a, None, weight, scale, offs, trans, out_dtype=a.dtype)
+    return _add_low_rank(grouped_mm_triton(a, None, weight, scale, offs, trans, out_dtype=a.dtype), low_rank, offs)
 
 
-def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool, out_dtype: torch.dtype) -> Tensor:
-    """The FP8 kernels on quantized rows: Gluon where it fits, else Triton (``trans=False``)."""
+def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool, out_dtype: torch.dtype,
+            low_rank: LowRank | None) -> Tensor:
+    """The FP8 kernels on quantized rows: Gluon where it fits (the low-rank term in its epilogue at rank 16 or
+    less), else Triton (``trans=False``)."""
     if gluon_fits(a.q, weight):
-        from .gluon import grouped_mm_gluon  # lazy: Gluon is experimental API
+        from .gluon import RANK, grouped_mm_gluon  # lazy: Gluon is experimental API
 
-        return grouped_mm_gluon(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype)
+        fused = low_rank is not None and low_rank.v.shape[1] <= RANK
+        lr = _padded(low_rank, RANK) if fused else None
+        out = grouped_mm_gluon(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype, low_rank=lr)
+        return out if fused else _add_low_rank(out, low_rank, offs)
     from .triton import grouped_mm_triton  # lazy: Triton optional
 
-    return grouped_mm_triton(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype)
+    return _add_low_rank(grouped_mm_triton(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype), low_rank, offs)
+
+
+def _padded(lr: LowRank, rank: int) -> LowRank:
+    """``lr`` with ``v`` and ``w`` padded by zero columns to ``rank`` (the same term)."""
+    pad = rank - lr.v.shape[1]
+    if pad == 0:
+        return lr
+    return LowRank(torch.nn.functional.pad(lr.v, (0, pad)), torch.nn.functional.pad(lr.w, (0, pad)), lr.scale)
+
+
+def _add_low_rank(out: Tensor, lr: LowRank | None, offs: Tensor) -> Tensor:
+    """``out`` plus the low-rank term, in place (``out`` is the GEMM's own fresh output), rows past ``offs[-1]``
+    left as they are (zero): ``grouped_mm`` where it runs (it leaves those rows unwritten), else a loop."""
+    if lr is None:
+        return out
+    if out.is_cuda and _grouped_mm is not None:
+        lo = _grouped_mm(lr.v, lr.w.transpose(-2, -1), offs=offs)
+        past = torch.arange(out.shape[0], device=out.device) >= offs[-1]
+        return out.add_(lo.masked_fill_(past[:, None], 0), alpha=lr.scale)
+    return out.add_(low_rank_ref(lr.v, lr.w, offs), alpha=lr.scale)
+
+
+def _check_low_rank(lr: LowRank | None, m: int, weight: Tensor, trans: bool, dtype: torch.dtype | None) -> None:
+    """A ``ValueError`` naming ``low_rank`` unless ``v [m, R]`` and ``w [E, n_out, R]`` fit the output, in its
+    dtype."""
+    if lr is None:
+        return
+    e, n, k = weight.shape
+    n_out = k if trans else n
+    v, w = lr.v, lr.w
+    if v.dim() != 2 or w.dim() != 3 or v.shape[0] != m or tuple(w.shape[:2]) != (e, n_out) \
+            or v.shape[1] != w.shape[2] or v.dtype != w.dtype or (dtype is not None and v.dtype != dtype):
+        raise ValueError(f"low_rank must be (v [{m}, R], w [{e}, {n_out}, R], scale) in the output's dtype {dtype}, "
+                         f"got v {v.dtype} {tuple(v.shape)}, w {w.dtype} {tuple(w.shape)}")
 
 
 def _check_rows(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool, compute: str,

@@ -140,3 +140,14 @@ def fp8_grouped_mm_quantized(a: Tensor, weight: Tensor, scale: Tensor, offs: Ten
     _check_grouped(a, weight, scale, offs, trans)
     ad = _dequant_rows(*quantize_1x128_ref(a)) if quantize_a else a.double()
     return _per_expert(ad, weight, scale, offs, trans)
+
+
+def low_rank_ref(v: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """``v [M, R]``, ``w [E, N, R]`` -> ``[M, N]``: rows of group ``e`` times ``w[e]^T`` (the low-rank term of
+    :func:`~csattn.ops.fp8.fp8_grouped_mm`), rows past ``offs[-1]`` zero; a loop of plain matmuls in ``v``'s
+    dtype."""
+    out = v.new_zeros((v.shape[0], w.shape[1]))
+    for e, (lo, hi) in enumerate(_groups(offs)):
+        if hi > lo:
+            out[lo:hi] = v[lo:hi] @ w[e].T
+    return out
