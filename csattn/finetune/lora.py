@@ -85,8 +85,11 @@ class LoraLinear(nn.Linear, _Factors):
 
     def forward(self, x: Tensor) -> Tensor:
         y = super().forward(x)
-        low = nn.functional.linear(nn.functional.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
-        return y + self.lora_scale * low
+        xa = nn.functional.linear(self.lora_dropout(x), self.lora_A)
+        # the scaled product added by the GEMM itself (beta = 1): no [..., out] product, scaling and sum passes
+        out = torch.addmm(y.reshape(-1, y.shape[-1]), xa.reshape(-1, xa.shape[-1]), self.lora_B.t(),
+                          alpha=self.lora_scale)
+        return out.view(y.shape)
 
 
 class LoraWeight(_Factors):
@@ -102,7 +105,10 @@ class LoraReader:
     def projection_weight(self, name: str) -> Tensor:
         w = super().projection_weight(name)
         module = self.get_submodule(name)
-        return w + module.delta().to(w.dtype) if isinstance(module, LoraWeight) else w
+        if not isinstance(module, LoraWeight):
+            return w
+        # W + scale * B @ A by the GEMM itself (beta = 1): no product, scaling and sum passes over [out, in]
+        return torch.addmm(w, module.lora_B.to(w.dtype), module.lora_A.to(w.dtype), alpha=module.lora_scale)
 
 
 class LoraExperts(Experts):
