@@ -189,9 +189,11 @@ def test_grouped_reference_vs_fp64(e, n, k, counts, tail, trans, assert_close):
 
 @pytest.mark.parametrize("e,n,k,counts,tail", GROUPED_CASES)
 @pytest.mark.parametrize("trans", [False, True])
-def test_grouped_low_rank_term_vs_fp64(e, n, k, counts, tail, trans, assert_close):
-    """``low_rank``: rows of group ``e`` get ``scale * v w_e^T`` on top of the product (fp64 on the CPU: the
-    reference path); rows past ``offs[-1]`` stay zero; a term that does not fit the output is refused by name."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_grouped_low_rank_term_vs_fp64(e, n, k, counts, tail, trans, dtype, assert_close):
+    """``low_rank``: rows of group ``e`` get ``scale * v w_e^T`` on top of the product (on the CPU: the reference
+    path; fp64 by a loop, fp32 by grouped_mm with a group over the rows past ``offs[-1]``, which stay zero); a
+    term that does not fit the output is refused by name."""
     g = torch.Generator().manual_seed(e + n + 1)
     q, s = _weight((e, n, k), g)
     offs = _offsets(counts)
@@ -199,13 +201,15 @@ def test_grouped_low_rank_term_vs_fp64(e, n, k, counts, tail, trans, assert_clos
     a = torch.randn(sum(counts) + tail, n if trans else k, generator=g, dtype=torch.float64)
     v = torch.randn(a.shape[0], 4, generator=g, dtype=torch.float64)
     w = torch.randn(e, n_out, 4, generator=g, dtype=torch.float64)
-    got = fp8_grouped_mm(a, q, s, offs, trans=trans, low_rank=LowRank(v, w, 0.5))
+    if tail:
+        v[-tail:] = float("inf")  # rows of no group take no term
+    got = fp8_grouped_mm(a.to(dtype), q, s, offs, trans=trans, low_rank=LowRank(v.to(dtype), w.to(dtype), 0.5))
     want = fp8_grouped_mm_ref(a, q, s, offs, trans)
     lo = 0
     for i, c in enumerate(counts):
         want[lo:lo + c] += 0.5 * v[lo:lo + c] @ w[i].T
         lo += c
-    assert_close(got, want, 1e-12, "grouped + low rank")
+    assert_close(got, want, 1e-12 if dtype == torch.float64 else 1e-5, "grouped + low rank")
     assert (got[sum(counts):] == 0).all()
     with pytest.raises(ValueError, match="low_rank"):
         fp8_grouped_mm(a, q, s, offs, trans=trans, low_rank=LowRank(v, w[:, :-1], 0.5))

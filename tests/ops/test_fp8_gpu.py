@@ -143,19 +143,26 @@ def test_gluon_low_rank_term_vs_same_operands(case, trans, rank):
     v = torch.randn(m, rank, generator=g, device="cuda").bfloat16()
     w = (torch.randn(e, n_out, rank, generator=g, device="cuda") * 0.3).bfloat16()
     lr = LowRank(v, w, 0.75)
-    out = torch.full((m, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
-    out[:] = fp8_grouped_mm(a, q, s, offs, trans, low_rank=lr)
-    again = fp8_grouped_mm(a, q, s, offs, trans, low_rank=lr)
     same = fp8_grouped_mm_quantized(a, q, s, offs, trans) + 0.75 * low_rank_ref(v.double(), w.double(), offs)
-    assert torch.isfinite(out).all() and (out[int(offs[-1]):] == 0).all()
-    assert torch.equal(out, again)
-    if most:
-        err = rel_err(out, same)
-        print(f"gluon low rank {case} trans={trans} r={rank}: {err:.2e}")
-        assert err < 4e-3, err  # bf16's rounding of the output (as the kernel without the term)
-    # B = 0 (LoRA at step 0): the output is the kernel's without the term, bit for bit
-    zero = fp8_grouped_mm(a, q, s, offs, trans, low_rank=LowRank(v, torch.zeros_like(w), 0.75))
-    assert torch.equal(zero, fp8_grouped_mm(a, q, s, offs, trans))
+    qa, sa = quantize_1x128(a)
+    from csattn.ops.fp8.gluon import RANK, grouped_mm_gluon
+
+    # the kernel's own epilogue (whether or not the op routes the term there yet), and the op's route
+    ways = {"op": lambda out: fp8_grouped_mm(a, q, s, offs, trans, low_rank=lr)}
+    if rank == RANK:
+        ways["kernel"] = lambda out: grouped_mm_gluon(qa, sa, q, s, offs, trans, out=out, low_rank=lr)
+    for way, run in ways.items():
+        out = torch.full((m, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = run(out)
+        assert torch.isfinite(out).all() and (out[int(offs[-1]):] == 0).all(), way
+        assert torch.equal(out, run(torch.empty_like(out))), way  # the same bits twice
+        if most:
+            err = rel_err(out, same)
+            print(f"gluon low rank {case} trans={trans} r={rank} {way}: {err:.2e}")
+            assert err < 4e-3, (way, err)  # bf16's rounding of the output (as the kernel without the term)
+    if rank == RANK:  # B = 0 (LoRA at step 0): the kernel's output without the term, bit for bit
+        zero = grouped_mm_gluon(qa, sa, q, s, offs, trans, low_rank=LowRank(v, torch.zeros_like(w), 0.75))
+        assert torch.equal(zero, grouped_mm_gluon(qa, sa, q, s, offs, trans))
 
 
 # every (K, N) of the tiny GPU models and the block counts around cuBLAS's limit (SCALED_MM_MIN_K): the forward and

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..backend import sm_count, triton_version
 
-__all__ = ["RANK", "fp8_grouped_gluon_kernel", "grouped_mm_gluon"]
+__all__ = ["FUSE_LOW_RANK", "RANK", "fp8_grouped_gluon_kernel", "grouped_mm_gluon"]
 
 # Renamed between releases (Triton 3.6: async_copy_global_to_shared and thread_barrier; later: async_load, barrier)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -46,6 +46,11 @@ BM: gl.constexpr = gl.constexpr(128)  # rows of a tile: two math warpgroups of 6
 BN: gl.constexpr = gl.constexpr(128)  # output columns of a tile: one block of the weight's scales
 BK: gl.constexpr = gl.constexpr(128)  # contraction step: one block of both scales
 RANK = 16  # the low-rank term's depth: its two buffers of two [128, R] tiles (16 KB) beside the 192 KB of stages
+# The op routes the low-rank term through the kernel once it has run on an H200: it builds for sm_90 without spills
+# on Triton 3.6 and 3.9 (tests/ops/test_fp8_gluon_build.py), and tests/ops/test_fp8_gpu.py
+# ::test_gluon_low_rank_term_vs_same_operands holds it to fp64 on the GPU; until then the op adds the term after
+# the kernel (grouped_mm), as before the kernel took it
+FUSE_LOW_RANK = False
 _UPPER = gl.constexpr(0)  # the math warpgroups, by the 64 rows of a tile they own
 _LOWER = gl.constexpr(1)
 

@@ -122,9 +122,9 @@ def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Ten
         out_dtype: the output dtype: required for :class:`Fp8Rows` (the dtype the rows were quantized from), else
             ``a``'s dtype (None or that).
         low_rank: a :class:`LowRank` term added to the output (``w [E, n_out, R]``, ``n_out`` the output's
-            columns). The Gluon kernel adds it to its fp32 result before the one rounding (rank 16 or less, padded;
-            one bf16 MMA a tile, its operands copied ahead by the producer); elsewhere, and at higher ranks, a
-            grouped GEMM adds it after.
+            columns). The Gluon kernel can add it to its fp32 result before the one rounding (rank 16 or less,
+            padded; one bf16 MMA a tile, its operands copied ahead by the producer; ``gluon.FUSE_LOW_RANK``);
+            elsewhere, and at higher ranks, a grouped GEMM adds it after.
 
     Returns:
         ``[M, N]`` or ``[M, K]`` in ``a``'s dtype (``out_dtype``); rows past ``offs[-1]`` are zero. Not
@@ -161,9 +161,9 @@ def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool
     """The FP8 kernels on quantized rows: Gluon where it fits (the low-rank term in its epilogue at rank 16 or
     less), else Triton (``trans=False``)."""
     if gluon_fits(a.q, weight):
-        from .gluon import RANK, grouped_mm_gluon  # lazy: Gluon is experimental API
+        from .gluon import FUSE_LOW_RANK, RANK, grouped_mm_gluon  # lazy: Gluon is experimental API
 
-        fused = low_rank is not None and low_rank.v.shape[1] <= RANK
+        fused = FUSE_LOW_RANK and low_rank is not None and low_rank.v.shape[1] <= RANK
         lr = _padded(low_rank, RANK) if fused else None
         out = grouped_mm_gluon(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype, low_rank=lr)
         return out if fused else _add_low_rank(out, low_rank, offs)
@@ -182,14 +182,20 @@ def _padded(lr: LowRank, rank: int) -> LowRank:
 
 def _add_low_rank(out: Tensor, lr: LowRank | None, offs: Tensor) -> Tensor:
     """``out`` plus the low-rank term, in place (``out`` is the GEMM's own fresh output), rows past ``offs[-1]``
-    left as they are (zero): ``grouped_mm`` where it runs (it leaves those rows unwritten), else a loop."""
+    left as they are (zero): ``grouped_mm`` where it runs, else a loop."""
     if lr is None:
         return out
-    if out.is_cuda and _grouped_mm is not None:
-        lo = _grouped_mm(lr.v, lr.w.transpose(-2, -1), offs=offs)
-        past = torch.arange(out.shape[0], device=out.device) >= offs[-1]
-        return out.add_(lo.masked_fill_(past[:, None], 0), alpha=lr.scale)
-    return out.add_(low_rank_ref(lr.v, lr.w, offs), alpha=lr.scale)
+    if _grouped_mm is None or lr.v.dtype not in (torch.float32, torch.bfloat16) \
+            or (lr.v.shape[1] * lr.v.element_size()) % 16:  # grouped_mm's dtypes and 16-byte rows
+        return out.add_(low_rank_ref(lr.v, lr.w, offs), alpha=lr.scale)
+    # grouped_mm leaves the rows of no group unwritten: one more group over them, its w and v zero (a [1, N, R]
+    # and an [M, R] pass, where masking the [M, N] product would be one over the output)
+    m = out.shape[0]
+    past = torch.arange(m, device=out.device) >= offs[-1]
+    v = lr.v.masked_fill(past[:, None], 0)
+    w = torch.cat([lr.w, lr.w.new_zeros((1, *lr.w.shape[1:]))])
+    offs = torch.cat([offs, offs.new_full((1,), m)])
+    return out.add_(_grouped_mm(v, w.transpose(-2, -1), offs=offs), alpha=lr.scale)
 
 
 def _check_low_rank(lr: LowRank | None, m: int, weight: Tensor, trans: bool, dtype: torch.dtype | None) -> None:
