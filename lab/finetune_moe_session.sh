@@ -3,10 +3,7 @@
 # V4-Flash slice written in the release format on the GPU. In $OUT.   COMMIT=<sha> bash lab/finetune_moe_session.sh
 set -u
 OUT=${OUT:-/tmp/ftmoe}; mkdir -p "$OUT"; START=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
+. "$(dirname "$0")/device_env.sh"
 timeout 90 python3 -m benchmarks.finetune --ckpt /tmp/none --json "$OUT/finetune_moe.json" --parts moe \
   --commit "${COMMIT:-unknown}" 2>&1 | grep -E "^(fp8|bf16|w8a16) " | tail -6
 echo "[moe] $((SECONDS - START)) s"

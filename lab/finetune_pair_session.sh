@@ -4,10 +4,7 @@
 #   COMMIT=<sha> bash lab/finetune_pair_session.sh
 set -u
 OUT=${OUT:-/tmp/ftpair}; mkdir -p "$OUT"; START=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
+. "$(dirname "$0")/device_env.sh"
 timeout 500 python3 -m benchmarks.finetune --ckpt /tmp/csattn_v4_flash_slice --json "$OUT/finetune_steps.json" \
   --parts write,steps --draw device --cases "${CASES:-a:16384;c:16384;d:16384}" --commit "${COMMIT:-unknown}" 2>&1 \
   | grep -E "^\[" | tail -20

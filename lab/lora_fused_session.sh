@@ -6,10 +6,7 @@
 # lab/finetune_moe_session.sh.   bash lab/lora_fused_session.sh
 set -u
 START=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
+. "$(dirname "$0")/device_env.sh"
 timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/ops/test_fp8_gpu.py \
   tests/integrations/test_integration_hf_fp8.py 2>&1 | grep -E "gluon|passed|failed|Error|assert" | tail -40
 echo "[tests] $((SECONDS - START)) s"

@@ -4,10 +4,7 @@
 #   COMMIT=<sha> bash lab/moe_fused_session.sh
 set -u
 OUT=${OUT:-/tmp/moefused}; mkdir -p "$OUT"; START=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
+. "$(dirname "$0")/device_env.sh"
 B="python3 -m benchmarks.run --warmup-ms 10 --rep-ms 60 --commit ${COMMIT:-unknown}"
 timeout 90 $B --op fp8_grouped --providers fp8,bf16 --mode fwd --shape gemm=gate_up,down,gate_up_t,down_t \
   --json "$OUT/grouped.json" 2>&1 | grep -v Warn | tail -9

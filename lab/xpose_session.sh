@@ -3,10 +3,7 @@
 # frozen-expert MoE (fp8, bf16). In $OUT.   COMMIT=<sha> bash lab/xpose_session.sh
 set -u
 OUT=${OUT:-/tmp/xpose}; mkdir -p "$OUT"; START=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
+. "$(dirname "$0")/device_env.sh"
 timeout 170 python3 -m lab.probes.fp8_gluon_xpose 2>&1 | grep -v Warning | tee "$OUT/xpose.txt" | tail -20
 echo "[xpose] $((SECONDS - START)) s"
 timeout 60 python3 -m benchmarks.run --warmup-ms 10 --rep-ms 60 --commit "${COMMIT:-unknown}" --op moe_frozen \

@@ -3,8 +3,7 @@
 # time goes (lab/probes/moe_profile.py). In $OUT.
 set -u
 OUT=${OUT:-/tmp/xpose}; mkdir -p "$OUT"; START=$SECONDS
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
+. "$(dirname "$0")/device_env.sh"
 timeout 240 python3 -m lab.probes.fp8_gluon_xpose 2>&1 | grep -v Warning | tee "$OUT/xpose2.txt" | tail -24
 echo "[xpose] $((SECONDS - START)) s"
 timeout 120 python3 -m lab.probes.moe_profile 2>&1 | grep -v Warning | tee "$OUT/moe_profile.txt" | tail -34

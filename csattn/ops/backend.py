@@ -16,11 +16,13 @@ from typing import Literal
 import torch
 
 __all__ = ["BACKENDS", "Backend", "BackendChoice", "check_backend", "interpreting", "resolve_backend", "sm_count",
-           "triton_version", "use_triton"]
+           "torch_grouped_mm", "triton_version", "use_triton"]
 
 Backend = Literal["reference", "triton"]
 BackendChoice = Literal["auto", "reference", "triton"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "triton")
+# torch's grouped GEMM over row groups (``offs``), public from torch 2.9 as F.grouped_mm; None where torch has none
+torch_grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def interpreting() -> bool:

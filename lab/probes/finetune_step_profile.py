@@ -15,10 +15,10 @@ from benchmarks.finetune import MODES, load_base, prepare
 from csattn.report.model import proxy_batch, proxy_lengths
 
 GROUPS = (  # kernel-name fragments -> a coarse group, first match wins
-    ("fp8 grouped (gluon)", ("_gluon", "gluon")),
-    ("grouped mm (bf16)", ("grouped", "Grouped")),
+    ("fp8 grouped (gluon)", ("fp8_grouped",)),
+    ("grouped mm (bf16)", ("GroupProblem", "grouped", "Grouped")),  # torch's grouped_mm: CUTLASS's GroupProblem
     ("scaled mm (fp8 cuBLAS)", ("sm90_xmma_gemm_e4m3", "e4m3", "fp8")),
-    ("gemm (bf16 cuBLAS)", ("gemm", "Gemm", "xmma", "cutlass")),
+    ("gemm (bf16 cuBLAS)", ("nvjet", "gemm", "Gemm", "xmma", "cutlass")),
     ("sparse / window attention", ("attn", "attention", "sparse", "flash")),
     ("indexer", ("index", "topk")),
     ("optimizer", ("adam", "Adam", "sgd", "multi_tensor", "foreach")),

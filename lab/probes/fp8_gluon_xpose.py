@@ -114,15 +114,19 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, XPOSE: gl.co
 @gluon.jit
 def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem,
               TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              LAG: gl.constexpr, XPOSE: gl.constexpr):
+              LAG: gl.constexpr, XPOSE: gl.constexpr, WARPS: gl.constexpr = 4):
+    """The library's producer with transposition ``XPOSE``; where a transposer of its own runs (``XPOSE`` 4, 5,
+    8, 10) the copies alone, in a one-warp partition (``WARPS`` 1): a stage is reused once the math warpgroups
+    are done with it, which is after the transposer read its weight tile."""
     a_smem, raw, bt, land, ready, empty = smem
+    OWN: gl.constexpr = XPOSE == 4 or XPOSE == 5 or XPOSE == 8 or XPOSE == 10
     nk = KC // BK
     it = 0
     for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-        g, row0, row_end, pid_n = lib._tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
+        g, row0, row_end, pid_n = lib._tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M, WARPS)
         if g < E:
             for kb in range(nk):
-                if it >= LAG:
+                if not OWN and it >= LAG:
                     _transpose_stage(it - LAG, raw, bt, land, ready, STAGES, XPOSE)
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -130,55 +134,9 @@ def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem,
                 lib._tma_load(a_desc, [row0, kb * BK], land.index(s), a_smem.index(s))
                 lib._tma_load(w_desc, [g * W_ROWS + kb * BK, pid_n * BN], land.index(s), raw.index(s))
                 it += 1
-    for j in range(gl.maximum(it - LAG, 0), it):
-        _transpose_stage(j, raw, bt, land, ready, STAGES, XPOSE)
-
-
-@gluon.constexpr_function
-def one_warp_lanes(n):
-    """:func:`lib.lanes_layout` for a one-warp partition."""
-    per = n // 32
-    return gl.DistributedLinearLayout(reg_bases=[[1 << b] for b in range(per.bit_length() - 1)],
-                                      lane_bases=[[per << b] for b in range(5)], warp_bases=[], block_bases=[],
-                                      shape=[n])
-
-
-@gluon.jit
-def _tile1(t, table, tiles_m, tiles_n, E_P2: gl.constexpr, GROUP_M: gl.constexpr):
-    """:func:`lib._tile` in one warp."""
-    per_group = GROUP_M * tiles_n
-    first_m = (t // per_group) * GROUP_M
-    size_m = gl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (t % per_group) % size_m
-    pid_n = (t % per_group) // size_m
-    idx = gl.arange(0, 128, layout=one_warp_lanes(128))
-    g = pid_m * 0
-    for c in gl.static_range(E_P2 // 128):
-        g += gl.sum((gl.load(table + 2 * E_P2 + c * 128 + idx) <= pid_m).to(gl.int32), axis=0)
-    start = gl.load(table + g)
-    end = gl.load(table + E_P2 + g)
-    first = gl.load(table + 2 * E_P2 + g) - (gl.maximum(end - start, 0) + BM - 1) // BM
-    return g, start + (pid_m - first) * BM, end, pid_n
-
-
-@gluon.jit
-def _tma_only(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, E_P2: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """The copies alone (``XPOSE`` 4, 5): a stage is reused once the math warpgroups are done with it, which is
-    after the transposer read its weight tile."""
-    a_smem, raw, bt, land, ready, empty = smem
-    nk = KC // BK
-    it = 0
-    for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-        g, row0, row_end, pid_n = _tile1(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
-        if g < E:
-            for kb in range(nk):
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(land.index(s), BM * BK + BK * BN)
-                lib._tma_load(a_desc, [row0, kb * BK], land.index(s), a_smem.index(s))
-                lib._tma_load(w_desc, [g * W_ROWS + kb * BK, pid_n * BN], land.index(s), raw.index(s))
-                it += 1
+    if not OWN:
+        for j in range(gl.maximum(it - LAG, 0), it):
+            _transpose_stage(j, raw, bt, land, ready, STAGES, XPOSE)
 
 
 @gluon.jit
@@ -206,11 +164,13 @@ def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_
 @gluon.jit
 def fp8_grouped_gluon_kernel(
     a_desc, w_desc, sa, sw, table, out, M, N, KC, E, W_ROWS, tiles_m, tiles_n,
-    stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om,
+    stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, XPOSE: gl.constexpr, XREGS: gl.constexpr,
-    TMA_REGS: gl.constexpr,
+    TMA_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
 ):
+    """The library kernel's signature (no low-rank term here: ``LOW_RANK`` stays False) and its partitions, the
+    producer's transposition switched by ``XPOSE``."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], lib.tile_smem())
     raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], lib.tile_smem())
     if XPOSE == 1:
@@ -225,21 +185,27 @@ def fp8_grouped_gluon_kernel(
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)
     smem = (a_smem, raw, bt, land, ready, empty)
+    low_rank = (v_desc, lw_desc, l_scale, a_smem, a_smem, land, empty)  # unused: the library's placeholder
     if XPOSE == 4 or XPOSE == 5 or XPOSE == 8 or XPOSE == 10:
         gl.warp_specialize([
             (lib._math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                         stride_sbk, stride_sbn, stride_om, smem, _UPPER, TRANS, E_P2, GROUP_M, STAGES)),
+                         stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
+                         False)),
             (lib._math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                         stride_sbk, stride_sbn, stride_om, smem, _LOWER, TRANS, E_P2, GROUP_M, STAGES)),
+                         stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
+                         False)),
             (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, XPOSE)),
-            (_tma_only, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES)),
+            (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, TRANS, E_P2, GROUP_M,
+                         STAGES, LAG, XPOSE, 1)),
         ], [4, 4, 1], [MATH_REGS, XREGS, TMA_REGS])
     else:
         gl.warp_specialize([
             (lib._math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                         stride_sbk, stride_sbn, stride_om, smem, _UPPER, TRANS, E_P2, GROUP_M, STAGES)),
+                         stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
+                         False)),
             (lib._math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                         stride_sbk, stride_sbn, stride_om, smem, _LOWER, TRANS, E_P2, GROUP_M, STAGES)),
+                         stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
+                         False)),
             (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, TRANS, E_P2, GROUP_M,
                          STAGES, LAG, XPOSE)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])

@@ -43,7 +43,8 @@ def main(expert_dtype: str = "fp8") -> None:
     print(f"loss exact {float(want_loss):.6f} " + " ".join(f"{k} {float(v[0]):.6f}" for k, v in rows.items()))
     print(f"{'adapter':70s} {'|exact|':>9s} " + " ".join(f"{k:>18s}" for k in rows))
     for n, g in want.items():
-        cells = [f"{float(r[1][n].norm()) if n in r[1] else float('nan'):9.2e}/{_rel(r[1][n], g) if n in r[1] else float('nan'):8.2e}"
+        nan = float("nan")
+        cells = [f"{float(r[1][n].norm()) if n in r[1] else nan:9.2e}/{_rel(r[1][n], g) if n in r[1] else nan:8.2e}"
                  for r in rows.values()]
         print(f"{n[-70:]:70s} {float(g.norm()):9.2e} " + " ".join(f"{c:>18s}" for c in cells))
 

@@ -250,34 +250,31 @@ def test_fp8_rows_are_the_rows_quantized_inside(trans):
 
 def _composed_moe(x, w, ids, dout, gu, dn, e, lora):
     """The frozen-FP8 MoE step from public ops, each FP8 GEMM quantizing its bf16 input itself (the separate
-    passes), the LoRA terms as the op adds them (the scale folded into the add): (out, dx, dweights)."""
+    passes), the LoRA terms handed to the GEMMs as the op hands them (``low_rank``): (out, dx, dweights)."""
+    from csattn.ops.backend import torch_grouped_mm as mm
     from csattn.ops.moe import route_plan
     from csattn.ops.moe.triton import gather_sum_triton, swiglu_bwd_triton, swiglu_fwd_triton
 
-    mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    def term(v, i, into):  # LoRA pair i on a GEMM from v (the forward) or from its output gradient
+        if not lora:
+            return None
+        a, b, scale = lora[i]
+        return LowRank(mm(v, a.transpose(-2, -1) if into else b, offs=offs), b if into else a.transpose(-2, -1),
+                       scale)
+
     k = ids.shape[-1]
     plan = route_plan(ids, e)
     offs = plan.offs
     ws = w.reshape(-1).index_select(0, plan.order)
     xp = x.index_select(0, plan.token)
-    gup = fp8_grouped_mm(xp, *gu, offs)
-    if lora:
-        gup = torch.add(gup, mm(mm(xp, lora[0].a.transpose(-2, -1), offs=offs), lora[0].b.transpose(-2, -1),
-                                offs=offs), alpha=lora[0].scale)
+    gup = fp8_grouped_mm(xp, *gu, offs, low_rank=term(xp, 0, True))
     h = swiglu_fwd_triton(gup, ws, LIMIT)
-    y = fp8_grouped_mm(h, *dn, offs)
-    if lora:
-        y = torch.add(y, mm(mm(h, lora[1].a.transpose(-2, -1), offs=offs), lora[1].b.transpose(-2, -1), offs=offs),
-                      alpha=lora[1].scale)
+    y = fp8_grouped_mm(h, *dn, offs, low_rank=term(h, 1, True))
     out = gather_sum_triton(y, plan.inv, k)
     dy = dout.index_select(0, plan.token)
-    dh = fp8_grouped_mm(dy, *dn, offs, trans=True)
-    if lora:
-        dh = torch.add(dh, mm(mm(dy, lora[1].b, offs=offs), lora[1].a, offs=offs), alpha=lora[1].scale)
+    dh = fp8_grouped_mm(dy, *dn, offs, trans=True, low_rank=term(dy, 1, False))
     dgu, _, dw = swiglu_bwd_triton(gup, ws, dh, LIMIT)
-    dxp = fp8_grouped_mm(dgu, *gu, offs, trans=True)
-    if lora:
-        dxp = torch.add(dxp, mm(mm(dgu, lora[0].b, offs=offs), lora[0].a, offs=offs), alpha=lora[0].scale)
+    dxp = fp8_grouped_mm(dgu, *gu, offs, trans=True, low_rank=term(dgu, 0, False))
     return out, gather_sum_triton(dxp, plan.inv, k), dw.index_select(0, plan.inv).view(-1, k).to(w.dtype)
 
 

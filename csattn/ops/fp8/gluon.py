@@ -69,13 +69,13 @@ def acc_layout():
 
 
 @gluon.constexpr_function
-def lanes_layout(n):
-    """A ``[n]`` layout (``n >= 32``) every warp of a 4-warp partition holds whole: reductions over it stay within
-    the warp (shuffles, no shared memory)."""
+def lanes_layout(n, warps=4):
+    """A ``[n]`` layout (``n >= 32``) every warp of a ``warps``-warp partition holds whole: reductions over it stay
+    within the warp (shuffles, no shared memory)."""
     per = n // 32
     return gl.DistributedLinearLayout(reg_bases=[[1 << b] for b in range(per.bit_length() - 1)],
-                                      lane_bases=[[per << b] for b in range(5)], warp_bases=[[0], [0]],
-                                      block_bases=[], shape=[n])
+                                      lane_bases=[[per << b] for b in range(5)],
+                                      warp_bases=[[0]] * (warps.bit_length() - 1), block_bases=[], shape=[n])
 
 
 @gluon.constexpr_function
@@ -93,18 +93,19 @@ def transpose_layout():
 
 
 @gluon.jit
-def _tile(t, table, tiles_m, tiles_n, E_P2: gl.constexpr, GROUP_M: gl.constexpr):
+def _tile(t, table, tiles_m, tiles_n, E_P2: gl.constexpr, GROUP_M: gl.constexpr, WARPS: gl.constexpr = 4):
     """Work item ``t`` -> (group, first row, end row, column tile); group ``E + 1`` or more: no tile. ``table``
     ``[3, E_P2]``: the groups' row starts, row ends and the running sum of their row-tile counts
     (:func:`group_table`, made on the device by torch: Triton 3.6's Gluon scans no layout the lookup can use).
     The group is the count of running sums at or below the row tile, read 128 at a time (held whole, 512 groups
-    would take the producer's registers). ``GROUP_M`` row tiles side by side share the weight tiles in L2."""
+    would take the producer's registers). ``GROUP_M`` row tiles side by side share the weight tiles in L2.
+    ``WARPS``: the calling partition's."""
     per_group = GROUP_M * tiles_n
     first_m = (t // per_group) * GROUP_M
     size_m = gl.minimum(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (t % per_group) % size_m
     pid_n = (t % per_group) // size_m
-    idx = gl.arange(0, 128, layout=lanes_layout(128))
+    idx = gl.arange(0, 128, layout=lanes_layout(128, WARPS))
     g = pid_m * 0
     for c in gl.static_range(E_P2 // 128):
         g += gl.sum((gl.load(table + 2 * E_P2 + c * 128 + idx) <= pid_m).to(gl.int32), axis=0)

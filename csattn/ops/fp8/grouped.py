@@ -9,13 +9,13 @@ import torch
 from torch import Tensor
 
 from ..backend import interpreting, triton_version
+from ..backend import torch_grouped_mm as _grouped_mm
 from .naive import BLOCK, FP8_DTYPE, _cdiv, _check_grouped, fp8_grouped_mm_ref, low_rank_ref
 
-__all__ = ["COMPUTES", "Fp8Rows", "LowRank", "check_compute", "fp8_grouped_mm", "gluon_fits", "kernel_compute",
-           "takes_fp8_rows"]
+__all__ = ["COMPUTES", "Fp8Rows", "LowRank", "add_low_rank", "check_compute", "fp8_grouped_mm", "gluon_fits",
+           "kernel_compute", "takes_fp8_rows"]
 
 COMPUTES = ("fp8", "w8a16")
-_grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -145,7 +145,7 @@ def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Ten
     _check_low_rank(low_rank, a.shape[0], weight, trans, a.dtype)
     mode = kernel_compute(a, compute)
     if mode is None:
-        return _add_low_rank(fp8_grouped_mm_ref(a, weight, scale, offs, trans), low_rank, offs)
+        return add_low_rank(fp8_grouped_mm_ref(a, weight, scale, offs, trans), low_rank, offs)
     from .triton import grouped_mm_triton, quantize_1x128_triton  # lazy: Triton optional
 
     if takes_fp8_rows(a.dtype, a.device, weight, compute, trans):
@@ -153,7 +153,7 @@ def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Ten
     # trans=True elsewhere runs W8A16 in both modes: FP8 MMA wants W K-major, and neither Triton's transposition of
     # the FP8 tile (91-125 TFLOP/s on the H200) nor a transposed copy per call (107-110) beat the bf16 MMA on the
     # cast tile (~235); the Gluon kernel transposes the tile in shared memory (see README.md)
-    return _add_low_rank(grouped_mm_triton(a, None, weight, scale, offs, trans, out_dtype=a.dtype), low_rank, offs)
+    return add_low_rank(grouped_mm_triton(a, None, weight, scale, offs, trans, out_dtype=a.dtype), low_rank, offs)
 
 
 def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool, out_dtype: torch.dtype,
@@ -166,10 +166,10 @@ def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool
         fused = FUSE_LOW_RANK and low_rank is not None and low_rank.v.shape[1] <= RANK
         lr = _padded(low_rank, RANK) if fused else None
         out = grouped_mm_gluon(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype, low_rank=lr)
-        return out if fused else _add_low_rank(out, low_rank, offs)
+        return out if fused else add_low_rank(out, low_rank, offs)
     from .triton import grouped_mm_triton  # lazy: Triton optional
 
-    return _add_low_rank(grouped_mm_triton(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype), low_rank, offs)
+    return add_low_rank(grouped_mm_triton(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype), low_rank, offs)
 
 
 def _padded(lr: LowRank, rank: int) -> LowRank:
@@ -180,9 +180,9 @@ def _padded(lr: LowRank, rank: int) -> LowRank:
     return LowRank(torch.nn.functional.pad(lr.v, (0, pad)), torch.nn.functional.pad(lr.w, (0, pad)), lr.scale)
 
 
-def _add_low_rank(out: Tensor, lr: LowRank | None, offs: Tensor) -> Tensor:
-    """``out`` plus the low-rank term, in place (``out`` is the GEMM's own fresh output), rows past ``offs[-1]``
-    left as they are (zero): ``grouped_mm`` where it runs, else a loop."""
+def add_low_rank(out: Tensor, lr: LowRank | None, offs: Tensor) -> Tensor:
+    """``out [M, n_out]`` plus the low-rank term ``lr``, in place (``out`` is a GEMM's own fresh output), rows past
+    ``offs[-1]`` left as they are: ``grouped_mm`` where it takes the operands, else a loop of matmuls."""
     if lr is None:
         return out
     if _grouped_mm is None or lr.v.dtype not in (torch.float32, torch.bfloat16) \

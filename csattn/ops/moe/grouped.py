@@ -33,17 +33,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..autograd import named_grads
 from ..backend import Backend, use_triton
-from ..fp8 import BLOCK, FP8_DTYPE, Fp8Rows, LowRank, fp8_grouped_mm, quantize_1x128, takes_fp8_rows
+from ..backend import torch_grouped_mm as _grouped_mm
+from ..fp8 import BLOCK, FP8_DTYPE, Fp8Rows, LowRank, add_low_rank, fp8_grouped_mm, quantize_1x128, takes_fp8_rows
 from .naive import ExpertLora, gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
 
 __all__ = ["RoutePlan", "route_plan", "grouped_mm_supported", "grouped_experts"]
 
-_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 GROUPED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -111,17 +110,15 @@ def _zero_empty_groups(grad: Tensor, offs: Tensor) -> Tensor:
 def _expert_mm(a: Tensor | Fp8Rows, weight: Tensor, offs: Tensor, scale: Tensor | None, compute: str,
                out_dtype: torch.dtype, trans: bool = False, low_rank: LowRank | None = None) -> Tensor:
     """Rows of each expert times ``W_e^T`` (``trans=False``) or ``W_e``, plus the LoRA term ``low_rank``:
-    ``grouped_mm`` (the term by two more, added in place: the output is this op's own), or for a frozen FP8 weight
+    ``grouped_mm`` (the term by :func:`~csattn.ops.fp8.add_low_rank`, in place: the output is this op's own), or for
+    a frozen FP8 weight
     (``scale`` its 128x128 block scales) :func:`~csattn.ops.fp8.fp8_grouped_mm` in mode ``compute``, on rows or on
     rows already quantized (:class:`~csattn.ops.fp8.Fp8Rows`, of ``out_dtype`` rows), whose kernel adds the term
     before it rounds its output (no ``[N, out]`` product written and read again)."""
     if scale is not None:
         return fp8_grouped_mm(a, weight, scale, offs, trans=trans, compute=compute, out_dtype=out_dtype,
                               low_rank=low_rank)
-    out = _grouped_mm(a, weight if trans else weight.transpose(-2, -1), offs=offs)
-    if low_rank is None:
-        return out
-    return out.add_(_grouped_mm(low_rank.v, low_rank.w.transpose(-2, -1), offs=offs), alpha=low_rank.scale)
+    return add_low_rank(_grouped_mm(a, weight if trans else weight.transpose(-2, -1), offs=offs), low_rank, offs)
 
 
 def _takes_rows(like: Tensor, weight: Tensor, scale: Tensor | None, compute: str, trans: bool) -> bool:
@@ -160,13 +157,13 @@ class _GroupedExperts(torch.autograd.Function):
         # kernel); the bf16 rows only where LoRA's products still take them
         x_rows = _takes_rows(x, gate_up_proj, gate_up_scale, fp8_compute, trans=False)
         xp = x.index_select(0, plan.token) if gate_up_a is not None or not x_rows else None
-        xa = _lora_in(xp, gate_up_a, plan.offs)
+        xa = _lora_in(xp, _t(gate_up_a), plan.offs)
         gu = _expert_mm(_gathered_rows(x, plan.token) if x_rows else xp, gate_up_proj, plan.offs, gate_up_scale,
                         fp8_compute, x.dtype, low_rank=_lora_out(xa, gate_up_b, lora_scales[0]))
         del xp
         h_rows = _takes_rows(gu, down_proj, down_scale, fp8_compute, trans=False)
         h, hq = _swiglu_fwd(backend, gu, w, limit, keep_h=down_a is not None or not h_rows, quantize=h_rows)
-        ha = _lora_in(h, down_a, plan.offs)
+        ha = _lora_in(h, _t(down_a), plan.offs)
         y = _expert_mm(hq if h_rows else h, down_proj, plan.offs, down_scale, fp8_compute, gu.dtype,
                        low_rank=_lora_out(ha, down_b, lora_scales[1]))
         del h, hq
@@ -197,7 +194,7 @@ class _GroupedExperts(torch.autograd.Function):
         dy_rows = _takes_rows(dout, down_proj, down_scale, compute, trans=True)
         # [N, D]: un-permute's adjoint, a gather in expert order
         dy = dout.index_select(0, token) if need_down or dn_a is not None or not dy_rows else None
-        dyb = _lora_in(dy, _t(dn_b), offs)  # dy b [N, r]
+        dyb = _lora_in(dy, dn_b, offs)  # dy b [N, r]
         dh = _expert_mm(_gathered_rows(dout, token) if dy_rows else dy, down_proj, offs, down_scale, compute,
                         dout.dtype, trans=True, low_rank=_lora_out(dyb, _t(dn_a), ctx.lora_scales[1]))  # [N, I]
         # the kernel quantizes dgu where its two halves are whole 1x128 tiles (I % 128 == 0)
@@ -213,7 +210,7 @@ class _GroupedExperts(torch.autograd.Function):
         del dy, h, dyb
         xp = x.index_select(0, token) if need_gu or need_lora[0] else None  # recomputed: [N, D] is k times x
         d_gate_up = _zero_empty_groups(_grouped_mm(dgu.t(), xp, offs=offs), offs) if need_gu else None
-        dgub = _lora_in(dgu, _t(gu_b), offs)  # dgu b [N, r]
+        dgub = _lora_in(dgu, gu_b, offs)  # dgu b [N, r]
         dxp = _expert_mm(dguq if dgu_rows else dgu, gate_up_proj, offs, gate_up_scale, compute, gu.dtype,
                          trans=True, low_rank=_lora_out(dgub, _t(gu_a), ctx.lora_scales[0])) if need_x else None
         del dguq
@@ -232,9 +229,10 @@ _GroupedExpertsGrads = named_grads(_GroupedExperts)
 # gradient dv = dy W_e + scale (dy b_e) a_e. The rank-r product in ([N, r], kept for the factor gradients) is a
 # grouped GEMM of its own; the product out and its sum ride on the expert GEMM (_expert_mm's low_rank)
 
-def _lora_in(v: Tensor | None, f: Tensor | None, offs: Tensor) -> Tensor | None:
-    """``v f_e^T`` ``[N, r]`` per expert group (``f [E, r, in]``), or None without LoRA."""
-    return None if f is None else _grouped_mm(v, f.transpose(-2, -1), offs=offs)
+def _lora_in(v: Tensor | None, w: Tensor | None, offs: Tensor) -> Tensor | None:
+    """``v w_e`` ``[N, r]`` per expert group (``w [E, in, r]``: ``a^T``, or ``b`` in the backward), or None without
+    LoRA."""
+    return None if w is None else _grouped_mm(v, w, offs=offs)
 
 
 def _lora_out(vr: Tensor | None, w: Tensor | None, scale: float) -> LowRank | None:
