@@ -59,8 +59,6 @@ def _expert_keys(name: str) -> dict[str, str]:
             "lora_A_down": f"{base}.lora_A.weight", "lora_B_down": f"{base}.lora_B.weight"}
 
 
-
-
 def saved_modules(model: nn.Module) -> list[str]:
     """PEFT's ``modules_to_save``: the smallest modules owning the parameters trained in full (not the factors,
     not the MTP blocks'), those inside another one left out. Raises ``ValueError`` for an owner that holds a
