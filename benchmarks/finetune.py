@@ -198,21 +198,29 @@ def planned_gib(config: Any, mode: Mode, tokens: int, rank: int, world: int = 1,
 
 
 def lora_counts(model: nn.Module) -> dict[str, float]:
-    """What the model's LoRA runs per token: ``io``, the summed ``in + out`` of the maps run factored (linears called
-    as modules; the routed experts' two pairs for each of the ``k`` experts a token runs), and ``effective_macs``,
-    the multiply-adds of the frozen linears whose LoRA is an effective weight ``W + s B A``."""
-    from csattn.finetune.lora import LoraExperts, LoraLinear, lora_modules
+    """What the model's LoRA runs per token: ``io``, the multiply-adds per rank of the pairs run factored (a linear's
+    ``in + out``; the grouped ``o_a_proj``'s ``A`` on every group's input; the shared expert's gate and up as one pair
+    of rank 2r with a block-diagonal ``B``; the routed experts' two pairs for each of the ``k`` experts a token runs),
+    and ``effective_macs``, the multiply-adds of the frozen linears whose LoRA is an effective weight ``W + s B A``
+    (the indexer's ``q_b_proj``)."""
+    from csattn.finetune.lora import LoraExperts, lora_modules
+    from csattn.layers.modules import GroupedLinear
 
     k = model.config.num_experts_per_tok
     io = eff = 0.0
-    for _, m in lora_modules(model):
+    for name, m in lora_modules(model):
         if isinstance(m, LoraExperts):
             d, i = m.lora_A_gate_up.shape[-1], m.lora_A_down.shape[-1]
             io += k * ((d + 2 * i) + (i + d))
-        elif isinstance(m, LoraLinear):
-            io += m.lora_A.shape[-1] + m.lora_B.shape[0]
-        else:  # the weight the layer reads: [out, in]
+        elif name.endswith("indexer.q_b_proj"):
             eff += m._parameters["weight"].numel()
+        else:
+            out, inp = m.lora_B.shape[0], m.lora_A.shape[-1]
+            if isinstance(m, GroupedLinear):
+                inp *= m.groups
+            elif name.endswith(("shared_experts.gate_proj", "shared_experts.up_proj")):
+                out *= 2
+            io += inp + out
     return {"io": io, "effective_macs": eff}
 
 

@@ -7,11 +7,13 @@ Three kinds, by how the layer uses the weight:
 * a linear whose weight the layer reads directly (the attention core's ``q_b_proj``, ``o_a_proj`` (grouped),
   ``o_b_proj``, the indexer's ``q_b_proj``, the shared expert's three): :class:`LoraWeight` holds the factors, and
   the module that reads the weight (the attention layer, the shared expert) reads it through its
-  ``projection_weight(name)``, which its LoRA subclass (:class:`LoraReader`) returns as the effective
-  ``W + scale * B @ A`` (exact math, as PEFT's ``ParamWrapper`` does; the same road as the HF integration's PEFT
-  adapters); ``weight`` stays the plain parameter (FSDP2 finds its parameters again by ``getattr`` after moving
-  them); dropout on the input cannot be applied there (``x`` is not factored out of ``W x``), so it is refused, as
-  PEFT refuses it for ``target_parameters``;
+  ``projection(name)``, which its LoRA subclass (:class:`LoraReader`) returns with the low-rank term
+  (:class:`~csattn.layers.modules.Projection`); the module runs it factored, ``x W^T + scale (x A^T) B^T`` (the
+  attention core by hand, the shared expert through the grouped GEMMs as one expert's pair), so a frozen ``W``
+  costs no weight-gradient GEMM of its size; only the indexer's ``q_b_proj`` takes it merged, ``W + scale B A``
+  (its recomputing paths carry one weight). ``weight`` stays the plain parameter (FSDP2 finds its parameters again
+  by ``getattr`` after moving them). Input dropout is refused there: the fused paths do not apply it (PEFT refuses
+  it for ``target_parameters`` too);
 * the routed experts: :class:`LoraExperts`, a pair per expert through the grouped GEMMs
   (:class:`csattn.ops.moe.ExpertLora`), never forming ``W + BA`` for all experts.
 
@@ -33,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers.attention import HybridAttention
-from ..layers.modules import GroupedLinear
+from ..layers.modules import GroupedLinear, LowRankTerm, Projection
 from ..models.deepseek_v4.moe import Experts
 from ..ops.autograd import with_zero_grads
 from ..ops.moe import ExpertLora, moe_experts
@@ -98,17 +100,17 @@ class LoraWeight(_Factors):
 
 
 class LoraReader:
-    """Mixin over a module that reads its linears' weights through ``projection_weight(name)`` (the attention layer,
-    the shared expert): the weight plus ``scale * B @ A`` (no dropout) where the linear ``name`` is a
-    :class:`LoraWeight`."""
+    """Mixin over a module that reads its linears' weights through ``projection(name)`` (the attention layer, the
+    shared expert): the weight with the low-rank term ``(A, B, scale)`` (no dropout) where the linear ``name`` is a
+    :class:`LoraWeight`; the module runs it factored."""
 
-    def projection_weight(self, name: str) -> Tensor:
-        w = super().projection_weight(name)
+    def projection(self, name: str) -> Projection:
+        p = super().projection(name)
         module = self.get_submodule(name)
         if not isinstance(module, LoraWeight):
-            return w
-        # W + scale * B @ A by the GEMM itself (beta = 1): no product, scaling and sum passes over [out, in]
-        return torch.addmm(w, module.lora_B.to(w.dtype), module.lora_A.to(w.dtype), alpha=module.lora_scale)
+            return p
+        w = p.weight
+        return Projection(w, LowRankTerm(module.lora_A.to(w.dtype), module.lora_B.to(w.dtype), module.lora_scale))
 
 
 class LoraExperts(Experts):
@@ -196,8 +198,8 @@ def add_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
         if read:
             raise ValueError(f"--lora-dropout {spec.dropout}: the groups {', '.join(read)} have linears whose weight "
                              "the layer reads directly (the attention core's q_b / o_a / o_b projections, the "
-                             "indexer's q_b_proj, the shared and routed experts), where LoRA is an effective weight "
-                             "W + scale * B @ A and dropout on the input cannot apply (PEFT refuses it there too): "
+                             "indexer's q_b_proj, the shared and routed experts), whose fused paths apply no "
+                             "input dropout to LoRA's term (PEFT refuses it for target_parameters too): "
                              "pass --lora-dropout 0, or --lora-targets compressor only")
     readers: set[str] = set()
     for name, module in targets:

@@ -51,9 +51,9 @@ class Finetune:
         read = [g for g in choice.lora if g != "compressor"]
         if cfg.lora_rank > 0 and cfg.lora_dropout > 0 and read:
             raise ValueError(f"--lora-dropout {cfg.lora_dropout} with --lora-targets {','.join(choice.lora)}: the "
-                             f"groups {', '.join(read)} have linears whose weight the layer reads directly, where "
-                             "LoRA is an effective weight W + scale * B @ A and input dropout cannot apply (PEFT "
-                             "refuses it there too): pass --lora-dropout 0, or --lora-targets compressor")
+                             f"groups {', '.join(read)} have linears whose weight the layer reads directly, whose "
+                             "fused paths apply no input dropout to LoRA's term (PEFT refuses it for "
+                             "target_parameters too): pass --lora-dropout 0, or --lora-targets compressor")
         spec = LoraSpec(cfg.lora_rank, float(cfg.lora_alpha), float(cfg.lora_dropout), choice.lora) \
             if cfg.lora_rank > 0 else None
         return cls(choice, spec, int(cfg.seed))

@@ -58,6 +58,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 from ..config import AttentionConfig
 from ..layers import HybridAttention
+from ..layers.modules import Projection
 from ..ops import mhc as mhc_ops
 from ..ops.backend import BACKENDS, BackendChoice, check_backend
 from ..ops.moe import ExpertLora, moe_experts
@@ -217,11 +218,11 @@ class _PatchedAttention(HybridAttention):
         cfg = self.config
         self.inv_freq = rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
 
-    def projection_weight(self, name: str) -> Tensor:
+    def projection(self, name: str) -> Projection:
         """The projection's weight plus the LoRA adapters PEFT put on it (:func:`csattn.integrations.peft
         .effective_weight`; an FP8-held one dequantized): the fused paths read these weights instead of calling the
         modules."""
-        return peft_bridge.effective_weight(self.get_submodule(name), f"self_attn.{name}")
+        return Projection(peft_bridge.effective_weight(self.get_submodule(name), f"self_attn.{name}"))
 
     def compute_dtype(self) -> torch.dtype:
         """The model's compute dtype also where ``q_a_proj`` is held in FP8."""

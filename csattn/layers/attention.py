@@ -17,7 +17,7 @@ from ..ops.indices import combine_indices, range_indices
 from ..ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..packing import PackedSeqs
 from .core import BlockIds, CoreGeometry, attention_core, output_projection, query_heads
-from .modules import Compressor, GroupedLinear, Indexer, RMSNorm, RowPieces, _linear, map_rows
+from .modules import Compressor, GroupedLinear, Indexer, Projection, RMSNorm, RowPieces, _linear, map_rows
 from .op_sets import EAGER, OpSet
 from .plan import LOCAL, CompressedRange, IndexerLossInputs, LayerPlan, Packed, Planner
 
@@ -65,7 +65,7 @@ class HybridAttention(nn.Module):
         >>> out = attn(torch.randn(2, 40, 64))
     """
 
-    # the projections whose weights the layer reads (see projection_weight); every other linear it calls as a module
+    # the projections whose weights the layer reads (see projection); every other linear it calls as a module
     READ_PROJECTIONS = ("q_b_proj", "o_a_proj", "o_b_proj", "compressor.indexer.q_b_proj")
 
     def __init__(self, config: AttentionConfig) -> None:
@@ -185,13 +185,13 @@ class HybridAttention(nn.Module):
                 if name in own:
                     own[name].copy_(tensor)
 
-    def projection_weight(self, name: str) -> Tensor:
-        """The weight the layer multiplies by for projection ``name``: one of :attr:`READ_PROJECTIONS`, the
-        projections whose weights the fused paths read (block-recomputed core, row-chunked indexer queries) instead
-        of calling the module. A subclass may return an effective weight instead: the module's weight plus its LoRA
-        (``csattn.finetune.lora.LoraReader``, the HF integration's PEFT adapters); the layer calls the other
-        projections as modules."""
-        return self.get_submodule(name).weight
+    def projection(self, name: str) -> Projection:
+        """What the layer multiplies by for projection ``name``: one of :attr:`READ_PROJECTIONS`, the projections
+        whose weights the fused paths read (block-recomputed core, row-chunked queries) instead of calling the
+        module; the layer calls the other projections as modules. Here the module's weight; a subclass may add a
+        low-rank term (``csattn.finetune.lora.LoraReader``: LoRA's pair, run factored) or return an effective
+        weight (the HF integration's PEFT adapters)."""
+        return Projection(self.get_submodule(name).weight)
 
     # ------------------------------------------------------------------ phases (private; the flow above runs them)
     def _rope_tables(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -210,8 +210,8 @@ class HybridAttention(nn.Module):
         """``q [T, H, d]`` from the latent; block-recomputed in the backward with ``recompute_projections``."""
         cfg = self.config
         if not cfg.recompute_projections:
-            return query_heads(qr, cos, sin, self.projection_weight("q_b_proj"), cfg.num_heads, cfg.rms_norm_eps)
-        return ops.query_heads(qr, cos, sin, self.projection_weight("q_b_proj"), cfg.num_heads, cfg.rms_norm_eps,
+            return query_heads(qr, cos, sin, self.projection("q_b_proj"), cfg.num_heads, cfg.rms_norm_eps)
+        return ops.query_heads(qr, cos, sin, self.projection("q_b_proj"), cfg.num_heads, cfg.rms_norm_eps,
                                self._recompute_rows())
 
     def _raw_kv(self, x: Tensor | RowPieces, cos: Tensor, sin: Tensor) -> Tensor:
@@ -221,10 +221,16 @@ class HybridAttention(nn.Module):
     def _output(self, o: Tensor, cos: Tensor, sin: Tensor, ops: OpSet = EAGER) -> Tensor:
         """Inverse RoPE on ``o [T, H, d]`` (values carried absolute rope), then the grouped projection."""
         cfg = self.config
-        weights = (self.projection_weight("o_a_proj"), self.projection_weight("o_b_proj"))
+        projections = (self.projection("o_a_proj"), self.projection("o_b_proj"))
         if not cfg.recompute_projections:
-            return output_projection(o, cos, sin, *weights, groups=cfg.o_groups)
-        return ops.output(o, cos, sin, *weights, cfg.o_groups, self._recompute_rows())
+            return output_projection(o, cos, sin, *projections, groups=cfg.o_groups)
+        return ops.output(o, cos, sin, *projections, cfg.o_groups, self._recompute_rows())
+
+    def _indexer_query_weight(self) -> Tensor:
+        """The indexer's ``q_b_proj`` as one weight: its queries' recomputing paths (the top-k's, the sparse loss's
+        student) carry one tensor, so a low-rank term comes in merged (its gradient through a GEMM of this
+        weight's size, ``HI cI x q_lora``: an eighth of the core's three)."""
+        return self.projection(_INDEXER_Q).merged()
 
     def _recompute_rows(self) -> int:
         """Rows per recomputed block: about a quarter of the workspace for ~4 fp32 ``[H, d]`` temporaries."""
@@ -330,13 +336,13 @@ class HybridAttention(nn.Module):
                                      cfg.scale, row_weight[lo:hi], compressed_ids[lo:hi], backend=backend,
                                      config=cfg.indexer_loss_kernel)
 
-        weights = tuple(self.projection_weight(name) for name in ("q_b_proj", "o_a_proj", "o_b_proj"))
-        out = attention_core(qr, cos, sin, keys, self.sinks, *weights, ids_fn, geo, on_block)
+        projections = tuple(self.projection(name) for name in ("q_b_proj", "o_a_proj", "o_b_proj"))
+        out = attention_core(qr, cos, sin, keys, self.sinks, *projections, ids_fn, geo, on_block)
         if teacher is not None:
             # the backward recomputes the indexer queries block by block instead of keeping q_idx [T, HI, cI]
             queries = self.compressor.indexer.student_queries(qr.detach(), cos, sin, self._indexer_query_rows(),
                                                               backend=backend,
-                                                              weight=self.projection_weight(_INDEXER_Q))
+                                                              weight=self._indexer_query_weight())
             kl = indexer_kl_from_teacher(queries, loss.w, loss.k_idx, teacher, row_weight, compressed_ids,
                                          workspace_bytes=cfg.workspace_bytes, backend=backend,
                                          config=cfg.indexer_loss_kernel)
@@ -394,7 +400,7 @@ class HybridAttention(nn.Module):
         cfg, entries = self.config, plan.entries
         indexer: Indexer = self.compressor.indexer
         q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=self._indexer_query_rows(),
-                                backend=self._backend_for(qr), weight=self.projection_weight(_INDEXER_Q))
+                                backend=self._backend_for(qr), weight=self._indexer_query_weight())
         w = indexer.scorer(x.detach())
         selected = plan.ops.indexer_topk(q_idx, w, index_keys, entries.vis_start, entries.vis_end,
                                          self._effective_topk(entries.max_visible), entries.max_visible,

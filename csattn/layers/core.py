@@ -12,7 +12,10 @@ Here nothing of that size is kept:
   with the attention forward, back-propagate the output projection to get ``do`` (recomputing only
   ``o_b_proj``'s input, not the block's output), run the attention backward (key gradients summed over blocks
   in one fp32 buffer), then back-propagate ``q``'s projection. The three projections are differentiated by
-  hand: each weight gradient is added into its fp32 sum by the GEMM that computes it.
+  hand: each weight gradient is added into its fp32 sum by the GEMM that computes it, and only where asked for.
+  A projection's low-rank term (LoRA's pair, :class:`~csattn.layers.modules.Projection`) runs factored: a
+  frozen weight with LoRA costs its rank-``r`` products, not a gradient GEMM of its own size (at V4-Flash's
+  widths the three weight gradients are ~3.3 TFLOP a layer at 16k tokens).
 
 The price is one more attention forward per step (about 1/4.5 of the attention's forward + backward) on top
 of the projections, which were already recomputed. The block index lists are made per block (``BlockIds``:
@@ -34,7 +37,7 @@ from ..ops.backend import Backend
 from ..ops.recompute import NoCtx
 from ..ops.rope import apply_rope
 from ..ops.sparse_attn import SparseAttnConfig, sparse_attn_chunk, sparse_attn_ref
-from .modules import grouped_linear, rms_norm_unweighted
+from .modules import LowRankTerm, Projection, grouped_linear, linear, rms_norm_unweighted
 
 __all__ = ["BlockIds", "CoreGeometry", "attention_core", "query_heads", "grouped_output", "output_projection"]
 
@@ -57,11 +60,11 @@ class BlockIds(NamedTuple):
 BlockHook = Callable[[int, int, Tensor, Tensor], None]
 
 
-def query_heads(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float,
+def query_heads(qr: Tensor, cos: Tensor, sin: Tensor, q_b: Projection, heads: int, eps: float,
                 backend: Backend = "reference") -> Tensor:
-    """``qr [R, q_lora]`` -> ``q [R, H, d]``: projection, per-head RMSNorm without weight, RoPE (one Triton
-    pass on ``backend="triton"``)."""
-    return _norm_rope_heads(F.linear(qr, weight), cos, sin, heads, eps, backend)
+    """``qr [R, q_lora]`` -> ``q [R, H, d]``: projection ``q_b`` (with its low-rank term), per-head RMSNorm without
+    weight, RoPE (one Triton pass on ``backend="triton"``)."""
+    return _norm_rope_heads(linear(qr, q_b), cos, sin, heads, eps, backend)
 
 
 def _norm_rope_heads(qp: Tensor, cos: Tensor, sin: Tensor, heads: int, eps: float, backend: Backend) -> Tensor:
@@ -74,12 +77,12 @@ def _norm_rope_heads(qp: Tensor, cos: Tensor, sin: Tensor, heads: int, eps: floa
     return apply_rope(rms_norm_unweighted(q, eps), cos, sin)
 
 
-def grouped_output(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, groups: int, backend: Backend = "reference",
+def grouped_output(o: Tensor, cos: Tensor, sin: Tensor, o_a: Projection, groups: int, backend: Backend = "reference",
                    consume: bool = False) -> Tensor:
     """``o [R, H, d]`` -> ``[R, G o_lora]``: inverse RoPE (one Triton pass on ``backend="triton"``), grouped
-    ``o_a_proj``.
+    ``o_a_proj`` (with its low-rank term).
     ``consume``: ``o`` is not read again, so the fused path rotates it in place (outside autograd)."""
-    return grouped_linear(_unrope_groups(o, cos, sin, groups, backend, consume), w_a, groups)
+    return grouped_linear(_unrope_groups(o, cos, sin, groups, backend, consume), o_a.weight, groups, o_a.term)
 
 
 def _unrope_groups(o: Tensor, cos: Tensor, sin: Tensor, groups: int, backend: Backend, consume: bool = False) -> Tensor:
@@ -116,11 +119,11 @@ def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
         (acc.baddbmm_ if batched else acc.addmm_)(a.to(acc.dtype), b.to(acc.dtype))
 
 
-def output_projection(o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int,
+def output_projection(o: Tensor, cos: Tensor, sin: Tensor, o_a: Projection, o_b: Projection, groups: int,
                       backend: Backend = "reference", consume: bool = False) -> Tensor:
-    """``o [R, H, d]`` -> ``[R, D]``: inverse RoPE, grouped ``o_a_proj``, then ``o_b_proj`` (``consume``: see
-    :func:`grouped_output`)."""
-    return F.linear(grouped_output(o, cos, sin, w_a, groups, backend, consume), w_b)
+    """``o [R, H, d]`` -> ``[R, D]``: inverse RoPE, grouped ``o_a_proj``, then ``o_b_proj`` (each with its
+    low-rank term; ``consume``: see :func:`grouped_output`)."""
+    return linear(grouped_output(o, cos, sin, o_a, groups, backend, consume), o_b)
 
 
 @dataclass(frozen=True)
@@ -187,61 +190,73 @@ def _attn_backward(q: Tensor, keys: Tensor, ids: Tensor, sinks: Tensor, o: Tenso
 
 class _AttentionCore(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, geo: CoreGeometry, ids_fn: BlockIds, on_block: BlockHook | None, qr: Tensor, cos: Tensor,
-                sin: Tensor, keys: Tensor, sinks: Tensor, w_q: Tensor, w_oa: Tensor, w_ob: Tensor) -> Tensor:
-        ctx.geo, ctx.make_ids = geo, ids_fn.make
-        ctx.save_for_backward(qr, cos, sin, keys, sinks, w_q, w_oa, w_ob, *ids_fn.tensors)
+    def forward(ctx, geo: CoreGeometry, ids_fn: BlockIds, on_block: BlockHook | None, scales: tuple[float, ...],
+                qr: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, sinks: Tensor, w_q: Tensor, w_oa: Tensor,
+                w_ob: Tensor, *terms: Tensor | None) -> Tensor:
+        # terms: (a, b) of q_b, o_a, o_b (None where a projection has no low-rank term); scales: their scales
+        ctx.geo, ctx.make_ids, ctx.scales = geo, ids_fn.make, scales
+        ctx.save_for_backward(qr, cos, sin, keys, sinks, w_q, w_oa, w_ob, *terms, *ids_fn.tensors)
+        q_b, o_a, o_b = _projections((w_q, w_oa, w_ob), terms, scales)
+        wq = _augmented(q_b)
         total = qr.shape[0]
         out = qr.new_empty(total, w_ob.shape[0])
         for lo in range(0, total, geo.block_rows):
             hi = min(lo + geo.block_rows, total)
-            q = query_heads(qr[lo:hi], cos[lo:hi], sin[lo:hi], w_q, geo.heads, geo.eps, geo.backend)
+            q = _norm_rope_heads(_product(qr[lo:hi], q_b, wq), cos[lo:hi], sin[lo:hi], geo.heads, geo.eps,
+                                 geo.backend)
             o, lse = _attn_forward(q, keys, ids_fn(lo, hi), sinks, geo)
             if on_block is not None:
                 on_block(lo, hi, q, lse)
-            out[lo:hi] = output_projection(o, cos[lo:hi], sin[lo:hi], w_oa, w_ob, geo.groups, geo.backend,
+            out[lo:hi] = output_projection(o, cos[lo:hi], sin[lo:hi], o_a, o_b, geo.groups, geo.backend,
                                            consume=True)
         return out
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        qr, cos, sin, keys, sinks, w_q, w_oa, w_ob, *id_tensors = ctx.saved_tensors
+        qr, cos, sin, keys, sinks, w_q, w_oa, w_ob, *rest = ctx.saved_tensors
+        terms, id_tensors = rest[:6], rest[6:]
         ids_fn = BlockIds(ctx.make_ids, tuple(id_tensors))
         geo = ctx.geo
         acc = torch.promote_types(keys.dtype, torch.float32)
         dqr = torch.empty_like(qr)
         dkeys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         dsinks = torch.zeros(sinks.shape, dtype=acc, device=sinks.device)
-        dw = [torch.zeros(w.shape, dtype=acc, device=w.device) for w in (w_q, w_oa, w_ob)]
+        # each weight's and factor's gradient summed in fp32 over the blocks, only where one is asked for: a frozen
+        # weight costs no gradient GEMM of its size (its low-rank term's are rank-r products)
+        need = ctx.needs_input_grad[9:18]
+        sums = [torch.zeros(t.shape, dtype=acc, device=t.device) if n else None
+                for t, n in zip((w_q, w_oa, w_ob, *terms), need)]
+        q_b, o_a, o_b = _projections((w_q.detach(), w_oa.detach(), w_ob.detach()),
+                                     [None if t is None else t.detach() for t in terms], ctx.scales)
+        wq = _augmented(q_b)
         total = qr.shape[0]
-        w_q, w_oa, w_ob = w_q.detach(), w_oa.detach(), w_ob.detach()
-        w_g = w_oa.view(geo.groups, -1, w_oa.shape[-1])  # [G, o_lora, i]
+        w_g = o_a.weight.view(geo.groups, -1, w_oa.shape[-1])  # [G, o_lora, i]
         stored = None  # whether dkeys is in the attention kernel's column order: the same answer for every block
         for lo in range(0, total, geo.block_rows):
             hi = min(lo + geo.block_rows, total)
             ids = ids_fn(lo, hi)
             c, s = cos[lo:hi], sin[lo:hi]
-            # The three projections by hand around autograd for the elementwise parts: each weight gradient goes
-            # into its fp32 sum in one GEMM per block (no bf16 block gradient rounded, copied and added), and
-            # o_b_proj's input is all its backward needs, so the block's output is not recomputed.
+            # The three projections by hand around autograd for the elementwise parts: each gradient goes into its
+            # fp32 sum in one GEMM per block (no bf16 block gradient rounded, copied and added), and o_b_proj's
+            # input is all its backward needs, so the block's output is not recomputed.
             qr_b = qr[lo:hi].detach()
-            qp = F.linear(qr_b, w_q)
+            qp = _product(qr_b, q_b, wq)
             with torch.enable_grad():
                 qp.requires_grad_()
                 q = _norm_rope_heads(qp, c, s, geo.heads, geo.eps, geo.backend)
             q_d = q.detach().contiguous()
             o, lse = _attn_forward(q_d, keys, ids, sinks, geo)
-            dy_b = dy[lo:hi]
             u = _unrope_groups(o, c, s, geo.groups, geo.backend)  # [R, G, i]; o stays for the backward
-            z = grouped_linear(u, w_oa, geo.groups)  # [R, G o_lora] (no autograd here)
-            u_g = u.transpose(0, 1)  # [G, R, i], a view: the GEMMs take the strides as they are
-            _add_product(dw[2], dy_b.t(), z)
+            # u a^T [R, G, r] once: the recomputed z and the term's B gradient both take it
+            ua = None if o_a.term is None else F.linear(u, o_a.term.a)
+            z = grouped_linear(u, o_a.weight, geo.groups)  # [R, G o_lora] (no autograd here)
+            if ua is not None:
+                _add_grouped_term(z, ua, o_a.term, geo.groups)
+            dz = _linear_backward(dy[lo:hi], z, o_b, sums[2], sums[7:9])  # [R, G o_lora]
             del z
-            dz = (dy_b @ w_ob).unflatten(1, (geo.groups, -1)).transpose(0, 1)  # [G, R, o_lora]
-            _add_product(dw[1].view_as(w_g), dz.transpose(1, 2), u_g)
-            du = torch.empty_like(u)  # [R, G, i], written group by group through its [G, R, i] view
-            torch.bmm(dz, w_g, out=du.transpose(0, 1))
-            del u, u_g, dz
+            du = _grouped_backward(dz.unflatten(1, (geo.groups, -1)).transpose(0, 1), u, ua, w_g, o_a.term,
+                                   sums[1], sums[5:7])
+            del u, ua, dz
             do = _unrope_grad(du, c, s, geo.heads, geo.backend)
             del du
             if stored is None:
@@ -249,8 +264,7 @@ class _AttentionCore(torch.autograd.Function):
             dq, dsink = _attn_backward(q_d, keys, ids, sinks, o, lse, do, dkeys, stored, geo)
             del do, o
             (dqp,) = torch.autograd.grad(q, qp, dq)
-            dqr[lo:hi] = dqp @ w_q
-            _add_product(dw[0], dqp.t(), qr_b)
+            dqr[lo:hi] = _linear_backward(dqp, qr_b, q_b, sums[0], sums[3:5], wq)
             dsinks += dsink
         if stored:
             from ..ops.sparse_attn.triton import dkv_columns
@@ -259,9 +273,91 @@ class _AttentionCore(torch.autograd.Function):
             dkv_columns(dkeys, dkeys_out, accumulate=False)
         else:
             dkeys_out = dkeys.to(keys.dtype)
-        grads = (dqr, None, None, dkeys_out, dsinks.to(sinks.dtype),
-                 *(g.to(w.dtype) for g, w in zip(dw, (w_q, w_oa, w_ob))))
-        return (None, None, None, *grads)
+        scales = [1.0, 1.0, 1.0, *(sc for sc in ctx.scales for _ in range(2))]  # a term's factors: times its scale
+        grads = [None if g is None else (g * sc).to(t.dtype)
+                 for g, t, sc in zip(sums, (w_q, w_oa, w_ob, *terms), scales)]
+        return (None, None, None, None, dqr, None, None, dkeys_out, dsinks.to(sinks.dtype), *grads)
+
+
+def _projections(weights: tuple[Tensor, Tensor, Tensor], terms, scales) -> tuple[Projection, ...]:
+    """``q_b``, ``o_a``, ``o_b`` from the weights, the terms' flat factors ``(a, b) x 3`` (None: no term) and their
+    scales."""
+    out = []
+    for i, w in enumerate(weights):
+        a, b = terms[2 * i], terms[2 * i + 1]
+        out.append(Projection(w, None if a is None else LowRankTerm(a, b, scales[i])))
+    return tuple(out)
+
+
+def _augmented(p: Projection) -> Tensor | None:
+    """``[W | b]`` (``[out, in + r]``) for :func:`_product`, or None without a term. Made once a forward (and once
+    a backward): a copy of ``W``, against a pass over every block's output."""
+    return None if p.term is None else torch.cat([p.weight, p.term.b.to(p.weight.dtype)], 1)
+
+
+def _product(x: Tensor, p: Projection, w_aug: Tensor | None) -> Tensor:
+    """``x W^T + scale (x a^T) b^T`` without autograd, one GEMM of depth ``in + r`` over ``[x | scale x a^T]`` and
+    ``w_aug`` = ``[W | b]`` (:func:`_augmented`): the term is not added by another pass over the output, which is
+    wide here (``q_b_proj``: ``H d`` = 32768 columns at V4's widths, 32 times its input)."""
+    if w_aug is None:
+        return F.linear(x, p.weight)
+    a, _, scale = p.term
+    return F.linear(torch.cat([x, F.linear(x, a) * scale], -1), w_aug)
+
+
+def _add_grouped_term(z: Tensor, ua: Tensor, term: LowRankTerm, groups: int) -> None:
+    """``z_g += scale ua_g b_g^T`` in place (``z [R, G o]``, ``ua [R, G, r]``), each group's product added by its
+    GEMM (beta 1)."""
+    b_t = term.b.view(groups, -1, term.b.shape[-1]).transpose(1, 2)  # [G, r, o]
+    z.view(z.shape[0], groups, -1).transpose(0, 1).baddbmm_(ua.transpose(0, 1), b_t, alpha=term.scale)
+
+
+def _linear_backward(dy: Tensor, x: Tensor, p: Projection, dw: Tensor | None, dab: list,
+                     w_aug: Tensor | None = None) -> Tensor:
+    """``dx`` of ``y = x W^T + scale (x a^T) b^T`` (``x [R, in]``, ``dy [R, out]``); adds ``dy^T x`` into ``dw`` and
+    ``(dy b)^T x``, ``dy^T (x a^T)`` into ``dab = [da, db]`` (fp32 sums, the scale applied once at the end; None:
+    not asked for). With ``w_aug`` (:func:`_augmented`) ``dy W`` and ``dy b`` come from one pass over ``dy``."""
+    if w_aug is None:
+        dx = dy @ p.weight
+    else:
+        both = dy @ w_aug  # [R, in + r]
+        dx, dyb = both[:, :x.shape[1]], both[:, x.shape[1]:]
+    if dw is not None:
+        _add_product(dw, dy.t(), x)
+    if p.term is not None:
+        a, b, scale = p.term
+        if w_aug is None:
+            dyb = dy @ b  # [R, r]
+        if dab[0] is not None:
+            _add_product(dab[0], dyb.t(), x)
+        if dab[1] is not None:
+            _add_product(dab[1], dy.t(), F.linear(x, a))
+        dx = dx.addmm(dyb, a, alpha=scale) if w_aug is not None else dx.addmm_(dyb, a, alpha=scale)
+    return dx
+
+
+def _grouped_backward(dz: Tensor, u: Tensor, ua: Tensor | None, w_g: Tensor, term: LowRankTerm | None,
+                      dw: Tensor | None, dab: list) -> Tensor:
+    """``du [R, G, i]`` of the grouped ``z_g = u_g W_g^T + scale (u_g a^T) b_g^T`` from ``dz [G, R, o]`` (a view);
+    ``u [R, G, i]``, ``ua = u a^T [R, G, r]`` (with a term), ``w_g [G, o, i]``; sums as :func:`_linear_backward`
+    (``dw`` ``[G o, i]``)."""
+    groups, rows = w_g.shape[0], u.shape[0]
+    u_g = u.transpose(0, 1)  # [G, R, i], a view: the GEMMs take the strides as they are
+    if dw is not None:
+        _add_product(dw.view_as(w_g), dz.transpose(1, 2), u_g)
+    du = torch.empty_like(u)  # [R, G, i], written group by group through its [G, R, i] view
+    torch.bmm(dz, w_g, out=du.transpose(0, 1))
+    if term is not None:
+        a, b, scale = term
+        b_g = b.view(groups, -1, b.shape[-1])  # [G, o, r]
+        dzb = torch.bmm(dz, b_g).transpose(0, 1).reshape(rows * groups, -1)  # [R G, r], u's row order
+        flat = u.view(rows * groups, -1)
+        if dab[0] is not None:
+            _add_product(dab[0], dzb.t(), flat)
+        if dab[1] is not None:
+            _add_product(dab[1].view_as(b_g), dz.transpose(1, 2), ua.transpose(0, 1))
+        du.view(rows * groups, -1).addmm_(dzb, a, alpha=scale)
+    return du
 
 
 def attention_core(
@@ -270,9 +366,9 @@ def attention_core(
     sin: Tensor,
     keys: Tensor,
     sinks: Tensor,
-    w_q: Tensor,
-    w_oa: Tensor,
-    w_ob: Tensor,
+    q_b: Projection,
+    o_a: Projection,
+    o_b: Projection,
     ids_fn: BlockIds,
     geo: CoreGeometry,
     on_block: BlockHook | None = None,
@@ -282,21 +378,25 @@ def attention_core(
     Args:
         qr: ``[T, q_lora]`` normalized query latent. cos, sin: ``[T, rope/2]`` RoPE tables of the rows.
         keys: ``[N, d]`` the shared K = V rows (raw window rows, then compressed entries).
-        sinks: ``[H]`` attention sink logits. w_q: ``q_b_proj.weight [H d, q_lora]``; w_oa: ``o_a_proj.weight
-            [G o_lora, H d / G]`` (block-diagonal, one block per group); w_ob: ``o_b_proj.weight [D, G o_lora]``.
+        sinks: ``[H]`` attention sink logits.
+        q_b, o_a, o_b: the projections (:class:`~csattn.layers.modules.Projection`: weight and optional low-rank
+            term): ``q_b_proj [H d, q_lora]``; ``o_a_proj [G o_lora, H d / G]`` (block-diagonal, one block per
+            group; its term's ``a`` shared by the groups); ``o_b_proj [D, G o_lora]``.
         ids_fn: a :class:`BlockIds`; ``ids_fn(lo, hi)`` gives rows ``lo..hi``'s ``[hi - lo, K]`` key ids (-1 =
             none); called once per block in the forward and again in the backward, its tensors saved for it.
         geo: heads, groups, eps, scale, rows per block, backend and the fused attention's launch settings.
         on_block: optional forward hook ``(lo, hi, q, lse)`` per block (no autograd).
 
     Returns:
-        ``[T, D]``. Gradients flow to ``qr``, ``keys``, ``sinks`` and the three weights.
+        ``[T, D]``. Gradients flow to ``qr``, ``keys``, ``sinks``, the weights that require them and the terms'
+        factors (the terms run factored: a frozen weight gets no gradient GEMM).
     """
     keys = keys.contiguous()
-    if not torch.is_grad_enabled() or not any(
-        t.requires_grad for t in (qr, keys, sinks, w_q, w_oa, w_ob)
-    ):
+    projections = (q_b, o_a, o_b)
+    terms = tuple(t for p in projections for t in (p.term[:2] if p.term else (None, None)))
+    scales = tuple(p.term.scale if p.term else 0.0 for p in projections)
+    args = (qr, cos, sin, keys, sinks, q_b.weight, o_a.weight, o_b.weight, *terms)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in args):
         with torch.no_grad():
-            return _AttentionCore.forward(NoCtx(), geo, ids_fn, on_block, qr, cos, sin, keys, sinks, w_q, w_oa,
-                                          w_ob)
-    return _AttentionCore.apply(geo, ids_fn, on_block, qr, cos, sin, keys, sinks, w_q, w_oa, w_ob)
+            return _AttentionCore.forward(NoCtx(), geo, ids_fn, on_block, scales, *args)
+    return _AttentionCore.apply(geo, ids_fn, on_block, scales, *args)

@@ -20,7 +20,7 @@ from ..packing import CompressMeta
 
 __all__ = [
     "RowPieces", "map_rows", "RMSNorm", "rms_norm_unweighted", "GroupedLinear", "grouped_linear", "Compressor",
-    "Indexer", "IndexerScorer", "indexer_queries",
+    "Indexer", "IndexerScorer", "indexer_queries", "LowRankTerm", "Projection", "linear",
 ]
 
 
@@ -64,6 +64,54 @@ def rms_norm_unweighted(x: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.to(compute).pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
+class LowRankTerm(NamedTuple):
+    """A low-rank term beside a weight ``W [out, in]``: ``x W^T + scale (x a^T) b^T`` (LoRA's pair: ``a [r, in]``,
+    ``b [out, r]``). For a grouped weight ``[g out_g, in]`` (:func:`grouped_linear`) ``a`` is shared by the groups
+    and ``b``'s rows follow ``W``'s (PEFT's pair on the 2-D weight)."""
+
+    a: Tensor
+    b: Tensor
+    scale: float
+
+
+class Projection(NamedTuple):
+    """What a layer multiplies by where it reads a projection's weight instead of calling the module: the weight and
+    an optional :class:`LowRankTerm`, which runs factored (a frozen ``W`` gets no gradient GEMM of its size; the
+    term's own are rank-``r`` products)."""
+
+    weight: Tensor
+    term: LowRankTerm | None = None
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """``(W,)`` or ``(W, a, b)``: the tensors a recomputing op carries (see :meth:`of`)."""
+        return (self.weight,) if self.term is None else (self.weight, self.term.a, self.term.b)
+
+    @staticmethod
+    def of(tensors: tuple[Tensor, ...], scale: float) -> Projection:
+        """The projection of :meth:`tensors`' output and the term's ``scale``."""
+        w, *ab = tensors
+        return Projection(w, LowRankTerm(ab[0], ab[1], scale) if ab else None)
+
+    def merged(self) -> Tensor:
+        """``W + scale b a`` in ``W``'s dtype, for the paths that carry one weight tensor (its gradient reaches
+        ``a`` and ``b`` through a GEMM of ``W``'s size)."""
+        if self.term is None:
+            return self.weight
+        a, b, scale = self.term
+        return torch.addmm(self.weight, b.to(self.weight.dtype), a.to(self.weight.dtype), alpha=scale)
+
+
+def linear(x: Tensor, p: Projection) -> Tensor:
+    """``x [..., in]`` -> ``[..., out]``: ``x W^T`` plus the term, which the GEMM adds (beta 1: no product, scaling
+    and sum passes over the output)."""
+    y = nn.functional.linear(x, p.weight)
+    if p.term is None:
+        return y
+    a, b, scale = p.term
+    xa = nn.functional.linear(x, a)
+    return torch.addmm(y.reshape(-1, y.shape[-1]), xa.reshape(-1, xa.shape[-1]), b.t(), alpha=scale).view(y.shape)
+
+
 class GroupedLinear(nn.Module):
     """Block-diagonal projection: ``g`` groups, each ``[out/g, in_per_group]`` (weight ``[out, in_per_group]``)."""
 
@@ -80,16 +128,28 @@ class GroupedLinear(nn.Module):
         return grouped_linear(x, self.weight, self.groups)
 
 
-def grouped_linear(x: Tensor, weight: Tensor, groups: int) -> Tensor:
-    """Block-diagonal projection of ``x [T, g, in]`` by ``weight [g * out, in]`` -> ``[T, g * out]``."""
+def grouped_linear(x: Tensor, weight: Tensor, groups: int, term: LowRankTerm | None = None) -> Tensor:
+    """Block-diagonal projection of ``x [T, g, in]`` by ``weight [g * out, in]`` -> ``[T, g * out]``, plus the
+    low-rank ``term`` (``a [r, in]`` shared by the groups, ``b [g * out, r]``)."""
     w = weight.view(groups, -1, weight.shape[-1])  # [g, out, in]
     # one batched GEMM over the groups on x's own strides (an einsum would first copy x group-major); without
     # autograd it writes the token-major output in place (no copy of the group-major product either)
     xt, wt = x.transpose(0, 1), w.transpose(1, 2)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return torch.bmm(xt, wt).transpose(0, 1).flatten(1)
-    out = x.new_empty(x.shape[0], groups, w.shape[1])
-    torch.bmm(xt, wt, out=out.transpose(0, 1))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *(term[:2] if term else ())))
+    if grad:
+        out = torch.bmm(xt, wt).transpose(0, 1)
+    else:
+        out = x.new_empty(x.shape[0], groups, w.shape[1])
+        torch.bmm(xt, wt, out=out.transpose(0, 1))
+    if term is not None:
+        a, b, scale = term
+        xa = nn.functional.linear(x, a).transpose(0, 1)  # [g, T, r]
+        # the group-major view of the output takes each group's product in the GEMM (beta 1)
+        bt = b.view(groups, -1, b.shape[-1]).transpose(1, 2)  # [g, r, out]
+        if grad:
+            out = torch.baddbmm(out.transpose(0, 1), xa, bt, alpha=scale).transpose(0, 1)
+        else:
+            out.transpose(0, 1).baddbmm_(xa, bt, alpha=scale)
     return out.flatten(1)
 
 
@@ -166,8 +226,8 @@ class Indexer(Compressor):
         With ``chunk_rows`` the rows are computed ``chunk_rows`` at a time into the output and recomputed that
         way in the backward (``row_chunked``): the projection's output and the fp32 RoPE temporaries, about
         4.5x the size of the queries when made for all rows at once (9 GiB at 128k tokens for HI = 64,
-        cI = 128), never exceed one chunk. ``weight`` replaces ``q_b_proj.weight`` (the layer passes its effective
-        weight, see ``HybridAttention.projection_weight``).
+        cI = 128), never exceed one chunk. ``weight`` replaces ``q_b_proj.weight`` (the layer passes its weight with
+        any low-rank term merged, see ``HybridAttention.projection``).
         """
         fn = self._query_fn(backend)
         weight = self.q_b_proj.weight if weight is None else weight

@@ -8,8 +8,6 @@ the two differ; everything else (the block-recomputed core, RoPE, norms) is shar
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -20,12 +18,10 @@ from ..ops.indexer import IndexerConfig, indexer_topk
 from ..ops.indexer.custom_ops import indexer_topk_capture_safe_op
 from ..ops.indexer_loss import IndexerLossConfig, indexer_kl_loss
 from ..ops.indexer_loss.custom_ops import indexer_kl_loss_op
-from ..ops.recompute import row_chunked
 from ..ops.sparse_attn import SparseAttnConfig, sparse_attn
 from ..ops.sparse_attn.custom_ops import sparse_attn_op
-from .core import output_projection, query_heads
-from .modules import Compressor, RowPieces, map_rows
-from .projections import output_proj_op, query_heads_op
+from .modules import Compressor, Projection, RowPieces, map_rows
+from .projections import output_chunked, output_proj_op, query_heads_chunked, query_heads_op
 
 __all__ = ["OpSet", "EagerOps", "CaptureSafeOps", "EAGER", "CAPTURE_SAFE"]
 
@@ -55,15 +51,15 @@ class EagerOps:
                                selected=selected, vis_start=loss.vis_start, vis_end=loss.vis_end,
                                workspace_bytes=workspace_bytes, backend=backend, config=config)
 
-    def query_heads(self, qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float,
+    def query_heads(self, qr: Tensor, cos: Tensor, sin: Tensor, q_b: Projection, heads: int, eps: float,
                     chunk_rows: int) -> Tensor:
         """``q [T, H, d]`` recomputed block by block in the backward."""
-        return row_chunked(partial(query_heads, heads=heads, eps=eps), (qr, cos, sin), (weight,), chunk_rows)
+        return query_heads_chunked(qr, cos, sin, q_b, heads, eps, chunk_rows)
 
-    def output(self, o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int,
+    def output(self, o: Tensor, cos: Tensor, sin: Tensor, o_a: Projection, o_b: Projection, groups: int,
                chunk_rows: int) -> Tensor:
         """The output projection of ``o [T, H, d]``, recomputed block by block in the backward."""
-        return row_chunked(partial(output_projection, groups=groups), (o, cos, sin), (w_a, w_b), chunk_rows)
+        return output_chunked(o, cos, sin, o_a, o_b, groups, chunk_rows)
 
     def unblocked(self, layer_type: str, loss_type: str, want_loss: bool) -> bool:
         """Whether the heads run unblocked (all queries at once) although projections are recomputed: the
@@ -104,13 +100,14 @@ class CaptureSafeOps(EagerOps):
                                   loss.row_weight(lse.dtype), selected, loss.vis_start, loss.vis_end, loss.width,
                                   workspace_bytes, backend, config.spec() if config else "")
 
-    def query_heads(self, qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int, eps: float,
+    # the custom ops carry one weight a projection: a low-rank term comes in merged (Projection.merged)
+    def query_heads(self, qr: Tensor, cos: Tensor, sin: Tensor, q_b: Projection, heads: int, eps: float,
                     chunk_rows: int) -> Tensor:
-        return query_heads_op(qr, cos, sin, weight, heads, eps, chunk_rows)
+        return query_heads_op(qr, cos, sin, q_b.merged(), heads, eps, chunk_rows)
 
-    def output(self, o: Tensor, cos: Tensor, sin: Tensor, w_a: Tensor, w_b: Tensor, groups: int,
+    def output(self, o: Tensor, cos: Tensor, sin: Tensor, o_a: Projection, o_b: Projection, groups: int,
                chunk_rows: int) -> Tensor:
-        return output_proj_op(o, cos, sin, w_a, w_b, groups, chunk_rows)
+        return output_proj_op(o, cos, sin, o_a.merged(), o_b.merged(), groups, chunk_rows)
 
     def unblocked(self, layer_type: str, loss_type: str, want_loss: bool) -> bool:
         """Also under ``torch.compile``: the block-recomputed core calls ``torch.autograd.grad``, which the compiler

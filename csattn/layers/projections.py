@@ -16,16 +16,48 @@ from torch import Tensor
 from ..ops.autograd import autograd_vjp, named_grads
 from ..ops.recompute import row_chunked
 from .core import output_projection, query_heads
+from .modules import Projection
 
-__all__ = ["query_heads_op", "output_proj_op"]
+__all__ = ["query_heads_chunked", "output_chunked", "query_heads_op", "output_proj_op"]
 
+
+def query_heads_chunked(qr: Tensor, cos: Tensor, sin: Tensor, q_b: Projection, heads: int, eps: float,
+                        chunk_rows: int) -> Tensor:
+    """:func:`~csattn.layers.core.query_heads` row-chunked (recomputed block by block in the backward), its
+    low-rank term factored: gradients reach the weight only if it requires them."""
+    fn = partial(_query_rows, heads=heads, eps=eps, scale=_scale(q_b))
+    return row_chunked(fn, (qr, cos, sin), q_b.tensors(), chunk_rows)
+
+
+def output_chunked(o: Tensor, cos: Tensor, sin: Tensor, o_a: Projection, o_b: Projection, groups: int,
+                   chunk_rows: int) -> Tensor:
+    """:func:`~csattn.layers.core.output_projection` row-chunked, as :func:`query_heads_chunked`."""
+    fn = partial(_output_rows, groups=groups, split=len(o_a.tensors()), scales=(_scale(o_a), _scale(o_b)))
+    return row_chunked(fn, (o, cos, sin), (*o_a.tensors(), *o_b.tensors()), chunk_rows)
+
+
+def _scale(p: Projection) -> float:
+    return p.term.scale if p.term is not None else 0.0
+
+
+def _query_rows(qr, cos, sin, *tensors, heads: int, eps: float, scale: float) -> Tensor:
+    return query_heads(qr, cos, sin, Projection.of(tensors, scale), heads, eps)
+
+
+def _output_rows(o, cos, sin, *tensors, groups: int, split: int, scales: tuple[float, float]) -> Tensor:
+    o_a, o_b = Projection.of(tensors[:split], scales[0]), Projection.of(tensors[split:], scales[1])
+    return output_projection(o, cos, sin, o_a, o_b, groups)
+
+
+# The custom ops (the capture-safe path) carry one weight a projection: a low-rank term comes in merged
+# (Projection.merged), its gradient through a GEMM of the weight's size
 
 def _query(qr, cos, sin, weight, heads: int, eps: float, chunk_rows: int) -> Tensor:
-    return row_chunked(partial(query_heads, heads=heads, eps=eps), (qr, cos, sin), (weight,), chunk_rows)
+    return query_heads_chunked(qr, cos, sin, Projection(weight), heads, eps, chunk_rows)
 
 
 def _output(o, cos, sin, w_a, w_b, groups: int, chunk_rows: int) -> Tensor:
-    return row_chunked(partial(output_projection, groups=groups), (o, cos, sin), (w_a, w_b), chunk_rows)
+    return output_chunked(o, cos, sin, Projection(w_a), Projection(w_b), groups, chunk_rows)
 
 
 @torch.library.custom_op("csattn::query_heads", mutates_args=())

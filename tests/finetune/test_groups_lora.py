@@ -85,6 +85,44 @@ def test_lora_equals_merged_weights(assert_close):
     assert_close(logits, want_logits, 1e-12, "logits")
 
 
+def test_factor_gradients_equal_the_merged_weights_gradients(assert_close):
+    """Every adapted module runs its term factored (the attention core by hand, the shared expert through the
+    grouped GEMMs, the indexer merged): the loss and each factor's gradient equal those that the merged model's
+    weight gradient ``dW`` gives, ``dA = scale B^T dW``, ``dB = scale dW A^T`` (fp64, per expert for the experts),
+    and no frozen base weight gets a gradient."""
+    model = _lora_model()
+    merged = tiny_model("mixed", mtp=1).double()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for _, m in lora_modules(model):
+            for p in (m.factors()[1::2] if isinstance(m, LoraExperts) else [m.lora_B]):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+        own = dict(merged.named_parameters())
+        for name, m in lora_modules(model):
+            for pname, d in lora_delta(m).items():
+                own[f"{name}.{pname}"].add_(d)
+    for p in merged.parameters():
+        p.requires_grad_(p.is_floating_point())
+    ids = torch.randint(0, 64, (48,), generator=g)
+    loss, _ = _loss(model, ids, [30, 18])
+    want, _ = _loss(merged, ids, [30, 18])
+    assert_close(loss, want, 1e-12, "loss")
+    loss.backward()
+    want.backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if ".lora_" not in n and not p.requires_grad)
+    for name, m in lora_modules(model):
+        if isinstance(m, LoraExperts):
+            pairs = [("gate_up_proj", m.lora_A_gate_up, m.lora_B_gate_up), ("down_proj", m.lora_A_down, m.lora_B_down)]
+        else:
+            pairs = [("weight", m.lora_A, m.lora_B)]
+        for pname, a, b in pairs:
+            dw = own[f"{name}.{pname}"].grad
+            assert dw is not None, name
+            s = m.lora_scale
+            assert_close(a.grad, s * b.detach().transpose(-2, -1) @ dw, 1e-10, f"{name} A")
+            assert_close(b.grad, s * dw @ a.detach().transpose(-2, -1), 1e-10, f"{name} B")
+
+
 def test_lora_a_init_is_peft_kaiming():
     model = _lora_model(rank=8)
     for _, m in lora_modules(model):

@@ -228,7 +228,7 @@ def test_to_dtype_keeps_the_codes_and_the_model_computes_in_it(expert_dtype, ass
     for name, t in [*before.items(), *scales.items()]:
         assert now[name].dtype == t.dtype and torch.equal(now[name].view(torch.uint8), t.view(torch.uint8)), name
     attn = held.model.layers[2].self_attn
-    assert attn.compute_dtype() == torch.bfloat16 and attn.projection_weight("q_b_proj").dtype == torch.bfloat16
+    assert attn.compute_dtype() == torch.bfloat16 and attn.projection("q_b_proj").weight.dtype == torch.bfloat16
     ids = ps.docs([30], _config()["vocab_size"], seed=4)[0][None]
     with torch.no_grad():
         got = held(input_ids=ids).logits

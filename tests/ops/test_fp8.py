@@ -332,3 +332,32 @@ def test_moe_lora_on_fp8_experts_vs_dequantized_fp64(backend, assert_close):
         assert_close(a, c, 1e-12, f"fp64 {name}")
     for name, b, c in zip(names, run(torch.float32, fp8=True), exact):
         assert_close(b, c, 1e-5, f"fp32 {name}")
+
+
+@pytest.mark.parametrize("e,n,k,counts,tail", GROUPED_CASES)
+@pytest.mark.parametrize("rank", [4, 16, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_low_rank_add_kernel_vs_fp64(e, n, k, counts, tail, rank, dtype):
+    """The low-rank term added in place by the Triton kernel (what a grouped GEMM without it gets on the GPU)
+    against fp64: the product and the sum in fp32, one rounding to ``dtype``; rows past ``offs[-1]`` (poisoned
+    with NaN in ``v``) keep their values, every other row its term."""
+    from csattn.ops.fp8.triton import low_rank_add_triton
+
+    g = torch.Generator().manual_seed(e + n + rank)
+    offs = _offsets(counts)
+    m = sum(counts) + tail
+    out0 = torch.randn(m, n, generator=g, dtype=torch.float64)
+    v = torch.randn(m, rank, generator=g, dtype=torch.float64)
+    w = torch.randn(e, n, rank, generator=g, dtype=torch.float64)
+    if tail:
+        v[-tail:] = float("nan")
+    out = out0.to(dtype)
+    low_rank_add_triton(out, v.to(dtype), w.to(dtype), 0.75, offs)
+    want = out0.to(dtype).double()
+    lo = 0
+    for i, c in enumerate(counts):
+        want[lo:lo + c] += 0.75 * v[lo:lo + c].to(dtype).double() @ w[i].to(dtype).double().T
+        lo += c
+    assert torch.equal(out[sum(counts):], out0[sum(counts):].to(dtype))
+    unit = torch.finfo(dtype).eps  # one rounding of the fp32 sum (fp32: its summation order)
+    assert ((out.double() - want).abs() <= 4 * unit * (want.abs() + rank)).all()

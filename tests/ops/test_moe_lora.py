@@ -55,12 +55,13 @@ def test_reference_equals_merged_weights_fp64(e, k, t, assert_close):
 
 
 @pytest.mark.parametrize("e,k,t,r", [(8, 2, 40, 4), (64, 6, 24, 8), (4, 1, 9, 4)])
-def test_grouped_matches_fp64_reference(e, k, t, r, assert_close):
+@pytest.mark.parametrize("backend", ["grouped", "triton"])  # triton: LoRA's rank-r kernels (lora_triton.py) too
+def test_grouped_matches_fp64_reference(e, k, t, r, backend, assert_close):
     leaves, ids, dout = _problem(t, e, k)
     factors = _factors(e, 16, 8, r)
     exact = _run(leaves, factors, ids, dout, torch.float64, "reference")
     plain = _run(leaves, factors, ids, dout, torch.float32, "reference")
-    got = _run(leaves, factors, ids, dout, torch.float32, "grouped")
+    got = _run(leaves, factors, ids, dout, torch.float32, backend)
     for g, p, x, name in zip(got, plain, exact, NAMES):
         assert g.dtype == torch.float32 and g.shape == x.shape, name
         assert_close(g, x, max(3 * rel_err(p, x), 1e-6), name)
@@ -71,7 +72,7 @@ def test_grouped_matches_fp64_reference(e, k, t, r, assert_close):
         assert (grad[used].flatten(1).abs().amax(1) > 0).all()
 
 
-@pytest.mark.parametrize("backend", ["reference", "grouped"])
+@pytest.mark.parametrize("backend", ["reference", "grouped", "triton"])
 def test_frozen_base(backend, assert_close):
     """The base weights without gradients (frozen, as in LoRA fine-tuning): the factors' gradients unchanged."""
     leaves, ids, dout = _problem(20, 8, 2)

@@ -41,8 +41,9 @@ def _meta_model(c: DeepseekV4ModelConfig):
 
 def _lora_io(module) -> int:
     """``in + out`` summed over the module's adapted maps, read from the real module: a Linear (or the router)
-    ``[out, in]``; the block-diagonal o_a_proj one pair per group; the embedding ``[V, D]``; routed experts one
-    pair per expert and matrix (``gate_up_proj [E, 2I, D]``, ``down_proj [E, D, I]``)."""
+    ``[out, in]``; the block-diagonal o_a_proj one pair on its 2-D weight ``[g o_lora, H d / g]`` (as csattn's LoRA
+    and PEFT's ``ParamWrapper`` make it); the embedding ``[V, D]``; routed experts one pair per expert and matrix
+    (``gate_up_proj [E, 2I, D]``, ``down_proj [E, D, I]``)."""
     from torch import nn
 
     from csattn.layers.modules import GroupedLinear
@@ -51,8 +52,7 @@ def _lora_io(module) -> int:
     if isinstance(module, (nn.Linear, nn.Embedding)) or name == "Router":
         return sum(module.weight.shape)
     if isinstance(module, GroupedLinear):
-        out, per_group = module.weight.shape
-        return module.groups * (out // module.groups + per_group)
+        return sum(module.weight.shape)
     if name == "Experts":
         return sum(p.shape[0] * (p.shape[1] + p.shape[2]) for p in (module.gate_up_proj, module.down_proj))
     return 0
@@ -84,6 +84,11 @@ def test_group_counts_match_the_model_on_meta(overrides):
     p = plan(c, ParallelDims(world=1), 4096, training=t)
     assert p.params_lora == 8 * sum(lora[g] for g in ("attention", "indexer", "shared_experts", "experts"))
     assert p.params_trained == params["router"] + params["mhc"] + p.params_lora
+    # and what csattn's LoRA puts on the model
+    from csattn.finetune import LoraSpec, add_lora
+
+    add_lora(model, LoraSpec(8, 16.0, 0.0, ("attention", "indexer", "shared_experts", "experts")))
+    assert sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n) == p.params_lora
 
 
 def test_group_macs_match_model_flops():

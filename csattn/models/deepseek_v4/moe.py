@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from csattn.layers.modules import Projection
 from csattn.ops.autograd import with_zero_grads
 from csattn.ops.backend import BackendChoice
-from csattn.ops.moe import clamped_swiglu, expert_load, moe_experts, route_plan
+from csattn.ops.moe import ExpertLora, clamped_swiglu, expert_load, moe_experts, route_plan
 
 from .expert_parallel import ExpertParallel, all_to_all_rows, exchange_counts
 
@@ -163,21 +164,41 @@ class SharedExpert(nn.Module):
         for lin in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(lin.weight, std=0.02)
 
-    def projection_weight(self, name: str) -> Tensor:
-        """The weight the expert multiplies by for ``name`` (``gate_proj``, ``up_proj``, ``down_proj``), which it reads
-        instead of calling the linear; a subclass may return an effective weight (e.g. with LoRA's delta added)."""
-        return self.get_submodule(name).weight
+    def projection(self, name: str) -> Projection:
+        """What the expert multiplies by for ``name`` (``gate_proj``, ``up_proj``, ``down_proj``), which it reads
+        instead of calling the linear: the weight; a subclass may add a low-rank term (LoRA's pair, run factored
+        through the grouped GEMMs) or return an effective weight."""
+        return Projection(self.get_submodule(name).weight)
 
     def forward(self, x: Tensor) -> Tensor:
         """``x [T, D]`` -> ``[T, D]``."""
+        gate, up, down = (self.projection(n) for n in ("gate_proj", "up_proj", "down_proj"))
         # [1, 2I, D] gate rows first and [1, D, I]: the routed experts' layout (a copy of the small weights per
         # call; the parameters keep HF's names and shapes)
-        gate_up = torch.cat([self.projection_weight("gate_proj"), self.projection_weight("up_proj")]).unsqueeze(0)
-        down = self.projection_weight("down_proj").unsqueeze(0)
+        gate_up = torch.cat([gate.weight, up.weight]).unsqueeze(0)
         rows = x.shape[0]
         one = torch.zeros(rows, 1, dtype=torch.long, device=x.device)
         weight = torch.ones(rows, 1, dtype=x.dtype, device=x.device)
-        return moe_experts(x, one, weight, gate_up, down, self.limit, self.backend)
+        return moe_experts(x, one, weight, gate_up, down.weight.unsqueeze(0), self.limit, self.backend,
+                           gate_up_lora=_stacked_term((gate, up)),
+                           down_lora=_stacked_term((down,)))
+
+
+def _stacked_term(parts: tuple[Projection, ...]) -> ExpertLora | None:
+    """The low-rank terms of weights stacked by rows (``gate_proj`` over ``up_proj``) as one expert's pair: ``a``
+    the terms' ``a`` stacked ``[r_1 + r_2, in]``, ``b`` block-diagonal ``[out_1 + out_2, r_1 + r_2]`` (the scales
+    folded into ``b`` where they differ); None without any term."""
+    terms = [p.term for p in parts]
+    if all(t is None for t in terms):
+        return None
+    present = [t for t in terms if t is not None]
+    scales = {t.scale for t in present}
+    fold = len(scales) > 1
+    ref = present[0].b
+    b = torch.block_diag(*[ref.new_zeros((p.weight.shape[0], 0)) if t is None else (t.b * t.scale if fold else t.b)
+                           for p, t in zip(parts, terms)])
+    a = torch.cat([t.a for t in present])
+    return ExpertLora(a.unsqueeze(0), b.unsqueeze(0), 1.0 if fold else present[0].scale)
 
 
 class MoE(nn.Module):

@@ -182,9 +182,14 @@ def _padded(lr: LowRank, rank: int) -> LowRank:
 
 def add_low_rank(out: Tensor, lr: LowRank | None, offs: Tensor) -> Tensor:
     """``out [M, n_out]`` plus the low-rank term ``lr``, in place (``out`` is a GEMM's own fresh output), rows past
-    ``offs[-1]`` left as they are: ``grouped_mm`` where it takes the operands, else a loop of matmuls."""
+    ``offs[-1]`` left as they are: on CUDA one Triton pass over ``out`` (:func:`.triton.low_rank_add_triton`), else
+    ``grouped_mm`` where it takes the operands, else a loop of matmuls."""
     if lr is None:
         return out
+    if out.is_cuda and out.dtype in KERNEL_DTYPES and out.stride(-1) == 1 and lr.v.dtype == out.dtype:
+        from .triton import low_rank_add_triton  # lazy: Triton optional
+
+        return low_rank_add_triton(out, lr.v, lr.w, lr.scale, offs)
     if _grouped_mm is None or lr.v.dtype not in (torch.float32, torch.bfloat16) \
             or (lr.v.shape[1] * lr.v.element_size()) % 16:  # grouped_mm's dtypes and 16-byte rows
         return out.add_(low_rank_ref(lr.v, lr.w, offs), alpha=lr.scale)

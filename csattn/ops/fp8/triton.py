@@ -24,7 +24,7 @@ from torch import Tensor
 from ..backend import interpreting
 from .naive import BLOCK, FP8_DTYPE, FP8_MAX
 
-__all__ = ["quantize_1x128_triton", "grouped_mm_triton"]
+__all__ = ["quantize_1x128_triton", "grouped_mm_triton", "low_rank_add_triton"]
 
 
 @triton.jit
@@ -211,4 +211,43 @@ def grouped_mm_triton(a: Tensor, a_scale: Tensor | None, weight: Tensor, scale: 
         def grid(meta):
             return ((triton.cdiv(m, meta["BM"]) + e + 1) * triton.cdiv(n_out, meta["BN"]),)
         _TUNED[a_fp8][grid](*args, **consts)
+    return out
+
+
+@triton.jit
+def _low_rank_add_kernel(out, v, w, offs, M, N, E, R, scale, stride_om, stride_vm, stride_we, stride_wn,
+                         E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    g, row0, row_end = _group_of_tile(offs, tl.program_id(0), M, E, BM, E_P2)
+    if g >= E:  # rows past offs[-1] (or no tile): left as they are
+        return
+    rows = row0 + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BR)
+    rmask, cmask, kmask = rows < row_end, cols < N, ks < R
+    r64 = rows.to(tl.int64)
+    vt = tl.load(v + r64[:, None] * stride_vm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+    wt = tl.load(w + g.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                 mask=kmask[:, None] & cmask[None, :], other=0.0)
+    mask = rmask[:, None] & cmask[None, :]
+    ptrs = out + r64[:, None] * stride_om + cols[None, :]
+    acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + scale * tl.dot(vt, wt)
+    tl.store(ptrs, acc.to(out.dtype.element_ty), mask=mask)
+
+
+def low_rank_add_triton(out: Tensor, v: Tensor, w: Tensor, scale: float, offs: Tensor) -> Tensor:
+    """``out [M, N] += scale * v[rows of e] @ w[e]^T`` in place, one pass over ``out`` (read, the fp32 sum, one
+    rounding, written; rows past ``offs[-1]`` untouched), ``v [M, R]`` and ``w [E, N, R]`` in ``out``'s dtype: the
+    low-rank term of a grouped GEMM whose kernel does not take it (``grouped_mm``, the weight-only and Triton FP8
+    kernels). A product written by a grouped GEMM and then added would be four passes over ``[M, N]``."""
+    m, n = out.shape
+    e, r = w.shape[0], w.shape[2]
+    if m == 0 or n == 0:
+        return out
+    v, w = v.contiguous(), w.contiguous()
+    bm, bn = (16, 32) if interpreting() else (64, 128)
+    br = max(16, triton.next_power_of_2(r))
+    e_p2 = triton.next_power_of_2(e + 2)
+    grid = (triton.cdiv(m, bm) + e + 1, triton.cdiv(n, bn))
+    _low_rank_add_kernel[grid](out, v, w, offs, m, n, e, r, float(scale), out.stride(0), v.stride(0), w.stride(0),
+                               w.stride(1), E_P2=e_p2, BM=bm, BN=bn, BR=br, num_warps=4)
     return out

@@ -31,12 +31,13 @@ still made where something else takes them (the LoRA products), and bit for bit 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..autograd import named_grads
-from ..backend import Backend, use_triton
+from ..backend import Backend, interpreting, use_triton
 from ..backend import torch_grouped_mm as _grouped_mm
 from ..fp8 import BLOCK, FP8_DTYPE, Fp8Rows, LowRank, add_low_rank, fp8_grouped_mm, quantize_1x128, takes_fp8_rows
 from .naive import ExpertLora, gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
@@ -144,6 +145,7 @@ class _GroupedExperts(torch.autograd.Function):
         k = experts.shape[-1]
         ctx.limit, ctx.backend, ctx.k, ctx.fp8_compute = limit, backend, k, fp8_compute
         ctx.weights_dtype = weights.dtype
+        kernels = ctx.lora_kernels = _lora_kernels(backend, x)
         ctx.lora_scales = lora_scales
         lora = (gate_up_a, gate_up_b, down_a, down_b)
         if t * k == 0:  # static shape: nothing routed (grouped_mm is not asked to take empty operands)
@@ -156,14 +158,14 @@ class _GroupedExperts(torch.autograd.Function):
         # FP8 GEMM inputs come quantized where the GEMM would quantize them (x before its gather, h by the SwiGLU
         # kernel); the bf16 rows only where LoRA's products still take them
         x_rows = _takes_rows(x, gate_up_proj, gate_up_scale, fp8_compute, trans=False)
-        xp = x.index_select(0, plan.token) if gate_up_a is not None or not x_rows else None
-        xa = _lora_in(xp, _t(gate_up_a), plan.offs)
+        xp = x.index_select(0, plan.token) if not x_rows or (gate_up_a is not None and not kernels) else None
+        xa = _lora_in(_t(gate_up_a), _Rows(x, plan.token) if xp is None else _Rows(xp), plan.offs, kernels)
         gu = _expert_mm(_gathered_rows(x, plan.token) if x_rows else xp, gate_up_proj, plan.offs, gate_up_scale,
                         fp8_compute, x.dtype, low_rank=_lora_out(xa, gate_up_b, lora_scales[0]))
         del xp
         h_rows = _takes_rows(gu, down_proj, down_scale, fp8_compute, trans=False)
         h, hq = _swiglu_fwd(backend, gu, w, limit, keep_h=down_a is not None or not h_rows, quantize=h_rows)
-        ha = _lora_in(h, _t(down_a), plan.offs)
+        ha = _lora_in(_t(down_a), _Rows(h), plan.offs, kernels)
         y = _expert_mm(hq if h_rows else h, down_proj, plan.offs, down_scale, fp8_compute, gu.dtype,
                        low_rank=_lora_out(ha, down_b, lora_scales[1]))
         del h, hq
@@ -189,12 +191,13 @@ class _GroupedExperts(torch.autograd.Function):
                                         gate_up_a=dl[0], gate_up_b=dl[1], down_a=dl[2], down_b=dl[3])
         (x, gate_up_proj, down_proj, gu, w, token, inv, offs, gu_a, gu_b, dn_a, dn_b, xa, ha, gate_up_scale,
          down_scale) = ctx.saved_tensors
-        k, backend, compute = ctx.k, ctx.backend, ctx.fp8_compute
+        k, backend, compute, kernels = ctx.k, ctx.backend, ctx.fp8_compute, ctx.lora_kernels
         # as in the forward: FP8 GEMM inputs quantized before the gather (dout) or by the SwiGLU kernel (dgu)
         dy_rows = _takes_rows(dout, down_proj, down_scale, compute, trans=True)
-        # [N, D]: un-permute's adjoint, a gather in expert order
-        dy = dout.index_select(0, token) if need_down or dn_a is not None or not dy_rows else None
-        dyb = _lora_in(dy, dn_b, offs)  # dy b [N, r]
+        # [N, D]: un-permute's adjoint, a gather in expert order (LoRA's kernels read dout through the index)
+        dy = dout.index_select(0, token) if need_down or not dy_rows or (dn_a is not None and not kernels) else None
+        dy_r = _Rows(dout, token) if dy is None else _Rows(dy)
+        dyb = _lora_in(dn_b, dy_r, offs, kernels)  # dy b [N, r]
         dh = _expert_mm(_gathered_rows(dout, token) if dy_rows else dy, down_proj, offs, down_scale, compute,
                         dout.dtype, trans=True, low_rank=_lora_out(dyb, _t(dn_a), ctx.lora_scales[1]))  # [N, I]
         # the kernel quantizes dgu where its two halves are whole 1x128 tiles (I % 128 == 0)
@@ -206,15 +209,17 @@ class _GroupedExperts(torch.autograd.Function):
                                        keep_h=need_down or need_lora[2])
         del dh
         d_down = _zero_empty_groups(_grouped_mm(dy.t(), h, offs=offs), offs) if need_down else None
-        d_dn_a, d_dn_b = _lora_grads(dy, h, dyb, ha, ctx.lora_scales[1], offs, need_lora[2:])
-        del dy, h, dyb
-        xp = x.index_select(0, token) if need_gu or need_lora[0] else None  # recomputed: [N, D] is k times x
+        d_dn_a, d_dn_b = _lora_grads(dy_r, _Rows(h), dyb, ha, ctx.lora_scales[1], offs, need_lora[2:], kernels)
+        del dy, dy_r, h, dyb
+        # recomputed: [N, D] is k times x
+        xp = x.index_select(0, token) if need_gu or (need_lora[0] and not kernels) else None
         d_gate_up = _zero_empty_groups(_grouped_mm(dgu.t(), xp, offs=offs), offs) if need_gu else None
-        dgub = _lora_in(dgu, gu_b, offs)  # dgu b [N, r]
+        dgub = _lora_in(gu_b, _Rows(dgu), offs, kernels)  # dgu b [N, r]
         dxp = _expert_mm(dguq if dgu_rows else dgu, gate_up_proj, offs, gate_up_scale, compute, gu.dtype,
                          trans=True, low_rank=_lora_out(dgub, _t(gu_a), ctx.lora_scales[0])) if need_x else None
         del dguq
-        d_gu_a, d_gu_b = _lora_grads(dgu, xp, dgub, xa, ctx.lora_scales[0], offs, need_lora[:2])
+        d_gu_a, d_gu_b = _lora_grads(_Rows(dgu), _Rows(x, token) if xp is None else _Rows(xp), dgub, xa,
+                                     ctx.lora_scales[0], offs, need_lora[:2], kernels)
         del xp, dgub
         dx = _gather_sum(backend, dxp, inv, k) if need_x else None
         dweights = dw.index_select(0, inv).view(-1, k).to(ctx.weights_dtype) if need_w else None
@@ -227,12 +232,39 @@ _GroupedExpertsGrads = named_grads(_GroupedExperts)
 
 # LoRA on the experts (the weight W + scale b a never formed): y = v W_e^T + scale (v a_e^T) b_e^T, the input
 # gradient dv = dy W_e + scale (dy b_e) a_e. The rank-r product in ([N, r], kept for the factor gradients) is a
-# grouped GEMM of its own; the product out and its sum ride on the expert GEMM (_expert_mm's low_rank)
+# product of its own; the product out and its sum ride on the expert GEMM (_expert_mm's low_rank). On the Triton
+# path the rank-r products and the factor gradients run csattn.ops.moe.lora_triton's kernels, which read token
+# rows through the index (no [N, D] copy of x or dout made for them alone); elsewhere grouped GEMMs on the rows.
 
-def _lora_in(v: Tensor | None, w: Tensor | None, offs: Tensor) -> Tensor | None:
+class _Rows(NamedTuple):
+    """Rows ``src[index]`` in expert order (``index`` None: ``src`` itself), copied out only where a consumer
+    takes them whole."""
+
+    src: Tensor
+    index: Tensor | None = None
+
+    def whole(self) -> Tensor:
+        return self.src if self.index is None else self.src.index_select(0, self.index)
+
+
+def _lora_kernels(backend: Backend, x: Tensor) -> bool:
+    """Whether LoRA's rank-r products run the Triton kernels: the Triton path on bf16 / fp16 CUDA rows (fp32 would
+    take TF32 products there), or under the CPU interpreter."""
+    if not use_triton(backend):
+        return False
+    return interpreting() or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def _lora_in(w: Tensor | None, v: _Rows, offs: Tensor, kernels: bool) -> Tensor | None:
     """``v w_e`` ``[N, r]`` per expert group (``w [E, in, r]``: ``a^T``, or ``b`` in the backward), or None without
     LoRA."""
-    return None if w is None else _grouped_mm(v, w, offs=offs)
+    if w is None:
+        return None
+    if kernels:
+        from .lora_triton import rank_in_triton  # lazy: Triton optional
+
+        return rank_in_triton(v.src, w, offs, v.index)
+    return _grouped_mm(v.whole(), w, offs=offs)
 
 
 def _lora_out(vr: Tensor | None, w: Tensor | None, scale: float) -> LowRank | None:
@@ -244,12 +276,18 @@ def _t(f: Tensor | None) -> Tensor | None:
     return None if f is None else f.transpose(-2, -1)
 
 
-def _lora_grads(dy: Tensor, v: Tensor | None, dyb: Tensor | None, va: Tensor | None, scale: float, offs: Tensor,
-                need: tuple[bool, bool]) -> tuple[Tensor | None, Tensor | None]:
+def _lora_grads(dy: _Rows, v: _Rows, dyb: Tensor | None, va: Tensor | None, scale: float, offs: Tensor,
+                need: tuple[bool, bool], kernels: bool) -> tuple[Tensor | None, Tensor | None]:
     """``(da, db)`` of ``y = scale * (v a_e^T) b_e^T`` per expert: ``da_e = scale (dy b)_e^T v_e`` ``[E, r, in]``,
     ``db_e = scale dy_e^T (v a^T)_e`` ``[E, out, r]`` (zeros for experts without rows)."""
-    da = _zero_empty_groups(_grouped_mm(dyb.t(), v, offs=offs), offs) * scale if need[0] else None
-    db = _zero_empty_groups(_grouped_mm(dy.t(), va, offs=offs), offs) * scale if need[1] else None
+    if kernels:
+        from .lora_triton import rank_grad_triton  # lazy: Triton optional
+
+        da = rank_grad_triton(dyb, v.src, offs, scale, v.index) if need[0] else None
+        db = rank_grad_triton(va, dy.src, offs, scale, dy.index, transpose=True) if need[1] else None
+        return da, db
+    da = _zero_empty_groups(_grouped_mm(dyb.t(), v.whole(), offs=offs), offs) * scale if need[0] else None
+    db = _zero_empty_groups(_grouped_mm(dy.whole().t(), va, offs=offs), offs) * scale if need[1] else None
     return da, db
 
 

@@ -85,9 +85,10 @@ class GroupCount:
     multiply-adds per token (the forward's FLOPs / 2); ``lora``: sum of ``in + out`` over its adapted linear maps
     (times the rank: the LoRA parameters); ``lora_macs``: the same over the maps whose LoRA runs factored per token
     (``x A^T B^T``: a linear called as a module, the routed experts' pairs for the ``k`` a token runs; times the
-    rank: its multiply-adds per token); ``read_macs``: multiply-adds per token of the matrices the layer reads whole
-    (the attention core's ``q_b`` / ``o_a`` / ``o_b``, the indexer's ``q_b``, the shared expert's three), whose LoRA
-    is an effective weight ``W + s B A``: their weight-gradient GEMM runs even when frozen."""
+    rank: its multiply-adds per token; the attention's and the shared expert's read projections run their pairs
+    factored too, :class:`~csattn.layers.modules.Projection`); ``read_macs``: multiply-adds per token of the
+    matrices whose LoRA is an effective weight ``W + s B A`` (the indexer's ``q_b``, whose recomputing paths carry
+    one weight): their weight-gradient GEMM runs even when frozen."""
 
     matrix: int = 0
     small: int = 0
@@ -126,10 +127,11 @@ def _attention_groups(c: DeepseekV4ModelConfig, i: int) -> dict[str, GroupCount]
     D, H, d, ql, g, ol = a.hidden_size, a.num_heads, a.head_dim, a.q_lora_rank, a.o_groups, a.o_lora_rank
     Hd = H * d
     mat = D * ql + ql * Hd + D * d + ol * Hd + D * g * ol
-    # o_a_proj is block-diagonal: one adapter pair per group, in H*d/g + out o_lora each
-    io = (D + ql) + (ql + Hd) + (D + d) + (Hd + g * ol) + (g * ol + D)
-    read = ql * Hd + ol * Hd + D * g * ol  # q_b, o_a, o_b: read whole (HybridAttention.READ_PROJECTIONS)
-    out = {"attention": GroupCount(mat, H + ql + d, mat, io, (D + ql) + (D + d), read)}
+    # o_a_proj is block-diagonal [g o_lora, H*d/g]: its pair is A [r, H*d/g] (every group's input runs through it:
+    # H*d multiply-adds a token per rank) and B [g o_lora, r]
+    io = (D + ql) + (ql + Hd) + (D + d) + (Hd // g + g * ol) + (g * ol + D)
+    macs = (D + ql) + (ql + Hd) + (D + d) + (Hd + g * ol) + (g * ol + D)  # all five run factored
+    out = {"attention": GroupCount(mat, H + ql + d, mat, io, macs)}
     if a.layer_type == "csa":
         r, HI, cI = a.compress_ratio, a.index_n_heads, a.index_head_dim
         m = 2 * 2 * d * D
@@ -150,7 +152,8 @@ def _block_groups(c: DeepseekV4ModelConfig, i: int) -> dict[str, GroupCount]:
     hc_head = n * n * D + n + 1
     out = _attention_groups(c, i)
     out["router"] = GroupCount(E * D, 0, E * D, D + E, D + E)
-    out["shared_experts"] = GroupCount(3 * D * I, 0, 3 * D * I, 3 * (D + I), 0, 3 * D * I)  # read whole
+    # factored through the grouped GEMMs, gate and up as one pair of rank 2r (B block-diagonal): 2D + 4I, then I + D
+    out["shared_experts"] = GroupCount(3 * D * I, 0, 3 * D * I, 3 * (D + I), 3 * D + 5 * I)
     # per expert: gate_up [2I, D] and down [D, I], one adapter pair each; k experts per token
     out["experts"] = GroupCount(E * 3 * D * I, 0, k * 3 * D * I, E * (3 * I + 2 * D), k * (3 * I + 2 * D))
     mhc_macs = 2 * (2 + n) * n * n * D
