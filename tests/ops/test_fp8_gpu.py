@@ -251,16 +251,17 @@ def test_fp8_rows_are_the_rows_quantized_inside(trans):
 def _composed_moe(x, w, ids, dout, gu, dn, e, lora):
     """The frozen-FP8 MoE step from public ops, each FP8 GEMM quantizing its bf16 input itself (the separate
     passes), the LoRA terms handed to the GEMMs as the op hands them (``low_rank``): (out, dx, dweights)."""
-    from csattn.ops.backend import torch_grouped_mm as mm
     from csattn.ops.moe import route_plan
+    from csattn.ops.moe.lora_triton import rank_in_triton
     from csattn.ops.moe.triton import gather_sum_triton, swiglu_bwd_triton, swiglu_fwd_triton
 
     def term(v, i, into):  # LoRA pair i on a GEMM from v (the forward) or from its output gradient
         if not lora:
             return None
         a, b, scale = lora[i]
-        return LowRank(mm(v, a.transpose(-2, -1) if into else b, offs=offs), b if into else a.transpose(-2, -1),
-                       scale)
+        # the op's rank-r kernel, here on the gathered rows (the op reads them through the index: the same tiles)
+        return LowRank(rank_in_triton(v, a.transpose(-2, -1) if into else b, offs),
+                       b if into else a.transpose(-2, -1), scale)
 
     k = ids.shape[-1]
     plan = route_plan(ids, e)

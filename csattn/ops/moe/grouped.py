@@ -334,8 +334,9 @@ def grouped_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: T
     """Routed experts by grouped GEMMs (see the module docstring); operands as in
     :func:`~csattn.ops.moe.naive.experts_ref`, which must satisfy :func:`grouped_mm_supported`.
 
-    ``gate_up_lora`` / ``down_lora``: low-rank terms per expert, each two more grouped GEMMs through the rank
-    (forward ``(v a_e^T) b_e^T``; the backward's input gradient ``(dy b_e) a_e`` and the two factor gradients).
+    ``gate_up_lora`` / ``down_lora``: low-rank terms per expert, each a product into the rank and the term added to
+    the expert GEMM's output (forward ``(v a_e^T) b_e^T``; the backward's input gradient ``(dy b_e) a_e`` and the two
+    factor gradients; on the Triton path the rank-r products run ``lora_triton.py``'s kernels).
 
     ``backend="triton"`` runs the SwiGLU and gather-sum as Triton kernels (CUDA, or the CPU interpreter),
     ``"reference"`` their PyTorch references. With ``gate_up_scale`` and ``down_scale`` the weights are frozen FP8
