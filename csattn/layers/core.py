@@ -197,7 +197,7 @@ class _AttentionCore(torch.autograd.Function):
         ctx.geo, ctx.make_ids, ctx.scales = geo, ids_fn.make, scales
         ctx.save_for_backward(qr, cos, sin, keys, sinks, w_q, w_oa, w_ob, *terms, *ids_fn.tensors)
         q_b, o_a, o_b = _projections((w_q, w_oa, w_ob), terms, scales)
-        wq = _augmented(q_b)
+        wq, wa = _augmented(q_b), _grouped_augmented(o_a, geo.groups)
         total = qr.shape[0]
         out = qr.new_empty(total, w_ob.shape[0])
         for lo in range(0, total, geo.block_rows):
@@ -207,8 +207,8 @@ class _AttentionCore(torch.autograd.Function):
             o, lse = _attn_forward(q, keys, ids_fn(lo, hi), sinks, geo)
             if on_block is not None:
                 on_block(lo, hi, q, lse)
-            out[lo:hi] = output_projection(o, cos[lo:hi], sin[lo:hi], o_a, o_b, geo.groups, geo.backend,
-                                           consume=True)
+            u = _unrope_groups(o, cos[lo:hi], sin[lo:hi], geo.groups, geo.backend, consume=True)
+            out[lo:hi] = linear(_grouped_product(u, o_a, wa)[0], o_b)
         return out
 
     @staticmethod
@@ -228,7 +228,7 @@ class _AttentionCore(torch.autograd.Function):
                 for t, n in zip((w_q, w_oa, w_ob, *terms), need)]
         q_b, o_a, o_b = _projections((w_q.detach(), w_oa.detach(), w_ob.detach()),
                                      [None if t is None else t.detach() for t in terms], ctx.scales)
-        wq = _augmented(q_b)
+        wq, wa = _augmented(q_b), _grouped_augmented(o_a, geo.groups)
         total = qr.shape[0]
         w_g = o_a.weight.view(geo.groups, -1, w_oa.shape[-1])  # [G, o_lora, i]
         stored = None  # whether dkeys is in the attention kernel's column order: the same answer for every block
@@ -247,14 +247,11 @@ class _AttentionCore(torch.autograd.Function):
             q_d = q.detach().contiguous()
             o, lse = _attn_forward(q_d, keys, ids, sinks, geo)
             u = _unrope_groups(o, c, s, geo.groups, geo.backend)  # [R, G, i]; o stays for the backward
-            # u a^T [R, G, r] once: the recomputed z and the term's B gradient both take it
-            ua = None if o_a.term is None else F.linear(u, o_a.term.a)
-            z = grouped_linear(u, o_a.weight, geo.groups)  # [R, G o_lora] (no autograd here)
-            if ua is not None:
-                _add_grouped_term(z, ua, o_a.term, geo.groups)
+            # z [R, G o_lora] (no autograd here) and, with a term, u a^T [R, G, r] from the same pass over u
+            z, ua = _grouped_product(u, o_a, wa)
             dz = _linear_backward(dy[lo:hi], z, o_b, sums[2], sums[7:9])  # [R, G o_lora]
             del z
-            du = _grouped_backward(dz.unflatten(1, (geo.groups, -1)).transpose(0, 1), u, ua, w_g, o_a.term,
+            du = _grouped_backward(dz.unflatten(1, (geo.groups, -1)).transpose(0, 1), u, ua, w_g, wa, o_a.term,
                                    sums[1], sums[5:7])
             del u, ua, dz
             do = _unrope_grad(du, c, s, geo.heads, geo.backend)
@@ -305,11 +302,28 @@ def _product(x: Tensor, p: Projection, w_aug: Tensor | None) -> Tensor:
     return F.linear(torch.cat([x, F.linear(x, a) * scale], -1), w_aug)
 
 
-def _add_grouped_term(z: Tensor, ua: Tensor, term: LowRankTerm, groups: int) -> None:
-    """``z_g += scale ua_g b_g^T`` in place (``z [R, G o]``, ``ua [R, G, r]``), each group's product added by its
-    GEMM (beta 1)."""
-    b_t = term.b.view(groups, -1, term.b.shape[-1]).transpose(1, 2)  # [G, r, o]
-    z.view(z.shape[0], groups, -1).transpose(0, 1).baddbmm_(ua.transpose(0, 1), b_t, alpha=term.scale)
+def _grouped_augmented(p: Projection, groups: int) -> Tensor | None:
+    """``[W_g ; a]`` per group (``[G, o + r, i]``) for :func:`_grouped_product`, or None without a term."""
+    if p.term is None:
+        return None
+    w_g = p.weight.view(groups, -1, p.weight.shape[-1])
+    return torch.cat([w_g, p.term.a.to(w_g.dtype).expand(groups, -1, -1)], 1)
+
+
+def _grouped_product(u: Tensor, p: Projection, w_aug: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``(z, ua)`` without autograd: the grouped ``z_g = u_g W_g^T + scale (u_g a^T) b_g^T`` ``[R, G o]`` and ``u a^T``
+    ``[R, G, r]`` (None without a term) from one batched GEMM over ``u [R, G, i]`` and ``w_aug`` =
+    ``[W_g ; a]`` (:func:`_grouped_augmented`): ``u`` (``H d`` wide, the layer's widest) is read once."""
+    groups = u.shape[1]
+    if w_aug is None:
+        return grouped_linear(u, p.weight, groups), None
+    o = w_aug.shape[1] - p.term.a.shape[0]
+    both = u.new_empty(u.shape[0], groups, w_aug.shape[1])  # [R, G, o + r], written through its [G, R, .] view
+    torch.bmm(u.transpose(0, 1), w_aug.transpose(1, 2), out=both.transpose(0, 1))
+    z, ua = both[..., :o], both[..., o:]
+    b_t = p.term.b.view(groups, o, -1).transpose(1, 2)  # [G, r, o]
+    z.transpose(0, 1).baddbmm_(ua.transpose(0, 1), b_t, alpha=p.term.scale)  # each group's term by its GEMM
+    return z.reshape(u.shape[0], groups * o), ua
 
 
 def _linear_backward(dy: Tensor, x: Tensor, p: Projection, dw: Tensor | None, dab: list,
@@ -336,27 +350,28 @@ def _linear_backward(dy: Tensor, x: Tensor, p: Projection, dw: Tensor | None, da
     return dx
 
 
-def _grouped_backward(dz: Tensor, u: Tensor, ua: Tensor | None, w_g: Tensor, term: LowRankTerm | None,
-                      dw: Tensor | None, dab: list) -> Tensor:
+def _grouped_backward(dz: Tensor, u: Tensor, ua: Tensor | None, w_g: Tensor, w_aug: Tensor | None,
+                      term: LowRankTerm | None, dw: Tensor | None, dab: list) -> Tensor:
     """``du [R, G, i]`` of the grouped ``z_g = u_g W_g^T + scale (u_g a^T) b_g^T`` from ``dz [G, R, o]`` (a view);
-    ``u [R, G, i]``, ``ua = u a^T [R, G, r]`` (with a term), ``w_g [G, o, i]``; sums as :func:`_linear_backward`
-    (``dw`` ``[G o, i]``)."""
+    ``u [R, G, i]``, ``ua = u a^T [R, G, r]`` and ``w_aug`` = ``[W_g ; a]`` (with a term), ``w_g [G, o, i]``; sums as
+    :func:`_linear_backward` (``dw`` ``[G o, i]``). With a term ``du_g = [dz_g | scale dz_g b_g] [W_g ; a]`` in one
+    batched GEMM (no second pass over ``du``, which is ``H d`` wide)."""
     groups, rows = w_g.shape[0], u.shape[0]
     u_g = u.transpose(0, 1)  # [G, R, i], a view: the GEMMs take the strides as they are
     if dw is not None:
         _add_product(dw.view_as(w_g), dz.transpose(1, 2), u_g)
     du = torch.empty_like(u)  # [R, G, i], written group by group through its [G, R, i] view
-    torch.bmm(dz, w_g, out=du.transpose(0, 1))
-    if term is not None:
-        a, b, scale = term
-        b_g = b.view(groups, -1, b.shape[-1])  # [G, o, r]
-        dzb = torch.bmm(dz, b_g).transpose(0, 1).reshape(rows * groups, -1)  # [R G, r], u's row order
-        flat = u.view(rows * groups, -1)
-        if dab[0] is not None:
-            _add_product(dab[0], dzb.t(), flat)
-        if dab[1] is not None:
-            _add_product(dab[1].view_as(b_g), dz.transpose(1, 2), ua.transpose(0, 1))
-        du.view(rows * groups, -1).addmm_(dzb, a, alpha=scale)
+    if term is None:
+        torch.bmm(dz, w_g, out=du.transpose(0, 1))
+        return du
+    a, b, scale = term
+    b_g = b.view(groups, -1, b.shape[-1])  # [G, o, r]
+    dzb = torch.bmm(dz, b_g)  # [G, R, r]
+    if dab[0] is not None:  # da = sum over the groups of (dz_g b_g)^T u_g, in u's row order
+        _add_product(dab[0], dzb.transpose(0, 1).reshape(rows * groups, -1).t(), u.view(rows * groups, -1))
+    if dab[1] is not None:
+        _add_product(dab[1].view_as(b_g), dz.transpose(1, 2), ua.transpose(0, 1))
+    torch.bmm(torch.cat([dz, dzb * scale], 2), w_aug, out=du.transpose(0, 1))
     return du
 
 
