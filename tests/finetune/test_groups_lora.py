@@ -1,6 +1,7 @@
 """Parameter groups (every parameter of the model, MTP included, in exactly one) and LoRA on the tiny model: step 0
 equals the base bit for bit, gradients reach the factors and only them, each kind of adapted module computes
-``W + scale * B @ A``, the flags' conflicts are refused."""
+``W + scale * B @ A`` and its factors get the gradients the merged weight's gradient gives, the flags' conflicts are
+refused."""
 
 from __future__ import annotations
 
@@ -179,8 +180,9 @@ def test_dropout_refused_where_the_weight_is_read():
 
 @pytest.mark.parametrize("recompute", ["moe", "block", "full"])
 def test_recompute_gives_the_same_factor_gradients(recompute, assert_close):
-    """The effective weights are made again when a checkpoint recomputes a block (the reader's forward runs
-    again): the factors' gradients equal those without recompute (fp64)."""
+    """The readers' projections (weight and LoRA term, the indexer's merged) are taken again when a checkpoint
+    recomputes a block (the reader's forward runs again): the factors' gradients equal those without recompute
+    (fp64)."""
     from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConfig
     from tests.models.model_utils import randomize_model_, tiny_config_dict
 
