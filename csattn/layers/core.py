@@ -226,6 +226,7 @@ class _AttentionCore(torch.autograd.Function):
         need = ctx.needs_input_grad[9:18]
         sums = [torch.zeros(t.shape, dtype=acc, device=t.device) if n else None
                 for t, n in zip((w_q, w_oa, w_ob, *terms), need)]
+        dw_q, dw_oa, dw_ob, *dterms = sums  # dterms: (da, db) of q_b, o_a, o_b
         q_b, o_a, o_b = _projections((w_q.detach(), w_oa.detach(), w_ob.detach()),
                                      [None if t is None else t.detach() for t in terms], ctx.scales)
         wq, wa = _augmented(q_b), _grouped_augmented(o_a, geo.groups)
@@ -249,10 +250,10 @@ class _AttentionCore(torch.autograd.Function):
             u = _unrope_groups(o, c, s, geo.groups, geo.backend)  # [R, G, i]; o stays for the backward
             # z [R, G o_lora] (no autograd here) and, with a term, u a^T [R, G, r] from the same pass over u
             z, ua = _grouped_product(u, o_a, wa)
-            dz = _linear_backward(dy[lo:hi], z, o_b, sums[2], sums[7:9])  # [R, G o_lora]
+            dz = _linear_backward(dy[lo:hi], z, o_b, dw_ob, dterms[4:6])  # [R, G o_lora]
             del z
             du = _grouped_backward(dz.unflatten(1, (geo.groups, -1)).transpose(0, 1), u, ua, w_g, wa, o_a.term,
-                                   sums[1], sums[5:7])
+                                   dw_oa, dterms[2:4])
             del u, ua, dz
             do = _unrope_grad(du, c, s, geo.heads, geo.backend)
             del du
@@ -261,7 +262,7 @@ class _AttentionCore(torch.autograd.Function):
             dq, dsink = _attn_backward(q_d, keys, ids, sinks, o, lse, do, dkeys, stored, geo)
             del do, o
             (dqp,) = torch.autograd.grad(q, qp, dq)
-            dqr[lo:hi] = _linear_backward(dqp, qr_b, q_b, sums[0], sums[3:5], wq)
+            dqr[lo:hi] = _linear_backward(dqp, qr_b, q_b, dw_q, dterms[0:2], wq)
             dsinks += dsink
         if stored:
             from ..ops.sparse_attn.triton import dkv_columns
