@@ -225,3 +225,36 @@ def test_capture_safe_keeps_the_indexer_loss_scale(scale, assert_close):
     name = "compressor.indexer.q_b_proj.weight"  # trained by the indexer loss only
     assert_close(got[name], 0.25 * unscaled[name], 1e-12, name)
 
+
+
+@pytest.mark.parametrize("layer_type,extra", [("csa", {"indexer_loss_type": "dense"}), ("hca", {})],
+                         ids=["CSA_dense", "HCA"])
+def test_capture_safe_with_lora_equals_default(layer_type, extra, assert_close):
+    """LoRA on the projections the layer reads: the default path runs the terms factored, the capture-safe custom ops
+    (the dense loss's unblocked heads) take them merged; outputs and every factor's gradient agree (fp64)."""
+    from torch import nn
+
+    from csattn.finetune.lora import LoraSpec, add_lora, init_lora, lora_modules
+
+    cfg = tiny_config(layer_type, **extra)
+    layer = random_layer(cfg)
+    root = nn.Module()  # the names add_lora adapts: model.layers.<i>.self_attn.*
+    root.model = nn.Module()
+    root.model.layers = nn.ModuleList([nn.Module()])
+    root.model.layers[0].self_attn = layer
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    assert add_lora(root, LoraSpec(4, 8.0, 0.0, ("attention", "indexer")))
+    init_lora(root, 0)
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for _, m in lora_modules(root):
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g, dtype=m.lora_B.dtype) * 0.3)
+    packed, static = _static(*PACKS["padded"])
+    x = torch.randn(static.num_rows, 32, generator=g, dtype=torch.float64)
+    dy = torch.randn(static.num_rows, 32, generator=g, dtype=torch.float64)
+    ref, _ = layer_step(layer, x, dy, packed)
+    assert any(".lora_A" in n for n in ref) and not any(n.endswith("q_b_proj.weight") for n in ref)
+    layer.config = dataclasses.replace(cfg, capture_safe=True)
+    got, _ = layer_step(layer, x, dy, static)
+    _compare(got, ref, assert_close)
