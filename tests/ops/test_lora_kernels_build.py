@@ -42,8 +42,9 @@ out = {
                                        "stride_wk": i32, "stride_wr": i32, "stride_om": i32},
                      dict(HAS_INDEX=True, E_P2=512, BM=64, BK=128, BR=16)),
     "rank_grad": build(_rank_grad_kernel, {"p": "*bf16", "x": "*bf16", "index": "*i64", "offs": "*i32",
-                                           "out": "*bf16", "K": i32, "R": i32, "scale": "fp32", "stride_pm": i32,
-                                           "stride_xm": i32, "stride_oe": i32, "stride_or": i32, "stride_ok": i32},
+                                           "out": "*fp32", "K": i32, "R": i32, "scale": "fp32", "SPLIT": i32,
+                                           "stride_pm": i32, "stride_xm": i32, "stride_os": i32, "stride_oe": i32,
+                                           "stride_or": i32, "stride_ok": i32},
                        dict(HAS_INDEX=True, BM=64, BK=128, BR=16)),
 }
 print(json.dumps(out))

@@ -41,11 +41,11 @@ def test_kernels_vs_fp64():
         want[lo:hi] = rows[lo:hi] @ w[i].double()
     assert rel_err(v, want) < BF16 and (v[n:] == 0).all()
     p = torch.randn(n + 40, r, generator=g, device="cuda").bfloat16()
-    for transpose in (False, True):
-        got = rank_grad_triton(p, x, offs, 0.5, index, transpose=transpose)
+    for transpose, split in ((False, None), (True, None), (False, 4)):  # 4: the rows of a group in parts
+        got = rank_grad_triton(p, x, offs, 0.5, index, transpose=transpose, split=split)
         want = torch.stack([0.5 * p[lo:hi].double().T @ rows[lo:hi] for lo, hi in _groups(counts)])
         want = want.transpose(1, 2) if transpose else want
-        assert rel_err(got, want) < BF16 and (got[3] == 0).all(), transpose
+        assert rel_err(got, want) < BF16 and (got[3] == 0).all(), (transpose, split)
     out0 = torch.randn(n + 40, d, generator=g, device="cuda").bfloat16()
     wb = (torch.randn(e, d, r, generator=g, device="cuda") * r ** -0.5).bfloat16()
     got = low_rank_add_triton(out0.clone(), p, wb, 0.75, offs)

@@ -44,7 +44,8 @@ def test_rank_in_vs_fp64(counts, tail, rank, gather, assert_close):
 @pytest.mark.parametrize("rank", [4, 20])
 @pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("transpose", [False, True])
-def test_rank_grad_vs_fp64(counts, tail, rank, gather, transpose, assert_close):
+@pytest.mark.parametrize("split", [1, 3])  # 3: each group's rows in three parts, summed after
+def test_rank_grad_vs_fp64(counts, tail, rank, gather, transpose, split, assert_close):
     g = torch.Generator().manual_seed(3 * len(counts) + rank)
     e, m, k = len(counts), sum(counts) + tail, 40
     offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
@@ -52,7 +53,7 @@ def test_rank_grad_vs_fp64(counts, tail, rank, gather, transpose, assert_close):
     src = torch.randn(m + 5 if gather else m, k, generator=g, dtype=torch.float64)
     index = torch.randint(0, src.shape[0], (m,), generator=g) if gather else None
     rows = src[index] if gather else src
-    got = rank_grad_triton(p.float(), src.float(), offs, 0.5, index, transpose=transpose)
+    got = rank_grad_triton(p.float(), src.float(), offs, 0.5, index, transpose=transpose, split=split)
     want = torch.zeros(e, rank, k, dtype=torch.float64)
     for i, (lo, hi) in enumerate(_groups(counts)):
         want[i] = 0.5 * p[lo:hi].T @ rows[lo:hi]
