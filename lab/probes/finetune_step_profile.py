@@ -16,6 +16,7 @@ from csattn.report.model import proxy_batch, proxy_lengths
 
 GROUPS = (  # kernel-name fragments -> a coarse group, first match wins
     ("fp8 grouped (gluon)", ("fp8_grouped",)),
+    ("LoRA kernels (experts, Triton)", ("_rank_in", "_rank_grad", "_low_rank_add")),
     ("grouped mm (bf16)", ("GroupProblem", "grouped", "Grouped")),  # torch's grouped_mm: CUTLASS's GroupProblem
     ("scaled mm (fp8 cuBLAS)", ("sm90_xmma_gemm_e4m3", "e4m3", "fp8")),
     ("gemm (bf16 cuBLAS)", ("nvjet", "gemm", "Gemm", "xmma", "cutlass")),
