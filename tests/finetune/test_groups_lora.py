@@ -67,11 +67,11 @@ def test_step0_bitwise_equal_and_grads_only_on_factors():
     assert not any(name.startswith("mtp.") and ".lora_" in name for name, _ in model.named_parameters())
 
 
-def test_lora_equals_merged_weights(assert_close):
-    """With nonzero B, each adapted module computes its base on ``W + scale * B @ A`` (fp64)."""
+def _with_merged(g: torch.Generator):
+    """A LoRA model with nonzero ``B`` everywhere, the base model with every delta merged into its weights, and the
+    latter's parameters by name (fp64)."""
     model = _lora_model()
     merged = tiny_model("mixed", mtp=1).double()
-    g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for _, m in lora_modules(model):
             for p in (m.factors()[1::2] if isinstance(m, LoraExperts) else [m.lora_B]):
@@ -80,6 +80,13 @@ def test_lora_equals_merged_weights(assert_close):
         for name, m in lora_modules(model):
             for pname, d in lora_delta(m).items():
                 own[f"{name}.{pname}"].add_(d)
+    return model, merged, own
+
+
+def test_lora_equals_merged_weights(assert_close):
+    """With nonzero B, each adapted module computes its base on ``W + scale * B @ A`` (fp64)."""
+    g = torch.Generator().manual_seed(3)
+    model, merged, _ = _with_merged(g)
     ids = torch.randint(0, 64, (40,), generator=g)
     loss, logits = _loss(model, ids, [40])
     want_loss, want_logits = _loss(merged, ids, [40])
@@ -91,17 +98,8 @@ def test_factor_gradients_equal_the_merged_weights_gradients(assert_close):
     grouped GEMMs, the indexer merged): the loss and each factor's gradient equal those that the merged model's
     weight gradient ``dW`` gives, ``dA = scale B^T dW``, ``dB = scale dW A^T`` (fp64, per expert for the experts),
     and no frozen base weight gets a gradient."""
-    model = _lora_model()
-    merged = tiny_model("mixed", mtp=1).double()
     g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for _, m in lora_modules(model):
-            for p in (m.factors()[1::2] if isinstance(m, LoraExperts) else [m.lora_B]):
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
-        own = dict(merged.named_parameters())
-        for name, m in lora_modules(model):
-            for pname, d in lora_delta(m).items():
-                own[f"{name}.{pname}"].add_(d)
+    model, merged, own = _with_merged(g)
     for p in merged.parameters():
         p.requires_grad_(p.is_floating_point())
     ids = torch.randint(0, 64, (48,), generator=g)
