@@ -186,19 +186,17 @@ class SharedExpert(nn.Module):
 
 def _stacked_term(parts: tuple[Projection, ...]) -> ExpertLora | None:
     """The low-rank terms of weights stacked by rows (``gate_proj`` over ``up_proj``) as one expert's pair: ``a``
-    the terms' ``a`` stacked ``[r_1 + r_2, in]``, ``b`` block-diagonal ``[out_1 + out_2, r_1 + r_2]`` (the scales
-    folded into ``b`` where they differ); None without any term."""
+    the terms' ``a`` stacked ``[r_1 + r_2, in]``, ``b`` block-diagonal ``[out_1 + out_2, r_1 + r_2]``; None without
+    terms. The parts come from one LoRA group: all or none of them have a term, with one scale."""
     terms = [p.term for p in parts]
     if all(t is None for t in terms):
         return None
-    present = [t for t in terms if t is not None]
-    scales = {t.scale for t in present}
-    fold = len(scales) > 1
-    ref = present[0].b
-    b = torch.block_diag(*[ref.new_zeros((p.weight.shape[0], 0)) if t is None else (t.b * t.scale if fold else t.b)
-                           for p, t in zip(parts, terms)])
-    a = torch.cat([t.a for t in present])
-    return ExpertLora(a.unsqueeze(0), b.unsqueeze(0), 1.0 if fold else present[0].scale)
+    if any(t is None for t in terms) or len({t.scale for t in terms}) > 1:
+        raise ValueError("the shared expert's gate, up and down projections take LoRA together, with one scale "
+                         f"(got terms on {sum(t is not None for t in terms)} of {len(terms)} stacked projections)")
+    a = torch.cat([t.a for t in terms])
+    b = torch.block_diag(*[t.b for t in terms])
+    return ExpertLora(a.unsqueeze(0), b.unsqueeze(0), terms[0].scale)
 
 
 class MoE(nn.Module):
