@@ -9,7 +9,7 @@ part that reads it), the parts (``--parts``; those not run are kept from an exis
   (a) frozen FP8 experts multiplied in FP8 + LoRA rank 16 on attention, indexer, shared and routed experts;
   (b) the same, weight-only (``w8a16``); (c) frozen bf16 experts + the same LoRA; (d) everything trained in bf16.
   Each: tokens/s, MFU over the FLOPs run (:func:`csattn.models.deepseek_v4.flops.finetune_flops`: no
-  weight-gradient GEMM for frozen weights but those whose LoRA is an effective weight, LoRA's GEMMs counted as the
+  weight-gradient GEMM for frozen weights, LoRA's GEMMs counted as the
   model runs them, the FP8 part apart), the step's peak (``torch.cuda.max_memory_allocated``, weights
   included), the weights' bytes by storage dtype, and the planner's predicted peak beside it (target: within 10 %).
   A case that runs out of memory is recorded as not fitting.
@@ -198,30 +198,26 @@ def planned_gib(config: Any, mode: Mode, tokens: int, rank: int, world: int = 1,
 
 
 def lora_counts(model: nn.Module) -> dict[str, float]:
-    """What the model's LoRA runs per token: ``io``, the multiply-adds per rank of the pairs run factored (a linear's
-    ``in + out``; the grouped ``o_a_proj``'s ``A`` on every group's input; the shared expert's gate and up as one pair
-    of rank 2r with a block-diagonal ``B``; the routed experts' two pairs for each of the ``k`` experts a token runs),
-    and ``effective_macs``, the multiply-adds of the frozen linears whose LoRA is an effective weight ``W + s B A``
-    (the indexer's ``q_b_proj``)."""
+    """What the model's LoRA runs per token and rank, all its pairs factored: ``io``, a linear's ``in + out``; the
+    grouped ``o_a_proj``'s ``A`` on every group's input; the shared expert's gate and up as one pair of rank 2r with a
+    block-diagonal ``B``; the routed experts' two pairs for each of the ``k`` experts a token runs."""
     from csattn.finetune.lora import LoraExperts, lora_modules
     from csattn.layers.modules import GroupedLinear
 
     k = model.config.num_experts_per_tok
-    io = eff = 0.0
+    io = 0.0
     for name, m in lora_modules(model):
         if isinstance(m, LoraExperts):
             d, i = m.lora_A_gate_up.shape[-1], m.lora_A_down.shape[-1]
             io += k * ((d + 2 * i) + (i + d))
-        elif name.endswith("indexer.q_b_proj"):
-            eff += m._parameters["weight"].numel()
-        else:
-            out, inp = m.lora_B.shape[0], m.lora_A.shape[-1]
-            if isinstance(m, GroupedLinear):
-                inp *= m.groups
-            elif name.endswith(("shared_experts.gate_proj", "shared_experts.up_proj")):
-                out *= 2
-            io += inp + out
-    return {"io": io, "effective_macs": eff}
+            continue
+        out, inp = m.lora_B.shape[0], m.lora_A.shape[-1]
+        if isinstance(m, GroupedLinear):
+            inp *= m.groups
+        elif name.endswith(("shared_experts.gate_proj", "shared_experts.up_proj")):
+            out *= 2
+        io += inp + out
+    return {"io": io}
 
 
 def step_flops(config: Any, cu: list[int], mode: Mode, rank: int, lora: dict[str, float]) -> dict[str, float]:
@@ -232,7 +228,7 @@ def step_flops(config: Any, cu: list[int], mode: Mode, rank: int, lora: dict[str
 
     # the load holds the routed experts in FP8 only (no --fp8-linears): as the planner's Training of the mode
     counts = flop_counts(config, mode.training(rank), fp8_held=mode.base == "fp8")
-    return finetune_flops(config, cu, **{**counts, "lora_io": lora["io"], "effective_macs": lora["effective_macs"]})
+    return finetune_flops(config, cu, **{**counts, "lora_io": lora["io"]})
 
 
 def _sync(device: torch.device) -> None:

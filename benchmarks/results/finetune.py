@@ -137,8 +137,9 @@ def finetune_section(ctx: Context) -> Section | None:
              "checkpoint in the release's format (FP8 dense, MXFP4 experts), one GPU. LoRA rank "
              f"{meta.get('lora_rank', 16)} on {', '.join(meta.get('lora_targets', []))}. One step = forward, "
              "backward, AdamW on packed documents (T/4 - 100, T/4 + 100, T/2). MFU counts the FLOPs run "
-             "(`csattn.models.deepseek_v4.flops.finetune_flops`: no weight gradient for frozen weights, except "
-             "where LoRA is an effective weight W + s B A; LoRA's GEMMs; FP8 GEMMs at the bf16 peak). peak = "
+             "(`csattn.models.deepseek_v4.flops.finetune_flops`: no weight gradient for frozen weights, LoRA's "
+             "GEMMs, FP8 GEMMs at the bf16 peak; up to de6a376 LoRA on the projections a layer reads was an "
+             "effective weight W + s B A, whose weight gradient ran and is counted in those records). peak = "
              "`max_memory_allocated` during the steps, weights included; planned = `csattn plan`'s peak for the same "
              "run (target: within 10 %); weights GiB by storage dtype.", "",
              *_table(["mode", "tokens", "ms/step", "tokens/s", "MFU", "peak GiB", "planned GiB", "planned / peak",

@@ -10,8 +10,8 @@ Three kinds, by how the layer uses the weight:
   ``projection(name)``, which its LoRA subclass (:class:`LoraReader`) returns with the low-rank term
   (:class:`~csattn.layers.modules.Projection`); the module runs it factored, ``x W^T + scale (x A^T) B^T`` (the
   attention core by hand, the shared expert through the grouped GEMMs as one expert's pair), so a frozen ``W``
-  costs no weight-gradient GEMM of its size; only the indexer's ``q_b_proj`` takes it merged, ``W + scale B A``
-  (its recomputing paths carry one weight). ``weight`` stays the plain parameter (FSDP2 finds its parameters again
+  costs no weight-gradient GEMM of its size (only the capture-safe custom ops, which carry one weight, take it
+  merged, ``W + scale B A``). ``weight`` stays the plain parameter (FSDP2 finds its parameters again
   by ``getattr`` after moving them). Input dropout is refused there: the fused paths do not apply it (PEFT refuses
   it for ``target_parameters`` too);
 * the routed experts: :class:`LoraExperts`, a pair per expert through the grouped GEMMs

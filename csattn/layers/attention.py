@@ -226,12 +226,6 @@ class HybridAttention(nn.Module):
             return output_projection(o, cos, sin, *projections, groups=cfg.o_groups)
         return ops.output(o, cos, sin, *projections, cfg.o_groups, self._recompute_rows())
 
-    def _indexer_query_weight(self) -> Tensor:
-        """The indexer's ``q_b_proj`` as one weight: its queries' recomputing paths (the top-k's, the sparse loss's
-        student) carry one tensor, so a low-rank term comes in merged (its gradient through a GEMM of this
-        weight's size, ``HI cI x q_lora``: an eighth of the core's three)."""
-        return self.projection(_INDEXER_Q).merged()
-
     def _recompute_rows(self) -> int:
         """Rows per recomputed block: about a quarter of the workspace for ~4 fp32 ``[H, d]`` temporaries."""
         cfg = self.config
@@ -342,7 +336,7 @@ class HybridAttention(nn.Module):
             # the backward recomputes the indexer queries block by block instead of keeping q_idx [T, HI, cI]
             queries = self.compressor.indexer.student_queries(qr.detach(), cos, sin, self._indexer_query_rows(),
                                                               backend=backend,
-                                                              weight=self._indexer_query_weight())
+                                                              q_b=self.projection(_INDEXER_Q))
             kl = indexer_kl_from_teacher(queries, loss.w, loss.k_idx, teacher, row_weight, compressed_ids,
                                          workspace_bytes=cfg.workspace_bytes, backend=backend,
                                          config=cfg.indexer_loss_kernel)
@@ -400,7 +394,7 @@ class HybridAttention(nn.Module):
         cfg, entries = self.config, plan.entries
         indexer: Indexer = self.compressor.indexer
         q_idx = indexer.queries(qr.detach(), cos, sin, chunk_rows=self._indexer_query_rows(),
-                                backend=self._backend_for(qr), weight=self._indexer_query_weight())
+                                backend=self._backend_for(qr), q_b=self.projection(_INDEXER_Q))
         w = indexer.scorer(x.detach())
         selected = plan.ops.indexer_topk(q_idx, w, index_keys, entries.vis_start, entries.vis_end,
                                          self._effective_topk(entries.max_visible), entries.max_visible,

@@ -219,39 +219,46 @@ class Indexer(Compressor):
         self.scorer = IndexerScorer(hidden_size, n_heads, head_dim)
 
     def queries(self, qr: Tensor, cos: Tensor, sin: Tensor, chunk_rows: int | None = None,
-                backend: Backend = "reference", weight: Tensor | None = None) -> Tensor:
+                backend: Backend = "reference", q_b: Projection | None = None) -> Tensor:
         """``qr [T, q_lora]`` -> ``[T, HI, cI]`` with RoPE at each row's position (one Triton pass on
         ``backend="triton"``).
 
         With ``chunk_rows`` the rows are computed ``chunk_rows`` at a time into the output and recomputed that
         way in the backward (``row_chunked``): the projection's output and the fp32 RoPE temporaries, about
         4.5x the size of the queries when made for all rows at once (9 GiB at 128k tokens for HI = 64,
-        cI = 128), never exceed one chunk. ``weight`` replaces ``q_b_proj.weight`` (the layer passes its weight with
-        any low-rank term merged, see ``HybridAttention.projection``).
+        cI = 128), never exceed one chunk. ``q_b`` replaces ``q_b_proj.weight`` (the layer passes its projection,
+        with LoRA's term where it has one, run factored: see ``HybridAttention.projection``).
         """
-        fn = self._query_fn(backend)
-        weight = self.q_b_proj.weight if weight is None else weight
+        q_b = q_b or Projection(self.q_b_proj.weight)
+        fn = self._query_fn(backend, q_b)
         if chunk_rows is None or qr.shape[0] <= chunk_rows or torch.compiler.is_compiling():
-            return fn(qr, cos, sin, weight)
-        return row_chunked(fn, (qr, cos, sin), (weight,), chunk_rows)
+            return fn(qr, cos, sin, *q_b.tensors())
+        return row_chunked(fn, (qr, cos, sin), q_b.tensors(), chunk_rows)
 
     def student_queries(self, qr: Tensor, cos: Tensor, sin: Tensor, chunk_rows: int,
-                        backend: Backend = "reference", weight: Tensor | None = None) -> StudentQueries:
+                        backend: Backend = "reference", q_b: Projection | None = None) -> StudentQueries:
         """The same queries as a recipe for the sparse indexer loss, which recomputes them ``chunk_rows`` at a
-        time in its backward instead of keeping them (``weight`` as in :meth:`queries`)."""
-        weight = self.q_b_proj.weight if weight is None else weight
-        return StudentQueries(self._query_fn(backend), qr, cos, sin, weight, chunk_rows)
+        time in its backward instead of keeping them (``q_b`` as in :meth:`queries`)."""
+        q_b = q_b or Projection(self.q_b_proj.weight)
+        return StudentQueries(self._query_fn(backend, q_b), qr, cos, sin, q_b.tensors(), chunk_rows)
 
-    def _query_fn(self, backend: Backend) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-        return partial(indexer_queries, heads=self.n_heads, backend=backend)
+    def _query_fn(self, backend: Backend, q_b: Projection) -> Callable[..., Tensor]:
+        """``fn(qr, cos, sin, *q_b.tensors())``: the queries from the projection's tensors."""
+        return partial(_indexer_queries_of, heads=self.n_heads, backend=backend,
+                       scale=q_b.term.scale if q_b.term is not None else 0.0)
 
 
-def indexer_queries(qr: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, heads: int,
+def _indexer_queries_of(qr: Tensor, cos: Tensor, sin: Tensor, *tensors: Tensor, heads: int, backend: Backend,
+                        scale: float) -> Tensor:
+    return indexer_queries(qr, cos, sin, Projection.of(tensors, scale), heads, backend)
+
+
+def indexer_queries(qr: Tensor, cos: Tensor, sin: Tensor, q_b: Projection, heads: int,
                     backend: Backend = "reference") -> Tensor:
-    """The lightning indexer's queries: ``qr [T, q_lora]`` -> ``[T, HI, cI]`` (``q_b_proj`` with ``weight
-    [HI cI, q_lora]``, then RoPE at each row's position; on ``backend="triton"`` in one Triton pass, as the query
-    heads')."""
-    q = torch.nn.functional.linear(qr, weight).unflatten(-1, (heads, -1))
+    """The lightning indexer's queries: ``qr [T, q_lora]`` -> ``[T, HI, cI]`` (``q_b_proj``, weight ``[HI cI,
+    q_lora]`` with its low-rank term, then RoPE at each row's position; on ``backend="triton"`` in one Triton pass,
+    as the query heads')."""
+    q = linear(qr, q_b).unflatten(-1, (heads, -1))
     if not cos.numel():
         return q
     if backend == "triton":

@@ -179,7 +179,7 @@ def test_cases_and_the_device_copy(tmp_path, tiny):
 
 def test_planner_counts_lora_as_the_model_runs_it():
     """The planner's LoRA counts by group (``flop_counts``: ``in + out`` of the maps run factored, multiply-adds of
-    the matrices read whole, an effective weight) are the model's own, LoRA on every group it adapts."""
+    LoRA's pairs, all run factored) are the model's own, LoRA on every group it adapts."""
     from csattn.finetune.groups import LORA_GROUPS
     from csattn.finetune.lora import LoraSpec, add_lora
     from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
@@ -192,5 +192,4 @@ def test_planner_counts_lora_as_the_model_runs_it():
     add_lora(model, LoraSpec(4, 8.0, 0.0, tuple(LORA_GROUPS)))
     got = ft.lora_counts(model)
     want = flop_counts(config, training_spec(lora_rank=4, lora_targets=",".join(LORA_GROUPS)))
-    assert (want["lora_io"], want["effective_macs"]) == (got["io"], got["effective_macs"])
-    assert want["effective_macs"] > 0 and want["lora_io"] > 0
+    assert want["lora_io"] == got["io"] > 0

@@ -25,8 +25,8 @@ def _loss(model, ids, lengths):
 
 
 def _lora_model(targets=("attention", "indexer", "compressor", "shared_experts", "experts"), rank=4, alpha=8.0,
-                seed=0):
-    model = tiny_model("mixed", mtp=1).double()
+                seed=0, **model_kw):
+    model = tiny_model("mixed", mtp=1, **model_kw).double()
     choice = resolve_choice(None, None, ",".join(targets), rank)
     apply_freezing(model, choice)
     add_lora(model, LoraSpec(rank, alpha, 0.0, choice.lora))
@@ -67,11 +67,11 @@ def test_step0_bitwise_equal_and_grads_only_on_factors():
     assert not any(name.startswith("mtp.") and ".lora_" in name for name, _ in model.named_parameters())
 
 
-def _with_merged(g: torch.Generator):
+def _with_merged(g: torch.Generator, **model_kw):
     """A LoRA model with nonzero ``B`` everywhere, the base model with every delta merged into its weights, and the
     latter's parameters by name (fp64)."""
-    model = _lora_model()
-    merged = tiny_model("mixed", mtp=1).double()
+    model = _lora_model(**model_kw)
+    merged = tiny_model("mixed", mtp=1, **model_kw).double()
     with torch.no_grad():
         for _, m in lora_modules(model):
             for p in (m.factors()[1::2] if isinstance(m, LoraExperts) else [m.lora_B]):
@@ -95,11 +95,12 @@ def test_lora_equals_merged_weights(assert_close):
 
 def test_factor_gradients_equal_the_merged_weights_gradients(assert_close):
     """Every adapted module runs its term factored (the attention core by hand, the shared expert through the
-    grouped GEMMs, the indexer merged): the loss and each factor's gradient equal those that the merged model's
-    weight gradient ``dW`` gives, ``dA = scale B^T dW``, ``dB = scale dW A^T`` (fp64, per expert for the experts),
-    and no frozen base weight gets a gradient."""
+    grouped GEMMs, the indexer's queries through autograd on the factors): the loss and each factor's gradient
+    equal those that the merged model's weight gradient ``dW`` gives, ``dA = scale B^T dW``, ``dB = scale dW A^T``
+    (fp64, per expert for the experts), and no frozen base weight gets a gradient. With the indexer loss on, so
+    that the indexer's pair learns."""
     g = torch.Generator().manual_seed(5)
-    model, merged, own = _with_merged(g)
+    model, merged, own = _with_merged(g, indexer_loss_coeff=0.5)
     for p in merged.parameters():
         p.requires_grad_(p.is_floating_point())
     ids = torch.randint(0, 64, (48,), generator=g)
@@ -116,7 +117,7 @@ def test_factor_gradients_equal_the_merged_weights_gradients(assert_close):
             pairs = [("weight", m.lora_A, m.lora_B)]
         for pname, a, b in pairs:
             dw = own[f"{name}.{pname}"].grad
-            assert dw is not None, name
+            assert dw is not None and dw.abs().sum() > 0, name  # every pair learns (the indexer's by its loss)
             s = m.lora_scale
             assert_close(a.grad, s * b.detach().transpose(-2, -1) @ dw, 1e-10, f"{name} A")
             assert_close(b.grad, s * dw @ a.detach().transpose(-2, -1), 1e-10, f"{name} B")

@@ -10,13 +10,11 @@ the block-wise teacher of the sparse indexer loss.
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 
 from csattn import PackedSeqs
-from csattn.layers.modules import indexer_queries
+from csattn.layers.modules import Projection, indexer_queries
 from csattn.ops.indexer_loss import (
     SparseTeacher,
     StudentQueries,
@@ -131,11 +129,12 @@ def test_fused_core_matches_reference(layer_type):
         assert torch.count_nonzero(g0["compressor.indexer.q_b_proj.weight"]) > 0
 
 
+@pytest.mark.parametrize("with_lora", [False, True])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_loss_from_block_teacher_equals_one_call(backend):
+def test_loss_from_block_teacher_equals_one_call(backend, with_lora):
     """The block-filled teacher plus the loss whose backward recomputes the indexer queries from their latent
-    equal one call of the sparse loss on the whole ``q_idx``: value and the gradients of the query weight, the
-    latent, ``w`` and ``k_idx``."""
+    equal one call of the sparse loss on the whole ``q_idx``: value and the gradients of the query weight (or, with
+    LoRA, of the frozen weight's pair, run factored), the latent, ``w`` and ``k_idx``."""
     if backend == "triton":
         pytest.importorskip("triton")
     dtype = torch.float64 if backend == "reference" else torch.float32
@@ -152,13 +151,20 @@ def test_loss_from_block_teacher_equals_one_call(backend):
     lse = torch.randn(t, h, dtype=dtype, generator=g).abs() + 3
     selected = torch.randint(-1, nc, (t, k), generator=g)
     row_weight = (torch.rand(t, generator=g) > 0.2).to(dtype) / t
-    qr, weight, w, k_idx = (a.to(device).requires_grad_() for a in (qr, weight, w, k_idx))
+    pair = (torch.randn(3, lora, dtype=dtype, generator=g) / lora**0.5, torch.randn(hi * ci, 3, dtype=dtype,
+                                                                                  generator=g) / 3**0.5)
+    qr, w, k_idx = (a.to(device).requires_grad_() for a in (qr, w, k_idx))
+    weight = weight.to(device).requires_grad_(not with_lora)  # with LoRA: frozen, the pair learns
+    params = (weight, *(a.to(device).requires_grad_() for a in pair)) if with_lora else (weight,)
     q, ckv, lse, selected, row_weight = (a.to(device) for a in (q, ckv, lse, selected, row_weight))
     cos, sin = angle.cos().to(device), angle.sin().to(device)
-    fn = partial(indexer_queries, heads=hi)
+
+    def fn(qr, cos, sin, *params):  # the queries' recipe over their params (StudentQueries.params)
+        return indexer_queries(qr, cos, sin, Projection.of(params, 0.5), hi)
+
     scale = d**-0.5
-    leaves = (qr, weight, w, k_idx)
-    q_idx = fn(qr, cos, sin, weight)
+    leaves = (qr, *(p for p in params if p.requires_grad), w, k_idx)
+    q_idx = fn(qr, cos, sin, *params)
     ref = indexer_kl_loss(q_idx, w, k_idx, q, ckv, lse, scale, row_weight, selected=selected, backend=backend)
     ref_grads = torch.autograd.grad(ref, leaves)
     teacher = SparseTeacher(t, k, torch.promote_types(dtype, torch.float32), q.device, backend=backend)
@@ -167,10 +173,11 @@ def test_loss_from_block_teacher_equals_one_call(backend):
         sparse_teacher_block(teacher, lo, q_idx[lo:hi_], w[lo:hi_], k_idx, q[lo:hi_], ckv, lse[lo:hi_], scale,
                              row_weight[lo:hi_], selected[lo:hi_], backend=backend)
     # small blocks / workspace: the backward recomputes the queries in several blocks
-    got = indexer_kl_from_teacher(StudentQueries(fn, qr, cos, sin, weight, chunk_rows=8), w, k_idx, teacher,
+    got = indexer_kl_from_teacher(StudentQueries(fn, qr, cos, sin, params, chunk_rows=8), w, k_idx, teacher,
                                   row_weight, selected, workspace_bytes=4096, backend=backend)
     got_grads = torch.autograd.grad(got, leaves)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     assert abs(got.item() - ref.item()) <= tol * abs(ref.item()) and ref.item() > 0
-    for name, a, b in zip(("qr", "weight", "w", "k_idx"), got_grads, ref_grads):
+    names = ("qr", *(("lora_a", "lora_b") if with_lora else ("weight",)), "w", "k_idx")
+    for name, a, b in zip(names, got_grads, ref_grads, strict=True):
         assert rel_err(a, b) <= tol * 10, (name, rel_err(a, b))

@@ -120,8 +120,7 @@ def model_flops(config: DeepseekV4ModelConfig, cu_seqlens: Tensor | Sequence[int
 
 
 def finetune_flops(config: DeepseekV4ModelConfig, cu_seqlens: Tensor | Sequence[int], *, frozen_macs: float,
-                   fp8_macs: float = 0.0, lora_rank: int = 0, lora_io: float = 0.0,
-                   effective_macs: float = 0.0) -> dict[str, float]:
+                   fp8_macs: float = 0.0, lora_rank: int = 0, lora_io: float = 0.0) -> dict[str, float]:
     """The FLOPs one fine-tuning step runs: :func:`model_flops` less the weight-gradient GEMMs of frozen weights,
     plus LoRA's GEMMs, with the part run on FP8 tensor cores apart.
 
@@ -132,13 +131,9 @@ def finetune_flops(config: DeepseekV4ModelConfig, cu_seqlens: Tensor | Sequence[
             weight-gradient GEMM (``2 x macs`` per token) does not run.
         fp8_macs: the part of ``frozen_macs`` multiplied in FP8 (forward and input gradient; ``compute="fp8"``, a
             weight-only base multiplies in bf16).
-        lora_rank: ``r``. lora_io: summed ``in + out`` per token of the LoRA maps run factored (``x A^T B^T``: a
-            linear called as a module, the routed experts' pairs for the ``k`` experts a token runs): ``2 r (in +
-            out)`` per token forward, twice that backward (input and factor gradients).
-        effective_macs: multiply-adds per token of the frozen maps whose LoRA is an effective weight
-            ``W + s B A`` (a weight the layer reads whole): their weight-gradient GEMM runs after all (the factors'
-            gradients come from it), plus ``2 r in out`` per step forming ``B A`` and ``4 r in out`` for the
-            factors' gradients.
+        lora_rank: ``r``. lora_io: multiply-adds per token and rank of the LoRA pairs, all run factored (``x A^T
+            B^T``; the routed experts' pairs for the ``k`` experts a token runs): ``2 r lora_io`` per token forward,
+            twice that backward (input and factor gradients).
 
     Returns:
         ``{"fwd", "bwd", "fp8"}``: forward and backward FLOPs run (FP8 ones included: MFU divides their sum by the
@@ -146,12 +141,11 @@ def finetune_flops(config: DeepseekV4ModelConfig, cu_seqlens: Tensor | Sequence[
     """
     cu = [int(v) for v in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
     T = float(cu[-1] - cu[0]) if cu else 0.0
-    if min(frozen_macs, fp8_macs, lora_rank, lora_io, effective_macs) < 0 or fp8_macs > frozen_macs:
+    if min(frozen_macs, fp8_macs, lora_rank, lora_io) < 0 or fp8_macs > frozen_macs:
         raise ValueError("finetune_flops: counts must be >= 0 and fp8_macs a part of frozen_macs, got "
-                         f"frozen_macs={frozen_macs}, fp8_macs={fp8_macs}, lora_rank={lora_rank}, lora_io={lora_io}, "
-                         f"effective_macs={effective_macs}")
+                         f"frozen_macs={frozen_macs}, fp8_macs={fp8_macs}, lora_rank={lora_rank}, lora_io={lora_io}")
     base = model_flops(config, cu)
     r = float(lora_rank)
-    fwd = base["fwd"] + 2 * r * lora_io * T + 2 * r * effective_macs
-    bwd = base["bwd"] - 2 * frozen_macs * T + 2 * effective_macs * T + 4 * r * lora_io * T + 4 * r * effective_macs
+    fwd = base["fwd"] + 2 * r * lora_io * T
+    bwd = base["bwd"] - 2 * frozen_macs * T + 4 * r * lora_io * T
     return {"fwd": fwd, "bwd": bwd, "fp8": 4 * fp8_macs * T}

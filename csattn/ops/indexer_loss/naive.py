@@ -156,8 +156,8 @@ def _student_rows(q_idx, w, mass, selected, row_weight, k_idx):
     return kl_from_logits(student, mass.to(compute), valid) * row_weight.to(compute)
 
 
-def _student_rows_from_latent(query_fn, qr, cos, sin, w, mass, selected, row_weight, weight, k_idx):
-    return _student_rows(query_fn(qr, cos, sin, weight), w, mass, selected, row_weight, k_idx)
+def _student_rows_from_latent(query_fn, qr, cos, sin, w, mass, selected, row_weight, k_idx, *params):
+    return _student_rows(query_fn(qr, cos, sin, *params), w, mass, selected, row_weight, k_idx)
 
 
 def indexer_kl_from_teacher_ref(queries: StudentQueries, w: Tensor, k_idx: Tensor, teacher: SparseTeacher,
@@ -167,13 +167,14 @@ def indexer_kl_from_teacher_ref(queries: StudentQueries, w: Tensor, k_idx: Tenso
     Row chunks within ``workspace_bytes``; the queries and the student are recomputed chunk by chunk in the
     backward (``row_chunked``: no ``torch.utils.checkpoint``, so the capture-safe path can use it).
     """
-    qr, cos, sin, weight = queries.qr, queries.cos, queries.sin, queries.weight
+    qr, cos, sin, params = queries.qr, queries.cos, queries.sin, queries.params
+    weight = params[0]
     if k_idx.shape[0] == 0 or qr.shape[0] == 0:
-        zero = qr.sum() + weight.sum() + w.sum() + k_idx.sum()
+        zero = qr.sum() + sum(p.sum() for p in params) + w.sum() + k_idx.sum()
         return zero.to(torch.promote_types(weight.dtype, torch.float32)) * 0
     heads = w.shape[1]
     per_row = (selected.shape[1] * (2 * heads + weight.shape[0] // heads + 1) + 3 * weight.shape[0]) \
         * teacher.mass.itemsize
     rows = fixed_row_chunks(qr.shape[0], per_row, workspace_bytes)[0][1]
     fn = partial(_student_rows_from_latent, queries.fn)
-    return row_chunked(fn, (qr, cos, sin, w, teacher.mass, selected, row_weight), (weight, k_idx), rows).sum()
+    return row_chunked(fn, (qr, cos, sin, w, teacher.mass, selected, row_weight), (k_idx, *params), rows).sum()

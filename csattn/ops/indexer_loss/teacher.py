@@ -34,13 +34,14 @@ class SparseTeacher:
 class StudentQueries(NamedTuple):
     """The indexer queries as a recipe, so the loss can recompute them block by block in its backward instead of
     keeping ``q_idx [T, HI, cI]`` alive from the forward (512 MiB at 32k tokens for HI = 64, cI = 128, a third
-    of a CSA layer's activations). ``fn(qr[lo:hi], cos[lo:hi], sin[lo:hi], weight)`` gives rows lo..hi of
-    ``q_idx``; gradients reach ``weight`` (and ``qr`` if it requires them). ``chunk_rows``: rows per recomputed
-    block of the fused backward (the layer's bound on the queries' temporaries)."""
+    of a CSA layer's activations). ``fn(qr[lo:hi], cos[lo:hi], sin[lo:hi], *params)`` gives rows lo..hi of
+    ``q_idx``; gradients reach those of ``params`` that require them (and ``qr`` if it does). ``chunk_rows``: rows
+    per recomputed block of the fused backward (the layer's bound on the queries' temporaries)."""
 
-    fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+    fn: Callable[..., Tensor]
     qr: Tensor  # [T, q_lora]
     cos: Tensor  # [T, rope / 2]
     sin: Tensor  # [T, rope / 2]
-    weight: Tensor  # the indexer's q_b_proj.weight [HI cI, q_lora]
+    # the indexer's q_b_proj.weight [HI cI, q_lora], then LoRA's pair a [r, q_lora], b [HI cI, r] where it has one
+    params: tuple[Tensor, ...]
     chunk_rows: int

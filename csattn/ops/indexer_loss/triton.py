@@ -404,25 +404,27 @@ class IndexerKLFromTeacher(torch.autograd.Function):
     masses; neither ``q_idx`` nor its gradient ever exists for all rows."""
 
     @staticmethod
-    def forward(ctx, query_fn, block_rows, geometry, student_dtype, qr, cos, sin, weight, w, k_idx, loss_rows,
-                row_weight, selected, stats, mass, config):
+    def forward(ctx, query_fn, block_rows, geometry, student_dtype, qr, cos, sin, weight, lora_a, lora_b, w, k_idx,
+                loss_rows, row_weight, selected, stats, mass, config):
+        # weight, lora_a, lora_b: the queries' params (StudentQueries.params; the pair None without LoRA)
         ctx.query_fn, ctx.block_rows, ctx.geometry, ctx.student_dtype = query_fn, block_rows, geometry, student_dtype
         ctx.config = config
-        ctx.save_for_backward(qr, cos, sin, weight, w, k_idx, row_weight, selected, stats, mass)
+        ctx.save_for_backward(qr, cos, sin, weight, lora_a, lora_b, w, k_idx, row_weight, selected, stats, mass)
         return loss_rows.sum()
 
     @staticmethod
     def backward(ctx, grad):
-        qr, cos, sin, weight, w, k_idx, row_weight, selected, stats, mass = ctx.saved_tensors
+        qr, cos, sin, weight, lora_a, lora_b, w, k_idx, row_weight, selected, stats, mass = ctx.saved_tensors
         heads, head_dim, q_dtype = ctx.geometry
-        need_qr, need_weight, need_w, need_k = (ctx.needs_input_grad[i] for i in (4, 7, 8, 9))
+        need_qr, need_w, need_k = (ctx.needs_input_grad[i] for i in (4, 10, 11))
+        params = [(t, need) for t, need in zip((weight, lora_a, lora_b), ctx.needs_input_grad[7:10]) if t is not None]
         grad = grad.float().reshape(1).contiguous()
         # The sparse backward kernel reads the stored masses, never q, ckv or lse (only q's geometry and dtype
         # pick the compiled variant), so one-element placeholders stand in for them.
         q_shape = torch.empty((1, heads, head_dim), dtype=q_dtype, device=w.device)
         acc = torch.promote_types(weight.dtype, torch.float32)
         dqr = torch.empty_like(qr) if need_qr else None
-        dweight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+        sums = [torch.zeros(t.shape, dtype=acc, device=t.device) if need else None for t, need in params]
         dw = torch.empty_like(w) if need_w else None
         dk = torch.zeros(k_idx.shape, dtype=torch.float32, device=k_idx.device)
         k_op = k_idx.to(ctx.student_dtype).contiguous()
@@ -430,21 +432,23 @@ class IndexerKLFromTeacher(torch.autograd.Function):
             hi = min(lo + ctx.block_rows, qr.shape[0])
             with torch.enable_grad():
                 qr_b = qr[lo:hi].detach().requires_grad_(need_qr)
-                weight_b = weight.detach().requires_grad_(need_weight)
-                q_idx = ctx.query_fn(qr_b, cos[lo:hi], sin[lo:hi], weight_b)
+                params_b = [t.detach().requires_grad_(need) for t, need in params]
+                q_idx = ctx.query_fn(qr_b, cos[lo:hi], sin[lo:hi], *params_b)
             dq, dw_b, _ = indexer_kl_bwd(grad, q_idx.detach().to(k_op.dtype).contiguous(), w[lo:hi], k_op, q_shape,
                                          q_shape, stats, 0.0, row_weight[lo:hi], selected[lo:hi], stats, stats,
                                          stats[lo:hi], mass[lo:hi], dk_accum=dk, config=ctx.config)
             if need_w:
                 dw[lo:hi] = dw_b
-            wrt = [t for t in (qr_b, weight_b) if t.requires_grad]
+            wrt = [t for t in (qr_b, *params_b) if t.requires_grad]
             if wrt:
                 got = iter(torch.autograd.grad(q_idx, wrt, dq.to(q_idx.dtype)))
                 if need_qr:
                     dqr[lo:hi] = next(got)
-                if need_weight:
-                    dweight += next(got)
-        return _FromTeacherGrads(qr=dqr, weight=None if dweight is None else dweight.to(weight.dtype), w=dw,
+                for total in sums:
+                    if total is not None:
+                        total += next(got)
+        dparams = [None if g is None else g.to(t.dtype) for g, (t, _) in zip(sums, params)] + [None, None]
+        return _FromTeacherGrads(qr=dqr, weight=dparams[0], lora_a=dparams[1], lora_b=dparams[2], w=dw,
                                  k_idx=dk.to(k_idx.dtype) if need_k else None)
 
 
@@ -456,11 +460,13 @@ def indexer_kl_from_teacher_triton(queries, w: Tensor, k_idx: Tensor, teacher, r
     """The sparse loss from a ``SparseTeacher`` filled by :func:`sparse_teacher_block_triton` (fp32 scalar), its
     backward recomputing the queries from ``queries`` (a ``StudentQueries``) block by block, launched with
     ``config`` (None: the defaults)."""
-    qr, weight = queries.qr, queries.weight
+    qr, params = queries.qr, queries.params
+    weight = params[0]
     if k_idx.shape[0] == 0 or qr.shape[0] == 0 or teacher.geometry is None:
-        return (qr.sum() + weight.sum() + w.sum() + k_idx.sum()).float() * 0
+        return (qr.sum() + sum(p.sum() for p in params) + w.sum() + k_idx.sum()).float() * 0
     dtype = _student_dtype(torch.promote_types(qr.dtype, weight.dtype), k_idx.dtype)  # that of the forward's student
+    lora_a, lora_b = params[1:] if len(params) == 3 else (None, None)
     return IndexerKLFromTeacher.apply(queries.fn, max(1, queries.chunk_rows), teacher.geometry, dtype, qr,
-                                      queries.cos, queries.sin, weight,
+                                      queries.cos, queries.sin, weight, lora_a, lora_b,
                                       w.float().contiguous(), k_idx, teacher.loss_rows, row_weight.float().contiguous(),
                                       selected.to(torch.int64).contiguous(), teacher.stats, teacher.mass, config)

@@ -85,21 +85,18 @@ class GroupCount:
     multiply-adds per token (the forward's FLOPs / 2); ``lora``: sum of ``in + out`` over its adapted linear maps
     (times the rank: the LoRA parameters); ``lora_macs``: the same over the maps whose LoRA runs factored per token
     (``x A^T B^T``: a linear called as a module, the routed experts' pairs for the ``k`` a token runs; times the
-    rank: its multiply-adds per token; the attention's and the shared expert's read projections run their pairs
-    factored too, :class:`~csattn.layers.modules.Projection`); ``read_macs``: multiply-adds per token of the
-    matrices whose LoRA is an effective weight ``W + s B A`` (the indexer's ``q_b``, whose recomputing paths carry
-    one weight): their weight-gradient GEMM runs even when frozen."""
+    rank: its multiply-adds per token; the projections the layer reads run their pairs factored too,
+    :class:`~csattn.layers.modules.Projection`)."""
 
     matrix: int = 0
     small: int = 0
     macs: int = 0
     lora: int = 0
     lora_macs: int = 0
-    read_macs: int = 0
 
     def __add__(self, o: GroupCount) -> GroupCount:
         return GroupCount(self.matrix + o.matrix, self.small + o.small, self.macs + o.macs, self.lora + o.lora,
-                          self.lora_macs + o.lora_macs, self.read_macs + o.read_macs)
+                          self.lora_macs + o.lora_macs)
 
     @property
     def params(self) -> int:
@@ -138,8 +135,7 @@ def _attention_groups(c: DeepseekV4ModelConfig, i: int) -> dict[str, GroupCount]
         out["compressor"] = GroupCount(m, r * 2 * d + d, m, 2 * (D + 2 * d), 2 * (D + 2 * d))
         m = 2 * 2 * cI * D + HI * cI * ql + HI * D
         io = 2 * (D + 2 * cI) + (ql + HI * cI) + (D + HI)
-        # its q_b_proj is read whole; the compressor's two projections and the head weights run as modules
-        out["indexer"] = GroupCount(m, r * 2 * cI + cI, m, io, 2 * (D + 2 * cI) + (D + HI), HI * cI * ql)
+        out["indexer"] = GroupCount(m, r * 2 * cI + cI, m, io, io)  # every pair factored (q_b_proj's read)
     elif a.layer_type == "hca":
         m = 2 * d * D
         out["compressor"] = GroupCount(m, a.compress_ratio * d + d, m, 2 * (D + d), 2 * (D + d))
@@ -257,14 +253,13 @@ def flop_counts(c: DeepseekV4ModelConfig, t: Training, fp8_held: bool = True) ->
     """What one step of ``t`` runs beside the full model's FLOPs, per token: the keyword arguments of
     :func:`~csattn.models.deepseek_v4.flops.finetune_flops` from the groups' counts. ``frozen_macs``: the frozen
     groups' multiply-adds (no weight gradient); ``fp8_macs``: those held in FP8 (``fp8_held``; False: none, for a
-    weight-only base that multiplies in bf16); ``lora_rank``; ``lora_io``: ``in + out`` of the adapted maps run
-    factored; ``effective_macs``: the adapted matrices read whole (an effective weight ``W + s B A``)."""
+    weight-only base that multiplies in bf16); ``lora_rank``; ``lora_io``: the adapted maps' multiply-adds per token
+    and rank (all run factored)."""
     groups = cached(c, "totals", 0, lambda: count_groups(c).total())
     lora = [v for g, v in groups.items() if g in t.lora_targets] if t.lora_rank else []
     return {"frozen_macs": sum(v.macs for g, v in groups.items() if g not in t.train),
             "fp8_macs": sum(v.macs for g, v in groups.items() if fp8_held and t.fp8(g)),
-            "lora_rank": t.lora_rank, "lora_io": sum(v.lora_macs for v in lora),
-            "effective_macs": sum(v.read_macs for v in lora)}
+            "lora_rank": t.lora_rank, "lora_io": sum(v.lora_macs for v in lora)}
 
 
 _CACHE: dict[tuple[int, str, Any], tuple[DeepseekV4ModelConfig, Any]] = {}

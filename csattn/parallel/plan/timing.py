@@ -35,7 +35,7 @@ def mfu_at(rows: float) -> float:
 def step_flops(c: DeepseekV4ModelConfig, seq_len: int, t: Training) -> tuple[float, float]:
     """``(bf16 FLOPs, FP8-held FLOPs)`` run on one sequence of ``seq_len`` tokens under ``t``:
     :func:`~csattn.models.deepseek_v4.flops.finetune_flops` of the groups' counts (:func:`flop_counts`: no
-    weight-gradient GEMM for a frozen group unless its LoRA is an effective weight, LoRA's GEMMs), the forward and
+    weight-gradient GEMM for a frozen group, LoRA's GEMMs), the forward and
     input-gradient GEMMs of FP8-held groups counted apart (either compute mode: the caller applies its rate)."""
     def f() -> tuple[float, float]:
         fl = finetune_flops(c, [0, seq_len], **flop_counts(c, t))
