@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers.attention import HybridAttention
-from ..layers.modules import GroupedLinear, LowRankTerm, Projection
+from ..layers.modules import GroupedLinear, LowRankTerm, Projection, linear
 from ..models.deepseek_v4.moe import Experts
 from ..ops.autograd import with_zero_grads
 from ..ops.moe import ExpertLora, moe_experts
@@ -86,12 +86,8 @@ class LoraLinear(nn.Linear, _Factors):
     lora_dropout: nn.Module
 
     def forward(self, x: Tensor) -> Tensor:
-        y = super().forward(x)
-        xa = nn.functional.linear(self.lora_dropout(x), self.lora_A)
-        # the scaled product added by the GEMM itself (beta = 1): no [..., out] product, scaling and sum passes
-        out = torch.addmm(y.reshape(-1, y.shape[-1]), xa.reshape(-1, xa.shape[-1]), self.lora_B.t(),
-                          alpha=self.lora_scale)
-        return out.view(y.shape)
+        term = LowRankTerm(self.lora_A, self.lora_B, self.lora_scale)
+        return linear(x, Projection(self.weight, term), self.bias, term_input=self.lora_dropout(x))
 
 
 class LoraWeight(_Factors):

@@ -37,7 +37,15 @@ from ..ops.backend import Backend
 from ..ops.recompute import NoCtx
 from ..ops.rope import apply_rope
 from ..ops.sparse_attn import SparseAttnConfig, sparse_attn_chunk, sparse_attn_ref
-from .modules import LowRankTerm, Projection, grouped_linear, linear, rms_norm_unweighted
+from .modules import (
+    LowRankTerm,
+    Projection,
+    grouped_augmented,
+    grouped_linear,
+    grouped_product,
+    linear,
+    rms_norm_unweighted,
+)
 
 __all__ = ["BlockIds", "CoreGeometry", "attention_core", "query_heads", "grouped_output", "output_projection"]
 
@@ -280,11 +288,7 @@ class _AttentionCore(torch.autograd.Function):
 def _projections(weights: tuple[Tensor, Tensor, Tensor], terms, scales) -> tuple[Projection, ...]:
     """``q_b``, ``o_a``, ``o_b`` from the weights, the terms' flat factors ``(a, b) x 3`` (None: no term) and their
     scales."""
-    out = []
-    for i, w in enumerate(weights):
-        a, b = terms[2 * i], terms[2 * i + 1]
-        out.append(Projection(w, None if a is None else LowRankTerm(a, b, scales[i])))
-    return tuple(out)
+    return tuple(Projection.of((w, *terms[2 * i:2 * i + 2]), scales[i]) for i, w in enumerate(weights))
 
 
 def _augmented(p: Projection) -> Tensor | None:
@@ -304,27 +308,15 @@ def _product(x: Tensor, p: Projection, w_aug: Tensor | None) -> Tensor:
 
 
 def _grouped_augmented(p: Projection, groups: int) -> Tensor | None:
-    """``[W_g ; a]`` per group (``[G, o + r, i]``) for :func:`_grouped_product`, or None without a term."""
-    if p.term is None:
-        return None
-    w_g = p.weight.view(groups, -1, p.weight.shape[-1])
-    return torch.cat([w_g, p.term.a.to(w_g.dtype).expand(groups, -1, -1)], 1)
+    return None if p.term is None else grouped_augmented(p.weight, groups, p.term)
 
 
 def _grouped_product(u: Tensor, p: Projection, w_aug: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """``(z, ua)`` without autograd: the grouped ``z_g = u_g W_g^T + scale (u_g a^T) b_g^T`` ``[R, G o]`` and ``u a^T``
-    ``[R, G, r]`` (None without a term) from one batched GEMM over ``u [R, G, i]`` and ``w_aug`` =
-    ``[W_g ; a]`` (:func:`_grouped_augmented`): ``u`` (``H d`` wide, the layer's widest) is read once."""
-    groups = u.shape[1]
+    """``(z, u a^T)`` of ``o_a_proj`` on ``u [R, G, i]`` without autograd (:func:`~.modules.grouped_product`;
+    ``u a^T`` None without a term)."""
     if w_aug is None:
-        return grouped_linear(u, p.weight, groups), None
-    o = w_aug.shape[1] - p.term.a.shape[0]
-    both = u.new_empty(u.shape[0], groups, w_aug.shape[1])  # [R, G, o + r], written through its [G, R, .] view
-    torch.bmm(u.transpose(0, 1), w_aug.transpose(1, 2), out=both.transpose(0, 1))
-    z, ua = both[..., :o], both[..., o:]
-    b_t = p.term.b.view(groups, o, -1).transpose(1, 2)  # [G, r, o]
-    z.transpose(0, 1).baddbmm_(ua.transpose(0, 1), b_t, alpha=p.term.scale)  # each group's term by its GEMM
-    return z.reshape(u.shape[0], groups * o), ua
+        return grouped_linear(u, p.weight, u.shape[1]), None
+    return grouped_product(u, p.weight, p.term, w_aug)
 
 
 def _linear_backward(dy: Tensor, x: Tensor, p: Projection, dw: Tensor | None, dab: list,
@@ -347,7 +339,7 @@ def _linear_backward(dy: Tensor, x: Tensor, p: Projection, dw: Tensor | None, da
             _add_product(dab[0], dyb.t(), x)
         if dab[1] is not None:
             _add_product(dab[1], dy.t(), F.linear(x, a))
-        dx = dx.addmm(dyb, a, alpha=scale) if w_aug is not None else dx.addmm_(dyb, a, alpha=scale)
+        dx = torch.addmm(dx, dyb, a, alpha=scale)
     return dx
 
 
@@ -410,7 +402,7 @@ def attention_core(
     keys = keys.contiguous()
     projections = (q_b, o_a, o_b)
     terms = tuple(t for p in projections for t in (p.term[:2] if p.term else (None, None)))
-    scales = tuple(p.term.scale if p.term else 0.0 for p in projections)
+    scales = tuple(p.scale for p in projections)
     args = (qr, cos, sin, keys, sinks, q_b.weight, o_a.weight, o_b.weight, *terms)
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in args):
         with torch.no_grad():

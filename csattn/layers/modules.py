@@ -20,7 +20,8 @@ from ..packing import CompressMeta
 
 __all__ = [
     "RowPieces", "map_rows", "RMSNorm", "rms_norm_unweighted", "GroupedLinear", "grouped_linear", "Compressor",
-    "Indexer", "IndexerScorer", "indexer_queries", "LowRankTerm", "Projection", "linear",
+    "Indexer", "IndexerScorer", "indexer_queries", "LowRankTerm", "Projection", "linear", "grouped_augmented",
+    "grouped_product",
 ]
 
 
@@ -82,15 +83,20 @@ class Projection(NamedTuple):
     weight: Tensor
     term: LowRankTerm | None = None
 
+    @property
+    def scale(self) -> float:
+        """The term's scale (0.0 without a term): what :meth:`of` takes back beside :meth:`tensors`."""
+        return self.term.scale if self.term is not None else 0.0
+
     def tensors(self) -> tuple[Tensor, ...]:
         """``(W,)`` or ``(W, a, b)``: the tensors a recomputing op carries (see :meth:`of`)."""
         return (self.weight,) if self.term is None else (self.weight, self.term.a, self.term.b)
 
     @staticmethod
-    def of(tensors: tuple[Tensor, ...], scale: float) -> Projection:
-        """The projection of :meth:`tensors`' output and the term's ``scale``."""
+    def of(tensors: tuple[Tensor | None, ...], scale: float) -> Projection:
+        """The projection of :meth:`tensors`' output (or ``(W, None, None)``: no term) and the term's ``scale``."""
         w, *ab = tensors
-        return Projection(w, LowRankTerm(ab[0], ab[1], scale) if ab else None)
+        return Projection(w, LowRankTerm(ab[0], ab[1], scale) if ab and ab[0] is not None else None)
 
     def merged(self) -> Tensor:
         """``W + scale b a`` in ``W``'s dtype, for the paths that carry one weight tensor (its gradient reaches
@@ -101,14 +107,14 @@ class Projection(NamedTuple):
         return torch.addmm(self.weight, b.to(self.weight.dtype), a.to(self.weight.dtype), alpha=scale)
 
 
-def linear(x: Tensor, p: Projection) -> Tensor:
-    """``x [..., in]`` -> ``[..., out]``: ``x W^T`` plus the term, which the GEMM adds (beta 1: no product, scaling
-    and sum passes over the output)."""
-    y = nn.functional.linear(x, p.weight)
+def linear(x: Tensor, p: Projection, bias: Tensor | None = None, term_input: Tensor | None = None) -> Tensor:
+    """``x [..., in]`` -> ``[..., out]``: ``x W^T + bias`` plus the term on ``term_input`` (default ``x``; LoRA's
+    dropout gives it another), which the GEMM adds (beta 1: no product, scaling and sum passes over the output)."""
+    y = nn.functional.linear(x, p.weight, bias)
     if p.term is None:
         return y
     a, b, scale = p.term
-    xa = nn.functional.linear(x, a)
+    xa = nn.functional.linear(x if term_input is None else term_input, a)
     return torch.addmm(y.reshape(-1, y.shape[-1]), xa.reshape(-1, xa.shape[-1]), b.t(), alpha=scale).view(y.shape)
 
 
@@ -135,22 +141,39 @@ def grouped_linear(x: Tensor, weight: Tensor, groups: int, term: LowRankTerm | N
     # one batched GEMM over the groups on x's own strides (an einsum would first copy x group-major); without
     # autograd it writes the token-major output in place (no copy of the group-major product either)
     xt, wt = x.transpose(0, 1), w.transpose(1, 2)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *(term[:2] if term else ())))
-    if grad:
-        out = torch.bmm(xt, wt).transpose(0, 1)
-    else:
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *(term[:2] if term else ())))):
+        if term is not None:
+            return grouped_product(x, weight, term, grouped_augmented(weight, groups, term))[0]
         out = x.new_empty(x.shape[0], groups, w.shape[1])
         torch.bmm(xt, wt, out=out.transpose(0, 1))
+        return out.flatten(1)
+    out = torch.bmm(xt, wt)  # [g, T, out]
     if term is not None:
         a, b, scale = term
-        xa = nn.functional.linear(x, a).transpose(0, 1)  # [g, T, r]
-        # the group-major view of the output takes each group's product in the GEMM (beta 1)
-        bt = b.view(groups, -1, b.shape[-1]).transpose(1, 2)  # [g, r, out]
-        if grad:
-            out = torch.baddbmm(out.transpose(0, 1), xa, bt, alpha=scale).transpose(0, 1)
-        else:
-            out.transpose(0, 1).baddbmm_(xa, bt, alpha=scale)
-    return out.flatten(1)
+        # each group's term added by its GEMM (beta 1)
+        out = torch.baddbmm(out, nn.functional.linear(x, a).transpose(0, 1),
+                            b.view(groups, -1, b.shape[-1]).transpose(1, 2), alpha=scale)
+    return out.transpose(0, 1).flatten(1)
+
+
+def grouped_augmented(weight: Tensor, groups: int, term: LowRankTerm) -> Tensor:
+    """``[W_g ; a]`` per group (``[g, out + r, in]``) for :func:`grouped_product` (a copy of ``W``: made once where
+    many row blocks take it)."""
+    w_g = weight.view(groups, -1, weight.shape[-1])
+    return torch.cat([w_g, term.a.to(w_g.dtype).expand(groups, -1, -1)], 1)
+
+
+def grouped_product(x: Tensor, weight: Tensor, term: LowRankTerm, w_aug: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`grouped_linear` with a term, without autograd: ``(z [T, g out], x a^T [T, g, r])`` from one batched GEMM
+    over ``x [T, g, in]`` and ``w_aug`` = ``[W_g ; a]`` (:func:`grouped_augmented`), so ``x`` is read once (the
+    attention's ``o_a_proj`` input is ``H d`` wide, the layer's widest); each group's ``scale (x_g a^T) b_g^T`` is
+    then added by its GEMM (beta 1)."""
+    groups, o = x.shape[1], weight.shape[0] // x.shape[1]
+    both = x.new_empty(x.shape[0], groups, w_aug.shape[1])  # [T, g, out + r], written through its [g, T, .] view
+    torch.bmm(x.transpose(0, 1), w_aug.transpose(1, 2), out=both.transpose(0, 1))
+    z, xa = both[..., :o], both[..., o:]
+    z.transpose(0, 1).baddbmm_(xa.transpose(0, 1), term.b.view(groups, o, -1).transpose(1, 2), alpha=term.scale)
+    return z.reshape(x.shape[0], groups * o), xa
 
 
 def _linear(dim_in: int, dim_out: int) -> nn.Linear:
@@ -244,8 +267,7 @@ class Indexer(Compressor):
 
     def _query_fn(self, backend: Backend, q_b: Projection) -> Callable[..., Tensor]:
         """``fn(qr, cos, sin, *q_b.tensors())``: the queries from the projection's tensors."""
-        return partial(_indexer_queries_of, heads=self.n_heads, backend=backend,
-                       scale=q_b.term.scale if q_b.term is not None else 0.0)
+        return partial(_indexer_queries_of, heads=self.n_heads, backend=backend, scale=q_b.scale)
 
 
 def _indexer_queries_of(qr: Tensor, cos: Tensor, sin: Tensor, *tensors: Tensor, heads: int, backend: Backend,

@@ -25,19 +25,15 @@ def query_heads_chunked(qr: Tensor, cos: Tensor, sin: Tensor, q_b: Projection, h
                         chunk_rows: int) -> Tensor:
     """:func:`~csattn.layers.core.query_heads` row-chunked (recomputed block by block in the backward), its
     low-rank term factored: gradients reach the weight only if it requires them."""
-    fn = partial(_query_rows, heads=heads, eps=eps, scale=_scale(q_b))
+    fn = partial(_query_rows, heads=heads, eps=eps, scale=q_b.scale)
     return row_chunked(fn, (qr, cos, sin), q_b.tensors(), chunk_rows)
 
 
 def output_chunked(o: Tensor, cos: Tensor, sin: Tensor, o_a: Projection, o_b: Projection, groups: int,
                    chunk_rows: int) -> Tensor:
     """:func:`~csattn.layers.core.output_projection` row-chunked, as :func:`query_heads_chunked`."""
-    fn = partial(_output_rows, groups=groups, split=len(o_a.tensors()), scales=(_scale(o_a), _scale(o_b)))
+    fn = partial(_output_rows, groups=groups, split=len(o_a.tensors()), scales=(o_a.scale, o_b.scale))
     return row_chunked(fn, (o, cos, sin), (*o_a.tensors(), *o_b.tensors()), chunk_rows)
-
-
-def _scale(p: Projection) -> float:
-    return p.term.scale if p.term is not None else 0.0
 
 
 def _query_rows(qr, cos, sin, *tensors, heads: int, eps: float, scale: float) -> Tensor:

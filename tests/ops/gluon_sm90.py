@@ -49,23 +49,26 @@ print(json.dumps({**info,
 """
 
 
-def build_sm90(fn, sig: dict, consts: dict, divisible: list[str]):
-    """Gluon kernel ``fn`` compiled for sm_90a (signature ``sig``, constexprs ``consts``, the arguments ``divisible``
-    16-aligned as the launcher specializes them), then its PTX through Triton's ptxas with ``-v``. Returns
-    ``(kernel, ptx, info)``, ``info``: ptxas's exit status, the end of its log and the spill stores. Run inside a
-    build script (:func:`run_build`), not under the interpreter."""
+def build_sm90(fn, sig: dict, consts: dict, divisible: list[str], gluon: bool = True):
+    """Gluon kernel ``fn`` (``gluon=False``: a Triton one) compiled for sm_90a (signature ``sig``, constexprs
+    ``consts``, the arguments ``divisible`` 16-aligned as the launcher specializes them), then its PTX through
+    Triton's ptxas with ``-v``. Returns ``(kernel, ptx, info)``, ``info``: ptxas's exit status, the end of its log
+    and the spill stores. Run inside a build script (:func:`run_build`), not under the interpreter."""
     import re
     import tempfile
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.compiler import ASTSource
+
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
     sig = {**sig, **{k: "constexpr" for k in consts}}
-    src = GluonASTSource(fn=fn, signature=sig, attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]]
-                                                      for k in divisible},
-                         constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    src = ASTSource(fn=fn, signature=sig, attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]]
+                                                 for k in divisible},
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:

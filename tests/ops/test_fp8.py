@@ -192,8 +192,8 @@ def test_grouped_reference_vs_fp64(e, n, k, counts, tail, trans, assert_close):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_grouped_low_rank_term_vs_fp64(e, n, k, counts, tail, trans, dtype, assert_close):
     """``low_rank``: rows of group ``e`` get ``scale * v w_e^T`` on top of the product (on the CPU: the reference
-    path; fp64 by a loop, fp32 by grouped_mm with a group over the rows past ``offs[-1]``, which stay zero); a
-    term that does not fit the output is refused by name."""
+    path, a loop of matmuls; rows past ``offs[-1]`` stay zero); a term that does not fit the output is refused by
+    name."""
     g = torch.Generator().manual_seed(e + n + 1)
     q, s = _weight((e, n, k), g)
     offs = _offsets(counts)

@@ -7,28 +7,15 @@ from __future__ import annotations
 from tests.ops.gluon_sm90 import run_build
 
 _SCRIPT = r"""
-import json, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
+import json, re
+from tests.ops.gluon_sm90 import build_sm90
 from csattn.ops.fp8.triton import _low_rank_add_kernel
 from csattn.ops.moe.lora_triton import _rank_grad_kernel, _rank_in_kernel
 
 
 def build(fn, sig, consts):
-    sig = {**sig, **{k: "constexpr" for k in consts}}
-    div = [k for k, v in sig.items() if v.startswith("*")]
-    src = ASTSource(fn=fn, signature=sig, attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in div},
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        open(f"{tmp}/k.ptx", "w").write(ptx)
-        run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                             capture_output=True, text=True)
-    log = run.stdout + run.stderr
-    spills = re.findall(r"(\d+) bytes spill stores", log)
-    return {"rc": run.returncode, "spills": int(spills[0]) if spills else None,
+    _, ptx, info = build_sm90(fn, sig, consts, [k for k, v in sig.items() if v.startswith("*")], gluon=False)
+    return {"rc": info["ptxas_rc"], "spills": info["spill_stores"],
             "mma": sorted(set(re.findall(r"(?:wgmma\.mma_async|mma)\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))}
 
 

@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 
 from ..backend import interpreting, triton_version
-from ..backend import torch_grouped_mm as _grouped_mm
 from .naive import BLOCK, FP8_DTYPE, _cdiv, _check_grouped, fp8_grouped_mm_ref, low_rank_ref
 
 __all__ = ["COMPUTES", "Fp8Rows", "LowRank", "add_low_rank", "check_compute", "fp8_grouped_mm", "gluon_fits",
@@ -182,25 +181,15 @@ def _padded(lr: LowRank, rank: int) -> LowRank:
 
 def add_low_rank(out: Tensor, lr: LowRank | None, offs: Tensor) -> Tensor:
     """``out [M, n_out]`` plus the low-rank term ``lr``, in place (``out`` is a GEMM's own fresh output), rows past
-    ``offs[-1]`` left as they are: on CUDA one Triton pass over ``out`` (:func:`.triton.low_rank_add_triton`), else
-    ``grouped_mm`` where it takes the operands, else a loop of matmuls."""
+    ``offs[-1]`` left as they are: on CUDA one Triton pass over ``out`` (:func:`.triton.low_rank_add_triton`: read,
+    fp32 sum, one rounding), elsewhere a loop of matmuls (:func:`.naive.low_rank_ref`)."""
     if lr is None:
         return out
-    if out.is_cuda and out.dtype in KERNEL_DTYPES and out.stride(-1) == 1 and lr.v.dtype == out.dtype:
+    if out.is_cuda and out.dtype in (torch.float32, *KERNEL_DTYPES) and out.stride(-1) == 1:
         from .triton import low_rank_add_triton  # lazy: Triton optional
 
         return low_rank_add_triton(out, lr.v, lr.w, lr.scale, offs)
-    if _grouped_mm is None or lr.v.dtype not in (torch.float32, torch.bfloat16) \
-            or (lr.v.shape[1] * lr.v.element_size()) % 16:  # grouped_mm's dtypes and 16-byte rows
-        return out.add_(low_rank_ref(lr.v, lr.w, offs), alpha=lr.scale)
-    # grouped_mm leaves the rows of no group unwritten: one more group over them, its w and v zero (a [1, N, R]
-    # and an [M, R] pass, where masking the [M, N] product would be one over the output)
-    m = out.shape[0]
-    past = torch.arange(m, device=out.device) >= offs[-1]
-    v = lr.v.masked_fill(past[:, None], 0)
-    w = torch.cat([lr.w, lr.w.new_zeros((1, *lr.w.shape[1:]))])
-    offs = torch.cat([offs, offs.new_full((1,), m)])
-    return out.add_(_grouped_mm(v, w.transpose(-2, -1), offs=offs), alpha=lr.scale)
+    return out.add_(low_rank_ref(lr.v, lr.w, offs), alpha=lr.scale)
 
 
 def _check_low_rank(lr: LowRank | None, m: int, weight: Tensor, trans: bool, dtype: torch.dtype | None) -> None:

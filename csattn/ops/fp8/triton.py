@@ -230,15 +230,16 @@ def _low_rank_add_kernel(out, v, w, offs, M, N, E, R, scale, stride_om, stride_v
                  mask=kmask[:, None] & cmask[None, :], other=0.0)
     mask = rmask[:, None] & cmask[None, :]
     ptrs = out + r64[:, None] * stride_om + cols[None, :]
-    acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + scale * tl.dot(vt, wt)
+    acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + scale * tl.dot(vt, wt, input_precision="ieee")
     tl.store(ptrs, acc.to(out.dtype.element_ty), mask=mask)
 
 
 def low_rank_add_triton(out: Tensor, v: Tensor, w: Tensor, scale: float, offs: Tensor) -> Tensor:
     """``out [M, N] += scale * v[rows of e] @ w[e]^T`` in place, one pass over ``out`` (read, the fp32 sum, one
-    rounding, written; rows past ``offs[-1]`` untouched), ``v [M, R]`` and ``w [E, N, R]`` in ``out``'s dtype: the
-    low-rank term of a grouped GEMM whose kernel does not take it (``grouped_mm``, the weight-only and Triton FP8
-    kernels). A product written by a grouped GEMM and then added would be four passes over ``[M, N]``."""
+    rounding, written; rows past ``offs[-1]`` untouched; fp32 operands multiplied exactly, not in TF32), ``v [M, R]``
+    and ``w [E, N, R]`` in ``out``'s dtype: the low-rank term of a grouped GEMM whose kernel does not take it
+    (``grouped_mm``, the weight-only and Triton FP8 kernels). A product written by a grouped GEMM and then added
+    would be four passes over ``[M, N]``."""
     m, n = out.shape
     e, r = w.shape[0], w.shape[2]
     if m == 0 or n == 0:

@@ -111,11 +111,10 @@ def _zero_empty_groups(grad: Tensor, offs: Tensor) -> Tensor:
 def _expert_mm(a: Tensor | Fp8Rows, weight: Tensor, offs: Tensor, scale: Tensor | None, compute: str,
                out_dtype: torch.dtype, trans: bool = False, low_rank: LowRank | None = None) -> Tensor:
     """Rows of each expert times ``W_e^T`` (``trans=False``) or ``W_e``, plus the LoRA term ``low_rank``:
-    ``grouped_mm`` (the term by :func:`~csattn.ops.fp8.add_low_rank`, in place: the output is this op's own), or for
-    a frozen FP8 weight
-    (``scale`` its 128x128 block scales) :func:`~csattn.ops.fp8.fp8_grouped_mm` in mode ``compute``, on rows or on
-    rows already quantized (:class:`~csattn.ops.fp8.Fp8Rows`, of ``out_dtype`` rows), whose kernel adds the term
-    before it rounds its output (no ``[N, out]`` product written and read again)."""
+    ``grouped_mm`` with the term added in place (:func:`~csattn.ops.fp8.add_low_rank`: the output is this op's own),
+    or for a frozen FP8 weight (``scale`` its 128x128 block scales) :func:`~csattn.ops.fp8.fp8_grouped_mm` in mode
+    ``compute``, on rows or on rows already quantized (:class:`~csattn.ops.fp8.Fp8Rows`, of ``out_dtype`` rows),
+    which takes the term itself."""
     if scale is not None:
         return fp8_grouped_mm(a, weight, scale, offs, trans=trans, compute=compute, out_dtype=out_dtype,
                               low_rank=low_rank)
@@ -159,7 +158,7 @@ class _GroupedExperts(torch.autograd.Function):
         # kernel); the bf16 rows only where LoRA's products still take them
         x_rows = _takes_rows(x, gate_up_proj, gate_up_scale, fp8_compute, trans=False)
         xp = x.index_select(0, plan.token) if not x_rows or (gate_up_a is not None and not kernels) else None
-        xa = _lora_in(_t(gate_up_a), _Rows(x, plan.token) if xp is None else _Rows(xp), plan.offs, kernels)
+        xa = _lora_in(_t(gate_up_a), _Rows.of(xp, x, plan.token), plan.offs, kernels)
         gu = _expert_mm(_gathered_rows(x, plan.token) if x_rows else xp, gate_up_proj, plan.offs, gate_up_scale,
                         fp8_compute, x.dtype, low_rank=_lora_out(xa, gate_up_b, lora_scales[0]))
         del xp
@@ -196,7 +195,7 @@ class _GroupedExperts(torch.autograd.Function):
         dy_rows = _takes_rows(dout, down_proj, down_scale, compute, trans=True)
         # [N, D]: un-permute's adjoint, a gather in expert order (LoRA's kernels read dout through the index)
         dy = dout.index_select(0, token) if need_down or not dy_rows or (dn_a is not None and not kernels) else None
-        dy_r = _Rows(dout, token) if dy is None else _Rows(dy)
+        dy_r = _Rows.of(dy, dout, token)
         dyb = _lora_in(dn_b, dy_r, offs, kernels)  # dy b [N, r]
         dh = _expert_mm(_gathered_rows(dout, token) if dy_rows else dy, down_proj, offs, down_scale, compute,
                         dout.dtype, trans=True, low_rank=_lora_out(dyb, _t(dn_a), ctx.lora_scales[1]))  # [N, I]
@@ -218,8 +217,8 @@ class _GroupedExperts(torch.autograd.Function):
         dxp = _expert_mm(dguq if dgu_rows else dgu, gate_up_proj, offs, gate_up_scale, compute, gu.dtype,
                          trans=True, low_rank=_lora_out(dgub, _t(gu_a), ctx.lora_scales[0])) if need_x else None
         del dguq
-        d_gu_a, d_gu_b = _lora_grads(_Rows(dgu), _Rows(x, token) if xp is None else _Rows(xp), dgub, xa,
-                                     ctx.lora_scales[0], offs, need_lora[:2], kernels)
+        d_gu_a, d_gu_b = _lora_grads(_Rows(dgu), _Rows.of(xp, x, token), dgub, xa, ctx.lora_scales[0], offs,
+                                     need_lora[:2], kernels)
         del xp, dgub
         dx = _gather_sum(backend, dxp, inv, k) if need_x else None
         dweights = dw.index_select(0, inv).view(-1, k).to(ctx.weights_dtype) if need_w else None
@@ -243,16 +242,19 @@ class _Rows(NamedTuple):
     src: Tensor
     index: Tensor | None = None
 
+    @staticmethod
+    def of(gathered: Tensor | None, src: Tensor, index: Tensor) -> _Rows:
+        """The rows already gathered where they were, else ``src`` through ``index``."""
+        return _Rows(src, index) if gathered is None else _Rows(gathered)
+
     def whole(self) -> Tensor:
         return self.src if self.index is None else self.src.index_select(0, self.index)
 
 
 def _lora_kernels(backend: Backend, x: Tensor) -> bool:
-    """Whether LoRA's rank-r products run the Triton kernels: the Triton path on bf16 / fp16 CUDA rows (fp32 would
-    take TF32 products there), or under the CPU interpreter."""
-    if not use_triton(backend):
-        return False
-    return interpreting() or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
+    """Whether LoRA's rank-r products run the Triton kernels: the Triton path on CUDA rows, or under the CPU
+    interpreter."""
+    return use_triton(backend) and (interpreting() or x.is_cuda)
 
 
 def _lora_in(w: Tensor | None, v: _Rows, offs: Tensor, kernels: bool) -> Tensor | None:

@@ -46,7 +46,7 @@ def _rank_in_kernel(x, index, w, offs, out, M, K, E, R, stride_xm, stride_we, st
         xt = tl.load(x + src[:, None] * stride_xm + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
         wt = tl.load(w + g.to(tl.int64) * stride_we + cols[:, None] * stride_wk + ks[None, :] * stride_wr,
                      mask=cmask[:, None] & kmask[None, :], other=0.0)
-        acc += tl.dot(xt, wt)
+        acc += tl.dot(xt, wt, input_precision="ieee")  # fp32 operands exactly, not in TF32
     tl.store(out + rows.to(tl.int64)[:, None] * stride_om + ks[None, :], acc.to(out.dtype.element_ty),
              mask=rmask[:, None] & kmask[None, :])
 
@@ -94,7 +94,7 @@ def _rank_grad_kernel(p, x, index, offs, out, K, R, scale, SPLIT, stride_pm, str
         pt = tl.load(p + rows.to(tl.int64)[:, None] * stride_pm + ks[None, :], mask=rmask[:, None] & kmask[None, :],
                      other=0.0)
         xt = tl.load(x + src[:, None] * stride_xm + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-        acc += tl.dot(tl.trans(pt), xt)
+        acc += tl.dot(tl.trans(pt), xt, input_precision="ieee")
     dest = out + tl.program_id(2).to(tl.int64) * stride_os + e.to(tl.int64) * stride_oe
     tl.store(dest + ks[:, None] * stride_or + cols[None, :] * stride_ok, (acc * scale).to(out.dtype.element_ty),
              mask=kmask[:, None] & cmask[None, :])
