@@ -123,7 +123,7 @@ def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Ten
         low_rank: a :class:`LowRank` term added to the output (``w [E, n_out, R]``, ``n_out`` the output's
             columns). The Gluon kernel can add it to its fp32 result before the one rounding (rank 16 or less,
             padded; one bf16 MMA a tile, its operands copied ahead by the producer; ``gluon.FUSE_LOW_RANK``);
-            elsewhere, and at higher ranks, a grouped GEMM adds it after.
+            elsewhere, and at higher ranks, :func:`add_low_rank` adds it after (one Triton pass on CUDA).
 
     Returns:
         ``[M, N]`` or ``[M, K]`` in ``a``'s dtype (``out_dtype``); rows past ``offs[-1]`` are zero. Not
