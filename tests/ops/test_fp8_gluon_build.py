@@ -12,9 +12,9 @@ from tests.ops.gluon_sm90 import run_build
 _SCRIPT = r"""
 import json, re, sys
 from tests.ops.gluon_sm90 import build_sm90
-from csattn.ops.fp8.gluon import fp8_grouped_gluon_kernel as fn, launch_settings, tile_smem
+from csattn.ops.fp8.gluon import SWAP_SETTINGS, fp8_grouped_gluon_kernel as fn, launch_settings, tile_smem
 
-trans, low_rank = sys.argv[1] == "1", sys.argv[2] == "1"
+trans, low_rank, swap = sys.argv[1] == "1", sys.argv[2] == "1", sys.argv[3] == "1"
 desc = f"tensordesc<fp8e4nv[128, 128],{tile_smem()!r}>"
 ints = ("M", "N", "KC", "E", "W_ROWS", "tiles_m", "tiles_n", "stride_sam", "stride_sak", "stride_swe", "stride_sbk",
         "stride_sbn", "stride_om")
@@ -24,13 +24,19 @@ if low_rank:  # the LoRA term at rank 16
     from triton.experimental.gluon import language as gl
     lr = gl.NVMMASharedLayout.get_default_for([128, 16], gl.bfloat16)
     sig["v_desc"] = sig["lw_desc"] = f"tensordesc<bf16[128, 16],{lr!r}>"
-kernel, ptx, info = build_sm90(fn, sig, dict(TRANS=trans, E_P2=512, LOW_RANK=low_rank, **launch_settings(trans)),
-                               [k for k, v in sig.items() if v.startswith("*")])
+settings = {**launch_settings(trans), **(SWAP_SETTINGS if swap else {})}
+# the output's row stride 16-aligned, as the launcher specializes it for the weights' multiples of 128
+kernel, ptx, info = build_sm90(fn, sig, dict(TRANS=trans, E_P2=512, LOW_RANK=low_rank, **settings),
+                               [k for k, v in sig.items() if v.startswith("*")] + ["stride_om"])
 print(json.dumps({**info, "serialized": any(c in info["ptxas"] for c in ("C7514", "C7512", "C7517")),
                   "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.",
                                                  ptx))),
                   "wait_group": sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))),
                   "tma": "cp.async.bulk.tensor" in ptx, "loads_b32": len(re.findall(r"ld\.shared\.b32", ptx)),
+                  "a_in_registers": len(re.findall(r"wgmma\.mma_async[^{]*\{[^}]*\}, \{[^}]*\}, %rd", ptx)),
+                  "ldmatrix_trans": len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16", ptx)),
+                  "loads_b8": len(re.findall(r"ld\.shared\.(?:b8|u8)", ptx)),
+                  "global_stores_b32": len(re.findall(r"st\.global\.b32", ptx)),
                   "stores_v4": len(re.findall(r"st\.shared\.v4", ptx)),
                   "shared": kernel.metadata.shared}))
 """
@@ -39,7 +45,7 @@ print(json.dumps({**info, "serialized": any(c in info["ptxas"] for c in ("C7514"
 @pytest.mark.parametrize("low_rank", [False, True])
 @pytest.mark.parametrize("trans", [False, True])
 def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
-    info = run_build(_SCRIPT, "1" if trans else "0", "1" if low_rank else "0")
+    info = run_build(_SCRIPT, "1" if trans else "0", "1" if low_rank else "0", "0")
     print({k: v for k, v in info.items() if k != "ptxas"})
     assert info["ptxas_rc"] == 0, info["ptxas"]
     assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]
@@ -50,3 +56,23 @@ def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
     # stores, in the loop and again in the drain after it (the forward moves its tiles by TMA only)
     assert (info["loads_b32"], info["stores_v4"]) == ((64, 16) if trans else (0, 0))
     assert info["shared"] <= 227 * 1024
+
+
+def test_gluon_fp8_input_gradient_swap_builds_for_sm90():
+    """``SWAP``: the input gradient as ``W_e^T dY^T`` with the weight's operand in registers. No transposition in
+    shared memory (no 4-byte loads or 16-byte stores of it): each math warpgroup reads its 64 columns of a stage's
+    weight tile by ``ldmatrix.trans`` on 16-bit pairs (16 bytes a thread an instruction: 4 a 128-deep step, at two
+    sites: the tile's first step and the next step's inside the loop) and sorts the bytes in registers; all its MMAs
+    take ``A`` from registers; the result leaves in 4-byte stores (two adjacent columns a thread); no spills at
+    :data:`SWAP_SETTINGS`'s register split."""
+    info = run_build(_SCRIPT, "1", "0", "1")
+    print({k: v for k, v in info.items() if k != "ptxas"})
+    assert info["ptxas_rc"] == 0, info["ptxas"]
+    assert info["spill_stores"] == 0 and not info["serialized"] and "C75" not in info["ptxas"], info["ptxas"]
+    assert info["wgmma"] == [["m64n128k32", "e4m3"]] and info["wait_group"] == ["0"] and info["tma"]
+    # two math warpgroups x 4 MMAs of depth 32 a step (one site); ldmatrix at two sites
+    assert info["a_in_registers"] == 8 and info["ldmatrix_trans"] == 16
+    assert (info["loads_b32"], info["stores_v4"], info["loads_b8"]) == (0, 0, 1)  # the one byte: as the forward
+    # 64 columns x 128 rows of bf16 a math warpgroup: 32 4-byte stores a thread, at two sites (result, zero rows)
+    assert info["global_stores_b32"] == 2 * 2 * 32
+    assert info["shared"] <= 160 * 1024  # no transposed buffers: 4 stages of two 16 KB tiles

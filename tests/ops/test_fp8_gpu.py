@@ -89,17 +89,21 @@ def test_grouped_kernel_vs_same_operands(trans, mode):
 GLUON_CASES = {"ragged": (16, 384, 640, 300), "deep": (4, 256, 2048, 700), "all_tail": (3, 128, 256, 0)}
 
 
-@pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize("way", ["fwd", "trans", "swap"])
 @pytest.mark.parametrize("case", list(GLUON_CASES))
-def test_gluon_grouped_vs_same_operands(case, trans):
+def test_gluon_grouped_vs_same_operands(case, way):
+    """Both directions against fp64 on the same quantized operands; the input gradient both ways (the producer
+    transposing the weight tile, and ``SWAP``: ``W_e^T dY^T`` with the weight's operand in registers)."""
+    trans = way != "fwd"
     e, n, k, most = GLUON_CASES[case]
     g = torch.Generator(device="cuda").manual_seed(4)
     q, s = _weight((e, n, k), g, n if trans else k)
     a = torch.randn(8, n if trans else k, device="cuda")
     if not gluon_fits(a, q):
         pytest.skip("the Gluon kernel runs on sm_90 only")
-    from csattn.ops.fp8.gluon import grouped_mm_gluon
+    from csattn.ops.fp8.gluon import SWAP_SETTINGS, grouped_mm_gluon
 
+    settings = SWAP_SETTINGS if way == "swap" else None
     counts = torch.randint(0, most + 1, (e,), generator=g, device="cuda")
     counts[0] = counts[e // 2] = 0
     offs = counts.cumsum(0).to(torch.int32)
@@ -107,16 +111,16 @@ def test_gluon_grouped_vs_same_operands(case, trans):
     a = torch.randn(m, n if trans else k, generator=g, device="cuda").bfloat16()
     qa, sa = quantize_1x128(a)
     out = torch.full((m, k if trans else n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    grouped_mm_gluon(qa, sa, q, s, offs, trans, out=out)
+    grouped_mm_gluon(qa, sa, q, s, offs, trans, out=out, settings=settings)
     out32 = torch.full(out.shape, float("nan"), device="cuda")
-    grouped_mm_gluon(qa, sa, q, s, offs, trans, out=out32)
-    again = grouped_mm_gluon(qa, sa, q, s, offs, trans, out_dtype=torch.float32)
+    grouped_mm_gluon(qa, sa, q, s, offs, trans, out=out32, settings=settings)
+    again = grouped_mm_gluon(qa, sa, q, s, offs, trans, out_dtype=torch.float32, settings=settings)
     ad = qa.double() * sa.double().repeat_interleave(128, dim=-1)
     same = fp8_grouped_mm_quantized(ad, q, s, offs, trans, quantize_a=False)
     assert torch.isfinite(out).all() and (out[int(offs[-1]):] == 0).all()
     assert torch.equal(out32, again)  # no race: the same bits twice
     err = rel_err(out32, same) if most else float(out32.abs().max())
-    print(f"gluon {case} trans={trans}: vs same operands {err:.2e}")
+    print(f"gluon {case} {way}: vs same operands {err:.2e}")
     # Hopper's FP8 MMA keeps about 14 bits in its accumulator over the 128-deep block (as the Triton kernel)
     assert err < 2.0 ** -12, err
     if most:

@@ -36,7 +36,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..backend import sm_count, triton_version
 
-__all__ = ["FUSE_LOW_RANK", "RANK", "fp8_grouped_gluon_kernel", "grouped_mm_gluon"]
+_reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret
+
+__all__ = ["FUSE_LOW_RANK", "RANK", "SWAP_SETTINGS", "fp8_grouped_gluon_kernel", "grouped_mm_gluon"]
 
 # Renamed between releases (Triton 3.6: async_copy_global_to_shared and thread_barrier; later: async_load, barrier)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -92,6 +94,40 @@ def transpose_layout():
                                       warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 64])
 
 
+@gluon.constexpr_function
+def dot_layout():
+    """Register layout of a math warpgroup's FP8 ``A`` operand ``[64, BK]`` (``SWAP``: the weight's rows)."""
+    return gl.DotOperandLayout(operand_index=0, parent=acc_layout(), k_width=4)
+
+
+@gluon.constexpr_function
+def tile_smem16():
+    """:func:`tile_smem` read as ``[BK, BN / 2]`` 16-bit elements (the same bytes: a 128-byte row, 16-byte chunks)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+@gluon.constexpr_function
+def pairs_layout():
+    """``[BK, 32]`` 16-bit pairs of a weight half ``[BK (contraction), 64 (output columns)]`` as ``ldmatrix.trans``
+    reads them: an 8 x 8 matrix of pairs a lane group, lane ``q = lane % 4`` given contraction rows ``4q`` and ``4q
+    + 1`` (its operand's rows ``4q .. 4q + 3`` come from two matrices: the ``2`` register basis), lane ``lane // 4``
+    a pair of output columns; warps walk the pairs by 8. Composed with :func:`swap_rows` this is
+    :func:`dot_layout` up to the order of a thread's registers (a permutation within each thread, no data
+    movement between threads)."""
+    return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [16, 0], [32, 0], [64, 0]],
+                                      lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
+                                      warp_bases=[[0, 8], [0, 16]], block_bases=[], shape=[128, 32])
+
+
+@gluon.constexpr_function
+def swap_store_layout():
+    """``[BM (rows), 64 (output columns)]`` of a ``SWAP`` result: the accumulator's layout transposed and relabeled
+    (:func:`swap_rows`), a thread's two adjacent columns first (4-byte stores; 8 lanes fill 32 bytes of a row)."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [1, 0], [8, 0], [16, 0], [32, 0], [64, 0]],
+                                      lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]],
+                                      warp_bases=[[0, 16], [0, 32]], block_bases=[], shape=[128, 64])
+
+
 @gluon.jit
 def _tile(t, table, tiles_m, tiles_n, E_P2: gl.constexpr, GROUP_M: gl.constexpr, WARPS: gl.constexpr = 4):
     """Work item ``t`` -> (group, first row, end row, column tile); group ``E + 1`` or more: no tile. ``table``
@@ -133,8 +169,9 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr):
 @gluon.jit
 def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank,
               TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              LAG: gl.constexpr, LOW_RANK: gl.constexpr):
+              LAG: gl.constexpr, LOW_RANK: gl.constexpr, SWAP: gl.constexpr):
     a_smem, raw, bt, land, ready, empty = smem
+    XPOSE: gl.constexpr = TRANS and not SWAP  # the producer transposes the weight tile
     nk = KC // BK
     it = 0
     nt = 0  # tiles with a group: the low-rank buffers' turns
@@ -145,7 +182,7 @@ def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, l
                 _load_low_rank(low_rank, nt, row0, g * (tiles_n * BN) + pid_n * BN)
                 nt += 1
             for kb in range(nk):
-                if TRANS:
+                if XPOSE:
                     # the transposition first: it waits only for its copies, not for a free stage, so the ready
                     # stages run ahead of the math warpgroups
                     if it >= LAG:
@@ -159,7 +196,7 @@ def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, l
                 else:
                     _tma_load(w_desc, [g * W_ROWS + pid_n * BN, kb * BK], land.index(s), raw.index(s))
                 it += 1
-    if TRANS:
+    if XPOSE:
         for j in range(gl.maximum(it - LAG, 0), it):
             _transpose_stage(j, raw, bt, land, ready, STAGES)
 
@@ -228,6 +265,95 @@ def _store(out, acc, rows, rmask, pid_n, N, stride_om):
 
 
 @gluon.jit
+def _swap_rows(x, FORWARD: gl.constexpr):
+    """Relabel the 64 rows of ``x [64, C]`` (no data movement: the bits of the row index permuted). ``FORWARD``: the
+    output columns of a weight half, bits ``(b5 .. b0)``, become the operand rows ``(b5, b4, b0, b3, b2, b1)``, so
+    the two rows 8 apart that a thread holds in the MMA's layouts are two adjacent columns (one 16-bit pair of the
+    weight, one 4-byte store of the result); else the inverse."""
+    C: gl.constexpr = x.shape[1]
+    x = gl.reshape(x, [2, 2, 2, 2, 2, 2, C])
+    if FORWARD:
+        x = gl.permute(x, (0, 1, 5, 2, 3, 4, 6))
+    else:
+        x = gl.permute(x, (0, 1, 3, 4, 5, 2, 6))
+    return gl.reshape(x, [64, C])
+
+
+@gluon.jit
+def _weight_operand(tile, HALF: gl.constexpr):
+    """``SWAP``: math warpgroup ``HALF``'s FP8 ``A`` operand ``[64, BK]`` from the weight tile ``[BK, BN]`` as copied
+    (contraction-major): its output columns ``[64 HALF, 64 HALF + 64)`` transposed, rows relabeled by
+    :func:`_swap_rows`. Read as 16-bit pairs by ``ldmatrix.trans`` (:func:`pairs_layout`; FP8's ``ldmatrix`` has no
+    transposing form on sm_90), the pairs' bytes then sorted within each thread's registers."""
+    tile16 = _reinterpret(tile, gl.int16, [BK, BN // 2], tile_smem16())
+    pairs = tile16.slice(HALF * 32, 32, dim=1).load(pairs_layout())
+    lo = (pairs & 0xFF).to(gl.int8)
+    hi = (pairs >> 8).to(gl.int8)
+    half = gl.reshape(gl.join(lo, hi), [BK, 64]).to(gl.float8e4nv, bitcast=True)
+    return gl.convert_layout(_swap_rows(gl.permute(half, (1, 0)), True), dot_layout())
+
+
+@gluon.jit
+def _store_swap(out, acc, row0, row_end, pid_n, stride_om, HALF: gl.constexpr):
+    """A ``SWAP`` math warpgroup's ``[64, BM]`` result (columns by rows) into ``out``'s rows ``[row0, row_end)``,
+    columns ``pid_n BN + 64 HALF + [0, 64)``."""
+    L: gl.constexpr = swap_store_layout()
+    x = gl.convert_layout(gl.permute(_swap_rows(acc.to(out.dtype.element_ty), False), (1, 0)), L)
+    rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, L))
+    cols = pid_n * BN + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+    ptrs = out + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, x, mask=gl.expand_dims(rows < row_end, 1))
+
+
+@gluon.jit
+def _math_swap(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_swe, stride_sbk, stride_sbn,
+               stride_om, smem, HALF: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
+               STAGES: gl.constexpr):
+    """``SWAP`` math warpgroup ``HALF`` (the input gradient without a transposition in shared memory): each tile's
+    transpose ``W_e^T dY^T``, its output columns ``[64 HALF, 64 HALF + 64)`` the MMA's rows (the weight's operand in
+    registers, :func:`_weight_operand`) by the tile's ``BM`` rows the MMA's columns (``dY``'s tile from shared
+    memory, K-major as copied). ``sa`` is the activation's scales transposed and padded (``[KC / 128, M + BM]``, rows
+    contiguous).
+    A step's product is waited for before the next starts (two accumulators, not three: the weight's operand takes
+    the registers); the other math warpgroup's product keeps the tensor cores busy meanwhile, and the next step's
+    operand is read while this one's runs."""
+    ACC: gl.constexpr = acc_layout()
+    COLS: gl.constexpr = gl.SliceLayout(0, ACC)
+    a_smem, raw, bt, land, ready, empty = smem
+    zero = gl.zeros([64, BM], gl.float32, layout=ACC)
+    nk = KC // BK
+    it = 0
+    for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+        g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
+        if g < E:
+            cols = gl.arange(0, BM, layout=COLS)
+            sw_ptr = sw + g.to(gl.int64) * stride_swe + pid_n * stride_sbn
+            acc = zero
+            mbarrier.wait(land.index(it % STAGES), (it // STAGES) & 1)
+            w = _weight_operand(raw.index(it % STAGES), HALF)
+            for kb in range(nk):
+                j = it + kb
+                tok = warpgroup_mma(w, a_smem.index(j % STAGES).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)
+                # unmasked: the scales are padded by a tile's rows (what a row past row_end gets is not stored)
+                sc = gl.load(sa + kb * stride_sak + row0 + cols) * gl.load(sw_ptr + kb * stride_sbk)
+                nxt = w
+                if kb + 1 < nk:  # the next step's operand while this product runs
+                    mbarrier.wait(land.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
+                    nxt = _weight_operand(raw.index((j + 1) % STAGES), HALF)
+                # (the weight's operand is no dependency here: the wait takes no 8-bit registers; ptxas keeps the
+                # registers of an MMA in flight until its wait, and w is overwritten only after it)
+                part = warpgroup_mma_wait(0, deps=[tok])
+                mbarrier.arrive(empty.index(j % STAGES), count=1)
+                acc = acc + part * gl.expand_dims(sc, 0)
+                w = nxt
+            it += nk
+            _store_swap(out, acc, row0, row_end, pid_n, stride_om, HALF)
+        elif g == E:  # rows past offs[-1]
+            _store_swap(out, zero, row0, row_end, pid_n, stride_om, HALF)
+
+
+@gluon.jit
 def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
           stride_sbn, stride_om, smem, low_rank, HALF: gl.constexpr, TRANS: gl.constexpr, E_P2: gl.constexpr,
           GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr):
@@ -285,7 +411,7 @@ def fp8_grouped_gluon_kernel(
     a_desc, w_desc, sa, sw, table, out, M, N, KC, E, W_ROWS, tiles_m, tiles_n,
     stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
-    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
+    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False, SWAP: gl.constexpr = False,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -295,7 +421,7 @@ def fp8_grouped_gluon_kernel(
     R]`` (blocks ``[128, R]``), 16-bit, added in fp32 before the one rounding."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], tile_smem())
     raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
-    if TRANS:
+    if TRANS and not SWAP:
         bt = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], tile_smem())
     else:
         bt = raw
@@ -318,14 +444,26 @@ def fp8_grouped_gluon_kernel(
         low_rank = (v_desc, lw_desc, l_scale, v_buf, w_buf, lr_land, lr_empty)
     else:
         low_rank = (v_desc, lw_desc, l_scale, a_smem, a_smem, land, empty)
-    gl.warp_specialize([
-        (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
-                 stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES, LOW_RANK)),
-        (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
-                 stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES, LOW_RANK)),
-        (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS, E_P2, GROUP_M,
-                     STAGES, LAG, LOW_RANK)),
-    ], [4, 4], [MATH_REGS, PRODUCER_REGS])
+    if SWAP:
+        gl.warp_specialize([
+            (_math_swap, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_swe, stride_sbk, stride_sbn,
+                          stride_om, smem, _UPPER, E_P2, GROUP_M, STAGES)),
+            (_math_swap, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_swe, stride_sbk, stride_sbn,
+                          stride_om, smem, _LOWER, E_P2, GROUP_M, STAGES)),
+            (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS, E_P2,
+                         GROUP_M, STAGES, LAG, LOW_RANK, SWAP)),
+        ], [4, 4], [MATH_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
+                     LOW_RANK)),
+            (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
+                     LOW_RANK)),
+            (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS, E_P2,
+                         GROUP_M, STAGES, LAG, LOW_RANK, SWAP)),
+        ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 
 # Host side -------------------------------------------------------------------------------------------------------
@@ -337,11 +475,17 @@ def launch_settings(trans: bool) -> dict:
     of the math warpgroups and the producer (``setmaxnreg``; no spills at these, tests/ops/test_fp8_gluon_build.py
     builds with the Triton at hand). Where it transposes, the producer holds a 64-byte piece a thread: Triton 3.6
     (measured on the H200) needs 64 registers there and leaves the math warpgroups 224; 3.9 needs 232 for the math
-    warpgroups and 48 for the producer."""
+    warpgroups and 48 for the producer. ``SWAP`` (the input gradient as ``W_e^T dY^T``, the weight's operand read
+    transposed into registers: no transposition in shared memory, :func:`_math_swap`) is off until it has run on
+    an H200: it builds for sm_90 without spills (the build test), and ``tests/ops/test_fp8_gpu.py`` holds it to fp64
+    there; ``lab/fp8_swap_session.sh`` measures it against the transposing kernel."""
     if not trans:
-        return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40)
+        return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SWAP=False)
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
-    return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer)
+    return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SWAP=False)
+
+
+SWAP_SETTINGS = dict(MATH_REGS=232, PRODUCER_REGS=40, SWAP=True)  # the input gradient's SWAP form (no transposition)
 
 
 def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
@@ -349,9 +493,9 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
                      settings: dict | None = None, low_rank: tuple[Tensor, Tensor, float] | None = None) -> Tensor:
     """The Gluon kernel on prepared operands, same contract as :func:`.triton.grouped_mm_triton` with ``a`` e4m3
     and its 1x128 scales; the weight's ``N`` and ``K`` multiples of 128 (``grouped.gluon_fits``). ``settings``:
-    :func:`launch_settings` to override (measurements). ``low_rank``: ``(v [M, R], w [E, n_out, R], scale)``, one
-    16-bit dtype, ``R`` = :data:`RANK`: ``scale * v[rows of e] @ w[e]^T`` is added to the output before its
-    rounding."""
+    :func:`launch_settings` to override (measurements; :data:`SWAP_SETTINGS` for the input gradient without a
+    transposition, where ``low_rank`` is None). ``low_rank``: ``(v [M, R], w [E, n_out, R], scale)``, one 16-bit
+    dtype, ``R`` = :data:`RANK`: ``scale * v[rows of e] @ w[e]^T`` is added to the output before its rounding."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, c = a.shape
@@ -375,11 +519,19 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     tiles_m, tiles_n = triton.cdiv(m, BM.value) + e + 1, n_out // BN.value
     grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
     v_desc, lw_desc, l_scale = (a_desc, a_desc, 0.0) if low_rank is None else _low_rank_descs(*low_rank, m, e, n_out)
+    cfg = {**launch_settings(trans), **(settings or {})}
+    if cfg["SWAP"] and (not trans or low_rank is not None):
+        raise ValueError("SWAP is the input gradient's form (trans=True) without a low-rank term")
+    if cfg["SWAP"]:  # the activation's scales read along its rows, a tile's rows past M: [KC / 128, M + BM]
+        a_scale_t = a_scale.new_empty((a_scale.shape[1], m + BM.value))
+        a_scale_t[:, :m] = a_scale.t()
+        a_scale, sam, sak = a_scale_t, 1, a_scale_t.stride(0)
+    else:
+        sam, sak = a_scale.stride(0), a_scale.stride(1)
     fp8_grouped_gluon_kernel[grid](
         a_desc, w_desc, a_scale, scale, table, out, m, n_out, c, e, n_w, tiles_m, tiles_n,
-        a_scale.stride(0), a_scale.stride(1), scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale,
-        TRANS=trans, E_P2=e_p2, **{**launch_settings(trans), **(settings or {})}, LOW_RANK=low_rank is not None,
-        num_warps=4)
+        sam, sak, scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale,
+        TRANS=trans, E_P2=e_p2, **cfg, LOW_RANK=low_rank is not None, num_warps=4)
     return out
 
 

@@ -1,0 +1,88 @@
+"""The Gluon FP8 kernel's input gradient two ways at the MoE shapes (256 experts top-6, 16k tokens, D 4096, I 2048):
+the producer transposing each weight tile in shared memory (the default) and ``SWAP`` (``W_e^T dY^T``, the weight's
+operand read transposed into registers by ``ldmatrix``, ``csattn.ops.fp8.gluon.SWAP_SETTINGS``), beside the
+forward GEMM of the same size and bf16 ``grouped_mm``; then the frozen-expert MoE (forward + input gradient) with
+bf16 experts and FP8 experts both ways. Each SWAP output against the default's (fp32 outputs: the two sum the
+same products in another order). Run on an H200: python -m lab.probes.fp8_gluon_swap"""
+
+from functools import partial
+from unittest import mock
+
+import torch
+import triton
+
+import csattn.ops.fp8.gluon as fp8_gluon
+from benchmarks.providers.fp8 import GROUPED, LIMIT, _quantized, _routed
+from csattn.ops.fp8 import dequantize, quantize_1x128
+from csattn.ops.moe import moe_experts
+from tests.helpers import rel_err
+
+
+def gemms() -> None:
+    dev = torch.device("cuda")
+    ids, _, plan, e, k, gen = _routed(dict(GROUPED), dev)
+    m, d, inter = ids.numel(), GROUPED["hidden"], GROUPED["inter"]
+    for name, n_w, k_w in (("gate_up", 2 * inter, d), ("down", d, inter)):
+        q, s = _quantized((e, n_w, k_w), dev, gen)
+        dy = torch.randn(m, n_w, device=dev, generator=gen, dtype=torch.bfloat16)
+        qa, sa = quantize_1x128(dy)
+        x = torch.randn(m, k_w, device=dev, generator=gen, dtype=torch.bfloat16)
+        qx, sx = quantize_1x128(x)
+        wb = torch.stack([dequantize(q[i], s[i], torch.bfloat16) for i in range(e)])
+        flops = 2 * m * n_w * k_w
+        mm = fp8_gluon.grouped_mm_gluon
+        ways = {
+            "fwd (reference)": partial(mm, qx, sx, q, s, plan.offs, False),
+            "input grad, transposing": partial(mm, qa, sa, q, s, plan.offs, True),
+            "input grad, SWAP": partial(mm, qa, sa, q, s, plan.offs, True, settings=fp8_gluon.SWAP_SETTINGS),
+            "input grad, bf16 grouped_mm": partial(torch.nn.functional.grouped_mm, dy, wb, offs=plan.offs),
+        }
+        for way, call in ways.items():
+            ms = triton.testing.do_bench(call, warmup=10, rep=60)
+            print(f"{name:8s} {way:28s} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s")
+        base = fp8_gluon.grouped_mm_gluon(qa, sa, q, s, plan.offs, True, out_dtype=torch.float32)
+        swap = fp8_gluon.grouped_mm_gluon(qa, sa, q, s, plan.offs, True, out_dtype=torch.float32,
+                                          settings=fp8_gluon.SWAP_SETTINGS)
+        ref = torch.nn.functional.grouped_mm(dy, wb, offs=plan.offs).float()
+        print(f"{name:8s} SWAP vs transposing {rel_err(swap, base):.2e}, transposing vs bf16 {rel_err(base, ref):.2e}, "
+              f"SWAP finite {bool(torch.isfinite(swap).all())}")
+
+
+def moe(swap: bool, compute: str) -> float:
+    dev = torch.device("cuda")
+    ids, w, _, e, k, gen = _routed(dict(GROUPED), dev)
+    d, inter, t = GROUPED["hidden"], GROUPED["inter"], GROUPED["tokens"]
+    gu, dn = _quantized((e, 2 * inter, d), dev, gen), _quantized((e, d, inter), dev, gen)
+    x = torch.randn(t, d, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    w = w.bfloat16().requires_grad_()
+    if compute == "bf16":
+        wgu = torch.stack([dequantize(gu[0][i], gu[1][i], torch.bfloat16) for i in range(e)])
+        wdn = torch.stack([dequantize(dn[0][i], dn[1][i], torch.bfloat16) for i in range(e)])
+        run = lambda: moe_experts(x, ids, w, wgu, wdn, LIMIT, "auto")  # noqa: E731
+    else:
+        run = lambda: moe_experts(x, ids, w, gu[0], dn[0], LIMIT, "auto", gate_up_scale=gu[1],  # noqa: E731
+                                  down_scale=dn[1], fp8_compute="fp8")
+    dout = torch.randn(t, d, device=dev, generator=gen, dtype=torch.bfloat16)
+
+    def step():
+        return torch.autograd.grad(run(), [x, w], dout)
+
+    settings = fp8_gluon.launch_settings
+    # a lab switch for this comparison: the op's kernel calls take the SWAP form of the input gradient
+    swapped = (lambda trans: {**settings(trans), **(fp8_gluon.SWAP_SETTINGS if trans else {})}) if swap else settings
+    with mock.patch.object(fp8_gluon, "launch_settings", swapped):
+        return triton.testing.do_bench(step, warmup=10, rep=60)
+
+
+def main() -> None:
+    gemms()
+    bf16 = moe(False, "bf16")
+    print(f"frozen MoE fwd + input grad: bf16 experts {bf16:.2f} ms")
+    for swap in (False, True):
+        ms = moe(swap, "fp8")
+        way = "SWAP" if swap else "transposing"
+        print(f"frozen MoE fwd + input grad: FP8 {way} {ms:.2f} ms ({bf16 / ms:.2f}x bf16)")
+
+
+if __name__ == "__main__":
+    main()
