@@ -38,7 +38,8 @@ from ..backend import sm_count, triton_version
 
 _reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret
 
-__all__ = ["FUSE_LOW_RANK", "RANK", "SWAP_SETTINGS", "fp8_grouped_gluon_kernel", "grouped_mm_gluon"]
+__all__ = ["FUSE_LOW_RANK", "RANK", "SWAP_SETTINGS", "fp8_grouped_gluon_kernel", "grouped_mm_gluon",
+           "takes_low_rank"]
 
 # Renamed between releases (Triton 3.6: async_copy_global_to_shared and thread_barrier; later: async_load, barrier)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -486,6 +487,12 @@ def launch_settings(trans: bool) -> dict:
 
 
 SWAP_SETTINGS = dict(MATH_REGS=232, PRODUCER_REGS=40, SWAP=True)  # the input gradient's SWAP form (no transposition)
+
+
+def takes_low_rank(trans: bool) -> bool:
+    """Whether the kernel's form for direction ``trans`` (at :func:`launch_settings`) takes a low-rank term: all but
+    ``SWAP``, whose accumulator holds the output transposed."""
+    return not launch_settings(trans)["SWAP"]
 
 
 def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
