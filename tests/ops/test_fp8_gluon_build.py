@@ -28,11 +28,28 @@ settings = {**launch_settings(trans), **(SWAP_SETTINGS if swap else {})}
 # the output's row stride 16-aligned, as the launcher specializes it for the weights' multiples of 128
 kernel, ptx, info = build_sm90(fn, sig, dict(TRANS=trans, E_P2=512, LOW_RANK=low_rank, **settings),
                                [k for k, v in sig.items() if v.startswith("*")] + ["stride_om"])
+def in_flight_writes(ptx):
+    # writes to a register-A operand of an MMA after its start, before a wait (in the PTX's order, which
+    # overestimates the paths that reach them): the MMA reads those registers until its wait
+    lines, hits = ptx.splitlines(), 0
+    for i, line in enumerate(lines):
+        m = re.search(r"wgmma\.mma_async.*\}, \{([^}]*)\}, %rd", line)
+        if m:
+            regs = {r.strip() for r in m.group(1).split(",")}
+            for later in lines[i + 1:]:
+                if "wgmma.wait_group" in later:
+                    break
+                w = re.match(r"\s*(?:@%p\d+\s+)?[a-z][\w.]*\s+(%r\d+)", later)
+                hits += bool(w and w.group(1) in regs)
+    return hits
+
+
 print(json.dumps({**info, "serialized": any(c in info["ptxas"] for c in ("C7514", "C7512", "C7517")),
                   "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.",
                                                  ptx))),
                   "wait_group": sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))),
                   "tma": "cp.async.bulk.tensor" in ptx, "loads_b32": len(re.findall(r"ld\.shared\.b32", ptx)),
+                  "in_flight_writes": in_flight_writes(ptx),
                   "a_in_registers": len(re.findall(r"wgmma\.mma_async[^{]*\{[^}]*\}, \{[^}]*\}, %rd", ptx)),
                   "ldmatrix_trans": len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16", ptx)),
                   "loads_b8": len(re.findall(r"ld\.shared\.(?:b8|u8)", ptx)),
@@ -72,6 +89,8 @@ def test_gluon_fp8_input_gradient_swap_builds_for_sm90():
     assert info["wgmma"] == [["m64n128k32", "e4m3"]] and info["wait_group"] == ["0"] and info["tma"]
     # two math warpgroups x 4 MMAs of depth 32 a step (one site); ldmatrix at two sites
     assert info["a_in_registers"] == 8 and info["ldmatrix_trans"] == 16
+    # the next step's operand is read while a product runs: never into the registers that product reads
+    assert info["in_flight_writes"] == 0
     assert (info["loads_b32"], info["stores_v4"], info["loads_b8"]) == (0, 0, 1)  # the one byte: as the forward
     # 64 columns x 128 rows of bf16 a math warpgroup: 32 4-byte stores a thread, at two sites (result, zero rows)
     assert info["global_stores_b32"] == 2 * 2 * 32

@@ -295,6 +295,14 @@ def _weight_operand(tile, HALF: gl.constexpr):
 
 
 @gluon.jit
+def _hold(x):
+    """A use of ``x``'s registers the compiler keeps here (an asm with effects). An MMA in flight reads its register
+    operand until its wait, but the compiler sees its last use at the MMA's start and may give the registers to a
+    value made before the wait (the wait takes no 8-bit dependencies to say otherwise)."""
+    gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int8, is_pure=False, pack=4)
+
+
+@gluon.jit
 def _store_swap(out, acc, row0, row_end, pid_n, stride_om, HALF: gl.constexpr):
     """A ``SWAP`` math warpgroup's ``[64, BM]`` result (columns by rows) into ``out``'s rows ``[row0, row_end)``,
     columns ``pid_n BN + 64 HALF + [0, 64)``."""
@@ -342,9 +350,8 @@ def _math_swap(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_s
                 if kb + 1 < nk:  # the next step's operand while this product runs
                     mbarrier.wait(land.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
                     nxt = _weight_operand(raw.index((j + 1) % STAGES), HALF)
-                # (the weight's operand is no dependency here: the wait takes no 8-bit registers; ptxas keeps the
-                # registers of an MMA in flight until its wait, and w is overwritten only after it)
                 part = warpgroup_mma_wait(0, deps=[tok])
+                _hold(w)  # the product read w's registers until the wait: nxt may not take them before
                 mbarrier.arrive(empty.index(j % STAGES), count=1)
                 acc = acc + part * gl.expand_dims(sc, 0)
                 w = nxt
