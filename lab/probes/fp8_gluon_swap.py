@@ -14,8 +14,35 @@ import triton
 import csattn.ops.fp8.gluon as fp8_gluon
 from benchmarks.providers.fp8 import GROUPED, LIMIT, _quantized, _routed
 from csattn.ops.fp8 import dequantize, quantize_1x128
+from csattn.ops.fp8.naive import fp8_grouped_mm_quantized
 from csattn.ops.moe import moe_experts
 from tests.helpers import rel_err
+
+
+def diagnose() -> bool:
+    """A small case (2 experts, 256 x 256, 300 rows) against fp64 on the same operands; where SWAP is wrong, which
+    columns of the result hold which of the product's (a relabeling gone wrong shows as a permutation) and which rows
+    are off. Returns whether it matched."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    q = (torch.randn(2, 256, 256, device=dev, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.rand(2, 2, 2, device=dev, generator=g) * 1e-3 + 1e-3
+    offs = torch.tensor([140, 300], dtype=torch.int32, device=dev)
+    a = torch.randn(300, 256, device=dev, generator=g).bfloat16()
+    qa, sa = quantize_1x128(a)
+    ref = fp8_grouped_mm_quantized(qa.double() * sa.double().repeat_interleave(128, dim=-1), q, s, offs, True,
+                                   quantize_a=False)
+    out = fp8_gluon.grouped_mm_gluon(qa, sa, q, s, offs, True, out_dtype=torch.float32,
+                                     settings=fp8_gluon.SWAP_SETTINGS).double()
+    err = rel_err(out, ref)
+    print(f"SWAP small case vs fp64: {err:.2e} (finite {bool(torch.isfinite(out).all())})")
+    if err < 2.0 ** -12:
+        return True
+    both = torch.nn.functional.normalize(out[:140], dim=0).T @ torch.nn.functional.normalize(ref[:140], dim=0)
+    print("column c of the result is the product's column:", both.argmax(1)[:64].tolist())
+    rows = ((out - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30))
+    print("rows off by > 1e-3:", torch.nonzero(rows > 1e-3).flatten()[:40].tolist())
+    return False
 
 
 def gemms() -> None:
@@ -75,6 +102,8 @@ def moe(swap: bool, compute: str) -> float:
 
 
 def main() -> None:
+    if not diagnose():
+        return
     gemms()
     bf16 = moe(False, "bf16")
     print(f"frozen MoE fwd + input grad: bf16 experts {bf16:.2f} ms")
