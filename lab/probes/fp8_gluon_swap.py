@@ -1,6 +1,7 @@
 """The Gluon FP8 kernel's input gradient two ways at the MoE shapes (256 experts top-6, 16k tokens, D 4096, I 2048):
 the producer transposing each weight tile in shared memory (the default) and ``SWAP`` (``W_e^T dY^T``, the weight's
-operand read transposed into registers by ``ldmatrix``, ``csattn.ops.fp8.gluon.SWAP_SETTINGS``), beside the
+operand read transposed into registers by ``ldmatrix``, ``csattn.ops.fp8.gluon.SWAP_SETTINGS``; also with the
+activation's scales read from global memory, and with 6 stages), beside the
 forward GEMM of the same size and bf16 ``grouped_mm``; then the frozen-expert MoE (forward + input gradient) with
 bf16 experts and FP8 experts both ways. Each SWAP output against the default's (fp32 outputs: the two sum the
 same products in another order). Run on an H200: python -m lab.probes.fp8_gluon_swap"""
@@ -18,6 +19,9 @@ from csattn.ops.fp8.naive import fp8_grouped_mm_quantized
 from csattn.ops.moe import moe_experts
 from tests.helpers import rel_err
 
+VARIANTS = {"": fp8_gluon.SWAP_SETTINGS, "(global scales)": {**fp8_gluon.SWAP_SETTINGS, "SCALES_TMA": False},
+            "(6 stages)": {**fp8_gluon.SWAP_SETTINGS, "STAGES": 6}}
+
 
 def diagnose() -> bool:
     """A small case (2 experts, 256 x 256, 300 rows) against fp64 on the same operands; where SWAP is wrong, which
@@ -32,17 +36,24 @@ def diagnose() -> bool:
     qa, sa = quantize_1x128(a)
     ref = fp8_grouped_mm_quantized(qa.double() * sa.double().repeat_interleave(128, dim=-1), q, s, offs, True,
                                    quantize_a=False)
-    out = fp8_gluon.grouped_mm_gluon(qa, sa, q, s, offs, True, out_dtype=torch.float32,
-                                     settings=fp8_gluon.SWAP_SETTINGS).double()
-    err = rel_err(out, ref)
-    print(f"SWAP small case vs fp64: {err:.2e} (finite {bool(torch.isfinite(out).all())})")
-    if err < 2.0 ** -12:
-        return True
+    ok = True
+    for name, settings in VARIANTS.items():
+        out = fp8_gluon.grouped_mm_gluon(qa, sa, q, s, offs, True, out_dtype=torch.float32,
+                                         settings=settings).double()
+        err = rel_err(out, ref)
+        print(f"SWAP {name} small case vs fp64: {err:.2e} (finite {bool(torch.isfinite(out).all())})")
+        if err >= 2.0 ** -12:
+            ok = False
+            _where(out, ref)
+    return ok
+
+
+def _where(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Which columns of ``out`` hold which of ``ref``'s (the first group's 140 rows), and which rows are off."""
     both = torch.nn.functional.normalize(out[:140], dim=0).T @ torch.nn.functional.normalize(ref[:140], dim=0)
     print("column c of the result is the product's column:", both.argmax(1)[:64].tolist())
     rows = ((out - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30))
     print("rows off by > 1e-3:", torch.nonzero(rows > 1e-3).flatten()[:40].tolist())
-    return False
 
 
 def gemms() -> None:
@@ -61,7 +72,8 @@ def gemms() -> None:
         ways = {
             "fwd (reference)": partial(mm, qx, sx, q, s, plan.offs, False),
             "input grad, transposing": partial(mm, qa, sa, q, s, plan.offs, True),
-            "input grad, SWAP": partial(mm, qa, sa, q, s, plan.offs, True, settings=fp8_gluon.SWAP_SETTINGS),
+            **{f"input grad, SWAP {name}": partial(mm, qa, sa, q, s, plan.offs, True, settings=settings)
+               for name, settings in VARIANTS.items()},
             "input grad, bf16 grouped_mm": partial(torch.nn.functional.grouped_mm, dy, wb, offs=plan.offs),
         }
         for way, call in ways.items():
@@ -69,7 +81,7 @@ def gemms() -> None:
             print(f"{name:8s} {way:28s} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s")
         base = fp8_gluon.grouped_mm_gluon(qa, sa, q, s, plan.offs, True, out_dtype=torch.float32)
         swap = fp8_gluon.grouped_mm_gluon(qa, sa, q, s, plan.offs, True, out_dtype=torch.float32,
-                                          settings=fp8_gluon.SWAP_SETTINGS)
+                                          settings=fp8_gluon.SWAP_SETTINGS)  # the others: diagnose()
         ref = torch.nn.functional.grouped_mm(dy, wb, offs=plan.offs).float()
         print(f"{name:8s} SWAP vs transposing {rel_err(swap, base):.2e}, transposing vs bf16 {rel_err(base, ref):.2e}, "
               f"SWAP finite {bool(torch.isfinite(swap).all())}")
@@ -103,7 +115,7 @@ def moe(swap: bool, compute: str) -> float:
 
 def main() -> None:
     if not diagnose():
-        return
+        print("(SWAP wrong on the small case: the timings below are of a wrong product)")
     gemms()
     bf16 = moe(False, "bf16")
     print(f"frozen MoE fwd + input grad: bf16 experts {bf16:.2f} ms")

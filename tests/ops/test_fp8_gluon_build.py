@@ -14,17 +14,21 @@ import json, re, sys
 from tests.ops.gluon_sm90 import build_sm90
 from csattn.ops.fp8.gluon import SWAP_SETTINGS, fp8_grouped_gluon_kernel as fn, launch_settings, tile_smem
 
-trans, low_rank, swap = sys.argv[1] == "1", sys.argv[2] == "1", sys.argv[3] == "1"
+trans, low_rank, swap, scales_tma = (a == "1" for a in sys.argv[1:5])
 desc = f"tensordesc<fp8e4nv[128, 128],{tile_smem()!r}>"
 ints = ("M", "N", "KC", "E", "W_ROWS", "tiles_m", "tiles_n", "stride_sam", "stride_sak", "stride_swe", "stride_sbk",
         "stride_sbn", "stride_om")
 sig = {"a_desc": desc, "w_desc": desc, "sa": "*fp32", "sw": "*fp32", "table": "*i32", "out": "*bf16",
-       **{k: "i32" for k in ints}, "v_desc": desc, "lw_desc": desc, "l_scale": "fp32"}
+       **{k: "i32" for k in ints}, "v_desc": desc, "lw_desc": desc, "l_scale": "fp32", "sa_desc": desc}
+if scales_tma:  # SWAP's activation scales copied with each stage: [1, 128] fp32 boxes
+    from triton.experimental.gluon import language as gl
+    plain = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    sig["sa_desc"] = f"tensordesc<fp32[1, 128],{plain!r}>"
 if low_rank:  # the LoRA term at rank 16
     from triton.experimental.gluon import language as gl
     lr = gl.NVMMASharedLayout.get_default_for([128, 16], gl.bfloat16)
     sig["v_desc"] = sig["lw_desc"] = f"tensordesc<bf16[128, 16],{lr!r}>"
-settings = {**launch_settings(trans), **(SWAP_SETTINGS if swap else {})}
+settings = {**launch_settings(trans), **(SWAP_SETTINGS if swap else {}), "SCALES_TMA": scales_tma}
 # the output's row stride 16-aligned, as the launcher specializes it for the weights' multiples of 128
 kernel, ptx, info = build_sm90(fn, sig, dict(TRANS=trans, E_P2=512, LOW_RANK=low_rank, **settings),
                                [k for k, v in sig.items() if v.startswith("*")] + ["stride_om"])
@@ -54,6 +58,7 @@ print(json.dumps({**info, "serialized": any(c in info["ptxas"] for c in ("C7514"
                   "ldmatrix_trans": len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16", ptx)),
                   "loads_b8": len(re.findall(r"ld\.shared\.(?:b8|u8)", ptx)),
                   "global_stores_b32": len(re.findall(r"st\.global\.b32", ptx)),
+                  "shared_loads_v2": len(re.findall(r"ld\.shared\.v2\.(?:b32|f32)", ptx)),
                   "stores_v4": len(re.findall(r"st\.shared\.v4", ptx)),
                   "shared": kernel.metadata.shared}))
 """
@@ -62,7 +67,7 @@ print(json.dumps({**info, "serialized": any(c in info["ptxas"] for c in ("C7514"
 @pytest.mark.parametrize("low_rank", [False, True])
 @pytest.mark.parametrize("trans", [False, True])
 def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
-    info = run_build(_SCRIPT, "1" if trans else "0", "1" if low_rank else "0", "0")
+    info = run_build(_SCRIPT, "1" if trans else "0", "1" if low_rank else "0", "0", "0")
     print({k: v for k, v in info.items() if k != "ptxas"})
     assert info["ptxas_rc"] == 0, info["ptxas"]
     assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]
@@ -75,14 +80,16 @@ def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
     assert info["shared"] <= 227 * 1024
 
 
-def test_gluon_fp8_input_gradient_swap_builds_for_sm90():
+@pytest.mark.parametrize("scales_tma", [True, False])
+def test_gluon_fp8_input_gradient_swap_builds_for_sm90(scales_tma):
     """``SWAP``: the input gradient as ``W_e^T dY^T`` with the weight's operand in registers. No transposition in
     shared memory (no 4-byte loads or 16-byte stores of it): each math warpgroup reads its 64 columns of a stage's
     weight tile by ``ldmatrix.trans`` on 16-bit pairs (16 bytes a thread an instruction: 4 a 128-deep step, at two
     sites: the tile's first step and the next step's inside the loop) and sorts the bytes in registers; all its MMAs
     take ``A`` from registers; the result leaves in 4-byte stores (two adjacent columns a thread); no spills at
-    :data:`SWAP_SETTINGS`'s register split."""
-    info = run_build(_SCRIPT, "1", "0", "1")
+    :data:`SWAP_SETTINGS`'s register split; the activation's scales by TMA with each stage (``SCALES_TMA``: 16
+    8-byte shared loads a step) or by 32 loads from global memory."""
+    info = run_build(_SCRIPT, "1", "0", "1", "1" if scales_tma else "0")
     print({k: v for k, v in info.items() if k != "ptxas"})
     assert info["ptxas_rc"] == 0, info["ptxas"]
     assert info["spill_stores"] == 0 and not info["serialized"] and "C75" not in info["ptxas"], info["ptxas"]
@@ -95,3 +102,5 @@ def test_gluon_fp8_input_gradient_swap_builds_for_sm90():
     # 64 columns x 128 rows of bf16 a math warpgroup: 32 4-byte stores a thread, at two sites (result, zero rows)
     assert info["global_stores_b32"] == 2 * 2 * 32
     assert info["shared"] <= 160 * 1024  # no transposed buffers: 4 stages of two 16 KB tiles
+    # the scales: two math warpgroups x 16 pairs a step, from shared memory with the stage
+    assert info["shared_loads_v2"] == (32 if scales_tma else 0)

@@ -168,10 +168,10 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank,
+def _producer(a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank,
               TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              LAG: gl.constexpr, LOW_RANK: gl.constexpr, SWAP: gl.constexpr):
-    a_smem, raw, bt, land, ready, empty = smem
+              LAG: gl.constexpr, LOW_RANK: gl.constexpr, SWAP: gl.constexpr, SCALES_TMA: gl.constexpr):
+    a_smem, raw, bt, land, ready, empty, sa_smem = smem
     XPOSE: gl.constexpr = TRANS and not SWAP  # the producer transposes the weight tile
     nk = KC // BK
     it = 0
@@ -190,7 +190,11 @@ def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, l
                         _transpose_stage(it - LAG, raw, bt, land, ready, STAGES)
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
-                mbarrier.expect(land.index(s), BM * BK + BK * BN)  # e4m3: a byte each
+                if SCALES_TMA:  # SWAP: the step's column of the activation's scales beside its tile
+                    mbarrier.expect(land.index(s), BM * BK + BK * BN + BM * 4)
+                    _tma_load(sa_desc, [kb, row0], land.index(s), sa_smem.index(s))
+                else:
+                    mbarrier.expect(land.index(s), BM * BK + BK * BN)  # e4m3: a byte each
                 _tma_load(a_desc, [row0, kb * BK], land.index(s), a_smem.index(s))
                 if TRANS:
                     _tma_load(w_desc, [g * W_ROWS + kb * BK, pid_n * BN], land.index(s), raw.index(s))
@@ -317,18 +321,19 @@ def _store_swap(out, acc, row0, row_end, pid_n, stride_om, HALF: gl.constexpr):
 @gluon.jit
 def _math_swap(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_swe, stride_sbk, stride_sbn,
                stride_om, smem, HALF: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
-               STAGES: gl.constexpr):
+               STAGES: gl.constexpr, SCALES_TMA: gl.constexpr):
     """``SWAP`` math warpgroup ``HALF`` (the input gradient without a transposition in shared memory): each tile's
     transpose ``W_e^T dY^T``, its output columns ``[64 HALF, 64 HALF + 64)`` the MMA's rows (the weight's operand in
     registers, :func:`_weight_operand`) by the tile's ``BM`` rows the MMA's columns (``dY``'s tile from shared
     memory, K-major as copied). ``sa`` is the activation's scales transposed and padded (``[KC / 128, M + BM]``, rows
-    contiguous).
+    contiguous); ``SCALES_TMA``: their step's column is copied with the stage instead (``sa_smem``), and read from
+    shared memory with constant offsets.
     A step's product is waited for before the next starts (two accumulators, not three: the weight's operand takes
     the registers); the other math warpgroup's product keeps the tensor cores busy meanwhile, and the next step's
     operand is read while this one's runs."""
     ACC: gl.constexpr = acc_layout()
     COLS: gl.constexpr = gl.SliceLayout(0, ACC)
-    a_smem, raw, bt, land, ready, empty = smem
+    a_smem, raw, bt, land, ready, empty, sa_smem = smem
     zero = gl.zeros([64, BM], gl.float32, layout=ACC)
     nk = KC // BK
     it = 0
@@ -344,8 +349,11 @@ def _math_swap(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_s
                 j = it + kb
                 tok = warpgroup_mma(w, a_smem.index(j % STAGES).permute((1, 0)), zero, use_acc=False,
                                     is_async=True)
-                # unmasked: the scales are padded by a tile's rows (what a row past row_end gets is not stored)
-                sc = gl.load(sa + kb * stride_sak + row0 + cols) * gl.load(sw_ptr + kb * stride_sbk)
+                if SCALES_TMA:  # copied with the stage (rows past M read as zeros)
+                    sc = sa_smem.index(j % STAGES).reshape([BM]).load(COLS)
+                else:  # unmasked: the scales are padded by a tile's rows (a row past row_end is not stored)
+                    sc = gl.load(sa + kb * stride_sak + row0 + cols)
+                sc = sc * gl.load(sw_ptr + kb * stride_sbk)
                 nxt = w
                 if kb + 1 < nk:  # the next step's operand while this product runs
                     mbarrier.wait(land.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
@@ -368,7 +376,7 @@ def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_
     """Math warpgroup ``HALF``: rows ``[64 HALF, 64 HALF + 64)`` of each tile."""
     ACC: gl.constexpr = acc_layout()
     ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
-    a_smem, raw, bt, land, ready, empty = smem
+    a_smem, raw, bt, land, ready, empty, sa_smem = smem
     b_all = bt if TRANS else raw
     wait_on = ready if TRANS else land
     zero = gl.zeros([64, BN], gl.float32, layout=ACC)
@@ -417,9 +425,10 @@ def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_
 @gluon.jit
 def fp8_grouped_gluon_kernel(
     a_desc, w_desc, sa, sw, table, out, M, N, KC, E, W_ROWS, tiles_m, tiles_n,
-    stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale,
+    stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale, sa_desc,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False, SWAP: gl.constexpr = False,
+    SCALES_TMA: gl.constexpr = False,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -440,7 +449,11 @@ def fp8_grouped_gluon_kernel(
         mbarrier.init(land.index(s), count=1)  # the expect; the copies' bytes
         mbarrier.init(ready.index(s), count=1)  # the producer, once the weight tile is transposed (TRANS)
         mbarrier.init(empty.index(s), count=2)  # each math warpgroup, once its MMA on the stage is done
-    smem = (a_smem, raw, bt, land, ready, empty)
+    if SCALES_TMA:
+        sa_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], sa_desc.layout)
+    else:
+        sa_smem = a_smem
+    smem = (a_smem, raw, bt, land, ready, empty, sa_smem)
     if LOW_RANK:  # two buffers of the low-rank term's tiles: the producer fills one tile ahead
         v_buf = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         w_buf = gl.allocate_shared_memory(lw_desc.dtype, [2] + lw_desc.block_type.shape, lw_desc.layout)
@@ -455,11 +468,11 @@ def fp8_grouped_gluon_kernel(
     if SWAP:
         gl.warp_specialize([
             (_math_swap, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_swe, stride_sbk, stride_sbn,
-                          stride_om, smem, _UPPER, E_P2, GROUP_M, STAGES)),
+                          stride_om, smem, _UPPER, E_P2, GROUP_M, STAGES, SCALES_TMA)),
             (_math_swap, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_swe, stride_sbk, stride_sbn,
-                          stride_om, smem, _LOWER, E_P2, GROUP_M, STAGES)),
-            (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS, E_P2,
-                         GROUP_M, STAGES, LAG, LOW_RANK, SWAP)),
+                          stride_om, smem, _LOWER, E_P2, GROUP_M, STAGES, SCALES_TMA)),
+            (_producer, (a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SWAP, SCALES_TMA)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -469,8 +482,8 @@ def fp8_grouped_gluon_kernel(
             (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
                      LOW_RANK)),
-            (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS, E_P2,
-                         GROUP_M, STAGES, LAG, LOW_RANK, SWAP)),
+            (_producer, (a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SWAP, SCALES_TMA)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 
@@ -486,14 +499,17 @@ def launch_settings(trans: bool) -> dict:
     warpgroups and 48 for the producer. ``SWAP`` (the input gradient as ``W_e^T dY^T``, the weight's operand read
     transposed into registers: no transposition in shared memory, :func:`_math_swap`) is off until it has run on
     an H200: it builds for sm_90 without spills (the build test), and ``tests/ops/test_fp8_gpu.py`` holds it to fp64
-    there; ``lab/fp8_swap_session.sh`` measures it against the transposing kernel."""
+    there; ``lab/fp8_swap_session.sh`` measures it against the transposing kernel. ``SCALES_TMA`` (``SWAP`` only):
+    the activation's scales for a step copied with the stage (16 shared loads a thread a step) instead of 32 global
+    loads: 301 PTX instructions a step in the math loop against 382 (Triton 3.6)."""
     if not trans:
-        return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SWAP=False)
+        return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SWAP=False, SCALES_TMA=False)
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
-    return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SWAP=False)
+    return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SWAP=False, SCALES_TMA=False)
 
 
-SWAP_SETTINGS = dict(MATH_REGS=232, PRODUCER_REGS=40, SWAP=True)  # the input gradient's SWAP form (no transposition)
+# the input gradient's SWAP form (no transposition), the activation's scales copied with each stage
+SWAP_SETTINGS = dict(MATH_REGS=232, PRODUCER_REGS=40, SWAP=True, SCALES_TMA=True)
 
 
 def takes_low_rank(trans: bool) -> bool:
@@ -534,17 +550,22 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
     v_desc, lw_desc, l_scale = (a_desc, a_desc, 0.0) if low_rank is None else _low_rank_descs(*low_rank, m, e, n_out)
     cfg = {**launch_settings(trans), **(settings or {})}
-    if cfg["SWAP"] and (not trans or low_rank is not None):
-        raise ValueError("SWAP is the input gradient's form (trans=True) without a low-rank term")
-    if cfg["SWAP"]:  # the activation's scales read along its rows, a tile's rows past M: [KC / 128, M + BM]
-        a_scale_t = a_scale.new_empty((a_scale.shape[1], m + BM.value))
+    if cfg["SWAP"] and (not trans or low_rank is not None) or cfg["SCALES_TMA"] and not cfg["SWAP"]:
+        raise ValueError("SWAP is the input gradient's form (trans=True) without a low-rank term, and SCALES_TMA "
+                         f"one of its settings; got trans={trans}, low_rank={low_rank is not None}, {settings}")
+    sa_desc = a_desc
+    if cfg["SWAP"]:  # the activation's scales read along its rows, a tile's rows past M (16-byte rows for TMA)
+        a_scale_t = a_scale.new_empty((a_scale.shape[1], triton.cdiv(m + BM.value, 4) * 4))
         a_scale_t[:, :m] = a_scale.t()
         a_scale, sam, sak = a_scale_t, 1, a_scale_t.stride(0)
+        if cfg["SCALES_TMA"]:
+            sa_desc = TensorDescriptor(a_scale_t, list(a_scale_t.shape), [sak, 1], [1, BM.value],
+                                       gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
     else:
         sam, sak = a_scale.stride(0), a_scale.stride(1)
     fp8_grouped_gluon_kernel[grid](
         a_desc, w_desc, a_scale, scale, table, out, m, n_out, c, e, n_w, tiles_m, tiles_n,
-        sam, sak, scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale,
+        sam, sak, scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale, sa_desc,
         TRANS=trans, E_P2=e_p2, **cfg, LOW_RANK=low_rank is not None, num_warps=4)
     return out
 
