@@ -118,7 +118,7 @@ def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem,
     """The library's producer with transposition ``XPOSE``; where a transposer of its own runs (``XPOSE`` 4, 5,
     8, 10) the copies alone, in a one-warp partition (``WARPS`` 1): a stage is reused once the math warpgroups
     are done with it, which is after the transposer read its weight tile."""
-    a_smem, raw, bt, land, ready, empty = smem
+    a_smem, raw, bt, land, ready, empty, _scale_stages = smem
     OWN: gl.constexpr = XPOSE == 4 or XPOSE == 5 or XPOSE == 8 or XPOSE == 10
     nk = KC // BK
     it = 0
@@ -143,7 +143,7 @@ def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem,
 def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
                 STAGES: gl.constexpr, XPOSE: gl.constexpr):
     """Every landed weight tile transposed as soon as it lands (``XPOSE`` 4: layout 3; 5: the library's; 8: 7)."""
-    a_smem, raw, bt, land, ready, empty = smem
+    a_smem, raw, bt, land, ready, empty, _scale_stages = smem
     nk = KC // BK
     it = 0
     for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
@@ -164,10 +164,11 @@ def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_
 @gluon.jit
 def fp8_grouped_gluon_kernel(
     a_desc, w_desc, sa, sw, table, out, M, N, KC, E, W_ROWS, tiles_m, tiles_n,
-    stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale,
+    stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale, sa_desc,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, XPOSE: gl.constexpr, XREGS: gl.constexpr,
-    TMA_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
+    TMA_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False, SWAP: gl.constexpr = False,
+    SCALES_TMA: gl.constexpr = False,
 ):
     """The library kernel's signature (no low-rank term here: ``LOW_RANK`` stays False) and its partitions, the
     producer's transposition switched by ``XPOSE``."""
@@ -184,7 +185,7 @@ def fp8_grouped_gluon_kernel(
         mbarrier.init(land.index(s), count=1)
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)
-    smem = (a_smem, raw, bt, land, ready, empty)
+    smem = (a_smem, raw, bt, land, ready, empty, a_smem)  # the last: the library's scale stages (SWAP only)
     low_rank = (v_desc, lw_desc, l_scale, a_smem, a_smem, land, empty)  # unused: the library's placeholder
     if XPOSE == 4 or XPOSE == 5 or XPOSE == 8 or XPOSE == 10:
         gl.warp_specialize([
