@@ -1,0 +1,80 @@
+"""The tiles of the Gluon FP8 grouped GEMM (:mod:`.gluon`): their size, shared-memory and accumulator layouts, how a
+program's work item finds its group on the device, and the group table the host makes for it. Shared by the
+kernel's forms (:mod:`.gluon`, :mod:`.gluon_swap`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
+
+# Renamed between releases (Triton 3.6: async_copy_global_to_shared and thread_barrier; later: async_load, barrier)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_cta_sync = getattr(gl, "thread_barrier", None) or gl.barrier
+_reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret
+
+BM: gl.constexpr = gl.constexpr(128)  # rows of a tile: two math warpgroups of 64
+BN: gl.constexpr = gl.constexpr(128)  # output columns of a tile: one block of the weight's scales
+BK: gl.constexpr = gl.constexpr(128)  # contraction step: one block of both scales
+
+
+@gluon.constexpr_function
+def tile_smem():
+    """Shared-memory layout of every ``[128, 128]`` FP8 tile (128-byte swizzle; what the TMA copies and the MMA
+    read)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+
+
+@gluon.constexpr_function
+def acc_layout():
+    """Warpgroup-MMA register layout of one math warpgroup's ``[64, BN]`` accumulator."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+
+
+@gluon.constexpr_function
+def lanes_layout(n, warps=4):
+    """A ``[n]`` layout (``n >= 32``) every warp of a ``warps``-warp partition holds whole: reductions over it stay
+    within the warp (shuffles, no shared memory)."""
+    per = n // 32
+    return gl.DistributedLinearLayout(reg_bases=[[1 << b] for b in range(per.bit_length() - 1)],
+                                      lane_bases=[[per << b] for b in range(5)],
+                                      warp_bases=[[0]] * (warps.bit_length() - 1), block_bases=[], shape=[n])
+
+
+@gluon.jit
+def _tile(t, table, tiles_m, tiles_n, E_P2: gl.constexpr, GROUP_M: gl.constexpr, WARPS: gl.constexpr = 4):
+    """Work item ``t`` -> (group, first row, end row, column tile); group ``E + 1`` or more: no tile. ``table``
+    ``[3, E_P2]``: the groups' row starts, row ends and the running sum of their row-tile counts
+    (:func:`group_table`, made on the device by torch: Triton 3.6's Gluon scans no layout the lookup can use).
+    The group is the count of running sums at or below the row tile, read 128 at a time (held whole, 512 groups
+    would take the producer's registers). ``GROUP_M`` row tiles side by side share the weight tiles in L2.
+    ``WARPS``: the calling partition's."""
+    per_group = GROUP_M * tiles_n
+    first_m = (t // per_group) * GROUP_M
+    size_m = gl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (t % per_group) % size_m
+    pid_n = (t % per_group) // size_m
+    idx = gl.arange(0, 128, layout=lanes_layout(128, WARPS))
+    g = pid_m * 0
+    for c in gl.static_range(E_P2 // 128):
+        g += gl.sum((gl.load(table + 2 * E_P2 + c * 128 + idx) <= pid_m).to(gl.int32), axis=0)
+    start = gl.load(table + g)
+    end = gl.load(table + E_P2 + g)
+    first = gl.load(table + 2 * E_P2 + g) - (gl.maximum(end - start, 0) + BM - 1) // BM
+    return g, start + (pid_m - first) * BM, end, pid_n
+
+
+def group_table(offs: Tensor, m: int, e_p2: int) -> Tensor:
+    """``[3, e_p2]`` int32 on ``offs``'s device, no host read: per group ``g <= E`` (``E``: the rows past
+    ``offs[-1]``, up to ``m``) its first row, its end row and the running sum of the groups' 128-row tile counts;
+    the padding columns start and end at 0 and their running sum is past every tile."""
+    e = offs.shape[0]
+    ends = torch.cat([offs.to(torch.int32), offs.new_full((1,), m, dtype=torch.int32)])
+    starts = torch.cat([offs.new_zeros(1, dtype=torch.int32), offs[:-1].to(torch.int32), offs[-1:].to(torch.int32)])
+    table = torch.zeros(3, e_p2, dtype=torch.int32, device=offs.device)
+    table[0, :e + 1], table[1, :e + 1] = starts, ends
+    table[2] = 2 ** 30
+    table[2, :e + 1] = torch.cumsum(((ends - starts).clamp_min(0) + BM.value - 1) // BM.value, 0)
+    return table
