@@ -6,6 +6,7 @@ stores (the forward reads shared memory by TMA only)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.ops.gluon_sm90 import run_build
 
@@ -104,3 +105,25 @@ def test_gluon_fp8_input_gradient_swap_builds_for_sm90(scales_tma):
     assert info["shared"] <= 160 * 1024  # no transposed buffers: 4 stages of two 16 KB tiles
     # the scales: two math warpgroups x 16 pairs a step, from shared memory with the stage
     assert info["shared_loads_v2"] == (32 if scales_tma else 0)
+
+
+@pytest.mark.parametrize("trans,settings,low_rank", [
+    (False, {"SWAP": True}, False),  # SWAP is the input gradient's form
+    (True, {"SWAP": True}, True),  # its accumulator holds the output transposed: no low-rank term
+    (True, {"SCALES_TMA": True}, False),  # a setting of SWAP's alone
+])
+def test_gluon_settings_refuse_swap_outside_its_form(trans, settings, low_rank):
+    """The launcher refuses ``SWAP`` / ``SCALES_TMA`` where the kernel has no such form, by name, before any work
+    (CPU tensors: nothing reaches a device); the op routes a low-rank term into the kernel only where its form
+    takes one."""
+    pytest.importorskip("triton.experimental.gluon")
+    from csattn.ops.fp8.gluon import grouped_mm_gluon, takes_low_rank
+
+    e, n, k, m = 2, 128, 256, 8
+    a = torch.zeros(m, n if trans else k, dtype=torch.float8_e4m3fn)
+    lr = (torch.zeros(m, 16, dtype=torch.bfloat16), torch.zeros(e, k if trans else n, 16, dtype=torch.bfloat16), 1.0)
+    with pytest.raises(ValueError, match="settings: SWAP"):
+        grouped_mm_gluon(a, torch.ones(m, a.shape[1] // 128), torch.zeros(e, n, k, dtype=torch.float8_e4m3fn),
+                         torch.ones(e, n // 128, k // 128), torch.tensor([3, 8], dtype=torch.int32), trans,
+                         settings=settings, low_rank=lr if low_rank else None)
+    assert takes_low_rank(False) and takes_low_rank(True)  # SWAP is not the default until it has run on an H200

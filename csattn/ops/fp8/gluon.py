@@ -342,6 +342,7 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     dtype, ``R`` = :data:`RANK`: ``scale * v[rows of e] @ w[e]^T`` is added to the output before its rounding."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    cfg = _settings(trans, settings, low_rank is not None)
     m, c = a.shape
     e, n_w, k_w = weight.shape
     n_out = k_w if trans else n_w
@@ -363,25 +364,40 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     tiles_m, tiles_n = triton.cdiv(m, BM.value) + e + 1, n_out // BN.value
     grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
     v_desc, lw_desc, l_scale = (a_desc, a_desc, 0.0) if low_rank is None else _low_rank_descs(*low_rank, m, e, n_out)
-    cfg = {**launch_settings(trans), **(settings or {})}
-    if cfg["SWAP"] and (not trans or low_rank is not None) or cfg["SCALES_TMA"] and not cfg["SWAP"]:
-        raise ValueError("SWAP is the input gradient's form (trans=True) without a low-rank term, and SCALES_TMA "
-                         f"one of its settings; got trans={trans}, low_rank={low_rank is not None}, {settings}")
-    sa_desc = a_desc
-    if cfg["SWAP"]:  # the activation's scales read along its rows, a tile's rows past M (16-byte rows for TMA)
-        a_scale_t = a_scale.new_empty((a_scale.shape[1], triton.cdiv(m + BM.value, 4) * 4))
-        a_scale_t[:, :m] = a_scale.t()
-        a_scale, sam, sak = a_scale_t, 1, a_scale_t.stride(0)
-        if cfg["SCALES_TMA"]:
-            sa_desc = TensorDescriptor(a_scale_t, list(a_scale_t.shape), [sak, 1], [1, BM.value],
-                                       gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-    else:
-        sam, sak = a_scale.stride(0), a_scale.stride(1)
+    a_scale, sam, sak, sa_desc = _activation_scales(a_scale, cfg)
     fp8_grouped_gluon_kernel[grid](
         a_desc, w_desc, a_scale, scale, table, out, m, n_out, c, e, n_w, tiles_m, tiles_n,
-        sam, sak, scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale, sa_desc,
+        sam, sak, scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale, sa_desc or a_desc,
         TRANS=trans, E_P2=e_p2, **cfg, LOW_RANK=low_rank is not None, num_warps=4)
     return out
+
+
+def _settings(trans: bool, settings: dict | None, low_rank: bool) -> dict:
+    """:func:`launch_settings` with ``settings`` over them; a ``ValueError`` for ``SWAP`` outside its form (the input
+    gradient, no low-rank term) or ``SCALES_TMA`` without it."""
+    cfg = {**launch_settings(trans), **(settings or {})}
+    if cfg["SWAP"] and (not trans or low_rank) or cfg["SCALES_TMA"] and not cfg["SWAP"]:
+        raise ValueError("settings: SWAP is the input gradient's form (trans=True) without a low-rank term, and "
+                         f"SCALES_TMA one of its settings; got trans={trans}, low_rank={low_rank}, {settings}")
+    return cfg
+
+
+def _activation_scales(a_scale: Tensor, cfg: dict) -> tuple[Tensor, int, int, object]:
+    """The activation's scales ``[M, KC / 128]`` as the kernel's form reads them: ``(scales, stride along rows,
+    stride along the contraction, TMA descriptor or None)``. ``SWAP`` reads them along the rows: a transposed copy
+    padded by a tile's rows (16-byte rows, what TMA needs), by TMA with each stage where ``SCALES_TMA``."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if not cfg["SWAP"]:
+        return a_scale, a_scale.stride(0), a_scale.stride(1), None
+    m, steps = a_scale.shape
+    scale_t = a_scale.new_empty((steps, triton.cdiv(m + BM.value, 4) * 4))
+    scale_t[:, :m] = a_scale.t()
+    desc = None
+    if cfg["SCALES_TMA"]:
+        desc = TensorDescriptor(scale_t, list(scale_t.shape), [scale_t.stride(0), 1], [1, BM.value],
+                                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    return scale_t, 1, scale_t.stride(0), desc
 
 
 def _low_rank_descs(v: Tensor, w: Tensor, scale: float, m: int, e: int, n_out: int) -> tuple:
