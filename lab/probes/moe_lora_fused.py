@@ -1,8 +1,11 @@
 """The frozen-expert MoE with LoRA on the experts (rank 16; 256 experts top-6, 16k tokens, D 4096, I 2048; forward
-+ backward: input, routing-weight and factor gradients), three ways side by side: bf16 experts, FP8 experts with
-the LoRA term added after the kernel (grouped_mm), and FP8 with the term in the Gluon kernel's epilogue
-(``csattn.ops.fp8.gluon.FUSE_LOW_RANK``, set here for the run); the fused run's output and every gradient against
-the unfused one's. Run on an H200: python -m lab.probes.moe_lora_fused"""
++ backward: input, routing-weight and factor gradients), five ways side by side: bf16 experts, FP8 experts with
+the LoRA term added after the kernel, FP8 with the term in the Gluon kernel's epilogue
+(``csattn.ops.fp8.gluon.FUSE_LOW_RANK``, set here for the run), and both FP8 ways with the input gradient's SWAP
+form (``SWAP_SETTINGS``); each FP8 run's output and every gradient against the unfused one's.
+Run on an H200: python -m lab.probes.moe_lora_fused"""
+
+from unittest import mock
 
 import torch
 
@@ -55,14 +58,24 @@ def timed(run, leaves, dout, reps: int = 10) -> float:
 
 def main() -> None:
     results = {}
-    for name, compute, fuse in (("bf16", "bf16", False), ("fp8", "fp8", False), ("fp8 fused", "fp8", True)):
-        fp8_gluon.FUSE_LOW_RANK = fuse  # a lab switch for this comparison; the library reads it per call
-        run, leaves, dout = build(compute)
-        results[name] = step(run, leaves, dout)
-        print(f"{name:10s} {timed(run, leaves, dout):8.2f} ms  (fwd + bwd with LoRA rank 16 on the experts)")
+    settings = fp8_gluon.launch_settings
+    swapped = lambda trans: {**settings(trans), **(fp8_gluon.SWAP_SETTINGS if trans else {})}  # noqa: E731
+    for name, compute, fuse, swap in (("bf16", "bf16", False, False), ("fp8", "fp8", False, False),
+                                      ("fp8 fused", "fp8", True, False), ("fp8 swap", "fp8", False, True),
+                                      ("fp8 swap fused", "fp8", True, True)):
+        # lab switches for this comparison (the library reads both per call): the term in the kernel, and the input
+        # gradient's SWAP form
+        fp8_gluon.FUSE_LOW_RANK = fuse
+        with mock.patch.object(fp8_gluon, "launch_settings", swapped if swap else settings):
+            run, leaves, dout = build(compute)
+            results[name] = step(run, leaves, dout)
+            print(f"{name:14s} {timed(run, leaves, dout):8.2f} ms  (fwd + bwd with LoRA rank 16 on the experts)")
     names = ["out", "dx", "dweights", "d gate_up a", "d gate_up b", "d down a", "d down b"]
-    for n, f, u, b in zip(names, results["fp8 fused"], results["fp8"], results["bf16"]):
-        print(f"  {n:12s} fused vs unfused {rel_err(f, u):.2e}   unfused vs bf16 {rel_err(u, b):.2e}")
+    for i, n in enumerate(names):
+        unfused, bf16 = results["fp8"][i], results["bf16"][i]
+        others = "   ".join(f"{k} {rel_err(results[k][i], unfused):.2e}" for k in ("fp8 fused", "fp8 swap",
+                                                                               "fp8 swap fused"))
+        print(f"  {n:12s} vs fp8 unfused: {others}   fp8 unfused vs bf16 {rel_err(unfused, bf16):.2e}")
 
 
 if __name__ == "__main__":

@@ -81,20 +81,23 @@ def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
     assert info["shared"] <= 227 * 1024
 
 
-@pytest.mark.parametrize("scales_tma", [True, False])
-def test_gluon_fp8_input_gradient_swap_builds_for_sm90(scales_tma):
+@pytest.mark.parametrize("scales_tma,low_rank", [(True, False), (False, False), (True, True)])
+def test_gluon_fp8_input_gradient_swap_builds_for_sm90(scales_tma, low_rank):
     """``SWAP``: the input gradient as ``W_e^T dY^T`` with the weight's operand in registers. No transposition in
     shared memory (no 4-byte loads or 16-byte stores of it): each math warpgroup reads its 64 columns of a stage's
     weight tile by ``ldmatrix.trans`` on 16-bit pairs (16 bytes a thread an instruction: 4 a 128-deep step, at two
-    sites: the tile's first step and the next step's inside the loop) and sorts the bytes in registers; all its MMAs
+    sites: the tile's first step and the next step's inside the loop) and sorts the bytes in registers; its FP8 MMAs
     take ``A`` from registers; the result leaves in 4-byte stores (two adjacent columns a thread); no spills at
     :data:`SWAP_SETTINGS`'s register split; the activation's scales by TMA with each stage (``SCALES_TMA``: 16
-    8-byte shared loads a step) or by 32 loads from global memory."""
-    info = run_build(_SCRIPT, "1", "0", "1", "1" if scales_tma else "0")
+    8-byte shared loads a step) or by 32 loads from global memory; with LoRA's term (transposed) starting the
+    accumulator."""
+    info = run_build(_SCRIPT, "1", "1" if low_rank else "0", "1", "1" if scales_tma else "0")
     print({k: v for k, v in info.items() if k != "ptxas"})
     assert info["ptxas_rc"] == 0, info["ptxas"]
     assert info["spill_stores"] == 0 and not info["serialized"] and "C75" not in info["ptxas"], info["ptxas"]
-    assert info["wgmma"] == [["m64n128k32", "e4m3"]] and info["wait_group"] == ["0"] and info["tma"]
+    # with LoRA's term: its bf16 MMA of depth 16 starts the accumulator (operands in shared memory)
+    mmas = [["m64n128k16", "bf16"], ["m64n128k32", "e4m3"]] if low_rank else [["m64n128k32", "e4m3"]]
+    assert info["wgmma"] == mmas and info["wait_group"] == ["0"] and info["tma"]
     # two math warpgroups x 4 MMAs of depth 32 a step (one site); ldmatrix at two sites
     assert info["a_in_registers"] == 8 and info["ldmatrix_trans"] == 16
     # the next step's operand is read while a product runs: never into the registers that product reads
@@ -102,28 +105,38 @@ def test_gluon_fp8_input_gradient_swap_builds_for_sm90(scales_tma):
     assert (info["loads_b32"], info["stores_v4"], info["loads_b8"]) == (0, 0, 1)  # the one byte: as the forward
     # 64 columns x 128 rows of bf16 a math warpgroup: 32 4-byte stores a thread, at two sites (result, zero rows)
     assert info["global_stores_b32"] == 2 * 2 * 32
-    assert info["shared"] <= 160 * 1024  # no transposed buffers: 4 stages of two 16 KB tiles
+    assert info["shared"] <= (176 if low_rank else 160) * 1024  # no transposed buffers: 4 stages of two 16 KB tiles
     # the scales: two math warpgroups x 16 pairs a step, from shared memory with the stage
     assert info["shared_loads_v2"] == (32 if scales_tma else 0)
 
 
-@pytest.mark.parametrize("trans,settings,low_rank", [
-    (False, {"SWAP": True}, False),  # SWAP is the input gradient's form
-    (True, {"SWAP": True}, True),  # its accumulator holds the output transposed: no low-rank term
-    (True, {"SCALES_TMA": True}, False),  # a setting of SWAP's alone
+@pytest.mark.parametrize("trans,settings", [
+    (False, {"SWAP": True}),  # SWAP is the input gradient's form
+    (True, {"SCALES_TMA": True}),  # a setting of SWAP's alone
 ])
-def test_gluon_settings_refuse_swap_outside_its_form(trans, settings, low_rank):
+def test_gluon_settings_refuse_swap_outside_its_form(trans, settings):
     """The launcher refuses ``SWAP`` / ``SCALES_TMA`` where the kernel has no such form, by name, before any work
-    (CPU tensors: nothing reaches a device); the op routes a low-rank term into the kernel only where its form
-    takes one."""
+    (CPU tensors: nothing reaches a device)."""
     pytest.importorskip("triton.experimental.gluon")
-    from csattn.ops.fp8.gluon import grouped_mm_gluon, takes_low_rank
+    from csattn.ops.fp8.gluon import grouped_mm_gluon
 
     e, n, k, m = 2, 128, 256, 8
     a = torch.zeros(m, n if trans else k, dtype=torch.float8_e4m3fn)
-    lr = (torch.zeros(m, 16, dtype=torch.bfloat16), torch.zeros(e, k if trans else n, 16, dtype=torch.bfloat16), 1.0)
     with pytest.raises(ValueError, match="settings: SWAP"):
         grouped_mm_gluon(a, torch.ones(m, a.shape[1] // 128), torch.zeros(e, n, k, dtype=torch.float8_e4m3fn),
                          torch.ones(e, n // 128, k // 128), torch.tensor([3, 8], dtype=torch.int32), trans,
-                         settings=settings, low_rank=lr if low_rank else None)
-    assert takes_low_rank(False) and takes_low_rank(True)  # SWAP is not the default until it has run on an H200
+                         settings=settings)
+
+
+def test_swap_operand_columns_are_the_kernels_relabeling():
+    """The launcher orders the low-rank term's ``w`` rows by ``operand_columns()`` (a closed form); the kernel
+    relabels its operand and accumulator rows by ``_swap_rows`` (a reshape into the row's bits and a permutation of
+    them). The two agree (the kernel's reshape / permute done by torch on the column index); a thread's rows ``i`` and
+    ``i + 8`` are adjacent columns; each column once."""
+    pytest.importorskip("triton.experimental.gluon")
+    from csattn.ops.fp8.gluon_swap import operand_columns
+
+    kernel = torch.arange(64).reshape(2, 2, 2, 2, 2, 2).permute(0, 1, 5, 2, 3, 4).reshape(64)
+    assert operand_columns() == kernel.tolist()
+    assert sorted(operand_columns()) == list(range(64))
+    assert all(operand_columns()[i + 8] == operand_columns()[i] + 1 for i in range(64) if not i & 8)

@@ -149,12 +149,16 @@ def test_gluon_low_rank_term_vs_same_operands(case, trans, rank):
     lr = LowRank(v, w, 0.75)
     same = fp8_grouped_mm_quantized(a, q, s, offs, trans) + 0.75 * low_rank_ref(v.double(), w.double(), offs)
     qa, sa = quantize_1x128(a)
-    from csattn.ops.fp8.gluon import RANK, grouped_mm_gluon
+    from csattn.ops.fp8.gluon import RANK, SWAP_SETTINGS, grouped_mm_gluon
 
-    # the kernel's own epilogue (whether or not the op routes the term there yet), and the op's route
+    # the kernel's own epilogue (whether or not the op routes the term there yet; the input gradient both ways), and
+    # the op's route
     ways = {"op": lambda out: fp8_grouped_mm(a, q, s, offs, trans, low_rank=lr)}
+    forms = {"kernel": None, **({"kernel swap": SWAP_SETTINGS} if trans else {})}
     if rank == RANK:
-        ways["kernel"] = lambda out: grouped_mm_gluon(qa, sa, q, s, offs, trans, out=out, low_rank=lr)
+        for form, settings in forms.items():
+            ways[form] = lambda out, settings=settings: grouped_mm_gluon(qa, sa, q, s, offs, trans, out=out,
+                                                                         low_rank=lr, settings=settings)
     for way, run in ways.items():
         out = torch.full((m, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
         out = run(out)
@@ -165,8 +169,10 @@ def test_gluon_low_rank_term_vs_same_operands(case, trans, rank):
             print(f"gluon low rank {case} trans={trans} r={rank} {way}: {err:.2e}")
             assert err < 4e-3, (way, err)  # bf16's rounding of the output (as the kernel without the term)
     if rank == RANK:  # B = 0 (LoRA at step 0): the kernel's output without the term, bit for bit
-        zero = grouped_mm_gluon(qa, sa, q, s, offs, trans, low_rank=LowRank(v, torch.zeros_like(w), 0.75))
-        assert torch.equal(zero, grouped_mm_gluon(qa, sa, q, s, offs, trans))
+        for settings in forms.values():
+            zero = grouped_mm_gluon(qa, sa, q, s, offs, trans, low_rank=LowRank(v, torch.zeros_like(w), 0.75),
+                                    settings=settings)
+            assert torch.equal(zero, grouped_mm_gluon(qa, sa, q, s, offs, trans, settings=settings))
 
 
 # every (K, N) of the tiny GPU models and the block counts around cuBLAS's limit (SCALED_MM_MIN_K): the forward and

@@ -36,11 +36,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..backend import sm_count, triton_version
-from .gluon_swap import _math_swap
+from .gluon_low_rank import _load_low_rank, _low_rank_start
+from .gluon_swap import _math_swap, operand_columns
 from .gluon_tiles import BK, BM, BN, _cta_sync, _tile, _tma_load, acc_layout, group_table, tile_smem
 
-__all__ = ["FUSE_LOW_RANK", "RANK", "SWAP_SETTINGS", "fp8_grouped_gluon_kernel", "grouped_mm_gluon",
-           "takes_low_rank"]
+__all__ = ["FUSE_LOW_RANK", "RANK", "SWAP_SETTINGS", "fp8_grouped_gluon_kernel", "grouped_mm_gluon"]
 
 RANK = 16  # the low-rank term's depth: its two buffers of two [128, R] tiles (16 KB) beside the 192 KB of stages
 # The op routes the low-rank term through the kernel once it has run on an H200: it builds for sm_90 without spills
@@ -118,35 +118,6 @@ def _producer(a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n
     if XPOSE:
         for j in range(gl.maximum(it - LAG, 0), it):
             _transpose_stage(j, raw, bt, land, ready, STAGES)
-
-
-@gluon.jit
-def _load_low_rank(low_rank, nt, row0, w_row):
-    """The low-rank term's tiles of the program's ``nt``-th tile: ``v`` rows ``[row0, row0 + 128)`` (rows past ``M``
-    read as zeros; rows of the next group are read, and their results not stored) and ``w`` rows ``[w_row,
-    w_row + 128)``, into buffer ``nt % 2`` once the math warpgroups have released it."""
-    v_desc, lw_desc, l_scale, v_buf, w_buf, lr_land, lr_empty = low_rank
-    b = nt % 2
-    mbarrier.wait(lr_empty.index(b), ((nt // 2) & 1) ^ 1)  # the first turn of each buffer: at once
-    mbarrier.expect(lr_land.index(b), v_desc.block_type.nbytes + lw_desc.block_type.nbytes)
-    _tma_load(v_desc, [row0, 0], lr_land.index(b), v_buf.index(b))
-    _tma_load(lw_desc, [w_row, 0], lr_land.index(b), w_buf.index(b))
-
-
-@gluon.jit
-def _low_rank_start(low_rank, nt, HALF: gl.constexpr):
-    """The accumulator's start for the program's ``nt``-th tile: ``l_scale * v[rows] @ w^T`` (this warpgroup's 64
-    rows), one bf16 / fp16 MMA of depth ``R``; the contraction's products are added to it."""
-    v_desc, lw_desc, l_scale, v_buf, w_buf, lr_land, lr_empty = low_rank
-    b = nt % 2
-    mbarrier.wait(lr_land.index(b), (nt // 2) & 1)
-    # the instruction's depth is part of the accumulator's layout type (16 for 16-bit operands, 32 for e4m3); the
-    # registers of the two are the same
-    LO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
-    lo = warpgroup_mma(v_buf.index(b).slice(HALF * 64, 64, dim=0), w_buf.index(b).permute((1, 0)),
-                       gl.zeros([64, BN], gl.float32, layout=LO), use_acc=False)
-    mbarrier.arrive(lr_empty.index(b), count=1)
-    return gl.convert_layout(lo * l_scale, acc_layout())
 
 
 @gluon.jit
@@ -282,9 +253,9 @@ def fp8_grouped_gluon_kernel(
     if SWAP:
         gl.warp_specialize([
             (_math_swap, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_swe, stride_sbk, stride_sbn,
-                          stride_om, smem, _UPPER, E_P2, GROUP_M, STAGES, SCALES_TMA)),
+                          stride_om, smem, low_rank, _UPPER, E_P2, GROUP_M, STAGES, SCALES_TMA, LOW_RANK)),
             (_math_swap, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_swe, stride_sbk, stride_sbn,
-                          stride_om, smem, _LOWER, E_P2, GROUP_M, STAGES, SCALES_TMA)),
+                          stride_om, smem, low_rank, _LOWER, E_P2, GROUP_M, STAGES, SCALES_TMA, LOW_RANK)),
             (_producer, (a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
                          E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SWAP, SCALES_TMA)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
@@ -326,23 +297,17 @@ def launch_settings(trans: bool) -> dict:
 SWAP_SETTINGS = dict(MATH_REGS=232, PRODUCER_REGS=40, SWAP=True, SCALES_TMA=True)
 
 
-def takes_low_rank(trans: bool) -> bool:
-    """Whether the kernel's form for direction ``trans`` (at :func:`launch_settings`) takes a low-rank term: all but
-    ``SWAP``, whose accumulator holds the output transposed."""
-    return not launch_settings(trans)["SWAP"]
-
-
 def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
                      out_dtype: torch.dtype = torch.bfloat16, out: Tensor | None = None,
                      settings: dict | None = None, low_rank: tuple[Tensor, Tensor, float] | None = None) -> Tensor:
     """The Gluon kernel on prepared operands, same contract as :func:`.triton.grouped_mm_triton` with ``a`` e4m3
     and its 1x128 scales; the weight's ``N`` and ``K`` multiples of 128 (``grouped.gluon_fits``). ``settings``:
     :func:`launch_settings` to override (measurements; :data:`SWAP_SETTINGS` for the input gradient without a
-    transposition, where ``low_rank`` is None). ``low_rank``: ``(v [M, R], w [E, n_out, R], scale)``, one 16-bit
+    transposition). ``low_rank``: ``(v [M, R], w [E, n_out, R], scale)``, one 16-bit
     dtype, ``R`` = :data:`RANK`: ``scale * v[rows of e] @ w[e]^T`` is added to the output before its rounding."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    cfg = _settings(trans, settings, low_rank is not None)
+    cfg = _settings(trans, settings)
     m, c = a.shape
     e, n_w, k_w = weight.shape
     n_out = k_w if trans else n_w
@@ -363,6 +328,10 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
         ssk, ssn = scale.stride(2), scale.stride(1)
     tiles_m, tiles_n = triton.cdiv(m, BM.value) + e + 1, n_out // BN.value
     grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
+    if low_rank is not None and cfg["SWAP"]:  # w's rows in the order of SWAP's accumulator rows
+        v, w, s_lr = low_rank
+        order = torch.tensor(operand_columns(), device=w.device)
+        low_rank = (v, w.reshape(e, n_out // 64, 64, -1).index_select(2, order).reshape(e, n_out, -1), s_lr)
     v_desc, lw_desc, l_scale = (a_desc, a_desc, 0.0) if low_rank is None else _low_rank_descs(*low_rank, m, e, n_out)
     a_scale, sam, sak, sa_desc = _activation_scales(a_scale, cfg)
     fp8_grouped_gluon_kernel[grid](
@@ -372,13 +341,13 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     return out
 
 
-def _settings(trans: bool, settings: dict | None, low_rank: bool) -> dict:
+def _settings(trans: bool, settings: dict | None) -> dict:
     """:func:`launch_settings` with ``settings`` over them; a ``ValueError`` for ``SWAP`` outside its form (the input
-    gradient, no low-rank term) or ``SCALES_TMA`` without it."""
+    gradient) or ``SCALES_TMA`` without it."""
     cfg = {**launch_settings(trans), **(settings or {})}
-    if cfg["SWAP"] and (not trans or low_rank) or cfg["SCALES_TMA"] and not cfg["SWAP"]:
-        raise ValueError("settings: SWAP is the input gradient's form (trans=True) without a low-rank term, and "
-                         f"SCALES_TMA one of its settings; got trans={trans}, low_rank={low_rank}, {settings}")
+    if cfg["SWAP"] and not trans or cfg["SCALES_TMA"] and not cfg["SWAP"]:
+        raise ValueError("settings: SWAP is the input gradient's form (trans=True), and SCALES_TMA one of its "
+                         f"settings; got trans={trans}, {settings}")
     return cfg
 
 

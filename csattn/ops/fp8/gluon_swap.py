@@ -9,7 +9,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from .gluon_low_rank import _low_rank_start
 from .gluon_tiles import BK, BM, BN, _reinterpret, _tile, acc_layout
+
+
+def operand_columns() -> list[int]:
+    """The output column (within a warpgroup's 64) of each row of SWAP's operand and accumulator (what
+    :func:`_swap_rows` does to the rows, as a list): a thread's rows ``i`` and ``i + 8`` are columns ``c`` and ``c +
+    1``. The launcher orders the low-rank term's ``w`` rows by it."""
+    return [(i & 0x30) | ((i >> 3) & 1) | ((i & 7) << 1) for i in range(64)]
 
 
 @gluon.constexpr_function
@@ -97,8 +105,8 @@ def _store_swap(out, acc, row0, row_end, pid_n, stride_om, HALF: gl.constexpr):
 
 @gluon.jit
 def _math_swap(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_swe, stride_sbk, stride_sbn,
-               stride_om, smem, HALF: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
-               STAGES: gl.constexpr, SCALES_TMA: gl.constexpr):
+               stride_om, smem, low_rank, HALF: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
+               STAGES: gl.constexpr, SCALES_TMA: gl.constexpr, LOW_RANK: gl.constexpr):
     """``SWAP`` math warpgroup ``HALF`` (the input gradient without a transposition in shared memory): each tile's
     transpose ``W_e^T dY^T``, its output columns ``[64 HALF, 64 HALF + 64)`` the MMA's rows (the weight's operand in
     registers, :func:`_weight_operand`) by the tile's ``BM`` rows the MMA's columns (``dY``'s tile from shared
@@ -114,12 +122,17 @@ def _math_swap(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_s
     zero = gl.zeros([64, BM], gl.float32, layout=ACC)
     nk = KC // BK
     it = 0
+    nt = 0
     for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
         g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
         if g < E:
             cols = gl.arange(0, BM, layout=COLS)
             sw_ptr = sw + g.to(gl.int64) * stride_swe + pid_n * stride_sbn
-            acc = zero
+            if LOW_RANK:  # LoRA's term, transposed, starts the accumulator
+                acc = _low_rank_start(low_rank, nt, HALF, True)
+                nt += 1
+            else:
+                acc = zero
             mbarrier.wait(land.index(it % STAGES), (it // STAGES) & 1)
             w = _weight_operand(raw.index(it % STAGES), HALF)
             for kb in range(nk):

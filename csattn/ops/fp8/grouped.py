@@ -158,11 +158,11 @@ def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Ten
 def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool, out_dtype: torch.dtype,
             low_rank: LowRank | None) -> Tensor:
     """The FP8 kernels on quantized rows: Gluon where it fits (the low-rank term in its epilogue at rank 16 or
-    less where the kernel's form takes it), else Triton (``trans=False``)."""
+    less), else Triton (``trans=False``)."""
     if gluon_fits(a.q, weight):
-        from .gluon import FUSE_LOW_RANK, RANK, grouped_mm_gluon, takes_low_rank  # lazy: Gluon is experimental API
+        from .gluon import FUSE_LOW_RANK, RANK, grouped_mm_gluon  # lazy: Gluon is experimental API
 
-        fused = FUSE_LOW_RANK and low_rank is not None and low_rank.v.shape[1] <= RANK and takes_low_rank(trans)
+        fused = FUSE_LOW_RANK and low_rank is not None and low_rank.v.shape[1] <= RANK
         lr = _padded(low_rank, RANK) if fused else None
         out = grouped_mm_gluon(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype, low_rank=lr)
         return out if fused else add_low_rank(out, low_rank, offs)

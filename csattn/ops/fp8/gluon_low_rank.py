@@ -1,0 +1,46 @@
+"""LoRA's term in the Gluon FP8 grouped GEMM (``LOW_RANK``): the producer copies each tile's ``v`` rows and ``w``
+rows by TMA into one of two buffers, and each math warpgroup starts the tile's accumulator with their bf16 / fp16
+product (depth ``R``) instead of zeros. Shared by the kernel's forms (:mod:`.gluon`, :mod:`.gluon_swap`)."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
+
+from .gluon_tiles import BM, BN, _tma_load, acc_layout
+
+
+@gluon.jit
+def _load_low_rank(low_rank, nt, row0, w_row):
+    """The low-rank term's tiles of the program's ``nt``-th tile: ``v`` rows ``[row0, row0 + 128)`` (rows past ``M``
+    read as zeros; rows of the next group are read, and their results not stored) and ``w`` rows ``[w_row,
+    w_row + 128)``, into buffer ``nt % 2`` once the math warpgroups have released it."""
+    v_desc, lw_desc, l_scale, v_buf, w_buf, lr_land, lr_empty = low_rank
+    b = nt % 2
+    mbarrier.wait(lr_empty.index(b), ((nt // 2) & 1) ^ 1)  # the first turn of each buffer: at once
+    mbarrier.expect(lr_land.index(b), v_desc.block_type.nbytes + lw_desc.block_type.nbytes)
+    _tma_load(v_desc, [row0, 0], lr_land.index(b), v_buf.index(b))
+    _tma_load(lw_desc, [w_row, 0], lr_land.index(b), w_buf.index(b))
+
+
+@gluon.jit
+def _low_rank_start(low_rank, nt, HALF: gl.constexpr, SWAP: gl.constexpr = False):
+    """The accumulator's start for the program's ``nt``-th tile: ``l_scale * v[rows] @ w^T`` (this warpgroup's 64
+    rows), one bf16 / fp16 MMA of depth ``R``; the contraction's products are added to it. ``SWAP``: its transpose
+    ``l_scale * w[columns] @ v^T`` (this warpgroup's 64 output columns by the tile's rows; ``w``'s rows in the
+    operand's order, :func:`.gluon_swap.operand_columns`, as the launcher permutes them)."""
+    v_desc, lw_desc, l_scale, v_buf, w_buf, lr_land, lr_empty = low_rank
+    b = nt % 2
+    mbarrier.wait(lr_land.index(b), (nt // 2) & 1)
+    # the instruction's depth is part of the accumulator's layout type (16 for 16-bit operands, 32 for e4m3); the
+    # registers of the two are the same
+    LO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    if SWAP:
+        lo = warpgroup_mma(w_buf.index(b).slice(HALF * 64, 64, dim=0), v_buf.index(b).permute((1, 0)),
+                           gl.zeros([64, BM], gl.float32, layout=LO), use_acc=False)
+    else:
+        lo = warpgroup_mma(v_buf.index(b).slice(HALF * 64, 64, dim=0), w_buf.index(b).permute((1, 0)),
+                           gl.zeros([64, BN], gl.float32, layout=LO), use_acc=False)
+    mbarrier.arrive(lr_empty.index(b), count=1)
+    return gl.convert_layout(lo * l_scale, acc_layout())
