@@ -13,10 +13,9 @@ import torch
 import triton
 
 import csattn.ops.fp8.gluon as fp8_gluon
-from benchmarks.providers.fp8 import GROUPED, LIMIT, _quantized, _routed
+from benchmarks.providers.fp8 import GROUPED, _moe_case, _quantized, _routed
 from csattn.ops.fp8 import dequantize, quantize_1x128
 from csattn.ops.fp8.naive import fp8_grouped_mm_quantized
-from csattn.ops.moe import moe_experts
 from tests.helpers import rel_err
 
 VARIANTS = {"": fp8_gluon.SWAP_SETTINGS, "(global scales)": {**fp8_gluon.SWAP_SETTINGS, "SCALES_TMA": False},
@@ -88,23 +87,13 @@ def gemms() -> None:
 
 
 def moe(swap: bool, compute: str) -> float:
-    dev = torch.device("cuda")
-    ids, w, _, e, k, gen = _routed(dict(GROUPED), dev)
-    d, inter, t = GROUPED["hidden"], GROUPED["inter"], GROUPED["tokens"]
-    gu, dn = _quantized((e, 2 * inter, d), dev, gen), _quantized((e, d, inter), dev, gen)
-    x = torch.randn(t, d, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
-    w = w.bfloat16().requires_grad_()
-    if compute == "bf16":
-        wgu = torch.stack([dequantize(gu[0][i], gu[1][i], torch.bfloat16) for i in range(e)])
-        wdn = torch.stack([dequantize(dn[0][i], dn[1][i], torch.bfloat16) for i in range(e)])
-        run = lambda: moe_experts(x, ids, w, wgu, wdn, LIMIT, "auto")  # noqa: E731
-    else:
-        run = lambda: moe_experts(x, ids, w, gu[0], dn[0], LIMIT, "auto", gate_up_scale=gu[1],  # noqa: E731
-                                  down_scale=dn[1], fp8_compute="fp8")
-    dout = torch.randn(t, d, device=dev, generator=gen, dtype=torch.bfloat16)
+    """The frozen-expert MoE (the benchmark's ``moe_frozen`` case) forward + input gradient, ms."""
+    case = _moe_case(dict(GROUPED), torch.device("cuda"), torch.bfloat16, compute)
+    out = case.forward()[0]
+    dout = torch.randn_like(out)
 
     def step():
-        return torch.autograd.grad(run(), [x, w], dout)
+        return torch.autograd.grad(case.forward()[0], case.leaves, dout)
 
     settings = fp8_gluon.launch_settings
     # a lab switch for this comparison: the op's kernel calls take the SWAP form of the input gradient
