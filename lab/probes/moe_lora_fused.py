@@ -3,8 +3,10 @@
 the LoRA term added after the kernel, FP8 with the term in the Gluon kernel's epilogue
 (``csattn.ops.fp8.gluon.FUSE_LOW_RANK``, set here for the run), and both FP8 ways with the input gradient's SWAP
 form (``SWAP_SETTINGS``); each FP8 run's output and every gradient against the unfused one's.
-Run on an H200: python -m lab.probes.moe_lora_fused"""
+Run on an H200: python -m lab.probes.moe_lora_fused (``WAYS="bf16,fp8,fp8 fused"``: only those; bf16 and fp8 always
+needed for the comparison)"""
 
+import os
 from unittest import mock
 
 import torch
@@ -63,6 +65,8 @@ def main() -> None:
     for name, compute, fuse, swap in (("bf16", "bf16", False, False), ("fp8", "fp8", False, False),
                                       ("fp8 fused", "fp8", True, False), ("fp8 swap", "fp8", False, True),
                                       ("fp8 swap fused", "fp8", True, True)):
+        if name not in os.environ.get("WAYS", name).split(","):  # WAYS="bf16,fp8": only those
+            continue
         # lab switches for this comparison (the library reads both per call): the term in the kernel, and the input
         # gradient's SWAP form
         fp8_gluon.FUSE_LOW_RANK = fuse
@@ -74,7 +78,7 @@ def main() -> None:
     for i, n in enumerate(names):
         unfused, bf16 = results["fp8"][i], results["bf16"][i]
         others = "   ".join(f"{k} {rel_err(results[k][i], unfused):.2e}" for k in ("fp8 fused", "fp8 swap",
-                                                                               "fp8 swap fused"))
+                                                                               "fp8 swap fused") if k in results)
         print(f"  {n:12s} vs fp8 unfused: {others}   fp8 unfused vs bf16 {rel_err(unfused, bf16):.2e}")
 
 
