@@ -61,6 +61,7 @@ print(json.dumps({**info, "serialized": any(c in info["ptxas"] for c in ("C7514"
                   "global_stores_b32": len(re.findall(r"st\.global\.b32", ptx)),
                   "shared_loads_v2": len(re.findall(r"ld\.shared\.v2\.(?:b32|f32)", ptx)),
                   "stores_v4": len(re.findall(r"st\.shared\.v4", ptx)),
+                  "mbarrier_inits": len(re.findall(r"mbarrier\.init", ptx)),
                   "shared": kernel.metadata.shared}))
 """
 
@@ -79,6 +80,9 @@ def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
     # stores, in the loop and again in the drain after it (the forward moves its tiles by TMA only)
     assert (info["loads_b32"], info["stores_v4"]) == ((64, 16) if trans else (0, 0))
     assert info["shared"] <= 227 * 1024
+    # the ring's barriers (landed, free; ready once transposed where it transposes) and the low-rank term's two
+    # pairs: none made and left unused (the allocator would give a dead barrier's bytes to a later buffer)
+    assert info["mbarrier_inits"] == 4 * (3 if trans else 2) + (4 if low_rank else 0)
 
 
 @pytest.mark.parametrize("scales_tma,low_rank", [(True, False), (False, False), (True, True)])
@@ -108,6 +112,9 @@ def test_gluon_fp8_input_gradient_swap_builds_for_sm90(scales_tma, low_rank):
     assert info["shared"] <= (176 if low_rank else 160) * 1024  # no transposed buffers: 4 stages of two 16 KB tiles
     # the scales: two math warpgroups x 16 pairs a step, from shared memory with the stage
     assert info["shared_loads_v2"] == (32 if scales_tma else 0)
+    # no "ready" barriers (nothing to wait for without a transposition): a dead barrier's bytes went to the scales'
+    # TMA copies, which then wrote over an initialized barrier
+    assert info["mbarrier_inits"] == 4 * 2 + (4 if low_rank else 0)
 
 
 @pytest.mark.parametrize("trans,settings", [

@@ -228,12 +228,17 @@ def fp8_grouped_gluon_kernel(
     else:
         bt = raw
     land = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(land.index(s), count=1)  # the expect; the copies' bytes
-        mbarrier.init(ready.index(s), count=1)  # the producer, once the weight tile is transposed (TRANS)
         mbarrier.init(empty.index(s), count=2)  # each math warpgroup, once its MMA on the stage is done
+    if TRANS and not SWAP:  # the producer, once the weight tile is transposed
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+    else:  # no barrier made and left unused: the allocator would hand its bytes to a later buffer (the scales'
+        # TMA copies) while they hold an initialized barrier
+        ready = land
     if SCALES_TMA:
         sa_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], sa_desc.layout)
     else:
