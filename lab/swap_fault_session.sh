@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: the FP8 GPU tests and the fused LoRA term without SWAP; where SWAP faults (lab.probes.fp8_swap_fault, each case in its own process), then the faulting
+# One device call: the FP8 GPU tests and the fused LoRA term without SWAP; where SWAP faults (lab.probes.fp8_swap_fault, each case in its own process), then (a fault) the faulting
 # case under compute-sanitizer (the faulting instruction's offset) and the kernel's SASS into $OUT.
 #   CASE=ragged_bf16 bash lab/swap_fault_session.sh
 set -u
@@ -13,8 +13,13 @@ timeout 200 python3 -m pytest -q -s -p no:cacheprovider -k "not swap" tests/ops/
 echo "[tests] $((SECONDS - START)) s"
 WAYS="bf16,fp8,fp8 fused" timeout 100 python3 -m lab.probes.moe_lora_fused 2>&1 | tail -12
 echo "[lora] $((SECONDS - START)) s"
-timeout 300 python3 -m lab.probes.fp8_swap_fault 2>&1 | tail -20
+timeout 300 python3 -m lab.probes.fp8_swap_fault 2>&1 | tail -20 | tee /tmp/swap_cases.txt
 echo "[cases] $((SECONDS - START)) s"
+if ! grep -q FAILED /tmp/swap_cases.txt; then  # no fault: time it (the probe of kernels_session.sh)
+  timeout 200 python3 -m lab.probes.fp8_gluon_swap 2>&1 | tail -24
+  echo "[session] $((SECONDS - START)) s"
+  exit 0
+fi
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 echo "sanitizer: ${CS:-none}"
 if [ -n "$CS" ]; then
