@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/ftmoe}; mkdir -p "$OUT"; START=$SECONDS
 timeout 90 python3 -m benchmarks.finetune --ckpt /tmp/none --json "$OUT/finetune_moe.json" --parts moe \
   --commit "${COMMIT:-unknown}" 2>&1 | grep -E "^(fp8|bf16|w8a16) " | tail -6
 echo "[moe] $((SECONDS - START)) s"
-timeout 420 python3 -m benchmarks.finetune --ckpt /tmp/csattn_v4_flash_slice --json "$OUT/finetune_steps.json" \
+timeout "${STEPS_TIMEOUT:-420}" python3 -m benchmarks.finetune --ckpt /tmp/csattn_v4_flash_slice --json "$OUT/finetune_steps.json" \
   --parts write,steps --draw device --cases "${CASES:-a:16384;c:16384;d:16384}" --commit "${COMMIT:-unknown}" 2>&1 \
   | grep -E "^\[" | tail -20
 echo "[session] $((SECONDS - START)) s"
