@@ -1,7 +1,9 @@
 """HF + PEFT on csattn's kernels (``patch``) trains as csattn's own LoRA: the same base weights, the same adapter
 (csattn's, saved in PEFT's format and loaded with ``PeftModel.from_pretrained``), the same packed documents give the
-same loss, every adapter gradient equal, and after a few optimizer steps on the adapters alone the same adapter
-(fp32, 1e-4 relative)."""
+same loss, every adapter gradient equal, and each optimizer step on the adapters alone the same update (fp32, 1e-4
+relative). Each step starts both from the same adapter (csattn's copied into PEFT's after the comparison): the two
+sum the same products in other orders (1e-5 apart at a step), and left to run apart their adapters' differences
+grow through the steps by what the CPU's fp32 kernels round (1.03e-4 by step 2 on one machine, less on another)."""
 
 import pytest
 import torch
@@ -112,9 +114,11 @@ def test_hf_peft_patched_trains_as_csattn_lora(tmp_path, assert_close):
         opt_theirs.step()
         opt_ours.zero_grad(set_to_none=True)
         opt_theirs.zero_grad(set_to_none=True)
-    now = adapter_tensors(ours)
+        now = adapter_tensors(ours)
+        with torch.no_grad():
+            for key, p in peft_p.items():
+                assert_close(p, now[key], TOL, f"after step {step}: {key}")
+                p.copy_(now[key])  # the next step from the same adapter
     for key, p in peft_p.items():
-        if ".indexer." in key:
-            continue
-        assert (p - start[key]).abs().max() > 1e-4, key  # the steps moved it
-        assert_close(p.detach(), now[key], TOL, f"after {STEPS} steps: {key}")
+        if ".indexer." not in key:
+            assert (p - start[key]).abs().max() > 1e-4, key  # the steps moved it

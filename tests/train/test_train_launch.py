@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -130,12 +129,13 @@ def _torchrun(*argv: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_mesh_that_does_not_fit_under_torchrun_ends_every_rank_with_one_line_and_no_gloo_error():
-    """Five launches of 2 processes with ``--dp-shard 3``: both ranks print the line first and exit 2 (torchrun
-    reports exit code 2 of both and shows the line in its summary), and no rank touches Gloo."""
+    """Three launches of 2 processes with ``--dp-shard 3``: both ranks print the line first and exit 2 (torchrun
+    reports exit code 2 of both and shows the line in its summary), and no rank touches Gloo. A rank left waiting on
+    the other would run into each launch's timeout (120 s; Gloo waits 30 minutes): a bound on the launches' total
+    time too measured the machine (136 s for five on one CI-like machine, under 120 on the one before), not the code."""
     line = ("csattn train: error: --dp-replicate 1 x --dp-shard 3 x --cp 1 = 3 ranks, but the world size is 2: change "
             "the sizes")
-    start = time.monotonic()
-    for _ in range(5):
+    for _ in range(3):
         run = _torchrun(*BASE, "--dp-shard", "3")
         text = run.stdout + run.stderr
         assert run.returncode == 1, text  # torchrun's own exit status when a rank failed
@@ -146,7 +146,6 @@ def test_a_mesh_that_does_not_fit_under_torchrun_ends_every_rank_with_one_line_a
         assert "gloo" not in text.lower() and "connectFullMesh" not in text, text
         assert len(re.findall(r"exitcode\s*: 2 ", text)) == 2, text
         assert len(re.findall(r"traceback : csattn train: error: --dp-replicate 1", text)) == 2, text
-    assert time.monotonic() - start < 120
 
 
 def test_user_warnings_are_one_plain_line_on_stderr(capsys):
