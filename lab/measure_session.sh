@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
-# One device call, in order of worth: the GPU tests that do not depend on SWAP (the FP8 ops, the Gluon kernel with
-# LoRA's term, LoRA's Triton kernels, the HF FP8 integration); the MoE with LoRA unfused / fused
-# (lab.probes.moe_lora_fused); the frozen MoE and (a) / (c) / (d) at 16k on the slice (lab/finetune_moe_session.sh,
-# records in $OUT); then, in the time left, where SWAP faults (lab.probes.fp8_swap_fault).
-#   COMMIT=<sha> bash lab/measure_session.sh
+# One device call, in order of worth: the frozen MoE and (a) / (d) / (c) at 16k on the slice
+# (lab/finetune_moe_session.sh, records in $OUT); the GPU tests that do not depend on SWAP (the FP8 ops, the Gluon
+# kernel with LoRA's term, LoRA's Triton kernels, the HF FP8 integration); the MoE with LoRA unfused / fused
+# (lab.probes.moe_lora_fused); then, in the time left, where SWAP faults (lab.probes.fp8_swap_fault).
+#   LIMIT=<s> COMMIT=<sha> bash lab/measure_session.sh
 set -u
 OUT=${OUT:-/tmp/measure}; mkdir -p "$OUT"; START=$SECONDS; LIMIT=${LIMIT:-570}
-. "$(dirname "$0")/device_env.sh"
-timeout 150 python3 -m pytest -q -s -p no:cacheprovider -k "not swap" tests/ops/test_fp8_gpu.py \
+left() { echo $((LIMIT - (SECONDS - START) - ${1:-0})); }
+STEPS_TIMEOUT=$(left 200) CASES="a:16384;d:16384;c:16384" OUT="$OUT" COMMIT="${COMMIT:-unknown}" \
+  bash "$(dirname "$0")/finetune_moe_session.sh" 2>&1
+. "$(dirname "$0")/device_env.sh" > /dev/null
+timeout "$(left 80)" python3 -m pytest -q -s -p no:cacheprovider -k "not swap" tests/ops/test_fp8_gpu.py \
   tests/ops/test_lora_kernels_gpu.py tests/integrations/test_integration_hf_fp8.py > "$OUT/gpu_tests.txt" 2>&1
 grep -E "gluon|moe lora|passed|failed|Error|assert" "$OUT/gpu_tests.txt" | tail -24
 echo "[tests] $((SECONDS - START)) s"
-WAYS="bf16,fp8,fp8 fused" timeout 90 python3 -m lab.probes.moe_lora_fused 2>&1 | tail -12
+WAYS="bf16,fp8,fp8 fused" timeout "$(left 20)" python3 -m lab.probes.moe_lora_fused 2>&1 | tail -12
 echo "[lora] $((SECONDS - START)) s"
-STEPS_TIMEOUT=$((LIMIT - (SECONDS - START) - 100)) CASES="a:16384;d:16384;c:16384" OUT="$OUT" \
-  COMMIT="${COMMIT:-unknown}" bash "$(dirname "$0")/finetune_moe_session.sh" 2>&1 | grep -v "^NVIDIA"
-LEFT=$((LIMIT - (SECONDS - START)))
-if [ "$LEFT" -gt 40 ]; then
-  TRITON_CACHE_DIR=/tmp/swap_cache timeout "$LEFT" python3 -m lab.probes.fp8_swap_fault 2>&1 | tail -14
+if [ "$(left)" -gt 40 ]; then
+  TRITON_CACHE_DIR=/tmp/swap_cache timeout "$(left)" python3 -m lab.probes.fp8_swap_fault 2>&1 | tail -14
 fi
 echo "[session] $((SECONDS - START)) s"
