@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import sys
 
 import torch
 
@@ -164,3 +167,19 @@ def within_references(got: dict[str, float], *refs: dict[str, float], floor: flo
     loss's floor is 1e-4): ``{metric: (got, bound)}``, empty when all hold."""
     bounds = {k: 2 * sum(r[k] for r in refs) + (1e-4 if k == "loss" else floor) for k in got}
     return {k: (got[k], bounds[k]) for k in got if got[k] > bounds[k]}
+
+
+def in_own_process(request, timeout: int = 600) -> bool:
+    """For a GPU test of a kernel that may fault ("illegal instruction" ends the process's CUDA context, and every
+    later test in it would fail): in the pytest run, runs this one test again in a child pytest, asserts it passed and
+    returns False (the caller returns); in the child, returns True (the caller runs the test)."""
+    node = request.node.nodeid
+    if os.environ.get("CSATTN_TEST_CHILD") == node:
+        return True
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", node],
+                         cwd=request.config.rootpath, env={**os.environ, "CSATTN_TEST_CHILD": node},
+                         capture_output=True, text=True, timeout=timeout)
+    out = (run.stdout + run.stderr).strip().splitlines()
+    print("\n".join(line for line in out if line.startswith(("gluon", "swap"))))
+    assert run.returncode == 0, "\n".join(out[-40:])
+    return False

@@ -27,7 +27,7 @@ from csattn.ops.fp8.grouped import gluon_fits
 from csattn.ops.fp8.linear import DGRADS, input_grad
 from csattn.ops.fp8.triton import grouped_mm_triton
 from csattn.ops.moe import ExpertLora, moe_experts
-from tests.helpers import rel_err
+from tests.helpers import in_own_process, rel_err
 
 pytestmark = pytest.mark.gpu
 LIMIT = 10.0
@@ -89,11 +89,24 @@ def test_grouped_kernel_vs_same_operands(trans, mode):
 GLUON_CASES = {"ragged": (16, 384, 640, 300), "deep": (4, 256, 2048, 700), "all_tail": (3, 128, 256, 0)}
 
 
-@pytest.mark.parametrize("way", ["fwd", "trans", "swap"])
+@pytest.mark.parametrize("way", ["fwd", "trans"])
 @pytest.mark.parametrize("case", list(GLUON_CASES))
 def test_gluon_grouped_vs_same_operands(case, way):
-    """Both directions against fp64 on the same quantized operands; the input gradient both ways (the producer
-    transposing the weight tile, and ``SWAP``: ``W_e^T dY^T`` with the weight's operand in registers)."""
+    """Both directions against fp64 on the same quantized operands (the input gradient with the producer
+    transposing the weight tile)."""
+    _gluon_grouped_case(case, way)
+
+
+@pytest.mark.parametrize("case", list(GLUON_CASES))
+def test_gluon_grouped_swap_vs_same_operands(case, request):
+    """The input gradient's ``SWAP`` form (``W_e^T dY^T``, the weight's operand in registers; off by default) as
+    above, in its own process: it faulted on the H200 ("illegal instruction", 020a34e), which ends a process's CUDA
+    context."""
+    if in_own_process(request):
+        _gluon_grouped_case(case, "swap")
+
+
+def _gluon_grouped_case(case: str, way: str) -> None:
     trans = way != "fwd"
     e, n, k, most = GLUON_CASES[case]
     g = torch.Generator(device="cuda").manual_seed(4)
@@ -133,6 +146,17 @@ def test_gluon_grouped_vs_same_operands(case, way):
 def test_gluon_low_rank_term_vs_same_operands(case, trans, rank):
     """LoRA's term in the kernel's epilogue (rank 16; 8 padded to it; 32 added after the kernel): the product plus
     ``scale * v w_e^T`` against fp64 on the same operands; rows past ``offs[-1]`` zero; the same bits twice."""
+    _low_rank_case(case, trans, rank, swap=False)
+
+
+@pytest.mark.parametrize("case", ["ragged", "all_tail"])
+def test_gluon_low_rank_term_swap_vs_same_operands(case, request):
+    """LoRA's term through the input gradient's ``SWAP`` form, in its own process (see the ``SWAP`` test above)."""
+    if in_own_process(request):
+        _low_rank_case(case, True, 16, swap=True)
+
+
+def _low_rank_case(case: str, trans: bool, rank: int, swap: bool) -> None:
     e, n, k, most = GLUON_CASES[case]
     g = torch.Generator(device="cuda").manual_seed(5)
     q, s = _weight((e, n, k), g, n if trans else k)
@@ -153,8 +177,8 @@ def test_gluon_low_rank_term_vs_same_operands(case, trans, rank):
 
     # the kernel's own epilogue (whether or not the op routes the term there yet; the input gradient both ways), and
     # the op's route
-    ways = {"op": lambda out: fp8_grouped_mm(a, q, s, offs, trans, low_rank=lr)}
-    forms = {"kernel": None, **({"kernel swap": SWAP_SETTINGS} if trans else {})}
+    ways = {} if swap else {"op": lambda out: fp8_grouped_mm(a, q, s, offs, trans, low_rank=lr)}
+    forms = {"kernel swap": SWAP_SETTINGS} if swap else {"kernel": None}
     if rank == RANK:
         for form, settings in forms.items():
             ways[form] = lambda out, settings=settings: grouped_mm_gluon(qa, sa, q, s, offs, trans, out=out,
