@@ -287,9 +287,10 @@ def launch_settings(trans: bool) -> dict:
     builds with the Triton at hand). Where it transposes, the producer holds a 64-byte piece a thread: Triton 3.6
     (measured on the H200) needs 64 registers there and leaves the math warpgroups 224; 3.9 needs 232 for the math
     warpgroups and 48 for the producer. ``SWAP`` (the input gradient as ``W_e^T dY^T``, the weight's operand read
-    transposed into registers: no transposition in shared memory, :func:`_math_swap`) is off until it has run on
-    an H200: it builds for sm_90 without spills (the build test), and ``tests/ops/test_fp8_gpu.py`` holds it to fp64
-    there; ``lab/kernels_session.sh`` measures it against the transposing kernel. ``SCALES_TMA`` (``SWAP`` only):
+    transposed into registers: no transposition in shared memory, :func:`_math_swap`) is off: it builds for sm_90
+    without spills (the build test), but it faulted on the H200 at 020a34e ("illegal instruction"; a small case
+    matched fp64); ``tests/ops/test_fp8_gpu.py`` holds it to fp64 there, ``lab/swap_fault_session.sh`` finds the
+    faulting case, ``lab/kernels_session.sh`` measures it against the transposing kernel. ``SCALES_TMA`` (``SWAP`` only):
     the activation's scales for a step copied with the stage (16 shared loads a thread a step) instead of 32 global
     loads: 301 PTX instructions a step in the math loop against 382 (Triton 3.6)."""
     if not trans:
