@@ -69,14 +69,18 @@ def test_backward_compiles_for_sm90_warp_specialized(d, has_len):
 def test_dispatch_off_hopper_for_fp32_and_old_triton(monkeypatch):
     import triton
 
+    from csattn.ops.backend import triton_version
     from csattn.ops.sparse_attn import triton as kernels
     from csattn.ops.sparse_attn.triton import SparseAttnConfig, uses_gluon_bwd, uses_gluon_fwd
 
-    kernels._gluon_kernel.cache_clear()  # the lookup is cached per process
+    # the lookup and the version are cached per process (another test in this process may have read the version)
+    kernels._gluon_kernel.cache_clear()
+    triton_version.cache_clear()
     with monkeypatch.context() as m:  # an older Gluon API: the Triton kernels run
         m.setattr(triton, "__version__", "3.5.1")
         assert kernels._gluon_kernel("fwd") is None and kernels._gluon_kernel("bwd") is None
     kernels._gluon_kernel.cache_clear()
+    triton_version.cache_clear()
 
     q = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
     kv = torch.zeros(8, 512, dtype=torch.bfloat16)
