@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(PY) -m csattn demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --timeout 900
+	$(PY) -m pytest -q -n 2 --timeout 900 --durations 15
 
 # the fast lane: everything but the slow tests (spawned ranks, layers and models under the Triton interpreter,
 # compiler runs); CI runs `test`
