@@ -1,18 +1,12 @@
 #!/usr/bin/env bash
-# One device call: the FP8 GPU tests and the fused LoRA term without SWAP; where SWAP faults (lab.probes.fp8_swap_fault, each case in its own process), then (a fault) the faulting
-# case under compute-sanitizer (the faulting instruction's offset) and the kernel's SASS into $OUT.
+# One device call: where SWAP faults (lab.probes.fp8_swap_fault, each case in its own process); where none does, SWAP
+# timed (lab.probes.fp8_gluon_swap); else the faulting case under compute-sanitizer (the faulting instruction's
+# offset) and the kernel's SASS into $OUT. The GPU tests without SWAP and the LoRA probe: lab/measure_session.sh.
 #   CASE=ragged_bf16 bash lab/swap_fault_session.sh
 set -u
 START=$SECONDS
 . "$(dirname "$0")/device_env.sh"
 export TRITON_CACHE_DIR=/tmp/swap_cache
-# what does not depend on SWAP, first (a fault ends the process's CUDA context)
-timeout 200 python3 -m pytest -q -s -p no:cacheprovider -k "not swap" tests/ops/test_fp8_gpu.py \
-  tests/ops/test_lora_kernels_gpu.py tests/integrations/test_integration_hf_fp8.py 2>&1 \
-  | grep -E "gluon|moe lora|passed|failed|Error|assert" | tail -30
-echo "[tests] $((SECONDS - START)) s"
-WAYS="bf16,fp8,fp8 fused" timeout 100 python3 -m lab.probes.moe_lora_fused 2>&1 | tail -12
-echo "[lora] $((SECONDS - START)) s"
 timeout 300 python3 -m lab.probes.fp8_swap_fault 2>&1 | tail -20 | tee /tmp/swap_cases.txt
 echo "[cases] $((SECONDS - START)) s"
 if ! grep -q FAILED /tmp/swap_cases.txt; then  # no fault: time it (the probe of kernels_session.sh)

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..backend import sm_count, triton_version
-from .gluon_low_rank import _load_low_rank, _low_rank_start
+from .gluon_low_rank import _acc_start, _load_low_rank
 from .gluon_swap import _math_swap, operand_columns
 from .gluon_tiles import BK, BM, BN, _cta_sync, _tile, _tma_load, acc_layout, group_table, tile_smem
 
@@ -178,11 +178,8 @@ def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_
             # Four steps a round, each in its own accumulator registers, the product of the next step started
             # before the last one is added in; no product runs across the loop's back edge (ptxas would copy
             # its registers there and serialize the MMAs)
-            if LOW_RANK:  # started in the accumulator: no second one at the end, where the registers are short
-                acc = _low_rank_start(low_rank, nt, HALF)
-                nt += 1
-            else:
-                acc = zero
+            # the low-rank term started in the accumulator: no second one at the end, where the registers are short
+            acc, nt = _acc_start(low_rank, nt, zero, HALF, LOW_RANK)
             for r in range(0, nk // 4):
                 j = it + 4 * r
                 sc0 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r, stride_sak, stride_sbk)
@@ -290,9 +287,9 @@ def launch_settings(trans: bool) -> dict:
     transposed into registers: no transposition in shared memory, :func:`_math_swap`) is off: it builds for sm_90
     without spills (the build test), but it faulted on the H200 at 020a34e ("illegal instruction"; a small case
     matched fp64); ``tests/ops/test_fp8_gpu.py`` holds it to fp64 there, ``lab/swap_fault_session.sh`` finds the
-    faulting case, ``lab/kernels_session.sh`` measures it against the transposing kernel. ``SCALES_TMA`` (``SWAP`` only):
-    the activation's scales for a step copied with the stage (16 shared loads a thread a step) instead of 32 global
-    loads: 301 PTX instructions a step in the math loop against 382 (Triton 3.6)."""
+    faulting case, ``lab/kernels_session.sh`` measures it against the transposing kernel. ``SCALES_TMA`` (``SWAP``
+    only): the activation's scales for a step copied with the stage (16 shared loads a thread a step) instead of 32
+    global loads: 301 PTX instructions a step in the math loop against 382 (Triton 3.6)."""
     if not trans:
         return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SWAP=False, SCALES_TMA=False)
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)

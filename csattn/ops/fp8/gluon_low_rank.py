@@ -44,3 +44,13 @@ def _low_rank_start(low_rank, nt, HALF: gl.constexpr, SWAP: gl.constexpr = False
                            gl.zeros([64, BN], gl.float32, layout=LO), use_acc=False)
     mbarrier.arrive(lr_empty.index(b), count=1)
     return gl.convert_layout(lo * l_scale, acc_layout())
+
+
+@gluon.jit
+def _acc_start(low_rank, nt, zero, HALF: gl.constexpr, LOW_RANK: gl.constexpr, SWAP: gl.constexpr = False):
+    """A math warpgroup's accumulator at the start of the program's next tile, and the count of tiles that took the
+    low-rank term: its start (:func:`_low_rank_start`) with ``LOW_RANK``, else ``zero``."""
+    if LOW_RANK:
+        return _low_rank_start(low_rank, nt, HALF, SWAP), nt + 1
+    else:
+        return zero, nt

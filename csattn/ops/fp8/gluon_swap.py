@@ -9,7 +9,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_low_rank import _low_rank_start
+from .gluon_low_rank import _acc_start
 from .gluon_tiles import BK, BM, BN, _reinterpret, _tile, acc_layout
 
 
@@ -128,11 +128,7 @@ def _math_swap(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_s
         if g < E:
             cols = gl.arange(0, BM, layout=COLS)
             sw_ptr = sw + g.to(gl.int64) * stride_swe + pid_n * stride_sbn
-            if LOW_RANK:  # LoRA's term, transposed, starts the accumulator
-                acc = _low_rank_start(low_rank, nt, HALF, True)
-                nt += 1
-            else:
-                acc = zero
+            acc, nt = _acc_start(low_rank, nt, zero, HALF, LOW_RANK, True)  # LoRA's term, transposed, or zeros
             mbarrier.wait(land.index(it % STAGES), (it // STAGES) & 1)
             w = _weight_operand(raw.index(it % STAGES), HALF)
             for kb in range(nk):
