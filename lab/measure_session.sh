@@ -2,10 +2,11 @@
 # One device call, in order of worth: the frozen MoE and (a) / (d) / (c) at 16k on the slice
 # (lab/finetune_moe_session.sh, records in $OUT); the GPU tests that do not depend on SWAP (the FP8 ops, the Gluon
 # kernel with LoRA's term, LoRA's Triton kernels, the HF FP8 integration); the MoE with LoRA unfused / fused
-# (lab.probes.moe_lora_fused); then, in the time left, where SWAP faults (lab.probes.fp8_swap_fault).
+# (lab.probes.moe_lora_fused); then, in the time left, where SWAP faults (lab.probes.fp8_swap_fault) and, for
+# the first case that faults, where in the kernel (lab/swap_locate.sh).
 #   LIMIT=<s> COMMIT=<sha> bash lab/measure_session.sh
 set -u
-OUT=${OUT:-/tmp/measure}; mkdir -p "$OUT"; START=$SECONDS; LIMIT=${LIMIT:-570}
+OUT=${OUT:-/tmp/measure}; mkdir -p "$OUT"; START=$SECONDS; LIMIT=${LIMIT:-570}; rm -f /tmp/swap_cases.txt
 left() { echo $((LIMIT - (SECONDS - START) - ${1:-0})); }
 STEPS_TIMEOUT=$(left 200) CASES="a:16384;d:16384;c:16384" OUT="$OUT" COMMIT="${COMMIT:-unknown}" \
   bash "$(dirname "$0")/finetune_moe_session.sh" 2>&1
@@ -17,6 +18,11 @@ echo "[tests] $((SECONDS - START)) s"
 WAYS="bf16,fp8,fp8 fused" timeout "$(left 20)" python3 -m lab.probes.moe_lora_fused 2>&1 | tail -12
 echo "[lora] $((SECONDS - START)) s"
 if [ "$(left)" -gt 40 ]; then
-  TRITON_CACHE_DIR=/tmp/swap_cache timeout "$(left)" python3 -m lab.probes.fp8_swap_fault 2>&1 | tail -14
+  TRITON_CACHE_DIR=/tmp/swap_cache timeout "$(left)" python3 -m lab.probes.fp8_swap_fault 2>&1 | tail -20 \
+    | tee /tmp/swap_cases.txt
+fi
+FIRST=$(grep -m1 -o "^[a-z0-9_]*: FAILED" /tmp/swap_cases.txt 2>/dev/null | cut -d: -f1)
+if [ -n "$FIRST" ] && [ "$(left)" -gt 60 ]; then  # where in the kernel it faults
+  OUT="$OUT" TRITON_CACHE_DIR=/tmp/swap_cache timeout "$(left)" bash "$(dirname "$0")/swap_locate.sh" "$FIRST" 2>&1 | tail -50
 fi
 echo "[session] $((SECONDS - START)) s"

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device call: where SWAP faults (lab.probes.fp8_swap_fault, each case in its own process); where none does, SWAP
-# timed (lab.probes.fp8_gluon_swap); else the faulting case under compute-sanitizer (the faulting instruction's
-# offset) and the kernel's SASS into $OUT. The GPU tests without SWAP and the LoRA probe: lab/measure_session.sh.
-#   CASE=ragged_bf16 bash lab/swap_fault_session.sh
+# timed (lab.probes.fp8_gluon_swap); else lab/swap_locate.sh on the first faulting case (or CASE): where the fault
+# is, and the kernels' SASS into $OUT. The GPU tests without SWAP and the LoRA probe: lab/measure_session.sh.
+#   [CASE=ragged_bf16] bash lab/swap_fault_session.sh
 set -u
-START=$SECONDS
+START=$SECONDS; rm -f /tmp/swap_cases.txt
 . "$(dirname "$0")/device_env.sh"
 export TRITON_CACHE_DIR=/tmp/swap_cache
 timeout 300 python3 -m lab.probes.fp8_swap_fault 2>&1 | tail -20 | tee /tmp/swap_cases.txt
@@ -14,19 +14,5 @@ if ! grep -q FAILED /tmp/swap_cases.txt; then  # no fault: time it (the probe of
   echo "[session] $((SECONDS - START)) s"
   exit 0
 fi
-CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-echo "sanitizer: ${CS:-none}"
-if [ -n "$CS" ]; then
-  timeout 150 "$CS" --tool memcheck --show-backtrace no python3 -m lab.probes.fp8_swap_fault "${CASE:-ragged_bf16}" 2>&1 \
-    | grep -v "^=========$" | head -30
-fi
-echo "[sanitizer] $((SECONDS - START)) s"
-DIS=$(command -v cuobjdump || ls /usr/local/cuda*/bin/cuobjdump 2>/dev/null | head -1)
-mkdir -p "${OUT:-/tmp/out}/sass"
-for f in $(find $TRITON_CACHE_DIR -name "fp8_grouped_gluon_kernel.cubin"); do
-  d=$(basename "$(dirname "$f")")
-  cp "$(dirname "$f")/fp8_grouped_gluon_kernel.json" "${OUT:-/tmp/out}/sass/$d.json" 2>/dev/null
-  [ -n "$DIS" ] && "$DIS" -sass "$f" > "${OUT:-/tmp/out}/sass/$d.sass" 2>&1
-done
-ls -la "${OUT:-/tmp/out}/sass" | head
+OUT=${OUT:-/tmp/out} bash "$(dirname "$0")/swap_locate.sh" "${CASE:-$(grep -m1 -o "^[a-z0-9_]*: FAILED" /tmp/swap_cases.txt | cut -d: -f1)}"
 echo "[session] $((SECONDS - START)) s"

@@ -1,7 +1,8 @@
 """Where the SWAP input gradient of the Gluon FP8 kernel faults ("illegal instruction" on the H200 at 020a34e: the
-small fp32 case matched fp64, the test's ragged case and the MoE-sized GEMM faulted). Each case in its own process
-(a fault ends the CUDA context): the output dtype, the contraction's steps, the column tiles, empty groups, rows past
-``offs[-1]``, one program for every tile, the scales by TMA or not; each against the transposing kernel on the same
+small fp32 case matched fp64, the test's ragged case and the MoE-sized GEMM faulted; every call that faulted wrote
+bf16, every one that passed fp32). Each case in its own process (a fault ends the CUDA context): the output dtype,
+the contraction's steps, the column tiles, empty groups, rows past ``offs[-1]``, one program for every tile, the
+scales by TMA or not, the register split and the ring's depth; each against the transposing kernel on the same
 operands. Run on an H200: python -m lab.probes.fp8_swap_fault [case]"""
 
 import subprocess
@@ -30,6 +31,12 @@ CASES = {
     "ragged_f32": ("ragged", 384, 640, 77, torch.float32, False, SWAP),
     "ragged_f32_global": ("ragged", 384, 640, 77, torch.float32, False, GLOBAL),
     "ragged_bf16": ("ragged", 384, 640, 77, torch.bfloat16, False, SWAP),
+    "many_tiles_bf16": ([128 * 140], 256, 256, 0, torch.bfloat16, False, SWAP),
+    "ragged_f32_one_program": ("ragged", 384, 640, 77, torch.float32, True, SWAP),
+    # other register splits (setmaxnreg) and ring depths: a fault that moves with them is not the math's
+    "ragged_bf16_regs216": ("ragged", 384, 640, 77, torch.bfloat16, False, {**SWAP, "MATH_REGS": 216,
+                                                                            "PRODUCER_REGS": 56}),
+    "ragged_bf16_6_stages": ("ragged", 384, 640, 77, torch.bfloat16, False, {**SWAP, "STAGES": 6}),
 }
 
 
