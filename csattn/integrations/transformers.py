@@ -126,82 +126,111 @@ def batch_layout(
         :class:`BatchLayout`. Reads the metadata on the host (one sync per forward).
     """
     b, s = batch_shape
-    real = None
-    if attention_mask is not None:
-        if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, s):
-            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-            raise ValueError(f"attention_mask must be the 2-D padding mask [B, S] = [{b}, {s}] (1 = real token), "
-                             f"got {got}")
-        real = attention_mask.to(device) != 0
-        if bool(real.all()):
-            real = None
-    pos = None
-    if position_ids is not None:
-        pos = position_ids.to(device=device, dtype=torch.long)
-        pos = pos.reshape(1, -1) if pos.dim() == 1 else pos
-        if pos.dim() == 2 and pos.shape[0] == 1 and pos.shape[1] == s:
-            pos = pos.expand(b, s)
-        if tuple(pos.shape) != (b, s):
-            raise ValueError(f"position_ids must have shape [B, S] = [{b}, {s}] (or [1, S]), "
-                             f"got {tuple(position_ids.shape)}")
-
+    real = _padding(attention_mask, b, s, device)
+    pos = _positions(position_ids, b, s, device)
     index = None
     if cu_seq_lens_q is not None:
-        cu = torch.as_tensor(cu_seq_lens_q).reshape(-1).to("cpu", torch.long)
-        if cu_seq_lens_k is not None and not torch.equal(torch.as_tensor(cu_seq_lens_k).reshape(-1).to("cpu",
-                                                                                                       torch.long), cu):
-            raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q (causal self-attention over the same documents)")
-        if b != 1:
-            raise ValueError(f"cu_seq_lens_q describes a flattened batch input_ids [1, T]; got [B, S] = [{b}, {s}]")
-        if real is not None:
-            raise ValueError("cu_seq_lens_q and an attention_mask with padding do not go together: flattened "
-                             "batches have no padding (drop the attention_mask)")
-        lengths = cu[1:] - cu[:-1]
-        if cu.numel() < 2 or int(cu[0]) != 0 or bool((lengths < 0).any()) or int(cu[-1]) != s:
-            raise ValueError(f"cu_seq_lens_q must rise from 0 to the flattened length {s}, got {cu.tolist()[:16]}")
-        lengths = lengths[lengths > 0]
+        lengths = _flattened_lengths(cu_seq_lens_q, cu_seq_lens_k, b, s, real)
         flat_pos = None if pos is None else pos.reshape(-1)
     else:
-        if real is not None:
-            count = real.sum(1)
-            first = real.int().argmax(1)
-            last = s - 1 - real.flip(1).int().argmax(1)
-            gaps = (count > 0) & (last - first + 1 != count)
-            if bool(gaps.any()):
-                row = int(gaps.nonzero()[0, 0])
-                raise ValueError(f"attention_mask row {row} has padding between real tokens; each row must be one "
-                                 "document (left or right padding); pack several documents with position_ids instead")
-            index = real.reshape(-1).nonzero().squeeze(1)
-            rows = index // s
-        else:
-            rows = torch.arange(b * s, device=device) // s
-        total = rows.shape[0]
-        start = torch.ones(total, dtype=torch.bool, device=device)
-        start[1:] = rows[1:] != rows[:-1]
-        flat_pos = None
-        if pos is not None:
-            flat_pos = pos.reshape(-1) if index is None else pos.reshape(-1)[index]
-            start |= flat_pos == 0
-        starts = start.nonzero().squeeze(1)
-        lengths = (torch.cat([starts, starts.new_tensor([total])]) - torch.cat([starts.new_zeros(1), starts]))[1:]
-        lengths = lengths.cpu()
-
+        lengths, index, flat_pos = _row_lengths(real, pos, b, s, device)
     if flat_pos is not None and flat_pos.numel():
-        doc_start = (lengths.cumsum(0) - lengths).to(device)
-        offsets = torch.arange(flat_pos.numel(), device=device) - doc_start.repeat_interleave(lengths.to(device))
-        bad = flat_pos != offsets
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            where = int(index[i]) if index is not None else i
-            raise ValueError(
-                f"position_ids must count 0, 1, 2, ... inside each document (a 0 starts the next one); at row "
-                f"{where // s}, column {where % s} it is {int(flat_pos[i])} where the document layout gives "
-                f"{int(offsets[i])}. csattn derives the positions from the documents: pass position_ids that restart "
-                "at 0 per document (DataCollatorWithFlattening does), or none")
+        _check_positions(flat_pos, lengths, index, s, device)
     if max_length_q is not None and lengths.numel() and int(max_length_q) < int(lengths.max()):
         raise ValueError(f"max_length_q = {max_length_q} is below the longest document ({int(lengths.max())})")
     packed = PackedSeqs.from_lengths([int(n) for n in lengths], device=device)
     return BatchLayout(packed=packed, index=index, batch_shape=(b, s))
+
+
+def _padding(attention_mask: Tensor | None, b: int, s: int, device: torch.device | str) -> Tensor | None:
+    """``[B, S]`` bool of the real tokens, or ``None`` where every token is real."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, s):
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask must be the 2-D padding mask [B, S] = [{b}, {s}] (1 = real token), "
+                         f"got {got}")
+    real = attention_mask.to(device) != 0
+    return None if bool(real.all()) else real
+
+
+def _positions(position_ids: Tensor | None, b: int, s: int, device: torch.device | str) -> Tensor | None:
+    """``position_ids`` as ``[B, S]`` int64 (one row given: every row's)."""
+    if position_ids is None:
+        return None
+    pos = position_ids.to(device=device, dtype=torch.long)
+    pos = pos.reshape(1, -1) if pos.dim() == 1 else pos
+    if pos.dim() == 2 and pos.shape[0] == 1 and pos.shape[1] == s:
+        pos = pos.expand(b, s)
+    if tuple(pos.shape) != (b, s):
+        raise ValueError(f"position_ids must have shape [B, S] = [{b}, {s}] (or [1, S]), "
+                         f"got {tuple(position_ids.shape)}")
+    return pos
+
+
+def _flattened_lengths(cu_seq_lens_q: Tensor, cu_seq_lens_k: Tensor | None, b: int, s: int,
+                       real: Tensor | None) -> Tensor:
+    """The documents' lengths (host, int64, empty ones dropped) of a flattened batch ``[1, T]``."""
+    cu = torch.as_tensor(cu_seq_lens_q).reshape(-1).to("cpu", torch.long)
+    if cu_seq_lens_k is not None and not torch.equal(torch.as_tensor(cu_seq_lens_k).reshape(-1).to("cpu", torch.long),
+                                                     cu):
+        raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q (causal self-attention over the same documents)")
+    if b != 1:
+        raise ValueError(f"cu_seq_lens_q describes a flattened batch input_ids [1, T]; got [B, S] = [{b}, {s}]")
+    if real is not None:
+        raise ValueError("cu_seq_lens_q and an attention_mask with padding do not go together: flattened "
+                         "batches have no padding (drop the attention_mask)")
+    lengths = cu[1:] - cu[:-1]
+    if cu.numel() < 2 or int(cu[0]) != 0 or bool((lengths < 0).any()) or int(cu[-1]) != s:
+        raise ValueError(f"cu_seq_lens_q must rise from 0 to the flattened length {s}, got {cu.tolist()[:16]}")
+    return lengths[lengths > 0]
+
+
+def _row_lengths(real: Tensor | None, pos: Tensor | None, b: int, s: int,
+                 device: torch.device | str) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """A padded batch's documents: each row's real tokens one run, cut further where ``pos`` restarts at 0.
+    Returns the lengths (host), the real tokens' flat index into ``[B * S]`` (``None`` without padding) and their
+    positions (or ``None``)."""
+    index = None
+    if real is not None:
+        count = real.sum(1)
+        first = real.int().argmax(1)
+        last = s - 1 - real.flip(1).int().argmax(1)
+        gaps = (count > 0) & (last - first + 1 != count)
+        if bool(gaps.any()):
+            row = int(gaps.nonzero()[0, 0])
+            raise ValueError(f"attention_mask row {row} has padding between real tokens; each row must be one "
+                             "document (left or right padding); pack several documents with position_ids instead")
+        index = real.reshape(-1).nonzero().squeeze(1)
+        rows = index // s
+    else:
+        rows = torch.arange(b * s, device=device) // s
+    total = rows.shape[0]
+    start = torch.ones(total, dtype=torch.bool, device=device)
+    start[1:] = rows[1:] != rows[:-1]
+    flat_pos = None
+    if pos is not None:
+        flat_pos = pos.reshape(-1) if index is None else pos.reshape(-1)[index]
+        start |= flat_pos == 0
+    starts = start.nonzero().squeeze(1)
+    lengths = (torch.cat([starts, starts.new_tensor([total])]) - torch.cat([starts.new_zeros(1), starts]))[1:]
+    return lengths.cpu(), index, flat_pos
+
+
+def _check_positions(flat_pos: Tensor, lengths: Tensor, index: Tensor | None, s: int,
+                     device: torch.device | str) -> None:
+    """``position_ids`` must count 0, 1, 2, ... inside each document: csattn derives positions from the layout."""
+    doc_start = (lengths.cumsum(0) - lengths).to(device)
+    offsets = torch.arange(flat_pos.numel(), device=device) - doc_start.repeat_interleave(lengths.to(device))
+    bad = flat_pos != offsets
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        where = int(index[i]) if index is not None else i
+        raise ValueError(
+            f"position_ids must count 0, 1, 2, ... inside each document (a 0 starts the next one); at row "
+            f"{where // s}, column {where % s} it is {int(flat_pos[i])} where the document layout gives "
+            f"{int(offsets[i])}. csattn derives the positions from the documents: pass position_ids that restart "
+            "at 0 per document (DataCollatorWithFlattening does), or none")
 
 
 # ---------------------------------------------------------------------------------------------- patched modules
@@ -465,29 +494,11 @@ def patch(model: nn.Module, *, backend: BackendChoice = "auto", indexer_loss_coe
     backbone = _backbone(model)
     if isinstance(backbone, _PatchedModel):
         raise ValueError(f"model is already patched by csattn; {_UNPATCH.replace('first', 'to patch it again')}")
-    check_backend(backend)
-    if not indexer_loss_coeff >= 0:
-        raise ValueError(f"indexer_loss_coeff must be >= 0, got {indexer_loss_coeff}")
-    if not 0 < indexer_loss_scale < float("inf"):
-        raise ValueError(f"indexer_loss_scale must be a finite number > 0 (e.g. 1 / gradient_accumulation_steps), "
-                         f"got {indexer_loss_scale}")
+    _check_patch_args(backend, indexer_loss_coeff, indexer_loss_scale, fp8_compute)
     _check_patchable(backbone)
-    if fp8_compute not in hf_fp8.COMPUTES:
-        raise ValueError(f"fp8_compute must be one of {hf_fp8.COMPUTES}, got {fp8_compute!r}")
     config = backbone.config
     held = _swap_held(backbone, backend, fp8_compute)  # HF's FP8 modules onto csattn's FP8 ops (MXFP4 converted)
-    # build every attention before changing anything else, so a failure leaves the model as it was; PEFT's wrappers
-    # come off HF's attention modules for that and go around csattn's (the same parameters) after
-    adapters = [peft_bridge.detach(layer.self_attn) for layer in backbone.layers]
-    try:
-        attentions = [_csattn_attention(layer.self_attn, config, i, backend, indexer_loss_coeff, bool(deterministic))
-                      for i, layer in enumerate(backbone.layers)]
-    except Exception:
-        for layer, found in zip(backbone.layers, adapters):
-            peft_bridge.reattach(layer.self_attn, found)
-        for module in held:
-            hf_fp8.restore(module)
-        raise
+    attentions, adapters = _build_attentions(backbone, held, backend, indexer_loss_coeff, bool(deterministic))
     experts = config.hidden_act == "silu"  # csattn's experts compute a clamped SwiGLU (silu); others stay HF's
     state = _PatchState(backend, indexer_loss_coeff, [layer.self_attn for layer in backbone.layers], experts,
                         deterministic=bool(deterministic), held=held)
@@ -510,6 +521,36 @@ def patch(model: nn.Module, *, backend: BackendChoice = "auto", indexer_loss_coe
     backbone._csattn_backend = backend
     backbone._csattn_state = state
     return model
+
+
+def _check_patch_args(backend: BackendChoice, indexer_loss_coeff: float, indexer_loss_scale: float,
+                      fp8_compute: str) -> None:
+    check_backend(backend)
+    if not indexer_loss_coeff >= 0:
+        raise ValueError(f"indexer_loss_coeff must be >= 0, got {indexer_loss_coeff}")
+    if not 0 < indexer_loss_scale < float("inf"):
+        raise ValueError(f"indexer_loss_scale must be a finite number > 0 (e.g. 1 / gradient_accumulation_steps), "
+                         f"got {indexer_loss_scale}")
+    if fp8_compute not in hf_fp8.COMPUTES:
+        raise ValueError(f"fp8_compute must be one of {hf_fp8.COMPUTES}, got {fp8_compute!r}")
+
+
+def _build_attentions(backbone: hf.DeepseekV4Model, held: list[nn.Module], backend: BackendChoice,
+                      indexer_loss_coeff: float, deterministic: bool) -> tuple[list[nn.Module], list]:
+    """csattn's attention for every layer, built before anything else changes, so that a failure leaves the model
+    as it was (its FP8 modules restored, PEFT's wrappers back on HF's attention). Returns the attentions and the
+    PEFT wrappers taken off HF's attention modules, to go around csattn's (the same parameters)."""
+    adapters = [peft_bridge.detach(layer.self_attn) for layer in backbone.layers]
+    try:
+        attentions = [_csattn_attention(layer.self_attn, backbone.config, i, backend, indexer_loss_coeff,
+                                        deterministic) for i, layer in enumerate(backbone.layers)]
+    except Exception:
+        for layer, found in zip(backbone.layers, adapters):
+            peft_bridge.reattach(layer.self_attn, found)
+        for module in held:
+            hf_fp8.restore(module)
+        raise
+    return attentions, adapters
 
 
 def _check_patchable(backbone: hf.DeepseekV4Model) -> None:

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..models.deepseek_v4 import DeepseekV4ForCausalLM
-from ..models.deepseek_v4.checkpoint import CONFIG_NAME, INDEX_NAME, hf_config
+from ..models.deepseek_v4.checkpoint import hf_config
+from ..models.deepseek_v4.disk import CONFIG_NAME, INDEX_NAME
 from ..models.deepseek_v4.names import to_disk
 from .mesh import Meshes
 

@@ -256,7 +256,7 @@ def _bytes_of(model) -> dict[str, torch.Tensor]:
 def test_converting_on_the_target_device_changes_no_bit(release, precision, monkeypatch):
     """``convert_device``: each quantized tensor is moved there and converted (MXFP4 -> FP8) or dequantized there,
     one at a time; the model (on the host) holds the same bytes as a load converting on the host."""
-    from csattn.models.deepseek_v4 import checkpoint as ck
+    from csattn.models.deepseek_v4 import disk as ck  # where the loader reads and converts each tensor
 
     seen = []
     real = ck.mxfp4_to_fp8 if precision == "fp8" else ck.dequantize_mxfp4
@@ -332,6 +332,7 @@ def ep_load_task(group, path: str, fsdp: bool, bf16: bool = False) -> dict:
     from torch.distributed.tensor import DTensor
 
     from csattn.models.deepseek_v4 import checkpoint as ck
+    from csattn.models.deepseek_v4 import disk
     from csattn.models.deepseek_v4.expert_parallel import ExpertParallel
     from csattn.models.deepseek_v4.moe import MoE
     from csattn.parallel import ParallelDims, build_meshes, load_hf_sharded, parallelize
@@ -350,17 +351,17 @@ def ep_load_task(group, path: str, fsdp: bool, bf16: bool = False) -> dict:
         for m in model.modules():
             if isinstance(m, MoE):
                 m.use_expert_parallel(ExpertParallel(group, config.n_routed_experts))
-    read, real = [], ck._get
+    read, real = [], disk.get_tensor  # every tensor read from a file goes through it
 
     def spy(shards, files, key, expert):
         read.append(key)
         return real(shards, files, key, expert)
 
-    ck._get = spy
+    disk.get_tensor = spy
     try:
         load_hf_sharded(model, path, "cpu")
     finally:
-        ck._get = real
+        disk.get_tensor = real
     experts = {}
     for name, module in model.named_modules():
         if isinstance(module, Fp8Experts):

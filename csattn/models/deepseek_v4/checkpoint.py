@@ -1,8 +1,8 @@
-"""HF-format checkpoints: ``config.json`` + ``model.safetensors`` (or sharded with
-``model.safetensors.index.json``). On disk the tensors carry the DeepSeek reference names that the release
-and ``transformers``' ``save_pretrained`` use; ``names.py`` maps them to this model's ``state_dict`` names
-(equal to ``transformers.DeepseekV4ForCausalLM``'s). MTP blocks, which ``transformers`` skips on load, are
-stored under ``mtp.{j}.``."""
+"""HF-format checkpoints in and out: ``config.json`` + ``model.safetensors`` (or sharded with
+``model.safetensors.index.json``); :mod:`.disk` reads what is there, this module builds the model and loads it.
+On disk the tensors carry the DeepSeek reference names that the release and ``transformers``' ``save_pretrained``
+use; ``names.py`` maps them to this model's ``state_dict`` names (equal to ``transformers.DeepseekV4ForCausalLM``'s).
+MTP blocks, which ``transformers`` skips on load, are stored under ``mtp.{j}.``."""
 
 from __future__ import annotations
 
@@ -18,42 +18,33 @@ from torch import Tensor, nn
 
 from ...layers.modules import RMSNorm
 from .config import DeepseekV4ModelConfig
+from .disk import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    Shards,
+    Source,
+    check_held,
+    check_values,
+    list_keys,
+    quantized_linears,
+    read_config,
+    read_held,
+    read_tensor,
+    split_scales,
+    units_on_disk,
+    unreadable,
+)
 from .mhc import HyperHead
 from .model import DecoderLayer, DeepseekV4ForCausalLM, MTPBlock
 from .names import _EXPERT, _disk_name, internal_name, to_disk, to_internal
-from .quant import (
-    COMPUTES,
-    FP8_BLOCK,
-    Fp8Experts,
-    Fp8Linear,
-    QuantConfig,
-    decode_scale,
-    dequantize_fp8,
-    dequantize_mxfp4,
-    hold_in_fp8,
-    is_fp4_packed,
-    is_fp8,
-    mxfp4_to_fp8,
-)
+from .quant import COMPUTES, FP8_BLOCK, Fp8Experts, Fp8Linear, QuantConfig, hold_in_fp8
 
 __all__ = ["load_pretrained", "save_pretrained", "load_state_dict_into", "read_safetensors", "read_config",
            "LoadReport", "experts_filter", "BASE_PRECISIONS", "held_linears", "inexact_fp8_message", "hf_config"]
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 # "bf16": quantized weights dequantized to the training dtype; "fp8" / "w8a16": routed experts (and optionally the
 # dense linears) held as FP8 in memory, computed on FP8 tensor cores / with bf16 numerics (quant.Fp8Experts)
 BASE_PRECISIONS = ("bf16", *COMPUTES)
-
-
-def read_config(path: str) -> dict[str, Any]:
-    """The ``config.json`` of an HF-format directory as a dict."""
-    file = os.path.join(path, CONFIG_NAME)
-    if not os.path.isfile(file):
-        raise ValueError(f"path {path!r} has no {CONFIG_NAME}")
-    with open(file) as f:
-        return json.load(f)
 
 
 def read_safetensors(path: str) -> dict[str, Tensor]:
@@ -61,45 +52,14 @@ def read_safetensors(path: str) -> dict[str, Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    shards = sorted(set(_list_keys(path, _Shards(path)).values()))  # the files load_pretrained would read
+    shards = sorted(set(list_keys(path, Shards(path)).values()))  # the files load_pretrained would read
     tensors: dict[str, Tensor] = {}
     for shard in shards:
         try:
             tensors.update(load_file(os.path.join(path, shard)))
         except SafetensorError as err:
-            raise _unreadable(os.path.join(path, shard), err) from None
+            raise unreadable(os.path.join(path, shard), err) from None
     return to_internal(tensors)
-
-
-def _unreadable(file: str, err: Exception, key: str | None = None) -> ValueError:
-    """safetensors' own error on a truncated or damaged file, as one that names the file (and tensor)."""
-    what = f"tensor {key!r} of {file!r}" if key else repr(file)
-    return ValueError(f"cannot read {what}: {err}. The file is truncated or damaged (an interrupted download, copy "
-                      "or save?): fetch or save it again")
-
-
-def _check_values(name: str, where: str, value: Tensor, dest: Tensor, num_experts: int) -> None:
-    """What can be checked of tensor ``name`` read from disk (``where`` says which file and key) before the model
-    trusts it: a number kind the parameter holds, hash-routing expert ids in range (a damaged table would index
-    past the experts deep inside the MoE) and, once copied into ``dest``, finite values. One pass over the tensor,
-    by slices (no full-size temporary)."""
-    if value.is_floating_point() != dest.is_floating_point():
-        raise ValueError(f"tensor {name!r} ({where}) is {value.dtype} on disk but the model holds {dest.dtype}: "
-                         "the file is damaged or was written for another model")
-    if name.endswith("tid2eid"):
-        if value.numel():
-            lo, hi = torch.stack(torch.aminmax(value.long())).tolist()
-            if lo < 0 or hi >= num_experts:
-                raise ValueError(f"hash-routing table {name!r} ({where}) holds expert ids in [{lo}, {hi}] but the "
-                                 f"model has {num_experts} routed experts: the file is damaged, or config.json's "
-                                 "n_routed_experts does not match it")
-        return
-    if dest.is_floating_point():
-        bad = sum(int((~torch.isfinite(part)).sum()) for part in dest.detach().reshape(-1).split(1 << 24))
-        if bad:
-            raise ValueError(f"tensor {name!r} ({where}) holds {bad} non-finite values (NaN / Inf) once read as "
-                             f"{dest.dtype}: the file is damaged, it was saved from a diverged run, or its values "
-                             f"exceed {dest.dtype}'s range")
 
 
 def load_state_dict_into(model: DeepseekV4ForCausalLM, tensors: Mapping[str, Tensor],
@@ -128,7 +88,7 @@ def load_state_dict_into(model: DeepseekV4ForCausalLM, tensors: Mapping[str, Ten
     with torch.no_grad():
         for name, tensor in tensors.items():
             own[name].copy_(tensor)
-            _check_values(name, f"on disk {_disk_name(name)!r}", tensor, own[name], model.config.n_routed_experts)
+            check_values(name, f"on disk {_disk_name(name)!r}", tensor, own[name], model.config.n_routed_experts)
 
 
 @dataclass
@@ -175,79 +135,6 @@ def experts_filter(experts: Iterable[int]) -> Callable[[str], bool]:
     return accept
 
 
-class _Shards:
-    """Lazily opened safetensors files of one directory (each opened once; only the ones asked for)."""
-
-    def __init__(self, path: str) -> None:
-        self.path, self.handles, self.opened = path, {}, []
-
-    def get(self, file: str) -> Any:
-        if file not in self.handles:
-            import safetensors
-
-            full = os.path.join(self.path, file)
-            try:
-                self.handles[file] = safetensors.safe_open(full, framework="pt")
-            except safetensors.SafetensorError as err:
-                raise _unreadable(full, err) from None
-            self.opened.append(file)
-        return self.handles[file]
-
-
-def _list_keys(path: str, shards: _Shards) -> dict[str, str]:
-    """Every tensor name on disk -> its file: from ``model.safetensors.index.json`` when there is one (no shard
-    is opened), else from the file headers."""
-    index = os.path.join(path, INDEX_NAME)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no 'weight_map' object")
-        for file in set(weight_map.values()):
-            if not os.path.isfile(os.path.join(path, file)):
-                raise ValueError(f"{index} lists shard {file!r}, which is not in {path!r}")
-        return dict(weight_map)
-    if os.path.isfile(os.path.join(path, WEIGHTS_NAME)):
-        files = [WEIGHTS_NAME]
-    else:
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise ValueError(f"path {path!r} has no .safetensors files")
-    out: dict[str, str] = {}
-    for file in files:
-        for key in shards.get(file).keys():
-            out[key] = file
-    return out
-
-
-def _split_scales(keys: Iterable[str]) -> tuple[list[str], dict[str, str]]:
-    """Data tensors and ``{weight key: scale key}``: ``X.weight_scale_inv`` / ``X_scale_inv`` (HF) and ``X.scale``
-    next to an ``X.weight`` (reference; ``attn_hc.scale`` & co. have no ``.weight`` beside them, so they stay data)."""
-    keyset = set(keys)
-    data, scales = [], {}
-    for k in keyset:
-        if k.endswith("_scale_inv"):
-            w = k[: -len("_scale_inv")]
-        elif k.endswith(".scale") and k[: -len("scale")] + "weight" in keyset:
-            w = k[: -len("scale")] + "weight"
-        else:
-            data.append(k)
-            continue
-        if w not in keyset:
-            raise ValueError(f"checkpoint has scale {k!r} but not the weight {w!r} it scales")
-        if w in scales:
-            raise ValueError(f"weight {w!r} has two scale companions: {scales[w]!r} and {k!r}")
-        scales[w] = k
-    return sorted(data), scales
-
-
-@dataclass
-class _Source:
-    key: str  # on-disk name of the data tensor
-    expert: int | None = None  # fused [E, ...] tensor: the expert's row
-    half: int | None = None  # fused gate_up_proj: 0 = gate (w1) rows, 1 = up (w3) rows
-
-
 def _part(name: str) -> tuple[str, Any]:
     """Which module a ``state_dict`` name lives in: ("layer", i), ("mtp", j) or ("top", module)."""
     p = name.split(".")
@@ -282,145 +169,8 @@ def _units(own: Mapping[str, Tensor], num_experts: int,
     return out
 
 
-def _sources(data: list[str], num_experts: int) -> dict[str, _Source]:
-    """Unit name -> where it is on disk (per-expert matrices, or a row of a fused HF expert tensor)."""
-    out: dict[str, _Source] = {}
-
-    def put(unit: str, src: _Source) -> None:
-        if unit in out:
-            raise ValueError(f"tensors {out[unit].key!r} and {src.key!r} both map to {unit!r}")
-        out[unit] = src
-
-    for key in data:
-        new = internal_name(key)
-        if new.endswith("mlp.experts.gate_up_proj"):
-            base = new[: -len(".gate_up_proj")]
-            for e in range(num_experts):
-                put(f"{base}.{e}.w1.weight", _Source(key, e, 0))
-                put(f"{base}.{e}.w3.weight", _Source(key, e, 1))
-        elif new.endswith("mlp.experts.down_proj"):
-            base = new[: -len(".down_proj")]
-            for e in range(num_experts):
-                put(f"{base}.{e}.w2.weight", _Source(key, e, None))
-        else:
-            put(new, _Source(key))
-    return out
-
-
-def _get(shards: _Shards, files: Mapping[str, str], key: str, expert: int | None) -> Tensor:
-    """Tensor ``key`` as stored (of a fused expert tensor, only row ``expert`` is read)."""
-    from safetensors import SafetensorError
-
-    f = shards.get(files[key])
-    try:
-        if expert is None:
-            return f.get_tensor(key)
-        sl = f.get_slice(key)
-        shape = sl.get_shape()
-        if len(shape) < 1 or shape[0] <= expert:
-            raise ValueError(f"tensor {key!r} has shape {tuple(shape)}: no row for expert {expert}")
-        return sl[expert: expert + 1][0]
-    except SafetensorError as err:
-        raise _unreadable(os.path.join(shards.path, files[key]), err, key) from None
-
-
-def _read(shards: _Shards, files: Mapping[str, str], src: _Source, scale_key: str | None,
-          quant: QuantConfig | None, dtype: torch.dtype, is_expert: bool,
-          device: torch.device | str | None = None) -> tuple[Tensor, bool]:
-    """One tensor (a fused expert tensor: expert ``src.expert``'s row), dequantized to ``dtype`` when quantized;
-    a quantized one is moved to ``device`` first (default: where it was read) and dequantized there."""
-
-    def get(key: str) -> Tensor:
-        t = _get(shards, files, key, src.expert)
-        return t if device is None or scale_key is None else t.to(device)
-
-    t = get(src.key)
-    if scale_key is None:
-        if is_fp8(t):
-            raise ValueError(f"tensor {src.key!r} is {t.dtype} but the checkpoint has no scale for it "
-                             f"({src.key[:-len('weight')] + 'scale' if src.key.endswith('weight') else src.key}"
-                             " or *_scale_inv)")
-        return t, False
-    if quant is None:
-        raise ValueError(f"tensor {src.key!r} has a scale ({scale_key!r}) but config.json has no "
-                         "quantization_config; add the release's (quant_method 'fp8', weight_block_size)")
-    s = get(scale_key)
-    if is_fp8(t):
-        if is_expert and quant.expert_dtype == "fp4":
-            raise ValueError(f"config.json expert_dtype is 'fp4' but expert tensor {src.key!r} is FP8; set "
-                             "expert_dtype to 'fp8'")
-        bn = quant.block_size[0]
-        rows = t.shape[-2]
-        if src.half is not None and s.shape[-2] != -(-rows // bn) and s.shape[-2] == 2 * -(-(rows // 2) // bn):
-            # a fused gate_up_proj concatenated from per-expert gate and up matrices keeps each half's own
-            # (ragged) block rows
-            g, u = t.chunk(2, dim=-2)
-            sg, su = s.chunk(2, dim=-2)
-            return torch.cat([dequantize_fp8(g, sg, quant.block_size, dtype, src.key),
-                              dequantize_fp8(u, su, quant.block_size, dtype, src.key)], dim=-2), True
-        return dequantize_fp8(t, s, quant.block_size, dtype, src.key), True
-    if is_fp4_packed(t):
-        if not is_expert or quant.expert_dtype != "fp4":
-            raise ValueError(f"tensor {src.key!r} is packed FP4 ({t.dtype}) but "
-                             + ("it is not a routed expert" if not is_expert else "config.json expert_dtype is "
-                                f"{quant.expert_dtype!r}; set it to 'fp4'"))
-        return dequantize_mxfp4(t, s, dtype, src.key), True
-    raise ValueError(f"tensor {src.key!r} has a scale ({scale_key!r}) but dtype {t.dtype}, neither FP8 e4m3 nor "
-                     "packed FP4")
-
-
-def _read_held(shards: _Shards, files: Mapping[str, str], srcs: list[_Source], scales: Mapping[str, str],
-               quant: QuantConfig | None, name: str,
-               device: torch.device | str | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One FP8-held matrix as stored, never dequantized: ``(e4m3 [N, K], fp32 block scales, inexact blocks or
-    None)``. ``srcs``: a dense linear's weight, an expert's ``w2``, or its ``w1`` and ``w3`` (stacked as the
-    ``gate_up_proj`` row; one fused HF row is read once). MXFP4 is moved to ``device`` (default: where it was
-    read) and converted there by :func:`mxfp4_to_fp8`."""
-    if len(srcs) == 2 and (srcs[0].key, srcs[0].expert) == (srcs[1].key, srcs[1].expert):
-        srcs = srcs[:1]  # a fused gate_up_proj row holds both halves
-    data, scale = [], []
-    for src in srcs:
-        key = scales.get(src.key)
-        if key is None or quant is None:
-            raise ValueError(f"tensor {src.key!r} is not quantized (no scale or no quantization_config): "
-                             "base_precision 'fp8' / 'w8a16' holds the FP8 / MXFP4 tensors of a release checkpoint "
-                             "as they are; load this checkpoint with base_precision='bf16'")
-        data.append(_get(shards, files, src.key, src.expert))
-        scale.append(_get(shards, files, key, src.expert))
-    t, s = (data[0], scale[0]) if len(data) == 1 else (torch.cat(data), torch.cat(scale))
-    if is_fp4_packed(t):
-        if quant.expert_dtype != "fp4":
-            raise ValueError(f"tensor {srcs[0].key!r} is packed FP4 but config.json expert_dtype is "
-                             f"{quant.expert_dtype!r}; set it to 'fp4'")
-        if device is not None:
-            t, s = t.to(device), s.to(device)
-        return mxfp4_to_fp8(t, s, srcs[0].key)
-    if not is_fp8(t):
-        raise ValueError(f"tensor {srcs[0].key!r} has a scale but dtype {t.dtype}, neither FP8 e4m3 nor packed FP4")
-    if quant.block_size != (FP8_BLOCK, FP8_BLOCK):
-        raise ValueError(f"config.json quantization_config.weight_block_size is {list(quant.block_size)}: FP8-held "
-                         f"weights take [{FP8_BLOCK}, {FP8_BLOCK}] blocks (the release's); load with "
-                         "base_precision='bf16'")
-    want = (-(-t.shape[0] // FP8_BLOCK), -(-t.shape[1] // FP8_BLOCK))
-    if tuple(s.shape) != want:
-        raise ValueError(f"tensor {name!r} (on disk {srcs[0].key!r}): scales {tuple(s.shape)} do not tile the "
-                         f"{tuple(t.shape)} weight as one {want} grid of {FP8_BLOCK}x{FP8_BLOCK} blocks (gate and up "
-                         "halves of a moe_intermediate_size that is not a multiple of 128 each have a ragged block "
-                         "row); load with base_precision='bf16'")
-    return t, decode_scale(s, srcs[0].key), None
-
-
-def _check_held(name: str, where: str, q: Tensor, s: Tensor) -> None:
-    """An FP8-held matrix read from disk: no e4m3 NaN code (``0x7F`` / ``0xFF``), finite positive scales."""
-    nan = int(((q.view(torch.uint8) & 0x7F) == 0x7F).sum())
-    bad = int((~torch.isfinite(s) | (s <= 0)).sum())
-    if nan or bad:
-        raise ValueError(f"tensor {name!r} ({where}) holds {nan} NaN codes and {bad} non-finite or non-positive "
-                         "scales: the file is damaged")
-
-
 def _load_held(model: DeepseekV4ForCausalLM, units: Mapping[str, tuple[str, int | None, int | None]],
-               wanted: list[str], sources: Mapping[str, _Source], files: Mapping[str, str], shards: _Shards,
+               wanted: list[str], sources: Mapping[str, Source], files: Mapping[str, str], shards: Shards,
                scales: Mapping[str, str], quant: QuantConfig | None, report: LoadReport,
                device: torch.device | str | None = None) -> None:
     """Read the FP8-held matrices among ``wanted`` into the model as they are stored (MXFP4 converted on
@@ -438,7 +188,7 @@ def _load_held(model: DeepseekV4ForCausalLM, units: Mapping[str, tuple[str, int 
                              "pair")
         srcs = [sources[u] for u in group]
         label = param if e is None else f"{param}[{_expert_id(model, param, e)}]"
-        q, s, inexact = _read_held(shards, files, srcs, scales, quant, label, device)
+        q, s, inexact = read_held(shards, files, srcs, scales, quant, label, device)
         dest, dest_scale = own[param], own[param + "_scale_inv"]
         if e is not None:
             dest, dest_scale = dest[e], dest_scale[e]
@@ -446,7 +196,7 @@ def _load_held(model: DeepseekV4ForCausalLM, units: Mapping[str, tuple[str, int 
             raise ValueError(f"tensor {label!r} (on disk {srcs[0].key!r}) has shape {tuple(q.shape)} in the "
                              f"checkpoint but the config gives {tuple(dest.shape)}")
         # checked where it was converted (the device's: a pass over the matrix there costs nothing), then copied
-        _check_held(label, f"{srcs[0].key!r} in {files[srcs[0].key]!r}", q, s)
+        check_held(label, f"{srcs[0].key!r} in {files[srcs[0].key]!r}", q, s)
         with torch.no_grad():
             dest.copy_(q)
             dest_scale.copy_(s)
@@ -464,17 +214,7 @@ def _expert_id(model: DeepseekV4ForCausalLM, param: str, row: int) -> int:
 def held_linears(path: str) -> list[str]:
     """Module names of the dense linears the checkpoint at ``path`` stores in FP8 (what ``fp8_linears=True`` holds;
     for ``quant.hold_in_fp8`` on a model built on the meta device). Reads the index or the file headers only."""
-    return _held_linears(*_split_scales(_list_keys(path, _Shards(path))))
-
-
-def _held_linears(data: list[str], scales: Mapping[str, str]) -> list[str]:
-    """Module names of the dense linears the checkpoint stores quantized (a scale beside the weight)."""
-    out = []
-    for key in data:
-        name = internal_name(key)
-        if key in scales and name.endswith(".weight") and not _EXPERT.match(name) and ".mlp.experts." not in name:
-            out.append(name[: -len(".weight")])
-    return out
+    return quantized_linears(*split_scales(list_keys(path, Shards(path))))
 
 
 def _linears_to_hold(asked: bool | Iterable[str], stored: list[str]) -> list[str]:
@@ -611,50 +351,107 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
             tensor) for a truncated or damaged safetensors file, a tensor of the wrong number kind, hash-routing
             expert ids out of range or non-finite weights.
     """
-    if base_precision not in BASE_PRECISIONS:
-        raise ValueError(f"base_precision must be one of {BASE_PRECISIONS}, got {base_precision!r}")
-    held = None if base_precision == "bf16" else base_precision
-    if fp8_linears and held is None:
-        raise ValueError("fp8_linears=True holds the dense linears in FP8: it needs base_precision 'fp8' or 'w8a16'")
-    raw = read_config(path)
-    quant = QuantConfig.from_config(raw)
-    if held is not None and quant is None:
-        raise ValueError(f"base_precision={base_precision!r} keeps a release checkpoint's FP8 / MXFP4 weights as "
-                         f"they are, but {path!r} has no quantization_config: load it with base_precision='bf16'")
-    shards = _Shards(path)
-    files = _list_keys(path, shards)
-    data, scales = _split_scales(files)
-    has_mtp = any(internal_name(k).startswith("mtp.") for k in data)
-    n_mtp = int(raw.get("num_nextn_predict_layers", 0) or 0)
-    if mtp is False or (mtp is None and not has_mtp):
-        n_mtp = 0
-    config_overrides.setdefault("num_nextn_predict_layers", n_mtp)
-    config = DeepseekV4ModelConfig.from_hf(raw, **config_overrides)
-    n, n_exp = config.num_hidden_layers, config.n_routed_experts
-    n_mtp = config.num_nextn_predict_layers
-    if mtp and not has_mtp and n_mtp:
-        warnings.warn(f"{path}: no mtp.* tensors; the {n_mtp} MTP block(s) start from fresh weights", stacklevel=2)
-
-    sel = _select_layers(layers, n)
-    last = layers is None or (n - 1) in sel
-    sel_mtp = list(range(n_mtp)) if last else []
-    top = (["embed_tokens"] if layers is None or 0 in sel or (last and (config.tie_word_embeddings or sel_mtp))
-           else []) + (["norm", "hc_head", "lm_head"] if last else [])
+    held = _held_precision(base_precision, fp8_linears)
+    disk = _Disk.open(path, held)
+    config = _config(path, disk, mtp, config_overrides)
+    n_exp = config.n_routed_experts
     if experts is not None and (experts.step != 1 or experts.start < 0 or experts.stop > n_exp):
         raise ValueError(f"experts={experts} must be a contiguous range inside the checkpoint's {n_exp} experts")
+    sel, sel_mtp, top = _parts(config, layers)
     model = _build(config, sel, sel_mtp, top, dtype or torch.float32, experts, held,
-                   _linears_to_hold(fp8_linears, _held_linears(data, scales)))
-
+                   _linears_to_hold(fp8_linears, quantized_linears(disk.data, disk.scales)))
     own = model.state_dict(keep_vars=True)
     units = _units(own, n_exp, experts)
-    sources = _sources([k for k in data if has_mtp and n_mtp or not internal_name(k).startswith("mtp.")], n_exp)
+    with_mtp = disk.has_mtp and config.num_nextn_predict_layers
+    sources = units_on_disk([k for k in disk.data if with_mtp or not internal_name(k).startswith("mtp.")], n_exp)
     unexpected = [u for u in sources if u not in units and not _other_rank_expert(u, experts)]
     if unexpected:
         raise ValueError(f"checkpoint has unexpected tensor {unexpected[0]!r} (on disk "
                          f"{sources[unexpected[0]].key!r}; {len(unexpected)} in all: {unexpected[:8]}); does its "
                          "config match the model's?")
-    built = {("layer", i) for i in sel} | {("mtp", j) for j in sel_mtp} | {("top", t) for t in top}
     report = LoadReport(layers=sel, mtp=sel_mtp, top=top)
+    wanted = _wanted(units, sources, config, {("layer", i) for i in sel} | {("mtp", j) for j in sel_mtp}
+                     | {("top", t) for t in top}, filter, disk.has_mtp, report)
+    frozen = {f"{prefix}.{n}" for prefix, m in model.named_modules() if isinstance(m, (Fp8Experts, Fp8Linear))
+              for n in m.frozen_storage if not n.endswith("_scale_inv")}
+    _load_held(model, units, [u for u in wanted if units[u][0] in frozen], sources, disk.files, disk.shards,
+               disk.scales, disk.quant, report, convert_device)
+    _copy_units(own, units, sources, [u for u in wanted if units[u][0] not in frozen], disk, report, n_exp,
+                convert_device)
+    report.shards = list(disk.shards.opened)
+    model.load_report = report
+    if report.fp8_inexact and not allow_inexact_fp8:
+        raise ValueError(inexact_fp8_message(report.fp8_inexact))
+    return model
+
+
+def _held_precision(base_precision: str, fp8_linears: bool | Iterable[str]) -> str | None:
+    """``base_precision`` checked: ``None`` for ``"bf16"`` (everything dequantized), else how FP8 is held."""
+    if base_precision not in BASE_PRECISIONS:
+        raise ValueError(f"base_precision must be one of {BASE_PRECISIONS}, got {base_precision!r}")
+    held = None if base_precision == "bf16" else base_precision
+    if fp8_linears and held is None:
+        raise ValueError("fp8_linears=True holds the dense linears in FP8: it needs base_precision 'fp8' or 'w8a16'")
+    return held
+
+
+@dataclass
+class _Disk:
+    """What a checkpoint directory holds: its ``config.json``, its quantization, its shards (opened lazily),
+    every tensor's file, the data tensors and ``{weight key: scale key}``, and whether it holds MTP blocks."""
+
+    raw: dict[str, Any]
+    quant: QuantConfig | None
+    shards: Shards
+    files: dict[str, str]
+    data: list[str]
+    scales: dict[str, str]
+    has_mtp: bool
+
+    @staticmethod
+    def open(path: str, held: str | None) -> _Disk:
+        raw = read_config(path)
+        quant = QuantConfig.from_config(raw)
+        if held is not None and quant is None:
+            raise ValueError(f"base_precision={held!r} keeps a release checkpoint's FP8 / MXFP4 weights as they "
+                             f"are, but {path!r} has no quantization_config: load it with base_precision='bf16'")
+        shards = Shards(path)
+        files = list_keys(path, shards)
+        data, scales = split_scales(files)
+        has_mtp = any(internal_name(k).startswith("mtp.") for k in data)
+        return _Disk(raw, quant, shards, files, data, scales, has_mtp)
+
+
+def _config(path: str, disk: _Disk, mtp: bool | None, overrides: dict[str, Any]) -> DeepseekV4ModelConfig:
+    """The model's config: ``config.json`` with ``overrides``, and the MTP blocks ``mtp`` asks for (``None``: those
+    the checkpoint holds; a warning where it asks for blocks the checkpoint does not hold)."""
+    n_mtp = int(disk.raw.get("num_nextn_predict_layers", 0) or 0)
+    if mtp is False or (mtp is None and not disk.has_mtp):
+        n_mtp = 0
+    overrides.setdefault("num_nextn_predict_layers", n_mtp)
+    config = DeepseekV4ModelConfig.from_hf(disk.raw, **overrides)
+    n_mtp = config.num_nextn_predict_layers
+    if mtp and not disk.has_mtp and n_mtp:
+        warnings.warn(f"{path}: no mtp.* tensors; the {n_mtp} MTP block(s) start from fresh weights", stacklevel=3)
+    return config
+
+
+def _parts(config: DeepseekV4ModelConfig, layers: Iterable[int] | None) -> tuple[list[int], list[int], list[str]]:
+    """The decoder layers, MTP blocks and top-level modules to build (see ``load_pretrained``'s ``layers``)."""
+    n = config.num_hidden_layers
+    sel = _select_layers(layers, n)
+    last = layers is None or (n - 1) in sel
+    sel_mtp = list(range(config.num_nextn_predict_layers)) if last else []
+    top = (["embed_tokens"] if layers is None or 0 in sel or (last and (config.tie_word_embeddings or sel_mtp))
+           else []) + (["norm", "hc_head", "lm_head"] if last else [])
+    return sel, sel_mtp, top
+
+
+def _wanted(units: Mapping[str, tuple[str, int | None, int | None]], sources: Mapping[str, Source],
+            config: DeepseekV4ModelConfig, built: set[tuple[str, Any]], filter: Callable[[str], bool] | None,
+            has_mtp: bool, report: LoadReport) -> list[str]:
+    """The units of the ``built`` parts to read; the ones ``filter`` rejects go to ``report.skipped``, MTP ones a
+    checkpoint without MTP blocks lacks to ``report.fresh``; a missing one is an error."""
     wanted: list[str] = []
     for unit, (param, _, _) in units.items():
         if _part(param) not in built or (config.tie_word_embeddings and param == "lm_head.weight"):
@@ -667,14 +464,15 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
             report.fresh.append(unit)
         else:
             raise ValueError(f"checkpoint is missing tensor {unit!r} (on disk {_disk_name(unit)!r})")
+    return wanted
 
-    frozen = {f"{prefix}.{n}" for prefix, m in model.named_modules() if isinstance(m, (Fp8Experts, Fp8Linear))
-              for n in m.frozen_storage if not n.endswith("_scale_inv")}
-    _load_held(model, units, [u for u in wanted if units[u][0] in frozen], sources, files, shards, scales, quant,
-               report, convert_device)
-    wanted = [u for u in wanted if units[u][0] not in frozen]
-    # shard by shard, so each file is visited once; a scale stored in another shard opens that one too
-    wanted.sort(key=lambda u: (files[sources[u].key], sources[u].key, sources[u].expert or 0))
+
+def _copy_units(own: Mapping[str, Tensor], units: Mapping[str, tuple[str, int | None, int | None]],
+                sources: Mapping[str, Source], wanted: list[str], disk: _Disk, report: LoadReport, n_exp: int,
+                device: torch.device | str | None) -> None:
+    """Read each of ``wanted`` (dequantized on ``device`` where quantized) into its parameter, checked, shard by
+    shard so that each file is visited once (a scale stored in another shard opens that one too)."""
+    wanted = sorted(wanted, key=lambda u: (disk.files[sources[u].key], sources[u].key, sources[u].expert or 0))
     last_read: tuple[tuple[str, int | None, torch.dtype], tuple[Tensor, bool]] | None = None
     with torch.no_grad():
         for unit in wanted:
@@ -688,8 +486,8 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
             if last_read is not None and last_read[0] == (src.key, src.expert, dest.dtype):
                 value, deq = last_read[1]  # the other half of a fused gate_up_proj row: read once
             else:
-                value, deq = _read(shards, files, src, scales.get(src.key), quant, dest.dtype, e is not None,
-                                   convert_device)
+                value, deq = read_tensor(disk.shards, disk.files, src, disk.scales.get(src.key), disk.quant,
+                                         dest.dtype, e is not None, device)
                 last_read = ((src.key, src.expert, dest.dtype), (value, deq))
             if src.half is not None:
                 if value.shape[0] % 2:
@@ -699,14 +497,9 @@ def load_pretrained(path: str, mtp: bool | None = None, dtype: torch.dtype | Non
                 raise ValueError(f"tensor {unit!r} (on disk {src.key!r}) has shape {tuple(value.shape)} in the "
                                  f"checkpoint but the config gives {tuple(dest.shape)}")
             dest.copy_(value)
-            _check_values(unit, f"{src.key!r} in {files[src.key]!r}", value, dest, n_exp)
+            check_values(unit, f"{src.key!r} in {disk.files[src.key]!r}", value, dest, n_exp)
             report.loaded.append(unit)
             report.dequantized += int(deq)
-    report.shards = list(shards.opened)
-    model.load_report = report
-    if report.fp8_inexact and not allow_inexact_fp8:
-        raise ValueError(inexact_fp8_message(report.fp8_inexact))
-    return model
 
 
 def inexact_fp8_message(inexact: Mapping[str, int]) -> str:
