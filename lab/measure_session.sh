@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # One device call, in order of worth: the frozen MoE and (a) / (d) / (c) at 16k on the slice
 # (lab/finetune_moe_session.sh, records in $OUT); the GPU tests that do not depend on SWAP (the FP8 ops, the Gluon
-# kernel with LoRA's term, LoRA's Triton kernels, the HF FP8 integration); the MoE with LoRA unfused / fused
+# kernel with LoRA's term and its in-place transposing form, LoRA's Triton kernels, the HF FP8 integration); the
+# input gradient transposing in place, timed (lab.probes.fp8_gluon_inplace); the MoE with LoRA unfused / fused
 # (lab.probes.moe_lora_fused); then, in the time left, where SWAP faults (lab.probes.fp8_swap_fault) and, for
 # the first case that faults, where in the kernel (lab/swap_locate.sh).
 #   LIMIT=<s> COMMIT=<sha> bash lab/measure_session.sh
 set -u
 OUT=${OUT:-/tmp/measure}; mkdir -p "$OUT"; START=$SECONDS; LIMIT=${LIMIT:-570}; rm -f /tmp/swap_cases.txt
 left() { echo $((LIMIT - (SECONDS - START) - ${1:-0})); }
-STEPS_TIMEOUT=$(left 200) CASES="a:16384;d:16384;c:16384" OUT="$OUT" COMMIT="${COMMIT:-unknown}" \
+STEPS_TIMEOUT=$(left 260) CASES="a:16384;d:16384;c:16384" OUT="$OUT" COMMIT="${COMMIT:-unknown}" \
   bash "$(dirname "$0")/finetune_moe_session.sh" 2>&1
 . "$(dirname "$0")/device_env.sh" > /dev/null
-timeout "$(left 80)" python3 -m pytest -q -s -p no:cacheprovider -k "not swap" tests/ops/test_fp8_gpu.py \
+timeout "$(left 170)" python3 -m pytest -q -s -p no:cacheprovider -k "not swap" tests/ops/test_fp8_gpu.py \
   tests/ops/test_lora_kernels_gpu.py tests/integrations/test_integration_hf_fp8.py > "$OUT/gpu_tests.txt" 2>&1
 grep -E "gluon|moe lora|passed|failed|Error|assert" "$OUT/gpu_tests.txt" | tail -24
 echo "[tests] $((SECONDS - START)) s"
-WAYS="bf16,fp8,fp8 fused" timeout "$(left 20)" python3 -m lab.probes.moe_lora_fused 2>&1 | tail -12
+timeout "$(left 100)" python3 -m lab.probes.fp8_gluon_inplace 2>&1 | tail -20
+echo "[inplace] $((SECONDS - START)) s"
+WAYS="bf16,fp8,fp8 fused" timeout "$(left 30)" python3 -m lab.probes.moe_lora_fused 2>&1 | tail -12
 echo "[lora] $((SECONDS - START)) s"
 if [ "$(left)" -gt 40 ]; then
   TRITON_CACHE_DIR=/tmp/swap_cache timeout "$(left)" python3 -m lab.probes.fp8_swap_fault 2>&1 | tail -20 \

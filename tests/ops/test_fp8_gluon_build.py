@@ -13,9 +13,11 @@ from tests.ops.gluon_sm90 import run_build
 _SCRIPT = r"""
 import json, re, sys
 from tests.ops.gluon_sm90 import build_sm90
-from csattn.ops.fp8.gluon import SWAP_SETTINGS, fp8_grouped_gluon_kernel as fn, launch_settings, tile_smem
+from csattn.ops.fp8.gluon import (SWAP_SETTINGS, fp8_grouped_gluon_kernel as fn, inplace_settings,
+                                 launch_settings, tile_smem)
 
 trans, low_rank, swap, scales_tma = (a == "1" for a in sys.argv[1:5])
+inplace = len(sys.argv) > 5 and sys.argv[5] == "1"
 desc = f"tensordesc<fp8e4nv[128, 128],{tile_smem()!r}>"
 ints = ("M", "N", "KC", "E", "W_ROWS", "tiles_m", "tiles_n", "stride_sam", "stride_sak", "stride_swe", "stride_sbk",
         "stride_sbn", "stride_om")
@@ -29,7 +31,8 @@ if low_rank:  # the LoRA term at rank 16
     from triton.experimental.gluon import language as gl
     lr = gl.NVMMASharedLayout.get_default_for([128, 16], gl.bfloat16)
     sig["v_desc"] = sig["lw_desc"] = f"tensordesc<bf16[128, 16],{lr!r}>"
-settings = {**launch_settings(trans), **(SWAP_SETTINGS if swap else {}), "SCALES_TMA": scales_tma}
+settings = {**launch_settings(trans), **(SWAP_SETTINGS if swap else {}), **(inplace_settings() if inplace else {}),
+            "SCALES_TMA": scales_tma}
 # the output's row stride 16-aligned, as the launcher specializes it for the weights' multiples of 128
 kernel, ptx, info = build_sm90(fn, sig, dict(TRANS=trans, E_P2=512, LOW_RANK=low_rank, **settings),
                                [k for k, v in sig.items() if v.startswith("*")] + ["stride_om"])
@@ -85,6 +88,29 @@ def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
     assert info["mbarrier_inits"] == 4 * (3 if trans else 2) + (4 if low_rank else 0)
 
 
+@pytest.mark.parametrize("low_rank", [False, True])
+def test_gluon_fp8_input_gradient_inplace_builds_for_sm90(low_rank):
+    """``INPLACE``: the producer transposes each weight tile over itself (both 64-column pieces read, then written:
+    the same 32 4-byte loads and 8 16-byte stores a thread as into a second buffer), so the ring has no transposed
+    buffers and :func:`inplace_settings`' 6 stages take the 192 KB that 4 took. No spills at its register split on
+    Triton 3.6 (the H200's, with torch 2.11); later Triton spills the producer's tile (it needs 232 registers for
+    the math warpgroups), which the form's settings say."""
+    from csattn.ops.backend import triton_version
+    from csattn.ops.fp8.gluon import inplace_settings
+
+    info = run_build(_SCRIPT, "1", "1" if low_rank else "0", "0", "0", "1")
+    print({k: v for k, v in info.items() if k != "ptxas"})
+    assert info["ptxas_rc"] == 0, info["ptxas"]
+    assert not info["serialized"] and "C75" not in info["ptxas"], info["ptxas"]
+    assert info["spill_stores"] == 0 or triton_version() > (3, 6), info["ptxas"]
+    mmas = [["m64n128k16", "bf16"], ["m64n128k32", "e4m3"]] if low_rank else [["m64n128k32", "e4m3"]]
+    assert info["wgmma"] == mmas and info["wait_group"] == ["0", "1"] and info["tma"]
+    assert (info["loads_b32"], info["stores_v4"]) == (64, 16)
+    stages = inplace_settings()["STAGES"]
+    assert stages * 32 * 1024 <= info["shared"] <= (stages * 32 + (16 if low_rank else 0) + 1) * 1024
+    assert info["mbarrier_inits"] == 3 * stages + (4 if low_rank else 0)
+
+
 @pytest.mark.parametrize("scales_tma,low_rank", [(True, False), (False, False), (True, True)])
 def test_gluon_fp8_input_gradient_swap_builds_for_sm90(scales_tma, low_rank):
     """``SWAP``: the input gradient as ``W_e^T dY^T`` with the weight's operand in registers. No transposition in
@@ -117,19 +143,21 @@ def test_gluon_fp8_input_gradient_swap_builds_for_sm90(scales_tma, low_rank):
     assert info["mbarrier_inits"] == 4 * 2 + (4 if low_rank else 0)
 
 
-@pytest.mark.parametrize("trans,settings", [
-    (False, {"SWAP": True}),  # SWAP is the input gradient's form
-    (True, {"SCALES_TMA": True}),  # a setting of SWAP's alone
+@pytest.mark.parametrize("trans,settings,name", [
+    (False, {"SWAP": True}, "SWAP"),  # SWAP is the input gradient's form
+    (True, {"SCALES_TMA": True}, "SWAP"),  # a setting of SWAP's alone
+    (False, {"INPLACE": True}, "INPLACE"),  # the transposing input gradient's form
+    (True, {"INPLACE": True, "SWAP": True}, "INPLACE"),  # SWAP transposes nothing
 ])
-def test_gluon_settings_refuse_swap_outside_its_form(trans, settings):
-    """The launcher refuses ``SWAP`` / ``SCALES_TMA`` where the kernel has no such form, by name, before any work
-    (CPU tensors: nothing reaches a device)."""
+def test_gluon_settings_refuse_forms_outside_theirs(trans, settings, name):
+    """The launcher refuses ``SWAP`` / ``SCALES_TMA`` / ``INPLACE`` where the kernel has no such form, by name,
+    before any work (CPU tensors: nothing reaches a device)."""
     pytest.importorskip("triton.experimental.gluon")
     from csattn.ops.fp8.gluon import grouped_mm_gluon
 
     e, n, k, m = 2, 128, 256, 8
     a = torch.zeros(m, n if trans else k, dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="settings: SWAP"):
+    with pytest.raises(ValueError, match=f"settings: {name}"):
         grouped_mm_gluon(a, torch.ones(m, a.shape[1] // 128), torch.zeros(e, n, k, dtype=torch.float8_e4m3fn),
                          torch.ones(e, n // 128, k // 128), torch.tensor([3, 8], dtype=torch.int32), trans,
                          settings=settings)

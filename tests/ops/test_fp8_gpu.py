@@ -106,6 +106,24 @@ def test_gluon_grouped_swap_vs_same_operands(case, request):
         _gluon_grouped_case(case, "swap")
 
 
+@pytest.mark.parametrize("case", list(GLUON_CASES))
+def test_gluon_inplace_vs_same_operands(case, request):
+    """The input gradient transposing each weight tile in place (``inplace_settings()``: 6 stages; off by
+    default until measured), without and with LoRA's term, in its own process as the ``SWAP`` tests (a new form's
+    first runs on a GPU)."""
+    if in_own_process(request):
+        _gluon_grouped_case(case, "inplace")
+        if case != "deep":
+            _low_rank_case(case, True, 16, form="inplace")
+
+
+def _forms(way: str) -> dict | None:
+    """The launch settings of a way of running the kernel (``None``: the defaults)."""
+    from csattn.ops.fp8.gluon import SWAP_SETTINGS, inplace_settings
+
+    return {"swap": SWAP_SETTINGS, "inplace": inplace_settings()}.get(way)
+
+
 def _gluon_grouped_case(case: str, way: str) -> None:
     trans = way != "fwd"
     e, n, k, most = GLUON_CASES[case]
@@ -114,9 +132,9 @@ def _gluon_grouped_case(case: str, way: str) -> None:
     a = torch.randn(8, n if trans else k, device="cuda")
     if not gluon_fits(a, q):
         pytest.skip("the Gluon kernel runs on sm_90 only")
-    from csattn.ops.fp8.gluon import SWAP_SETTINGS, grouped_mm_gluon
+    from csattn.ops.fp8.gluon import grouped_mm_gluon
 
-    settings = SWAP_SETTINGS if way == "swap" else None
+    settings = _forms(way)
     counts = torch.randint(0, most + 1, (e,), generator=g, device="cuda")
     counts[0] = counts[e // 2] = 0
     offs = counts.cumsum(0).to(torch.int32)
@@ -146,17 +164,17 @@ def _gluon_grouped_case(case: str, way: str) -> None:
 def test_gluon_low_rank_term_vs_same_operands(case, trans, rank):
     """LoRA's term in the kernel's epilogue (rank 16; 8 padded to it; 32 added after the kernel): the product plus
     ``scale * v w_e^T`` against fp64 on the same operands; rows past ``offs[-1]`` zero; the same bits twice."""
-    _low_rank_case(case, trans, rank, swap=False)
+    _low_rank_case(case, trans, rank)
 
 
 @pytest.mark.parametrize("case", ["ragged", "all_tail"])
 def test_gluon_low_rank_term_swap_vs_same_operands(case, request):
     """LoRA's term through the input gradient's ``SWAP`` form, in its own process (see the ``SWAP`` test above)."""
     if in_own_process(request):
-        _low_rank_case(case, True, 16, swap=True)
+        _low_rank_case(case, True, 16, form="swap")
 
 
-def _low_rank_case(case: str, trans: bool, rank: int, swap: bool) -> None:
+def _low_rank_case(case: str, trans: bool, rank: int, form: str = "default") -> None:
     e, n, k, most = GLUON_CASES[case]
     g = torch.Generator(device="cuda").manual_seed(5)
     q, s = _weight((e, n, k), g, n if trans else k)
@@ -173,12 +191,12 @@ def _low_rank_case(case: str, trans: bool, rank: int, swap: bool) -> None:
     lr = LowRank(v, w, 0.75)
     same = fp8_grouped_mm_quantized(a, q, s, offs, trans) + 0.75 * low_rank_ref(v.double(), w.double(), offs)
     qa, sa = quantize_1x128(a)
-    from csattn.ops.fp8.gluon import RANK, SWAP_SETTINGS, grouped_mm_gluon
+    from csattn.ops.fp8.gluon import RANK, grouped_mm_gluon
 
-    # the kernel's own epilogue (whether or not the op routes the term there yet; the input gradient both ways), and
-    # the op's route
-    ways = {} if swap else {"op": lambda out: fp8_grouped_mm(a, q, s, offs, trans, low_rank=lr)}
-    forms = {"kernel swap": SWAP_SETTINGS} if swap else {"kernel": None}
+    # the kernel's own epilogue (whether or not the op routes the term there yet; the input gradient in each form),
+    # and the op's route
+    ways = {"op": lambda out: fp8_grouped_mm(a, q, s, offs, trans, low_rank=lr)} if form == "default" else {}
+    forms = {f"kernel {form}": _forms(form)}
     if rank == RANK:
         for form, settings in forms.items():
             ways[form] = lambda out, settings=settings: grouped_mm_gluon(qa, sa, q, s, offs, trans, out=out,

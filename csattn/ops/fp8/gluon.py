@@ -13,7 +13,8 @@ block-scaled products of :mod:`.triton` (same contract and math; this kernel exi
 - ``TRANS`` (the input gradient, ``dX = dY W_e``): the contraction runs along W's rows, and Hopper's FP8 MMA takes
   its operands K-major only. The producer transposes each landed weight tile from shared memory through its
   registers into a second buffer of the stage (``LAG`` steps behind its copies, so the copy's latency is hidden),
-  then marks the stage ready; the math warpgroups see a K-major tile as in the forward. Or (``SWAP``,
+  then marks the stage ready; the math warpgroups see a K-major tile as in the forward (``INPLACE``: over the
+  copied tile itself, so that more stages fit, :func:`inplace_settings`). Or (``SWAP``,
   :mod:`.gluon_swap`) no transposition: the math warpgroups compute the tile's transpose with the weight's operand
   read transposed into their registers.
 
@@ -40,7 +41,8 @@ from .gluon_low_rank import _acc_start, _load_low_rank
 from .gluon_swap import _math_swap, operand_columns
 from .gluon_tiles import BK, BM, BN, _cta_sync, _tile, _tma_load, acc_layout, group_table, tile_smem
 
-__all__ = ["FUSE_LOW_RANK", "RANK", "SWAP_SETTINGS", "fp8_grouped_gluon_kernel", "grouped_mm_gluon"]
+__all__ = ["FUSE_LOW_RANK", "RANK", "SWAP_SETTINGS", "fp8_grouped_gluon_kernel", "grouped_mm_gluon",
+           "inplace_settings"]
 
 RANK = 16  # the low-rank term's depth: its two buffers of two [128, R] tiles (16 KB) beside the 192 KB of stages
 # The op routes the low-rank term through the kernel once it has run on an H200: it builds for sm_90 without spills
@@ -67,15 +69,23 @@ def transpose_layout():
 
 
 @gluon.jit
-def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr):
+def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, INPLACE: gl.constexpr):
     """Step ``j``'s weight tile ``[BK, BN]`` (contraction-major, as copied) into its K-major buffer ``[BN, BK]``,
     through registers in two 64-column pieces; then the stage is ready (the copy of its activation tile landed
-    with the weight tile's, on ``land``)."""
+    with the weight tile's, on ``land``). ``INPLACE``: the K-major tile over the copied one (``bt`` is ``raw``),
+    both pieces read before either is written (a 128-byte piece a thread, 32 registers)."""
     s = j % STAGES
     mbarrier.wait(land.index(s), (j // STAGES) & 1)
-    for c in gl.static_range(2):
-        piece = raw.index(s).slice(c * 64, 64, dim=1).load(transpose_layout())
-        bt.index(s).slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
+    if INPLACE:
+        lo = raw.index(s).slice(0, 64, dim=1).load(transpose_layout())
+        hi = raw.index(s).slice(64, 64, dim=1).load(transpose_layout())
+        _cta_sync()  # every producer thread's reads are in before any write over them
+        bt.index(s).slice(0, 64, dim=0).store(gl.permute(lo, (1, 0)))
+        bt.index(s).slice(64, 64, dim=0).store(gl.permute(hi, (1, 0)))
+    else:
+        for c in gl.static_range(2):
+            piece = raw.index(s).slice(c * 64, 64, dim=1).load(transpose_layout())
+            bt.index(s).slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
     fence_async_shared()
     _cta_sync()  # every producer thread's stores are in before the one arrival
     mbarrier.arrive(ready.index(s), count=1)
@@ -84,7 +94,8 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr):
 @gluon.jit
 def _producer(a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank,
               TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              LAG: gl.constexpr, LOW_RANK: gl.constexpr, SWAP: gl.constexpr, SCALES_TMA: gl.constexpr):
+              LAG: gl.constexpr, LOW_RANK: gl.constexpr, SWAP: gl.constexpr, SCALES_TMA: gl.constexpr,
+              INPLACE: gl.constexpr):
     a_smem, raw, bt, land, ready, empty, sa_smem = smem
     XPOSE: gl.constexpr = TRANS and not SWAP  # the producer transposes the weight tile
     nk = KC // BK
@@ -101,7 +112,7 @@ def _producer(a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n
                     # the transposition first: it waits only for its copies, not for a free stage, so the ready
                     # stages run ahead of the math warpgroups
                     if it >= LAG:
-                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES)
+                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES, INPLACE)
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
                 if SCALES_TMA:  # SWAP: the step's column of the activation's scales beside its tile
@@ -117,7 +128,7 @@ def _producer(a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n
                 it += 1
     if XPOSE:
         for j in range(gl.maximum(it - LAG, 0), it):
-            _transpose_stage(j, raw, bt, land, ready, STAGES)
+            _transpose_stage(j, raw, bt, land, ready, STAGES, INPLACE)
 
 
 @gluon.jit
@@ -210,7 +221,7 @@ def fp8_grouped_gluon_kernel(
     stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale, sa_desc,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False, SWAP: gl.constexpr = False,
-    SCALES_TMA: gl.constexpr = False,
+    SCALES_TMA: gl.constexpr = False, INPLACE: gl.constexpr = False,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -220,9 +231,9 @@ def fp8_grouped_gluon_kernel(
     R]`` (blocks ``[128, R]``), 16-bit, added in fp32 before the one rounding."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], tile_smem())
     raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
-    if TRANS and not SWAP:
+    if TRANS and not SWAP and not INPLACE:
         bt = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], tile_smem())
-    else:
+    else:  # INPLACE: the K-major tile over the copied one ([BN, BK] and [BK, BN] share the layout)
         bt = raw
     land = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -259,7 +270,7 @@ def fp8_grouped_gluon_kernel(
             (_math_swap, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_swe, stride_sbk, stride_sbn,
                           stride_om, smem, low_rank, _LOWER, E_P2, GROUP_M, STAGES, SCALES_TMA, LOW_RANK)),
             (_producer, (a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
-                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SWAP, SCALES_TMA)),
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SWAP, SCALES_TMA, INPLACE)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -270,7 +281,7 @@ def fp8_grouped_gluon_kernel(
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
                      LOW_RANK)),
             (_producer, (a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
-                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SWAP, SCALES_TMA)),
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SWAP, SCALES_TMA, INPLACE)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 
@@ -291,13 +302,24 @@ def launch_settings(trans: bool) -> dict:
     only): the activation's scales for a step copied with the stage (16 shared loads a thread a step) instead of 32
     global loads: 301 PTX instructions a step in the math loop against 382 (Triton 3.6)."""
     if not trans:
-        return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SWAP=False, SCALES_TMA=False)
+        return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SWAP=False, SCALES_TMA=False,
+                    INPLACE=False)
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
-    return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SWAP=False, SCALES_TMA=False)
+    return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SWAP=False, SCALES_TMA=False,
+                INPLACE=False)
 
 
 # the input gradient's SWAP form (no transposition), the activation's scales copied with each stage
 SWAP_SETTINGS = dict(MATH_REGS=232, PRODUCER_REGS=40, SWAP=True, SCALES_TMA=True)
+
+
+def inplace_settings() -> dict:
+    """The input gradient transposing each weight tile in place (``INPLACE``): no second buffer, so 6 stages in the
+    192 KB that 4 took (the copies issued 5 steps ahead of the math instead of 3). The producer holds a whole tile
+    (32 registers): Triton 3.6 builds it without spills at 216 registers a math warpgroup and 72 for the producer;
+    later ones need 232 for the math and spill the producer's tile."""
+    math, producer = (216, 72) if triton_version() <= (3, 6) else (232, 40)
+    return dict(INPLACE=True, STAGES=6, MATH_REGS=math, PRODUCER_REGS=producer)
 
 
 def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
@@ -351,6 +373,9 @@ def _settings(trans: bool, settings: dict | None) -> dict:
     if cfg["SWAP"] and not trans or cfg["SCALES_TMA"] and not cfg["SWAP"]:
         raise ValueError("settings: SWAP is the input gradient's form (trans=True), and SCALES_TMA one of its "
                          f"settings; got trans={trans}, {settings}")
+    if cfg["INPLACE"] and (not trans or cfg["SWAP"]):
+        raise ValueError("settings: INPLACE is the transposing input gradient's form (trans=True, not SWAP); got "
+                         f"trans={trans}, {settings}")
     return cfg
 
 
