@@ -3,7 +3,8 @@
 # (lab/finetune_moe_session.sh, records in $OUT); the GPU tests that do not depend on SWAP (the FP8 ops, the Gluon
 # kernel with LoRA's term and its in-place transposing form, LoRA's Triton kernels, the HF FP8 integration); the
 # input gradient transposing in place, timed (lab.probes.fp8_gluon_inplace); the MoE with LoRA unfused / fused
-# (lab.probes.moe_lora_fused); then, in the time left, where SWAP faults (lab.probes.fp8_swap_fault) and, for
+# (lab.probes.moe_lora_fused); (a) at 16k with the forms that passed their tests (lab/finetune_variant.py); then,
+# in the time left, where SWAP faults (lab.probes.fp8_swap_fault) and, for
 # the first case that faults, where in the kernel (lab/swap_locate.sh).
 #   LIMIT=<s> COMMIT=<sha> bash lab/measure_session.sh
 set -u
@@ -12,7 +13,7 @@ left() { echo $((LIMIT - (SECONDS - START) - ${1:-0})); }
 STEPS_TIMEOUT=$(left 260) CASES="a:16384;d:16384;c:16384" OUT="$OUT" COMMIT="${COMMIT:-unknown}" \
   bash "$(dirname "$0")/finetune_moe_session.sh" 2>&1
 . "$(dirname "$0")/device_env.sh" > /dev/null
-timeout "$(left 170)" python3 -m pytest -q -s -p no:cacheprovider -k "not swap" tests/ops/test_fp8_gpu.py \
+timeout "$(left 170)" python3 -m pytest -q -s -rA -p no:cacheprovider -k "not swap" tests/ops/test_fp8_gpu.py \
   tests/ops/test_lora_kernels_gpu.py tests/integrations/test_integration_hf_fp8.py > "$OUT/gpu_tests.txt" 2>&1
 grep -E "gluon|moe lora|passed|failed|Error|assert" "$OUT/gpu_tests.txt" | tail -24
 echo "[tests] $((SECONDS - START)) s"
@@ -20,6 +21,17 @@ timeout "$(left 100)" python3 -m lab.probes.fp8_gluon_inplace 2>&1 | tail -20
 echo "[inplace] $((SECONDS - START)) s"
 WAYS="bf16,fp8,fp8 fused" timeout "$(left 30)" python3 -m lab.probes.moe_lora_fused 2>&1 | tail -12
 echo "[lora] $((SECONDS - START)) s"
+# (a) at 16k with the forms whose GPU tests all passed above switched on (lab/finetune_variant.py; its own JSON)
+passed() { [ "$(grep -c "^PASSED .*$1" "$OUT/gpu_tests.txt")" -eq "$2" ] && ! grep -q "^FAILED .*$1" "$OUT/gpu_tests.txt"; }
+VARIANT=""
+passed "test_gluon_low_rank_term_vs_same_operands" 12 && VARIANT="$VARIANT --fuse-low-rank"
+passed "test_gluon_inplace_vs_same_operands" 3 && VARIANT="$VARIANT --inplace"
+if [ -n "$VARIANT" ] && [ "$(left)" -gt 120 ]; then
+  timeout "$(left 60)" python3 -m lab.finetune_variant $VARIANT -- --ckpt /tmp/csattn_v4_flash_slice \
+    --json "$OUT/finetune_variant.json" --parts steps --cases a:16384 --commit "${COMMIT:-unknown}" 2>&1 \
+    | grep -E "^\[" | tail -6
+fi
+echo "[variant] $((SECONDS - START)) s"
 if [ "$(left)" -gt 40 ]; then
   TRITON_CACHE_DIR=/tmp/swap_cache timeout "$(left)" python3 -m lab.probes.fp8_swap_fault 2>&1 | tail -20 \
     | tee /tmp/swap_cases.txt

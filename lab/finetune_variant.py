@@ -1,0 +1,36 @@
+"""``benchmarks.finetune`` with kernel forms that are off by default switched on for the run, to measure what they
+would give a step before they become the default: ``--fuse-low-rank`` (LoRA's term in the Gluon FP8 kernel's
+epilogue, ``gluon.FUSE_LOW_RANK``), ``--inplace`` (the input gradient transposing each weight tile in place,
+``gluon.inplace_settings()``). Write to another ``--json`` than the page's records: a variant is not the library's
+default path. Run on an H200:
+python -m lab.finetune_variant --fuse-low-rank --inplace -- --ckpt /tmp/csattn_v4_flash_slice --json v.json
+--parts steps --cases a:16384"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from unittest import mock
+
+import csattn.ops.fp8.gluon as fp8_gluon
+from benchmarks.finetune import main as finetune_main
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fuse-low-rank", action="store_true", help="LoRA's term in the FP8 kernel's epilogue")
+    ap.add_argument("--inplace", action="store_true", help="the input gradient transposing in place")
+    args = ap.parse_args(argv[:cut])
+    launch = fp8_gluon.launch_settings
+    settings = (lambda trans: {**launch(trans), **(fp8_gluon.inplace_settings() if trans else {})}) \
+        if args.inplace else launch
+    print(f"[variant] FUSE_LOW_RANK={args.fuse_low_rank} INPLACE={args.inplace}", flush=True)
+    with mock.patch.object(fp8_gluon, "FUSE_LOW_RANK", args.fuse_low_rank), \
+            mock.patch.object(fp8_gluon, "launch_settings", settings):
+        return finetune_main(argv[cut + 1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
