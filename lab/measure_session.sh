@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# One device call, in order of worth: the frozen MoE and (d) / (c) / (a) at 16k on the slice
-# (lab/finetune_moe_session.sh, records in $OUT; (a) last: its LoRA kernels run on a GPU for the first time there, and
-# a fault would end the process's CUDA context and with it the cases after); the GPU tests that do not depend on SWAP (the FP8 ops, the Gluon
-# kernel with LoRA's term and its in-place transposing form, LoRA's Triton kernels, the HF FP8 integration); the
-# input gradient transposing in place, timed (lab.probes.fp8_gluon_inplace); the MoE with LoRA unfused / fused
-# (lab.probes.moe_lora_fused); (a) at 16k with the forms that passed their tests (lab/finetune_variant.py); then,
-# in the time left, where SWAP faults (lab.probes.fp8_swap_fault) and, for
-# the first case that faults, where in the kernel (lab/swap_locate.sh).
+# One device call, in order of worth:
+# 1. the frozen MoE, then (d) / (c) / (a) at 16k on the slice (lab/finetune_moe_session.sh, records in $OUT; (a) last:
+#    its LoRA kernels run on a GPU for the first time there, and a fault would end the process's CUDA context and
+#    with it the cases after);
+# 2. the GPU tests that do not depend on SWAP (the FP8 ops, the Gluon kernel with LoRA's term and its in-place
+#    transposing form, LoRA's Triton kernels, the HF FP8 integration);
+# 3. the input gradient transposing in place, timed (lab.probes.fp8_gluon_inplace);
+# 4. the MoE with LoRA unfused / fused (lab.probes.moe_lora_fused);
+# 5. (a) at 16k with the forms that passed their tests (lab/finetune_variant.py);
+# 6. in the time left, where SWAP faults (lab.probes.fp8_swap_fault) and, for the first case that faults, where in
+#    the kernel (lab/swap_locate.sh).
 #   LIMIT=<s> COMMIT=<sha> bash lab/measure_session.sh
 set -u
 OUT=${OUT:-/tmp/measure}; mkdir -p "$OUT"; START=$SECONDS; LIMIT=${LIMIT:-570}; rm -f /tmp/swap_cases.txt
