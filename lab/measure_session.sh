@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call, in order of worth:
-# 1. the frozen MoE, then (d) / (c) / (a) at 16k on the slice (lab/finetune_moe_session.sh, records in $OUT; (a) last:
-#    its LoRA kernels run on a GPU for the first time there, and a fault would end the process's CUDA context and
-#    with it the cases after);
+# 1. the frozen MoE, then (d) / (a) / (c) at 16k on the slice (lab/finetune_moe_session.sh, records in $OUT; (d)
+#    first: (a) and (c) run LoRA's MoE kernels on a GPU for the first time, and a fault would end the process's CUDA
+#    context and with it the cases after);
 # 2. the GPU tests that do not depend on SWAP (the FP8 ops, the Gluon kernel with LoRA's term and its in-place
 #    transposing form, LoRA's Triton kernels, the HF FP8 integration);
 # 3. the input gradient transposing in place, timed (lab.probes.fp8_gluon_inplace);
@@ -14,7 +14,7 @@
 set -u
 OUT=${OUT:-/tmp/measure}; mkdir -p "$OUT"; START=$SECONDS; LIMIT=${LIMIT:-570}; rm -f /tmp/swap_cases.txt
 left() { echo $((LIMIT - (SECONDS - START) - ${1:-0})); }
-STEPS_TIMEOUT=$(left 260) CASES="d:16384;c:16384;a:16384" OUT="$OUT" COMMIT="${COMMIT:-unknown}" \
+STEPS_TIMEOUT=$(left 260) CASES="d:16384;a:16384;c:16384" OUT="$OUT" COMMIT="${COMMIT:-unknown}" \
   bash "$(dirname "$0")/finetune_moe_session.sh" 2>&1
 . "$(dirname "$0")/device_env.sh" > /dev/null
 timeout "$(left 170)" python3 -m pytest -q -s -rA -p no:cacheprovider -k "not swap" tests/ops/test_fp8_gpu.py \
