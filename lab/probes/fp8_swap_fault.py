@@ -23,6 +23,10 @@ CASES = {
     "small_bf16": ([140, 160], 256, 256, 0, torch.bfloat16, False, SWAP),
     "small_bf16_global": ([140, 160], 256, 256, 0, torch.bfloat16, False, GLOBAL),
     "small_f32_one_program": ([140, 160], 256, 256, 0, torch.float32, True, SWAP),
+    # a group starting at a row that is not a multiple of 4: the scales' TMA box then starts off 16 bytes (every
+    # group start above is a multiple of 4; the ragged and MoE cases' are not)
+    "small_f32_unaligned": ([141, 160], 256, 256, 0, torch.float32, False, SWAP),
+    "small_f32_unaligned_global": ([141, 160], 256, 256, 0, torch.float32, False, GLOBAL),
     "nk3_f32": ([140, 160], 384, 256, 0, torch.float32, False, SWAP),
     "k640_f32": ([140, 160], 256, 640, 0, torch.float32, False, SWAP),
     "empty_groups_f32": ([0, 140, 0, 160], 256, 256, 0, torch.float32, False, SWAP),
