@@ -29,7 +29,7 @@ echo "[write] $((SECONDS - START)) s"
 timeout "${TRAIN_TIMEOUT:-400}" python3 -m torch.distributed.run --standalone --nproc-per-node "$GPUS" \
   -m benchmarks.finetune --rank-peaks "$OUT/peaks" -- --init-from "$CKPT" $MESH --device "$DEVICE" \
   --dist-backend "$DIST" --steps "$STEPS" --warmup-steps 1 --export-hf never --no-progress --log-every 1 \
-  --metrics "$OUT/one_node.jsonl" --output "$OUT/run" 2>&1 | tail -20
+  --metrics "$OUT/one_node.jsonl" --output "${RUN_DIR:-/tmp/one_node_run}" 2>&1 | tail -20
 echo "[train] rc ${PIPESTATUS[0]} in $((SECONDS - START)) s"
 python3 - "$OUT" <<'EOF'
 import glob, json, re, sys
