@@ -6,8 +6,8 @@
 # 2. the GPU tests that do not depend on SWAP (the FP8 ops, the Gluon kernel with LoRA's term and its in-place
 #    transposing form, LoRA's Triton kernels, the HF FP8 integration);
 # 3. the input gradient transposing in place, timed (lab.probes.fp8_gluon_inplace);
-# 4. the MoE with LoRA unfused / fused (lab.probes.moe_lora_fused);
-# 5. (a) at 16k with the forms that passed their tests (lab/finetune_variant.py);
+# 4. (a) at 16k with the forms that passed their tests switched on (lab/finetune_variant.py);
+# 5. the MoE with LoRA unfused / fused (lab.probes.moe_lora_fused);
 # 6. in the time left, where SWAP faults (lab.probes.fp8_swap_fault) and, for the first case that faults, where in
 #    the kernel (lab/swap_locate.sh).
 #   LIMIT=<s> COMMIT=<sha> bash lab/measure_session.sh
@@ -23,19 +23,19 @@ grep -E "gluon|moe lora|passed|failed|Error|assert" "$OUT/gpu_tests.txt" | tail 
 echo "[tests] $((SECONDS - START)) s"
 timeout "$(left 100)" python3 -m lab.probes.fp8_gluon_inplace 2>&1 | tail -20
 echo "[inplace] $((SECONDS - START)) s"
-WAYS="bf16,fp8,fp8 fused" timeout "$(left 30)" python3 -m lab.probes.moe_lora_fused 2>&1 | tail -12
-echo "[lora] $((SECONDS - START)) s"
 # (a) at 16k with the forms whose GPU tests all passed above switched on (lab/finetune_variant.py; its own JSON)
 passed() { [ "$(grep -c "^PASSED .*$1" "$OUT/gpu_tests.txt")" -eq "$2" ] && ! grep -q "^FAILED .*$1" "$OUT/gpu_tests.txt"; }
 VARIANT=""
 passed "test_gluon_low_rank_term_vs_same_operands" 12 && VARIANT="$VARIANT --fuse-low-rank"
 passed "test_gluon_inplace_vs_same_operands" 3 && VARIANT="$VARIANT --inplace"
-if [ -n "$VARIANT" ] && [ "$(left)" -gt 120 ]; then
+if [ -n "$VARIANT" ] && [ "$(left)" -gt 110 ]; then
   timeout "$(left 60)" python3 -m lab.finetune_variant $VARIANT -- --ckpt /tmp/csattn_v4_flash_slice \
     --json "$OUT/finetune_variant.json" --parts steps --cases a:16384 --commit "${COMMIT:-unknown}" 2>&1 \
     | grep -E "^\[" | tail -6
 fi
 echo "[variant] $((SECONDS - START)) s"
+WAYS="bf16,fp8,fp8 fused" timeout "$(left 40)" python3 -m lab.probes.moe_lora_fused 2>&1 | tail -12
+echo "[lora] $((SECONDS - START)) s"
 if [ "$(left)" -gt 40 ]; then
   TRITON_CACHE_DIR=/tmp/swap_cache timeout "$(left)" python3 -m lab.probes.fp8_swap_fault 2>&1 | tail -20 \
     | tee /tmp/swap_cases.txt
