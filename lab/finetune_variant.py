@@ -14,6 +14,7 @@ from unittest import mock
 
 import csattn.ops.fp8.gluon as fp8_gluon
 from benchmarks.finetune import main as finetune_main
+from lab.probes.gluon_forms import input_grad_form
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,12 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fuse-low-rank", action="store_true", help="LoRA's term in the FP8 kernel's epilogue")
     ap.add_argument("--inplace", action="store_true", help="the input gradient transposing in place")
     args = ap.parse_args(argv[:cut])
-    launch = fp8_gluon.launch_settings
-    settings = (lambda trans: {**launch(trans), **(fp8_gluon.inplace_settings() if trans else {})}) \
-        if args.inplace else launch
     print(f"[variant] FUSE_LOW_RANK={args.fuse_low_rank} INPLACE={args.inplace}", flush=True)
     with mock.patch.object(fp8_gluon, "FUSE_LOW_RANK", args.fuse_low_rank), \
-            mock.patch.object(fp8_gluon, "launch_settings", settings):
+            input_grad_form(fp8_gluon.inplace_settings() if args.inplace else None):
         return finetune_main(argv[cut + 1:])
 
 

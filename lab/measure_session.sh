@@ -40,8 +40,7 @@ if [ "$(left)" -gt 40 ]; then
   TRITON_CACHE_DIR=/tmp/swap_cache timeout "$(left)" python3 -m lab.probes.fp8_swap_fault 2>&1 | tail -20 \
     | tee /tmp/swap_cases.txt
 fi
-FIRST=$(grep -m1 -o "^[a-z0-9_]*: FAILED" /tmp/swap_cases.txt 2>/dev/null | cut -d: -f1)
-if [ -n "$FIRST" ] && [ "$(left)" -gt 60 ]; then  # where in the kernel it faults
-  OUT="$OUT" TRITON_CACHE_DIR=/tmp/swap_cache timeout "$(left)" bash "$(dirname "$0")/swap_locate.sh" "$FIRST" 2>&1 | tail -50
+if grep -q FAILED /tmp/swap_cases.txt 2>/dev/null && [ "$(left)" -gt 60 ]; then  # where the first fault is
+  OUT="$OUT" TRITON_CACHE_DIR=/tmp/swap_cache timeout "$(left)" bash "$(dirname "$0")/swap_locate.sh" 2>&1 | tail -50
 fi
 echo "[session] $((SECONDS - START)) s"

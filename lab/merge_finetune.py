@@ -29,6 +29,7 @@ def merge(page: dict[str, Any], new: dict[str, Any]) -> list[str]:
         old = page["results"][keep[key]] if key in keep else None
         if old is None:
             page.setdefault("results", []).append(rec)
+            keep[key] = len(page["results"]) - 1
         else:
             page["results"][keep[key]] = rec
         was = f"{old['ms']:.1f} ms at {old.get('commit')}" if old and old.get("ms") else "none"

@@ -14,5 +14,5 @@ if ! grep -q FAILED /tmp/swap_cases.txt; then  # no fault: time it (the probe of
   echo "[session] $((SECONDS - START)) s"
   exit 0
 fi
-OUT=${OUT:-/tmp/out} bash "$(dirname "$0")/swap_locate.sh" "${CASE:-$(grep -m1 -o "^[a-z0-9_]*: FAILED" /tmp/swap_cases.txt | cut -d: -f1)}"
+OUT=${OUT:-/tmp/out} bash "$(dirname "$0")/swap_locate.sh" ${CASE:-}
 echo "[session] $((SECONDS - START)) s"

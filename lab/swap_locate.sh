@@ -2,9 +2,12 @@
 # Where in the kernel a SWAP case faults: compute-sanitizer's report of the faulting instruction (Firecracker
 # machines; gVisor refuses it), else a GPU core dump read by cuda-gdb (the faulting PC and its instructions); then the
 # kernels' SASS from the Triton cache into $OUT/sass. Sourced env: device_env.sh.
-#   TRITON_CACHE_DIR=/tmp/swap_cache bash lab/swap_locate.sh ragged_bf16
+#   TRITON_CACHE_DIR=/tmp/swap_cache bash lab/swap_locate.sh [CASE]
 set -u
-CASE=${1:-ragged_bf16}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/sass"
+# the case: the argument, else the first that faulted in the fault matrix's last output (/tmp/swap_cases.txt)
+CASE=${1:-$(grep -m1 -o "^[a-z0-9_]*: FAILED" /tmp/swap_cases.txt 2>/dev/null | cut -d: -f1)}
+[ -n "$CASE" ] || { echo "no case: none faulted in /tmp/swap_cases.txt"; exit 0; }
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/sass"
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 echo "sanitizer: ${CS:-none}"
 LOG=/tmp/swap_sanitizer.txt

@@ -6,16 +6,12 @@ forward GEMM of the same size and bf16 ``grouped_mm``; then the frozen-expert Mo
 bf16 experts and FP8 experts both ways. Each SWAP output against the default's (fp32 outputs: the two sum the
 same products in another order). Run on an H200: python -m lab.probes.fp8_gluon_swap"""
 
-from functools import partial
-from unittest import mock
-
 import torch
-import triton
 
 import csattn.ops.fp8.gluon as fp8_gluon
-from benchmarks.providers.fp8 import GROUPED, _moe_case, _quantized, _routed
-from csattn.ops.fp8 import dequantize, quantize_1x128
+from csattn.ops.fp8 import quantize_1x128
 from csattn.ops.fp8.naive import fp8_grouped_mm_quantized
+from lab.probes.gluon_forms import compare_moe, time_gemms
 from tests.helpers import rel_err
 
 VARIANTS = {"": fp8_gluon.SWAP_SETTINGS, "(global scales)": {**fp8_gluon.SWAP_SETTINGS, "SCALES_TMA": False},
@@ -55,63 +51,12 @@ def _where(out: torch.Tensor, ref: torch.Tensor) -> None:
     print("rows off by > 1e-3:", torch.nonzero(rows > 1e-3).flatten()[:40].tolist())
 
 
-def gemms() -> None:
-    dev = torch.device("cuda")
-    ids, _, plan, e, k, gen = _routed(dict(GROUPED), dev)
-    m, d, inter = ids.numel(), GROUPED["hidden"], GROUPED["inter"]
-    for name, n_w, k_w in (("gate_up", 2 * inter, d), ("down", d, inter)):
-        q, s = _quantized((e, n_w, k_w), dev, gen)
-        dy = torch.randn(m, n_w, device=dev, generator=gen, dtype=torch.bfloat16)
-        qa, sa = quantize_1x128(dy)
-        x = torch.randn(m, k_w, device=dev, generator=gen, dtype=torch.bfloat16)
-        qx, sx = quantize_1x128(x)
-        wb = torch.stack([dequantize(q[i], s[i], torch.bfloat16) for i in range(e)])
-        flops = 2 * m * n_w * k_w
-        mm = fp8_gluon.grouped_mm_gluon
-        ways = {
-            "fwd (reference)": partial(mm, qx, sx, q, s, plan.offs, False),
-            "input grad, transposing": partial(mm, qa, sa, q, s, plan.offs, True),
-            **{f"input grad, SWAP {name}": partial(mm, qa, sa, q, s, plan.offs, True, settings=settings)
-               for name, settings in VARIANTS.items()},
-            "input grad, bf16 grouped_mm": partial(torch.nn.functional.grouped_mm, dy, wb, offs=plan.offs),
-        }
-        for way, call in ways.items():
-            ms = triton.testing.do_bench(call, warmup=10, rep=60)
-            print(f"{name:8s} {way:28s} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s")
-        base = fp8_gluon.grouped_mm_gluon(qa, sa, q, s, plan.offs, True, out_dtype=torch.float32)
-        swap = fp8_gluon.grouped_mm_gluon(qa, sa, q, s, plan.offs, True, out_dtype=torch.float32,
-                                          settings=fp8_gluon.SWAP_SETTINGS)  # the others: diagnose()
-        ref = torch.nn.functional.grouped_mm(dy, wb, offs=plan.offs).float()
-        print(f"{name:8s} SWAP vs transposing {rel_err(swap, base):.2e}, transposing vs bf16 {rel_err(base, ref):.2e}, "
-              f"SWAP finite {bool(torch.isfinite(swap).all())}")
-
-
-def moe(swap: bool, compute: str) -> float:
-    """The frozen-expert MoE (the benchmark's ``moe_frozen`` case) forward + input gradient, ms."""
-    case = _moe_case(dict(GROUPED), torch.device("cuda"), torch.bfloat16, compute)
-    out = case.forward()[0]
-    dout = torch.randn_like(out)
-
-    def step():
-        return torch.autograd.grad(case.forward()[0], case.leaves, dout)
-
-    settings = fp8_gluon.launch_settings
-    # a lab switch for this comparison: the op's kernel calls take the SWAP form of the input gradient
-    swapped = (lambda trans: {**settings(trans), **(fp8_gluon.SWAP_SETTINGS if trans else {})}) if swap else settings
-    with mock.patch.object(fp8_gluon, "launch_settings", swapped):
-        return triton.testing.do_bench(step, warmup=10, rep=60)
-
-
 def main() -> None:
     if not diagnose():
         print("(SWAP wrong on the small case: the timings below are of a wrong product)")
-    gemms()
-    bf16 = moe(False, "bf16")
-    print(f"frozen MoE fwd + input grad: bf16 experts {bf16:.2f} ms")
-    for swap in (False, True):
-        ms = moe(swap, "fp8")
-        way = "SWAP" if swap else "transposing"
-        print(f"frozen MoE fwd + input grad: FP8 {way} {ms:.2f} ms ({bf16 / ms:.2f}x bf16)")
+    forms = {f"SWAP {name}".strip(): settings for name, settings in VARIANTS.items()}
+    time_gemms(forms)
+    compare_moe({"SWAP": fp8_gluon.SWAP_SETTINGS})
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ Run on an H200: python -m lab.probes.moe_lora_fused (``WAYS="bf16,fp8,fp8 fused"
 needed for the comparison)"""
 
 import os
-from unittest import mock
 
 import torch
 
@@ -15,6 +14,7 @@ import csattn.ops.fp8.gluon as fp8_gluon
 from benchmarks.providers.fp8 import GROUPED, LIMIT, _quantized, _routed
 from csattn.ops.fp8 import dequantize
 from csattn.ops.moe import ExpertLora, moe_experts
+from lab.probes.gluon_forms import input_grad_form
 from tests.helpers import rel_err
 
 
@@ -60,8 +60,6 @@ def timed(run, leaves, dout, reps: int = 10) -> float:
 
 def main() -> None:
     results = {}
-    settings = fp8_gluon.launch_settings
-    swapped = lambda trans: {**settings(trans), **(fp8_gluon.SWAP_SETTINGS if trans else {})}  # noqa: E731
     for name, compute, fuse, swap in (("bf16", "bf16", False, False), ("fp8", "fp8", False, False),
                                       ("fp8 fused", "fp8", True, False), ("fp8 swap", "fp8", False, True),
                                       ("fp8 swap fused", "fp8", True, True)):
@@ -70,7 +68,7 @@ def main() -> None:
         # lab switches for this comparison (the library reads both per call): the term in the kernel, and the input
         # gradient's SWAP form
         fp8_gluon.FUSE_LOW_RANK = fuse
-        with mock.patch.object(fp8_gluon, "launch_settings", swapped if swap else settings):
+        with input_grad_form(fp8_gluon.SWAP_SETTINGS if swap else None):
             run, leaves, dout = build(compute)
             results[name] = step(run, leaves, dout)
             print(f"{name:14s} {timed(run, leaves, dout):8.2f} ms  (fwd + bwd with LoRA rank 16 on the experts)")
