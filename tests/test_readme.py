@@ -21,13 +21,10 @@ def test_readme_has_the_snippets():
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_python_block_runs(index):
     code = BLOCKS[index]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
         with torch.random.fork_rng():  # the snippets seed torch; leave the suite's RNG as it was
             exec(compile(code, f"README.md python block {index + 1}", "exec"), {"__name__": "__readme__"})
     finally:
-        torch.set_num_threads(threads)
         if dist.is_initialized():  # a snippet that failed before its own destroy_process_group
             dist.destroy_process_group()
 
@@ -51,28 +48,23 @@ def test_readme_hf_example_equals_hf_eager_per_document():
     assert max(lengths) >= 300
     config = eval(config_src, {"DeepseekV4Config": DeepseekV4Config})
     config._attn_implementation = config._experts_implementation = "eager"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        ref = DeepseekV4ForCausalLM(config)
-        randomize_model_(ref, 1)  # HF's init leaves gradients that are rounding noise (zero mHC tables and the like)
-        ours = patch(DeepseekV4ForCausalLM(config))
-        ours.load_state_dict(ref.state_dict())
-        g = torch.Generator().manual_seed(1)
-        docs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lengths]
-        batch = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
-        batch.pop("labels")
-        logits = ours(**batch).logits[0]
-        dy = torch.randn(logits.shape, generator=g)
-        (logits * dy).sum().backward()
-        expected = []
-        for doc, d in zip(docs, dy.split(lengths)):
-            out = ref(input_ids=doc[None]).logits[0]
-            (out * d).sum().backward()
-            expected.append(out.detach())
-    finally:
-        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    ref = DeepseekV4ForCausalLM(config)
+    randomize_model_(ref, 1)  # HF's init leaves gradients that are rounding noise (zero mHC tables and the like)
+    ours = patch(DeepseekV4ForCausalLM(config))
+    ours.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lengths]
+    batch = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
+    batch.pop("labels")
+    logits = ours(**batch).logits[0]
+    dy = torch.randn(logits.shape, generator=g)
+    (logits * dy).sum().backward()
+    expected = []
+    for doc, d in zip(docs, dy.split(lengths)):
+        out = ref(input_ids=doc[None]).logits[0]
+        (out * d).sum().backward()
+        expected.append(out.detach())
     assert rel_err(logits, torch.cat(expected)) <= 1e-4
     ref_p = dict(ref.named_parameters())
     for name, p in ours.named_parameters():

@@ -16,8 +16,6 @@ from csattn.finetune.peft_format import saved_modules
 from csattn.packing import PackedSeqs
 from tests.models.model_utils import tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _loss(model, ids, lengths):
     out = model(ids, packed=PackedSeqs.from_lengths(lengths), labels=torch.roll(ids, -1))

@@ -20,8 +20,6 @@ from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConf
 from csattn.packing import PackedSeqs  # noqa: E402
 from tests.models.model_utils import hf_model, tiny_config_dict  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 ALL = ("attention", "indexer", "compressor", "shared_experts", "experts")
 TOL = 1e-5
 

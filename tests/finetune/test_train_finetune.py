@@ -20,8 +20,6 @@ from csattn.train.build import build_model, build_model_config, setup_distribute
 from csattn.train.demo import run_spawned
 from csattn.train.run import TrainConfig, train
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 SMALL = dict(seq_len=64, device="cpu", progress=False, warmup_steps=2)
 LORA = dict(lora_rank=4, lora_alpha=8.0)
 

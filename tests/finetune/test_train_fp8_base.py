@@ -18,8 +18,6 @@ from csattn.train.demo import run_spawned
 from csattn.train.run import TrainConfig, train
 from tests.models.test_fp8_model import tiny_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 LORA = dict(lora_rank=4, lora_alpha=8.0)
 
 

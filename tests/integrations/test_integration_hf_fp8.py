@@ -28,8 +28,6 @@ from tests.helpers import emulate_fp8_compute, model_errors, within_references  
 from tests.integrations import peft_support as ps  # noqa: E402
 from tests.models.model_utils import hf_model, tiny_config_dict  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 TOL = 1e-4  # fp32
 SEED = 3
 LENGTHS = [13, 29, 7, 21]

@@ -15,8 +15,6 @@ from csattn.integrations.transformers import is_patched, patch, unpatch  # noqa:
 from tests.integrations import peft_support as ps  # noqa: E402
 from tests.models.model_utils import hf_model, tiny_config_dict  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 TOL = 1e-4  # fp32
 SEED = 3
 LENGTHS = [13, 29, 7, 21]  # CSA r = 4, HCA r = 8, window 8: documents shorter and longer than each

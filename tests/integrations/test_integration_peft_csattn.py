@@ -21,8 +21,6 @@ from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConf
 from csattn.packing import PackedSeqs  # noqa: E402
 from tests.models.model_utils import hf_model, tiny_config_dict  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 TOL = 1e-4  # fp32
 TARGETS = ("attention", "indexer", "compressor", "shared_experts", "experts")
 BATCHES = ([13, 29, 7, 21], [30, 11, 19], [8, 25, 17])  # CSA r = 4, HCA r = 8, window 8: shorter and longer docs

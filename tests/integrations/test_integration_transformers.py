@@ -12,7 +12,6 @@ from transformers import DataCollatorWithFlattening  # noqa: E402
 from csattn.integrations.transformers import batch_layout, is_patched, patch, unpatch  # noqa: E402
 from tests.models.model_utils import hf_model, tiny_config_dict  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 GPU = pytest.mark.gpu
 
 TOL = 1e-4  # fp32

@@ -16,8 +16,6 @@ pytest.importorskip("transformers")
 from csattn.integrations.transformers import patch, unpatch  # noqa: E402
 from tests.models.model_utils import hf_model, tiny_config_dict  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 LENGTHS = [13, 29, 7, 21, 16, 34, 11, 25]
 
 

@@ -6,8 +6,6 @@ import torch
 
 from csattn.models.deepseek_v4.quant import dequantize_fp8, dequantize_mxfp4, mxfp4_to_fp8
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 BLOCK = (128, 128)
 
 

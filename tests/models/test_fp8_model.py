@@ -16,8 +16,6 @@ from csattn.models.deepseek_v4.release import write_release_checkpoint
 from csattn.packing import PackedSeqs
 from tests.models.model_utils import disk, tiny_config_dict
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 BLOCK = (128, 128)
 
 

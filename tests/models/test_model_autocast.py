@@ -11,8 +11,6 @@ from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
 from csattn.models.deepseek_v4.model import future_tokens
 from csattn.train.config import tiny_model_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _batch():
     packed = PackedSeqs.from_lengths([37, 1, 50], padded_lengths=[40, 4, 52])

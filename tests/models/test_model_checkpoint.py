@@ -11,8 +11,6 @@ from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4ModelConf
 from csattn.packing import PackedSeqs
 from tests.models.model_utils import tiny_config_dict, tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _ids(n=30, vocab=64, seed=0):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))

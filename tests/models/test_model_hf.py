@@ -13,8 +13,6 @@ from csattn.packing import PackedSeqs  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.models.model_utils import hf_model, tiny_config_dict  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 TOL = 1e-4  # fp32: HF's MoE kernels refuse fp64
 
 

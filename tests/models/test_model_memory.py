@@ -25,8 +25,6 @@ from csattn.models.deepseek_v4.model import future_tokens
 from csattn.report.live_tensors import model_kept
 from csattn.report.model import proxy_config, proxy_lengths
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _model():
     cfg = proxy_config("tiny", backend="reference")

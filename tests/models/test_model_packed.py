@@ -8,8 +8,6 @@ from csattn.models.deepseek_v4 import future_tokens
 from csattn.packing import PackedSeqs
 from tests.models.model_utils import tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.mark.parametrize("pattern", ["flash", "pro"])
 def test_packed_equals_per_document(pattern, assert_close):

@@ -10,8 +10,6 @@ from csattn.models.deepseek_v4.model import future_tokens
 from csattn.report.live_tensors import model_kept
 from csattn.train.config import tiny_model_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _model(recompute: str, dtype=torch.float64, mtp: int = 1) -> DeepseekV4ForCausalLM:
     torch.manual_seed(0)

@@ -20,8 +20,6 @@ from csattn.models.deepseek_v4.release import release_kind as kind_of  # what th
 from csattn.packing import PackedSeqs
 from tests.models.model_utils import randomize_model_, tiny_config_dict
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 FP8_MAX = 448.0
 
 

@@ -85,7 +85,7 @@ def test_deterministic_mode(monkeypatch):
 
 
 @pytest.mark.parametrize("layer_type", ["csa", "hca"])
-def test_layer_runs_under_torch_deterministic_mode(layer_type, one_thread):
+def test_layer_runs_under_torch_deterministic_mode(layer_type):
     """The layer's torch ops (reference backend, CPU) raise nothing under ``csattn.deterministic_mode`` (torch's
     use_deterministic_algorithms) and give the same bits twice."""
     from csattn import PackedSeqs, deterministic_mode

@@ -91,7 +91,6 @@ def _step(model, ids, packed, dy):
 
 
 @pytest.mark.slow  # a layer or model through the Triton interpreter
-@pytest.mark.usefixtures("one_thread")
 def test_model_with_triton_mhc_matches_reference():
     """fp64 model, attention and MoE on the reference; every mHC site, combine and head on the kernels."""
     cfg = DeepseekV4ModelConfig.from_hf(tiny_config_dict("mixed", mtp=1), backend="reference")

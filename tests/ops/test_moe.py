@@ -267,7 +267,6 @@ def test_saved_tensors_per_token():
 
 
 # ---------------------------------------------------------------------------------------------- the model
-@pytest.mark.usefixtures("one_thread")
 def test_model_grouped_matches_fp64():
     """The whole decoder with the grouped MoE (the fp32 CPU default) against its fp64 run (the loop): logits
     and every gradient no farther from fp64 than 3x the fp32 loop's distance (floor 1e-5). tests/models/test_model_hf.py

@@ -12,7 +12,7 @@ from tests.cp_pool import shared_pool
 from tests.models.test_quantized_checkpoint import tiny, write_quantized
 from tests.parallel.tasks import hf_import_task
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("dims", [dict(dp_shard=4, ep=2), dict(dp_shard=2, cp=2, ep=2)],

@@ -20,7 +20,7 @@ from csattn.train.run import TrainConfig, train
 from tests.cp_pool import RankPool
 from tests.parallel.tasks import BASE, error_task
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 RUN = {**BASE, "steps": 4}
 

@@ -10,7 +10,7 @@ import torch
 from tests.cp_pool import shared_pool
 from tests.parallel.tasks import moe_ep_task, reference, train_task
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 MESHES = {
     "dp_shard2-cp2": dict(dp_shard=2, cp=2),

@@ -18,8 +18,6 @@ from csattn.train.checkpoint import MANIFEST, prune_checkpoints, verify_checkpoi
 from csattn.train.errors import UserError
 from csattn.train.run import TrainConfig, train
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 ARGS = ["train", "--seq-len", "32", "--no-progress", "--device", "cpu", "--warmup-steps", "1"]
 
 

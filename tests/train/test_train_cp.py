@@ -14,7 +14,7 @@ try:
 except ImportError:  # pragma: no cover - depends on the checkout
     HAVE_CP = False
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow,
+pytestmark = [pytest.mark.slow,
               pytest.mark.xfail(not HAVE_CP, reason="csattn.cp (context parallelism) is not available", run=False)]
 
 BASE = dict(steps=2, seq_len=64, device="cpu", progress=False, warmup_steps=1, pad_multiple=4)

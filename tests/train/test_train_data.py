@@ -19,7 +19,6 @@ from tests.models.model_utils import tiny_config_dict
 pq = pytest.importorskip("pyarrow.parquet")
 pa = pytest.importorskip("pyarrow")
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 SMALL = dict(seq_len=32, device="cpu", progress=False, warmup_steps=1)
 

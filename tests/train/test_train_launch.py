@@ -21,8 +21,6 @@ from csattn.train import build, cli
 from csattn.train.errors import TrainWarning, UserError
 from csattn.train.run import TrainConfig, TrainResult, train
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["train", "--steps", "1", "--seq-len", "32", "--no-progress", "--device", "cpu"]
 SMALL = dict(seq_len=32, device="cpu", progress=False, warmup_steps=1)

@@ -14,8 +14,6 @@ from csattn.models.deepseek_v4 import DeepseekV4ForCausalLM
 from csattn.train.build import build_model_config
 from csattn.train.run import TrainConfig, train
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 SMALL = dict(seq_len=64, device="cpu", progress=False, warmup_steps=2)
 
 

@@ -16,8 +16,6 @@ from csattn.train import build, run
 from csattn.train.errors import TrainingStopped, UserError
 from csattn.train.run import TrainConfig, train
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 SMALL = dict(seq_len=32, device="cpu", progress=False, warmup_steps=1)
 
 

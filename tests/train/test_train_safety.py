@@ -15,8 +15,6 @@ from csattn.train.checkpoint.layout import LEGACY_STATE_NAME
 from csattn.train.checkpoint.safe_state import load_state, save_state
 from csattn.train.run import TrainConfig, train
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 SMALL = dict(seq_len=32, device="cpu", progress=False, warmup_steps=1)
 
 
