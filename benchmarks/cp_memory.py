@@ -24,7 +24,6 @@ import traceback
 from datetime import timedelta
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -131,15 +130,15 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
 class _Pool:
     def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
+        from csattn.cp.launch import caller, free_port, in_env, rank_context
+
+        ctx, here = rank_context(), caller()
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        from csattn.cp import free_port
-
         port = free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
-                      for r in range(world)]
+        self.procs = [ctx.Process(target=in_env, args=(*here, _worker, r, world, port, self.tasks[r], self.results),
+                                  daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
 

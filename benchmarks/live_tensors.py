@@ -27,7 +27,6 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from csattn.report.live_tensors import LiveStorages, model_kept
 
@@ -158,10 +157,10 @@ def main() -> None:
     if args.cp == 1:
         _run(0, 1, 0, args)
         return
-    from csattn.cp import free_port
+    from csattn.cp.launch import free_port, start_ranks
 
     os.environ.setdefault("OMP_NUM_THREADS", "4")
-    mp.spawn(_run, args=(args.cp, free_port(), args), nprocs=args.cp)
+    start_ranks(_run, (args.cp, free_port(), args), args.cp)
 
 
 if __name__ == "__main__":

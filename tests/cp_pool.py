@@ -1,7 +1,8 @@
 """A persistent pool of gloo ranks for the context-parallel tests.
 
-Spawning processes costs seconds on a small CPU, so the tests start ``world`` ranks once (free port, spawn
-context), create one process group per CP size (ranks ``0 .. P-1``), and send them tasks through queues.
+Starting processes costs seconds on a small CPU, so the tests start ``world`` ranks once (a free port, processes
+from :func:`csattn.cp.launch.rank_context`), create one process group per CP size (ranks ``0 .. P-1``), and send
+them tasks through queues.
 Every task result comes back per rank; a rank that does not answer in time fails the test and the pool is torn
 down, so a hang can never block the suite. "In time" is derived from pytest's timeout of the running test
 (``pytest-timeout``: its ``timeout`` marker, else ``--timeout``; conftest calls :func:`set_test_deadline`): the
@@ -18,9 +19,8 @@ import traceback
 from datetime import timedelta
 
 import torch
-import torch.multiprocessing as mp
 
-from csattn.cp import free_port
+from csattn.cp.launch import caller, free_port, in_env, rank_context
 
 FALLBACK_WAIT_S = 360.0  # a rank's answer, where pytest sets no timeout
 _DEADLINE: tuple[float, float] | None = None  # (monotonic deadline, the test's whole timeout) of the running test
@@ -75,12 +75,12 @@ class RankPool:
         # timeout: the most a rank's answer may take (None: until shortly before pytest's deadline, wait_s);
         # pg_timeout_s: the process groups' collective timeout; a short one turns a hang into a rank error
         self.world, self.timeout = world, timeout
-        ctx = mp.get_context("spawn")
+        ctx, here = rank_context(), caller()
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, pg_timeout_s),
-                                  daemon=True) for r in range(world)]
+        self.procs = [ctx.Process(target=in_env, args=(*here, _worker, r, world, port, self.tasks[r], self.results,
+                                                       pg_timeout_s), daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
 

@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..cp import free_port
+from ..cp.launch import free_port, rank_context, start_ranks
 
 __all__ = ["run_cp_demo", "SavedActivations"]
 
@@ -122,12 +122,8 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, failed) -
 
 def run_cp_demo(args: argparse.Namespace) -> int:
     """Spawn ``args.cp`` gloo ranks on this machine and run the CP parity demo. Returns 0 when it matches."""
-    import torch.multiprocessing as mp
-
     port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    failed = ctx.Value("i", 0)
-    mp.start_processes(_worker, args=(args.cp, port, args, failed), nprocs=args.cp, join=True,
-                       start_method="spawn")
+    failed = rank_context().Value("i", 0)
+    start_ranks(_worker, (args.cp, port, args, failed), args.cp)
     return int(failed.value)

@@ -12,10 +12,9 @@ import time
 import warnings
 
 import torch
-import torch.multiprocessing as mp
 from tqdm import tqdm
 
-from ..cp import free_port
+from ..cp.launch import caller, free_port, in_env, rank_context
 from .worker import Job, run_group, run_isolated
 
 __all__ = ["add_report_args", "run_report", "plan_groups", "resolve_defaults", "GPU_DEFAULTS", "CPU_DEFAULTS"]
@@ -146,9 +145,10 @@ def run_model_jobs(jobs: list[tuple[str, int, int, int]], opts: dict, out_path: 
 
 
 def _spawn_group(size: int, jobs: list[Job], opts: dict, out_path: str, timeout: int) -> None:
-    ctx = mp.get_context("spawn")
+    ctx, here = rank_context(), caller()
     port = free_port()
-    procs = [ctx.Process(target=run_group, args=(r, size, port, jobs, opts, out_path)) for r in range(size)]
+    procs = [ctx.Process(target=in_env, args=(*here, run_group, r, size, port, jobs, opts, out_path))
+             for r in range(size)]
     for p in procs:
         p.start()
     deadline = time.time() + timeout
@@ -161,8 +161,8 @@ def _spawn_group(size: int, jobs: list[Job], opts: dict, out_path: str, timeout:
 
 
 def _in_own_process(target, args: tuple, out_path: str, timeout: int) -> list[dict]:
-    """Run ``target(*args, out_path)`` in a spawned process (killed after ``timeout`` s); its JSON-line records."""
-    p = mp.get_context("spawn").Process(target=target, args=(*args, out_path))
+    """Run ``target(*args, out_path)`` in a process of its own (killed after ``timeout`` s); its JSON-line records."""
+    p = rank_context().Process(target=in_env, args=(*caller(), target, *args, out_path))
     p.start()
     p.join(timeout)
     if p.is_alive():

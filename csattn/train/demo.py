@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..cp import free_port
+from ..cp.launch import free_port, start_ranks
 from .checkpoint.safe_state import load_state, save_state
 from .config import TrainConfig
 from .run import train
@@ -48,11 +48,9 @@ def _worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str) -> Non
 
 def run_spawned(world: int, cfg: TrainConfig) -> dict[str, Any]:
     """Run ``train(cfg)`` on ``world`` spawned gloo CPU processes; returns rank 0's losses and final weights."""
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.safetensors")
-        mp.start_processes(_worker, args=(world, free_port(), cfg, out), nprocs=world, start_method="spawn")
+        start_ranks(_worker, (world, free_port(), cfg, out), world)
         # a safe format even for our own temp file: the directory is shared, and loading must run no code
         return load_state(out)
 

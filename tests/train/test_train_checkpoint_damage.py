@@ -176,11 +176,9 @@ def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_both_ranks_resume_the_same_older_checkpoint(tmp_path):
-    import torch.multiprocessing as mp
+    from csattn.cp.launch import free_port, start_ranks
 
-    from csattn.cp import free_port
-
-    mp.start_processes(_two_rank_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_two_rank_worker, (2, free_port(), str(tmp_path)), 2)
     got = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert got[0] == got[1], got
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "trainer_state.safetensors"} <= set(

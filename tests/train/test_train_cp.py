@@ -91,17 +91,14 @@ def test_cp_step_equals_single_process_fp32(cp, tmp_path):
     into an update of about +-lr, so the result would depend on the CPU's summation order (AVX2 vs AVX-512).
     The fp64 test above holds the updated weights of several steps to 1e-9.
     """
-    import torch.multiprocessing as mp
-
-    from csattn.cp import free_port
+    from csattn.cp.launch import free_port, start_ranks
 
     one = {**BASE, "steps": 1}
     ref64 = train(TrainConfig(**one, dtype="float64"))
     ref32 = train(TrainConfig(**one))
     g64, g32 = _grads(ref64.model), _grads(ref32.model)
     out = str(tmp_path / "grads.pt")
-    mp.start_processes(_grad_worker, args=(cp, free_port(), TrainConfig(cp=cp, **one), out), nprocs=cp,
-                       start_method="spawn")
+    start_ranks(_grad_worker, (cp, free_port(), TrainConfig(cp=cp, **one), out), cp)
     got = torch.load(out)
     assert abs(float(got["losses"][0]) - ref32.losses[0]) <= 1e-5 * abs(ref32.losses[0])
     assert set(got["grads"]) == set(g64) and len(g64) > 100

@@ -267,11 +267,9 @@ def test_every_rank_skips_and_stops_alike_when_one_rank_is_nonfinite(tmp_path):
     both ranks skip the same steps and stop together with the same error (no rank left waiting in a collective)."""
     import json
 
-    import torch.multiprocessing as mp
+    from csattn.cp.launch import free_port, start_ranks
 
-    from csattn.cp import free_port
-
-    mp.start_processes(_poisoned_rank_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_poisoned_rank_worker, (2, free_port(), str(tmp_path)), 2)
     ended = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert ended[0] == ended[1] and ended[0].startswith("steps 2..3: 2 non-finite steps in a row"), ended
 
