@@ -1,5 +1,5 @@
 """Starting local process groups (demos, the report, tests): a free rendezvous port on this machine, and the ranks
-themselves, started from a fork server that has imported what a rank needs once.
+themselves, started on a CPU-only machine from a fork server that has imported what a rank needs once.
 
 A spawned process imports torch, csattn and, on its first training step, ``torch._dynamo`` (torch's optimizers
 and ``nn.init`` reach it): about 5 s of CPU a rank on a small machine, so 4 ranks of a tiny model took 14 s where
@@ -35,11 +35,15 @@ def free_port() -> int:
 
 def rank_context() -> multiprocessing.context.BaseContext:
     """The multiprocessing context that local ranks start from: ``forkserver`` with :data:`PRELOAD` imported in the
-    server where the platform has it, else ``spawn``. Start each rank's target through :func:`in_env` with
-    :func:`caller`'s arguments."""
+    server where the platform has it and no GPU is visible, else ``spawn``. Start each rank's target through
+    :func:`in_env` with :func:`caller`'s arguments.
+
+    With a GPU, ranks are spawned as before: a forked rank cannot use CUDA once its server has initialized it, and
+    whether some import of a CUDA build of torch does that is not checked here (the CPU's gain is the point)."""
+    import torch
     import torch.multiprocessing as mp
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if "forkserver" not in multiprocessing.get_all_start_methods() or torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first use); later calls change nothing

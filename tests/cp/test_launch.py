@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from csattn.cp import launch
@@ -23,8 +24,9 @@ def _fail(rank: int) -> None:
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_ranks_take_the_callers_environment_and_stdout(capfd, monkeypatch, method):
-    if method == "spawn":  # the platforms without a fork server
+    if method == "spawn":  # the platforms without a fork server, and machines with a GPU
         monkeypatch.setattr(launch.multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    assert launch.rank_context().get_start_method() == method or torch.cuda.is_available()
     with capfd.disabled():  # the server (if this call starts it) sees another stdout and no variable
         start_ranks(_say, ("early",), 1)
     monkeypatch.setenv("CSATTN_LAUNCH_TEST", "set later")
