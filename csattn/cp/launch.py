@@ -34,16 +34,18 @@ def free_port() -> int:
 
 
 def rank_context() -> multiprocessing.context.BaseContext:
-    """The multiprocessing context that local ranks start from: ``forkserver`` with :data:`PRELOAD` imported in the
-    server where the platform has it and no GPU is visible, else ``spawn``. Start each rank's target through
-    :func:`in_env` with :func:`caller`'s arguments.
+    """The multiprocessing context that local ranks start from: on Linux with no GPU visible, ``forkserver`` with
+    :data:`PRELOAD` imported in the server; else ``spawn``. Start each rank's target through :func:`in_env` with
+    :func:`caller`'s arguments.
 
     With a GPU, ranks are spawned as before: a forked rank cannot use CUDA once its server has initialized it, and
-    whether some import of a CUDA build of torch does that is not checked here (the CPU's gain is the point)."""
+    whether some import of a CUDA build of torch does that is not checked here (the CPU's gain is the point). macOS
+    spawns too: a process forked after its system frameworks loaded may crash there (Python's own default)."""
     import torch
     import torch.multiprocessing as mp
 
-    if "forkserver" not in multiprocessing.get_all_start_methods() or torch.cuda.is_available():
+    forkserver = sys.platform.startswith("linux") and "forkserver" in multiprocessing.get_all_start_methods()
+    if not forkserver or torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first use); later calls change nothing
