@@ -1,14 +1,17 @@
 import os
 
-# One intra-op thread a process: the suite runs two pytest workers on two cores (`-n 2`), and many tests start
-# ranks or training runs beside them; more threads only contend (measured: the slowest tests took 1.8x as long
-# with torch's default). Children inherit the variable; set it to run the suite otherwise.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One intra-op thread a process where the suite runs in parallel workers (`make test`: `-n 2` on two cores): many
+# tests start ranks or training runs beside them, and more threads only contend (measured: the slowest tests took
+# 1.8x as long with torch's default). Children inherit the variable; set it to run the suite otherwise. A run in
+# one process (the GPU suite) keeps torch's default.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+if "OMP_NUM_THREADS" in os.environ:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 os.environ.setdefault("TRITON_INTERPRET", "1") if not torch.cuda.is_available() else None
 
 
