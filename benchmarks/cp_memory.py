@@ -130,15 +130,15 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
 class _Pool:
     def __init__(self, world: int) -> None:
-        from csattn.cp.launch import caller, free_port, in_env, rank_context
+        from csattn.cp.launch import free_port, process, rank_context
 
-        ctx, here = rank_context(), caller()
+        ctx = rank_context()
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = free_port()
-        self.procs = [ctx.Process(target=in_env, args=(*here, _worker, r, world, port, self.tasks[r], self.results),
-                                  daemon=True) for r in range(world)]
+        self.procs = [process(_worker, r, world, port, self.tasks[r], self.results, daemon=True)
+                      for r in range(world)]
         for p in self.procs:
             p.start()
 

@@ -20,7 +20,7 @@ from datetime import timedelta
 
 import torch
 
-from csattn.cp.launch import caller, free_port, in_env, rank_context
+from csattn.cp.launch import free_port, process, rank_context
 
 FALLBACK_WAIT_S = 360.0  # a rank's answer, where pytest sets no timeout
 _DEADLINE: tuple[float, float] | None = None  # (monotonic deadline, the test's whole timeout) of the running test
@@ -75,12 +75,12 @@ class RankPool:
         # timeout: the most a rank's answer may take (None: until shortly before pytest's deadline, wait_s);
         # pg_timeout_s: the process groups' collective timeout; a short one turns a hang into a rank error
         self.world, self.timeout = world, timeout
-        ctx, here = rank_context(), caller()
+        ctx = rank_context()
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = free_port()
-        self.procs = [ctx.Process(target=in_env, args=(*here, _worker, r, world, port, self.tasks[r], self.results,
-                                                       pg_timeout_s), daemon=True) for r in range(world)]
+        self.procs = [process(_worker, r, world, port, self.tasks[r], self.results, pg_timeout_s, daemon=True)
+                      for r in range(world)]
         for p in self.procs:
             p.start()
 

@@ -5,7 +5,7 @@ A spawned process imports torch, csattn and, on its first training step, ``torch
 and ``nn.init`` reach it): about 5 s of CPU a rank on a small machine, so 4 ranks of a tiny model took 14 s where
 their training took 0.3. Forked from a server that imported those modules, a rank starts in a fraction of a
 second (3.5 s for the same run). The server is made once per process, with the environment and the standard output
-of that moment, so each rank takes its caller's environment, stdout and stderr before it runs (:func:`in_env`), as a
+of that moment, so each rank takes its caller's environment, stdout and stderr before it runs, as a
 spawned one would.
 """
 
@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CallerStdio", "caller", "free_port", "in_env", "rank_context", "start_ranks"]
+__all__ = ["free_port", "process", "rank_context", "start_ranks"]
 
 # what a rank imports: torch itself, torch._dynamo (reached lazily from torch's optimizers and initializers), and
 # csattn's training, sharding and CP code
@@ -35,8 +35,8 @@ def free_port() -> int:
 
 def rank_context() -> multiprocessing.context.BaseContext:
     """The multiprocessing context that local ranks start from: on Linux with no GPU visible, ``forkserver`` with
-    :data:`PRELOAD` imported in the server; else ``spawn``. Start each rank's target through :func:`in_env` with
-    :func:`caller`'s arguments.
+    :data:`PRELOAD` imported in the server; else ``spawn``. Start processes with :func:`process` or
+    :func:`start_ranks` (they hand each its caller's environment and stdio); the context serves for queues and values.
 
     With a GPU, ranks are spawned as before: a forked rank cannot use CUDA once its server has initialized it, and
     whether some import of a CUDA build of torch does that is not checked here (the CPU's gain is the point). macOS
@@ -52,7 +52,7 @@ def rank_context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-class CallerStdio:
+class _CallerStdio:
     """The starting process's stdout and stderr, handed to a rank as file descriptors when it is pickled for the
     start (a forked rank's own are the fork server's, which may be another file: a test's captured output)."""
 
@@ -62,7 +62,7 @@ class CallerStdio:
     def __reduce__(self):
         from multiprocessing.reduction import DupFd
 
-        return CallerStdio, ((DupFd(1), DupFd(2)),)
+        return _CallerStdio, ((DupFd(1), DupFd(2)),)
 
     def take(self) -> None:
         """In the rank: make the caller's descriptors this process's 1 and 2."""
@@ -77,7 +77,7 @@ class CallerStdio:
                 os.close(fd)
 
 
-def in_env(env: dict[str, str], stdio: CallerStdio, fn: Callable[..., Any], *args: Any) -> Any:
+def _in_env(env: dict[str, str], stdio: _CallerStdio, fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` in this process with ``env`` as its whole environment and ``stdio`` as its stdout and
     stderr: a forked rank has the server's, not its caller's."""
     os.environ.clear()
@@ -86,13 +86,19 @@ def in_env(env: dict[str, str], stdio: CallerStdio, fn: Callable[..., Any], *arg
     return fn(*args)
 
 
-def caller() -> tuple[dict[str, str], CallerStdio]:
-    """The first two arguments of :func:`in_env` for a process started from here."""
-    return dict(os.environ), CallerStdio()
+def _caller() -> tuple[dict[str, str], _CallerStdio]:
+    """The first two arguments of :func:`_in_env` for a process started from here."""
+    return dict(os.environ), _CallerStdio()
 
 
-def _rank_in_env(rank: int, env: dict[str, str], stdio: CallerStdio, fn: Callable[..., Any], *args: Any) -> Any:
-    return in_env(env, stdio, fn, rank, *args)
+def _rank_in_env(rank: int, env: dict[str, str], stdio: _CallerStdio, fn: Callable[..., Any], *args: Any) -> Any:
+    return _in_env(env, stdio, fn, rank, *args)
+
+
+def process(fn: Callable[..., Any], *args: Any, daemon: bool = False) -> multiprocessing.process.BaseProcess:
+    """An unstarted process of :func:`rank_context` that runs ``fn(*args)`` with this process's environment, stdout
+    and stderr of now. ``fn`` and ``args`` must pickle."""
+    return rank_context().Process(target=_in_env, args=(*_caller(), fn, *args), daemon=daemon)
 
 
 def start_ranks(fn: Callable[..., Any], args: tuple, nprocs: int) -> None:
@@ -101,5 +107,5 @@ def start_ranks(fn: Callable[..., Any], args: tuple, nprocs: int) -> None:
     import torch.multiprocessing as mp
 
     ctx = rank_context()
-    mp.start_processes(_rank_in_env, args=(*caller(), fn, *args), nprocs=nprocs,
+    mp.start_processes(_rank_in_env, args=(*_caller(), fn, *args), nprocs=nprocs,
                        start_method=ctx.get_start_method())

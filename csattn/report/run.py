@@ -14,7 +14,7 @@ import warnings
 import torch
 from tqdm import tqdm
 
-from ..cp.launch import caller, free_port, in_env, rank_context
+from ..cp.launch import free_port, process
 from .worker import Job, run_group, run_isolated
 
 __all__ = ["add_report_args", "run_report", "plan_groups", "resolve_defaults", "GPU_DEFAULTS", "CPU_DEFAULTS"]
@@ -145,10 +145,8 @@ def run_model_jobs(jobs: list[tuple[str, int, int, int]], opts: dict, out_path: 
 
 
 def _spawn_group(size: int, jobs: list[Job], opts: dict, out_path: str, timeout: int) -> None:
-    ctx, here = rank_context(), caller()
     port = free_port()
-    procs = [ctx.Process(target=in_env, args=(*here, run_group, r, size, port, jobs, opts, out_path))
-             for r in range(size)]
+    procs = [process(run_group, r, size, port, jobs, opts, out_path) for r in range(size)]
     for p in procs:
         p.start()
     deadline = time.time() + timeout
@@ -162,7 +160,7 @@ def _spawn_group(size: int, jobs: list[Job], opts: dict, out_path: str, timeout:
 
 def _in_own_process(target, args: tuple, out_path: str, timeout: int) -> list[dict]:
     """Run ``target(*args, out_path)`` in a process of its own (killed after ``timeout`` s); its JSON-line records."""
-    p = rank_context().Process(target=in_env, args=(*caller(), target, *args, out_path))
+    p = process(target, *args, out_path)
     p.start()
     p.join(timeout)
     if p.is_alive():
