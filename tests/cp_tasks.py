@@ -67,7 +67,8 @@ def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 def parity(group, lengths, pads=None, partition="contiguous", dtype="float64", seed=0, types=TYPES,
            chunks_per_rank=2, min_rows=None, capture_safe=False, **over) -> dict:
     """Relative errors (CP vs single process) of the stack output, each layer's output, the input grad, every
-    parameter grad (summed over ranks) and each indexer loss (summed over ranks). Returns them on rank 0.
+    parameter grad (summed over ranks) and each indexer loss (summed over ranks). Returns them on rank 0 (the
+    other ranks return ``{}``): only rank 0 runs the single-process reference, since its ranks share the CPUs.
 
     ``capture_safe``: the CP run takes the capture-safe path (a ``CaptureSafePackedSeqs`` of the same pack), and a
     second forward + backward under ``NoHostSync`` must not read a device value on the host."""
@@ -83,9 +84,11 @@ def parity(group, lengths, pads=None, partition="contiguous", dtype="float64", s
     x = torch.randn(T, 32, generator=gen).to(dt)
     g = torch.randn(T, 32, generator=gen).to(dt)
 
-    ref_layers = build_stack(dt, seed, types, **over)
-    xr = x.clone().requires_grad_()
-    ref_out, ref_outs, ref_losses = _run(ref_layers, xr, packed, g)
+    lead = dist.get_rank(group) == 0
+    if lead:
+        ref_layers = build_stack(dt, seed, types, **over)
+        xr = x.clone().requires_grad_()
+        ref_out, ref_outs, ref_losses = _run(ref_layers, xr, packed, g)
 
     layers = build_stack(dt, seed, types, **over)
     packed_cp = padded_pack(lengths, pads, mult, min_rows)  # a fresh object: nothing cached from the reference run
@@ -104,28 +107,43 @@ def parity(group, lengths, pads=None, partition="contiguous", dtype="float64", s
         with NoHostSync():
             _run(again, xl2, packed_run, g_local, cp)
 
-    err = {"out": _rel(cp.gather(out_l.detach(), packed_cp), ref_out)}
-    for i, (yl, yr) in enumerate(zip(outs_l, ref_outs)):
-        err[f"out{i}"] = _rel(cp.gather(yl.detach(), packed_cp), yr)
-    err["dx"] = _rel(cp.gather(xl.grad, packed_cp), xr.grad)
-    for (name, p), (_, pr) in zip(layers.named_parameters(), ref_layers.named_parameters()):
+    gathered = [cp.gather(out_l.detach(), packed_cp)] + [cp.gather(y.detach(), packed_cp) for y in outs_l]
+    gathered.append(cp.gather(xl.grad, packed_cp))
+    grads = []
+    for _, p in layers.named_parameters():
         grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
         flag = torch.tensor([0.0 if p.grad is None else 1.0], dtype=torch.float64)
         dist.all_reduce(grad, group=group)
         dist.all_reduce(flag, group=group)
-        err[f"grad:{name}"] = _rel(grad if flag.item() > 0 else None, pr.grad)
-    for i, (ll, lr) in enumerate(zip(losses_l, ref_losses)):
-        if lr is None:
-            assert ll is None, f"layer {i}: CP produced an indexer loss the reference did not"
-            continue
-        tot = ll.detach().clone()
-        dist.all_reduce(tot, group=group)
-        err[f"loss{i}"] = _rel(tot, lr)
+        grads.append(grad if flag.item() > 0 else None)
+    losses = []  # every rank takes the same path: whether a layer has a loss depends on its type alone
+    for ll in losses_l:
+        tot = None if ll is None else ll.detach().clone()
+        if tot is not None:
+            dist.all_reduce(tot, group=group)
+        losses.append(tot)
+    err = _errors(gathered, grads, losses, ref_out, ref_outs, xr.grad, ref_layers, ref_losses) if lead else {}
     # fewest compressed groups any rank owned in any compressed layer (0 = a rank owned none)
     owned = [v[1].num_owned for k, v in packed_cp._cache.items() if k[0] == "cp-plan" and v[0].entries is not None]
     least = torch.tensor([min(owned) if owned else -1])
     dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
-    err["_min_owned"] = int(least)
+    if lead:
+        err["_min_owned"] = int(least)
+    return err
+
+
+def _errors(gathered, grads, losses, ref_out, ref_outs, ref_dx, ref_layers, ref_losses) -> dict:
+    """``parity``'s relative errors on rank 0: ``gathered`` = [stack output, each layer's output, input grad]."""
+    err = {"out": _rel(gathered[0], ref_out)}
+    for i, (y, yr) in enumerate(zip(gathered[1:-1], ref_outs)):
+        err[f"out{i}"] = _rel(y, yr)
+    err["dx"] = _rel(gathered[-1], ref_dx)
+    for grad, (name, pr) in zip(grads, ref_layers.named_parameters()):
+        err[f"grad:{name}"] = _rel(grad, pr.grad)
+    for i, (tot, lr) in enumerate(zip(losses, ref_losses)):
+        assert (tot is None) == (lr is None), f"layer {i}: CP and the reference disagree on having an indexer loss"
+        if lr is not None:
+            err[f"loss{i}"] = _rel(tot, lr)
     return err
 
 
