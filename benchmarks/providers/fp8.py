@@ -40,9 +40,13 @@ def _quantized(shape: tuple[int, ...], device, gen) -> tuple[torch.Tensor, torch
     *lead, n, k = shape
     w = torch.randn(*shape, device=device, generator=gen, dtype=torch.bfloat16) * k ** -0.5
     blocks = w.view(-1, n // 128, 128, k // 128, 128)
-    s = (blocks.float().abs().amax(dim=(2, 4)) / FP8_MAX).clamp_min(1e-12)
-    q = (blocks.float() / s[:, :, None, :, None]).view(shape).to(torch.float8_e4m3fn)
-    return q, s.view(*lead, n // 128, k // 128)
+    q = torch.empty(blocks.shape, device=device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(blocks.shape[0], n // 128, k // 128, device=device)
+    for i in range(0, blocks.shape[0], 8):  # 8 matrices at a time: fp32 copies of all 256 experts take 16 GiB
+        part = blocks[i:i + 8].float()
+        s[i:i + 8] = (part.abs().amax(dim=(2, 4)) / FP8_MAX).clamp_min(1e-12)
+        q[i:i + 8] = (part / s[i:i + 8, :, None, :, None]).to(torch.float8_e4m3fn)
+    return q.view(shape), s.view(*lead, n // 128, k // 128)
 
 
 def _need_cuda(device) -> None:
