@@ -45,10 +45,10 @@ __all__ = ["FUSE_LOW_RANK", "RANK", "SWAP_SETTINGS", "fp8_grouped_gluon_kernel",
            "inplace_settings"]
 
 RANK = 16  # the low-rank term's depth: its two buffers of two [128, R] tiles (16 KB) beside the 192 KB of stages
-# The op routes the low-rank term through the kernel once it has run on an H200: it builds for sm_90 without spills
-# on Triton 3.6 and 3.9 (tests/ops/test_fp8_gluon_build.py), and tests/ops/test_fp8_gpu.py
-# ::test_gluon_low_rank_term_vs_same_operands holds it to fp64 on the GPU; until then the op adds the term after
-# the kernel (grouped_mm), as before the kernel took it
+# The op routes the low-rank term through the kernel once a step with it has been timed: it builds for sm_90 without
+# spills on Triton 3.6 and 3.9 (tests/ops/test_fp8_gluon_build.py), and tests/ops/test_fp8_gpu.py
+# ::test_gluon_low_rank_term_vs_same_operands holds it to fp64 on the GPU (passed on an H100 at 506d052); until then
+# the op adds the term after the kernel (one Triton pass over the output)
 FUSE_LOW_RANK = False
 _UPPER = gl.constexpr(0)  # the math warpgroups, by the 64 rows of a tile they own
 _LOWER = gl.constexpr(1)
