@@ -107,44 +107,39 @@ def parity(group, lengths, pads=None, partition="contiguous", dtype="float64", s
         with NoHostSync():
             _run(again, xl2, packed_run, g_local, cp)
 
-    gathered = [cp.gather(out_l.detach(), packed_cp)] + [cp.gather(y.detach(), packed_cp) for y in outs_l]
-    gathered.append(cp.gather(xl.grad, packed_cp))
     grads = []
-    for _, p in layers.named_parameters():
+    for name, p in layers.named_parameters():
         grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
         flag = torch.tensor([0.0 if p.grad is None else 1.0], dtype=torch.float64)
         dist.all_reduce(grad, group=group)
         dist.all_reduce(flag, group=group)
-        grads.append(grad if flag.item() > 0 else None)
-    losses = []  # every rank takes the same path: whether a layer has a loss depends on its type alone
-    for ll in losses_l:
-        tot = None if ll is None else ll.detach().clone()
+        grads.append((name, grad if flag.item() > 0 else None))
+    losses = [None if ll is None else ll.detach().clone() for ll in losses_l]
+    for tot in losses:  # every rank alike: whether a layer has a loss depends on its type alone
         if tot is not None:
             dist.all_reduce(tot, group=group)
-        losses.append(tot)
-    err = _errors(gathered, grads, losses, ref_out, ref_outs, xr.grad, ref_layers, ref_losses) if lead else {}
+    got = _named(cp.gather(out_l.detach(), packed_cp), [cp.gather(y.detach(), packed_cp) for y in outs_l],
+                 cp.gather(xl.grad, packed_cp), grads, losses)
     # fewest compressed groups any rank owned in any compressed layer (0 = a rank owned none)
     owned = [v[1].num_owned for k, v in packed_cp._cache.items() if k[0] == "cp-plan" and v[0].entries is not None]
     least = torch.tensor([min(owned) if owned else -1])
     dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
-    if lead:
-        err["_min_owned"] = int(least)
+    if not lead:
+        return {}
+    ref = _named(ref_out, ref_outs, xr.grad, [(n, p.grad) for n, p in ref_layers.named_parameters()], ref_losses)
+    assert got.keys() == ref.keys(), f"CP and the reference differ in what they produce: {got.keys() ^ ref.keys()}"
+    err = {key: _rel(got[key], ref[key]) for key in ref}
+    err["_min_owned"] = int(least)
     return err
 
 
-def _errors(gathered, grads, losses, ref_out, ref_outs, ref_dx, ref_layers, ref_losses) -> dict:
-    """``parity``'s relative errors on rank 0: ``gathered`` = [stack output, each layer's output, input grad]."""
-    err = {"out": _rel(gathered[0], ref_out)}
-    for i, (y, yr) in enumerate(zip(gathered[1:-1], ref_outs)):
-        err[f"out{i}"] = _rel(y, yr)
-    err["dx"] = _rel(gathered[-1], ref_dx)
-    for grad, (name, pr) in zip(grads, ref_layers.named_parameters()):
-        err[f"grad:{name}"] = _rel(grad, pr.grad)
-    for i, (tot, lr) in enumerate(zip(losses, ref_losses)):
-        assert (tot is None) == (lr is None), f"layer {i}: CP and the reference disagree on having an indexer loss"
-        if lr is not None:
-            err[f"loss{i}"] = _rel(tot, lr)
-    return err
+def _named(out, outs, dx, grads, losses) -> dict:
+    """``parity``'s results by name: the stack output, each layer's output, the input grad, each parameter's grad
+    (``grads``: (name, grad or None) pairs) and each indexer loss a layer has."""
+    named = {"out": out, "dx": dx, **{f"out{i}": y for i, y in enumerate(outs)}}
+    named.update({f"grad:{name}": g for name, g in grads})
+    named.update({f"loss{i}": loss for i, loss in enumerate(losses) if loss is not None})
+    return named
 
 
 def memory_probe(group, num_rows: int) -> dict:

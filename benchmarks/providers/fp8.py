@@ -34,18 +34,16 @@ QUANT = dict(rows=16384, cols=4096, seed=0)
 
 
 def _quantized(shape: tuple[int, ...], device, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random bf16 weight (fan-in scaled) quantized to e4m3 per 128x128 block (what a release holds)."""
-    from csattn.ops.fp8 import FP8_MAX
+    """A random bf16 weight (fan-in scaled) quantized to e4m3 per 128x128 block with fp32 scales (what a release
+    holds), one matrix at a time: fp32 copies of all 256 experts at once would take 16 GiB."""
+    from csattn.models.deepseek_v4.release import quantize_fp8_blocks
 
     *lead, n, k = shape
     w = torch.randn(*shape, device=device, generator=gen, dtype=torch.bfloat16) * k ** -0.5
-    blocks = w.view(-1, n // 128, 128, k // 128, 128)
-    q = torch.empty(blocks.shape, device=device, dtype=torch.float8_e4m3fn)
-    s = torch.empty(blocks.shape[0], n // 128, k // 128, device=device)
-    for i in range(0, blocks.shape[0], 8):  # 8 matrices at a time: fp32 copies of all 256 experts take 16 GiB
-        part = blocks[i:i + 8].float()
-        s[i:i + 8] = (part.abs().amax(dim=(2, 4)) / FP8_MAX).clamp_min(1e-12)
-        q[i:i + 8] = (part / s[i:i + 8, :, None, :, None]).to(torch.float8_e4m3fn)
+    q = torch.empty(shape, device=device, dtype=torch.float8_e4m3fn).view(-1, n, k)
+    s = torch.empty(q.shape[0], n // 128, k // 128, device=device)
+    for i, matrix in enumerate(w.view(-1, n, k)):
+        q[i], s[i] = quantize_fp8_blocks(matrix, scale_kind="fp32")
     return q.view(shape), s.view(*lead, n // 128, k // 128)
 
 
