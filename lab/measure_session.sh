@@ -1,29 +1,30 @@
 #!/usr/bin/env bash
 # One device call, in order of worth:
+# 0. LoRA's kernel unit test (it failed on an H100 at 506d052; a minute at most);
 # 1. the frozen MoE, then (d) / (a) / (c) at 16k on the slice (lab/finetune_moe_session.sh, records in $OUT; (d)
 #    first: (a) and (c) run LoRA's MoE kernels on a GPU for the first time, and a fault would end the process's CUDA
 #    context and with it the cases after);
 # 2. the FP8 ops' GPU tests that depend on neither SWAP nor INPLACE (the Gluon kernel with LoRA's term among them);
-# 3. LoRA's kernel unit test, its assertion in full;
-# 4. (a) at 16k with LoRA's term in the FP8 kernel, if its tests passed (lab/finetune_variant.py);
-# 5. the MoE with LoRA unfused / fused (lab.probes.moe_lora_fused);
-# 6. in the time left, where SWAP faults (lab.probes.fp8_swap_fault) and, for the first case that faults, where in
+# 3. (a) at 16k with LoRA's term in the FP8 kernel, if its tests passed (lab/finetune_variant.py);
+# 4. the MoE with LoRA unfused / fused (lab.probes.moe_lora_fused);
+# 5. in the time left, where SWAP faults (lab.probes.fp8_swap_fault) and, for the first case that faults, where in
 #    the kernel (lab/swap_locate.sh).
-#   LIMIT=<s> COMMIT=<sha> bash lab/measure_session.sh
+#   LIMIT=<s> COMMIT=<sha> [CASES="a:16384;c:16384" on an H100, which cannot hold (d)] bash lab/measure_session.sh
 set -u
 OUT=${OUT:-/tmp/measure}; mkdir -p "$OUT"; START=$SECONDS; LIMIT=${LIMIT:-570}; rm -f /tmp/swap_cases.txt
 left() { echo $((LIMIT - (SECONDS - START) - ${1:-0})); }
-STEPS_TIMEOUT=$(left 260) CASES="d:16384;a:16384;c:16384" OUT="$OUT" COMMIT="${COMMIT:-unknown}" \
+. "$(dirname "$0")/device_env.sh" > /dev/null
+# LoRA's kernel unit test with its assertion's detail (it failed on an H100 at 506d052, cut off before -rA printed)
+timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/ops/test_lora_kernels_gpu.py -k test_kernels_vs_fp64 \
+  > "$OUT/lora_kernels_test.txt" 2>&1; grep -E "^E |assert|passed|failed" "$OUT/lora_kernels_test.txt" | head -20
+echo "[lora test] $((SECONDS - START)) s"
+STEPS_TIMEOUT=$(left 260) CASES="${CASES:-d:16384;a:16384;c:16384}" OUT="$OUT" COMMIT="${COMMIT:-unknown}" \
   bash "$(dirname "$0")/finetune_moe_session.sh" 2>&1
 . "$(dirname "$0")/device_env.sh" > /dev/null
 timeout "$(left 200)" python3 -m pytest -q -s -rA -p no:cacheprovider -k "not swap and not inplace" \
   tests/ops/test_fp8_gpu.py > "$OUT/gpu_tests.txt" 2>&1
 grep -E "gluon|moe lora|passed|failed|Error|assert" "$OUT/gpu_tests.txt" | tail -24
 echo "[tests] $((SECONDS - START)) s"
-# LoRA's kernel unit test with its assertion's detail (it failed on an H100 at 506d052, cut off before -rA printed)
-timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/ops/test_lora_kernels_gpu.py -k test_kernels_vs_fp64 \
-  > "$OUT/lora_kernels_test.txt" 2>&1; grep -E "^E |assert|passed|failed" "$OUT/lora_kernels_test.txt" | head -20
-echo "[lora test] $((SECONDS - START)) s"
 # (a) at 16k with LoRA's term in the FP8 kernel, if its GPU tests all passed above (lab/finetune_variant.py; its own
 # JSON). INPLACE is left out: on an H100 at 506d052 it gave the frozen MoE nothing (19.68-19.90 ms against 19.72).
 passed() { [ "$(grep -c "^PASSED .*$1" "$OUT/gpu_tests.txt")" -eq "$2" ] && ! grep -q "^FAILED .*$1" "$OUT/gpu_tests.txt"; }
