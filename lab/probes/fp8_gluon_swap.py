@@ -1,7 +1,7 @@
 """The Gluon FP8 kernel's input gradient two ways at the MoE shapes (256 experts top-6, 16k tokens, D 4096, I 2048):
 the producer transposing each weight tile in shared memory (the default) and ``SWAP`` (``W_e^T dY^T``, the weight's
 operand read transposed into registers by ``ldmatrix``, ``csattn.ops.fp8.gluon.SWAP_SETTINGS``; also with the
-activation's scales read from global memory, and with 6 stages), beside the
+activation's scales read from global memory; also with 6 stages), beside the
 forward GEMM of the same size and bf16 ``grouped_mm``; then the frozen-expert MoE (forward + input gradient) with
 bf16 experts and FP8 experts both ways. Each SWAP output against the default's (fp32 outputs: the two sum the
 same products in another order). Run on an H200: python -m lab.probes.fp8_gluon_swap"""
@@ -14,8 +14,9 @@ from csattn.ops.fp8.naive import fp8_grouped_mm_quantized
 from lab.probes.gluon_forms import compare_moe, time_gemms
 from tests.helpers import rel_err
 
-VARIANTS = {"": fp8_gluon.SWAP_SETTINGS, "(global scales)": {**fp8_gluon.SWAP_SETTINGS, "SCALES_TMA": False},
-            "(6 stages)": {**fp8_gluon.SWAP_SETTINGS, "STAGES": 6}}
+# the scales by TMA (SCALES_TMA) are left out: they fault where a group starts at a row that is not a multiple of 4,
+# as every group here but the first may (lab.probes.fp8_swap_fault)
+VARIANTS = {"": fp8_gluon.SWAP_SETTINGS, "(6 stages)": {**fp8_gluon.SWAP_SETTINGS, "STAGES": 6}}
 
 
 def diagnose() -> bool:
