@@ -328,8 +328,8 @@ def _composed_moe(x, w, ids, dout, gu, dn, e, lora):
     dh = fp8_grouped_mm(dy, *dn, offs, trans=True, low_rank=term(dy, 1, False))
     # with LoRA the op's SwiGLU backward writes all three (dgu, its quantized tiles, h for LoRA's a gradient): run
     # that variant here too, since another variant of the kernel may sum dw's fp32 products in another order (on an
-    # H100 at e80df6b dweights differed by 3.6e-09), which is not what this test is about. The GEMM below still
-    # quantizes the bf16 dgu itself.
+    # H100 at e80df6b dweights differed by 3.6e-09 with the two-output variant; equal with this one at dd6a62d),
+    # which is not what this test is about. The GEMM below still quantizes the bf16 dgu itself.
     quantized = Fp8Rows.empty(*gup.shape, gup.device) if lora else None
     dgu, _, dw = swiglu_bwd_triton(gup, ws, dh, LIMIT, fp8_out=quantized)
     dxp = fp8_grouped_mm(dgu, *gu, offs, trans=True, low_rank=term(dgu, 0, False))
