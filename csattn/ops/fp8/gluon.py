@@ -310,7 +310,8 @@ def launch_settings(trans: bool) -> dict:
 
 # the input gradient's SWAP form (no transposition), the activation's scales by global loads: copied by TMA with each
 # stage (SCALES_TMA) it faults ("illegal instruction") wherever a group starts at a row that is not a multiple of 4
-# (the box then starts off 16 bytes); with global loads every case of lab.probes.fp8_swap_fault ran (H100, e80df6b)
+# (the box's start then off 16 bytes, the one difference found; the cause itself is not pinned down); with global
+# loads every case of lab.probes.fp8_swap_fault ran (H100, e80df6b)
 SWAP_SETTINGS = dict(MATH_REGS=232, PRODUCER_REGS=40, SWAP=True, SCALES_TMA=False)
 
 
