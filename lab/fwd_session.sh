@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Device call (sm_90): the Gluon FP8 forward by stage count and tile order at the MoE's shapes, and on one dense group
+# beside cuBLAS's blockwise _scaled_mm and bf16 mm (lab.probes.fp8_gluon_fwd). In $OUT.
+#   COMMIT=<sha> bash lab/fwd_session.sh
+set -u
+OUT=${OUT:-/tmp/fwd}; mkdir -p "$OUT"; START=$SECONDS
+. "$(dirname "$0")/device_env.sh"
+timeout 200 python3 -m lab.probes.fp8_gluon_fwd > "$OUT/fwd_probe.txt" 2>&1; cat "$OUT/fwd_probe.txt" | grep -v Warning
+echo "[session] $((SECONDS - START)) s"
