@@ -19,11 +19,14 @@ import csattn.ops.fp8.gluon as fp8_gluon
 from benchmarks.providers.fp8 import GROUPED, _quantized, _routed
 from csattn.ops.fp8 import quantize_1x128
 
-VARIANTS = {"STAGES 5": dict(STAGES=5), "STAGES 6": dict(STAGES=6), "GROUP_M 4": dict(GROUP_M=4),
-            "GROUP_M 16": dict(GROUP_M=16), "STAGES 6, GROUP_M 16": dict(STAGES=6, GROUP_M=16)}
+# at 9f38fc4 (H100) 5 / 6 stages and GROUP_M 4 / 16 were slower at the MoE's shapes; SIMPLE: one product in flight
+# a math warpgroup, waited for before its promotion (DeepGEMM's SM90 loop), against two
+VARIANTS = {"SIMPLE": dict(SIMPLE=True), "SIMPLE, STAGES 6": dict(SIMPLE=True, STAGES=6), "STAGES 6": dict(STAGES=6)}
+TRANS_VARIANTS = {"SIMPLE": dict(SIMPLE=True)}
 
 
 def _bench(name: str, way: str, call, flop: float) -> None:
+    """Time ``call`` and print its ms and TFLOP/s (or why it failed)."""
     try:
         ms = triton.testing.do_bench(call, warmup=10, rep=60)
     except Exception as err:  # a variant that does not build or launch: say so, go on
@@ -51,6 +54,13 @@ def grouped() -> None:
                 continue
             print(f"{name:8s} {way:28s} equal to default {torch.equal(got, base)}", flush=True)
             _bench(name, way, partial(mm, qx, sx, q, s, plan.offs, False, settings=settings), 2.0 * m * n_w * k_w)
+        qa, sa = quantize_1x128(torch.randn(m, n_w, device=dev, generator=gen, dtype=torch.bfloat16))
+        base = mm(qa, sa, q, s, plan.offs, True, out_dtype=torch.float32)
+        for way, settings in {"default": None, **TRANS_VARIANTS}.items():
+            got = mm(qa, sa, q, s, plan.offs, True, out_dtype=torch.float32, settings=settings)
+            print(f"{name:8s} input grad {way:17s} equal to default {torch.equal(got, base)}", flush=True)
+            _bench(name, f"input grad {way}", partial(mm, qa, sa, q, s, plan.offs, True, settings=settings),
+                   2.0 * m * n_w * k_w)
         del q, s
 
 
@@ -68,8 +78,9 @@ def dense() -> None:
         flop = 2.0 * m * n * k
         tag = f"{m}x{n}x{k}"
         _bench(name, f"{tag} gluon", partial(fp8_gluon.grouped_mm_gluon, qx, sx, q, s, offs, False), flop)
-        _bench(name, f"{tag} gluon STAGES 6", partial(fp8_gluon.grouped_mm_gluon, qx, sx, q, s, offs, False,
-                                                      settings=dict(STAGES=6)), flop)
+        for way, settings in VARIANTS.items():
+            _bench(name, f"{tag} gluon {way}", partial(fp8_gluon.grouped_mm_gluon, qx, sx, q, s, offs, False,
+                                                       settings=settings), flop)
         _bench(name, f"{tag} cuBLAS _scaled_mm", partial(torch._scaled_mm, qt, q[0].t(), scale_a=st,
                                                          scale_b=s[0].t(), out_dtype=torch.bfloat16), flop)
         _bench(name, f"{tag} bf16 mm", partial(torch.mm, x, wb.t()), flop)

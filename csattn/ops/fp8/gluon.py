@@ -168,8 +168,9 @@ def _store(out, acc, rows, rmask, pid_n, N, stride_om):
 @gluon.jit
 def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
           stride_sbn, stride_om, smem, low_rank, HALF: gl.constexpr, TRANS: gl.constexpr, E_P2: gl.constexpr,
-          GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr):
-    """Math warpgroup ``HALF``: rows ``[64 HALF, 64 HALF + 64)`` of each tile."""
+          GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr, SIMPLE: gl.constexpr):
+    """Math warpgroup ``HALF``: rows ``[64 HALF, 64 HALF + 64)`` of each tile. ``SIMPLE``: one product in flight
+    a warpgroup, waited for before its promotion (the other warpgroup's keeps the tensor cores busy meanwhile)."""
     ACC: gl.constexpr = acc_layout()
     ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
     a_smem, raw, bt, land, ready, empty, sa_smem = smem
@@ -191,7 +192,7 @@ def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_
             # its registers there and serialize the MMAs)
             # the low-rank term started in the accumulator: no second one at the end, where the registers are short
             acc, nt = _acc_start(low_rank, nt, zero, HALF, LOW_RANK)
-            for r in range(0, nk // 4):
+            for r in range(0, 0 if SIMPLE else nk // 4):
                 j = it + 4 * r
                 sc0 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r, stride_sak, stride_sbk)
                 t0 = _issue(a_smem, b_all, wait_on, zero, j, HALF, STAGES)
@@ -205,7 +206,7 @@ def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_
                 t3 = _issue(a_smem, b_all, wait_on, zero, j + 3, HALF, STAGES)
                 acc = _promote(acc, t2, sc2, empty, j + 2, 1, STAGES)
                 acc = _promote(acc, t3, sc3, empty, j + 3, 0, STAGES)
-            for kb in range(nk // 4 * 4, nk):
+            for kb in range(0 if SIMPLE else nk // 4 * 4, nk):
                 sc0 = _scales(sa_ptrs, sw_ptr, rmask, kb, stride_sak, stride_sbk)
                 t0 = _issue(a_smem, b_all, wait_on, zero, it + kb, HALF, STAGES)
                 acc = _promote(acc, t0, sc0, empty, it + kb, 0, STAGES)
@@ -221,7 +222,7 @@ def fp8_grouped_gluon_kernel(
     stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale, sa_desc,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False, SWAP: gl.constexpr = False,
-    SCALES_TMA: gl.constexpr = False, INPLACE: gl.constexpr = False,
+    SCALES_TMA: gl.constexpr = False, INPLACE: gl.constexpr = False, SIMPLE: gl.constexpr = False,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -276,10 +277,10 @@ def fp8_grouped_gluon_kernel(
         gl.warp_specialize([
             (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK)),
+                     LOW_RANK, SIMPLE)),
             (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK)),
+                     LOW_RANK, SIMPLE)),
             (_producer, (a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
                          E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SWAP, SCALES_TMA, INPLACE)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
@@ -302,10 +303,10 @@ def launch_settings(trans: bool) -> dict:
     of global loads; it faults where a group starts at a row that is not a multiple of 4 (see :data:`SWAP_SETTINGS`)."""
     if not trans:
         return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SWAP=False, SCALES_TMA=False,
-                    INPLACE=False)
+                    INPLACE=False, SIMPLE=False)
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
     return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SWAP=False, SCALES_TMA=False,
-                INPLACE=False)
+                INPLACE=False, SIMPLE=False)
 
 
 # the input gradient's SWAP form (no transposition), the activation's scales by global loads: copied by TMA with each
