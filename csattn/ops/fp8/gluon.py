@@ -306,7 +306,7 @@ def launch_settings(trans: bool) -> dict:
                     INPLACE=False, SIMPLE=False)
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
     return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SWAP=False, SCALES_TMA=False,
-                INPLACE=False, SIMPLE=False)
+                INPLACE=False, SIMPLE=True)
 
 
 # the input gradient's SWAP form (no transposition), the activation's scales by global loads: copied by TMA with each
