@@ -1,7 +1,7 @@
 """The Gluon FP8 grouped GEMM builds for sm_90 on any machine (no GPU): TMA copies, FP8 warpgroup MMAs (in the
-forward one product left running while the last is promoted, ``wait_group 1``), no register spills at its register split, and
-the transposition of the weight tile (``TRANS``) through 4-byte shared loads, byte permutes and 16-byte shared
-stores (the forward reads shared memory by TMA only)."""
+forward one product left running while the last is promoted, ``wait_group 1``), no register spills at its
+register split, and the transposition of the weight tile (``TRANS``) through 4-byte shared loads, byte permutes
+and 16-byte shared stores (the forward reads shared memory by TMA only)."""
 
 from __future__ import annotations
 
