@@ -20,7 +20,9 @@ from benchmarks.providers.fp8 import GROUPED, _quantized, _routed
 from csattn.ops.fp8 import quantize_1x128
 
 # at 9f38fc4 (H100) 5 / 6 stages and GROUP_M 4 / 16 were slower at the MoE's shapes; SIMPLE: one product in flight
-# a math warpgroup, waited for before its promotion (DeepGEMM's SM90 loop), against two
+# a math warpgroup, waited for before its promotion (DeepGEMM's SM90 loop), against two: slower in the forward,
+# faster in the input gradient (8648eae). "scales transposed": the activation's scales in the layout DeepGEMM asks
+# for (contiguous along the rows), which the kernel reads by strides
 VARIANTS = {"SIMPLE": dict(SIMPLE=True), "SIMPLE, STAGES 6": dict(SIMPLE=True, STAGES=6), "STAGES 6": dict(STAGES=6)}
 TRANS_VARIANTS = {"SIMPLE": dict(SIMPLE=True)}
 
@@ -43,8 +45,13 @@ def grouped() -> None:
     mm = fp8_gluon.grouped_mm_gluon
     for name, n_w, k_w in (("gate_up", 2 * inter, d), ("down", d, inter)):
         q, s = _quantized((e, n_w, k_w), dev, gen)
-        qx, sx = quantize_1x128(torch.randn(m, k_w, device=dev, generator=gen, dtype=torch.bfloat16))
+        x = torch.randn(m, k_w, device=dev, generator=gen, dtype=torch.bfloat16)
+        qx, sx = quantize_1x128(x)
+        sx_t = quantize_1x128(x, scale_t=True)[1]  # the scales' transposed layout: contiguous along a tile's rows
         base = mm(qx, sx, q, s, plan.offs, False, out_dtype=torch.float32)
+        got = mm(qx, sx_t, q, s, plan.offs, False, out_dtype=torch.float32)
+        print(f"{name:8s} scales transposed          equal to default {torch.equal(got, base)}", flush=True)
+        _bench(name, "scales transposed", partial(mm, qx, sx_t, q, s, plan.offs, False), 2.0 * m * n_w * k_w)
         for way, settings in {"default": None, **VARIANTS}.items():
             try:
                 got = mm(qx, sx, q, s, plan.offs, False, out_dtype=torch.float32, settings=settings)
@@ -54,8 +61,13 @@ def grouped() -> None:
                 continue
             print(f"{name:8s} {way:28s} equal to default {torch.equal(got, base)}", flush=True)
             _bench(name, way, partial(mm, qx, sx, q, s, plan.offs, False, settings=settings), 2.0 * m * n_w * k_w)
-        qa, sa = quantize_1x128(torch.randn(m, n_w, device=dev, generator=gen, dtype=torch.bfloat16))
+        dy = torch.randn(m, n_w, device=dev, generator=gen, dtype=torch.bfloat16)
+        qa, sa = quantize_1x128(dy)
+        sa_t = quantize_1x128(dy, scale_t=True)[1]
         base = mm(qa, sa, q, s, plan.offs, True, out_dtype=torch.float32)
+        got = mm(qa, sa_t, q, s, plan.offs, True, out_dtype=torch.float32)
+        print(f"{name:8s} input grad scales transposed equal to default {torch.equal(got, base)}", flush=True)
+        _bench(name, "input grad scales transposed", partial(mm, qa, sa_t, q, s, plan.offs, True), 2.0 * m * n_w * k_w)
         for way, settings in {"default": None, **TRANS_VARIANTS}.items():
             got = mm(qa, sa, q, s, plan.offs, True, out_dtype=torch.float32, settings=settings)
             print(f"{name:8s} input grad {way:17s} equal to default {torch.equal(got, base)}", flush=True)
@@ -78,6 +90,8 @@ def dense() -> None:
         flop = 2.0 * m * n * k
         tag = f"{m}x{n}x{k}"
         _bench(name, f"{tag} gluon", partial(fp8_gluon.grouped_mm_gluon, qx, sx, q, s, offs, False), flop)
+        _bench(name, f"{tag} gluon scales transposed", partial(fp8_gluon.grouped_mm_gluon, qt, st, q, s, offs, False),
+               flop)
         for way, settings in VARIANTS.items():
             _bench(name, f"{tag} gluon {way}", partial(fp8_gluon.grouped_mm_gluon, qx, sx, q, s, offs, False,
                                                        settings=settings), flop)

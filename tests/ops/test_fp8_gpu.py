@@ -146,6 +146,10 @@ def _gluon_grouped_case(case: str, way: str) -> None:
     out32 = torch.full(out.shape, float("nan"), device="cuda")
     grouped_mm_gluon(qa, sa, q, s, offs, trans, out=out32, settings=settings)
     again = grouped_mm_gluon(qa, sa, q, s, offs, trans, out_dtype=torch.float32, settings=settings)
+    # the scales in the transposed layout (the kernel reads them by strides): the same bits
+    sa_t = quantize_1x128(a, scale_t=True)[1]
+    assert sa_t.stride(0) == 1 and torch.equal(sa_t, sa)
+    assert torch.equal(grouped_mm_gluon(qa, sa_t, q, s, offs, trans, out_dtype=torch.float32, settings=settings), again)
     ad = qa.double() * sa.double().repeat_interleave(128, dim=-1)
     same = fp8_grouped_mm_quantized(ad, q, s, offs, trans, quantize_a=False)
     assert torch.isfinite(out).all() and (out[int(offs[-1]):] == 0).all()

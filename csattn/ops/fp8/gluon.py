@@ -336,14 +336,18 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     and its 1x128 scales; the weight's ``N`` and ``K`` multiples of 128 (``grouped.gluon_fits``). ``settings``:
     :func:`launch_settings` to override (measurements; :data:`SWAP_SETTINGS` for the input gradient without a
     transposition). ``low_rank``: ``(v [M, R], w [E, n_out, R], scale)``, one 16-bit
-    dtype, ``R`` = :data:`RANK`: ``scale * v[rows of e] @ w[e]^T`` is added to the output before its rounding."""
+    dtype, ``R`` = :data:`RANK`: ``scale * v[rows of e] @ w[e]^T`` is added to the output before its rounding.
+    ``a_scale`` ``[M, KC / 128]`` row-major, or the view of a ``[KC / 128, M]`` tensor (``quantize_1x128(...,
+    scale_t=True)``), whose loads along a tile's rows are contiguous."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     cfg = _settings(trans, settings)
     m, c = a.shape
     e, n_w, k_w = weight.shape
     n_out = k_w if trans else n_w
-    a, a_scale = a.contiguous(), a_scale.contiguous()
+    a = a.contiguous()
+    if 1 not in a_scale.stride():  # the kernel reads the scales by strides: row-major or its transposed view
+        a_scale = a_scale.contiguous()
     weight, scale = weight.contiguous(), scale.contiguous()
     if out is None:
         out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
