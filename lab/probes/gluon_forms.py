@@ -12,6 +12,7 @@ from unittest import mock
 
 import torch
 import triton
+from torch import Tensor
 
 import csattn.ops.fp8.gluon as fp8_gluon
 from benchmarks.providers.fp8 import GROUPED, _moe_case, _quantized, _routed
@@ -36,33 +37,40 @@ def input_grad_form(settings: dict | None) -> Iterator[None]:
         yield
 
 
+def moe_gemms(dev: torch.device) -> Iterator[tuple[str, Tensor, Tensor, Tensor, int, torch.Generator]]:
+    """The MoE's two GEMMs at ``GROUPED``'s shapes (routing by top-6 of Gaussian logits), one at a time: ``(name,
+    weight e4m3 [E, N, K], its scales, offs, rows M, generator)``."""
+    ids, _, plan, e, _, gen = _routed(dict(GROUPED), dev)
+    d, inter = GROUPED["hidden"], GROUPED["inter"]
+    for name, n_w, k_w in (("gate_up", 2 * inter, d), ("down", d, inter)):
+        yield (name, *_quantized((e, n_w, k_w), dev, gen), plan.offs, ids.numel(), gen)
+
+
 def time_gemms(forms: dict[str, dict]) -> None:
     """Each of the MoE's two GEMMs: the forward, the input gradient by default and in each of ``forms`` (name ->
     settings), and bf16 ``grouped_mm``, timed; each form's fp32 output against the default's (relative error, and
     whether equal bit for bit), the default's against bf16."""
     dev = torch.device("cuda")
-    ids, _, plan, e, k, gen = _routed(dict(GROUPED), dev)
-    m, d, inter = ids.numel(), GROUPED["hidden"], GROUPED["inter"]
     mm = fp8_gluon.grouped_mm_gluon
-    for name, n_w, k_w in (("gate_up", 2 * inter, d), ("down", d, inter)):
-        q, s = _quantized((e, n_w, k_w), dev, gen)
+    for name, q, s, offs, m, gen in moe_gemms(dev):
+        e, n_w, k_w = q.shape
         dy = torch.randn(m, n_w, device=dev, generator=gen, dtype=torch.bfloat16)
         qa, sa = quantize_1x128(dy)
         qx, sx = quantize_1x128(torch.randn(m, k_w, device=dev, generator=gen, dtype=torch.bfloat16))
         wb = torch.stack([dequantize(q[i], s[i], torch.bfloat16) for i in range(e)])
-        base = mm(qa, sa, q, s, plan.offs, True, out_dtype=torch.float32)
-        ref = torch.nn.functional.grouped_mm(dy, wb, offs=plan.offs).float()
+        base = mm(qa, sa, q, s, offs, True, out_dtype=torch.float32)
+        ref = torch.nn.functional.grouped_mm(dy, wb, offs=offs).float()
         print(f"{name:8s} default vs bf16 {rel_err(base, ref):.2e}", flush=True)
         for form, settings in forms.items():
-            got = mm(qa, sa, q, s, plan.offs, True, out_dtype=torch.float32, settings=settings)
+            got = mm(qa, sa, q, s, offs, True, out_dtype=torch.float32, settings=settings)
             torch.cuda.synchronize()
             print(f"{name:8s} {form} vs default: {rel_err(got, base):.2e}, equal {torch.equal(got, base)}, finite "
                   f"{bool(torch.isfinite(got).all())}", flush=True)
-        ways = {"fwd (reference)": partial(mm, qx, sx, q, s, plan.offs, False),
-                "input grad, default": partial(mm, qa, sa, q, s, plan.offs, True),
-                **{f"input grad, {form}": partial(mm, qa, sa, q, s, plan.offs, True, settings=settings)
+        ways = {"fwd (reference)": partial(mm, qx, sx, q, s, offs, False),
+                "input grad, default": partial(mm, qa, sa, q, s, offs, True),
+                **{f"input grad, {form}": partial(mm, qa, sa, q, s, offs, True, settings=settings)
                    for form, settings in forms.items()},
-                "input grad, bf16 grouped_mm": partial(torch.nn.functional.grouped_mm, dy, wb, offs=plan.offs)}
+                "input grad, bf16 grouped_mm": partial(torch.nn.functional.grouped_mm, dy, wb, offs=offs)}
         for way, call in ways.items():
             ms = triton.testing.do_bench(call, warmup=10, rep=60)
             print(f"{name:8s} {way:36s} {ms:7.3f} ms {2 * m * n_w * k_w / ms / 1e9:6.1f} TFLOP/s", flush=True)
