@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device call (sm_90): the Gluon FP8 kernel by way (settings, the scales' layout) at the MoE's shapes, and on one
-# dense group beside cuBLAS's blockwise _scaled_mm and bf16 mm (lab.probes.fp8_gluon_fwd), then the pipeline's ceiling without the
-# promotion (lab.probes.fp8_gluon_ceiling), after the grouped kernel's GPU tests (the activation's scales in both layouts). In $OUT.
+# dense group beside cuBLAS's blockwise _scaled_mm and bf16 mm (lab.probes.fp8_gluon_fwd); then the pipeline's
+# ceiling without the promotion (lab.probes.fp8_gluon_ceiling); after the grouped kernel's GPU tests (the
+# activation's scales in both layouts). In $OUT.
 #   COMMIT=<sha> bash lab/fwd_session.sh
 set -u
 OUT=${OUT:-/tmp/fwd}; mkdir -p "$OUT"; START=$SECONDS

@@ -22,7 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from csattn.ops.backend import sm_count
-from csattn.ops.fp8.gluon import _issue, _LOWER, _producer, _promote, _store, _UPPER, launch_settings
+from csattn.ops.fp8.gluon import _LOWER, _UPPER, _issue, _producer, _promote, _store, launch_settings
 from csattn.ops.fp8.gluon_tiles import BK, BM, BN, _tile, acc_layout, group_table, tile_smem
 
 
