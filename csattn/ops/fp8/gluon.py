@@ -166,31 +166,11 @@ def _store(out, acc, rows, rmask, pid_n, N, stride_om):
 
 
 @gluon.jit
-def _pass_tile(wait_on, empty, low_rank, it, nt, nk, STAGES: gl.constexpr, LOW_RANK: gl.constexpr):
-    """A math warpgroup's turn on a tile whose rows for it all lie past the group's end (a group's last tile, at most
-    64 rows filled): no products and no stores. It still frees each stage, once the stage is ready, in step with
-    the other warpgroup (an arrival ahead of its turn would complete a stage's barrier for the other one's next
-    phase), and the tile's low-rank buffer. Returns the count of tiles that took the low-rank term."""
-    if LOW_RANK:
-        lr_land, lr_empty = low_rank[5], low_rank[6]
-        mbarrier.wait(lr_land.index(nt % 2), (nt // 2) & 1)
-        mbarrier.arrive(lr_empty.index(nt % 2), count=1)
-        nt += 1
-    for kb in range(nk):
-        s = (it + kb) % STAGES
-        mbarrier.wait(wait_on.index(s), ((it + kb) // STAGES) & 1)
-        mbarrier.arrive(empty.index(s), count=1)
-    return nt
-
-
-@gluon.jit
 def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
           stride_sbn, stride_om, smem, low_rank, HALF: gl.constexpr, TRANS: gl.constexpr, E_P2: gl.constexpr,
-          GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr, SIMPLE: gl.constexpr,
-          PASS: gl.constexpr):
+          GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr, SIMPLE: gl.constexpr):
     """Math warpgroup ``HALF``: rows ``[64 HALF, 64 HALF + 64)`` of each tile. ``SIMPLE``: one product in flight
-    a warpgroup, waited for before its promotion (the other warpgroup's keeps the tensor cores busy meanwhile).
-    ``PASS``: a warpgroup with no rows in the tile passes it (:func:`_pass_tile`)."""
+    a warpgroup, waited for before its promotion (the other warpgroup's keeps the tensor cores busy meanwhile)."""
     ACC: gl.constexpr = acc_layout()
     ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
     a_smem, raw, bt, land, ready, empty, sa_smem = smem
@@ -205,36 +185,33 @@ def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_
         rows = row0 + HALF * 64 + gl.arange(0, 64, layout=ROWS)
         rmask = rows < row_end
         if g < E:
-            if row0 + HALF * 64 < row_end or not PASS:
-                sa_ptrs = sa + rows.to(gl.int64) * stride_sam
-                sw_ptr = sw + g.to(gl.int64) * stride_swe + pid_n * stride_sbn
-                # Four steps a round, each in its own accumulator registers, the product of the next step started
-                # before the last one is added in; no product runs across the loop's back edge (ptxas would copy
-                # its registers there and serialize the MMAs)
-                # the low-rank term started in the accumulator: no second one at the end, where the registers are short
-                acc, nt = _acc_start(low_rank, nt, zero, HALF, LOW_RANK)
-                for r in range(0, 0 if SIMPLE else nk // 4):
-                    j = it + 4 * r
-                    sc0 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r, stride_sak, stride_sbk)
-                    t0 = _issue(a_smem, b_all, wait_on, zero, j, HALF, STAGES)
-                    sc1 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 1, stride_sak, stride_sbk)
-                    t1 = _issue(a_smem, b_all, wait_on, zero, j + 1, HALF, STAGES)
-                    acc = _promote(acc, t0, sc0, empty, j, 1, STAGES)
-                    sc2 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 2, stride_sak, stride_sbk)
-                    t2 = _issue(a_smem, b_all, wait_on, zero, j + 2, HALF, STAGES)
-                    acc = _promote(acc, t1, sc1, empty, j + 1, 1, STAGES)
-                    sc3 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 3, stride_sak, stride_sbk)
-                    t3 = _issue(a_smem, b_all, wait_on, zero, j + 3, HALF, STAGES)
-                    acc = _promote(acc, t2, sc2, empty, j + 2, 1, STAGES)
-                    acc = _promote(acc, t3, sc3, empty, j + 3, 0, STAGES)
-                for kb in range(0 if SIMPLE else nk // 4 * 4, nk):
-                    sc0 = _scales(sa_ptrs, sw_ptr, rmask, kb, stride_sak, stride_sbk)
-                    t0 = _issue(a_smem, b_all, wait_on, zero, it + kb, HALF, STAGES)
-                    acc = _promote(acc, t0, sc0, empty, it + kb, 0, STAGES)
-                _store(out, acc, rows, rmask, pid_n, N, stride_om)
-            else:  # this warpgroup's rows all past the group's end (its last tile, at most half filled)
-                nt = _pass_tile(wait_on, empty, low_rank, it, nt, nk, STAGES, LOW_RANK)
+            sa_ptrs = sa + rows.to(gl.int64) * stride_sam
+            sw_ptr = sw + g.to(gl.int64) * stride_swe + pid_n * stride_sbn
+            # Four steps a round, each in its own accumulator registers, the product of the next step started
+            # before the last one is added in; no product runs across the loop's back edge (ptxas would copy
+            # its registers there and serialize the MMAs)
+            # the low-rank term started in the accumulator: no second one at the end, where the registers are short
+            acc, nt = _acc_start(low_rank, nt, zero, HALF, LOW_RANK)
+            for r in range(0, 0 if SIMPLE else nk // 4):
+                j = it + 4 * r
+                sc0 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r, stride_sak, stride_sbk)
+                t0 = _issue(a_smem, b_all, wait_on, zero, j, HALF, STAGES)
+                sc1 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 1, stride_sak, stride_sbk)
+                t1 = _issue(a_smem, b_all, wait_on, zero, j + 1, HALF, STAGES)
+                acc = _promote(acc, t0, sc0, empty, j, 1, STAGES)
+                sc2 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 2, stride_sak, stride_sbk)
+                t2 = _issue(a_smem, b_all, wait_on, zero, j + 2, HALF, STAGES)
+                acc = _promote(acc, t1, sc1, empty, j + 1, 1, STAGES)
+                sc3 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 3, stride_sak, stride_sbk)
+                t3 = _issue(a_smem, b_all, wait_on, zero, j + 3, HALF, STAGES)
+                acc = _promote(acc, t2, sc2, empty, j + 2, 1, STAGES)
+                acc = _promote(acc, t3, sc3, empty, j + 3, 0, STAGES)
+            for kb in range(0 if SIMPLE else nk // 4 * 4, nk):
+                sc0 = _scales(sa_ptrs, sw_ptr, rmask, kb, stride_sak, stride_sbk)
+                t0 = _issue(a_smem, b_all, wait_on, zero, it + kb, HALF, STAGES)
+                acc = _promote(acc, t0, sc0, empty, it + kb, 0, STAGES)
             it += nk
+            _store(out, acc, rows, rmask, pid_n, N, stride_om)
         elif g == E:  # rows past offs[-1]
             _store(out, zero, rows, rmask, pid_n, N, stride_om)
 
@@ -246,7 +223,6 @@ def fp8_grouped_gluon_kernel(
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False, SWAP: gl.constexpr = False,
     SCALES_TMA: gl.constexpr = False, INPLACE: gl.constexpr = False, SIMPLE: gl.constexpr = False,
-    PASS: gl.constexpr = True,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -301,10 +277,10 @@ def fp8_grouped_gluon_kernel(
         gl.warp_specialize([
             (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, PASS)),
+                     LOW_RANK, SIMPLE)),
             (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, PASS)),
+                     LOW_RANK, SIMPLE)),
             (_producer, (a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
                          E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SWAP, SCALES_TMA, INPLACE)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
@@ -328,15 +304,13 @@ def launch_settings(trans: bool) -> dict:
     ``SIMPLE`` (the input gradient's default): a math warpgroup waits for each product before it promotes it, the
     other warpgroup's product running meanwhile; on an H100 at 8648eae the input gradients ran 3-8 % faster so
     (gate_up 6.31 / 6.18 ms against 6.55 / 6.37, down 3.16 / 3.19 against 3.44 / 3.38), the same bits; the forward
-    ran slower so (725 against 757 TFLOP/s at gate_up) and keeps a product running while the last is promoted.
-    ``PASS``: a math warpgroup whose 64 rows of a tile all lie past its group's end skips the tile's products (at 256
-    experts top-6 and 16k tokens, 115 of the 883 row tiles: 6.5 % of the MMAs)."""
+    ran slower so (725 against 757 TFLOP/s at gate_up) and keeps a product running while the last is promoted."""
     if not trans:
         return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SWAP=False, SCALES_TMA=False,
-                    INPLACE=False, SIMPLE=False, PASS=True)
+                    INPLACE=False, SIMPLE=False)
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
     return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SWAP=False, SCALES_TMA=False,
-                INPLACE=False, SIMPLE=True, PASS=True)
+                INPLACE=False, SIMPLE=True)
 
 
 # the input gradient's SWAP form (no transposition), the activation's scales by global loads: copied by TMA with each
