@@ -21,17 +21,17 @@ from tests.helpers import rel_err
 
 
 @contextmanager
-def input_grad_form(settings: dict | None) -> Iterator[None]:
-    """Within: the op's input-gradient kernel calls take ``settings`` over their launch settings (``None``: the
-    defaults). A lab switch: the library reads ``launch_settings`` per call and has no argument for a form that is
-    off by default."""
+def input_grad_form(settings: dict | None, fwd: bool = False) -> Iterator[None]:
+    """Within: the op's input-gradient kernel calls (``fwd``: and its forward's) take ``settings`` over their launch
+    settings (``None``: the defaults). A lab switch: the library reads ``launch_settings`` per call and has no
+    argument for a form that is off by default."""
     if not settings:
         yield
         return
     launch = fp8_gluon.launch_settings
 
     def formed(trans: bool) -> dict:
-        return {**launch(trans), **(settings if trans else {})}
+        return {**launch(trans), **(settings if trans or fwd else {})}
 
     with mock.patch.object(fp8_gluon, "launch_settings", formed):
         yield
@@ -76,9 +76,9 @@ def time_gemms(forms: dict[str, dict]) -> None:
             print(f"{name:8s} {way:36s} {ms:7.3f} ms {2 * m * n_w * k_w / ms / 1e9:6.1f} TFLOP/s", flush=True)
 
 
-def frozen_moe_ms(compute: str, settings: dict | None = None) -> float:
+def frozen_moe_ms(compute: str, settings: dict | None = None, fwd: bool = False) -> float:
     """The frozen-expert MoE (the benchmark's ``moe_frozen`` case) forward + input gradient, ms, with the input
-    gradient in the form ``settings`` (``None``: the default)."""
+    gradient (``fwd``: and the forward) in the form ``settings`` (``None``: the default)."""
     case = _moe_case(dict(GROUPED), torch.device("cuda"), torch.bfloat16, compute)
     out = case.forward()[0]
     dout = torch.randn_like(out)
@@ -86,14 +86,15 @@ def frozen_moe_ms(compute: str, settings: dict | None = None) -> float:
     def step():
         return torch.autograd.grad(case.forward()[0], case.leaves, dout)
 
-    with input_grad_form(settings):
+    with input_grad_form(settings, fwd):
         return triton.testing.do_bench(step, warmup=10, rep=60)
 
 
-def compare_moe(forms: dict[str, dict]) -> None:
-    """:func:`frozen_moe_ms` with bf16 experts, FP8 by default and FP8 in each of ``forms``."""
+def compare_moe(forms: dict[str, dict], fwd: bool = False) -> None:
+    """:func:`frozen_moe_ms` with bf16 experts, FP8 by default and FP8 in each of ``forms`` (``fwd``: the forward's
+    kernel calls too)."""
     bf16 = frozen_moe_ms("bf16")
     print(f"frozen MoE fwd + input grad: bf16 experts {bf16:.2f} ms", flush=True)
     for form, settings in {"default": None, **forms}.items():
-        ms = frozen_moe_ms("fp8", settings)
+        ms = frozen_moe_ms("fp8", settings, fwd)
         print(f"frozen MoE fwd + input grad: FP8, {form}: {ms:.2f} ms ({bf16 / ms:.2f}x bf16)", flush=True)

@@ -124,6 +124,15 @@ def _forms(way: str) -> dict | None:
     return {"swap": SWAP_SETTINGS, "inplace": inplace_settings()}.get(way)
 
 
+def _group_counts(e: int, most: int, g: torch.Generator) -> torch.Tensor:
+    """Rows of ``e`` groups, at most ``most`` each: two empty; where ``most`` allows, one whose last tile has 40 rows
+    (its lower math warpgroup's rows all past the group's end) and one whose last tile has 100."""
+    counts = torch.randint(0, most + 1, (e,), generator=g, device="cuda")
+    counts[0] = counts[e // 2] = 0
+    counts[1], counts[2] = min(most, 128 + 40), min(most, 100)
+    return counts
+
+
 def _gluon_grouped_case(case: str, way: str) -> None:
     trans = way != "fwd"
     e, n, k, most = GLUON_CASES[case]
@@ -135,8 +144,7 @@ def _gluon_grouped_case(case: str, way: str) -> None:
     from csattn.ops.fp8.gluon import grouped_mm_gluon
 
     settings = _forms(way)
-    counts = torch.randint(0, most + 1, (e,), generator=g, device="cuda")
-    counts[0] = counts[e // 2] = 0
+    counts = _group_counts(e, most, g)
     offs = counts.cumsum(0).to(torch.int32)
     m = int(offs[-1]) + 77  # rows past offs[-1]; M not a multiple of the 128-row tile
     a = torch.randn(m, n if trans else k, generator=g, device="cuda").bfloat16()
@@ -185,8 +193,7 @@ def _low_rank_case(case: str, trans: bool, rank: int, form: str = "default") -> 
     if not gluon_fits(torch.empty(1, device="cuda"), q):
         pytest.skip("the Gluon kernel runs on sm_90 only")
     n_out = k if trans else n
-    counts = torch.randint(0, most + 1, (e,), generator=g, device="cuda")
-    counts[0] = counts[e // 2] = 0
+    counts = _group_counts(e, most, g)
     offs = counts.cumsum(0).to(torch.int32)
     m = int(offs[-1]) + 77
     a = torch.randn(m, n if trans else k, generator=g, device="cuda").bfloat16()
