@@ -48,19 +48,6 @@ def _chain(a_smem, raw, land, empty, it, nk, HALF: gl.constexpr, STAGES: gl.cons
 
 
 @gluon.jit
-def _store_coalesced(out, acc, first_row, row_end, pid_n, N, stride_om):
-    """A math warpgroup's ``[64, BN]`` result through shared memory (a layout conversion) into 16-byte stores, a
-    warp's two rows whole: full 32-byte sectors, where the accumulator's layout writes 4 bytes a thread, half of
-    each sector (Nsight Compute at 0f10a59: 45 % of the kernel's global sectors excessive)."""
-    OUT: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    val = gl.convert_layout(acc.to(out.dtype.element_ty), OUT)
-    rows = first_row + gl.arange(0, 64, layout=gl.SliceLayout(1, OUT))
-    cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, OUT))
-    ptrs = out + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, val, mask=gl.expand_dims(rows < row_end, 1) & gl.expand_dims(cols < N, 0))
-
-
-@gluon.jit
 def _math_ceiling(sa, table, out, N, KC, E, tiles_m, tiles_n, stride_sam, stride_om, smem, HALF: gl.constexpr,
                   E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
                   EPI: gl.constexpr):
@@ -90,12 +77,9 @@ def _math_ceiling(sa, table, out, N, KC, E, tiles_m, tiles_n, stride_sam, stride
                     acc = _promote(acc, t2, sc, empty, j + 2, 1, STAGES)
                     acc = _promote(acc, t3, sc, empty, j + 3, 0, STAGES)
             it += nk
-            if EPI:
-                _store_coalesced(out, acc, row0 + HALF * 64, row_end, pid_n, N, stride_om)
-            else:
-                _store(out, acc, rows, rmask, pid_n, N, stride_om)
+            _store(out, acc, row0 + HALF * 64, row_end, pid_n, stride_om, EPI)
         elif g == E:
-            _store(out, zero, rows, rmask, pid_n, N, stride_om)
+            _store(out, zero, row0 + HALF * 64, row_end, pid_n, stride_om, EPI)
 
 
 @gluon.jit
@@ -127,7 +111,7 @@ def ceiling_mm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, off
                out: torch.Tensor | None = None, stages: int = 4, epi: bool = False) -> torch.Tensor:
     """The launch of :func:`ceiling_kernel` as ``grouped_mm_gluon`` launches the forward (``a`` e4m3 ``[M, K]``,
     ``weight`` e4m3 ``[E, N, K]``); ``stages`` in the ring, ``epi``: the result through shared memory
-    (:func:`_store_coalesced`)."""
+    (``_store``'s ``COALESCED``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     cfg = launch_settings(False)

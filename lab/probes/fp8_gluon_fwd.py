@@ -28,9 +28,12 @@ from lab.probes.gluon_forms import compare_moe, moe_gemms
 # against 6.32 ms, 3.17 against 3.40; at 9c9c651 6.30 against 6.40, 3.36 against 3.28). At 9c9c651 a math
 # warpgroup passing a tile it has no rows in (PASS, 6.5 % of the MoE's MMAs; the same SASS in the loop) made the
 # forward slower, gate_up 5.00 against 4.46 ms: the warpgroups out of step hold the ring's stages longer; removed.
+# "direct stores": the result from the accumulator's layout, 4 bytes a thread (COALESCED off; the default up to
+# d5940f4).
 WAYS = {"default": (False, None), "scales transposed": (True, None), "SIMPLE": (False, dict(SIMPLE=True)),
-        "STAGES 6": (False, dict(STAGES=6))}
-TRANS_WAYS = {"default": (False, None), "scales transposed": (True, None)}
+        "STAGES 6": (False, dict(STAGES=6)), "direct stores": (False, dict(COALESCED=False))}
+TRANS_WAYS = {"default": (False, None), "scales transposed": (True, None),
+              "direct stores": (False, dict(COALESCED=False))}
 
 
 def _bench(name: str, way: str, call, flop: float) -> None:
@@ -95,4 +98,5 @@ def dense() -> None:
 if __name__ == "__main__":
     grouped()
     dense()
-    compare_moe({}, fwd=True)  # the frozen MoE's forward + input gradient
+    for _ in range(2):  # the frozen MoE's forward + input gradient, the result stored directly in both directions
+        compare_moe({"direct stores": dict(COALESCED=False)}, fwd=True)

@@ -1,7 +1,8 @@
 """The Gluon FP8 grouped GEMM builds for sm_90 on any machine (no GPU): TMA copies, FP8 warpgroup MMAs (in the
 forward one product left running while the last is promoted, ``wait_group 1``), no register spills at its
 register split, and the transposition of the weight tile (``TRANS``) through 4-byte shared loads, byte permutes
-and 16-byte shared stores (the forward reads shared memory by TMA only)."""
+and 16-byte shared stores (the forward copies its tiles by TMA only), and the result through shared memory into
+16-byte global stores."""
 
 from __future__ import annotations
 
@@ -62,11 +63,18 @@ print(json.dumps({**info, "serialized": any(c in info["ptxas"] for c in ("C7514"
                   "ldmatrix_trans": len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16", ptx)),
                   "loads_b8": len(re.findall(r"ld\.shared\.(?:b8|u8)", ptx)),
                   "global_stores_b32": len(re.findall(r"st\.global\.b32", ptx)),
+                  "global_stores_v4": len(re.findall(r"st\.global\.v4\.b32", ptx)),
                   "shared_loads_v2": len(re.findall(r"ld\.shared\.v2\.(?:b32|f32)", ptx)),
                   "stores_v4": len(re.findall(r"st\.shared\.v4", ptx)),
                   "mbarrier_inits": len(re.findall(r"mbarrier\.init", ptx)),
                   "shared": kernel.metadata.shared}))
 """
+
+
+# the result through shared memory (COALESCED): [64, 128] bf16 a math warpgroup, 16 KB, 128 bytes a thread: eight
+# 16-byte shared stores, then eight 16-byte global stores, at two sites (the result, the zero rows past offs[-1]), in
+# each of the two math warpgroups
+_EPILOGUE = 2 * 2 * 8
 
 
 def _waits(trans: bool) -> list[str]:
@@ -88,8 +96,10 @@ def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
     mmas = [["m64n128k16", "bf16"], ["m64n128k32", "e4m3"]] if low_rank else [["m64n128k32", "e4m3"]]
     assert info["wgmma"] == mmas and info["wait_group"] == _waits(trans) and info["tma"]
     # the transposition: a stage's weight tile is 16 KB, 128 bytes a producer thread: 32 4-byte loads, 8 16-byte
-    # stores, in the loop and again in the drain after it (the forward moves its tiles by TMA only)
-    assert (info["loads_b32"], info["stores_v4"]) == ((64, 16) if trans else (0, 0))
+    # stores, in the loop and again in the drain after it (the forward moves its tiles by TMA only); beside them
+    # the epilogue's (_EPILOGUE)
+    assert (info["loads_b32"], info["stores_v4"]) == ((64, 16 + _EPILOGUE) if trans else (0, _EPILOGUE))
+    assert (info["global_stores_v4"], info["global_stores_b32"]) == (_EPILOGUE, 0)
     assert info["shared"] <= 227 * 1024
     # the ring's barriers (landed, free; ready once transposed where it transposes) and the low-rank term's two
     # pairs: none made and left unused (the allocator would give a dead barrier's bytes to a later buffer)
@@ -113,9 +123,10 @@ def test_gluon_fp8_input_gradient_inplace_builds_for_sm90(low_rank):
     assert info["spill_stores"] == 0 or triton_version() > (3, 6), info["ptxas"]
     mmas = [["m64n128k16", "bf16"], ["m64n128k32", "e4m3"]] if low_rank else [["m64n128k32", "e4m3"]]
     assert info["wgmma"] == mmas and info["wait_group"] == _waits(True) and info["tma"]
-    assert (info["loads_b32"], info["stores_v4"]) == (64, 16)
+    assert (info["loads_b32"], info["stores_v4"]) == (64, 16 + _EPILOGUE)
     stages = inplace_settings()["STAGES"]
-    assert stages * 32 * 1024 <= info["shared"] <= (stages * 32 + (16 if low_rank else 0) + 1) * 1024
+    # the stages, the low-rank term's buffers, the epilogue's 8 KB a math warpgroup
+    assert stages * 32 * 1024 <= info["shared"] <= (stages * 32 + (16 if low_rank else 0) + 16 + 1) * 1024
     assert info["mbarrier_inits"] == 3 * stages + (4 if low_rank else 0)
 
 

@@ -158,19 +158,33 @@ def _promote(acc, tok, sc, empty, j, PENDING: gl.constexpr, STAGES: gl.constexpr
 
 
 @gluon.jit
-def _store(out, acc, rows, rmask, pid_n, N, stride_om):
-    """A math warpgroup's ``[64, BN]`` result into ``out`` (its pointers made here, not held through the loop)."""
-    cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc.type.layout))
+def _store(out, acc, first_row, row_end, pid_n, stride_om, COALESCED: gl.constexpr):
+    """A math warpgroup's ``[64, BN]`` result, rows ``first_row + [0, 64)`` below ``row_end``, into ``out`` (its
+    pointers made here, not held through the loop).
+    ``COALESCED``: through shared memory (a layout conversion, 8 KB a warpgroup at a time) into 16-byte stores that
+    fill whole 32-byte sectors, a warp's two rows at once; the accumulator's own layout stores 4 bytes a thread, half
+    of each sector (Nsight Compute on an H100 at 0f10a59: 45 % of the forward's global sectors excess)."""
+    if COALESCED:
+        OUT: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        val = gl.convert_layout(acc.to(out.dtype.element_ty), OUT)
+    else:
+        val = acc.to(out.dtype.element_ty)
+    rows = first_row + gl.arange(0, 64, layout=gl.SliceLayout(1, val.type.layout))
+    cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, val.type.layout))
     ptrs = out + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, acc.to(out.dtype.element_ty), mask=gl.expand_dims(rmask, 1) & gl.expand_dims(cols < N, 0))
+    # no bound on the columns: the output's are a multiple of the tile's (the launcher checks), and a mask that could
+    # change at any column would split the 16-byte stores into 2-byte ones
+    gl.store(ptrs, val, mask=gl.expand_dims(rows < row_end, 1) & gl.expand_dims(cols >= 0, 0))
 
 
 @gluon.jit
-def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
+def _math(sa, sw, table, out, M, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
           stride_sbn, stride_om, smem, low_rank, HALF: gl.constexpr, TRANS: gl.constexpr, E_P2: gl.constexpr,
-          GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr, SIMPLE: gl.constexpr):
+          GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr, SIMPLE: gl.constexpr,
+          COALESCED: gl.constexpr):
     """Math warpgroup ``HALF``: rows ``[64 HALF, 64 HALF + 64)`` of each tile. ``SIMPLE``: one product in flight
-    a warpgroup, waited for before its promotion (the other warpgroup's keeps the tensor cores busy meanwhile)."""
+    a warpgroup, waited for before its promotion (the other warpgroup's keeps the tensor cores busy meanwhile).
+    ``COALESCED``: the result stored through shared memory (:func:`_store`)."""
     ACC: gl.constexpr = acc_layout()
     ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
     a_smem, raw, bt, land, ready, empty, sa_smem = smem
@@ -211,9 +225,9 @@ def _math(sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_
                 t0 = _issue(a_smem, b_all, wait_on, zero, it + kb, HALF, STAGES)
                 acc = _promote(acc, t0, sc0, empty, it + kb, 0, STAGES)
             it += nk
-            _store(out, acc, rows, rmask, pid_n, N, stride_om)
+            _store(out, acc, row0 + HALF * 64, row_end, pid_n, stride_om, COALESCED)
         elif g == E:  # rows past offs[-1]
-            _store(out, zero, rows, rmask, pid_n, N, stride_om)
+            _store(out, zero, row0 + HALF * 64, row_end, pid_n, stride_om, COALESCED)
 
 
 @gluon.jit
@@ -223,6 +237,7 @@ def fp8_grouped_gluon_kernel(
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False, SWAP: gl.constexpr = False,
     SCALES_TMA: gl.constexpr = False, INPLACE: gl.constexpr = False, SIMPLE: gl.constexpr = False,
+    COALESCED: gl.constexpr = True,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -275,12 +290,12 @@ def fp8_grouped_gluon_kernel(
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+            (_math, (sa, sw, table, out, M, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE)),
-            (_math, (sa, sw, table, out, M, N, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                     LOW_RANK, SIMPLE, COALESCED)),
+            (_math, (sa, sw, table, out, M, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE)),
+                     LOW_RANK, SIMPLE, COALESCED)),
             (_producer, (a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
                          E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SWAP, SCALES_TMA, INPLACE)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
@@ -304,13 +319,16 @@ def launch_settings(trans: bool) -> dict:
     ``SIMPLE`` (the input gradient's default): a math warpgroup waits for each product before it promotes it, the
     other warpgroup's product running meanwhile; on an H100 at 8648eae the input gradients ran 3-8 % faster so
     (gate_up 6.31 / 6.18 ms against 6.55 / 6.37, down 3.16 / 3.19 against 3.44 / 3.38), the same bits; the forward
-    ran slower so (725 against 757 TFLOP/s at gate_up) and keeps a product running while the last is promoted."""
+    ran slower so (725 against 757 TFLOP/s at gate_up) and keeps a product running while the last is promoted.
+    ``COALESCED``: the result through shared memory into whole 32-byte sectors (its 8 KB of scratch a math warpgroup
+    beside the stages); in the forward's ceiling on an H100 at d5940f4 (``lab.probes.fp8_gluon_ceiling``) gate_up
+    3.99 against 4.40 ms, down 2.20 against 2.55."""
     if not trans:
         return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SWAP=False, SCALES_TMA=False,
-                    INPLACE=False, SIMPLE=False)
+                    INPLACE=False, SIMPLE=False, COALESCED=True)
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
     return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SWAP=False, SCALES_TMA=False,
-                INPLACE=False, SIMPLE=True)
+                INPLACE=False, SIMPLE=True, COALESCED=True)
 
 
 # the input gradient's SWAP form (no transposition), the activation's scales by global loads: copied by TMA with each
