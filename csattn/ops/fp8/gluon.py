@@ -172,8 +172,8 @@ def _store(out, acc, first_row, row_end, pid_n, stride_om, COALESCED: gl.constex
     rows = first_row + gl.arange(0, 64, layout=gl.SliceLayout(1, val.type.layout))
     cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, val.type.layout))
     ptrs = out + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
-    # no bound on the columns: the output's are a multiple of the tile's (the launcher checks), and a mask that could
-    # change at any column would split the 16-byte stores into 2-byte ones
+    # no bound on the columns: the output's are a multiple of the tile's (``grouped.gluon_fits``), and a mask that
+    # could change at any column would split the 16-byte stores into 2-byte ones
     gl.store(ptrs, val, mask=gl.expand_dims(rows < row_end, 1) & gl.expand_dims(cols >= 0, 0))
 
 
