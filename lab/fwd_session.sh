@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device call (sm_90): the Gluon FP8 kernel by way (settings, the scales' layout) at the MoE's shapes, and on one
 # dense group beside cuBLAS's blockwise _scaled_mm and bf16 mm (lab.probes.fp8_gluon_fwd); then the pipeline's
-# ceiling without the promotion (lab.probes.fp8_gluon_ceiling; CEILING=0: not), after the FP8 GPU tests (the
-# activation's scales in both layouts). In $OUT.
+# ceiling without the promotion (lab.probes.fp8_gluon_ceiling; CEILING=0: not) and 64 x 256 tiles
+# (lab.probes.fp8_gluon_wide; WIDE=0: not); after the FP8 GPU tests (TESTS: their -k). In $OUT.
 #   COMMIT=<sha> bash lab/fwd_session.sh
 set -u
 OUT=${OUT:-/tmp/fwd}; mkdir -p "$OUT"; START=$SECONDS
@@ -12,4 +12,5 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider -k "${TESTS:-not swap}" \
 grep -E "passed|failed|^FAILED|^E  " "$OUT/grouped_tests.txt" | tail -6
 timeout 300 python3 -m lab.probes.fp8_gluon_fwd > "$OUT/fwd_probe.txt" 2>&1; cat "$OUT/fwd_probe.txt" | grep -v Warning
 [ "${CEILING:-1}" = 1 ] && timeout 150 python3 -m lab.probes.fp8_gluon_ceiling > "$OUT/ceiling_probe.txt" 2>&1; grep -v Warning "$OUT/ceiling_probe.txt"
+[ "${WIDE:-1}" = 1 ] && timeout 150 python3 -m lab.probes.fp8_gluon_wide > "$OUT/wide_probe.txt" 2>&1; grep -v Warning "$OUT/wide_probe.txt"
 echo "[session] $((SECONDS - START)) s"

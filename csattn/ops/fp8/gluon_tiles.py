@@ -44,13 +44,14 @@ def lanes_layout(n, warps=4):
 
 
 @gluon.jit
-def _tile(t, table, tiles_m, tiles_n, E_P2: gl.constexpr, GROUP_M: gl.constexpr, WARPS: gl.constexpr = 4):
+def _tile(t, table, tiles_m, tiles_n, E_P2: gl.constexpr, GROUP_M: gl.constexpr, WARPS: gl.constexpr = 4,
+          TILE_M: gl.constexpr = BM):
     """Work item ``t`` -> (group, first row, end row, column tile); group ``E + 1`` or more: no tile. ``table``
     ``[3, E_P2]``: the groups' row starts, row ends and the running sum of their row-tile counts
     (:func:`group_table`, made on the device by torch: Triton 3.6's Gluon scans no layout the lookup can use).
     The group is the count of running sums at or below the row tile, read 128 at a time (held whole, 512 groups
     would take the producer's registers). ``GROUP_M`` row tiles side by side share the weight tiles in L2.
-    ``WARPS``: the calling partition's."""
+    ``WARPS``: the calling partition's; ``TILE_M``: the rows of a tile (the table's ``bm``)."""
     per_group = GROUP_M * tiles_n
     first_m = (t // per_group) * GROUP_M
     size_m = gl.minimum(tiles_m - first_m, GROUP_M)
@@ -62,13 +63,13 @@ def _tile(t, table, tiles_m, tiles_n, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
         g += gl.sum((gl.load(table + 2 * E_P2 + c * 128 + idx) <= pid_m).to(gl.int32), axis=0)
     start = gl.load(table + g)
     end = gl.load(table + E_P2 + g)
-    first = gl.load(table + 2 * E_P2 + g) - (gl.maximum(end - start, 0) + BM - 1) // BM
-    return g, start + (pid_m - first) * BM, end, pid_n
+    first = gl.load(table + 2 * E_P2 + g) - (gl.maximum(end - start, 0) + TILE_M - 1) // TILE_M
+    return g, start + (pid_m - first) * TILE_M, end, pid_n
 
 
-def group_table(offs: Tensor, m: int, e_p2: int) -> Tensor:
+def group_table(offs: Tensor, m: int, e_p2: int, bm: int = BM.value) -> Tensor:
     """``[3, e_p2]`` int32 on ``offs``'s device, no host read: per group ``g <= E`` (``E``: the rows past
-    ``offs[-1]``, up to ``m``) its first row, its end row and the running sum of the groups' 128-row tile counts;
+    ``offs[-1]``, up to ``m``) its first row, its end row and the running sum of the groups' ``bm``-row tile counts;
     the padding columns start and end at 0 and their running sum is past every tile."""
     e = offs.shape[0]
     ends = torch.cat([offs.to(torch.int32), offs.new_full((1,), m, dtype=torch.int32)])
@@ -76,5 +77,5 @@ def group_table(offs: Tensor, m: int, e_p2: int) -> Tensor:
     table = torch.zeros(3, e_p2, dtype=torch.int32, device=offs.device)
     table[0, :e + 1], table[1, :e + 1] = starts, ends
     table[2] = 2 ** 30
-    table[2, :e + 1] = torch.cumsum(((ends - starts).clamp_min(0) + BM.value - 1) // BM.value, 0)
+    table[2, :e + 1] = torch.cumsum(((ends - starts).clamp_min(0) + bm - 1) // bm, 0)
     return table
