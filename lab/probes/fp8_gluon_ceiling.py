@@ -9,7 +9,10 @@ producer (TMA ring, persistent grid, group lookup) with a math partition that do
 Why: on an H100 at 9f38fc4 the kernel's forward ran 764 / 787 TFLOP/s on one dense group where cuBLAS's blockwise
 ``_scaled_mm`` ran 1178 / 1182; per 128-deep step 0.68 us against 0.47. If ``MODE 0`` runs near cuBLAS, the
 promotion is what costs; if not, the tile shape and pipeline are. The outputs are wrong by design (no scales):
-only their time is read. Run on a GPU of sm_90: python -m lab.probes.fp8_gluon_ceiling"""
+only their time is read. Found (H100, d5940f4, lab/results/finetune_h100/ceiling_d5940f4.txt): the stores were the
+pipeline's loss (``EPI``, the result through shared memory: ``MODE 0`` 1040-1074 TFLOP/s on the dense shapes, cuBLAS's
+rate; the kernel took it as ``COALESCED``); at the MoE's shapes what is left is the groups' empty rows
+(lab.probes.fp8_gluon_wide). Run on a GPU of sm_90: python -m lab.probes.fp8_gluon_ceiling"""
 
 from __future__ import annotations
 
