@@ -172,13 +172,13 @@ def _store(out, acc, first_row, row_end, pid_n, stride_om, COALESCED: gl.constex
     rows = first_row + gl.arange(0, 64, layout=gl.SliceLayout(1, val.type.layout))
     cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, val.type.layout))
     ptrs = out + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
-    # no bound on the columns: the output's are a multiple of the tile's (``grouped.gluon_fits``), and a mask that
-    # could change at any column would split the 16-byte stores into 2-byte ones
-    gl.store(ptrs, val, mask=gl.expand_dims(rows < row_end, 1) & gl.expand_dims(cols >= 0, 0))
+    # the rows' bound only: the output's columns are a multiple of the tile's (``grouped.gluon_fits``), and a bound
+    # that could change at any column would split the 16-byte stores into 2-byte ones
+    gl.store(ptrs, val, mask=gl.expand_dims(rows < row_end, 1))
 
 
 @gluon.jit
-def _math(sa, sw, table, out, M, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
+def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
           stride_sbn, stride_om, smem, low_rank, HALF: gl.constexpr, TRANS: gl.constexpr, E_P2: gl.constexpr,
           GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr, SIMPLE: gl.constexpr,
           COALESCED: gl.constexpr):
@@ -290,10 +290,10 @@ def fp8_grouped_gluon_kernel(
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_math, (sa, sw, table, out, M, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
                      LOW_RANK, SIMPLE, COALESCED)),
-            (_math, (sa, sw, table, out, M, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
                      LOW_RANK, SIMPLE, COALESCED)),
             (_producer, (a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
