@@ -27,6 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from csattn.ops.backend import sm_count
 from csattn.ops.fp8.gluon import _LOWER, _UPPER, _issue, _producer, _promote, _store, launch_settings
 from csattn.ops.fp8.gluon_tiles import BK, BM, BN, _tile, acc_layout, group_table, tile_smem
+from lab.probes.gluon_forms import bench, forward_cases, forward_ring
 
 
 @gluon.jit
@@ -51,7 +52,7 @@ def _chain(a_smem, raw, land, empty, it, nk, HALF: gl.constexpr, STAGES: gl.cons
 
 
 @gluon.jit
-def _math_ceiling(sa, table, out, N, KC, E, tiles_m, tiles_n, stride_sam, stride_om, smem, HALF: gl.constexpr,
+def _math_ceiling(sa, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_om, smem, HALF: gl.constexpr,
                   E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
                   EPI: gl.constexpr):
     ACC: gl.constexpr = acc_layout()
@@ -86,24 +87,18 @@ def _math_ceiling(sa, table, out, N, KC, E, tiles_m, tiles_n, stride_sam, stride
 
 
 @gluon.jit
-def ceiling_kernel(a_desc, w_desc, sa, table, out, M, N, KC, E, W_ROWS, tiles_m, tiles_n, stride_sam, stride_om,
+def ceiling_kernel(a_desc, w_desc, sa, table, out, M, KC, E, W_ROWS, tiles_m, tiles_n, stride_sam, stride_om,
                    E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
                    EPI: gl.constexpr, MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """The forward's pipeline (:func:`csattn.ops.fp8.gluon.fp8_grouped_gluon_kernel` with ``TRANS`` off, no
     low-rank term) with :func:`_math_ceiling` as its math warpgroups."""
-    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], tile_smem())
-    raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
-    land = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(land.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)
+    a_smem, raw, land, empty = forward_ring(STAGES, BM, BN)
     smem = (a_smem, raw, raw, land, land, empty, a_smem)
     low_rank = (a_desc, a_desc, 0.0, a_smem, a_smem, land, empty)
     gl.warp_specialize([
-        (_math_ceiling, (sa, table, out, N, KC, E, tiles_m, tiles_n, stride_sam, stride_om, smem, _UPPER, E_P2,
+        (_math_ceiling, (sa, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_om, smem, _UPPER, E_P2,
                          GROUP_M, STAGES, MODE, EPI)),
-        (_math_ceiling, (sa, table, out, N, KC, E, tiles_m, tiles_n, stride_sam, stride_om, smem, _LOWER, E_P2,
+        (_math_ceiling, (sa, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_om, smem, _LOWER, E_P2,
                          GROUP_M, STAGES, MODE, EPI)),
         (_producer, (a_desc, w_desc, a_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, False,
                      E_P2, GROUP_M, STAGES, 0, False, False, False, False)),
@@ -128,7 +123,7 @@ def ceiling_mm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, off
     w_desc = TensorDescriptor(weight.view(e * n_w, k_w), [e * n_w, k_w], [k_w, 1], [128, 128], layout)
     tiles_m, tiles_n = triton.cdiv(m, BM.value) + e + 1, n_w // BN.value
     grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
-    ceiling_kernel[grid](a_desc, w_desc, a_scale, table, out, m, n_w, c, e, n_w, tiles_m, tiles_n,
+    ceiling_kernel[grid](a_desc, w_desc, a_scale, table, out, m, c, e, n_w, tiles_m, tiles_n,
                          a_scale.stride(0), out.stride(0), E_P2=e_p2, GROUP_M=cfg["GROUP_M"],
                          STAGES=stages, MODE=mode, EPI=epi, MATH_REGS=cfg["MATH_REGS"],
                          PRODUCER_REGS=cfg["PRODUCER_REGS"], num_warps=4)
@@ -141,29 +136,18 @@ VARIANTS = [(0, 4, False), (0, 6, False), (0, 4, True), (0, 6, True), (1, 4, Fal
 
 def main() -> None:
     """Each mode on the dense shapes and the MoE's forward shapes, beside the kernel itself."""
-    from benchmarks.providers.fp8 import _quantized
     from csattn.ops.fp8 import quantize_1x128
     from csattn.ops.fp8.gluon import grouped_mm_gluon
-    from lab.probes.gluon_forms import moe_gemms
 
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
-    cases = [(f"{m}x{n}x{k}", *_quantized((1, n, k), dev, gen), torch.tensor([m], dtype=torch.int32, device=dev), m)
-             for m, n, k in ((16384, 4096, 2048), (16384, 2048, 4096))]
-    cases += [(name, q, s, offs, m) for name, q, s, offs, m, _ in moe_gemms(dev)]
-    for name, q, s, offs, m in cases:
+    for name, q, s, offs, m in forward_cases(dev, gen, ((16384, 4096, 2048), (16384, 2048, 4096))):
         qa, sa = quantize_1x128(torch.randn(m, q.shape[2], device=dev, generator=gen, dtype=torch.bfloat16))
         flop = 2.0 * m * q.shape[1] * q.shape[2]
-        ways = {"kernel (default)": partial(grouped_mm_gluon, qa, sa, q, s, offs, False),
-                **{f"MODE {mode}, {stages} stages{', coalesced' if epi else ''}":
-                   partial(ceiling_mm, qa, sa, q, offs, mode, stages=stages, epi=epi)
-                   for mode, stages, epi in VARIANTS}}
-        for way, call in ways.items():
-            try:
-                ms = triton.testing.do_bench_cudagraph(call, rep=60)  # no host time
-                print(f"{name:18s} {way:30s} {ms:7.3f} ms {flop / ms / 1e9:7.1f} TFLOP/s", flush=True)
-            except Exception as err:
-                print(f"{name:18s} {way:30s} failed: {type(err).__name__}: {str(err)[:160]}", flush=True)
+        bench(name, "kernel (default)", partial(grouped_mm_gluon, qa, sa, q, s, offs, False), flop)
+        for mode, stages, epi in VARIANTS:
+            bench(name, f"MODE {mode}, {stages} stages{', coalesced' if epi else ''}",
+                  partial(ceiling_mm, qa, sa, q, offs, mode, stages=stages, epi=epi), flop)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,11 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import triton
 
 from benchmarks.providers.fp8 import _quantized
 from csattn.ops.fp8 import dequantize, quantize_1x128
 from csattn.ops.fp8.gluon import grouped_mm_gluon
-from lab.probes.gluon_forms import compare_moe, moe_gemms
+from lab.probes.gluon_forms import bench, compare_moe, moe_gemms
 
 # Ways of running the kernel: (the activation's scales transposed, settings). At 9f38fc4 (H100) 5 / 6 stages and
 # GROUP_M 4 / 16 were slower at the MoE's shapes. SIMPLE: one product in flight a math warpgroup, waited for before
@@ -36,17 +35,6 @@ TRANS_WAYS = {"default": (False, None), "scales transposed": (True, None),
               "direct stores": (False, dict(COALESCED=False))}
 
 
-def _bench(name: str, way: str, call, flop: float) -> None:
-    """Time ``call`` in a CUDA graph (the host's launch work left out: at 0.3 ms a dense call was host-bound, 188-787
-    TFLOP/s from one run to the next) and print its ms and TFLOP/s (or why it failed)."""
-    try:
-        ms = triton.testing.do_bench_cudagraph(call, rep=60)
-    except Exception as err:
-        print(f"{name:8s} {way:36s} failed: {type(err).__name__}: {str(err)[:120]}", flush=True)
-        return
-    print(f"{name:8s} {way:36s} {ms:7.3f} ms {flop / ms / 1e9:7.1f} TFLOP/s", flush=True)
-
-
 def _compare(name: str, a: torch.Tensor, q: torch.Tensor, s: torch.Tensor, offs: torch.Tensor, trans: bool,
              ways: dict) -> None:
     """``a`` (bf16) quantized once, its scales in both layouts; each way's fp32 output against the first way's,
@@ -62,11 +50,11 @@ def _compare(name: str, a: torch.Tensor, q: torch.Tensor, s: torch.Tensor, offs:
             got = call(out_dtype=torch.float32)
             torch.cuda.synchronize()
         except Exception as err:
-            print(f"{name:8s} {label:36s} failed: {type(err).__name__}: {str(err)[:120]}", flush=True)
+            print(f"{name:16s} {label:44s} failed: {type(err).__name__}: {str(err)[:160]}", flush=True)
             continue
         base = got if base is None else base
-        print(f"{name:8s} {label:36s} equal to the default {torch.equal(got, base)}", flush=True)
-        _bench(name, label, call, flop)
+        print(f"{name:16s} {label:44s} equal to the default {torch.equal(got, base)}", flush=True)
+        bench(name, label, call, flop)
 
 
 def grouped() -> None:
@@ -90,9 +78,9 @@ def dense() -> None:
         _compare(name, x, q, s, torch.tensor([m], dtype=torch.int32, device=dev), False, WAYS)
         qt, st = quantize_1x128(x, scale_t=True)
         flop = 2.0 * m * n * k
-        _bench(name, "cuBLAS _scaled_mm", partial(torch._scaled_mm, qt, q[0].t(), scale_a=st, scale_b=s[0].t(),
+        bench(name, "cuBLAS _scaled_mm", partial(torch._scaled_mm, qt, q[0].t(), scale_a=st, scale_b=s[0].t(),
                                                   out_dtype=torch.bfloat16), flop)
-        _bench(name, "bf16 mm", partial(torch.mm, x, dequantize(q[0], s[0], torch.bfloat16).t()), flop)
+        bench(name, "bf16 mm", partial(torch.mm, x, dequantize(q[0], s[0], torch.bfloat16).t()), flop)
 
 
 if __name__ == "__main__":

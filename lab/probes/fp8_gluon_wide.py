@@ -24,6 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from csattn.ops.backend import sm_count
 from csattn.ops.fp8.gluon import _LOWER, _UPPER, _promote, _scales, _store
 from csattn.ops.fp8.gluon_tiles import BK, _tile, _tma_load, acc_layout, group_table, tile_smem
+from lab.probes.gluon_forms import bench, forward_cases, forward_ring
 
 TM: gl.constexpr = gl.constexpr(64)  # rows of a tile
 TN: gl.constexpr = gl.constexpr(256)  # columns of a tile: a 128-column block a math warpgroup
@@ -112,14 +113,7 @@ def wide_kernel(a_desc, w_desc, sa, sw, table, out, KC, E, W_ROWS, tiles_m, tile
                 STAGES: gl.constexpr, MODE: gl.constexpr):
     """The forward (``TRANS`` off, no low-rank term) over ``[64, 256]`` tiles; the contraction a multiple of 512
     (four steps a round, no tail loop: the probe's shapes)."""
-    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TM, BK], tile_smem())
-    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TN, BK], tile_smem())
-    land = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(land.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)
-    smem = (a_smem, b_smem, land, empty)
+    smem = forward_ring(STAGES, TM, TN)
     gl.warp_specialize([
         (_math_wide, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
                       stride_sbn, stride_om, smem, _UPPER, E_P2, GROUP_M, STAGES, MODE)),
@@ -159,36 +153,25 @@ VARIANTS = [(1, 4, 8), (0, 4, 8), (1, 5, 8), (1, 4, 16)]
 def main() -> None:
     """Each variant beside the kernel (128 x 128 tiles), in CUDA graphs, on a dense group and the MoE's forwards;
     ``MODE 1``'s output against the kernel's."""
-    from benchmarks.providers.fp8 import _quantized
     from csattn.ops.fp8 import quantize_1x128
     from csattn.ops.fp8.gluon import grouped_mm_gluon
-    from lab.probes.gluon_forms import moe_gemms
 
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
-    cases = [("16384x4096x2048", *_quantized((1, 4096, 2048), dev, gen),
-              torch.tensor([16384], dtype=torch.int32, device=dev), 16384)]
-    cases += [(name, q, s, offs, m) for name, q, s, offs, m, _ in moe_gemms(dev)]
-    for name, q, s, offs, m in cases:
+    for name, q, s, offs, m in forward_cases(dev, gen, ((16384, 4096, 2048),)):
         qa, sa = quantize_1x128(torch.randn(m, q.shape[2], device=dev, generator=gen, dtype=torch.bfloat16))
         flop = 2.0 * m * q.shape[1] * q.shape[2]
         base = grouped_mm_gluon(qa, sa, q, s, offs, False)
-        ways = {"kernel, 128 x 128": partial(grouped_mm_gluon, qa, sa, q, s, offs, False)}
+        bench(name, "kernel, 128 x 128", partial(grouped_mm_gluon, qa, sa, q, s, offs, False), flop)
         for mode, stages, group_m in VARIANTS:
             way = f"64 x 256, MODE {mode}, {stages} stages, GROUP_M {group_m}"
-            ways[way] = partial(wide_mm, qa, sa, q, s, offs, mode, stages, group_m)
+            call = partial(wide_mm, qa, sa, q, s, offs, mode, stages, group_m)
             if mode == 1:
                 try:
-                    got = ways[way]()
-                    print(f"{name:16s} {way:44s} equal to the kernel {torch.equal(got, base)}", flush=True)
+                    print(f"{name:16s} {way:44s} equal to the kernel {torch.equal(call(), base)}", flush=True)
                 except Exception as err:
                     print(f"{name:16s} {way:44s} failed: {type(err).__name__}: {str(err)[:160]}", flush=True)
-        for way, call in ways.items():
-            try:
-                ms = triton.testing.do_bench_cudagraph(call, rep=60)
-                print(f"{name:16s} {way:44s} {ms:7.3f} ms {flop / ms / 1e9:7.1f} TFLOP/s", flush=True)
-            except Exception as err:
-                print(f"{name:16s} {way:44s} failed: {type(err).__name__}: {str(err)[:160]}", flush=True)
+            bench(name, way, call, flop)
 
 
 if __name__ == "__main__":

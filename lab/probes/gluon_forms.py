@@ -1,7 +1,7 @@
-"""What the probes of the Gluon FP8 kernel's input-gradient forms (``SWAP``, ``INPLACE``) share: a lab switch that
-makes the op's input-gradient kernel calls take a form, the MoE's two GEMMs (256 experts top-6, 16k tokens, D 4096,
-I 2048) timed each way beside the forward and bf16 ``grouped_mm``, and the frozen-expert MoE forward + input gradient
-timed under a form."""
+"""What the probes of the Gluon FP8 kernel share: a lab switch that makes the op's kernel calls take a form, the MoE's
+two GEMMs (256 experts top-6, 16k tokens, D 4096, I 2048) and the forward's cases built on them, a timing in CUDA
+graphs, the ring of stages of a forward kernel, the GEMMs timed each way beside the forward and bf16 ``grouped_mm``,
+and the frozen-expert MoE forward + input gradient timed under a form."""
 
 from __future__ import annotations
 
@@ -13,10 +13,14 @@ from unittest import mock
 import torch
 import triton
 from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 import csattn.ops.fp8.gluon as fp8_gluon
 from benchmarks.providers.fp8 import GROUPED, _moe_case, _quantized, _routed
 from csattn.ops.fp8 import dequantize, quantize_1x128
+from csattn.ops.fp8.gluon_tiles import BK, tile_smem
 from tests.helpers import rel_err
 
 
@@ -44,6 +48,40 @@ def moe_gemms(dev: torch.device) -> Iterator[tuple[str, Tensor, Tensor, Tensor, 
     d, inter = GROUPED["hidden"], GROUPED["inter"]
     for name, n_w, k_w in (("gate_up", 2 * inter, d), ("down", d, inter)):
         yield (name, *_quantized((e, n_w, k_w), dev, gen), plan.offs, ids.numel(), gen)
+
+
+def forward_cases(dev: torch.device, gen: torch.Generator,
+                  dense: tuple[tuple[int, int, int], ...]) -> list[tuple[str, Tensor, Tensor, Tensor, int]]:
+    """The forward's cases: one group of ``m`` rows for each ``(m, n, k)`` of ``dense``, then the MoE's two GEMMs
+    (:func:`moe_gemms`): ``(name, weight e4m3 [E, N, K], its scales, offs, rows M)``."""
+    cases = [(f"{m}x{n}x{k}", *_quantized((1, n, k), dev, gen), torch.tensor([m], dtype=torch.int32, device=dev), m)
+             for m, n, k in dense]
+    return cases + [(name, q, s, offs, m) for name, q, s, offs, m, _ in moe_gemms(dev)]
+
+
+def bench(name: str, way: str, call, flop: float) -> None:
+    """Time ``call`` in a CUDA graph (the host's launch work left out: at 0.3 ms a dense call was host-bound, 188-787
+    TFLOP/s from one run to the next) and print its ms and TFLOP/s (or why it failed)."""
+    try:
+        ms = triton.testing.do_bench_cudagraph(call, rep=60)
+    except Exception as err:
+        print(f"{name:16s} {way:44s} failed: {type(err).__name__}: {str(err)[:160]}", flush=True)
+        return
+    print(f"{name:16s} {way:44s} {ms:7.3f} ms {flop / ms / 1e9:7.1f} TFLOP/s", flush=True)
+
+
+@gluon.jit
+def forward_ring(STAGES: gl.constexpr, A_ROWS: gl.constexpr, B_ROWS: gl.constexpr):
+    """A forward kernel's ring: ``STAGES`` stages of an e4m3 activation tile ``[A_ROWS, 128]`` and weight tile
+    ``[B_ROWS, 128]``, each with its barriers: landed (the producer's expect) and free (both math warpgroups)."""
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, A_ROWS, BK], tile_smem())
+    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, B_ROWS, BK], tile_smem())
+    land = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(land.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    return a_smem, b_smem, land, empty
 
 
 def time_gemms(forms: dict[str, dict]) -> None:
