@@ -114,10 +114,11 @@ def time_gemms(forms: dict[str, dict]) -> None:
             print(f"{name:8s} {way:36s} {ms:7.3f} ms {2 * m * n_w * k_w / ms / 1e9:6.1f} TFLOP/s", flush=True)
 
 
-def frozen_moe_ms(compute: str, settings: dict | None = None, fwd: bool = False) -> float:
-    """The frozen-expert MoE (the benchmark's ``moe_frozen`` case) forward + input gradient, ms, with the input
-    gradient (``fwd``: and the forward) in the form ``settings`` (``None``: the default)."""
-    case = _moe_case(dict(GROUPED), torch.device("cuda"), torch.bfloat16, compute)
+def frozen_moe_ms(compute: str, settings: dict | None = None, fwd: bool = False, shape: dict | None = None) -> float:
+    """The frozen-expert MoE (the benchmark's ``moe_frozen`` case; ``shape``: another of ``GROUPED``'s form) forward +
+    input gradient, ms, with the input gradient (``fwd``: and the forward) in the form ``settings`` (``None``: the
+    default)."""
+    case = _moe_case(dict(GROUPED) if shape is None else shape, torch.device("cuda"), torch.bfloat16, compute)
     out = case.forward()[0]
     dout = torch.randn_like(out)
 

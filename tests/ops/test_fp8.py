@@ -23,7 +23,7 @@ from csattn.ops.fp8 import (
     quantize_1x128,
     quantize_1x128_ref,
 )
-from csattn.ops.fp8.triton import grouped_mm_triton, quantize_1x128_triton
+from csattn.ops.fp8.triton import grouped_mm_triton, quantize_1x128_triton, transpose_codes_triton
 from csattn.ops.moe import ExpertLora, moe_experts
 
 LIMIT = 10.0
@@ -83,6 +83,34 @@ def test_dequantize_is_the_block_product():
     w = dequantize(q, s, torch.float64)
     for e, n, k in [(0, 0, 0), (1, 199, 129), (0, 127, 128), (1, 128, 127)]:
         assert w[e, n, k] == q[e, n, k].double() * s[e, n // 128, k // 128].double()
+
+
+@pytest.mark.parametrize("shape", [(3, 130, 70), (200, 260), (1, 64, 384), (2, 1, 129)], ids=str)
+def test_transposed_weight_is_the_transpose_bitwise(shape):
+    """The input gradient's K-major copy: the Triton kernel (interpreter) and the CPU path give the codes transposed
+    bit for bit (tiles cut at both edges, 2-D and 3-D), and the pair dequantizes to the transposed weight."""
+    from csattn.ops.fp8.grouped import transposed_weight
+
+    q, s = _weight(shape, torch.Generator().manual_seed(sum(shape)))
+    want = q.view(torch.uint8).transpose(-1, -2)
+    codes = q if q.dim() == 3 else q[None]
+    assert torch.equal(transpose_codes_triton(codes).view(torch.uint8), codes.view(torch.uint8).transpose(1, 2))
+    wt, st = transposed_weight(q, s)
+    assert wt.dtype == FP8_DTYPE and wt.is_contiguous() and st.is_contiguous()
+    assert torch.equal(wt.view(torch.uint8), want)
+    assert torch.equal(dequantize(wt, st, torch.float64), dequantize(q, s, torch.float64).transpose(-1, -2))
+    with pytest.raises(ValueError, match="scale of weight"):
+        transposed_weight(q, s[..., :-1])
+
+
+def test_input_grad_copies_from_the_rows_per_expert():
+    """The Gluon input gradient takes the K-major copy from :data:`COPY_ROWS_PER_EXPERT` rows an expert: not the
+    256-expert slice at 16k tokens (~384 rows an expert), the ranks of the one-node plan (ep 8, ~1536)."""
+    from csattn.ops.fp8.grouped import COPY_ROWS_PER_EXPERT, input_grad_copies
+
+    assert not input_grad_copies(16384 * 6, 256) and input_grad_copies(8192 * 6 * 8 // 8, 256 // 8)
+    assert input_grad_copies(COPY_ROWS_PER_EXPERT * 7, 7) and not input_grad_copies(COPY_ROWS_PER_EXPERT * 7 - 1, 7)
+    assert not input_grad_copies(0, 0)
 
 
 def test_fp8_linear_reference_vs_fp64(assert_close):

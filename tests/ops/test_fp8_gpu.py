@@ -170,6 +170,64 @@ def _gluon_grouped_case(case: str, way: str) -> None:
         assert rel_err(out, same) < 4e-3
 
 
+@pytest.mark.parametrize("low_rank", [False, True])
+@pytest.mark.parametrize("case", list(GLUON_CASES))
+def test_gluon_input_grad_on_copy_equals_transposing(case, low_rank):
+    """The input gradient on the weights' K-major copy (the forward's kernel on ``transposed_weight``) equals the
+    in-kernel transposition bit for bit, without and with LoRA's term: the same operand tiles in shared memory, the
+    same products in the same order. The copy's codes are the transpose bit for bit at the slice's expert shape."""
+    from csattn.ops.fp8.grouped import transposed_weight
+
+    e, n, k, most = GLUON_CASES[case]
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q, s = _weight((e, n, k), g, n)
+    if not gluon_fits(torch.empty(1, device="cuda"), q):
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    from csattn.ops.fp8.gluon import RANK, grouped_mm_gluon
+
+    offs = _group_counts(e, most, g).cumsum(0).to(torch.int32)
+    m = int(offs[-1]) + 77
+    qa, sa = quantize_1x128(torch.randn(m, n, generator=g, device="cuda").bfloat16())
+    lr = None
+    if low_rank:
+        lr = (torch.randn(m, RANK, generator=g, device="cuda").bfloat16(),
+              (torch.randn(e, k, RANK, generator=g, device="cuda") * 0.3).bfloat16(), 0.75)
+    wt, st = transposed_weight(q, s)
+    assert torch.equal(wt.view(torch.uint8), q.view(torch.uint8).transpose(1, 2))
+    out = torch.full((m, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped_mm_gluon(qa, sa, wt, st, offs, False, out=out, low_rank=lr)
+    assert torch.equal(out, grouped_mm_gluon(qa, sa, q, s, offs, True, low_rank=lr))
+    big = torch.randint(0, 256, (64, 2048, 4096), generator=g, device="cuda", dtype=torch.uint8)
+    assert torch.equal(transposed_weight(big.view(FP8_DTYPE), s.new_ones(64, 16, 32))[0].view(torch.uint8),
+                       big.transpose(1, 2))
+
+
+def test_fp8_grouped_input_grad_takes_the_copy_from_its_rows():
+    """With ``COPY_ROWS_PER_EXPERT`` rows an expert the op's input gradient runs on the K-major copy: the in-kernel
+    transposition's output bit for bit, LoRA's term included."""
+    from csattn.ops.fp8.grouped import COPY_ROWS_PER_EXPERT, input_grad_copies
+
+    e, n, k = 3, 256, 384
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, s = _weight((e, n, k), g, n)
+    if not gluon_fits(torch.empty(1, device="cuda"), q):
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    from csattn.ops.fp8.gluon import grouped_mm_gluon
+
+    counts = torch.tensor([COPY_ROWS_PER_EXPERT + 300, COPY_ROWS_PER_EXPERT - 200, COPY_ROWS_PER_EXPERT + 41],
+                          device="cuda")
+    offs = counts.cumsum(0).to(torch.int32)
+    m = int(offs[-1]) + 5
+    assert input_grad_copies(m, e)
+    dy = torch.randn(m, n, generator=g, device="cuda").bfloat16()
+    qa, sa = quantize_1x128(dy)
+    v = torch.randn(m, 16, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(e, k, 16, generator=g, device="cuda") * 0.3).bfloat16()
+    assert torch.equal(fp8_grouped_mm(dy, q, s, offs, trans=True), grouped_mm_gluon(qa, sa, q, s, offs, True))
+    assert torch.equal(fp8_grouped_mm(dy, q, s, offs, trans=True, low_rank=LowRank(v, w, 0.75)),
+                       grouped_mm_gluon(qa, sa, q, s, offs, True, low_rank=(v, w, 0.75)))
+
+
 @pytest.mark.parametrize("rank", [16, 8, 32])
 @pytest.mark.parametrize("trans", [False, True])
 @pytest.mark.parametrize("case", ["ragged", "all_tail"])

@@ -152,3 +152,25 @@ def test_window_indices():
     real = torch.tensor([True, True, True, True, False])
     got = window_indices(pos, real, 2)
     assert got.tolist() == [[-1, 0], [0, 1], [1, 2], [-1, 3], [-1, -1]]
+
+
+def test_row_gathers_backward_the_same_bits_with_threads():
+    """The references' row gathers (``take_rows``: the compressor's slots, the sparse attention's keys) sum the
+    gradients of repeated rows in one order: the same bits on every run with two threads (advanced indexing's backward,
+    ``index_put_(accumulate=True)``, gave last-bit differences between runs on the CPU, which broke the bitwise resume
+    of ``csattn train``)."""
+    from csattn.ops.indices import gather_rows_masked, take_rows
+
+    table = torch.randn(50, 64, generator=_g(3), requires_grad=True)
+    ids = torch.randint(-1, 50, (4000, 3), generator=_g(4))
+    grad = torch.randn(4000, 3, 64, generator=_g(5))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for gather in (take_rows, gather_rows_masked):
+            runs = [torch.autograd.grad(gather(table, ids.clamp(min=0) if gather is take_rows else ids), table, grad)[0]
+                    for _ in range(8)]
+            assert all(torch.equal(runs[0], r) for r in runs[1:]), gather.__name__
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(take_rows(table, ids.clamp(min=0)), table[ids.clamp(min=0)])

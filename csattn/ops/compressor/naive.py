@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..indices.naive import take_rows as _take
+
 __all__ = ["compress_pool_ref"]
 
 
@@ -43,14 +45,14 @@ def compress_pool_ref(
         raise ValueError(f"position_bias must be [{ratio}, {width}], got {tuple(position_bias.shape)}")
     soft_dtype = torch.promote_types(gate.dtype, torch.float32)
     rows = entry_row[:, None] + torch.arange(ratio, device=kv.device)[None, :]  # [Nc, r]
-    cur_kv = kv[rows]  # [Nc, r, coff*c]
-    cur_gate = gate[rows].to(soft_dtype) + position_bias.to(soft_dtype)
+    cur_kv = _take(kv, rows)  # [Nc, r, coff*c]
+    cur_gate = _take(gate, rows).to(soft_dtype) + position_bias.to(soft_dtype)
     if not overlap:
         weights = cur_gate.softmax(dim=1).to(kv.dtype)
         return (cur_kv * weights).sum(dim=1)
     prev_rows = (rows - ratio).clamp_(min=0)
-    prev_kv = kv[prev_rows][..., :c]
-    prev_gate = gate[prev_rows][..., :c].to(soft_dtype) + position_bias[:, :c].to(soft_dtype)
+    prev_kv = _take(kv, prev_rows)[..., :c]
+    prev_gate = _take(gate, prev_rows)[..., :c].to(soft_dtype) + position_bias[:, :c].to(soft_dtype)
     first = entry_first[:, None, None]
     prev_kv = prev_kv.masked_fill(first, 0.0)
     prev_gate = prev_gate.masked_fill(first, float("-inf"))

@@ -9,13 +9,22 @@ import torch
 from torch import Tensor
 
 from ..backend import interpreting, triton_version
-from .naive import BLOCK, FP8_DTYPE, _cdiv, _check_grouped, fp8_grouped_mm_ref, low_rank_ref
+from .naive import BLOCK, FP8_DTYPE, _cdiv, _check_grouped, check_weight, fp8_grouped_mm_ref, low_rank_ref
 
-__all__ = ["COMPUTES", "Fp8Rows", "LowRank", "add_low_rank", "check_compute", "fp8_grouped_mm", "gluon_fits",
-           "kernel_compute", "takes_fp8_rows"]
+__all__ = ["COMPUTES", "COPY_ROWS_PER_EXPERT", "Fp8Rows", "LowRank", "add_low_rank", "check_compute",
+           "fp8_grouped_mm", "gluon_fits", "input_grad_copies", "kernel_compute", "takes_fp8_rows", "transposed_weight"]
 
 COMPUTES = ("fp8", "w8a16")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+# From this many rows per expert the Gluon input gradient multiplies a K-major copy of the weights made for the call
+# (:func:`transposed_weight`) with the forward's kernel, instead of transposing each weight tile in the kernel.
+# On an H100 at c228b90 the in-kernel transposition ran the MoE's input gradients at 539 TFLOP/s and the forward
+# kernel 810 at the same shapes (lab/results/finetune_h100/fwd_probe_c228b90.txt): 1.24e-15 s saved per weight byte
+# and row, against ~1e-12 s per weight byte for a copy read and written at ~2 TB/s: even at ~800 rows an expert. The
+# 256-expert slice on one GPU (~384 rows an expert at 16k tokens) keeps the in-kernel transposition; ranks of the
+# one-node plan (ep 8: ~1536 at 8k tokens a rank) take the copy. 1024 leaves room for the copy's bandwidth, which
+# lab.probes.fp8_dgrad_copy measures.
+COPY_ROWS_PER_EXPERT = 1024
 
 
 class Fp8Rows(NamedTuple):
@@ -158,17 +167,53 @@ def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Ten
 def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool, out_dtype: torch.dtype,
             low_rank: LowRank | None) -> Tensor:
     """The FP8 kernels on quantized rows: Gluon where it fits (the low-rank term in its epilogue at rank 16 or
-    less), else Triton (``trans=False``)."""
+    less; the input gradient on a K-major copy of the weights where :func:`input_grad_copies` holds), else Triton
+    (``trans=False``)."""
     if gluon_fits(a.q, weight):
         from .gluon import FUSE_LOW_RANK, RANK, grouped_mm_gluon  # lazy: Gluon is experimental API
 
         fused = FUSE_LOW_RANK and low_rank is not None and low_rank.v.shape[1] <= RANK
         lr = _padded(low_rank, RANK) if fused else None
+        if trans and input_grad_copies(a.q.shape[0], weight.shape[0]):
+            # dY W_e = dY (W_e^T)^T: the same products as the transposing kernel's, bit for bit
+            weight, scale = transposed_weight(weight, scale)
+            trans = False
         out = grouped_mm_gluon(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype, low_rank=lr)
         return out if fused else add_low_rank(out, low_rank, offs)
     from .triton import grouped_mm_triton  # lazy: Triton optional
 
     return add_low_rank(grouped_mm_triton(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype), low_rank, offs)
+
+
+def transposed_weight(weight: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """The K-major copy of a frozen FP8 weight, for ``dY @ W`` by a kernel that multiplies ``a @ B^T`` (Hopper's FP8
+    MMA, cuBLAS's and the Gluon kernel's, takes K-major operands only).
+
+    Args:
+        weight: ``[N, K]`` or ``[E, N, K]`` ``float8_e4m3fn``. scale: its block scales ``[..., ceil(N/128),
+            ceil(K/128)]`` fp32.
+
+    Returns:
+        ``(W^T [..., K, N], scale^T [..., ceil(K/128), ceil(N/128)])``, new and contiguous: the pair dequantizes to
+        the transpose of ``dequantize(weight, scale)`` bit for bit. On CUDA one Triton pass over the codes
+        (:func:`.triton.transpose_codes_triton`), elsewhere torch's copy.
+    """
+    check_weight(weight, scale)
+    codes = weight if weight.dim() == 3 else weight.reshape(-1, *weight.shape[-2:])
+    if codes.is_cuda:
+        from .triton import transpose_codes_triton  # lazy: Triton optional
+
+        wt = transpose_codes_triton(codes)
+    else:
+        wt = codes.view(torch.uint8).transpose(1, 2).contiguous().view(FP8_DTYPE)
+    return wt.view(*weight.shape[:-2], weight.shape[-1], weight.shape[-2]), scale.transpose(-1, -2).contiguous()
+
+
+def input_grad_copies(rows: int, experts: int) -> bool:
+    """Whether the Gluon input gradient of ``rows`` expert-sorted rows over ``experts`` experts multiplies a K-major
+    copy of the weights made for the call (at least :data:`COPY_ROWS_PER_EXPERT` rows an expert on average: the
+    copy's read and write then cost less than the in-kernel transposition) rather than transposing each tile."""
+    return rows >= COPY_ROWS_PER_EXPERT * max(experts, 1)
 
 
 def _padded(lr: LowRank, rank: int) -> LowRank:

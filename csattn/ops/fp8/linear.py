@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ...amp import autocast_dtype, autocast_off
-from .grouped import kernel_compute
+from .grouped import kernel_compute, transposed_weight
 from .naive import BLOCK, check_weight, dequantize, fp8_linear_ref, quantize_1x128_ref
 
 __all__ = ["DGRAD", "DGRADS", "fp8_linear", "input_grad", "quantize_1x128"]
@@ -70,8 +70,9 @@ def _matmul(a: Tensor, weight: Tensor, scale: Tensor, mode: str, trans: bool) ->
 def input_grad(dy: Tensor, weight: Tensor, scale: Tensor, mode: str, method: str) -> Tensor:
     """``dy [M, N] @ dequant(W [N, K])`` -> ``[M, K]`` by ``method``:
 
-    - ``"copy"``: a K-major FP8 copy of ``W`` (and its scales) made for this call and freed, then the same
-      cuBLAS / Triton GEMM as the forward (cuBLAS's FP8 GEMM takes K-major operands only);
+    - ``"copy"``: a K-major FP8 copy of ``W`` (and its scales) made for this call and freed
+      (:func:`~.grouped.transposed_weight`), then the same cuBLAS / Triton GEMM as the forward (cuBLAS's FP8 GEMM
+      takes K-major operands only);
     - ``"bf16"``: ``W`` dequantized to ``dy``'s dtype for this call, a plain matmul;
     - ``"triton"``: the grouped kernel with one group and the weight walked transposed (``mode`` "fp8": FP8 MMA
       on the quantized ``dy``; "w8a16": the weight tile cast in the kernel).
@@ -79,7 +80,7 @@ def input_grad(dy: Tensor, weight: Tensor, scale: Tensor, mode: str, method: str
     if method == "bf16":
         return dy @ dequantize(weight, scale, dy.dtype)
     if method == "copy":
-        return _matmul(dy, weight.t().contiguous(), scale.t().contiguous(), mode, trans=False)
+        return _matmul(dy, *transposed_weight(weight, scale), mode, trans=False)
     if method == "triton":
         return _matmul(dy, weight, scale, mode, trans=True)
     raise ValueError(f"method must be one of {DGRADS}, got {method!r}")

@@ -24,7 +24,7 @@ from torch import Tensor
 from ..backend import interpreting
 from .naive import BLOCK, FP8_DTYPE, FP8_MAX
 
-__all__ = ["quantize_1x128_triton", "grouped_mm_triton", "low_rank_add_triton"]
+__all__ = ["quantize_1x128_triton", "grouped_mm_triton", "low_rank_add_triton", "transpose_codes_triton"]
 
 
 @triton.jit
@@ -252,3 +252,27 @@ def low_rank_add_triton(out: Tensor, v: Tensor, w: Tensor, scale: float, offs: T
     _low_rank_add_kernel[grid](out, v, w, offs, m, n, e, r, float(scale), out.stride(0), v.stride(0), w.stride(0),
                                w.stride(1), E_P2=e_p2, BM=bm, BN=bn, BR=br, num_warps=4)
     return out
+
+
+@triton.jit
+def transpose_codes_kernel(src, dst, R, C, stride_se, stride_de, BT: tl.constexpr):
+    """``dst[e, c, r] = src[e, r, c]`` for one ``[BT, BT]`` tile of matrix ``e`` (bytes; rows contiguous in both):
+    read and written along rows in 16-byte accesses, transposed through shared memory."""
+    e = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BT + tl.arange(0, BT)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    tile = tl.load(src + e * stride_se + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask)
+    tl.store(dst + e * stride_de + cols[:, None].to(tl.int64) * R + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+def transpose_codes_triton(codes: Tensor) -> Tensor:
+    """``codes [E, R, C]`` (1-byte elements) -> ``[E, C, R]`` contiguous, the same dtype: one pass, a ``[64, 64]``
+    tile a program (torch's transposing copy of 1-byte elements reads ~180 GB/s on the H200)."""
+    e, r, c = codes.shape
+    src = codes.contiguous().view(torch.uint8)
+    dst = torch.empty((e, c, r), dtype=torch.uint8, device=codes.device)
+    if dst.numel():
+        grid = (triton.cdiv(r, 64), triton.cdiv(c, 64), e)
+        transpose_codes_kernel[grid](src, dst, r, c, r * c, r * c, BT=64, num_warps=4)
+    return dst.view(codes.dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["window_indices", "range_indices", "combine_indices", "gather_rows_masked"]
+__all__ = ["window_indices", "range_indices", "combine_indices", "gather_rows_masked", "take_rows"]
 
 
 def window_indices(pos: Tensor, real: Tensor, window: int) -> Tensor:
@@ -47,6 +47,16 @@ def combine_indices(window_ids: Tensor, compressed_ids: Tensor | None, num_rows:
     return torch.cat([window_ids, shifted], dim=1)
 
 
+def take_rows(table: Tensor, ids: Tensor) -> Tensor:
+    """``table[ids]`` (``[*ids.shape, *table.shape[1:]]``, ``ids`` in range) through ``index_select``.
+
+    Why: the backward of ``table[ids]`` is ``index_put_(..., accumulate=True)``, whose CPU kernel sums repeated rows
+    in an order that changes from run to run with more than one thread (two runs of one training step differed in
+    the last bits); ``index_select``'s is ``index_add_``, the same sums in one order.
+    """
+    return table.index_select(0, ids.reshape(-1)).view(*ids.shape, *table.shape[1:])
+
+
 def gather_rows_masked(table: Tensor, ids: Tensor) -> Tensor:
     """``table[ids]`` with zero rows where ``ids < 0`` (``[*ids.shape, *table.shape[1:]]``).
 
@@ -57,6 +67,6 @@ def gather_rows_masked(table: Tensor, ids: Tensor) -> Tensor:
     from an empty slot), so each row's results depend only on the rows it names.
     """
     valid = ids >= 0
-    rows = table[ids.clamp(min=0)]
+    rows = take_rows(table, ids.clamp(min=0))
     mask = valid.reshape(*valid.shape, *([1] * (rows.dim() - valid.dim())))
     return torch.where(mask, rows, rows.new_zeros(()))

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from ...models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfig
+from ...ops.fp8.grouped import input_grad_copies
 from ..mesh import ParallelDims
 from .counts import GROUPS, GroupCount, Training, cached, count_groups, layer_kinds
 from .measured import KEPT_KIB, TRANSIENT
@@ -151,7 +152,8 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
                        "fp8_linears": t.fp8_linears, "fp8": [g for g in GROUPS if t.fp8(g)]})
     weights, grads_at_peak, reduce_scatter = _weights(p, c, dims, sz, cb)
     kept, workspaces = _activations(p, c, dims)
-    p.memory = replace(weights, activations_kept=kept, workspaces=workspaces, fp8_workspace=fp8_workspace(c, rows, t))
+    p.memory = replace(weights, activations_kept=kept, workspaces=workspaces,
+                       fp8_workspace=fp8_workspace(c, rows, t, dims.ep))
     _peak(p, c, grads_at_peak, reduce_scatter)
     step_time(p, c, dims, sz, t)
     return p
@@ -222,18 +224,24 @@ def _activations(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims) -> tuple
     return act, workspaces
 
 
-def fp8_workspace(c: DeepseekV4ModelConfig, rows: int, t: Training) -> float:
+def fp8_workspace(c: DeepseekV4ModelConfig, rows: int, t: Training, ep: int = 1) -> float:
     """Bytes alive while frozen FP8-held weights are multiplied, in one layer's backward. Routed experts (the
     grouped kernels read the codes as held: the Gluon kernel transposes each weight tile in shared memory for the
     input gradient, the weight-only kernel casts it in registers): ``fp8``: the 1x128-quantized copies of the
-    GEMMs' inputs and output gradients on a MoE chunk of rows, ``w8a16``: none. Dense groups (``fp8_linear``): the
-    largest attention matrix ``[H d, max(q_lora, o_lora)]``, ``fp8``: its transposed FP8 copy for the input gradient
-    (cuBLAS reads K-major operands) and the quantized activations of the rank's rows at width ``D``; ``w8a16``: its
-    bf16 dequantized copy."""
+    GEMMs' inputs and output gradients on a MoE chunk of rows, and where the rank's experts get
+    ``COPY_ROWS_PER_EXPERT`` rows each (routing balanced over ``ep`` ranks) the K-major copy of its ``E / ep``
+    experts' gate / up weights that the input gradient multiplies instead; ``w8a16``: none. Dense groups
+    (``fp8_linear``): the largest attention matrix ``[H d, max(q_lora, o_lora)]``, ``fp8``: its transposed FP8 copy
+    for the input gradient (cuBLAS reads K-major operands) and the quantized activations of the rank's rows at width
+    ``D``; ``w8a16``: its bf16 dequantized copy."""
     D, I, k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
     out = 0.0
     if t.fp8("experts") and t.base_precision == "fp8":
-        out = min(rows, c.moe_chunk_rows) * k * (D + 2 * I) * FP8_ACT_BYTES
+        moe_rows = min(rows, c.moe_chunk_rows) * k
+        out = moe_rows * (D + 2 * I) * FP8_ACT_BYTES
+        local = c.n_routed_experts // ep
+        if input_grad_copies(moe_rows, local):  # gate / up's copy, the larger (down's is freed before it is made)
+            out += local * 2 * I * D * FP8_BYTES
     if any(t.fp8(g) for g in ("attention", "indexer", "compressor", "shared_experts")):
         w = c.num_attention_heads * c.head_dim * max(c.q_lora_rank, c.o_lora_rank)
         out += (w * FP8_BYTES + rows * D * 2 * FP8_ACT_BYTES if t.base_precision == "fp8" else w * 2.0)
