@@ -162,6 +162,53 @@ def test_gluon_fp8_input_gradient_swap_builds_for_sm90(scales_tma, low_rank):
     assert info["mbarrier_inits"] == 4 * 2 + (4 if low_rank else 0)
 
 
+_WIDE_SCRIPT = r"""
+import json, re, sys
+from tests.ops.gluon_sm90 import build_sm90
+from csattn.ops.fp8.gluon_tiles import tile_smem
+from csattn.ops.fp8.gluon_wide import WIDE_SETTINGS, fp8_grouped_gluon_wide_kernel as fn
+from triton.experimental.gluon import language as gl
+
+low_rank = sys.argv[1] == "1"
+a = f"tensordesc<fp8e4nv[64, 128],{tile_smem()!r}>"
+ints = ("KC", "E", "W_ROWS", "tiles_m", "tiles_n", "stride_sam", "stride_sak", "stride_swe", "stride_sbk", "stride_sbn",
+        "stride_om")
+sig = {"a_desc": a, "w_desc": f"tensordesc<fp8e4nv[256, 128],{tile_smem()!r}>", "sa": "*fp32", "sw": "*fp32",
+       "table": "*i32", "out": "*bf16", **{k: "i32" for k in ints}, "v_desc": a, "lw_desc": a, "l_scale": "fp32"}
+if low_rank:  # the LoRA term at rank 16: the tile's 64 rows of v, its 256 columns of w
+    lr = gl.NVMMASharedLayout.get_default_for([128, 16], gl.bfloat16)
+    sig["v_desc"], sig["lw_desc"] = f"tensordesc<bf16[64, 16],{lr!r}>", f"tensordesc<bf16[256, 16],{lr!r}>"
+kernel, ptx, info = build_sm90(fn, sig, dict(E_P2=512, LOW_RANK=low_rank, **WIDE_SETTINGS),
+                               [k for k, v in sig.items() if v.startswith("*")] + ["stride_om"])
+print(json.dumps({**info, "serialized": any(c in info["ptxas"] for c in ("C7514", "C7512", "C7517")),
+                  "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.",
+                                                 ptx))),
+                  "wait_group": sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))),
+                  "tma": "cp.async.bulk.tensor" in ptx,
+                  "global_stores_v4": len(re.findall(r"st\.global\.v4\.b32", ptx)),
+                  "global_stores_b32": len(re.findall(r"st\.global\.b32", ptx)),
+                  "stores_v4": len(re.findall(r"st\.shared\.v4", ptx)),
+                  "mbarrier_inits": len(re.findall(r"mbarrier\.init", ptx)), "shared": kernel.metadata.shared}))
+"""
+
+
+@pytest.mark.parametrize("low_rank", [False, True])
+def test_gluon_fp8_wide_forward_builds_for_sm90(low_rank):
+    """The forward over ``[64, 256]`` tiles (``gluon_wide``): the kernel's loop (one product left running while the
+    last is promoted), FP8 MMAs of ``m64n128k32`` (each math warpgroup a 128-column block of the tile's 64 rows), no
+    spills or serialized MMAs at the forward's register split, the result in 16-byte stores through shared memory
+    (as :data:`_EPILOGUE`), 4 stages of 40 KB, LoRA's term in 2 x 10 KB."""
+    info = run_build(_WIDE_SCRIPT, "1" if low_rank else "0")
+    print({k: v for k, v in info.items() if k != "ptxas"})
+    assert info["ptxas_rc"] == 0, info["ptxas"]
+    assert info["spill_stores"] == 0 and not info["serialized"] and "C75" not in info["ptxas"], info["ptxas"]
+    mmas = [["m64n128k16", "bf16"], ["m64n128k32", "e4m3"]] if low_rank else [["m64n128k32", "e4m3"]]
+    assert info["wgmma"] == mmas and info["wait_group"] == ["0", "1"] and info["tma"]
+    assert (info["global_stores_v4"], info["global_stores_b32"], info["stores_v4"]) == (_EPILOGUE, 0, _EPILOGUE)
+    assert 4 * 40 * 1024 <= info["shared"] <= (4 * 40 + 16 + (20 if low_rank else 0) + 1) * 1024
+    assert info["mbarrier_inits"] == 4 * 2 + (4 if low_rank else 0)
+
+
 @pytest.mark.parametrize("trans,settings,name", [
     (False, {"SWAP": True}, "SWAP"),  # SWAP is the input gradient's form
     (True, {"SCALES_TMA": True}, "SWAP"),  # a setting of SWAP's alone

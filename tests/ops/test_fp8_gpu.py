@@ -202,6 +202,45 @@ def test_gluon_input_grad_on_copy_equals_transposing(case, low_rank):
                        big.transpose(1, 2))
 
 
+# (experts, N, K, rows per expert below) for the [64, 256] tiles (N a multiple of 256): 5 contraction steps (a round
+# and the steps past it) with empty experts and last tiles of 40 / 100 rows, 16 steps, every row past offs[-1]
+WIDE_CASES = {"ragged": (16, 512, 640, 300), "deep": (4, 256, 2048, 700), "all_tail": (3, 256, 256, 0)}
+
+
+@pytest.mark.parametrize("low_rank", [False, True])
+@pytest.mark.parametrize("case", list(WIDE_CASES))
+def test_gluon_wide_forward_equals_the_kernel(case, low_rank, monkeypatch):
+    """The forward over ``[64, 256]`` tiles (``gluon_wide``) equals the ``[128, 128]`` kernel bit for bit (each
+    output's products, scales and additions in the same order), without and with LoRA's term; rows past
+    ``offs[-1]`` zero; the op takes it where ``WIDE_FORWARD`` is on."""
+    import csattn.ops.fp8.gluon_wide as fp8_wide
+
+    e, n, k, most = WIDE_CASES[case]
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q, s = _weight((e, n, k), g, k)
+    if not gluon_fits(torch.empty(1, device="cuda"), q):
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    from csattn.ops.fp8.gluon import RANK, grouped_mm_gluon
+
+    offs = _group_counts(e, most, g).cumsum(0).to(torch.int32)
+    m = int(offs[-1]) + 77
+    a = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    qa, sa = quantize_1x128(a)
+    lr = None
+    if low_rank:
+        lr = (torch.randn(m, RANK, generator=g, device="cuda").bfloat16(),
+              (torch.randn(e, n, RANK, generator=g, device="cuda") * 0.3).bfloat16(), 0.75)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fp8_wide.grouped_mm_gluon_wide(qa, sa, q, s, offs, out=out, low_rank=lr)
+    base = grouped_mm_gluon(qa, sa, q, s, offs, False, low_rank=lr)
+    assert torch.equal(out, base) and (out[int(offs[-1]):] == 0).all()
+    sa_t = quantize_1x128(a, scale_t=True)[1]  # the scales' transposed layout, read by strides: the same bits
+    assert torch.equal(fp8_wide.grouped_mm_gluon_wide(qa, sa_t, q, s, offs, low_rank=lr), base)
+    monkeypatch.setattr(fp8_wide, "WIDE_FORWARD", True)
+    op_lr = None if lr is None else LowRank(*lr)
+    assert torch.equal(fp8_grouped_mm(a, q, s, offs, low_rank=op_lr), base)
+
+
 def test_fp8_grouped_input_grad_takes_the_copy_from_its_rows():
     """With ``COPY_ROWS_PER_EXPERT`` rows an expert the op's input gradient runs on the K-major copy: the in-kernel
     transposition's output bit for bit, LoRA's term included."""

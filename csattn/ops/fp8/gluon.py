@@ -386,7 +386,7 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
         v, w, s_lr = low_rank
         order = torch.tensor(operand_columns(), device=w.device)
         low_rank = (v, w.reshape(e, n_out // 64, 64, -1).index_select(2, order).reshape(e, n_out, -1), s_lr)
-    v_desc, lw_desc, l_scale = (a_desc, a_desc, 0.0) if low_rank is None else _low_rank_descs(*low_rank, m, e, n_out)
+    v_desc, lw_desc, l_scale = (a_desc, a_desc, 0.0) if low_rank is None else low_rank_descs(*low_rank, m, e, n_out)
     a_scale, sam, sak, sa_desc = _activation_scales(a_scale, cfg)
     fp8_grouped_gluon_kernel[grid](
         a_desc, w_desc, a_scale, scale, table, out, m, n_out, c, e, n_w, tiles_m, tiles_n,
@@ -426,9 +426,11 @@ def _activation_scales(a_scale: Tensor, cfg: dict) -> tuple[Tensor, int, int, ob
     return scale_t, 1, scale_t.stride(0), desc
 
 
-def _low_rank_descs(v: Tensor, w: Tensor, scale: float, m: int, e: int, n_out: int) -> tuple:
-    """TMA descriptors of the low-rank term's ``v [M, R]`` and ``w [E, n_out, R]`` (blocks ``[128, R]``) and its
-    scale; a ``ValueError`` unless they fit (:func:`low_rank_fits`)."""
+def low_rank_descs(v: Tensor, w: Tensor, scale: float, m: int, e: int, n_out: int, v_rows: int = BM.value,
+                   w_rows: int = BN.value) -> tuple:
+    """TMA descriptors of the low-rank term's ``v [M, R]`` and ``w [E, n_out, R]`` (blocks ``[v_rows, R]`` and
+    ``[w_rows, R]``: a tile's rows and columns) and its scale; a ``ValueError`` unless they fit
+    (:func:`low_rank_fits`)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     if not low_rank_fits(v, w) or v.shape[0] != m or tuple(w.shape[:2]) != (e, n_out) or v.device != w.device:
@@ -437,9 +439,9 @@ def _low_rank_descs(v: Tensor, w: Tensor, scale: float, m: int, e: int, n_out: i
     r = v.shape[1]
     v, w = v.contiguous(), w.contiguous().view(e * n_out, r)
     gdt = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([BM.value, r], gdt)
-    return (TensorDescriptor(v, [m, r], [r, 1], [BM.value, r], layout),
-            TensorDescriptor(w, [e * n_out, r], [r, 1], [BN.value, r], layout), float(scale))
+    layout = gl.NVMMASharedLayout.get_default_for([BM.value, r], gdt)  # 32-byte rows: the same for any row count
+    return (TensorDescriptor(v, [m, r], [r, 1], [v_rows, r], layout),
+            TensorDescriptor(w, [e * n_out, r], [r, 1], [w_rows, r], layout), float(scale))
 
 
 def low_rank_fits(v: Tensor, w: Tensor) -> bool:

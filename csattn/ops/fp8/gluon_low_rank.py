@@ -1,6 +1,7 @@
 """LoRA's term in the Gluon FP8 grouped GEMM (``LOW_RANK``): the producer copies each tile's ``v`` rows and ``w``
 rows by TMA into one of two buffers, and each math warpgroup starts the tile's accumulator with their bf16 / fp16
-product (depth ``R``) instead of zeros. Shared by the kernel's forms (:mod:`.gluon`, :mod:`.gluon_swap`)."""
+product (depth ``R``) instead of zeros. Shared by the kernel's forms (:mod:`.gluon`, :mod:`.gluon_swap`,
+:mod:`.gluon_wide`)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ def _load_low_rank(low_rank, nt, row0, w_row):
 
 
 @gluon.jit
-def _low_rank_start(low_rank, nt, HALF: gl.constexpr, SWAP: gl.constexpr = False):
+def _low_rank_start(low_rank, nt, HALF: gl.constexpr, SWAP: gl.constexpr = False, WIDE: gl.constexpr = False):
     """The accumulator's start for the program's ``nt``-th tile: ``l_scale * v[rows] @ w^T`` (this warpgroup's 64
     rows), one bf16 / fp16 MMA of depth ``R``; the contraction's products are added to it. ``SWAP``: its transpose
     ``l_scale * w[columns] @ v^T`` (this warpgroup's 64 output columns by the tile's rows; ``w``'s rows in the
-    operand's order, :func:`.gluon_swap.operand_columns`, as the launcher permutes them)."""
+    operand's order, :func:`.gluon_swap.operand_columns`, as the launcher permutes them). ``WIDE`` (``[64, 256]``
+    tiles, :mod:`.gluon_wide`): the tile's 64 rows by this warpgroup's 128 columns."""
     v_desc, lw_desc, l_scale, v_buf, w_buf, lr_land, lr_empty = low_rank
     b = nt % 2
     mbarrier.wait(lr_land.index(b), (nt // 2) & 1)
@@ -39,6 +41,9 @@ def _low_rank_start(low_rank, nt, HALF: gl.constexpr, SWAP: gl.constexpr = False
     if SWAP:
         lo = warpgroup_mma(w_buf.index(b).slice(HALF * 64, 64, dim=0), v_buf.index(b).permute((1, 0)),
                            gl.zeros([64, BM], gl.float32, layout=LO), use_acc=False)
+    elif WIDE:
+        lo = warpgroup_mma(v_buf.index(b), w_buf.index(b).slice(HALF * 128, 128, dim=0).permute((1, 0)),
+                           gl.zeros([64, 128], gl.float32, layout=LO), use_acc=False)
     else:
         lo = warpgroup_mma(v_buf.index(b).slice(HALF * 64, 64, dim=0), w_buf.index(b).permute((1, 0)),
                            gl.zeros([64, BN], gl.float32, layout=LO), use_acc=False)
@@ -47,10 +52,11 @@ def _low_rank_start(low_rank, nt, HALF: gl.constexpr, SWAP: gl.constexpr = False
 
 
 @gluon.jit
-def _acc_start(low_rank, nt, zero, HALF: gl.constexpr, LOW_RANK: gl.constexpr, SWAP: gl.constexpr = False):
+def _acc_start(low_rank, nt, zero, HALF: gl.constexpr, LOW_RANK: gl.constexpr, SWAP: gl.constexpr = False,
+               WIDE: gl.constexpr = False):
     """A math warpgroup's accumulator at the start of the program's next tile, and the count of tiles that took the
     low-rank term: its start (:func:`_low_rank_start`) with ``LOW_RANK``, else ``zero``."""
     if LOW_RANK:
-        return _low_rank_start(low_rank, nt, HALF, SWAP), nt + 1
+        return _low_rank_start(low_rank, nt, HALF, SWAP, WIDE), nt + 1
     else:
         return zero, nt
