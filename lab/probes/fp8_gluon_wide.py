@@ -20,9 +20,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 import csattn.ops.fp8.gluon_wide as fp8_wide
 from csattn.ops.backend import sm_count
-from csattn.ops.fp8.gluon import _LOWER, _UPPER, _store
+from csattn.ops.fp8.gluon import _LOWER, _UPPER, _issue, _store
 from csattn.ops.fp8.gluon_tiles import BK, _tile, acc_layout, group_table, tile_smem
-from csattn.ops.fp8.gluon_wide import TM, TN, _issue_wide, _producer_wide, grouped_mm_gluon_wide
+from csattn.ops.fp8.gluon_wide import TM, TN, _producer_wide, grouped_mm_gluon_wide
 from lab.probes.gluon_forms import bench, forward_cases, forward_ring, frozen_moe_ms
 
 
@@ -44,7 +44,7 @@ def _math_ceiling(table, out, KC, E, tiles_m, tiles_n, stride_om, smem, HALF: gl
             for r in range(nk // 4):
                 j = it + 4 * r
                 for i in gl.static_range(4):
-                    acc = _issue_wide(a_smem, b_smem, land, acc, j + i, HALF, STAGES)
+                    acc = _issue(a_smem, b_smem, land, acc, j + i, HALF, STAGES, True)
                     if i > 0:
                         acc = warpgroup_mma_wait(1, deps=[acc])
                         mbarrier.arrive(empty.index((j + i - 1) % STAGES), count=1)

@@ -170,31 +170,41 @@ def _gluon_grouped_case(case: str, way: str) -> None:
         assert rel_err(out, same) < 4e-3
 
 
+def _same_bits_case(case: tuple[int, int, int, int], trans: bool, low_rank: bool, seed: int) -> tuple:
+    """Operands for two ways of the Gluon kernel compared bit for bit (skips off sm_90): ``case`` ``(E, N, K, most
+    rows a group)``, weights ``[E, N, K]``, groups as :func:`_group_counts`, 77 rows past ``offs[-1]``, the bf16
+    activation ``a`` (``[M, N]`` with ``trans``, else ``[M, K]``) and its 1x128 quantization, LoRA's term ``(v, w,
+    0.75)`` at the kernel's rank or None. Returns ``(q, s, offs, a, qa, sa, lr, generator)``."""
+    e, n, k, most = case
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, s = _weight((e, n, k), g, n if trans else k)
+    if not gluon_fits(torch.empty(1, device="cuda"), q):
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    from csattn.ops.fp8.gluon import RANK
+
+    offs = _group_counts(e, most, g).cumsum(0).to(torch.int32)
+    m = int(offs[-1]) + 77
+    a = torch.randn(m, n if trans else k, generator=g, device="cuda").bfloat16()
+    lr = None
+    if low_rank:
+        lr = (torch.randn(m, RANK, generator=g, device="cuda").bfloat16(),
+              (torch.randn(e, k if trans else n, RANK, generator=g, device="cuda") * 0.3).bfloat16(), 0.75)
+    return q, s, offs, a, *quantize_1x128(a), lr, g
+
+
 @pytest.mark.parametrize("low_rank", [False, True])
 @pytest.mark.parametrize("case", list(GLUON_CASES))
 def test_gluon_input_grad_on_copy_equals_transposing(case, low_rank):
     """The input gradient on the weights' K-major copy (the forward's kernel on ``transposed_weight``) equals the
     in-kernel transposition bit for bit, without and with LoRA's term: the same operand tiles in shared memory, the
     same products in the same order. The copy's codes are the transpose bit for bit at the slice's expert shape."""
+    from csattn.ops.fp8.gluon import grouped_mm_gluon
     from csattn.ops.fp8.grouped import transposed_weight
 
-    e, n, k, most = GLUON_CASES[case]
-    g = torch.Generator(device="cuda").manual_seed(6)
-    q, s = _weight((e, n, k), g, n)
-    if not gluon_fits(torch.empty(1, device="cuda"), q):
-        pytest.skip("the Gluon kernel runs on sm_90 only")
-    from csattn.ops.fp8.gluon import RANK, grouped_mm_gluon
-
-    offs = _group_counts(e, most, g).cumsum(0).to(torch.int32)
-    m = int(offs[-1]) + 77
-    qa, sa = quantize_1x128(torch.randn(m, n, generator=g, device="cuda").bfloat16())
-    lr = None
-    if low_rank:
-        lr = (torch.randn(m, RANK, generator=g, device="cuda").bfloat16(),
-              (torch.randn(e, k, RANK, generator=g, device="cuda") * 0.3).bfloat16(), 0.75)
+    q, s, offs, _, qa, sa, lr, g = _same_bits_case(GLUON_CASES[case], True, low_rank, 6)
     wt, st = transposed_weight(q, s)
     assert torch.equal(wt.view(torch.uint8), q.view(torch.uint8).transpose(1, 2))
-    out = torch.full((m, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = torch.full((qa.shape[0], q.shape[2]), float("nan"), device="cuda", dtype=torch.bfloat16)
     grouped_mm_gluon(qa, sa, wt, st, offs, False, out=out, low_rank=lr)
     assert torch.equal(out, grouped_mm_gluon(qa, sa, q, s, offs, True, low_rank=lr))
     big = torch.randint(0, 256, (64, 2048, 4096), generator=g, device="cuda", dtype=torch.uint8)
@@ -214,31 +224,17 @@ def test_gluon_wide_forward_equals_the_kernel(case, low_rank, monkeypatch):
     output's products, scales and additions in the same order), without and with LoRA's term; rows past
     ``offs[-1]`` zero; the op takes it where ``WIDE_FORWARD`` is on."""
     import csattn.ops.fp8.gluon_wide as fp8_wide
+    from csattn.ops.fp8.gluon import grouped_mm_gluon
 
-    e, n, k, most = WIDE_CASES[case]
-    g = torch.Generator(device="cuda").manual_seed(8)
-    q, s = _weight((e, n, k), g, k)
-    if not gluon_fits(torch.empty(1, device="cuda"), q):
-        pytest.skip("the Gluon kernel runs on sm_90 only")
-    from csattn.ops.fp8.gluon import RANK, grouped_mm_gluon
-
-    offs = _group_counts(e, most, g).cumsum(0).to(torch.int32)
-    m = int(offs[-1]) + 77
-    a = torch.randn(m, k, generator=g, device="cuda").bfloat16()
-    qa, sa = quantize_1x128(a)
-    lr = None
-    if low_rank:
-        lr = (torch.randn(m, RANK, generator=g, device="cuda").bfloat16(),
-              (torch.randn(e, n, RANK, generator=g, device="cuda") * 0.3).bfloat16(), 0.75)
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    q, s, offs, a, qa, sa, lr, _ = _same_bits_case(WIDE_CASES[case], False, low_rank, 8)
+    out = torch.full((a.shape[0], q.shape[1]), float("nan"), device="cuda", dtype=torch.bfloat16)
     fp8_wide.grouped_mm_gluon_wide(qa, sa, q, s, offs, out=out, low_rank=lr)
     base = grouped_mm_gluon(qa, sa, q, s, offs, False, low_rank=lr)
     assert torch.equal(out, base) and (out[int(offs[-1]):] == 0).all()
     sa_t = quantize_1x128(a, scale_t=True)[1]  # the scales' transposed layout, read by strides: the same bits
     assert torch.equal(fp8_wide.grouped_mm_gluon_wide(qa, sa_t, q, s, offs, low_rank=lr), base)
     monkeypatch.setattr(fp8_wide, "WIDE_FORWARD", True)
-    op_lr = None if lr is None else LowRank(*lr)
-    assert torch.equal(fp8_grouped_mm(a, q, s, offs, low_rank=op_lr), base)
+    assert torch.equal(fp8_grouped_mm(a, q, s, offs, low_rank=None if lr is None else LowRank(*lr)), base)
 
 
 def test_fp8_grouped_input_grad_takes_the_copy_from_its_rows():

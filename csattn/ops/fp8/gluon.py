@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..backend import sm_count, triton_version
-from .gluon_low_rank import _acc_start, _load_low_rank
+from .gluon_low_rank import _acc_start, _load_low_rank, _low_rank_ring
 from .gluon_swap import _math_swap, operand_columns
 from .gluon_tiles import BK, BM, BN, _cta_sync, _tile, _tma_load, acc_layout, group_table, tile_smem
 
@@ -138,12 +138,18 @@ def _scales(sa_ptrs, sw_ptr, rmask, kb, stride_sak, stride_sbk):
 
 
 @gluon.jit
-def _issue(a_smem, b_all, wait_on, zero, j, HALF: gl.constexpr, STAGES: gl.constexpr):
-    """Once stage ``j`` is ready, start its product (this warpgroup's 64 rows) into a fresh accumulator."""
+def _issue(a_smem, b_all, wait_on, zero, j, HALF: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr = False):
+    """Once stage ``j`` is ready, start its product into a fresh accumulator: this warpgroup's 64 rows of the tile
+    by its 128 columns, or (``WIDE``, :mod:`.gluon_wide`'s ``[64, 256]`` tiles) the tile's 64 rows by this
+    warpgroup's 128 columns."""
     s = j % STAGES
     mbarrier.wait(wait_on.index(s), (j // STAGES) & 1)
-    return warpgroup_mma(a_smem.index(s).slice(HALF * 64, 64, dim=0), b_all.index(s).permute((1, 0)), zero,
-                         use_acc=False, is_async=True)
+    if WIDE:
+        return warpgroup_mma(a_smem.index(s), b_all.index(s).slice(HALF * 128, 128, dim=0).permute((1, 0)), zero,
+                             use_acc=False, is_async=True)
+    else:
+        return warpgroup_mma(a_smem.index(s).slice(HALF * 64, 64, dim=0), b_all.index(s).permute((1, 0)), zero,
+                             use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -178,6 +184,35 @@ def _store(out, acc, first_row, row_end, pid_n, stride_om, COALESCED: gl.constex
 
 
 @gluon.jit
+def _contract(acc, zero, a_smem, b_all, wait_on, empty, sa_ptrs, sw_ptr, rmask, it, nk, stride_sak, stride_sbk,
+              HALF: gl.constexpr, STAGES: gl.constexpr, SIMPLE: gl.constexpr, WIDE: gl.constexpr):
+    """A tile's contraction, ``nk`` steps from the ring's step ``it``, added into ``acc`` with the promotion (``sa *
+    sw`` of each step for the warpgroup's rows). Four steps a round, each in its own accumulator registers, the
+    product of the next step started before the last one is added in; no product runs across the loop's back edge
+    (ptxas would copy its registers there and serialize the MMAs). ``SIMPLE``: every step waited for before its
+    promotion. ``WIDE``: :func:`_issue`'s."""
+    for r in range(0, 0 if SIMPLE else nk // 4):
+        j = it + 4 * r
+        sc0 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r, stride_sak, stride_sbk)
+        t0 = _issue(a_smem, b_all, wait_on, zero, j, HALF, STAGES, WIDE)
+        sc1 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 1, stride_sak, stride_sbk)
+        t1 = _issue(a_smem, b_all, wait_on, zero, j + 1, HALF, STAGES, WIDE)
+        acc = _promote(acc, t0, sc0, empty, j, 1, STAGES)
+        sc2 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 2, stride_sak, stride_sbk)
+        t2 = _issue(a_smem, b_all, wait_on, zero, j + 2, HALF, STAGES, WIDE)
+        acc = _promote(acc, t1, sc1, empty, j + 1, 1, STAGES)
+        sc3 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 3, stride_sak, stride_sbk)
+        t3 = _issue(a_smem, b_all, wait_on, zero, j + 3, HALF, STAGES, WIDE)
+        acc = _promote(acc, t2, sc2, empty, j + 2, 1, STAGES)
+        acc = _promote(acc, t3, sc3, empty, j + 3, 0, STAGES)
+    for kb in range(0 if SIMPLE else nk // 4 * 4, nk):
+        sc0 = _scales(sa_ptrs, sw_ptr, rmask, kb, stride_sak, stride_sbk)
+        t0 = _issue(a_smem, b_all, wait_on, zero, it + kb, HALF, STAGES, WIDE)
+        acc = _promote(acc, t0, sc0, empty, it + kb, 0, STAGES)
+    return acc
+
+
+@gluon.jit
 def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
           stride_sbn, stride_om, smem, low_rank, HALF: gl.constexpr, TRANS: gl.constexpr, E_P2: gl.constexpr,
           GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr, SIMPLE: gl.constexpr,
@@ -201,29 +236,10 @@ def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, s
         if g < E:
             sa_ptrs = sa + rows.to(gl.int64) * stride_sam
             sw_ptr = sw + g.to(gl.int64) * stride_swe + pid_n * stride_sbn
-            # Four steps a round, each in its own accumulator registers, the product of the next step started
-            # before the last one is added in; no product runs across the loop's back edge (ptxas would copy
-            # its registers there and serialize the MMAs)
             # the low-rank term started in the accumulator: no second one at the end, where the registers are short
             acc, nt = _acc_start(low_rank, nt, zero, HALF, LOW_RANK)
-            for r in range(0, 0 if SIMPLE else nk // 4):
-                j = it + 4 * r
-                sc0 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r, stride_sak, stride_sbk)
-                t0 = _issue(a_smem, b_all, wait_on, zero, j, HALF, STAGES)
-                sc1 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 1, stride_sak, stride_sbk)
-                t1 = _issue(a_smem, b_all, wait_on, zero, j + 1, HALF, STAGES)
-                acc = _promote(acc, t0, sc0, empty, j, 1, STAGES)
-                sc2 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 2, stride_sak, stride_sbk)
-                t2 = _issue(a_smem, b_all, wait_on, zero, j + 2, HALF, STAGES)
-                acc = _promote(acc, t1, sc1, empty, j + 1, 1, STAGES)
-                sc3 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 3, stride_sak, stride_sbk)
-                t3 = _issue(a_smem, b_all, wait_on, zero, j + 3, HALF, STAGES)
-                acc = _promote(acc, t2, sc2, empty, j + 2, 1, STAGES)
-                acc = _promote(acc, t3, sc3, empty, j + 3, 0, STAGES)
-            for kb in range(0 if SIMPLE else nk // 4 * 4, nk):
-                sc0 = _scales(sa_ptrs, sw_ptr, rmask, kb, stride_sak, stride_sbk)
-                t0 = _issue(a_smem, b_all, wait_on, zero, it + kb, HALF, STAGES)
-                acc = _promote(acc, t0, sc0, empty, it + kb, 0, STAGES)
+            acc = _contract(acc, zero, a_smem, b_all, wait_on, empty, sa_ptrs, sw_ptr, rmask, it, nk, stride_sak,
+                            stride_sbk, HALF, STAGES, SIMPLE, False)
             it += nk
             _store(out, acc, row0 + HALF * 64, row_end, pid_n, stride_om, COALESCED)
         elif g == E:  # rows past offs[-1]
@@ -268,17 +284,7 @@ def fp8_grouped_gluon_kernel(
     else:
         sa_smem = a_smem
     smem = (a_smem, raw, bt, land, ready, empty, sa_smem)
-    if LOW_RANK:  # two buffers of the low-rank term's tiles: the producer fills one tile ahead
-        v_buf = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-        w_buf = gl.allocate_shared_memory(lw_desc.dtype, [2] + lw_desc.block_type.shape, lw_desc.layout)
-        lr_land = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        lr_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(2):
-            mbarrier.init(lr_land.index(b), count=1)
-            mbarrier.init(lr_empty.index(b), count=2)
-        low_rank = (v_desc, lw_desc, l_scale, v_buf, w_buf, lr_land, lr_empty)
-    else:
-        low_rank = (v_desc, lw_desc, l_scale, a_smem, a_smem, land, empty)
+    low_rank = _low_rank_ring(v_desc, lw_desc, l_scale, a_smem, land, empty, LOW_RANK)
     if SWAP:
         gl.warp_specialize([
             (_math_swap, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_swe, stride_sbk, stride_sbn,
@@ -357,25 +363,16 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     dtype, ``R`` = :data:`RANK`: ``scale * v[rows of e] @ w[e]^T`` is added to the output before its rounding.
     ``a_scale`` ``[M, KC / 128]`` row-major, or the view of a ``[KC / 128, M]`` tensor (``quantize_1x128(...,
     scale_t=True)``), whose loads along a tile's rows are contiguous."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     cfg = _settings(trans, settings)
     m, c = a.shape
     e, n_w, k_w = weight.shape
     n_out = k_w if trans else n_w
-    a = a.contiguous()
-    if 1 not in a_scale.stride():  # the kernel reads the scales by strides: row-major or its transposed view
-        a_scale = a_scale.contiguous()
-    weight, scale = weight.contiguous(), scale.contiguous()
-    if out is None:
-        out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
+    a, a_scale, weight, scale, out = prepared(a, a_scale, weight, scale, out, n_out, out_dtype)
     if m == 0:
         return out
     e_p2 = max(128, triton.next_power_of_2(e + 2))
     table = group_table(offs, m, e_p2)
-    layout = tile_smem()
-    a_desc = TensorDescriptor(a, [m, c], [c, 1], [BM.value, BK.value], layout)
-    w_desc = TensorDescriptor(weight.view(e * n_w, k_w), [e * n_w, k_w], [k_w, 1], [128, 128], layout)
+    a_desc, w_desc = tile_descs(a, weight, BM.value, 128)
     if trans:  # contraction along W's rows
         ssk, ssn = scale.stride(1), scale.stride(2)
     else:
@@ -393,6 +390,28 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
         sam, sak, scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale, sa_desc or a_desc,
         TRANS=trans, E_P2=e_p2, **cfg, LOW_RANK=low_rank is not None, num_warps=4)
     return out
+
+
+def prepared(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, out: Tensor | None, n_out: int,
+             out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The launchers' operands: ``a``, the weights and their scales contiguous, the activation's scales row-major or
+    the transposed view (the kernels read them by strides), and the output ``[M, n_out]`` (made where None)."""
+    a = a.contiguous()
+    if 1 not in a_scale.stride():
+        a_scale = a_scale.contiguous()
+    if out is None:
+        out = torch.empty((a.shape[0], n_out), dtype=out_dtype, device=a.device)
+    return a, a_scale, weight.contiguous(), scale.contiguous(), out
+
+
+def tile_descs(a: Tensor, weight: Tensor, a_rows: int, w_rows: int) -> tuple:
+    """TMA descriptors of the e4m3 activations ``a [M, C]`` (blocks ``[a_rows, 128]``) and the weights ``[E, R, C']``
+    viewed ``[E R, C']`` (blocks ``[w_rows, 128]``), in the 128-byte-swizzled tile layout."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    (m, c), (e, r, k) = a.shape, weight.shape
+    return (TensorDescriptor(a, [m, c], [c, 1], [a_rows, BK.value], tile_smem()),
+            TensorDescriptor(weight.view(e * r, k), [e * r, k], [k, 1], [w_rows, BK.value], tile_smem()))
 
 
 def _settings(trans: bool, settings: dict | None) -> dict:

@@ -13,6 +13,25 @@ from .gluon_tiles import BM, BN, _tma_load, acc_layout
 
 
 @gluon.jit
+def _low_rank_ring(v_desc, lw_desc, l_scale, spare, land, empty, LOW_RANK: gl.constexpr):
+    """The partitions' view of the low-rank term: with ``LOW_RANK`` its descriptors, two buffers of its tiles (the
+    producer fills one a tile ahead) and their barriers (landed; free once both math warpgroups took the term); else
+    the descriptors and stand-ins that nothing reads (``spare``, ``land``, ``empty``: no buffer or barrier made and
+    left unused, whose bytes the allocator could give a later buffer while they hold an initialized barrier)."""
+    if LOW_RANK:
+        v_buf = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        w_buf = gl.allocate_shared_memory(lw_desc.dtype, [2] + lw_desc.block_type.shape, lw_desc.layout)
+        lr_land = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        lr_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(lr_land.index(b), count=1)
+            mbarrier.init(lr_empty.index(b), count=2)
+        return (v_desc, lw_desc, l_scale, v_buf, w_buf, lr_land, lr_empty)
+    else:
+        return (v_desc, lw_desc, l_scale, spare, spare, land, empty)
+
+
+@gluon.jit
 def _load_low_rank(low_rank, nt, row0, w_row):
     """The low-rank term's tiles of the program's ``nt``-th tile: ``v`` rows ``[row0, row0 + 128)`` (rows past ``M``
     read as zeros; rows of the next group are read, and their results not stored) and ``w`` rows ``[w_row,

@@ -17,11 +17,11 @@ import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ..backend import sm_count
-from .gluon import _LOWER, _UPPER, _promote, _scales, _store, low_rank_descs
-from .gluon_low_rank import _acc_start, _load_low_rank
+from .gluon import _LOWER, _UPPER, _contract, _store, low_rank_descs, prepared, tile_descs
+from .gluon_low_rank import _acc_start, _load_low_rank, _low_rank_ring
 from .gluon_tiles import BK, _tile, _tma_load, acc_layout, group_table, tile_smem
 
 __all__ = ["WIDE_FORWARD", "grouped_mm_gluon_wide", "wide_fits"]
@@ -56,20 +56,11 @@ def _producer_wide(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem,
 
 
 @gluon.jit
-def _issue_wide(a_smem, b_smem, land, zero, j, HALF: gl.constexpr, STAGES: gl.constexpr):
-    """Once stage ``j`` has landed, start this warpgroup's product: the tile's 64 rows by its 128 columns."""
-    s = j % STAGES
-    mbarrier.wait(land.index(s), (j // STAGES) & 1)
-    return warpgroup_mma(a_smem.index(s), b_smem.index(s).slice(HALF * 128, 128, dim=0).permute((1, 0)), zero,
-                         use_acc=False, is_async=True)
-
-
-@gluon.jit
 def _math_wide(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
                stride_sbn, stride_om, smem, low_rank, HALF: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
                STAGES: gl.constexpr, LOW_RANK: gl.constexpr):
-    """Math warpgroup ``HALF``: the tile's 64 rows by columns ``[128 HALF, 128 HALF + 128)``, :mod:`.gluon`'s loop
-    (four steps a round, the next product started before the last is promoted), then its steps past the rounds."""
+    """Math warpgroup ``HALF``: the tile's 64 rows by columns ``[128 HALF, 128 HALF + 128)``, :mod:`.gluon`'s
+    contraction (four steps a round, the next product started before the last is promoted)."""
     ACC: gl.constexpr = acc_layout()
     a_smem, b_smem, land, empty = smem
     zero = gl.zeros([64, 128], gl.float32, layout=ACC)
@@ -85,24 +76,8 @@ def _math_wide(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_s
             sa_ptrs = sa + rows.to(gl.int64) * stride_sam
             sw_ptr = sw + g.to(gl.int64) * stride_swe + block * stride_sbn
             acc, nt = _acc_start(low_rank, nt, zero, HALF, LOW_RANK, WIDE=True)
-            for r in range(nk // 4):
-                j = it + 4 * r
-                sc0 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r, stride_sak, stride_sbk)
-                t0 = _issue_wide(a_smem, b_smem, land, zero, j, HALF, STAGES)
-                sc1 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 1, stride_sak, stride_sbk)
-                t1 = _issue_wide(a_smem, b_smem, land, zero, j + 1, HALF, STAGES)
-                acc = _promote(acc, t0, sc0, empty, j, 1, STAGES)
-                sc2 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 2, stride_sak, stride_sbk)
-                t2 = _issue_wide(a_smem, b_smem, land, zero, j + 2, HALF, STAGES)
-                acc = _promote(acc, t1, sc1, empty, j + 1, 1, STAGES)
-                sc3 = _scales(sa_ptrs, sw_ptr, rmask, 4 * r + 3, stride_sak, stride_sbk)
-                t3 = _issue_wide(a_smem, b_smem, land, zero, j + 3, HALF, STAGES)
-                acc = _promote(acc, t2, sc2, empty, j + 2, 1, STAGES)
-                acc = _promote(acc, t3, sc3, empty, j + 3, 0, STAGES)
-            for kb in range(nk // 4 * 4, nk):
-                sc0 = _scales(sa_ptrs, sw_ptr, rmask, kb, stride_sak, stride_sbk)
-                t0 = _issue_wide(a_smem, b_smem, land, zero, it + kb, HALF, STAGES)
-                acc = _promote(acc, t0, sc0, empty, it + kb, 0, STAGES)
+            acc = _contract(acc, zero, a_smem, b_smem, land, empty, sa_ptrs, sw_ptr, rmask, it, nk, stride_sak,
+                            stride_sbk, HALF, STAGES, False, True)
             it += nk
             _store(out, acc, row0, row_end, block, stride_om, True)
         elif g == E:  # rows past offs[-1]
@@ -126,17 +101,7 @@ def fp8_grouped_gluon_wide_kernel(
         mbarrier.init(land.index(s), count=1)  # the expect; the copies' bytes
         mbarrier.init(empty.index(s), count=2)  # each math warpgroup, once its MMA on the stage is done
     smem = (a_smem, b_smem, land, empty)
-    if LOW_RANK:  # two buffers of the low-rank term's tiles: the producer fills one tile ahead
-        v_buf = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-        w_buf = gl.allocate_shared_memory(lw_desc.dtype, [2] + lw_desc.block_type.shape, lw_desc.layout)
-        lr_land = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        lr_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(2):
-            mbarrier.init(lr_land.index(b), count=1)
-            mbarrier.init(lr_empty.index(b), count=2)
-        low_rank = (v_desc, lw_desc, l_scale, v_buf, w_buf, lr_land, lr_empty)
-    else:
-        low_rank = (v_desc, lw_desc, l_scale, a_smem, a_smem, land, empty)
+    low_rank = _low_rank_ring(v_desc, lw_desc, l_scale, a_smem, land, empty, LOW_RANK)
     gl.warp_specialize([
         (_math_wide, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
                       stride_sbn, stride_om, smem, low_rank, _UPPER, E_P2, GROUP_M, STAGES, LOW_RANK)),
@@ -165,26 +130,17 @@ def grouped_mm_gluon_wide(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Ten
     ``a`` e4m3 ``[M, K]`` with its 1x128 scales (row-major or the transposed view), ``weight`` e4m3 ``[E, N, K]`` (``N``
     a multiple of 256, :func:`wide_fits`) and its 128x128 scales; ``low_rank`` as there. ``settings`` over
     :data:`WIDE_SETTINGS` (measurements)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     if not wide_fits(weight):
         raise ValueError(f"the [64, 256] tiles take weights whose N is a multiple of 256, got {tuple(weight.shape)}")
     cfg = {**WIDE_SETTINGS, **(settings or {})}
     m, c = a.shape
     e, n_w, k_w = weight.shape
-    a = a.contiguous()
-    if 1 not in a_scale.stride():
-        a_scale = a_scale.contiguous()
-    weight, scale = weight.contiguous(), scale.contiguous()
-    if out is None:
-        out = torch.empty((m, n_w), dtype=out_dtype, device=a.device)
+    a, a_scale, weight, scale, out = prepared(a, a_scale, weight, scale, out, n_w, out_dtype)
     if m == 0:
         return out
     e_p2 = max(128, triton.next_power_of_2(e + 2))
     table = group_table(offs, m, e_p2, bm=TM.value)
-    layout = tile_smem()
-    a_desc = TensorDescriptor(a, [m, c], [c, 1], [TM.value, BK.value], layout)
-    w_desc = TensorDescriptor(weight.view(e * n_w, k_w), [e * n_w, k_w], [k_w, 1], [TN.value, BK.value], layout)
+    a_desc, w_desc = tile_descs(a, weight, TM.value, TN.value)
     tiles_m, tiles_n = triton.cdiv(m, TM.value) + e + 1, n_w // TN.value
     grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
     v_desc, lw_desc, l_scale = ((a_desc, a_desc, 0.0) if low_rank is None
