@@ -209,6 +209,30 @@ def test_gluon_fp8_wide_forward_builds_for_sm90(low_rank):
     assert info["mbarrier_inits"] == 4 * 2 + (4 if low_rank else 0)
 
 
+_TRANSPOSE_SCRIPT = r"""
+import json, re
+from tests.ops.gluon_sm90 import build_sm90
+from csattn.ops.fp8.triton import transpose_codes_kernel as fn
+
+sig = {"src": "*u8", "dst": "*u8", "R": "i32", "C": "i32", "stride_se": "i32", "stride_de": "i32"}
+kernel, ptx, info = build_sm90(fn, sig, {"BT": 64}, list(sig), gluon=False)
+print(json.dumps({**info, "loads": sorted(set(re.findall(r"ld\.global[.a-z0-9]*", ptx))),
+                  "stores": sorted(set(re.findall(r"st\.global[.a-z0-9]*", ptx))),
+                  "shared": kernel.metadata.shared}))
+"""
+
+
+def test_transpose_codes_builds_for_sm90():
+    """The K-major copy's pass (``triton.transpose_codes_kernel``) at 16-aligned widths (the experts' are multiples
+    of 128): global memory read and written in 16-byte accesses only (the tile's rows in both), through 4 KB of
+    shared memory, no spills."""
+    info = run_build(_TRANSPOSE_SCRIPT)
+    print({k: v for k, v in info.items() if k != "ptxas"})
+    assert info["ptxas_rc"] == 0 and info["spill_stores"] == 0, info["ptxas"]
+    assert info["loads"] == ["ld.global.v4.b32"] and info["stores"] == ["st.global.v4.b32"]
+    assert info["shared"] <= 4096
+
+
 @pytest.mark.parametrize("trans,settings,name", [
     (False, {"SWAP": True}, "SWAP"),  # SWAP is the input gradient's form
     (True, {"SCALES_TMA": True}, "SWAP"),  # a setting of SWAP's alone
