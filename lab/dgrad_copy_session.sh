@@ -7,9 +7,9 @@
 set -u
 OUT=${OUT:-/tmp/dgrad_copy}; mkdir -p "$OUT"; START=$SECONDS
 . "$(dirname "$0")/device_env.sh"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -k "${TESTS:-not swap}" \
+timeout 300 python3 -m pytest -q -p no:cacheprovider ${TESTS:+-k "$TESTS"} \
   tests/ops/test_fp8_gpu.py > "$OUT/gpu_tests.txt" 2>&1
 grep -E "passed|failed|^FAILED|^E  " "$OUT/gpu_tests.txt" | tail -6
-timeout "${PROBE_TIMEOUT:-300}" python3 -m lab.probes.fp8_dgrad_copy > "$OUT/dgrad_copy.txt" 2>&1
+timeout "${PROBE_TIMEOUT:-270}" python3 -m lab.probes.fp8_dgrad_copy > "$OUT/dgrad_copy.txt" 2>&1
 grep -v Warning "$OUT/dgrad_copy.txt"
 echo "[session] $((SECONDS - START)) s"

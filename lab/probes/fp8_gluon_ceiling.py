@@ -93,15 +93,15 @@ def ceiling_kernel(a_desc, w_desc, sa, table, out, M, KC, E, W_ROWS, tiles_m, ti
     """The forward's pipeline (:func:`csattn.ops.fp8.gluon.fp8_grouped_gluon_kernel` with ``TRANS`` off, no
     low-rank term) with :func:`_math_ceiling` as its math warpgroups."""
     a_smem, raw, land, empty = forward_ring(STAGES, BM, BN)
-    smem = (a_smem, raw, raw, land, land, empty, a_smem)
+    smem = (a_smem, raw, raw, land, land, empty)
     low_rank = (a_desc, a_desc, 0.0, a_smem, a_smem, land, empty)
     gl.warp_specialize([
         (_math_ceiling, (sa, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_om, smem, _UPPER, E_P2,
                          GROUP_M, STAGES, MODE, EPI)),
         (_math_ceiling, (sa, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_om, smem, _LOWER, E_P2,
                          GROUP_M, STAGES, MODE, EPI)),
-        (_producer, (a_desc, w_desc, a_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, False,
-                     E_P2, GROUP_M, STAGES, 0, False, False, False, False)),
+        (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, False,
+                     E_P2, GROUP_M, STAGES, 0, False)),
     ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 

@@ -1,12 +1,13 @@
 """The frozen-expert MoE with LoRA on the experts (rank 16; 256 experts top-6, 16k tokens, D 4096, I 2048; forward
-+ backward: input, routing-weight and factor gradients), five ways side by side: bf16 experts, FP8 experts with
-the LoRA term added after the kernel, FP8 with the term in the Gluon kernel's epilogue
-(``csattn.ops.fp8.gluon.FUSE_LOW_RANK``, set here for the run), and both FP8 ways with the input gradient's SWAP
-form (``SWAP_SETTINGS``); each FP8 run's output and every gradient against the unfused one's.
++ backward: input, routing-weight and factor gradients), three ways side by side: bf16 experts, FP8 experts with
+the LoRA term added after the kernel, and FP8 with the term in the Gluon kernel's epilogue
+(``csattn.ops.fp8.gluon.FUSE_LOW_RANK``, set here for the run); the fused run's output and every gradient against
+the unfused one's.
 Run on an H200: python -m lab.probes.moe_lora_fused (``WAYS="bf16,fp8,fp8 fused"``: only those; bf16 and fp8 always
 needed for the comparison)"""
 
 import os
+from unittest import mock
 
 import torch
 
@@ -14,7 +15,6 @@ import csattn.ops.fp8.gluon as fp8_gluon
 from benchmarks.providers.fp8 import GROUPED, LIMIT, _quantized, _routed
 from csattn.ops.fp8 import dequantize
 from csattn.ops.moe import ExpertLora, moe_experts
-from lab.probes.gluon_forms import input_grad_form
 from tests.helpers import rel_err
 
 
@@ -60,15 +60,11 @@ def timed(run, leaves, dout, reps: int = 10) -> float:
 
 def main() -> None:
     results = {}
-    for name, compute, fuse, swap in (("bf16", "bf16", False, False), ("fp8", "fp8", False, False),
-                                      ("fp8 fused", "fp8", True, False), ("fp8 swap", "fp8", False, True),
-                                      ("fp8 swap fused", "fp8", True, True)):
+    for name, compute, fuse in (("bf16", "bf16", False), ("fp8", "fp8", False), ("fp8 fused", "fp8", True)):
         if name not in os.environ.get("WAYS", name).split(","):  # WAYS="bf16,fp8": only those
             continue
-        # lab switches for this comparison (the library reads both per call): the term in the kernel, and the input
-        # gradient's SWAP form
-        fp8_gluon.FUSE_LOW_RANK = fuse
-        with input_grad_form(fp8_gluon.SWAP_SETTINGS if swap else None):
+        # a lab switch for this comparison (the library reads it per call): the term in the kernel
+        with mock.patch.object(fp8_gluon, "FUSE_LOW_RANK", fuse):
             run = leaves = dout = None  # the last way's weights go before this one's are made (an H100 ran out)
             run, leaves, dout = build(compute)
             results[name] = step(run, leaves, dout)
@@ -76,8 +72,7 @@ def main() -> None:
     names = ["out", "dx", "dweights", "d gate_up a", "d gate_up b", "d down a", "d down b"]
     for i, n in enumerate(names):
         unfused, bf16 = results["fp8"][i], results["bf16"][i]
-        others = "   ".join(f"{k} {rel_err(results[k][i], unfused):.2e}" for k in ("fp8 fused", "fp8 swap",
-                                                                               "fp8 swap fused") if k in results)
+        others = "   ".join(f"{k} {rel_err(results[k][i], unfused):.2e}" for k in ("fp8 fused",) if k in results)
         print(f"  {n:12s} vs fp8 unfused: {others}   fp8 unfused vs bf16 {rel_err(unfused, bf16):.2e}")
 
 

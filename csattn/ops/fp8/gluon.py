@@ -13,10 +13,9 @@ block-scaled products of :mod:`.triton` (same contract and math; this kernel exi
 - ``TRANS`` (the input gradient, ``dX = dY W_e``): the contraction runs along W's rows, and Hopper's FP8 MMA takes
   its operands K-major only. The producer transposes each landed weight tile from shared memory through its
   registers into a second buffer of the stage (``LAG`` steps behind its copies, so the copy's latency is hidden),
-  then marks the stage ready; the math warpgroups see a K-major tile as in the forward (``INPLACE``: over the
-  copied tile itself, so that more stages fit, :func:`inplace_settings`). Or (``SWAP``,
-  :mod:`.gluon_swap`) no transposition: the math warpgroups compute the tile's transpose with the weight's operand
-  read transposed into their registers.
+  then marks the stage ready; the math warpgroups see a K-major tile as in the forward. (Two other forms were
+  measured and removed at 0b7a4de, see ``README.md``: the transposition over the copied tile itself, and the math
+  warpgroups reading the weight's operand transposed into their registers.)
 
 Needs ``N`` and ``K`` of the weight multiples of 128 (each output column tile one block of scales), 16-byte
 aligned rows; ``grouped_mm_gluon`` checks and the caller falls back to the Triton kernel.
@@ -38,11 +37,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..backend import sm_count, triton_version
 from .gluon_low_rank import _acc_start, _load_low_rank, _low_rank_ring
-from .gluon_swap import _math_swap, operand_columns
 from .gluon_tiles import BK, BM, BN, _cta_sync, _tile, _tma_load, acc_layout, group_table, tile_smem
 
-__all__ = ["FUSE_LOW_RANK", "RANK", "SWAP_SETTINGS", "fp8_grouped_gluon_kernel", "grouped_mm_gluon",
-           "inplace_settings"]
+__all__ = ["FUSE_LOW_RANK", "RANK", "fp8_grouped_gluon_kernel", "grouped_mm_gluon", "launch_settings"]
 
 RANK = 16  # the low-rank term's depth: its two buffers of two [128, R] tiles (16 KB) beside the 192 KB of stages
 # The op routes the low-rank term through the kernel: on an H100 at e80df6b the MoE with LoRA (fwd + bwd, 256
@@ -61,43 +58,33 @@ def transpose_layout():
     bytes, four 16-byte stores); lane bit 0 moves 16 rows, the other lanes walk the 4-byte words, the warps 32 and
     64 rows. In the 128-byte-swizzled tiles that makes both the loads and the stores 2-way bank-conflicting, where
     a plain blocked layout (whose reads ``ldmatrix`` takes) had its stores 4-way: 535 against 458 TFLOP/s for the
-    input gradient on the H200 (``lab/probes/fp8_gluon_xpose.py``; a conflict-free mapping through linear shared
-    layouts ran slower, 481: its addresses cost more than the conflicts)."""
+    input gradient on the H200 (``lab/probes/fp8_gluon_xpose.py``, in git up to 0b7a4de; a conflict-free mapping
+    through linear shared layouts ran slower, 481: its addresses cost more than the conflicts)."""
     return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [4, 0], [8, 0]],
                                       lane_bases=[[16, 0], [0, 4], [0, 8], [0, 16], [0, 32]],
                                       warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 64])
 
 
 @gluon.jit
-def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, INPLACE: gl.constexpr):
+def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr):
     """Step ``j``'s weight tile ``[BK, BN]`` (contraction-major, as copied) into its K-major buffer ``[BN, BK]``,
     through registers in two 64-column pieces; then the stage is ready (the copy of its activation tile landed
-    with the weight tile's, on ``land``). ``INPLACE``: the K-major tile over the copied one (``bt`` is ``raw``),
-    both pieces read before either is written (a 128-byte piece a thread, 32 registers)."""
+    with the weight tile's, on ``land``)."""
     s = j % STAGES
     mbarrier.wait(land.index(s), (j // STAGES) & 1)
-    if INPLACE:
-        lo = raw.index(s).slice(0, 64, dim=1).load(transpose_layout())
-        hi = raw.index(s).slice(64, 64, dim=1).load(transpose_layout())
-        _cta_sync()  # every producer thread's reads are in before any write over them
-        bt.index(s).slice(0, 64, dim=0).store(gl.permute(lo, (1, 0)))
-        bt.index(s).slice(64, 64, dim=0).store(gl.permute(hi, (1, 0)))
-    else:
-        for c in gl.static_range(2):
-            piece = raw.index(s).slice(c * 64, 64, dim=1).load(transpose_layout())
-            bt.index(s).slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
+    for c in gl.static_range(2):
+        piece = raw.index(s).slice(c * 64, 64, dim=1).load(transpose_layout())
+        bt.index(s).slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
     fence_async_shared()
     _cta_sync()  # every producer thread's stores are in before the one arrival
     mbarrier.arrive(ready.index(s), count=1)
 
 
 @gluon.jit
-def _producer(a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank,
-              TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              LAG: gl.constexpr, LOW_RANK: gl.constexpr, SWAP: gl.constexpr, SCALES_TMA: gl.constexpr,
-              INPLACE: gl.constexpr):
-    a_smem, raw, bt, land, ready, empty, sa_smem = smem
-    XPOSE: gl.constexpr = TRANS and not SWAP  # the producer transposes the weight tile
+def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS: gl.constexpr,
+              E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
+              LOW_RANK: gl.constexpr):
+    a_smem, raw, bt, land, ready, empty = smem
     nk = KC // BK
     it = 0
     nt = 0  # tiles with a group: the low-rank buffers' turns
@@ -108,27 +95,23 @@ def _producer(a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n
                 _load_low_rank(low_rank, nt, row0, g * (tiles_n * BN) + pid_n * BN)
                 nt += 1
             for kb in range(nk):
-                if XPOSE:
+                if TRANS:
                     # the transposition first: it waits only for its copies, not for a free stage, so the ready
                     # stages run ahead of the math warpgroups
                     if it >= LAG:
-                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES, INPLACE)
+                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES)
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
-                if SCALES_TMA:  # SWAP: the step's column of the activation's scales beside its tile
-                    mbarrier.expect(land.index(s), BM * BK + BK * BN + BM * 4)
-                    _tma_load(sa_desc, [kb, row0], land.index(s), sa_smem.index(s))
-                else:
-                    mbarrier.expect(land.index(s), BM * BK + BK * BN)  # e4m3: a byte each
+                mbarrier.expect(land.index(s), BM * BK + BK * BN)  # e4m3: a byte each
                 _tma_load(a_desc, [row0, kb * BK], land.index(s), a_smem.index(s))
                 if TRANS:
                     _tma_load(w_desc, [g * W_ROWS + kb * BK, pid_n * BN], land.index(s), raw.index(s))
                 else:
                     _tma_load(w_desc, [g * W_ROWS + pid_n * BN, kb * BK], land.index(s), raw.index(s))
                 it += 1
-    if XPOSE:
+    if TRANS:
         for j in range(gl.maximum(it - LAG, 0), it):
-            _transpose_stage(j, raw, bt, land, ready, STAGES, INPLACE)
+            _transpose_stage(j, raw, bt, land, ready, STAGES)
 
 
 @gluon.jit
@@ -222,7 +205,7 @@ def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, s
     ``COALESCED``: the result stored through shared memory (:func:`_store`)."""
     ACC: gl.constexpr = acc_layout()
     ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
-    a_smem, raw, bt, land, ready, empty, sa_smem = smem
+    a_smem, raw, bt, land, ready, empty = smem
     b_all = bt if TRANS else raw
     wait_on = ready if TRANS else land
     zero = gl.zeros([64, BN], gl.float32, layout=ACC)
@@ -249,11 +232,10 @@ def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, s
 @gluon.jit
 def fp8_grouped_gluon_kernel(
     a_desc, w_desc, sa, sw, table, out, M, N, KC, E, W_ROWS, tiles_m, tiles_n,
-    stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale, sa_desc,
+    stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
-    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False, SWAP: gl.constexpr = False,
-    SCALES_TMA: gl.constexpr = False, INPLACE: gl.constexpr = False, SIMPLE: gl.constexpr = False,
-    COALESCED: gl.constexpr = True,
+    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
+    SIMPLE: gl.constexpr = False, COALESCED: gl.constexpr = True,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -263,48 +245,34 @@ def fp8_grouped_gluon_kernel(
     R]`` (blocks ``[128, R]``), 16-bit, added in fp32 before the one rounding."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], tile_smem())
     raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
-    if TRANS and not SWAP and not INPLACE:
+    if TRANS:  # the weight tile transposed by the producer, beside the copied one
         bt = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], tile_smem())
-    else:  # INPLACE: the K-major tile over the copied one ([BN, BK] and [BK, BN] share the layout)
+    else:
         bt = raw
     land = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(land.index(s), count=1)  # the expect; the copies' bytes
         mbarrier.init(empty.index(s), count=2)  # each math warpgroup, once its MMA on the stage is done
-    if TRANS and not SWAP:  # the producer, once the weight tile is transposed
+    if TRANS:  # the producer, once the weight tile is transposed
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-    else:  # no barrier made and left unused: the allocator would hand its bytes to a later buffer (the scales'
-        # TMA copies) while they hold an initialized barrier
+    else:  # no barrier made and left unused: the allocator could hand its bytes to a later buffer while they hold
+        # an initialized barrier
         ready = land
-    if SCALES_TMA:
-        sa_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], sa_desc.layout)
-    else:
-        sa_smem = a_smem
-    smem = (a_smem, raw, bt, land, ready, empty, sa_smem)
+    smem = (a_smem, raw, bt, land, ready, empty)
     low_rank = _low_rank_ring(v_desc, lw_desc, l_scale, a_smem, land, empty, LOW_RANK)
-    if SWAP:
-        gl.warp_specialize([
-            (_math_swap, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_swe, stride_sbk, stride_sbn,
-                          stride_om, smem, low_rank, _UPPER, E_P2, GROUP_M, STAGES, SCALES_TMA, LOW_RANK)),
-            (_math_swap, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sak, stride_swe, stride_sbk, stride_sbn,
-                          stride_om, smem, low_rank, _LOWER, E_P2, GROUP_M, STAGES, SCALES_TMA, LOW_RANK)),
-            (_producer, (a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
-                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SWAP, SCALES_TMA, INPLACE)),
-        ], [4, 4], [MATH_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED)),
-            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED)),
-            (_producer, (a_desc, w_desc, sa_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
-                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SWAP, SCALES_TMA, INPLACE)),
-        ], [4, 4], [MATH_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                 stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
+                 LOW_RANK, SIMPLE, COALESCED)),
+        (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                 stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
+                 LOW_RANK, SIMPLE, COALESCED)),
+        (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
+                     E_P2, GROUP_M, STAGES, LAG, LOW_RANK)),
+    ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 
 # Host side -------------------------------------------------------------------------------------------------------
@@ -316,12 +284,7 @@ def launch_settings(trans: bool) -> dict:
     of the math warpgroups and the producer (``setmaxnreg``; no spills at these, tests/ops/test_fp8_gluon_build.py
     builds with the Triton at hand). Where it transposes, the producer holds a 64-byte piece a thread: Triton 3.6
     (measured on the H200) needs 64 registers there and leaves the math warpgroups 224; 3.9 needs 232 for the math
-    warpgroups and 48 for the producer. ``SWAP`` (the input gradient as ``W_e^T dY^T``, the weight's operand read
-    transposed into registers: no transposition in shared memory, :func:`_math_swap`) is off: it passes its GPU
-    tests and equals this form bit for bit, but on an H100 at 98c8a2d it ran the MoE's input gradients at 440 / 436
-    TFLOP/s against this form's 508 / 482 (the byte sorting in registers costs more than the producer's
-    transposition). ``SCALES_TMA`` (``SWAP`` only): the activation's scales for a step copied with the stage instead
-    of global loads; it faults where a group starts at a row that is not a multiple of 4 (see :data:`SWAP_SETTINGS`).
+    warpgroups and 48 for the producer.
     ``SIMPLE`` (the input gradient's default): a math warpgroup waits for each product before it promotes it, the
     other warpgroup's product running meanwhile; on an H100 at 8648eae the input gradients ran 3-8 % faster so
     (gate_up 6.31 / 6.18 ms against 6.55 / 6.37, down 3.16 / 3.19 against 3.44 / 3.38), the same bits; the forward
@@ -330,27 +293,9 @@ def launch_settings(trans: bool) -> dict:
     beside the stages); on an H100 at c228b90 the forwards ran gate_up 4.07 against 4.44 ms and down 2.34 against
     2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46."""
     if not trans:
-        return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SWAP=False, SCALES_TMA=False,
-                    INPLACE=False, SIMPLE=False, COALESCED=True)
+        return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SIMPLE=False, COALESCED=True)
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
-    return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SWAP=False, SCALES_TMA=False,
-                INPLACE=False, SIMPLE=True, COALESCED=True)
-
-
-# the input gradient's SWAP form (no transposition), the activation's scales by global loads: copied by TMA with each
-# stage (SCALES_TMA) it faults ("illegal instruction") wherever a group starts at a row that is not a multiple of 4
-# (the box's start then off 16 bytes, the one difference found; the cause itself is not pinned down); with global
-# loads every case of lab.probes.fp8_swap_fault ran (H100, e80df6b)
-SWAP_SETTINGS = dict(MATH_REGS=232, PRODUCER_REGS=40, SWAP=True, SCALES_TMA=False)
-
-
-def inplace_settings() -> dict:
-    """The input gradient transposing each weight tile in place (``INPLACE``): no second buffer, so 6 stages in the
-    192 KB that 4 took (the copies issued 5 steps ahead of the math instead of 3). The producer holds a whole tile
-    (32 registers): Triton 3.6 builds it without spills at 216 registers a math warpgroup and 72 for the producer;
-    later ones need 232 for the math and spill the producer's tile."""
-    math, producer = (216, 72) if triton_version() <= (3, 6) else (232, 40)
-    return dict(INPLACE=True, STAGES=6, MATH_REGS=math, PRODUCER_REGS=producer)
+    return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SIMPLE=True, COALESCED=True)
 
 
 def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
@@ -358,8 +303,7 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
                      settings: dict | None = None, low_rank: tuple[Tensor, Tensor, float] | None = None) -> Tensor:
     """The Gluon kernel on prepared operands, same contract as :func:`.triton.grouped_mm_triton` with ``a`` e4m3
     and its 1x128 scales; the weight's ``N`` and ``K`` multiples of 128 (``grouped.gluon_fits``). ``settings``:
-    :func:`launch_settings` to override (measurements; :data:`SWAP_SETTINGS` for the input gradient without a
-    transposition). ``low_rank``: ``(v [M, R], w [E, n_out, R], scale)``, one 16-bit
+    :func:`launch_settings` to override (measurements). ``low_rank``: ``(v [M, R], w [E, n_out, R], scale)``, one 16-bit
     dtype, ``R`` = :data:`RANK`: ``scale * v[rows of e] @ w[e]^T`` is added to the output before its rounding.
     ``a_scale`` ``[M, KC / 128]`` row-major, or the view of a ``[KC / 128, M]`` tensor (``quantize_1x128(...,
     scale_t=True)``), whose loads along a tile's rows are contiguous."""
@@ -379,15 +323,10 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
         ssk, ssn = scale.stride(2), scale.stride(1)
     tiles_m, tiles_n = triton.cdiv(m, BM.value) + e + 1, n_out // BN.value
     grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
-    if low_rank is not None and cfg["SWAP"]:  # w's rows in the order of SWAP's accumulator rows
-        v, w, s_lr = low_rank
-        order = torch.tensor(operand_columns(), device=w.device)
-        low_rank = (v, w.reshape(e, n_out // 64, 64, -1).index_select(2, order).reshape(e, n_out, -1), s_lr)
     v_desc, lw_desc, l_scale = (a_desc, a_desc, 0.0) if low_rank is None else low_rank_descs(*low_rank, m, e, n_out)
-    a_scale, sam, sak, sa_desc = _activation_scales(a_scale, cfg)
     fp8_grouped_gluon_kernel[grid](
         a_desc, w_desc, a_scale, scale, table, out, m, n_out, c, e, n_w, tiles_m, tiles_n,
-        sam, sak, scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale, sa_desc or a_desc,
+        a_scale.stride(0), a_scale.stride(1), scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale,
         TRANS=trans, E_P2=e_p2, **cfg, LOW_RANK=low_rank is not None, num_warps=4)
     return out
 
@@ -415,34 +354,12 @@ def tile_descs(a: Tensor, weight: Tensor, a_rows: int, w_rows: int) -> tuple:
 
 
 def _settings(trans: bool, settings: dict | None) -> dict:
-    """:func:`launch_settings` with ``settings`` over them; a ``ValueError`` for ``SWAP`` outside its form (the input
-    gradient) or ``SCALES_TMA`` without it."""
-    cfg = {**launch_settings(trans), **(settings or {})}
-    if cfg["SWAP"] and not trans or cfg["SCALES_TMA"] and not cfg["SWAP"]:
-        raise ValueError("settings: SWAP is the input gradient's form (trans=True), and SCALES_TMA one of its "
-                         f"settings; got trans={trans}, {settings}")
-    if cfg["INPLACE"] and (not trans or cfg["SWAP"]):
-        raise ValueError("settings: INPLACE is the transposing input gradient's form (trans=True, not SWAP); got "
-                         f"trans={trans}, {settings}")
-    return cfg
-
-
-def _activation_scales(a_scale: Tensor, cfg: dict) -> tuple[Tensor, int, int, object]:
-    """The activation's scales ``[M, KC / 128]`` as the kernel's form reads them: ``(scales, stride along rows,
-    stride along the contraction, TMA descriptor or None)``. ``SWAP`` reads them along the rows: a transposed copy
-    padded by a tile's rows (16-byte rows, what TMA needs), by TMA with each stage where ``SCALES_TMA``."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    if not cfg["SWAP"]:
-        return a_scale, a_scale.stride(0), a_scale.stride(1), None
-    m, steps = a_scale.shape
-    scale_t = a_scale.new_empty((steps, triton.cdiv(m + BM.value, 4) * 4))
-    scale_t[:, :m] = a_scale.t()
-    desc = None
-    if cfg["SCALES_TMA"]:
-        desc = TensorDescriptor(scale_t, list(scale_t.shape), [scale_t.stride(0), 1], [1, BM.value],
-                                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-    return scale_t, 1, scale_t.stride(0), desc
+    """:func:`launch_settings` with ``settings`` over them; a ``ValueError`` naming any setting the kernel has not."""
+    cfg = launch_settings(trans)
+    unknown = sorted(set(settings or {}) - set(cfg))
+    if unknown:
+        raise ValueError(f"settings: the kernel has no {unknown}; it takes {sorted(cfg)}")
+    return {**cfg, **(settings or {})}
 
 
 def low_rank_descs(v: Tensor, w: Tensor, scale: float, m: int, e: int, n_out: int, v_rows: int = BM.value,

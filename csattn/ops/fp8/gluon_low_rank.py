@@ -1,6 +1,6 @@
 """LoRA's term in the Gluon FP8 grouped GEMM (``LOW_RANK``): the producer copies each tile's ``v`` rows and ``w``
 rows by TMA into one of two buffers, and each math warpgroup starts the tile's accumulator with their bf16 / fp16
-product (depth ``R``) instead of zeros. Shared by the kernel's forms (:mod:`.gluon`, :mod:`.gluon_swap`,
+product (depth ``R``) instead of zeros. Shared by the kernel's forms (:mod:`.gluon`,
 :mod:`.gluon_wide`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
 
-from .gluon_tiles import BM, BN, _tma_load, acc_layout
+from .gluon_tiles import BN, _tma_load, acc_layout
 
 
 @gluon.jit
@@ -45,11 +45,9 @@ def _load_low_rank(low_rank, nt, row0, w_row):
 
 
 @gluon.jit
-def _low_rank_start(low_rank, nt, HALF: gl.constexpr, SWAP: gl.constexpr = False, WIDE: gl.constexpr = False):
+def _low_rank_start(low_rank, nt, HALF: gl.constexpr, WIDE: gl.constexpr = False):
     """The accumulator's start for the program's ``nt``-th tile: ``l_scale * v[rows] @ w^T`` (this warpgroup's 64
-    rows), one bf16 / fp16 MMA of depth ``R``; the contraction's products are added to it. ``SWAP``: its transpose
-    ``l_scale * w[columns] @ v^T`` (this warpgroup's 64 output columns by the tile's rows; ``w``'s rows in the
-    operand's order, :func:`.gluon_swap.operand_columns`, as the launcher permutes them). ``WIDE`` (``[64, 256]``
+    rows), one bf16 / fp16 MMA of depth ``R``; the contraction's products are added to it. ``WIDE`` (``[64, 256]``
     tiles, :mod:`.gluon_wide`): the tile's 64 rows by this warpgroup's 128 columns."""
     v_desc, lw_desc, l_scale, v_buf, w_buf, lr_land, lr_empty = low_rank
     b = nt % 2
@@ -57,10 +55,7 @@ def _low_rank_start(low_rank, nt, HALF: gl.constexpr, SWAP: gl.constexpr = False
     # the instruction's depth is part of the accumulator's layout type (16 for 16-bit operands, 32 for e4m3); the
     # registers of the two are the same
     LO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
-    if SWAP:
-        lo = warpgroup_mma(w_buf.index(b).slice(HALF * 64, 64, dim=0), v_buf.index(b).permute((1, 0)),
-                           gl.zeros([64, BM], gl.float32, layout=LO), use_acc=False)
-    elif WIDE:
+    if WIDE:
         lo = warpgroup_mma(v_buf.index(b), w_buf.index(b).slice(HALF * 128, 128, dim=0).permute((1, 0)),
                            gl.zeros([64, 128], gl.float32, layout=LO), use_acc=False)
     else:
@@ -71,11 +66,10 @@ def _low_rank_start(low_rank, nt, HALF: gl.constexpr, SWAP: gl.constexpr = False
 
 
 @gluon.jit
-def _acc_start(low_rank, nt, zero, HALF: gl.constexpr, LOW_RANK: gl.constexpr, SWAP: gl.constexpr = False,
-               WIDE: gl.constexpr = False):
+def _acc_start(low_rank, nt, zero, HALF: gl.constexpr, LOW_RANK: gl.constexpr, WIDE: gl.constexpr = False):
     """A math warpgroup's accumulator at the start of the program's next tile, and the count of tiles that took the
     low-rank term: its start (:func:`_low_rank_start`) with ``LOW_RANK``, else ``zero``."""
     if LOW_RANK:
-        return _low_rank_start(low_rank, nt, HALF, SWAP, WIDE), nt + 1
+        return _low_rank_start(low_rank, nt, HALF, WIDE), nt + 1
     else:
         return zero, nt

@@ -1,6 +1,6 @@
 """The tiles of the Gluon FP8 grouped GEMM (:mod:`.gluon`): their size, shared-memory and accumulator layouts, how a
 program's work item finds its group on the device, and the group table the host makes for it. Shared by the
-kernel's forms (:mod:`.gluon`, :mod:`.gluon_swap`)."""
+kernel's forms (:mod:`.gluon`, :mod:`.gluon_wide`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 # Renamed between releases (Triton 3.6: async_copy_global_to_shared and thread_barrier; later: async_load, barrier)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cta_sync = getattr(gl, "thread_barrier", None) or gl.barrier
-_reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret
 
 BM: gl.constexpr = gl.constexpr(128)  # rows of a tile: two math warpgroups of 64
 BN: gl.constexpr = gl.constexpr(128)  # output columns of a tile: one block of the weight's scales
