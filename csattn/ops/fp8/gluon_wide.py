@@ -7,7 +7,7 @@ Why: at 256 experts top-6 and 16k tokens the groups' last row tiles are partly e
 routed rows, 64-row tiles 1.075x. On an H100 at d5940f4 the forward's pipeline without the promotion ran gate_up at
 1016 TFLOP/s counting the rows of its tiles, the dense rate: at the MoE's shapes the forward loses to empty rows what
 it does not lose to its pipeline. The price: the weight's tile is copied for 64 rows instead of 128 (25 % more bytes
-from L2 a product). Off by default (:data:`WIDE_FORWARD`) until measured (``lab.probes.fp8_gluon_fwd``).
+from L2 a product). Off by default (:data:`WIDE_FORWARD`) until measured (``lab.probes.fp8_gluon_wide``).
 """
 
 from __future__ import annotations
