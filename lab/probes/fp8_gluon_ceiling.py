@@ -25,8 +25,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from csattn.ops.backend import sm_count
-from csattn.ops.fp8.gluon import _LOWER, _UPPER, _issue, _producer, _promote, _store, launch_settings
-from csattn.ops.fp8.gluon_tiles import BK, BM, BN, _tile, acc_layout, group_table, tile_smem
+from csattn.ops.fp8.gluon import _LOWER, _UPPER, _issue, _producer, _promote, _store, launch_settings, tile_descs
+from csattn.ops.fp8.gluon_tiles import BK, BM, BN, _tile, acc_layout, group_table
 from lab.probes.gluon_forms import bench, forward_cases, forward_ring
 
 
@@ -56,7 +56,7 @@ def _math_ceiling(sa, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_om
                   E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
                   EPI: gl.constexpr):
     ACC: gl.constexpr = acc_layout()
-    a_smem, raw, bt, land, ready, empty, sa_smem = smem
+    a_smem, raw, bt, land, ready, empty = smem
     zero = gl.zeros([64, BN], gl.float32, layout=ACC)
     nk = KC // BK
     it = 0
@@ -87,7 +87,7 @@ def _math_ceiling(sa, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_om
 
 
 @gluon.jit
-def ceiling_kernel(a_desc, w_desc, sa, table, out, M, KC, E, W_ROWS, tiles_m, tiles_n, stride_sam, stride_om,
+def ceiling_kernel(a_desc, w_desc, sa, table, out, KC, E, W_ROWS, tiles_m, tiles_n, stride_sam, stride_om,
                    E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
                    EPI: gl.constexpr, MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """The forward's pipeline (:func:`csattn.ops.fp8.gluon.fp8_grouped_gluon_kernel` with ``TRANS`` off, no
@@ -100,7 +100,7 @@ def ceiling_kernel(a_desc, w_desc, sa, table, out, M, KC, E, W_ROWS, tiles_m, ti
                          GROUP_M, STAGES, MODE, EPI)),
         (_math_ceiling, (sa, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_om, smem, _LOWER, E_P2,
                          GROUP_M, STAGES, MODE, EPI)),
-        (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, False,
+        (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, False,
                      E_P2, GROUP_M, STAGES, 0, False)),
     ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
@@ -110,20 +110,16 @@ def ceiling_mm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, off
     """The launch of :func:`ceiling_kernel` as ``grouped_mm_gluon`` launches the forward (``a`` e4m3 ``[M, K]``,
     ``weight`` e4m3 ``[E, N, K]``); ``stages`` in the ring, ``epi``: the result through shared memory
     (``_store``'s ``COALESCED``)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     cfg = launch_settings(False)
     m, c = a.shape
     e, n_w, k_w = weight.shape
     out = torch.empty((m, n_w), dtype=torch.bfloat16, device=a.device) if out is None else out
     e_p2 = max(128, triton.next_power_of_2(e + 2))
     table = group_table(offs, m, e_p2)
-    layout = tile_smem()
-    a_desc = TensorDescriptor(a, [m, c], [c, 1], [BM.value, BK.value], layout)
-    w_desc = TensorDescriptor(weight.view(e * n_w, k_w), [e * n_w, k_w], [k_w, 1], [128, 128], layout)
+    a_desc, w_desc = tile_descs(a, weight, BM.value, BN.value)
     tiles_m, tiles_n = triton.cdiv(m, BM.value) + e + 1, n_w // BN.value
     grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
-    ceiling_kernel[grid](a_desc, w_desc, a_scale, table, out, m, c, e, n_w, tiles_m, tiles_n,
+    ceiling_kernel[grid](a_desc, w_desc, a_scale, table, out, c, e, n_w, tiles_m, tiles_n,
                          a_scale.stride(0), out.stride(0), E_P2=e_p2, GROUP_M=cfg["GROUP_M"],
                          STAGES=stages, MODE=mode, EPI=epi, MATH_REGS=cfg["MATH_REGS"],
                          PRODUCER_REGS=cfg["PRODUCER_REGS"], num_warps=4)

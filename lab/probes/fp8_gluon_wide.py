@@ -20,8 +20,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 import csattn.ops.fp8.gluon_wide as fp8_wide
 from csattn.ops.backend import sm_count
-from csattn.ops.fp8.gluon import _LOWER, _UPPER, _issue, _store
-from csattn.ops.fp8.gluon_tiles import BK, _tile, acc_layout, group_table, tile_smem
+from csattn.ops.fp8.gluon import _LOWER, _UPPER, _issue, _store, tile_descs
+from csattn.ops.fp8.gluon_tiles import BK, _tile, acc_layout, group_table
 from csattn.ops.fp8.gluon_wide import TM, TN, _producer_wide, grouped_mm_gluon_wide
 from lab.probes.gluon_forms import bench, forward_cases, forward_ring, frozen_moe_ms
 
@@ -72,15 +72,12 @@ def ceiling_kernel(a_desc, w_desc, table, out, KC, E, W_ROWS, tiles_m, tiles_n, 
 def ceiling_mm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, stages: int = 4,
                group_m: int = 8) -> torch.Tensor:
     """``a`` e4m3 ``[M, K]`` by ``weight`` e4m3 ``[E, N, K]`` unscaled over the wide tiles, bf16 ``[M, N]``."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     m, c = a.shape
     e, n_w, k_w = weight.shape
     out = torch.empty((m, n_w), dtype=torch.bfloat16, device=a.device)
     e_p2 = max(128, triton.next_power_of_2(e + 2))
     table = group_table(offs, m, e_p2, bm=TM.value)
-    a_desc = TensorDescriptor(a, [m, c], [c, 1], [TM.value, BK.value], tile_smem())
-    w_desc = TensorDescriptor(weight.view(e * n_w, k_w), [e * n_w, k_w], [k_w, 1], [TN.value, BK.value], tile_smem())
+    a_desc, w_desc = tile_descs(a, weight, TM.value, TN.value)
     tiles_m, tiles_n = triton.cdiv(m, TM.value) + e + 1, n_w // TN.value
     grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
     ceiling_kernel[grid](a_desc, w_desc, table, out, c, e, n_w, tiles_m, tiles_n, out.stride(0), E_P2=e_p2,

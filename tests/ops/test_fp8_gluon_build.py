@@ -18,7 +18,7 @@ from csattn.ops.fp8.gluon import fp8_grouped_gluon_kernel as fn, launch_settings
 
 trans, low_rank = (a == "1" for a in sys.argv[1:3])
 desc = f"tensordesc<fp8e4nv[128, 128],{tile_smem()!r}>"
-ints = ("M", "N", "KC", "E", "W_ROWS", "tiles_m", "tiles_n", "stride_sam", "stride_sak", "stride_swe", "stride_sbk",
+ints = ("KC", "E", "W_ROWS", "tiles_m", "tiles_n", "stride_sam", "stride_sak", "stride_swe", "stride_sbk",
         "stride_sbn", "stride_om")
 sig = {"a_desc": desc, "w_desc": desc, "sa": "*fp32", "sw": "*fp32", "table": "*i32", "out": "*bf16",
        **{k: "i32" for k in ints}, "v_desc": desc, "lw_desc": desc, "l_scale": "fp32"}

@@ -81,7 +81,7 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _producer(a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS: gl.constexpr,
+def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS: gl.constexpr,
               E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
               LOW_RANK: gl.constexpr):
     a_smem, raw, bt, land, ready, empty = smem
@@ -231,7 +231,7 @@ def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, s
 
 @gluon.jit
 def fp8_grouped_gluon_kernel(
-    a_desc, w_desc, sa, sw, table, out, M, N, KC, E, W_ROWS, tiles_m, tiles_n,
+    a_desc, w_desc, sa, sw, table, out, KC, E, W_ROWS, tiles_m, tiles_n,
     stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
@@ -270,7 +270,7 @@ def fp8_grouped_gluon_kernel(
         (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                  stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
                  LOW_RANK, SIMPLE, COALESCED)),
-        (_producer, (a_desc, w_desc, table, M, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
+        (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
                      E_P2, GROUP_M, STAGES, LAG, LOW_RANK)),
     ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
@@ -325,7 +325,7 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
     v_desc, lw_desc, l_scale = (a_desc, a_desc, 0.0) if low_rank is None else low_rank_descs(*low_rank, m, e, n_out)
     fp8_grouped_gluon_kernel[grid](
-        a_desc, w_desc, a_scale, scale, table, out, m, n_out, c, e, n_w, tiles_m, tiles_n,
+        a_desc, w_desc, a_scale, scale, table, out, c, e, n_w, tiles_m, tiles_n,
         a_scale.stride(0), a_scale.stride(1), scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale,
         TRANS=trans, E_P2=e_p2, **cfg, LOW_RANK=low_rank is not None, num_warps=4)
     return out
