@@ -3,21 +3,24 @@
 # written in the release format, (d) / (a) / (b) / (c) at 16k and (a) / (c) at 64k with the library's defaults; then
 # (a) at 16k with the forward over 64 x 256 tiles and with the defaults again (alternating: the card's clocks drift),
 # then lab.probes.fp8_gluon_wide (the wide kernel alone and in the frozen MoE, on and off). In $OUT.
-#   COMMIT=<sha> bash lab/targets_session.sh
+#   COMMIT=<sha> [PARTS="moe steps variants wide": which, in that order] bash lab/targets_session.sh
 set -u
+has() { case " ${PARTS:-moe steps variants wide} " in *" $1 "*) return 0;; esac; return 1; }
 OUT=${OUT:-/tmp/targets}; mkdir -p "$OUT"; START=$SECONDS; C=${COMMIT:-unknown}; CK=/tmp/csattn_v4_flash_slice
 . "$(dirname "$0")/device_env.sh"
-timeout 90 python3 -m benchmarks.finetune --ckpt /tmp/none --json "$OUT/finetune_moe.json" --parts moe --commit "$C" \
+has moe && timeout 90 python3 -m benchmarks.finetune --ckpt /tmp/none --json "$OUT/finetune_moe.json" --parts moe --commit "$C" \
   2>&1 | grep -E "^(fp8|bf16|w8a16) " | tail -6
 echo "[moe] $((SECONDS - START)) s"
-timeout 300 python3 -m benchmarks.finetune --ckpt $CK --json "$OUT/finetune_steps.json" --parts write,steps \
+has steps && timeout 300 python3 -m benchmarks.finetune --ckpt $CK --json "$OUT/finetune_steps.json" --parts write,steps \
   --draw device --steps 5 --cases "d:16384;a:16384,65536;b:16384;c:16384,65536" --commit "$C" 2>&1 | grep -E "^\[" | tail -20
 echo "[steps] $((SECONDS - START)) s"
-for way in wide default wide; do
+has variants && timeout 60 python3 -m benchmarks.finetune --ckpt $CK --parts write --draw device --json "$OUT/write.json" \
+  --commit "$C" 2>&1 | grep -E "^\[" | tail -1  # kept if the steps wrote it
+has variants && for way in wide default wide; do
   flag=$([ $way = wide ] && echo --wide)
   timeout 70 python3 -m lab.finetune_variant $flag -- --ckpt $CK --json "$OUT/variant_${way}_$SECONDS.json" \
     --parts steps --steps 5 --cases "a:16384" --commit "$C" 2>&1 | grep -E "^\[(variant|steps)\] .*(ms|WIDE)" | tail -2
 done
 echo "[variants] $((SECONDS - START)) s"
-timeout 130 python3 -m lab.probes.fp8_gluon_wide > "$OUT/wide_probe.txt" 2>&1; grep -v Warning "$OUT/wide_probe.txt"
+has wide && { timeout 130 python3 -m lab.probes.fp8_gluon_wide > "$OUT/wide_probe.txt" 2>&1; grep -v Warning "$OUT/wide_probe.txt"; }
 echo "[session] $((SECONDS - START)) s"
