@@ -35,11 +35,23 @@ def copy_then_forward(qa, sa, q, s, offs) -> torch.Tensor:
 
 
 def gemms(shape: dict, dev: torch.device) -> None:
-    """Both GEMMs' input gradients at ``shape``: each route, the copy alone, bf16 ``grouped_mm``."""
+    """Both GEMMs at ``shape``: the forward plain and writing the K-major copy besides (``transposed=``); the input
+    gradient each route, the copy alone, bf16 ``grouped_mm``."""
     ids, _, plan, e, _, gen = _routed(shape, dev)
     m = ids.numel()
     for name, n_w, k_w in (("gate_up", 2 * shape["inter"], shape["hidden"]), ("down", shape["hidden"], shape["inter"])):
         q, s = _quantized((e, n_w, k_w), dev, gen)
+        x = torch.randn(m, k_w, device=dev, generator=gen, dtype=torch.bfloat16)
+        qx, sx = quantize_1x128(x)
+        kept = torch.empty((e, k_w, n_w), dtype=q.dtype, device=dev)
+        flop = 2.0 * m * n_w * k_w
+        bench(name, "forward", partial(grouped_mm_gluon, qx, sx, q, s, plan.offs, False), flop)
+        bench(name, "forward writing the K-major copy", partial(grouped_mm_gluon, qx, sx, q, s, plan.offs, False,
+                                                               transposed=kept), flop)
+        used = torch.diff(plan.offs, prepend=plan.offs.new_zeros(1)) > 0
+        same = torch.equal(kept.view(torch.uint8)[used], q.view(torch.uint8)[used].transpose(1, 2))
+        print(f"  the copy written: {same}", flush=True)
+        del x, qx, sx, kept
         dy = torch.randn(m, n_w, device=dev, generator=gen, dtype=torch.bfloat16)
         qa, sa = quantize_1x128(dy)
         wt, st = transposed_weight(q, s)

@@ -184,6 +184,33 @@ def test_gluon_input_grad_on_copy_equals_transposing(case, low_rank):
                        big.transpose(1, 2))
 
 
+@pytest.mark.parametrize("low_rank", [False, True])
+@pytest.mark.parametrize("case", list(GLUON_CASES))
+def test_gluon_forward_writes_the_k_major_copy(case, low_rank, request):
+    """The forward that writes the weights' K-major copy besides (``transposed=``): its output is the plain
+    forward's bit for bit, and every expert with rows gets its copy, the transpose bit for bit (the experts without
+    rows keep the NaN codes put there first); the input gradient on that copy is the in-kernel transposition's bit
+    for bit. In its own process: a new kernel's first runs (a fault ends the process's CUDA context)."""
+    if not in_own_process(request):
+        return
+    from csattn.ops.fp8.gluon import grouped_mm_gluon
+
+    q, s, offs, _, qa, sa, lr, g = _same_bits_case(GLUON_CASES[case], False, low_rank, 9)
+    e, n, k = q.shape
+    wt = torch.full((e, k, n), 0x7F, device="cuda", dtype=torch.uint8).view(FP8_DTYPE)  # e4m3 NaN
+    out = torch.full((qa.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped_mm_gluon(qa, sa, q, s, offs, False, out=out, low_rank=lr, transposed=wt)
+    assert torch.equal(out, grouped_mm_gluon(qa, sa, q, s, offs, False, low_rank=lr))
+    rows = torch.diff(offs, prepend=offs.new_zeros(1))
+    written = wt.view(torch.uint8)[rows > 0]
+    assert torch.equal(written, q.view(torch.uint8)[rows > 0].transpose(1, 2))
+    assert (wt.view(torch.uint8)[rows == 0] == 0x7F).all()
+    dy = torch.randn(qa.shape[0], n, generator=g, device="cuda").bfloat16()
+    qd, sd = quantize_1x128(dy)
+    st = s.transpose(1, 2).contiguous()
+    assert torch.equal(grouped_mm_gluon(qd, sd, wt, st, offs, False), grouped_mm_gluon(qd, sd, q, s, offs, True))
+
+
 # (experts, N, K, rows per expert below) for the [64, 256] tiles (N a multiple of 256): 5 contraction steps (a round
 # and the steps past it) with empty experts and last tiles of 40 / 100 rows, 16 steps, every row past offs[-1]
 WIDE_CASES = {"ragged": (16, 512, 640, 300), "deep": (4, 256, 2048, 700), "all_tail": (3, 256, 256, 0)}
