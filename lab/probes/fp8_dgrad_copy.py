@@ -4,8 +4,9 @@ one Triton pass) with the forward's kernel. Measures what ``grouped.COPY_ROWS_PE
 
 Cases: the 256-expert slice at 16k tokens (~384 rows an expert: the in-kernel transposition's ground) and 64k (~1536),
 and one rank of ep 8 (32 experts) at 8k and 16k tokens a rank (~1536 and ~3072: the one-node plan's ground). For each
-GEMM: both routes (their outputs equal bit for bit), the copy alone (GB/s, read + write), bf16 ``grouped_mm``; then the
-frozen-expert MoE forward + input gradient with the op's choice, each route forced, and bf16 experts.
+GEMM: the forward plain and writing the K-major copy besides (``KEEP_FORWARD_COPY``'s price), both input-gradient routes
+(their outputs equal bit for bit), the copy alone (GB/s, read + write), bf16 ``grouped_mm``; then the frozen-expert MoE
+forward + input gradient with the op's choice, each route forced, the forward's copy kept, and bf16 experts.
 Run on a GPU of sm_90: python -m lab.probes.fp8_dgrad_copy
 """
 
@@ -79,10 +80,12 @@ def main() -> None:
         print(f"== {label}: {routing}, {tokens} tokens", flush=True)
         gemms(shape, dev)
         bf16 = frozen_moe_ms("bf16", shape=shape)
-        ways = {"the op's choice": None, "in-kernel transposition": 1 << 40, "copy": 0}
-        for way, rows in ways.items():
+        ways = {"the op's choice": (None, False), "in-kernel transposition": (1 << 40, False), "copy": (0, False),
+                "the forward's copy kept": (1 << 40, True)}
+        for way, (rows, keep) in ways.items():
             with mock.patch.object(fp8_grouped, "COPY_ROWS_PER_EXPERT",
-                                   fp8_grouped.COPY_ROWS_PER_EXPERT if rows is None else rows):
+                                   fp8_grouped.COPY_ROWS_PER_EXPERT if rows is None else rows), \
+                    mock.patch.object(fp8_grouped, "KEEP_FORWARD_COPY", keep):
                 ms = frozen_moe_ms("fp8", shape=shape)
             print(f"frozen MoE fwd + input grad, {label}: FP8 {way} {ms:.2f} ms ({bf16 / ms:.2f}x bf16 {bf16:.2f})",
                   flush=True)

@@ -430,6 +430,43 @@ def _composed_moe(x, w, ids, dout, gu, dn, e, lora):
 
 
 @pytest.mark.parametrize("with_lora", [False, True])
+def test_moe_fp8_keeping_the_forward_copy_is_bitwise(with_lora, monkeypatch, request):
+    """The MoE with frozen FP8 experts where the forward keeps the weights' K-major copies (``KEEP_FORWARD_COPY``):
+    the output and the gradients of x, the routing weights and LoRA's factors bit for bit as without (the input
+    gradients run the forward's kernel on the copies: the same products). In its own process (a new kernel's first
+    runs in the op)."""
+    if not in_own_process(request):
+        return
+    import csattn.ops.fp8.grouped as fp8_grouped
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    t, e, k, d, inter, r = 512, 64, 6, 512, 256, 16
+    gu, dn = _weight((e, 2 * inter, d), g, d), _weight((e, d, inter), g, inter)
+    if not gluon_fits(torch.empty(1, device="cuda"), gu[0]):
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
+    top = torch.topk(torch.randn(t, e, generator=g, device="cuda"), k, dim=-1)
+    ids, w = top.indices, torch.softmax(top.values, -1).bfloat16()
+    dout = torch.randn(t, d, generator=g, device="cuda").bfloat16()
+    f = [torch.randn(shape, generator=g, device="cuda").bfloat16() * 0.05
+         for shape in ((e, r, d), (e, 2 * inter, r), (e, r, inter), (e, d, r))] if with_lora else []
+
+    def run(keep: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(fp8_grouped, "KEEP_FORWARD_COPY", keep)
+        leaves = [v.detach().requires_grad_() for v in (x, w, *f)]
+        lora = {"gate_up_lora": ExpertLora(leaves[2], leaves[3], 2.0),
+                "down_lora": ExpertLora(leaves[4], leaves[5], 0.5)} if with_lora else {}
+        out = moe_experts(leaves[0], ids, leaves[1], gu[0], dn[0], LIMIT, "triton", gate_up_scale=gu[1],
+                          down_scale=dn[1], fp8_compute="fp8", **lora)
+        return [out, *torch.autograd.grad(out, leaves, dout)]
+
+    assert fp8_grouped.forward_keeps_copy(t * k, e) is False  # off by default
+    want, got = run(False), run(True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.isfinite(a).all() and torch.equal(a, b), (i, rel_err(a, b))
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
 def test_moe_fp8_quantizes_where_made_bitwise(with_lora, monkeypatch):
     """The MoE with frozen FP8 experts hands its GEMMs rows quantized where they are made (x and dout before their
     gathers, h and dgu by the SwiGLU kernels): bit for bit what quantizing in separate passes gives."""
