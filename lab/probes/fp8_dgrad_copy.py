@@ -7,11 +7,12 @@ and one rank of ep 8 (32 experts) at 8k and 16k tokens a rank (~1536 and ~3072: 
 GEMM: the forward plain and writing the K-major copy besides (``KEEP_FORWARD_COPY``'s price), both input-gradient routes
 (their outputs equal bit for bit), the copy alone (GB/s, read + write), bf16 ``grouped_mm``; then the frozen-expert MoE
 forward + input gradient with the op's choice, each route forced, the forward's copy kept, and bf16 experts.
-Run on a GPU of sm_90: python -m lab.probes.fp8_dgrad_copy
+Run on a GPU of sm_90: python -m lab.probes.fp8_dgrad_copy [slice:16k slice:64k ep8:8k ep8:16k]
 """
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 from unittest import mock
 
@@ -73,9 +74,12 @@ def gemms(shape: dict, dev: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def main() -> None:
+def main(only: list[str]) -> None:
+    """The cases named in ``only`` (their labels' first words and tokens, e.g. ``slice:16k``), or all."""
     dev = torch.device("cuda")
     for label, routing, tokens in CASES:
+        if only and label.replace(" rank", "").replace(" ", ":") not in only:
+            continue
         shape = {**GROUPED, "routing": routing, "tokens": tokens}
         print(f"== {label}: {routing}, {tokens} tokens", flush=True)
         gemms(shape, dev)
@@ -93,4 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
