@@ -2,8 +2,8 @@
 would give a step before they become the default (or what the default gives over them): ``--no-fuse-low-rank``
 (LoRA's term added after the Gluon FP8 kernel, not in its epilogue: ``gluon.FUSE_LOW_RANK`` off), ``--wide`` (the
 forward over 64 x 256 tiles, ``gluon_wide.WIDE_FORWARD`` on), ``--keep-copy`` (the forward keeps the experts' K-major
-copies for the input gradients, ``grouped.KEEP_FORWARD_COPY`` on). Write to another ``--json`` than the page's records: a
-variant is not the library's default path. Run on an H200:
+copies for the input gradients, ``grouped.KEEP_FORWARD_COPY`` on). Write to another ``--json`` than the page's
+records: a variant is not the library's default path. Run on an H200:
 python -m lab.finetune_variant --wide -- --ckpt /tmp/csattn_v4_flash_slice --json v.json --parts steps --cases a:16384
 """
 
