@@ -87,8 +87,8 @@ def test_gluon_fp8_forward_writing_the_k_major_copy_builds_for_sm90(low_rank):
     them by TMA into the K-major copy. No spills or serialized MMAs at its register split (the forward's loop, one
     product left running); the transposition as the input gradient's (4-byte shared loads, 16-byte shared stores, in
     the loop and in the tile's drain), one TMA store at each, the buffers' waits (one store may still read the other
-    buffer; none at the end); in shared memory beside the forward's ring its two 16 KB buffers. (On Triton 3.6 the
-    loop is ``SIMPLE``'s: one product in flight spilled there.)"""
+    buffer; none at the end); in shared memory beside the forward's ring its two 16 KB buffers. (The loop is
+    ``SIMPLE``'s: with one product left running it spilled.)"""
     info = run_build(_SCRIPT, "0", "1" if low_rank else "0", "1")
     print({k: v for k, v in info.items() if k != "ptxas"})
     assert info["ptxas_rc"] == 0, info["ptxas"]

@@ -116,10 +116,17 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
             if LOW_RANK:
                 _load_low_rank(low_rank, nt, row0, g * (tiles_n * BN) + pid_n * BN)
                 nt += 1
-            # EMIT: the group's first row tile writes its columns' tiles of the K-major copy (once each)
-            emits = row0 < 0
+            # EMIT: the group's row tiles share the writing of their columns' tiles of the K-major copy (each once):
+            # row tile i of n writes contraction steps [i nk / n, (i + 1) nk / n), so that no tile's producer
+            # transposes every step (the math warpgroups would wait for it there)
+            lo = nk
+            hi = nk
             if EMIT:
-                emits = row0 == gl.load(table + g)
+                start = gl.load(table + g)
+                n_rt = (row_end - start + BM - 1) // BM
+                i = (row0 - start) // BM
+                lo = i * nk // n_rt
+                hi = (i + 1) * nk // n_rt
             for kb in range(nk):
                 if TRANS:
                     # the transposition first: it waits only for its copies, not for a free stage, so the ready
@@ -127,7 +134,7 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
                     if it >= LAG:
                         _transpose_stage(it - LAG, raw, bt, land, ready, STAGES)
                 if EMIT:
-                    if emits & (kb >= LAG):  # LAG steps behind the copies, as the transposition
+                    if (kb >= LAG) & (kb - LAG >= lo) & (kb - LAG < hi):  # LAG steps behind the copies
                         ne = _emit_stage(it - LAG, kb - LAG, g, pid_n, KC, raw, emit, ne, STAGES)
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
@@ -138,9 +145,9 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
                 else:
                     _tma_load(w_desc, [g * W_ROWS + pid_n * BN, kb * BK], land.index(s), raw.index(s))
                 it += 1
-            if EMIT:
-                if emits:  # the tile's last steps, before the next tile's copies
-                    for kb in range(gl.maximum(nk - LAG, 0), nk):
+            if EMIT:  # the tile's last steps, before the next tile's copies
+                for kb in range(gl.maximum(nk - LAG, 0), nk):
+                    if (kb >= lo) & (kb < hi):
                         ne = _emit_stage(it - nk + kb, kb, g, pid_n, KC, raw, emit, ne, STAGES)
     if TRANS:
         for j in range(gl.maximum(it - LAG, 0), it):
@@ -278,8 +285,8 @@ def fp8_grouped_gluon_kernel(
     contraction, ``sbn`` along the output columns); ``table``: :func:`group_table`. ``LOW_RANK``: plus
     ``l_scale * v[rows of e] @ w_e^T``, ``v_desc`` of ``v [M, R]`` (blocks ``[128, R]``), ``lw_desc`` of ``w`` ``[E * N,
     R]`` (blocks ``[128, R]``), 16-bit, added in fp32 before the one rounding. ``EMIT`` (the forward only): the
-    weights' K-major copy written besides into ``wt_desc`` (``[E * KC, N]``, blocks ``[128, 128]``), each tile by
-    the producer of its group's first row tile, from the tile it copied for the product (the rows of groups
+    weights' K-major copy written besides into ``wt_desc`` (``[E * KC, N]``, blocks ``[128, 128]``), each tile once,
+    by the producer of one of its group's row tiles, from the tile it copied for the product (the rows of groups
     without rows are left unwritten)."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], tile_smem())
     raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
@@ -335,15 +342,13 @@ def launch_settings(trans: bool, emit: bool = False) -> dict:
     beside the stages); on an H100 at c228b90 the forwards ran gate_up 4.07 against 4.44 ms and down 2.34 against
     2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46.
     ``emit``: the forward writing the weights' K-major copy besides (``EMIT``): its producer transposes as the
-    input gradient's does, with the registers that takes; on Triton 3.6 the forward's loop then spills (8 bytes at
-    224 registers) and the loop is ``SIMPLE``'s (the same bits).
+    input gradient's does, with the registers that takes, and the loop is ``SIMPLE``'s (the same bits): with one
+    product left running the math warpgroups spilled (108-116 bytes at 224 registers, Triton 3.6 and 3.9).
     """
-    old = triton_version() <= (3, 6)
-    math, producer = (224, 64) if old else (232, 48)
+    math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
     if not trans:
         if emit:
-            return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SIMPLE=old,
-                        COALESCED=True)
+            return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=224, PRODUCER_REGS=64, SIMPLE=True, COALESCED=True)
         return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SIMPLE=False, COALESCED=True)
     return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SIMPLE=True, COALESCED=True)
 
