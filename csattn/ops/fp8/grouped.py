@@ -185,14 +185,6 @@ def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool
     less; the input gradient on a K-major copy of the weights where :func:`input_grad_copies` holds; the forward
     writing the copy ``transposed`` besides; the forward over ``[64, 256]`` tiles where ``gluon_wide.WIDE_FORWARD``
     is on and no copy is asked for), else Triton (``trans=False``)."""
-    if gluon_fits(a.q, weight) and transposed is not None:
-        from .gluon import FUSE_LOW_RANK, RANK, grouped_mm_gluon  # lazy: Gluon is experimental API
-
-        fused = FUSE_LOW_RANK and low_rank is not None and low_rank.v.shape[1] <= RANK
-        out = grouped_mm_gluon(a.q, a.s, weight, scale, offs, False, out_dtype=out_dtype,
-                               low_rank=_padded(low_rank, RANK) if fused else None, transposed=transposed)
-        return out if fused else add_low_rank(out, low_rank, offs)
-    _fill_transposed(transposed, weight, scale)
     if gluon_fits(a.q, weight):
         from .gluon import FUSE_LOW_RANK, RANK, grouped_mm_gluon  # lazy: Gluon is experimental API
 
@@ -204,11 +196,13 @@ def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool
             trans = False
         from .gluon_wide import WIDE_FORWARD, grouped_mm_gluon_wide, wide_fits
 
-        if not trans and WIDE_FORWARD and wide_fits(weight):  # [64, 256] tiles: the same bits
+        if not trans and WIDE_FORWARD and wide_fits(weight) and transposed is None:  # [64, 256] tiles: the same bits
             out = grouped_mm_gluon_wide(a.q, a.s, weight, scale, offs, out_dtype=out_dtype, low_rank=lr)
         else:
-            out = grouped_mm_gluon(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype, low_rank=lr)
+            out = grouped_mm_gluon(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype, low_rank=lr,
+                                   transposed=transposed)
         return out if fused else add_low_rank(out, low_rank, offs)
+    _fill_transposed(transposed, weight, scale)
     from .triton import grouped_mm_triton  # lazy: Triton optional
 
     return add_low_rank(grouped_mm_triton(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype), low_rank, offs)

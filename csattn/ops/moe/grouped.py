@@ -226,7 +226,6 @@ class _GroupedExperts(torch.autograd.Function):
         dyb = _lora_in(dn_b, dy_r, offs, kernels)  # dy b [N, r]
         dh = _input_grad(_gathered_rows(dout, token) if dy_rows else dy, down_proj, dn_copy, offs, down_scale, compute,
                          dout.dtype, _lora_out(dyb, _t(dn_a), ctx.lora_scales[1]))  # [N, I]
-        del dn_copy
         # the kernel quantizes dgu where its two halves are whole 1x128 tiles (I % 128 == 0)
         dgu_rows = (need_x and (gu.shape[1] // 2) % BLOCK == 0
                     and _takes_rows(gu, gate_up_proj, gate_up_scale, compute, trans=True))
@@ -244,7 +243,6 @@ class _GroupedExperts(torch.autograd.Function):
         dgub = _lora_in(gu_b, _Rows(dgu), offs, kernels)  # dgu b [N, r]
         dxp = _input_grad(dguq if dgu_rows else dgu, gate_up_proj, gu_copy, offs, gate_up_scale, compute, gu.dtype,
                           _lora_out(dgub, _t(gu_a), ctx.lora_scales[0])) if need_x else None
-        del gu_copy
         del dguq
         d_gu_a, d_gu_b = _lora_grads(_Rows(dgu), _Rows.of(xp, x, token), dgub, xa, ctx.lora_scales[0], offs,
                                      need_lora[:2], kernels)
