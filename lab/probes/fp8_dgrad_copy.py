@@ -4,9 +4,8 @@ one Triton pass) with the forward's kernel. Measures what ``grouped.COPY_ROWS_PE
 
 Cases: the 256-expert slice at 16k tokens (~384 rows an expert: the in-kernel transposition's ground) and 64k (~1536),
 and one rank of ep 8 (32 experts) at 8k and 16k tokens a rank (~1536 and ~3072: the one-node plan's ground). For each
-GEMM: the forward plain and writing the K-major copy besides (``KEEP_FORWARD_COPY``'s price), both input-gradient routes
-(their outputs equal bit for bit), the copy alone (GB/s, read + write), bf16 ``grouped_mm``; then the frozen-expert MoE
-forward + input gradient with the op's choice, each route forced, the forward's copy kept, and bf16 experts.
+GEMM: both routes (their outputs equal bit for bit), the copy alone (GB/s, read + write), bf16 ``grouped_mm``; then the
+frozen-expert MoE forward + input gradient with the op's choice, each route forced, and bf16 experts.
 Run on a GPU of sm_90: python -m lab.probes.fp8_dgrad_copy [slice:16k slice:64k ep8:8k ep8:16k]
 """
 
@@ -37,23 +36,11 @@ def copy_then_forward(qa, sa, q, s, offs) -> torch.Tensor:
 
 
 def gemms(shape: dict, dev: torch.device) -> None:
-    """Both GEMMs at ``shape``: the forward plain and writing the K-major copy besides (``transposed=``); the input
-    gradient each route, the copy alone, bf16 ``grouped_mm``."""
+    """Both GEMMs' input gradients at ``shape``: each route, the copy alone, bf16 ``grouped_mm``."""
     ids, _, plan, e, _, gen = _routed(shape, dev)
     m = ids.numel()
     for name, n_w, k_w in (("gate_up", 2 * shape["inter"], shape["hidden"]), ("down", shape["hidden"], shape["inter"])):
         q, s = _quantized((e, n_w, k_w), dev, gen)
-        x = torch.randn(m, k_w, device=dev, generator=gen, dtype=torch.bfloat16)
-        qx, sx = quantize_1x128(x)
-        kept = torch.empty((e, k_w, n_w), dtype=q.dtype, device=dev)
-        flop = 2.0 * m * n_w * k_w
-        bench(name, "forward", partial(grouped_mm_gluon, qx, sx, q, s, plan.offs, False), flop)
-        bench(name, "forward writing the K-major copy", partial(grouped_mm_gluon, qx, sx, q, s, plan.offs, False,
-                                                               transposed=kept), flop)
-        used = torch.diff(plan.offs, prepend=plan.offs.new_zeros(1)) > 0
-        same = torch.equal(kept.view(torch.uint8)[used], q.view(torch.uint8)[used].transpose(1, 2))
-        print(f"  the copy written: {same}", flush=True)
-        del x, qx, sx, kept
         dy = torch.randn(m, n_w, device=dev, generator=gen, dtype=torch.bfloat16)
         qa, sa = quantize_1x128(dy)
         wt, st = transposed_weight(q, s)
@@ -84,12 +71,10 @@ def main(only: list[str]) -> None:
         print(f"== {label}: {routing}, {tokens} tokens", flush=True)
         gemms(shape, dev)
         bf16 = frozen_moe_ms("bf16", shape=shape)
-        ways = {"the op's choice": (None, False), "in-kernel transposition": (1 << 40, False), "copy": (0, False),
-                "the forward's copy kept": (1 << 40, True)}
-        for way, (rows, keep) in ways.items():
+        ways = {"the op's choice": None, "in-kernel transposition": 1 << 40, "copy": 0}
+        for way, rows in ways.items():
             with mock.patch.object(fp8_grouped, "COPY_ROWS_PER_EXPERT",
-                                   fp8_grouped.COPY_ROWS_PER_EXPERT if rows is None else rows), \
-                    mock.patch.object(fp8_grouped, "KEEP_FORWARD_COPY", keep):
+                                   fp8_grouped.COPY_ROWS_PER_EXPERT if rows is None else rows):
                 ms = frozen_moe_ms("fp8", shape=shape)
             print(f"frozen MoE fwd + input grad, {label}: FP8 {way} {ms:.2f} ms ({bf16 / ms:.2f}x bf16 {bf16:.2f})",
                   flush=True)

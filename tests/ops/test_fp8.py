@@ -313,65 +313,6 @@ def test_moe_fp8_experts_vs_dequantized_fp64(backend, assert_close):
         assert_close(b, c, 1e-5, f"fp32 {name}")
 
 
-@pytest.mark.parametrize("with_lora", [False, True])
-def test_moe_fp8_input_grads_on_the_copies_the_forward_kept(with_lora, monkeypatch, assert_close):
-    """Where the forward keeps the frozen weights' K-major copies (``forward_keeps_copy``; on sm_90 the Gluon
-    forward writes them), the op's input gradients multiply them: outputs and every gradient (x, the routing
-    weights, LoRA's factors) as with the weights themselves, in fp32 (the grouped path; fp64 runs the reference,
-    which has no copies) up to the order of the CPU matmuls' sums. Here the copies go the reference's way (filled by
-    ``transposed_weight``), so every use of them is checked on the CPU: their shapes, their scales transposed, LoRA's
-    term on them, and that the forward fills both before the backward reads them."""
-    import csattn.ops.moe.grouped as moe_grouped
-
-    g = torch.Generator().manual_seed(12)
-    t, e, k, d, inter, r = 12, 5, 2, 256, 128, 4
-    gu, dn = _fp8_experts(e, d, inter, g)
-    x = torch.randn(t, d, generator=g)
-    ids = torch.rand(t, e, generator=g).argsort(-1)[:, :k] % (e - 1)  # expert e-1 gets no rows
-    w = torch.rand(t, k, generator=g) + 0.1
-    dout = torch.randn(t, d, generator=g)
-    factors = [torch.randn(shape, generator=g) * 0.1
-               for shape in ((e, r, d), (e, 2 * inter, r), (e, r, inter), (e, d, r))] if with_lora else []
-    kept, plain = [], moe_grouped._kept_copy
-
-    def keep(x, weight, scale, rows, compute, needed):  # the device's conditions aside
-        copy = torch.full(weight.shape[:1] + weight.shape[:0:-1], float("nan")).to(weight.dtype)
-        kept.append(copy)
-        return copy if needed else plain(x, weight, scale, rows, compute, needed)
-
-    def run():
-        leaves = [v.detach().requires_grad_() for v in (x, w, *factors)]
-        lora = {"gate_up_lora": ExpertLora(leaves[2], leaves[3], 2.0),
-                "down_lora": ExpertLora(leaves[4], leaves[5], 0.5)} if with_lora else {}
-        out = moe_experts(leaves[0], ids, leaves[1], gu[0], dn[0], LIMIT, "grouped", gate_up_scale=gu[1],
-                          down_scale=dn[1], **lora)
-        return [out, *torch.autograd.grad(out, leaves, dout)]
-
-    want = run()
-    monkeypatch.setattr(moe_grouped, "_kept_copy", keep)
-    got = run()
-    assert len(kept) == 2 and all(c.float().isfinite().all() for c in kept)
-    names = ("out", "dx", "dweights", "d gate_up a", "d gate_up b", "d down a", "d down b")
-    for name, a, b in zip(names, got, want):
-        assert_close(a, b, 1e-6, name)
-
-
-def test_fp8_grouped_mm_writes_the_k_major_copy_where_asked():
-    """``transposed=``: the output as without it, the codes of ``W_e^T`` written (here every expert: the reference
-    fills it whole); refused by name in the input gradient's direction or at a wrong shape."""
-    g = torch.Generator().manual_seed(13)
-    q, s = _weight((3, 256, 384), g)
-    offs = torch.tensor([5, 5, 17], dtype=torch.int32)
-    a = torch.randn(20, 384, generator=g, dtype=torch.float64)
-    wt = torch.empty((3, 384, 256), dtype=FP8_DTYPE)
-    assert torch.equal(fp8_grouped_mm(a, q, s, offs, transposed=wt), fp8_grouped_mm(a, q, s, offs))
-    assert torch.equal(wt.view(torch.uint8), q.view(torch.uint8).transpose(1, 2))
-    with pytest.raises(ValueError, match="transposed must be"):
-        fp8_grouped_mm(torch.randn(20, 256, dtype=torch.float64), q, s, offs, trans=True, transposed=wt)
-    with pytest.raises(ValueError, match="transposed must be"):
-        fp8_grouped_mm(a, q, s, offs, transposed=wt.transpose(1, 2))
-
-
 def test_moe_fp8_refuses_trainable_or_half_given_scales():
     g = torch.Generator().manual_seed(12)
     gu, dn = _fp8_experts(2, 128, 128, g)

@@ -184,33 +184,6 @@ def test_gluon_input_grad_on_copy_equals_transposing(case, low_rank):
                        big.transpose(1, 2))
 
 
-@pytest.mark.parametrize("low_rank", [False, True])
-@pytest.mark.parametrize("case", list(GLUON_CASES))
-def test_gluon_forward_writes_the_k_major_copy(case, low_rank, request):
-    """The forward that writes the weights' K-major copy besides (``transposed=``): its output is the plain
-    forward's bit for bit, and every expert with rows gets its copy, the transpose bit for bit (the experts without
-    rows keep the NaN codes put there first); the input gradient on that copy is the in-kernel transposition's bit
-    for bit. In its own process: a new kernel's first runs (a fault ends the process's CUDA context)."""
-    if not in_own_process(request):
-        return
-    from csattn.ops.fp8.gluon import grouped_mm_gluon
-
-    q, s, offs, _, qa, sa, lr, g = _same_bits_case(GLUON_CASES[case], False, low_rank, 9)
-    e, n, k = q.shape
-    wt = torch.full((e, k, n), 0x7F, device="cuda", dtype=torch.uint8).view(FP8_DTYPE)  # e4m3 NaN
-    out = torch.full((qa.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    grouped_mm_gluon(qa, sa, q, s, offs, False, out=out, low_rank=lr, transposed=wt)
-    assert torch.equal(out, grouped_mm_gluon(qa, sa, q, s, offs, False, low_rank=lr))
-    rows = torch.diff(offs, prepend=offs.new_zeros(1))
-    written = wt.view(torch.uint8)[rows > 0]
-    assert torch.equal(written, q.view(torch.uint8)[rows > 0].transpose(1, 2))
-    assert (wt.view(torch.uint8)[rows == 0] == 0x7F).all()
-    dy = torch.randn(qa.shape[0], n, generator=g, device="cuda").bfloat16()
-    qd, sd = quantize_1x128(dy)
-    st = s.transpose(1, 2).contiguous()
-    assert torch.equal(grouped_mm_gluon(qd, sd, wt, st, offs, False), grouped_mm_gluon(qd, sd, q, s, offs, True))
-
-
 # (experts, N, K, rows per expert below) for the [64, 256] tiles (N a multiple of 256): 5 contraction steps (a round
 # and the steps past it) with empty experts and last tiles of 40 / 100 rows, 16 steps, every row past offs[-1]
 WIDE_CASES = {"ragged": (16, 512, 640, 300), "deep": (4, 256, 2048, 700), "all_tail": (3, 256, 256, 0)}
@@ -427,43 +400,6 @@ def _composed_moe(x, w, ids, dout, gu, dn, e, lora):
     dgu, _, dw = swiglu_bwd_triton(gup, ws, dh, LIMIT, fp8_out=quantized)
     dxp = fp8_grouped_mm(dgu, *gu, offs, trans=True, low_rank=term(dgu, 0, False))
     return out, gather_sum_triton(dxp, plan.inv, k), dw.index_select(0, plan.inv).view(-1, k).to(w.dtype)
-
-
-@pytest.mark.parametrize("with_lora", [False, True])
-def test_moe_fp8_keeping_the_forward_copy_is_bitwise(with_lora, monkeypatch, request):
-    """The MoE with frozen FP8 experts where the forward keeps the weights' K-major copies (``KEEP_FORWARD_COPY``):
-    the output and the gradients of x, the routing weights and LoRA's factors bit for bit as without (the input
-    gradients run the forward's kernel on the copies: the same products). In its own process (a new kernel's first
-    runs in the op)."""
-    if not in_own_process(request):
-        return
-    import csattn.ops.fp8.grouped as fp8_grouped
-
-    g = torch.Generator(device="cuda").manual_seed(8)
-    t, e, k, d, inter, r = 512, 64, 6, 512, 256, 16
-    gu, dn = _weight((e, 2 * inter, d), g, d), _weight((e, d, inter), g, inter)
-    if not gluon_fits(torch.empty(1, device="cuda"), gu[0]):
-        pytest.skip("the Gluon kernel runs on sm_90 only")
-    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
-    top = torch.topk(torch.randn(t, e, generator=g, device="cuda"), k, dim=-1)
-    ids, w = top.indices, torch.softmax(top.values, -1).bfloat16()
-    dout = torch.randn(t, d, generator=g, device="cuda").bfloat16()
-    f = [torch.randn(shape, generator=g, device="cuda").bfloat16() * 0.05
-         for shape in ((e, r, d), (e, 2 * inter, r), (e, r, inter), (e, d, r))] if with_lora else []
-
-    def run(keep: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(fp8_grouped, "KEEP_FORWARD_COPY", keep)
-        leaves = [v.detach().requires_grad_() for v in (x, w, *f)]
-        lora = {"gate_up_lora": ExpertLora(leaves[2], leaves[3], 2.0),
-                "down_lora": ExpertLora(leaves[4], leaves[5], 0.5)} if with_lora else {}
-        out = moe_experts(leaves[0], ids, leaves[1], gu[0], dn[0], LIMIT, "triton", gate_up_scale=gu[1],
-                          down_scale=dn[1], fp8_compute="fp8", **lora)
-        return [out, *torch.autograd.grad(out, leaves, dout)]
-
-    assert fp8_grouped.forward_keeps_copy(t * k, e) is False  # off by default
-    want, got = run(False), run(True)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert torch.isfinite(a).all() and torch.equal(a, b), (i, rel_err(a, b))
 
 
 @pytest.mark.parametrize("with_lora", [False, True])

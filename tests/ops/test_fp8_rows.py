@@ -173,8 +173,7 @@ def test_fp8_rows_refused_where_no_kernel_takes_them():
                        fp8_grouped_mm(a, weight, scale, offs))
 
 
-def _emulated_fp8_mm(a, weight, scale, offs, trans=False, compute="fp8", out_dtype=None, low_rank=None,
-                     transposed=None):
+def _emulated_fp8_mm(a, weight, scale, offs, trans=False, compute="fp8", out_dtype=None, low_rank=None):
     """What the FP8 kernels compute, on the CPU: the rows quantized 1x128 (unless given so), dequantized, times
     each dequantized expert in fp32, plus the low-rank term in fp32, rounded once to the rows' dtype."""
     rows = a if isinstance(a, Fp8Rows) else Fp8Rows(*quantize_1x128_ref(a))
@@ -182,8 +181,6 @@ def _emulated_fp8_mm(a, weight, scale, offs, trans=False, compute="fp8", out_dty
     out = fp8_grouped_ref(deq, weight, scale, offs, trans)
     if low_rank is not None:
         out = out + low_rank.scale * low_rank_ref(low_rank.v.float(), low_rank.w.float(), offs)
-    if transposed is not None:
-        transposed.copy_(fp8_grouped.transposed_weight(weight, scale)[0])
     return out.to(out_dtype or a.dtype)
 
 

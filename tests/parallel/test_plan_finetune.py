@@ -162,28 +162,6 @@ def test_memory_terms_of_a_frozen_fp8_base():
                                                      * (2 - FP8_BYTES) / 8)
 
 
-def test_memory_counts_the_copies_the_forward_keeps(monkeypatch):
-    """With ``KEEP_FORWARD_COPY`` on, where a rank's experts get fewer than ``COPY_ROWS_PER_EXPERT`` rows each, every
-    MoE layer's forward keeps its experts' K-major FP8 copies until its backward: the rank's FP8 expert bytes once
-    more among the kept activations; above that (the one-node plan's ranks) and off, nothing."""
-    import csattn.ops.fp8.grouped as fp8_grouped
-
-    c = _load("v4_flash.json")
-    t = training_spec(lora_rank=16)
-    one = ParallelDims(dp_shard=1, world=1)
-    node = ParallelDims(dp_shard=1, cp=8, ep=8, world=8)
-    bf16 = training_spec(lora_rank=16, base_precision="bf16")  # bf16 experts: no FP8 kernel, no copies
-    cases = ((one, 16384, t), (node, 65536, t), (one, 16384, bf16))
-    off = [plan(c, d, n, recompute="none", training=tt) for d, n, tt in cases]
-    monkeypatch.setattr(fp8_grouped, "KEEP_FORWARD_COPY", True)
-    on = [plan(c, d, n, recompute="none", training=tt) for d, n, tt in cases]
-    # one rank, 16k tokens: ~384 rows an expert; all 256 experts' gate / up and down, in every layer
-    copies = c.num_hidden_layers * 256 * 3 * c.moe_intermediate_size * c.hidden_size * FP8_BYTES
-    assert on[0].memory.activations_kept - off[0].memory.activations_kept == pytest.approx(copies)
-    assert on[1].memory.activations_kept == off[1].memory.activations_kept  # ep 8 at 8k a rank: ~1536 rows
-    assert on[2].memory.activations_kept == off[2].memory.activations_kept
-
-
 def test_training_flags_are_checked():
     with pytest.raises(ValueError, match="--train and --freeze"):
         training_spec(train="head", freeze="experts")

@@ -31,14 +31,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from ..backend import sm_count, triton_version
 from .gluon_low_rank import _acc_start, _load_low_rank, _low_rank_ring
-from .gluon_tiles import BK, BM, BN, _cta_sync, _tile, _tma_load, _tma_store, acc_layout, group_table, tile_smem
+from .gluon_tiles import BK, BM, BN, _cta_sync, _tile, _tma_load, acc_layout, group_table, tile_smem
 
 __all__ = ["FUSE_LOW_RANK", "RANK", "fp8_grouped_gluon_kernel", "grouped_mm_gluon", "launch_settings"]
 
@@ -82,60 +81,25 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _emit_stage(j, kb, g, pid_n, KC, raw, emit, ne, STAGES: gl.constexpr):
-    """``EMIT``: step ``j``'s weight tile ``[BN, BK]`` (as the forward copies it, contraction step ``kb``) transposed
-    through registers into one of two buffers, then stored by TMA into the K-major copy at ``[g KC + kb BK, pid_n
-    BN]``. ``ne``: the emissions so far (the buffers' turns); returns it plus one."""
-    et, land, wt_desc = emit
-    s = j % STAGES
-    mbarrier.wait(land.index(s), (j // STAGES) & 1)
-    tma.store_wait(1)  # the store of this buffer's last tile has read it
-    _cta_sync()  # (the thread that issued it waited: the others learn it here)
-    b = ne % 2
-    for c in gl.static_range(2):
-        piece = raw.index(s).slice(c * 64, 64, dim=1).load(transpose_layout())
-        et.index(b).slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
-    fence_async_shared()
-    _cta_sync()  # every producer thread's stores are in before the copy out
-    _tma_store(wt_desc, [g * KC + kb * BK, pid_n * BN], et.index(b))
-    return ne + 1
-
-
-@gluon.jit
-def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, emit, TRANS: gl.constexpr,
+def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS: gl.constexpr,
               E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
-              LOW_RANK: gl.constexpr, EMIT: gl.constexpr):
+              LOW_RANK: gl.constexpr):
     a_smem, raw, bt, land, ready, empty = smem
     nk = KC // BK
     it = 0
     nt = 0  # tiles with a group: the low-rank buffers' turns
-    ne = 0  # EMIT: tiles of the K-major copy stored
     for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
         g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
         if g < E:
             if LOW_RANK:
                 _load_low_rank(low_rank, nt, row0, g * (tiles_n * BN) + pid_n * BN)
                 nt += 1
-            # EMIT: the group's row tiles share the writing of their columns' tiles of the K-major copy (each once):
-            # row tile i of n writes contraction steps [i nk / n, (i + 1) nk / n), so that no tile's producer
-            # transposes every step (the math warpgroups would wait for it there)
-            lo = nk
-            hi = nk
-            if EMIT:
-                start = gl.load(table + g)
-                n_rt = (row_end - start + BM - 1) // BM
-                i = (row0 - start) // BM
-                lo = i * nk // n_rt
-                hi = (i + 1) * nk // n_rt
             for kb in range(nk):
                 if TRANS:
                     # the transposition first: it waits only for its copies, not for a free stage, so the ready
                     # stages run ahead of the math warpgroups
                     if it >= LAG:
                         _transpose_stage(it - LAG, raw, bt, land, ready, STAGES)
-                if EMIT:
-                    if (kb >= LAG) & (kb - LAG >= lo) & (kb - LAG < hi):  # LAG steps behind the copies
-                        ne = _emit_stage(it - LAG, kb - LAG, g, pid_n, KC, raw, emit, ne, STAGES)
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
                 mbarrier.expect(land.index(s), BM * BK + BK * BN)  # e4m3: a byte each
@@ -145,15 +109,9 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
                 else:
                     _tma_load(w_desc, [g * W_ROWS + pid_n * BN, kb * BK], land.index(s), raw.index(s))
                 it += 1
-            if EMIT:  # the tile's last steps, before the next tile's copies
-                for kb in range(gl.maximum(nk - LAG, 0), nk):
-                    if (kb >= lo) & (kb < hi):
-                        ne = _emit_stage(it - nk + kb, kb, g, pid_n, KC, raw, emit, ne, STAGES)
     if TRANS:
         for j in range(gl.maximum(it - LAG, 0), it):
             _transpose_stage(j, raw, bt, land, ready, STAGES)
-    if EMIT:
-        tma.store_wait(0)  # the stores read their buffers before the program's shared memory goes
 
 
 @gluon.jit
@@ -274,20 +232,17 @@ def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, s
 @gluon.jit
 def fp8_grouped_gluon_kernel(
     a_desc, w_desc, sa, sw, table, out, KC, E, W_ROWS, tiles_m, tiles_n,
-    stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale, wt_desc,
+    stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
-    SIMPLE: gl.constexpr = False, COALESCED: gl.constexpr = True, EMIT: gl.constexpr = False,
+    SIMPLE: gl.constexpr = False, COALESCED: gl.constexpr = True,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
     (blocks ``[128, 128]``); ``sa [M, KC/128]`` and ``sw [E, ., .]`` their fp32 scales (strides ``sbk`` along the
     contraction, ``sbn`` along the output columns); ``table``: :func:`group_table`. ``LOW_RANK``: plus
     ``l_scale * v[rows of e] @ w_e^T``, ``v_desc`` of ``v [M, R]`` (blocks ``[128, R]``), ``lw_desc`` of ``w`` ``[E * N,
-    R]`` (blocks ``[128, R]``), 16-bit, added in fp32 before the one rounding. ``EMIT`` (the forward only): the
-    weights' K-major copy written besides into ``wt_desc`` (``[E * KC, N]``, blocks ``[128, 128]``), each tile once,
-    by the producer of one of its group's row tiles, from the tile it copied for the product (the rows of groups
-    without rows are left unwritten)."""
+    R]`` (blocks ``[128, R]``), 16-bit, added in fp32 before the one rounding."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], tile_smem())
     raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
     if TRANS:  # the weight tile transposed by the producer, beside the copied one
@@ -308,10 +263,6 @@ def fp8_grouped_gluon_kernel(
         ready = land
     smem = (a_smem, raw, bt, land, ready, empty)
     low_rank = _low_rank_ring(v_desc, lw_desc, l_scale, a_smem, land, empty, LOW_RANK)
-    if EMIT:  # two buffers of the copy's tiles, one filled while the other is stored
-        emit = (gl.allocate_shared_memory(gl.float8e4nv, [2, BK, BN], tile_smem()), land, wt_desc)
-    else:
-        emit = (raw, land, wt_desc)
     gl.warp_specialize([
         (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                  stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
@@ -319,14 +270,14 @@ def fp8_grouped_gluon_kernel(
         (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                  stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
                  LOW_RANK, SIMPLE, COALESCED)),
-        (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, emit, TRANS,
-                     E_P2, GROUP_M, STAGES, LAG, LOW_RANK, EMIT)),
+        (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
+                     E_P2, GROUP_M, STAGES, LAG, LOW_RANK)),
     ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 
 # Host side -------------------------------------------------------------------------------------------------------
 
-def launch_settings(trans: bool, emit: bool = False) -> dict:
+def launch_settings(trans: bool) -> dict:
     """The kernel's tuning constexprs: 4 stages (128 KB of tiles; 192 KB with the transposed buffers), the
     transposition ``LAG`` steps behind the copies (at most ``STAGES - 1``: a math warpgroup frees a stage only
     once the next one is ready, and the producer transposes before it waits for a free stage), and the registers
@@ -340,38 +291,23 @@ def launch_settings(trans: bool, emit: bool = False) -> dict:
     ran slower so (725 against 757 TFLOP/s at gate_up) and keeps a product running while the last is promoted.
     ``COALESCED``: the result through shared memory into whole 32-byte sectors (its 8 KB of scratch a math warpgroup
     beside the stages); on an H100 at c228b90 the forwards ran gate_up 4.07 against 4.44 ms and down 2.34 against
-    2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46.
-    ``emit``: the forward writing the weights' K-major copy besides (``EMIT``): its producer transposes as the
-    input gradient's does, with the registers that takes, and the loop is ``SIMPLE``'s (the same bits): with one
-    product left running the math warpgroups spilled (108-116 bytes at 224 registers, Triton 3.6 and 3.9).
-    """
-    math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
+    2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46."""
     if not trans:
-        if emit:
-            return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=224, PRODUCER_REGS=64, SIMPLE=True, COALESCED=True)
         return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SIMPLE=False, COALESCED=True)
+    math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
     return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SIMPLE=True, COALESCED=True)
 
 
 def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
                      out_dtype: torch.dtype = torch.bfloat16, out: Tensor | None = None,
-                     settings: dict | None = None, low_rank: tuple[Tensor, Tensor, float] | None = None,
-                     transposed: Tensor | None = None) -> Tensor:
+                     settings: dict | None = None, low_rank: tuple[Tensor, Tensor, float] | None = None) -> Tensor:
     """The Gluon kernel on prepared operands, same contract as :func:`.triton.grouped_mm_triton` with ``a`` e4m3
     and its 1x128 scales; the weight's ``N`` and ``K`` multiples of 128 (``grouped.gluon_fits``). ``settings``:
     :func:`launch_settings` to override (measurements). ``low_rank``: ``(v [M, R], w [E, n_out, R], scale)``, one 16-bit
     dtype, ``R`` = :data:`RANK`: ``scale * v[rows of e] @ w[e]^T`` is added to the output before its rounding.
     ``a_scale`` ``[M, KC / 128]`` row-major, or the view of a ``[KC / 128, M]`` tensor (``quantize_1x128(...,
-    scale_t=True)``), whose loads along a tile's rows are contiguous. ``transposed`` (the forward only): an ``[E, K,
-    N]`` e4m3 tensor the kernel writes the weights' K-major copy into besides (``W_e^T`` for every expert with rows;
-    the others' left as they are), from the tiles it reads for the product."""
-    emit = transposed is not None
-    if emit and (trans or transposed.dtype != weight.dtype or not transposed.is_contiguous()
-                 or tuple(transposed.shape) != (weight.shape[0], weight.shape[2], weight.shape[1])):
-        raise ValueError(f"transposed must be a contiguous {weight.dtype} [E, K, N] = {list(weight.shape[:1])} + "
-                         f"{list(weight.shape[:0:-1])} for the forward (trans=False), got "
-                         f"{transposed.dtype} {tuple(transposed.shape)}, trans={trans}")
-    cfg = _settings(trans, settings, emit)
+    scale_t=True)``), whose loads along a tile's rows are contiguous."""
+    cfg = _settings(trans, settings)
     m, c = a.shape
     e, n_w, k_w = weight.shape
     n_out = k_w if trans else n_w
@@ -381,7 +317,6 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     e_p2 = max(128, triton.next_power_of_2(e + 2))
     table = group_table(offs, m, e_p2)
     a_desc, w_desc = tile_descs(a, weight, BM.value, 128)
-    wt_desc = tile_descs(a, transposed, BM.value, 128)[1] if emit else w_desc
     if trans:  # contraction along W's rows
         ssk, ssn = scale.stride(1), scale.stride(2)
     else:
@@ -392,7 +327,7 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     fp8_grouped_gluon_kernel[grid](
         a_desc, w_desc, a_scale, scale, table, out, c, e, n_w, tiles_m, tiles_n,
         a_scale.stride(0), a_scale.stride(1), scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale,
-        wt_desc, TRANS=trans, E_P2=e_p2, **cfg, LOW_RANK=low_rank is not None, EMIT=emit, num_warps=4)
+        TRANS=trans, E_P2=e_p2, **cfg, LOW_RANK=low_rank is not None, num_warps=4)
     return out
 
 
@@ -418,9 +353,9 @@ def tile_descs(a: Tensor, weight: Tensor, a_rows: int, w_rows: int) -> tuple:
             TensorDescriptor(weight.view(e * r, k), [e * r, k], [k, 1], [w_rows, BK.value], tile_smem()))
 
 
-def _settings(trans: bool, settings: dict | None, emit: bool = False) -> dict:
+def _settings(trans: bool, settings: dict | None) -> dict:
     """:func:`launch_settings` with ``settings`` over them; a ``ValueError`` naming any setting the kernel has not."""
-    cfg = launch_settings(trans, emit)
+    cfg = launch_settings(trans)
     unknown = sorted(set(settings or {}) - set(cfg))
     if unknown:
         raise ValueError(f"settings: the kernel has no {unknown}; it takes {sorted(cfg)}")

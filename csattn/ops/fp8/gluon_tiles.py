@@ -13,7 +13,6 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 # Renamed between releases (Triton 3.6: async_copy_global_to_shared and thread_barrier; later: async_load, barrier)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cta_sync = getattr(gl, "thread_barrier", None) or gl.barrier
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 BM: gl.constexpr = gl.constexpr(128)  # rows of a tile: two math warpgroups of 64
 BN: gl.constexpr = gl.constexpr(128)  # output columns of a tile: one block of the weight's scales

@@ -11,9 +11,8 @@ from torch import Tensor
 from ..backend import interpreting, triton_version
 from .naive import BLOCK, FP8_DTYPE, _cdiv, _check_grouped, check_weight, fp8_grouped_mm_ref, low_rank_ref
 
-__all__ = ["COMPUTES", "COPY_ROWS_PER_EXPERT", "KEEP_FORWARD_COPY", "Fp8Rows", "LowRank", "add_low_rank",
-           "check_compute", "fp8_grouped_mm", "forward_keeps_copy", "gluon_fits", "input_grad_copies", "kernel_compute",
-           "takes_fp8_rows", "transposed_weight"]
+__all__ = ["COMPUTES", "COPY_ROWS_PER_EXPERT", "Fp8Rows", "LowRank", "add_low_rank", "check_compute",
+           "fp8_grouped_mm", "gluon_fits", "input_grad_copies", "kernel_compute", "takes_fp8_rows", "transposed_weight"]
 
 COMPUTES = ("fp8", "w8a16")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -26,12 +25,6 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 # one-node plan (ep 8: ~1536 at 8k tokens a rank) take the copy. 1024 leaves room for the copy's bandwidth, which
 # lab.probes.fp8_dgrad_copy measures.
 COPY_ROWS_PER_EXPERT = 1024
-# Below that many rows an expert, the forward can write the K-major copy besides its product instead (the Gluon
-# kernel's EMIT: the producer of each group's first row tile transposes the weight tiles it copied anyway, once each,
-# and stores them), and the MoE op keep it for the input gradient: the backward then runs the forward's kernel, with
-# no transposition and no copy pass. The price: the layer's FP8 expert bytes held once more from its forward to its
-# backward (the planner counts them). Off until measured (lab.probes.fp8_dgrad_copy times the forward both ways).
-KEEP_FORWARD_COPY = False
 
 
 class Fp8Rows(NamedTuple):
@@ -117,7 +110,7 @@ def takes_fp8_rows(dtype: torch.dtype, device: torch.device, weight: Tensor, com
 
 def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
                    compute: str = "fp8", out_dtype: torch.dtype | None = None,
-                   low_rank: LowRank | None = None, transposed: Tensor | None = None) -> Tensor:
+                   low_rank: LowRank | None = None) -> Tensor:
     """Expert GEMMs over contiguous expert-sorted rows, frozen FP8 weights.
 
     Args:
@@ -140,21 +133,16 @@ def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Ten
             columns). The Gluon kernel can add it to its fp32 result before the one rounding (rank 16 or less,
             padded; one bf16 MMA a tile, its operands copied ahead by the producer; ``gluon.FUSE_LOW_RANK``);
             elsewhere, and at higher ranks, :func:`add_low_rank` adds it after (one Triton pass on CUDA).
-        transposed: with ``trans=False``, an ``[E, K, N]`` ``float8_e4m3fn`` tensor that receives ``W_e^T``'s codes
-            for every expert with rows (the others' left as they are), for the input gradient ``dY W_e = dY
-            (W_e^T)^T`` as a forward on it (its scales: ``scale.transpose(1, 2)``). The Gluon kernel writes it from
-            the tiles it reads (``EMIT``); elsewhere :func:`transposed_weight` fills it.
 
     Returns:
         ``[M, N]`` or ``[M, K]`` in ``a``'s dtype (``out_dtype``); rows past ``offs[-1]`` are zero. Not
         differentiable (callers use it inside their own backward): ``a`` that requires grad under grad mode is
         refused.
     """
-    _check_transposed(transposed, weight, trans)
     if isinstance(a, Fp8Rows):
         _check_rows(a, weight, scale, offs, trans, compute, out_dtype)
         _check_low_rank(low_rank, a.q.shape[0], weight, trans, out_dtype)
-        return _fp8_mm(a, weight, scale, offs, trans, out_dtype, low_rank, transposed)
+        return _fp8_mm(a, weight, scale, offs, trans, out_dtype, low_rank)
     _check_grouped(a, weight, scale, offs, trans)
     if out_dtype not in (None, a.dtype):
         raise ValueError(f"out_dtype {out_dtype} is for pre-quantized rows (Fp8Rows); the output of a {a.dtype} "
@@ -165,14 +153,11 @@ def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Ten
     _check_low_rank(low_rank, a.shape[0], weight, trans, a.dtype)
     mode = kernel_compute(a, compute)
     if mode is None:
-        _fill_transposed(transposed, weight, scale)
         return add_low_rank(fp8_grouped_mm_ref(a, weight, scale, offs, trans), low_rank, offs)
     from .triton import grouped_mm_triton, quantize_1x128_triton  # lazy: Triton optional
 
     if takes_fp8_rows(a.dtype, a.device, weight, compute, trans):
-        return _fp8_mm(Fp8Rows(*quantize_1x128_triton(a)), weight, scale, offs, trans, a.dtype, low_rank,
-                       transposed)
-    _fill_transposed(transposed, weight, scale)
+        return _fp8_mm(Fp8Rows(*quantize_1x128_triton(a)), weight, scale, offs, trans, a.dtype, low_rank)
     # trans=True elsewhere runs W8A16 in both modes: FP8 MMA wants W K-major, and neither Triton's transposition of
     # the FP8 tile (91-125 TFLOP/s on the H200) nor a transposed copy per call (107-110) beat the bf16 MMA on the
     # cast tile (~235); the Gluon kernel transposes the tile in shared memory (see README.md)
@@ -180,11 +165,10 @@ def fp8_grouped_mm(a: Tensor | Fp8Rows, weight: Tensor, scale: Tensor, offs: Ten
 
 
 def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool, out_dtype: torch.dtype,
-            low_rank: LowRank | None, transposed: Tensor | None = None) -> Tensor:
+            low_rank: LowRank | None) -> Tensor:
     """The FP8 kernels on quantized rows: Gluon where it fits (the low-rank term in its epilogue at rank 16 or
-    less; the input gradient on a K-major copy of the weights where :func:`input_grad_copies` holds; the forward
-    writing the copy ``transposed`` besides; the forward over ``[64, 256]`` tiles where ``gluon_wide.WIDE_FORWARD``
-    is on and no copy is asked for), else Triton (``trans=False``)."""
+    less; the input gradient on a K-major copy of the weights where :func:`input_grad_copies` holds; the forward over
+    ``[64, 256]`` tiles where ``gluon_wide.WIDE_FORWARD`` is on), else Triton (``trans=False``)."""
     if gluon_fits(a.q, weight):
         from .gluon import FUSE_LOW_RANK, RANK, grouped_mm_gluon  # lazy: Gluon is experimental API
 
@@ -196,13 +180,11 @@ def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool
             trans = False
         from .gluon_wide import WIDE_FORWARD, grouped_mm_gluon_wide, wide_fits
 
-        if not trans and WIDE_FORWARD and wide_fits(weight) and transposed is None:  # [64, 256] tiles: the same bits
+        if not trans and WIDE_FORWARD and wide_fits(weight):  # [64, 256] tiles: the same bits
             out = grouped_mm_gluon_wide(a.q, a.s, weight, scale, offs, out_dtype=out_dtype, low_rank=lr)
         else:
-            out = grouped_mm_gluon(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype, low_rank=lr,
-                                   transposed=transposed)
+            out = grouped_mm_gluon(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype, low_rank=lr)
         return out if fused else add_low_rank(out, low_rank, offs)
-    _fill_transposed(transposed, weight, scale)
     from .triton import grouped_mm_triton  # lazy: Triton optional
 
     return add_low_rank(grouped_mm_triton(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype), low_rank, offs)
@@ -232,14 +214,6 @@ def transposed_weight(weight: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     return wt.view(*weight.shape[:-2], weight.shape[-1], weight.shape[-2]), scale.transpose(-1, -2).contiguous()
 
 
-def forward_keeps_copy(rows: int, experts: int) -> bool:
-    """Whether the MoE op's forward over ``rows`` expert-sorted rows and ``experts`` experts, frozen FP8 weights on
-    the Gluon kernel, writes their K-major copy besides and keeps it for the input gradient (:data:`KEEP_FORWARD_COPY`
-    on, and fewer than :data:`COPY_ROWS_PER_EXPERT` rows an expert: above, the backward's own copy costs less than
-    the bytes held)."""
-    return KEEP_FORWARD_COPY and not input_grad_copies(rows, experts)
-
-
 def input_grad_copies(rows: int, experts: int) -> bool:
     """Whether the Gluon input gradient of ``rows`` expert-sorted rows over ``experts`` experts multiplies a K-major
     copy of the weights made for the call (at least :data:`COPY_ROWS_PER_EXPERT` rows an expert on average: the
@@ -266,24 +240,6 @@ def add_low_rank(out: Tensor, lr: LowRank | None, offs: Tensor) -> Tensor:
 
         return low_rank_add_triton(out, lr.v, lr.w, lr.scale, offs)
     return out.add_(low_rank_ref(lr.v, lr.w, offs), alpha=lr.scale)
-
-
-def _fill_transposed(transposed: Tensor | None, weight: Tensor, scale: Tensor) -> None:
-    """``transposed`` (where given) filled with the weights' K-major codes by :func:`transposed_weight`."""
-    if transposed is not None:
-        transposed.copy_(transposed_weight(weight, scale)[0])
-
-
-def _check_transposed(transposed: Tensor | None, weight: Tensor, trans: bool) -> None:
-    """A ``ValueError`` naming ``transposed`` unless it is absent or a contiguous e4m3 ``[E, K, N]`` for the forward."""
-    if transposed is None:
-        return
-    e, n, k = weight.shape
-    if trans or transposed.dtype != FP8_DTYPE or tuple(transposed.shape) != (e, k, n) \
-            or not transposed.is_contiguous() or transposed.device != weight.device:
-        raise ValueError(f"transposed must be a contiguous float8_e4m3fn [{e}, {k}, {n}] on {weight.device} and "
-                         f"trans=False (the forward writes it), got {transposed.dtype} {tuple(transposed.shape)} on "
-                         f"{transposed.device}, trans={trans}")
 
 
 def _check_low_rank(lr: LowRank | None, m: int, weight: Tensor, trans: bool, dtype: torch.dtype | None) -> None:

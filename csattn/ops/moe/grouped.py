@@ -40,7 +40,6 @@ from ..autograd import named_grads
 from ..backend import Backend, interpreting, use_triton
 from ..backend import torch_grouped_mm as _grouped_mm
 from ..fp8 import BLOCK, FP8_DTYPE, Fp8Rows, LowRank, add_low_rank, fp8_grouped_mm, quantize_1x128, takes_fp8_rows
-from ..fp8.grouped import forward_keeps_copy, gluon_fits
 from .naive import ExpertLora, gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
 
 __all__ = ["RoutePlan", "route_plan", "grouped_mm_supported", "grouped_experts"]
@@ -110,39 +109,16 @@ def _zero_empty_groups(grad: Tensor, offs: Tensor) -> Tensor:
 
 
 def _expert_mm(a: Tensor | Fp8Rows, weight: Tensor, offs: Tensor, scale: Tensor | None, compute: str,
-               out_dtype: torch.dtype, trans: bool = False, low_rank: LowRank | None = None,
-               transposed: Tensor | None = None) -> Tensor:
+               out_dtype: torch.dtype, trans: bool = False, low_rank: LowRank | None = None) -> Tensor:
     """Rows of each expert times ``W_e^T`` (``trans=False``) or ``W_e``, plus the LoRA term ``low_rank``:
     ``grouped_mm`` with the term added in place (:func:`~csattn.ops.fp8.add_low_rank`: the output is this op's own),
     or for a frozen FP8 weight (``scale`` its 128x128 block scales) :func:`~csattn.ops.fp8.fp8_grouped_mm` in mode
     ``compute``, on rows or on rows already quantized (:class:`~csattn.ops.fp8.Fp8Rows`, of ``out_dtype`` rows),
-    which takes the term itself and writes the weights' K-major copy into ``transposed`` where given."""
+    which takes the term itself."""
     if scale is not None:
         return fp8_grouped_mm(a, weight, scale, offs, trans=trans, compute=compute, out_dtype=out_dtype,
-                              low_rank=low_rank, transposed=transposed)
+                              low_rank=low_rank)
     return add_low_rank(_grouped_mm(a, weight if trans else weight.transpose(-2, -1), offs=offs), low_rank, offs)
-
-
-def _kept_copy(x: Tensor, weight: Tensor, scale: Tensor | None, rows: int, compute: str,
-               needed: bool) -> Tensor | None:
-    """An unwritten ``[E, K, N]`` e4m3 tensor for the forward to write the frozen FP8 weight's K-major copy into,
-    kept for the input gradient, where it is ``needed`` and :func:`~csattn.ops.fp8.grouped.forward_keeps_copy`
-    holds for ``rows`` on the Gluon kernel (FP8 compute); else None."""
-    if not needed or scale is None or compute != "fp8" or not gluon_fits(x, weight) \
-            or not _takes_rows(x, weight, scale, compute, trans=False) \
-            or not forward_keeps_copy(rows, weight.shape[0]):
-        return None
-    e, n, k = weight.shape
-    return torch.empty((e, k, n), dtype=weight.dtype, device=weight.device)
-
-
-def _input_grad(a: Tensor | Fp8Rows, weight: Tensor, copy: Tensor | None, offs: Tensor, scale: Tensor | None,
-                compute: str, out_dtype: torch.dtype, low_rank: LowRank | None) -> Tensor:
-    """Rows of each expert times ``W_e`` (an input gradient): the forward's kernel on the K-major copy the forward
-    kept (``copy``; its scales transposed), else :func:`_expert_mm` with ``trans=True``. The same bits either way."""
-    if copy is None:
-        return _expert_mm(a, weight, offs, scale, compute, out_dtype, trans=True, low_rank=low_rank)
-    return _expert_mm(a, copy, offs, scale.transpose(1, 2).contiguous(), compute, out_dtype, low_rank=low_rank)
 
 
 def _takes_rows(like: Tensor, weight: Tensor, scale: Tensor | None, compute: str, trans: bool) -> bool:
@@ -163,7 +139,7 @@ class _GroupedExperts(torch.autograd.Function):
                 limit: float, backend: Backend, gate_up_a: Tensor | None = None, gate_up_b: Tensor | None = None,
                 down_a: Tensor | None = None, down_b: Tensor | None = None,
                 lora_scales: tuple[float, float] = (0.0, 0.0), gate_up_scale: Tensor | None = None,
-                down_scale: Tensor | None = None, fp8_compute: str = "fp8", input_grad: bool = False) -> Tensor:
+                down_scale: Tensor | None = None, fp8_compute: str = "fp8") -> Tensor:
         t, d = x.shape
         k = experts.shape[-1]
         ctx.limit, ctx.backend, ctx.k, ctx.fp8_compute = limit, backend, k, fp8_compute
@@ -183,22 +159,19 @@ class _GroupedExperts(torch.autograd.Function):
         x_rows = _takes_rows(x, gate_up_proj, gate_up_scale, fp8_compute, trans=False)
         xp = x.index_select(0, plan.token) if not x_rows or (gate_up_a is not None and not kernels) else None
         xa = _lora_in(_t(gate_up_a), _Rows.of(xp, x, plan.token), plan.offs, kernels)
-        # where the forward keeps the frozen weights' K-major copies, the input gradients multiply them
-        gu_copy = _kept_copy(x, gate_up_proj, gate_up_scale, t * k, fp8_compute, input_grad)
-        dn_copy = _kept_copy(x, down_proj, down_scale, t * k, fp8_compute, input_grad)
         gu = _expert_mm(_gathered_rows(x, plan.token) if x_rows else xp, gate_up_proj, plan.offs, gate_up_scale,
-                        fp8_compute, x.dtype, low_rank=_lora_out(xa, gate_up_b, lora_scales[0]), transposed=gu_copy)
+                        fp8_compute, x.dtype, low_rank=_lora_out(xa, gate_up_b, lora_scales[0]))
         del xp
         h_rows = _takes_rows(gu, down_proj, down_scale, fp8_compute, trans=False)
         h, hq = _swiglu_fwd(backend, gu, w, limit, keep_h=down_a is not None or not h_rows, quantize=h_rows)
         ha = _lora_in(_t(down_a), _Rows(h), plan.offs, kernels)
         y = _expert_mm(hq if h_rows else h, down_proj, plan.offs, down_scale, fp8_compute, gu.dtype,
-                       low_rank=_lora_out(ha, down_b, lora_scales[1]), transposed=dn_copy)
+                       low_rank=_lora_out(ha, down_b, lora_scales[1]))
         del h, hq
         out = _gather_sum(backend, y, plan.inv, k)
         # with LoRA the rank-r products x a^T and h a^T ([N, r] each) are kept for the b gradients
         ctx.save_for_backward(x, gate_up_proj, down_proj, gu, w, plan.token, plan.inv, plan.offs, *lora, xa, ha,
-                              gate_up_scale, down_scale, gu_copy, dn_copy)
+                              gate_up_scale, down_scale)
         return out
 
     @staticmethod
@@ -216,7 +189,7 @@ class _GroupedExperts(torch.autograd.Function):
                                         down_proj=torch.zeros_like(down_proj) if need_down else None,
                                         gate_up_a=dl[0], gate_up_b=dl[1], down_a=dl[2], down_b=dl[3])
         (x, gate_up_proj, down_proj, gu, w, token, inv, offs, gu_a, gu_b, dn_a, dn_b, xa, ha, gate_up_scale,
-         down_scale, gu_copy, dn_copy) = ctx.saved_tensors
+         down_scale) = ctx.saved_tensors
         k, backend, compute, kernels = ctx.k, ctx.backend, ctx.fp8_compute, ctx.lora_kernels
         # as in the forward: FP8 GEMM inputs quantized before the gather (dout) or by the SwiGLU kernel (dgu)
         dy_rows = _takes_rows(dout, down_proj, down_scale, compute, trans=True)
@@ -224,8 +197,8 @@ class _GroupedExperts(torch.autograd.Function):
         dy = dout.index_select(0, token) if need_down or not dy_rows or (dn_a is not None and not kernels) else None
         dy_r = _Rows.of(dy, dout, token)
         dyb = _lora_in(dn_b, dy_r, offs, kernels)  # dy b [N, r]
-        dh = _input_grad(_gathered_rows(dout, token) if dy_rows else dy, down_proj, dn_copy, offs, down_scale, compute,
-                         dout.dtype, _lora_out(dyb, _t(dn_a), ctx.lora_scales[1]))  # [N, I]
+        dh = _expert_mm(_gathered_rows(dout, token) if dy_rows else dy, down_proj, offs, down_scale, compute,
+                        dout.dtype, trans=True, low_rank=_lora_out(dyb, _t(dn_a), ctx.lora_scales[1]))  # [N, I]
         # the kernel quantizes dgu where its two halves are whole 1x128 tiles (I % 128 == 0)
         dgu_rows = (need_x and (gu.shape[1] // 2) % BLOCK == 0
                     and _takes_rows(gu, gate_up_proj, gate_up_scale, compute, trans=True))
@@ -241,8 +214,8 @@ class _GroupedExperts(torch.autograd.Function):
         xp = x.index_select(0, token) if need_gu or (need_lora[0] and not kernels) else None
         d_gate_up = _zero_empty_groups(_grouped_mm(dgu.t(), xp, offs=offs), offs) if need_gu else None
         dgub = _lora_in(gu_b, _Rows(dgu), offs, kernels)  # dgu b [N, r]
-        dxp = _input_grad(dguq if dgu_rows else dgu, gate_up_proj, gu_copy, offs, gate_up_scale, compute, gu.dtype,
-                          _lora_out(dgub, _t(gu_a), ctx.lora_scales[0])) if need_x else None
+        dxp = _expert_mm(dguq if dgu_rows else dgu, gate_up_proj, offs, gate_up_scale, compute, gu.dtype,
+                         trans=True, low_rank=_lora_out(dgub, _t(gu_a), ctx.lora_scales[0])) if need_x else None
         del dguq
         d_gu_a, d_gu_b = _lora_grads(_Rows(dgu), _Rows.of(xp, x, token), dgub, xa, ctx.lora_scales[0], offs,
                                      need_lora[:2], kernels)
@@ -380,5 +353,4 @@ def grouped_experts(x: Tensor, experts: Tensor, weights: Tensor, gate_up_proj: T
     return _GroupedExperts.apply(x, weights, gate_up_proj, down_proj, experts, float(limit), backend,
                                  *(gl[:2] if gl else (None, None)), *(dl[:2] if dl else (None, None)),
                                  (float(gl.scale) if gl else 0.0, float(dl.scale) if dl else 0.0),
-                                 gate_up_scale, down_scale, fp8_compute,
-                                 torch.is_grad_enabled() and x.requires_grad)  # (no backward: no copy to keep)
+                                 gate_up_scale, down_scale, fp8_compute)

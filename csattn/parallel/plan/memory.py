@@ -7,14 +7,14 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from ...models.deepseek_v4.config import RECOMPUTE_CHOICES, DeepseekV4ModelConfig
-from ...ops.fp8.grouped import forward_keeps_copy, input_grad_copies
+from ...ops.fp8.grouped import input_grad_copies
 from ..mesh import ParallelDims
 from .counts import GROUPS, GroupCount, Training, cached, count_groups, layer_kinds
 from .measured import KEPT_KIB, TRANSIENT
 from .records import GiB, Memory, Part, Plan, Sizes
 from .timing import step_time
 
-__all__ = ["FP8_BYTES", "fp8_workspace", "kept_bytes_per_token", "kept_fp8_copies", "plan", "sizes"]
+__all__ = ["FP8_BYTES", "fp8_workspace", "kept_bytes_per_token", "plan", "sizes"]
 
 FP8_BYTES = 1 + 4 / (128 * 128)  # e4m3 plus one fp32 scale per 128x128 block, per element
 FP8_ACT_BYTES = 1 + 4 / 128  # e4m3 plus one fp32 scale per 1x128 tile (activations)
@@ -152,7 +152,6 @@ def plan(c: DeepseekV4ModelConfig, dims: ParallelDims, seq_len: int, *, batch_se
                        "fp8_linears": t.fp8_linears, "fp8": [g for g in GROUPS if t.fp8(g)]})
     weights, grads_at_peak, reduce_scatter = _weights(p, c, dims, sz, cb)
     kept, workspaces = _activations(p, c, dims)
-    kept += kept_fp8_copies(c, rows, t, dims.ep)
     p.memory = replace(weights, activations_kept=kept, workspaces=workspaces,
                        fp8_workspace=fp8_workspace(c, rows, t, dims.ep))
     _peak(p, c, grads_at_peak, reduce_scatter)
@@ -223,19 +222,6 @@ def _activations(p: Plan, c: DeepseekV4ModelConfig, dims: ParallelDims) -> tuple
                   + TRANSIENT["kib_per_token"] * 1024 * scale * rows
                   + max(0, c.num_experts_per_tok - PROXY["k"]) * 2 * c.hidden_size * 2.0 * moe_rows)
     return act, workspaces
-
-
-def kept_fp8_copies(c: DeepseekV4ModelConfig, rows: int, t: Training, ep: int = 1) -> float:
-    """Bytes of the frozen FP8 experts' K-major copies that the forwards keep for the input gradients, where
-    :func:`~csattn.ops.fp8.grouped.forward_keeps_copy` holds for a MoE chunk of rows on the rank's ``E / ep``
-    experts: every MoE layer's gate / up and down copies, held until its backward (with recompute too: an upper
-    bound there, where a layer's forward runs again before its backward)."""
-    local = c.n_routed_experts // ep
-    moe_rows = min(rows, c.moe_chunk_rows) * c.num_experts_per_tok
-    if not (t.fp8("experts") and t.base_precision == "fp8" and forward_keeps_copy(moe_rows, local)):
-        return 0.0
-    chunks = -(-rows // c.moe_chunk_rows)
-    return c.num_hidden_layers * chunks * local * 3 * c.moe_intermediate_size * c.hidden_size * FP8_BYTES
 
 
 def fp8_workspace(c: DeepseekV4ModelConfig, rows: int, t: Training, ep: int = 1) -> float:
