@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# One device call (H200) for issue 45's numbers: the frozen MoE (the finetune page's moe part), the V4-Flash slice
+# One device call (H200) for issue 45's numbers: first the GPU tests of the routes the steps take that no GPU has run
+# yet (the input gradient on the K-major copy, the op's default from 1024 rows an expert: the slice at 64k; the wide
+# forward), then the frozen MoE (the finetune page's moe part), the V4-Flash slice
 # written in the release format, (d) / (a) / (b) / (c) at 16k and (a) / (c) at 64k with the library's defaults; then
 # (a) at 16k with the forward over 64 x 256 tiles and with the defaults again (alternating: the card's clocks drift),
 # then lab.probes.fp8_gluon_wide (the wide kernel alone and in the frozen MoE, on and off). In $OUT.
-#   COMMIT=<sha> [PARTS="moe steps variants wide": which, in that order] bash lab/targets_session.sh
+#   COMMIT=<sha> [PARTS="tests moe steps variants wide": which, in that order] bash lab/targets_session.sh
 set -u
-has() { case " ${PARTS:-moe steps variants wide} " in *" $1 "*) return 0;; esac; return 1; }
+has() { case " ${PARTS:-tests moe steps variants wide} " in *" $1 "*) return 0;; esac; return 1; }
 OUT=${OUT:-/tmp/targets}; mkdir -p "$OUT"; START=$SECONDS; C=${COMMIT:-unknown}; CK=/tmp/csattn_v4_flash_slice
 . "$(dirname "$0")/device_env.sh"
+has tests && { timeout 150 python3 -m pytest -q -p no:cacheprovider -k "copy_equals or takes_the_copy or wide_forward" \
+  tests/ops/test_fp8_gpu.py > "$OUT/gpu_tests.txt" 2>&1; grep -E "passed|failed|^FAILED|^E  " "$OUT/gpu_tests.txt" | tail -6; }
+echo "[tests] $((SECONDS - START)) s"
 has moe && timeout 90 python3 -m benchmarks.finetune --ckpt /tmp/none --json "$OUT/finetune_moe.json" --parts moe --commit "$C" \
   2>&1 | grep -E "^(fp8|bf16|w8a16) " | tail -6
 echo "[moe] $((SECONDS - START)) s"
