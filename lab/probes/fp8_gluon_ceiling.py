@@ -19,14 +19,12 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from csattn.ops.backend import sm_count
 from csattn.ops.fp8.gluon import _LOWER, _UPPER, _issue, _producer, _promote, _store, launch_settings, tile_descs
-from csattn.ops.fp8.gluon_tiles import BK, BM, BN, _tile, acc_layout, group_table
+from csattn.ops.fp8.gluon_tiles import BK, BM, BN, _tile, acc_layout, tile_walk
 from lab.probes.gluon_forms import bench, forward_cases, forward_ring
 
 
@@ -114,15 +112,12 @@ def ceiling_mm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, off
     m, c = a.shape
     e, n_w, k_w = weight.shape
     out = torch.empty((m, n_w), dtype=torch.bfloat16, device=a.device) if out is None else out
-    e_p2 = max(128, triton.next_power_of_2(e + 2))
-    table = group_table(offs, m, e_p2)
+    walk = tile_walk(offs, m, n_w, BM.value, BN.value)
     a_desc, w_desc = tile_descs(a, weight, BM.value, BN.value)
-    tiles_m, tiles_n = triton.cdiv(m, BM.value) + e + 1, n_w // BN.value
-    grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
-    ceiling_kernel[grid](a_desc, w_desc, a_scale, table, out, c, e, n_w, tiles_m, tiles_n,
-                         a_scale.stride(0), out.stride(0), E_P2=e_p2, GROUP_M=cfg["GROUP_M"],
-                         STAGES=stages, MODE=mode, EPI=epi, MATH_REGS=cfg["MATH_REGS"],
-                         PRODUCER_REGS=cfg["PRODUCER_REGS"], num_warps=4)
+    ceiling_kernel[walk.grid](a_desc, w_desc, a_scale, walk.table, out, c, e, n_w, walk.tiles_m, walk.tiles_n,
+                              a_scale.stride(0), out.stride(0), E_P2=walk.e_p2, GROUP_M=cfg["GROUP_M"],
+                              STAGES=stages, MODE=mode, EPI=epi, MATH_REGS=cfg["MATH_REGS"],
+                              PRODUCER_REGS=cfg["PRODUCER_REGS"], num_warps=4)
     return out
 
 

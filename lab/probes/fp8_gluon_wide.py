@@ -13,15 +13,13 @@ from functools import partial
 from unittest import mock
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
 import csattn.ops.fp8.gluon_wide as fp8_wide
-from csattn.ops.backend import sm_count
 from csattn.ops.fp8.gluon import _LOWER, _UPPER, _issue, _store, tile_descs
-from csattn.ops.fp8.gluon_tiles import BK, _tile, acc_layout, group_table
+from csattn.ops.fp8.gluon_tiles import BK, _tile, acc_layout, tile_walk
 from csattn.ops.fp8.gluon_wide import TM, TN, _producer_wide, grouped_mm_gluon_wide
 from lab.probes.gluon_forms import bench, forward_cases, forward_ring, frozen_moe_ms
 
@@ -75,13 +73,10 @@ def ceiling_mm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, stages
     m, c = a.shape
     e, n_w, k_w = weight.shape
     out = torch.empty((m, n_w), dtype=torch.bfloat16, device=a.device)
-    e_p2 = max(128, triton.next_power_of_2(e + 2))
-    table = group_table(offs, m, e_p2, bm=TM.value)
+    walk = tile_walk(offs, m, n_w, TM.value, TN.value)
     a_desc, w_desc = tile_descs(a, weight, TM.value, TN.value)
-    tiles_m, tiles_n = triton.cdiv(m, TM.value) + e + 1, n_w // TN.value
-    grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
-    ceiling_kernel[grid](a_desc, w_desc, table, out, c, e, n_w, tiles_m, tiles_n, out.stride(0), E_P2=e_p2,
-                         GROUP_M=group_m, STAGES=stages, num_warps=4)
+    ceiling_kernel[walk.grid](a_desc, w_desc, walk.table, out, c, e, n_w, walk.tiles_m, walk.tiles_n, out.stride(0),
+                              E_P2=walk.e_p2, GROUP_M=group_m, STAGES=stages, num_warps=4)
     return out
 
 

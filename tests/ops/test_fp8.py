@@ -389,3 +389,22 @@ def test_low_rank_add_kernel_vs_fp64(e, n, k, counts, tail, rank, dtype):
     assert torch.equal(out[sum(counts):], out0[sum(counts):].to(dtype))
     unit = torch.finfo(dtype).eps  # one rounding of the fp32 sum (fp32: its summation order)
     assert ((out.double() - want).abs() <= 4 * unit * (want.abs() + rank)).all()
+
+
+def test_gluon_tile_walk_covers_every_group_and_the_rows_past_them(monkeypatch):
+    """What the Gluon kernels' persistent programs walk (``gluon_tiles.tile_walk``): per group its first row, end row
+    and the running count of its row tiles (an empty group none), the rows past ``offs[-1]`` as group E, the padding
+    past every tile; row tiles enough for every group's partial last tile; one program an SM at most."""
+    pytest.importorskip("triton.experimental.gluon")
+    import csattn.ops.fp8.gluon_tiles as tiles
+
+    monkeypatch.setattr(tiles, "sm_count", lambda device: 132)
+    offs = torch.tensor([100, 100, 300, 429], dtype=torch.int32)  # 100, 0, 200, 129 rows; 21 rows past them
+    walk = tiles.tile_walk(offs, 450, 512, 64, 256)
+    assert (walk.e_p2, walk.tiles_m, walk.tiles_n) == (128, 8 + 4 + 1, 2)
+    assert walk.grid == (26,)
+    t = walk.table
+    assert t[0, :5].tolist() == [0, 100, 100, 300, 429] and t[1, :5].tolist() == [100, 100, 300, 429, 450]
+    assert t[2, :5].tolist() == [2, 2, 6, 9, 10] and (t[2, 5:] == 2 ** 30).all()
+    assert tiles.tile_walk(torch.zeros(300, dtype=torch.int32), 10 ** 6, 128, 128, 128).e_p2 == 512
+    assert tiles.tile_walk(offs, 10 ** 6, 4096, 128, 128).grid == (132,)

@@ -24,7 +24,6 @@ aligned rows; ``grouped_mm_gluon`` checks and the caller falls back to the Trito
 from __future__ import annotations
 
 import torch
-import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -35,9 +34,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..backend import sm_count, triton_version
+from ..backend import triton_version
 from .gluon_low_rank import _acc_start, _load_low_rank, _low_rank_ring
-from .gluon_tiles import BK, BM, BN, _cta_sync, _tile, _tma_load, acc_layout, group_table, tile_smem
+from .gluon_tiles import BK, BM, BN, _cta_sync, _tile, _tma_load, acc_layout, tile_smem, tile_walk
 
 __all__ = ["FUSE_LOW_RANK", "RANK", "fp8_grouped_gluon_kernel", "grouped_mm_gluon", "launch_settings"]
 
@@ -314,20 +313,17 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     a, a_scale, weight, scale, out = prepared(a, a_scale, weight, scale, out, n_out, out_dtype)
     if m == 0:
         return out
-    e_p2 = max(128, triton.next_power_of_2(e + 2))
-    table = group_table(offs, m, e_p2)
+    walk = tile_walk(offs, m, n_out, BM.value, BN.value)
     a_desc, w_desc = tile_descs(a, weight, BM.value, 128)
     if trans:  # contraction along W's rows
         ssk, ssn = scale.stride(1), scale.stride(2)
     else:
         ssk, ssn = scale.stride(2), scale.stride(1)
-    tiles_m, tiles_n = triton.cdiv(m, BM.value) + e + 1, n_out // BN.value
-    grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
     v_desc, lw_desc, l_scale = (a_desc, a_desc, 0.0) if low_rank is None else low_rank_descs(*low_rank, m, e, n_out)
-    fp8_grouped_gluon_kernel[grid](
-        a_desc, w_desc, a_scale, scale, table, out, c, e, n_w, tiles_m, tiles_n,
+    fp8_grouped_gluon_kernel[walk.grid](
+        a_desc, w_desc, a_scale, scale, walk.table, out, c, e, n_w, walk.tiles_m, walk.tiles_n,
         a_scale.stride(0), a_scale.stride(1), scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale,
-        TRANS=trans, E_P2=e_p2, **cfg, LOW_RANK=low_rank is not None, num_warps=4)
+        TRANS=trans, E_P2=walk.e_p2, **cfg, LOW_RANK=low_rank is not None, num_warps=4)
     return out
 
 

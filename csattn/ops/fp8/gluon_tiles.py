@@ -4,11 +4,16 @@ kernel's forms (:mod:`.gluon`, :mod:`.gluon_wide`)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
+
+from ..backend import sm_count
 
 # Renamed between releases (Triton 3.6: async_copy_global_to_shared and thread_barrier; later: async_load, barrier)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -78,3 +83,26 @@ def group_table(offs: Tensor, m: int, e_p2: int, bm: int = BM.value) -> Tensor:
     table[2] = 2 ** 30
     table[2, :e + 1] = torch.cumsum(((ends - starts).clamp_min(0) + bm - 1) // bm, 0)
     return table
+
+
+class TileWalk(NamedTuple):
+    """What a persistent program walks: the group table (:func:`group_table`), its padded group count ``e_p2``, the
+    row and column tile counts, and the grid."""
+
+    table: Tensor
+    e_p2: int
+    tiles_m: int
+    tiles_n: int
+    grid: tuple[int]
+
+
+def tile_walk(offs: Tensor, m: int, n_out: int, tile_m: int, tile_n: int) -> TileWalk:
+    """The work of a persistent kernel over ``m`` expert-sorted rows (groups ending at ``offs``) and ``n_out`` output
+    columns in ``[tile_m, tile_n]`` tiles: ``ceil(m / tile_m) + E + 1`` row tiles (room for every group's partial
+    last tile and the rows past ``offs[-1]``), the table padded to a power of two of at least 128 groups (:func:`_tile`
+    reads it 128 at a time), one program an SM at most."""
+    e = offs.shape[0]
+    e_p2 = max(128, triton.next_power_of_2(e + 2))
+    tiles_m, tiles_n = triton.cdiv(m, tile_m) + e + 1, n_out // tile_n
+    return TileWalk(group_table(offs, m, e_p2, bm=tile_m), e_p2, tiles_m, tiles_n,
+                    (min(tiles_m * tiles_n, sm_count(offs.device)),))

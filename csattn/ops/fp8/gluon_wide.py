@@ -13,16 +13,14 @@ from L2 a product). Off by default (:data:`WIDE_FORWARD`) until measured (``lab.
 from __future__ import annotations
 
 import torch
-import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from ..backend import sm_count
 from .gluon import _LOWER, _UPPER, _contract, _store, low_rank_descs, prepared, tile_descs
 from .gluon_low_rank import _acc_start, _load_low_rank, _low_rank_ring
-from .gluon_tiles import BK, _tile, _tma_load, acc_layout, group_table, tile_smem
+from .gluon_tiles import BK, _tile, _tma_load, acc_layout, tile_smem, tile_walk
 
 __all__ = ["WIDE_FORWARD", "grouped_mm_gluon_wide", "wide_fits"]
 
@@ -138,15 +136,12 @@ def grouped_mm_gluon_wide(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Ten
     a, a_scale, weight, scale, out = prepared(a, a_scale, weight, scale, out, n_w, out_dtype)
     if m == 0:
         return out
-    e_p2 = max(128, triton.next_power_of_2(e + 2))
-    table = group_table(offs, m, e_p2, bm=TM.value)
+    walk = tile_walk(offs, m, n_w, TM.value, TN.value)
     a_desc, w_desc = tile_descs(a, weight, TM.value, TN.value)
-    tiles_m, tiles_n = triton.cdiv(m, TM.value) + e + 1, n_w // TN.value
-    grid = (min(tiles_m * tiles_n, sm_count(a.device)),)
     v_desc, lw_desc, l_scale = ((a_desc, a_desc, 0.0) if low_rank is None
                                 else low_rank_descs(*low_rank, m, e, n_w, TM.value, TN.value))
-    fp8_grouped_gluon_wide_kernel[grid](
-        a_desc, w_desc, a_scale, scale, table, out, c, e, n_w, tiles_m, tiles_n, a_scale.stride(0), a_scale.stride(1),
-        scale.stride(0), scale.stride(2), scale.stride(1), out.stride(0), v_desc, lw_desc, l_scale, E_P2=e_p2, **cfg,
-        LOW_RANK=low_rank is not None, num_warps=4)
+    fp8_grouped_gluon_wide_kernel[walk.grid](
+        a_desc, w_desc, a_scale, scale, walk.table, out, c, e, n_w, walk.tiles_m, walk.tiles_n, a_scale.stride(0),
+        a_scale.stride(1), scale.stride(0), scale.stride(2), scale.stride(1), out.stride(0), v_desc, lw_desc, l_scale,
+        E_P2=walk.e_p2, **cfg, LOW_RANK=low_rank is not None, num_warps=4)
     return out
