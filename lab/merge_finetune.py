@@ -36,7 +36,8 @@ def merge(page: dict[str, Any], new: dict[str, Any]) -> list[str]:
         said.append(f"({key[0]}) {key[1]}: {rec['ms']:.1f} ms at {rec['commit']} (was {was})")
     moe = new.get("moe")
     if moe and not moe.get("error") and moe.get("records") and all(r.get("ms") for r in moe["records"]):
-        page["moe"] = {**moe, "commit": moe.get("commit") or commit}
+        at = moe.get("commit") or commit  # on each record too: the page's readers take a record's own commit
+        page["moe"] = {**moe, "commit": at, "records": [{**r, "commit": r.get("commit") or at} for r in moe["records"]]}
         said.append(f"moe: fp8 over bf16 {moe.get('speedup_over_bf16', {}).get('fp8')} at {page['moe']['commit']}")
         if new.get("expert_bytes"):
             page["expert_bytes"] = new["expert_bytes"]
