@@ -1,4 +1,4 @@
-"""The Gluon FP8 forward over 64 x 256 tiles (``csattn.ops.fp8.gluon_wide``, off by default: ``WIDE_FORWARD``) beside
+"""The Gluon FP8 forward over 64 x 256 tiles (``csattn.ops.fp8.gluon_wide``, the op's forward up to ``WIDE_ROWS_PER_EXPERT``) beside
 the kernel's 128 x 128: on a dense group and the MoE's forwards, its output against the kernel's (bit for bit), its
 pipeline with no promotion (``MODE 0`` here: the ceiling of the shape), other stages and ``GROUP_M``; then the frozen
 MoE forward + input gradient with the op's forward on the wide tiles, beside the default and bf16 experts.

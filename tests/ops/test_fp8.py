@@ -408,3 +408,20 @@ def test_gluon_tile_walk_covers_every_group_and_the_rows_past_them(monkeypatch):
     assert t[2, :5].tolist() == [2, 2, 6, 9, 10] and (t[2, 5:] == 2 ** 30).all()
     assert tiles.tile_walk(torch.zeros(300, dtype=torch.int32), 10 ** 6, 128, 128, 128).e_p2 == 512
     assert tiles.tile_walk(offs, 10 ** 6, 4096, 128, 128).grid == (132,)
+
+
+def test_wide_forward_taken_up_to_its_rows_an_expert(monkeypatch):
+    """The op's forward runs ``[64, 256]`` tiles (``gluon_wide.takes_wide``) where it was measured to win: up to
+    ``WIDE_ROWS_PER_EXPERT`` rows an expert on average, weights of whole 256-column tiles, and only while
+    ``WIDE_FORWARD`` is on; the ``[128, 128]`` kernel elsewhere (large groups, a dense weight)."""
+    pytest.importorskip("triton.experimental.gluon")
+    import csattn.ops.fp8.gluon_wide as wide
+
+    per = wide.WIDE_ROWS_PER_EXPERT
+    w = torch.empty(8, 512, 256, dtype=FP8_DTYPE, device="meta")
+    assert wide.WIDE_FORWARD and wide.takes_wide(8 * per, w) and wide.takes_wide(384 * 8, w)
+    assert not wide.takes_wide(8 * per + 1, w)
+    assert not wide.takes_wide(16384, torch.empty(1, 4096, 2048, dtype=FP8_DTYPE, device="meta"))  # one dense group
+    assert not wide.takes_wide(64, torch.empty(8, 384, 256, dtype=FP8_DTYPE, device="meta"))  # N not whole tiles
+    monkeypatch.setattr(wide, "WIDE_FORWARD", False)
+    assert not wide.takes_wide(64, w)

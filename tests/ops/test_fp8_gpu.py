@@ -194,7 +194,7 @@ WIDE_CASES = {"ragged": (16, 512, 640, 300), "deep": (4, 256, 2048, 700), "all_t
 def test_gluon_wide_forward_equals_the_kernel(case, low_rank, monkeypatch, request):
     """The forward over ``[64, 256]`` tiles (``gluon_wide``) equals the ``[128, 128]`` kernel bit for bit (each
     output's products, scales and additions in the same order), without and with LoRA's term; rows past
-    ``offs[-1]`` zero; the op takes it where ``WIDE_FORWARD`` is on. In its own process: a new kernel's first runs (a
+    ``offs[-1]`` zero; the op takes it where ``takes_wide`` holds. In its own process: a new kernel's first runs (a
     fault ends the process's CUDA context)."""
     if not in_own_process(request):
         return

@@ -7,7 +7,12 @@ Why: at 256 experts top-6 and 16k tokens the groups' last row tiles are partly e
 routed rows, 64-row tiles 1.075x. On an H100 at d5940f4 the forward's pipeline without the promotion ran gate_up at
 1016 TFLOP/s counting the rows of its tiles, the dense rate: at the MoE's shapes the forward loses to empty rows what
 it does not lose to its pipeline. The price: the weight's tile is copied for 64 rows instead of 128 (25 % more bytes
-from L2 a product). Off by default (:data:`WIDE_FORWARD`) until measured (``lab.probes.fp8_gluon_wide``).
+from L2 a product).
+
+Measured on the H200 at 3b601d6 (``lab.probes.fp8_gluon_wide``, CUDA graphs;
+``lab/results/finetune_h200/wide_probe_3b601d6.txt``): at ~384 rows an expert gate_up 3.915 ms against 4.141 and
+down 2.188 against 2.314 (5.5 % faster); on one dense group of 16384 rows 0.326 ms against 0.305 (7 % slower). So
+the op takes it up to :data:`WIDE_ROWS_PER_EXPERT` rows an expert on average (:func:`takes_wide`).
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ from .gluon import _LOWER, _UPPER, _contract, _store, low_rank_descs, prepared, 
 from .gluon_low_rank import _acc_start, _load_low_rank, _low_rank_ring
 from .gluon_tiles import BK, _tile, _tma_load, acc_layout, tile_smem, tile_walk
 
-__all__ = ["WIDE_FORWARD", "grouped_mm_gluon_wide", "wide_fits"]
+__all__ = ["WIDE_FORWARD", "WIDE_ROWS_PER_EXPERT", "grouped_mm_gluon_wide", "takes_wide", "wide_fits"]
 
-WIDE_FORWARD = False  # the op's forward over [64, 256] tiles: off until measured against the [128, 128] kernel
+WIDE_FORWARD = True  # the op's forward over [64, 256] tiles where takes_wide holds (off: the [128, 128] kernel always)
+# Up to this many rows an expert on average the forward runs [64, 256] tiles: measured faster at ~384 (the slice at
+# 16k tokens), slower on one dense group; between them (the slice at 64k: ~1536) unmeasured, so the [128, 128] kernel
+WIDE_ROWS_PER_EXPERT = 512
 TM: gl.constexpr = gl.constexpr(64)  # rows of a tile
 TN: gl.constexpr = gl.constexpr(256)  # columns of a tile: a 128-column block a math warpgroup
 
@@ -118,6 +126,12 @@ def wide_fits(weight: Tensor) -> bool:
     """Whether the forward over ``[64, 256]`` tiles takes the weight ``[E, N, K]``: ``N`` a multiple of 256 (the
     Gluon kernel's own bounds, ``grouped.gluon_fits``, hold already)."""
     return weight.shape[-2] % TN.value == 0
+
+
+def takes_wide(rows: int, weight: Tensor) -> bool:
+    """Whether the op's forward of ``rows`` expert-sorted rows runs over ``[64, 256]`` tiles: :data:`WIDE_FORWARD`
+    on, the weight fits (:func:`wide_fits`), and at most :data:`WIDE_ROWS_PER_EXPERT` rows an expert on average."""
+    return WIDE_FORWARD and wide_fits(weight) and rows <= WIDE_ROWS_PER_EXPERT * weight.shape[0]
 
 
 def grouped_mm_gluon_wide(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor,

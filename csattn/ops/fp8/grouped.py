@@ -168,7 +168,7 @@ def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool
             low_rank: LowRank | None) -> Tensor:
     """The FP8 kernels on quantized rows: Gluon where it fits (the low-rank term in its epilogue at rank 16 or
     less; the input gradient on a K-major copy of the weights where :func:`input_grad_copies` holds; the forward over
-    ``[64, 256]`` tiles where ``gluon_wide.WIDE_FORWARD`` is on), else Triton (``trans=False``)."""
+    ``[64, 256]`` tiles where ``gluon_wide.takes_wide`` holds), else Triton (``trans=False``)."""
     if gluon_fits(a.q, weight):
         from .gluon import FUSE_LOW_RANK, RANK, grouped_mm_gluon  # lazy: Gluon is experimental API
 
@@ -178,9 +178,9 @@ def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool
             # dY W_e = dY (W_e^T)^T: the same products as the transposing kernel's, bit for bit
             weight, scale = transposed_weight(weight, scale)
             trans = False
-        from .gluon_wide import WIDE_FORWARD, grouped_mm_gluon_wide, wide_fits
+        from .gluon_wide import grouped_mm_gluon_wide, takes_wide
 
-        if not trans and WIDE_FORWARD and wide_fits(weight):  # [64, 256] tiles: the same bits
+        if not trans and takes_wide(a.q.shape[0], weight):  # [64, 256] tiles: the same bits
             out = grouped_mm_gluon_wide(a.q, a.s, weight, scale, offs, out_dtype=out_dtype, low_rank=lr)
         else:
             out = grouped_mm_gluon(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype, low_rank=lr)
