@@ -154,11 +154,21 @@ def _finetune(ctx: Context, page: str) -> str:
     return (f"On one H200 a real-width slice of V4-Flash (four layers, 256 experts top-6, from a synthetic checkpoint "
             f"in the release's format) trains LoRA over frozen FP8 experts at {a['tokens_per_s']:,.0f} tokens/s at "
             f"{tok(a['tokens'])} tokens ({a['mfu']:.1%} MFU) peaking at {gib(a['peak_gib'])} GiB, against "
-            f"{c['tokens_per_s']:,.0f} tokens/s and {gib(c['peak_gib'])} GiB with the experts frozen in bf16, and "
-            f"{a64['tokens_per_s']:,.0f} tokens/s at {tok(a64['tokens'])} ({gib(a64['peak_gib'])} GiB). The experts "
+            f"{c['tokens_per_s']:,.0f} tokens/s and {gib(c['peak_gib'])} GiB with the experts frozen in bf16"
+            f"{_beside_d(a, rows)}, and {a64['tokens_per_s']:,.0f} tokens/s at {tok(a64['tokens'])} "
+            f"({gib(a64['peak_gib'])} GiB). The experts "
             f"take {num(ratio, '.3f')} of their bf16 bytes; their FP8 forward + input gradient runs at "
             f"{times(speedup)} the bf16 grouped path's speed{_short_of(speedup, target)} "
             f"([BENCHMARKS.md]({page}{_anchor('Fine-tuning')})).")
+
+
+def _beside_d(a: dict, rows: dict) -> str:
+    """Mode (a) over (d), everything trained in bf16, at (a)'s length where both ran at one commit (side by side)."""
+    d = rows.get(("d", a["tokens"]))
+    if d is None or not a.get("commit") or a.get("commit") != d.get("commit"):
+        return ""
+    ratio = a["tokens_per_s"] / d["tokens_per_s"]
+    return f" and {d['tokens_per_s']:,.0f} tokens/s training every weight in bf16 ({times(ratio)} that)"
 
 
 def _short_of(speedup: float, target: float) -> str:

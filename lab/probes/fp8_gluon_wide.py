@@ -1,7 +1,8 @@
-"""The Gluon FP8 forward over 64 x 256 tiles (``csattn.ops.fp8.gluon_wide``, the op's forward up to ``WIDE_ROWS_PER_EXPERT``) beside
-the kernel's 128 x 128: on a dense group and the MoE's forwards, its output against the kernel's (bit for bit), its
-pipeline with no promotion (``MODE 0`` here: the ceiling of the shape), other stages and ``GROUP_M``; then the frozen
-MoE forward + input gradient with the op's forward on the wide tiles, beside the default and bf16 experts.
+"""The Gluon FP8 forward over 64 x 256 tiles (``csattn.ops.fp8.gluon_wide``, the op's forward up to
+``WIDE_ROWS_PER_EXPERT`` rows an expert) beside the kernel's 128 x 128: on a dense group and the MoE's forwards, its
+output against the kernel's (bit for bit), its pipeline with no promotion (``MODE 0`` here: the ceiling of the shape),
+other stages and ``GROUP_M``; then the frozen MoE forward + input gradient with the op's forward on the wide tiles,
+beside the default and bf16 experts.
 
 Why: at 256 experts top-6 and 16k tokens the groups' last row tiles are partly empty: 128-row tiles hold 1.150x the
 rows, 64-row tiles 1.075x (see ``gluon_wide``). Run on a GPU of sm_90: python -m lab.probes.fp8_gluon_wide
