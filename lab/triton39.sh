@@ -7,9 +7,11 @@
 #   device:  call i carries [".triton39/partI"] and runs `bash lab/triton39.sh unpack` first (it moves the part to
 #            /tmp/t39parts, outside the refreshed tree); the call that completes the set checks the sha256 against
 #            lab/triton39.sha256 and unpacks into /tmp/t39site; later calls:
-#            PYTHONPATH=/tmp/t39site:$PYTHONPATH python3 ...   (torch stays the image's 2.11)
-# Kept: the Python package, libtriton.so, ptxas and the nvidia backend's headers; left out: the AMD backend, CUPTI /
-# proton (the profiler), ptxas-blackwell, cuobjdump / nvdisasm (disassembly only).
+#            TRITON_BACKENDS_IN_TREE=1 PYTHONPATH=/tmp/t39site:$PYTHONPATH python3 ...   (torch stays the image's
+#            2.11; in-tree backends: the parts carry no dist-info)
+# Kept: the Python package, libtriton.so, ptxas-blackwell (3.9 builds sm_90 with it) and the nvidia backend's
+# headers; left out: the AMD backend, CUPTI / proton (the profiler), the legacy ptxas (arch < 90), cuobjdump /
+# nvdisasm (disassembly only).
 set -eu
 VERSION=3.9.0
 case "${1:-}" in
@@ -20,10 +22,12 @@ case "${1:-}" in
     python3 - "$tmp" <<'PY'
 import sys, zipfile, glob
 tmp = sys.argv[1]
-skip = ("triton/backends/amd/", "cupti", "ptxas-blackwell", "libproton", "/bin/cuobjdump", "/bin/nvdisasm")
+skip = ("triton/backends/amd/", "cupti", "libproton", "/bin/cuobjdump", "/bin/nvdisasm")
+# Triton 3.9 compiles sm_90 with its ptxas-blackwell (the legacy ptxas serves arch < 90 only)
 z = zipfile.ZipFile(glob.glob(f"{tmp}/wheel/*.whl")[0])
-z.extractall(f"{tmp}/site", members=[i for i in z.infolist()
-                                     if i.filename.startswith("triton/") and not any(s in i.filename for s in skip)])
+z.extractall(f"{tmp}/site", members=[i for i in z.infolist() if i.filename.startswith("triton/")
+                                     and not any(s in i.filename for s in skip)
+                                     and not i.filename.endswith("/bin/ptxas")])
 PY
     chmod +x "$tmp"/site/triton/backends/nvidia/bin/*
     tar cf - -C "$tmp/site" --sort=name --mtime=@0 --owner=0 --group=0 triton | xz -T2 -9 > "$tmp/t39.tar.xz"
