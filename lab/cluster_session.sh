@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device calls (sm_90) for the forward with the weight tile multicast to a cluster of two
 # (lab.probes.fp8_gluon_cluster), which needs Triton > 3.6: first `bash lab/triton39.sh pack` here, then two calls on
-# one warm machine, the first carrying [".whl", ".triton39/part0"], the second [".whl", ".triton39/part1"]:
+# one warm machine, the first carrying [".triton39/part0"], the second [".triton39/part1"] (a part and the tree are
+# ~58 MB of the call's 64 MiB: no .whl beside them; the probe needs neither transformers nor peft):
 #   bash lab/cluster_session.sh
 # Each moves its part out of the tree; once the set is whole (sha256 of lab/triton39.sha256) it unpacks Triton 3.9 and
 # runs the probe: its build facts, then the output against gluon_wide's bit for bit and both timed (in a process of

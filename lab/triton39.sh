@@ -4,7 +4,8 @@
 # ~6 MB), so it travels stripped and compressed in parts, one a call, while the machine stays warm (30 s idle).
 #
 #   here:    bash lab/triton39.sh pack          # ~10 min on 2 cores: .triton39/part0 .. partN (<= 50 MB each)
-#   device:  call i carries [".triton39/partI"] and runs `bash lab/triton39.sh unpack` first (it moves the part to
+#   device:  call i carries [".triton39/partI"] alone (a part and the ~6 MB tree: ~58 MB; with .whl's 14 MB it would
+#            pass 64 MiB) and runs `bash lab/triton39.sh unpack` first (it moves the part to
 #            /tmp/t39parts, outside the refreshed tree); the call that completes the set checks the sha256 against
 #            lab/triton39.sha256 and unpacks into /tmp/t39site; later calls:
 #            TRITON_BACKENDS_IN_TREE=1 PYTHONPATH=/tmp/t39site:$PYTHONPATH python3 ...   (torch stays the image's
