@@ -38,15 +38,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import cluster, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from csattn.ops.fp8.gluon import _LOWER, _UPPER, prepared
-from csattn.ops.fp8.gluon_tiles import BK, tile_walk
+from csattn.ops.fp8.gluon import _LOWER, _UPPER, _scales, prepared
+from csattn.ops.fp8.gluon_tiles import BK, _tile, tile_walk
 
 ROWS_C: gl.constexpr = gl.constexpr(128)  # a cluster's rows: 64 a CTA
 TN: gl.constexpr = gl.constexpr(256)  # columns of a tile: a 128-column block a math warpgroup
 SPLIT_ROWS = gl.constexpr([[1, 0]])  # a 2-D tensor's rows split over the two CTAs
 SHARED = gl.constexpr([[0, 0]])  # the same 2-D tensor in both CTAs
-SPLIT_1D = gl.constexpr([[1]])
-SHARED_1D = gl.constexpr([[0]])
 
 
 @gluon.constexpr_function
@@ -62,33 +60,6 @@ def acc_layout():
                                      cga_layout=SPLIT_ROWS)
 
 
-@gluon.constexpr_function
-def lanes_layout(n, warps=4):
-    """``gluon_tiles.lanes_layout`` in both CTAs (the group table is read whole by each)."""
-    per = n // 32
-    return gl.DistributedLinearLayout(reg_bases=[[1 << b] for b in range(per.bit_length() - 1)],
-                                      lane_bases=[[per << b] for b in range(5)],
-                                      warp_bases=[[0]] * (warps.bit_length() - 1), block_bases=[[0]], shape=[n])
-
-
-@gluon.jit
-def _tile(t, table, tiles_m, tiles_n, E_P2: gl.constexpr, GROUP_M: gl.constexpr, WARPS: gl.constexpr = 4):
-    """``gluon_tiles._tile`` over 128-row tiles (the cluster's), its lookup in both CTAs."""
-    per_group = GROUP_M * tiles_n
-    first_m = (t // per_group) * GROUP_M
-    size_m = gl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (t % per_group) % size_m
-    pid_n = (t % per_group) // size_m
-    idx = gl.arange(0, 128, layout=lanes_layout(128, WARPS))
-    g = pid_m * 0
-    for c in gl.static_range(E_P2 // 128):
-        g += gl.sum((gl.load(table + 2 * E_P2 + c * 128 + idx) <= pid_m).to(gl.int32), axis=0)
-    start = gl.load(table + g)
-    end = gl.load(table + E_P2 + g)
-    first = gl.load(table + 2 * E_P2 + g) - (gl.maximum(end - start, 0) + ROWS_C - 1) // ROWS_C
-    return g, start + (pid_m - first) * ROWS_C, end, pid_n
-
-
 @gluon.jit
 def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, E_P2: gl.constexpr,
               GROUP_M: gl.constexpr, STAGES: gl.constexpr):
@@ -98,7 +69,7 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, E_P2
     nk = KC // BK
     it = 0
     for t in range(gl.program_id(0) // 2, tiles_m * tiles_n, gl.num_programs(0) // 2):
-        g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
+        g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M, TILE_M=ROWS_C, CTAS=2)
         if g < E:
             for kb in range(nk):
                 s = it % STAGES
@@ -129,11 +100,6 @@ def _promote(acc, tok, sc, empty, shared_free, j, PENDING: gl.constexpr, STAGES:
     mbarrier.arrive(shared_free.index(j % STAGES), from_cta=0)
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc + part * gl.expand_dims(sc, 1)],
                                      dtype=gl.float32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _scales(sa_ptrs, sw_ptr, rmask, kb, stride_sak, stride_sbk):
-    return gl.load(sa_ptrs + kb * stride_sak, mask=rmask, other=0.0) * gl.load(sw_ptr + kb * stride_sbk)
 
 
 @gluon.jit
@@ -183,7 +149,7 @@ def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, s
     nk = KC // BK
     it = 0
     for t in range(gl.program_id(0) // 2, tiles_m * tiles_n, gl.num_programs(0) // 2):
-        g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
+        g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M, TILE_M=ROWS_C, CTAS=2)
         block = pid_n * 2 + HALF
         if g < E:
             rows = row0 + gl.arange(0, 128, layout=gl.SliceLayout(1, ACC))
@@ -252,44 +218,27 @@ def cluster_forward(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor
 
 
 def build() -> None:
-    """The kernel for sm_90 without a GPU: ptxas's spills, the copies, MMAs, cluster and shared memory."""
-    import subprocess
-    import tempfile
+    """The kernel for sm_90 without a GPU (``tests.ops.gluon_sm90.build_sm90``): ptxas's spills, the copies, MMAs,
+    cluster and shared memory."""
+    from tests.ops.gluon_sm90 import build_sm90
 
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = fp8_cluster_forward_kernel
     a_l, w_l = smem_layout(SPLIT_ROWS.value), smem_layout(SHARED.value)
     ints = ("KC", "E", "W_ROWS", "tiles_m", "tiles_n", "stride_sam", "stride_sak", "stride_swe", "stride_sbk",
             "stride_sbn", "stride_om")
     sig = {"a_desc": f"tensordesc<fp8e4nv[128, 128],{a_l!r}>", "w_desc": f"tensordesc<fp8e4nv[256, 128],{w_l!r}>",
            "sa": "*fp32", "sw": "*fp32", "table": "*i32", "out": "*bf16", **{k: "i32" for k in ints}}
-    consts = dict(E_P2=512, **SETTINGS)
-    sig.update({k: "constexpr" for k in consts})
     aligned = [k for k, v in sig.items() if v.startswith("*")] + ["stride_om"]
-    src = GluonASTSource(fn=fn, signature=sig, attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]]
-                                                      for k in aligned},
-                         constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_ctas": 2})
-    ptx = kernel.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(f"{tmp}/k.ptx", "w") as f:
-            f.write(ptx)
-        run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                             capture_output=True, text=True)
-    log = run.stdout + run.stderr
-    spills = re.findall(r"(\d+) bytes spill stores", log)
-    serialized = any(c in log for c in ("C7514", "C7512", "C7517"))
-    print(f"triton {triton.__version__}; ptxas rc {run.returncode}; spill stores {spills}; serialized {serialized}")
+    kernel, ptx, info = build_sm90(fp8_cluster_forward_kernel, sig, dict(E_P2=512, **SETTINGS), aligned, num_ctas=2)
+    serialized = any(c in info["ptxas"] for c in ("C7514", "C7512", "C7517"))
+    print(f"triton {triton.__version__}; ptxas rc {info['ptxas_rc']}; spill stores {info['spill_stores']}; "
+          f"serialized {serialized}")
     print("TMA copies:", sorted(set(re.findall(r"cp\.async\.bulk\.tensor[^\s]*", ptx))))
     print("MMAs:", sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)", ptx))),
           "waits:", sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))))
     print("remote arrivals:", len(re.findall(r"mbarrier\.arrive[^\n]*shared::cluster", ptx)),
           "cluster:", re.findall(r"\.reqnctapercluster[^\n]*", ptx), "shared bytes a CTA:", kernel.metadata.shared)
-    if run.returncode:
-        print(log[-2000:])
+    if info["ptxas_rc"]:
+        print(info["ptxas"])
 
 
 def measure() -> None:

@@ -49,11 +49,12 @@ print(json.dumps({**info,
 """
 
 
-def build_sm90(fn, sig: dict, consts: dict, divisible: list[str], gluon: bool = True):
+def build_sm90(fn, sig: dict, consts: dict, divisible: list[str], gluon: bool = True, num_ctas: int = 1):
     """Gluon kernel ``fn`` (``gluon=False``: a Triton one) compiled for sm_90a (signature ``sig``, constexprs
     ``consts``, the arguments ``divisible`` 16-aligned as the launcher specializes them), then its PTX through
-    Triton's ptxas with ``-v``. Returns ``(kernel, ptx, info)``, ``info``: ptxas's exit status, the end of its log
-    and the spill stores. Run inside a build script (:func:`run_build`), not under the interpreter."""
+    Triton's ptxas with ``-v``; ``num_ctas``: a cluster's CTAs. Returns ``(kernel, ptx, info)``, ``info``: ptxas's
+    exit status, the end of its log and the spill stores. Run inside a build script (:func:`run_build`), not under the
+    interpreter."""
     import re
     import tempfile
 
@@ -69,7 +70,7 @@ def build_sm90(fn, sig: dict, consts: dict, divisible: list[str], gluon: bool = 
     src = ASTSource(fn=fn, signature=sig, attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]]
                                                  for k in divisible},
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_ctas": num_ctas})
     ptx = kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         with open(f"{tmp}/k.ptx", "w") as f:

@@ -38,30 +38,32 @@ def acc_layout():
 
 
 @gluon.constexpr_function
-def lanes_layout(n, warps=4):
+def lanes_layout(n, warps=4, ctas=1):
     """A ``[n]`` layout (``n >= 32``) every warp of a ``warps``-warp partition holds whole: reductions over it stay
-    within the warp (shuffles, no shared memory)."""
+    within the warp (shuffles, no shared memory); in a cluster of ``ctas``, whole in each CTA too."""
     per = n // 32
     return gl.DistributedLinearLayout(reg_bases=[[1 << b] for b in range(per.bit_length() - 1)],
                                       lane_bases=[[per << b] for b in range(5)],
-                                      warp_bases=[[0]] * (warps.bit_length() - 1), block_bases=[], shape=[n])
+                                      warp_bases=[[0]] * (warps.bit_length() - 1),
+                                      block_bases=[[0]] * (ctas.bit_length() - 1), shape=[n])
 
 
 @gluon.jit
 def _tile(t, table, tiles_m, tiles_n, E_P2: gl.constexpr, GROUP_M: gl.constexpr, WARPS: gl.constexpr = 4,
-          TILE_M: gl.constexpr = BM):
+          TILE_M: gl.constexpr = BM, CTAS: gl.constexpr = 1):
     """Work item ``t`` -> (group, first row, end row, column tile); group ``E + 1`` or more: no tile. ``table``
     ``[3, E_P2]``: the groups' row starts, row ends and the running sum of their row-tile counts
     (:func:`group_table`, made on the device by torch: Triton 3.6's Gluon scans no layout the lookup can use).
     The group is the count of running sums at or below the row tile, read 128 at a time (held whole, 512 groups
     would take the producer's registers). ``GROUP_M`` row tiles side by side share the weight tiles in L2.
-    ``WARPS``: the calling partition's; ``TILE_M``: the rows of a tile (the table's ``bm``)."""
+    ``WARPS``: the calling partition's; ``TILE_M``: the rows of a tile (the table's ``bm``); ``CTAS``: the cluster's
+    (each CTA reads the table whole)."""
     per_group = GROUP_M * tiles_n
     first_m = (t // per_group) * GROUP_M
     size_m = gl.minimum(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (t % per_group) % size_m
     pid_n = (t % per_group) // size_m
-    idx = gl.arange(0, 128, layout=lanes_layout(128, WARPS))
+    idx = gl.arange(0, 128, layout=lanes_layout(128, WARPS, CTAS))
     g = pid_m * 0
     for c in gl.static_range(E_P2 // 128):
         g += gl.sum((gl.load(table + 2 * E_P2 + c * 128 + idx) <= pid_m).to(gl.int32), axis=0)
