@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..backend import interpreting
 from ..fp8.grouped import Fp8Rows
 from ..fp8.naive import BLOCK, FP8_MAX
 from ..fp8.triton import quantize_tile
@@ -43,7 +44,7 @@ def _swiglu_parts(g, u, limit):
 @triton.jit
 def _swiglu_fwd_kernel(gu, w, h, q, s, N, I, stride_gu, stride_h, stride_q, stride_sm, stride_sk, limit,
                        BM: tl.constexpr, BN: tl.constexpr, WRITE_H: tl.constexpr, QUANT: tl.constexpr,
-                       FP8MAX: tl.constexpr):
+                       FP8MAX: tl.constexpr, BY_HAND: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rmask = rows < N
@@ -58,50 +59,50 @@ def _swiglu_fwd_kernel(gu, w, h, q, s, N, I, stride_gu, stride_h, stride_q, stri
     if WRITE_H:
         tl.store(h + r64 * stride_h + cols[None, :], out, mask=mask)
     if QUANT:  # h itself quantized (zeros past the data, as the quantizer pads): quantize_1x128(h) bit for bit
-        qv, sv = quantize_tile(out.to(tl.float32), FP8MAX)
+        qv, sv = quantize_tile(out.to(tl.float32), FP8MAX, BY_HAND)
         tl.store(q + r64 * stride_q + cols[None, :], qv.to(q.dtype.element_ty), mask=mask)
         tl.store(s + rows.to(tl.int64) * stride_sm + tl.program_id(1) * stride_sk, sv, mask=rmask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(gu, w, dh, dgu, h, dw, q, s, N, I, stride_gu, stride_dh, stride_dgu, stride_h, stride_q,
-                       stride_sm, stride_sk, limit, BM: tl.constexpr, BN: tl.constexpr, WRITE_DGU: tl.constexpr,
-                       WRITE_H: tl.constexpr, QUANT: tl.constexpr, FP8MAX: tl.constexpr):
-    # one program per block of rows, looping over the columns: dw is a row sum over all I columns
+def _swiglu_bwd_kernel(gu, w, dh, dgu, h, dwp, q, s, N, I, stride_gu, stride_dh, stride_dgu, stride_h, stride_q,
+                       stride_sm, stride_sk, stride_dwp, limit, BM: tl.constexpr, BN: tl.constexpr,
+                       WRITE_DGU: tl.constexpr, WRITE_H: tl.constexpr, QUANT: tl.constexpr, FP8MAX: tl.constexpr,
+                       BY_HAND: tl.constexpr):
+    # one program per block of rows and of columns (a loop over the columns left the grid too short to keep the
+    # memory busy); dw's row sums leave per column block in ``dwp [N, I / BN]``, summed by the launcher in a fixed
+    # order (no atomics: deterministic)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rmask = rows < N
+    mask = rmask[:, None] & (cols < I)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     wr = tl.load(w + rows, mask=rmask, other=0.0).to(tl.float32)
-    acc = tl.zeros([BM], dtype=tl.float32)
-    for c0 in range(0, I, BN):
-        cols = c0 + tl.arange(0, BN)
-        mask = rmask[:, None] & (cols < I)[None, :]
-        base = r64 * stride_gu + cols[None, :]
-        g = tl.load(gu + base, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gu + base + I, mask=mask, other=0.0).to(tl.float32)
-        d = tl.load(dh + r64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        gc, uc, s_, silu, act = _swiglu_parts(g, u, limit)
-        if WRITE_H:
-            tl.store(h + r64 * stride_h + cols[None, :], (act * wr[:, None]).to(h.dtype.element_ty), mask=mask)
-        acc += tl.sum(d * act, axis=1)
-        d = d * wr[:, None]
-        # clamp passes the gradient inside the closed interval, as torch.clamp's backward does
-        dg = tl.where(g <= limit, d * uc * (s_ * (1 + gc * (1 - s_))), 0.0).to(dgu.dtype.element_ty)
-        du = tl.where((u >= -limit) & (u <= limit), d * silu, 0.0).to(dgu.dtype.element_ty)
-        if WRITE_DGU:
-            out = r64 * stride_dgu + cols[None, :]
-            tl.store(dgu + out, dg, mask=mask)
-            tl.store(dgu + out + I, du, mask=mask)
-        if QUANT:  # dgu's gate and up tiles quantized as rounded (I % 128 == 0: each half starts on a tile)
-            qo = q + r64 * stride_q + cols[None, :]
-            so = s + rows.to(tl.int64) * stride_sm + (c0 // BN) * stride_sk
-            qg, sg = quantize_tile(dg.to(tl.float32), FP8MAX)
-            tl.store(qo, qg.to(q.dtype.element_ty), mask=mask)
-            tl.store(so, sg, mask=rmask)
-            qu, su = quantize_tile(du.to(tl.float32), FP8MAX)
-            tl.store(qo + I, qu.to(q.dtype.element_ty), mask=mask)
-            tl.store(so + (I // BN) * stride_sk, su, mask=rmask)
-    tl.store(dw + rows, acc, mask=rmask)
+    base = r64 * stride_gu + cols[None, :]
+    g = tl.load(gu + base, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu + base + I, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(dh + r64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gc, uc, s_, silu, act = _swiglu_parts(g, u, limit)
+    if WRITE_H:
+        tl.store(h + r64 * stride_h + cols[None, :], (act * wr[:, None]).to(h.dtype.element_ty), mask=mask)
+    tl.store(dwp + rows.to(tl.int64) * stride_dwp + tl.program_id(1), tl.sum(d * act, axis=1), mask=rmask)
+    d = d * wr[:, None]
+    # clamp passes the gradient inside the closed interval, as torch.clamp's backward does
+    dg = tl.where(g <= limit, d * uc * (s_ * (1 + gc * (1 - s_))), 0.0).to(dgu.dtype.element_ty)
+    du = tl.where((u >= -limit) & (u <= limit), d * silu, 0.0).to(dgu.dtype.element_ty)
+    if WRITE_DGU:
+        out = r64 * stride_dgu + cols[None, :]
+        tl.store(dgu + out, dg, mask=mask)
+        tl.store(dgu + out + I, du, mask=mask)
+    if QUANT:  # dgu's gate and up tiles quantized as rounded (I % 128 == 0: each half starts on a tile)
+        qo = q + r64 * stride_q + cols[None, :]
+        so = s + rows.to(tl.int64) * stride_sm + tl.program_id(1) * stride_sk
+        qg, sg = quantize_tile(dg.to(tl.float32), FP8MAX, BY_HAND)
+        tl.store(qo, qg.to(q.dtype.element_ty), mask=mask)
+        tl.store(so, sg, mask=rmask)
+        qu, su = quantize_tile(du.to(tl.float32), FP8MAX, BY_HAND)
+        tl.store(qo + I, qu.to(q.dtype.element_ty), mask=mask)
+        tl.store(so + (I // BN) * stride_sk, su, mask=rmask)
 
 
 @triton.jit
@@ -154,7 +155,7 @@ def swiglu_fwd_triton(gu: Tensor, w: Tensor, limit: float, out: Tensor | None = 
         grid = (triton.cdiv(n, BLOCK_ROWS), triton.cdiv(inter, BLOCK_COLS))
         _swiglu_fwd_kernel[grid](gu, w.contiguous(), h, q, s, n, inter, gu.stride(0), h.stride(0), q.stride(0),
                                  s.stride(0), s.stride(-1), float(limit), BM=BLOCK_ROWS, BN=BLOCK_COLS,
-                                 WRITE_H=keep_h, QUANT=fp8_out is not None, FP8MAX=FP8_MAX)
+                                 WRITE_H=keep_h, QUANT=fp8_out is not None, FP8MAX=FP8_MAX, BY_HAND=interpreting())
     return out if keep_h else None
 
 
@@ -199,10 +200,14 @@ def swiglu_bwd_triton(gu: Tensor, w: Tensor, dh: Tensor, limit: float,
         if not inter:
             dw.zero_()
         else:
-            _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK_ROWS),)](
-                gu, w.contiguous(), dh, d, hk, dw, q, s, n, inter, gu.stride(0), dh.stride(0), d.stride(0),
-                hk.stride(0), q.stride(0), s.stride(0), s.stride(-1), float(limit), BM=BLOCK_ROWS, BN=BLOCK_COLS,
-                WRITE_DGU=dgu is not None, WRITE_H=h is not None, QUANT=fp8_out is not None, FP8MAX=FP8_MAX)
+            blocks = triton.cdiv(inter, BLOCK_COLS)
+            dwp = torch.empty((n, blocks), dtype=torch.float32, device=gu.device)
+            _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK_ROWS), blocks)](
+                gu, w.contiguous(), dh, d, hk, dwp, q, s, n, inter, gu.stride(0), dh.stride(0), d.stride(0),
+                hk.stride(0), q.stride(0), s.stride(0), s.stride(-1), dwp.stride(0), float(limit), BM=BLOCK_ROWS,
+                BN=BLOCK_COLS, WRITE_DGU=dgu is not None, WRITE_H=h is not None, QUANT=fp8_out is not None,
+                FP8MAX=FP8_MAX, BY_HAND=interpreting())
+            torch.sum(dwp, dim=1, out=dw)
     return dgu, h, dw
 
 
