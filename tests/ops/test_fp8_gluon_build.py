@@ -14,9 +14,9 @@ from tests.ops.gluon_sm90 import run_build
 _SCRIPT = r"""
 import json, re, sys
 from tests.ops.gluon_sm90 import build_sm90
-from csattn.ops.fp8.gluon import fp8_grouped_gluon_kernel as fn, launch_settings, tile_smem
+from csattn.ops.fp8.gluon import SPLIT_SETTINGS, fp8_grouped_gluon_kernel as fn, launch_settings, tile_smem
 
-trans, low_rank = (a == "1" for a in sys.argv[1:3])
+trans, low_rank, split = (a == "1" for a in sys.argv[1:4])
 desc = f"tensordesc<fp8e4nv[128, 128],{tile_smem()!r}>"
 ints = ("KC", "E", "W_ROWS", "tiles_m", "tiles_n", "stride_sam", "stride_sak", "stride_swe", "stride_sbk",
         "stride_sbn", "stride_om")
@@ -26,7 +26,7 @@ if low_rank:  # the LoRA term at rank 16
     from triton.experimental.gluon import language as gl
     lr = gl.NVMMASharedLayout.get_default_for([128, 16], gl.bfloat16)
     sig["v_desc"] = sig["lw_desc"] = f"tensordesc<bf16[128, 16],{lr!r}>"
-settings = launch_settings(trans)
+settings = {**launch_settings(trans), **(SPLIT_SETTINGS if split else {})}
 # the output's row stride 16-aligned, as the launcher specializes it for the weights' multiples of 128
 kernel, ptx, info = build_sm90(fn, sig, dict(TRANS=trans, E_P2=512, LOW_RANK=low_rank, **settings),
                                [k for k, v in sig.items() if v.startswith("*")] + ["stride_om"])
@@ -39,6 +39,7 @@ print(json.dumps({**info, "serialized": any(c in info["ptxas"] for c in ("C7514"
                   "global_stores_v4": len(re.findall(r"st\.global\.v4\.b32", ptx)),
                   "stores_v4": len(re.findall(r"st\.shared\.v4", ptx)),
                   "mbarrier_inits": len(re.findall(r"mbarrier\.init", ptx)),
+                  "threads": re.findall(r"\.reqntid (\d+)", ptx),
                   "shared": kernel.metadata.shared}))
 """
 
@@ -60,7 +61,7 @@ def _waits(trans: bool) -> list[str]:
 @pytest.mark.parametrize("low_rank", [False, True])
 @pytest.mark.parametrize("trans", [False, True])
 def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
-    info = run_build(_SCRIPT, "1" if trans else "0", "1" if low_rank else "0")
+    info = run_build(_SCRIPT, "1" if trans else "0", "1" if low_rank else "0", "0")
     print({k: v for k, v in info.items() if k != "ptxas"})
     assert info["ptxas_rc"] == 0, info["ptxas"]
     assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]
@@ -76,6 +77,24 @@ def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
     # the ring's barriers (landed, free; ready once transposed where it transposes) and the low-rank term's two
     # pairs: none made and left unused (the allocator would give a dead barrier's bytes to a later buffer)
     assert info["mbarrier_inits"] == 4 * (3 if trans else 2) + (4 if low_rank else 0)
+
+
+@pytest.mark.parametrize("low_rank", [False, True])
+def test_gluon_fp8_input_grad_split_transposition_builds_for_sm90(low_rank):
+    """``SPLIT``: the input gradient's transposition shared by the producer (the tile's first 64 columns, in the loop
+    and the drain) and a fourth warpgroup (the last 64): 16 warps, no spills at ``SPLIT_SETTINGS``' register split,
+    the same MMAs, copies, barriers and shared memory as the one transposer."""
+    info = run_build(_SCRIPT, "1", "1" if low_rank else "0", "1")
+    print({k: v for k, v in info.items() if k != "ptxas"})
+    assert info["ptxas_rc"] == 0, info["ptxas"]
+    assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]
+    mmas = [["m64n128k16", "bf16"], ["m64n128k32", "e4m3"]] if low_rank else [["m64n128k32", "e4m3"]]
+    assert info["wgmma"] == mmas and info["wait_group"] == ["0"] and info["tma"]
+    assert info["threads"] == ["512"]
+    # 64 bytes a thread a piece: 16 4-byte loads and 4 16-byte stores; the producer's piece in its loop and its drain,
+    # the transposer's in its loop
+    assert (info["loads_b32"], info["stores_v4"]) == (48, 12 + _EPILOGUE)
+    assert info["mbarrier_inits"] == 4 * 3 + (4 if low_rank else 0) and info["shared"] <= 227 * 1024
 
 
 _WIDE_SCRIPT = r"""

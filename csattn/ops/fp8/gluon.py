@@ -46,6 +46,11 @@ RANK = 16  # the low-rank term's depth: its two buffers of two [128, R] tiles (1
 # step at 16k 319.2 ms against 333.6 (lab/results/finetune_h100/). Held to fp64 on the GPU by tests/ops/test_fp8_gpu.py
 # ::test_gluon_low_rank_term_vs_same_operands; builds for sm_90 without spills (tests/ops/test_fp8_gluon_build.py).
 FUSE_LOW_RANK = True
+# The input gradient's transposition shared by the producer and a fourth warpgroup (``SPLIT``): SIMPLE's math
+# warpgroups build without spills at 168 registers (Triton 3.6 and 3.9), which leaves 88 for each transposing one
+# (2 x 168 + 88 + 88 = 512 a thread's share of 16 warps). Off until measured against the one transposer.
+SPLIT_TRANSPOSITION = False
+SPLIT_SETTINGS = dict(SPLIT=True, MATH_REGS=168, PRODUCER_REGS=88, XPOSE_REGS=88)
 _UPPER = gl.constexpr(0)  # the math warpgroups, by the 64 rows of a tile they own
 _LOWER = gl.constexpr(1)
 
@@ -65,25 +70,29 @@ def transpose_layout():
 
 
 @gluon.jit
-def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr):
+def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, FIRST: gl.constexpr, PIECES: gl.constexpr):
     """Step ``j``'s weight tile ``[BK, BN]`` (contraction-major, as copied) into its K-major buffer ``[BN, BK]``,
-    through registers in two 64-column pieces; then the stage is ready (the copy of its activation tile landed
-    with the weight tile's, on ``land``)."""
+    through registers in 64-column pieces (``PIECES`` of them from piece ``FIRST``: both, or with ``SPLIT`` one a
+    warpgroup); then one arrival on ``ready`` (the copy of its activation tile landed with the weight tile's, on
+    ``land``)."""
     s = j % STAGES
     mbarrier.wait(land.index(s), (j // STAGES) & 1)
-    for c in gl.static_range(2):
+    for c in gl.static_range(FIRST, FIRST + PIECES):
         piece = raw.index(s).slice(c * 64, 64, dim=1).load(transpose_layout())
         bt.index(s).slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
     fence_async_shared()
-    _cta_sync()  # every producer thread's stores are in before the one arrival
+    _cta_sync()  # every thread's stores are in before the warpgroup's one arrival
     mbarrier.arrive(ready.index(s), count=1)
 
 
 @gluon.jit
 def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS: gl.constexpr,
               E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
-              LOW_RANK: gl.constexpr):
+              LOW_RANK: gl.constexpr, SPLIT: gl.constexpr):
+    """Every TMA copy into the ring; with ``TRANS`` the weight tile's transposition too (``SPLIT``: its first 64
+    columns, :func:`_transposer` the others)."""
     a_smem, raw, bt, land, ready, empty = smem
+    PIECES: gl.constexpr = 1 if SPLIT else 2
     nk = KC // BK
     it = 0
     nt = 0  # tiles with a group: the low-rank buffers' turns
@@ -98,7 +107,7 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
                     # the transposition first: it waits only for its copies, not for a free stage, so the ready
                     # stages run ahead of the math warpgroups
                     if it >= LAG:
-                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES)
+                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES, 0, PIECES)
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
                 mbarrier.expect(land.index(s), BM * BK + BK * BN)  # e4m3: a byte each
@@ -110,7 +119,23 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
                 it += 1
     if TRANS:
         for j in range(gl.maximum(it - LAG, 0), it):
-            _transpose_stage(j, raw, bt, land, ready, STAGES)
+            _transpose_stage(j, raw, bt, land, ready, STAGES, 0, PIECES)
+
+
+@gluon.jit
+def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
+                STAGES: gl.constexpr):
+    """``SPLIT``'s second transposing warpgroup: the last 64 columns of every step's weight tile as it lands (the
+    producer copied it once the stage was free, so its transposed buffer is free too)."""
+    a_smem, raw, bt, land, ready, empty = smem
+    nk = KC // BK
+    it = 0
+    for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+        g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
+        if g < E:
+            for _kb in range(nk):
+                _transpose_stage(it, raw, bt, land, ready, STAGES, 1, 1)
+                it += 1
 
 
 @gluon.jit
@@ -234,14 +259,16 @@ def fp8_grouped_gluon_kernel(
     stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
-    SIMPLE: gl.constexpr = False, COALESCED: gl.constexpr = True,
+    SIMPLE: gl.constexpr = False, COALESCED: gl.constexpr = True, SPLIT: gl.constexpr = False,
+    XPOSE_REGS: gl.constexpr = 0,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
     (blocks ``[128, 128]``); ``sa [M, KC/128]`` and ``sw [E, ., .]`` their fp32 scales (strides ``sbk`` along the
     contraction, ``sbn`` along the output columns); ``table``: :func:`group_table`. ``LOW_RANK``: plus
     ``l_scale * v[rows of e] @ w_e^T``, ``v_desc`` of ``v [M, R]`` (blocks ``[128, R]``), ``lw_desc`` of ``w`` ``[E * N,
-    R]`` (blocks ``[128, R]``), 16-bit, added in fp32 before the one rounding."""
+    R]`` (blocks ``[128, R]``), 16-bit, added in fp32 before the one rounding. ``SPLIT`` (``TRANS``): the
+    transposition shared by the producer and a fourth warpgroup (``XPOSE_REGS`` registers)."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], tile_smem())
     raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
     if TRANS:  # the weight tile transposed by the producer, beside the copied one
@@ -256,22 +283,35 @@ def fp8_grouped_gluon_kernel(
     if TRANS:  # the producer, once the weight tile is transposed
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(ready.index(s), count=2 if SPLIT else 1)  # each transposing warpgroup
     else:  # no barrier made and left unused: the allocator could hand its bytes to a later buffer while they hold
         # an initialized barrier
         ready = land
     smem = (a_smem, raw, bt, land, ready, empty)
     low_rank = _low_rank_ring(v_desc, lw_desc, l_scale, a_smem, land, empty, LOW_RANK)
-    gl.warp_specialize([
-        (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                 stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
-                 LOW_RANK, SIMPLE, COALESCED)),
-        (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                 stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
-                 LOW_RANK, SIMPLE, COALESCED)),
-        (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
-                     E_P2, GROUP_M, STAGES, LAG, LOW_RANK)),
-    ], [4, 4], [MATH_REGS, PRODUCER_REGS])
+    if SPLIT:
+        gl.warp_specialize([
+            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
+                     LOW_RANK, SIMPLE, COALESCED)),
+            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
+                     LOW_RANK, SIMPLE, COALESCED)),
+            (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT)),
+            (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES)),
+        ], [4, 4, 4], [MATH_REGS, PRODUCER_REGS, XPOSE_REGS])
+    else:
+        gl.warp_specialize([
+            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
+                     LOW_RANK, SIMPLE, COALESCED)),
+            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
+                     LOW_RANK, SIMPLE, COALESCED)),
+            (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT)),
+        ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 
 # Host side -------------------------------------------------------------------------------------------------------
@@ -292,9 +332,12 @@ def launch_settings(trans: bool) -> dict:
     beside the stages); on an H100 at c228b90 the forwards ran gate_up 4.07 against 4.44 ms and down 2.34 against
     2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46."""
     if not trans:
-        return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SIMPLE=False, COALESCED=True)
+        return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SIMPLE=False, COALESCED=True,
+                    SPLIT=False, XPOSE_REGS=0)
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
-    return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SIMPLE=True, COALESCED=True)
+    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SIMPLE=True, COALESCED=True,
+               SPLIT=False, XPOSE_REGS=0)
+    return {**cfg, **SPLIT_SETTINGS} if SPLIT_TRANSPOSITION else cfg
 
 
 def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
