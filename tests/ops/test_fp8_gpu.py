@@ -187,17 +187,18 @@ def test_gluon_input_grad_on_copy_equals_transposing(case, low_rank):
 @pytest.mark.parametrize("low_rank", [False, True])
 @pytest.mark.parametrize("case", list(GLUON_CASES))
 def test_gluon_split_transposition_equals_one_transposer(case, low_rank, request):
-    """The input gradient with its transposition split over two warpgroups (``SPLIT_SETTINGS``) equals the one
+    """The input gradient with its transposition split over two warpgroups (``SPLIT``, the default) equals the one
     transposer's bit for bit, without and with LoRA's term (the same K-major tiles, the same products); rows past
     ``offs[-1]`` zero. In its own process: a new kernel's first runs."""
     if not in_own_process(request):
         return
-    from csattn.ops.fp8.gluon import SPLIT_SETTINGS, grouped_mm_gluon
+    from csattn.ops.fp8.gluon import grouped_mm_gluon, launch_settings
 
     q, s, offs, _, qa, sa, lr, _ = _same_bits_case(GLUON_CASES[case], True, low_rank, 7)
     out = torch.full((qa.shape[0], q.shape[2]), float("nan"), device="cuda", dtype=torch.bfloat16)
-    grouped_mm_gluon(qa, sa, q, s, offs, True, out=out, low_rank=lr, settings=SPLIT_SETTINGS)
-    assert torch.equal(out, grouped_mm_gluon(qa, sa, q, s, offs, True, low_rank=lr))
+    grouped_mm_gluon(qa, sa, q, s, offs, True, out=out, low_rank=lr, settings=launch_settings(True, split=True))
+    one = grouped_mm_gluon(qa, sa, q, s, offs, True, low_rank=lr, settings=launch_settings(True, split=False))
+    assert torch.equal(out, one)
     assert (out[int(offs[-1]):] == 0).all()
 
 

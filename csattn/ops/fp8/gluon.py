@@ -47,10 +47,12 @@ RANK = 16  # the low-rank term's depth: its two buffers of two [128, R] tiles (1
 # ::test_gluon_low_rank_term_vs_same_operands; builds for sm_90 without spills (tests/ops/test_fp8_gluon_build.py).
 FUSE_LOW_RANK = True
 # The input gradient's transposition shared by the producer and a fourth warpgroup (``SPLIT``): SIMPLE's math
-# warpgroups build without spills at 168 registers (Triton 3.6 and 3.9), which leaves 88 for each transposing one
-# (2 x 168 + 88 + 88 = 512 a thread's share of 16 warps). Off until measured against the one transposer.
-SPLIT_TRANSPOSITION = False
-SPLIT_SETTINGS = dict(SPLIT=True, MATH_REGS=168, PRODUCER_REGS=88, XPOSE_REGS=88)
+# warpgroups build without spills at 184 registers (Triton 3.6 and 3.9), which leaves 72 for each transposing one
+# (2 x 184 + 72 + 72 = 512, a thread's share of 16 warps). On an H100 at 2dea5ed (lab/results/finetune_h100/
+# {xpose2,moe_split}_2dea5ed.txt), at the slice's 16k tokens: gate_up 5.72 ms against 6.06 with the one transposer,
+# down 2.93 against 3.23 (168 registers: 3.03), the same bits; the frozen MoE 17.38 / 17.50 ms against 18.03 / 18.25.
+SPLIT_TRANSPOSITION = True
+SPLIT_SETTINGS = dict(SPLIT=True, MATH_REGS=184, PRODUCER_REGS=72, XPOSE_REGS=72)
 _UPPER = gl.constexpr(0)  # the math warpgroups, by the 64 rows of a tile they own
 _LOWER = gl.constexpr(1)
 
@@ -316,7 +318,7 @@ def fp8_grouped_gluon_kernel(
 
 # Host side -------------------------------------------------------------------------------------------------------
 
-def launch_settings(trans: bool) -> dict:
+def launch_settings(trans: bool, split: bool | None = None) -> dict:
     """The kernel's tuning constexprs: 4 stages (128 KB of tiles; 192 KB with the transposed buffers), the
     transposition ``LAG`` steps behind the copies (at most ``STAGES - 1``: a math warpgroup frees a stage only
     once the next one is ready, and the producer transposes before it waits for a free stage), and the registers
@@ -330,14 +332,16 @@ def launch_settings(trans: bool) -> dict:
     ran slower so (725 against 757 TFLOP/s at gate_up) and keeps a product running while the last is promoted.
     ``COALESCED``: the result through shared memory into whole 32-byte sectors (its 8 KB of scratch a math warpgroup
     beside the stages); on an H100 at c228b90 the forwards ran gate_up 4.07 against 4.44 ms and down 2.34 against
-    2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46."""
+    2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46.
+    ``split``: the input gradient's transposition in two warpgroups (:data:`SPLIT_SETTINGS`) or one; None:
+    :data:`SPLIT_TRANSPOSITION`."""
     if not trans:
         return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SIMPLE=False, COALESCED=True,
                     SPLIT=False, XPOSE_REGS=0)
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
     cfg = dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SIMPLE=True, COALESCED=True,
                SPLIT=False, XPOSE_REGS=0)
-    return {**cfg, **SPLIT_SETTINGS} if SPLIT_TRANSPOSITION else cfg
+    return {**cfg, **SPLIT_SETTINGS} if (SPLIT_TRANSPOSITION if split is None else split) else cfg
 
 
 def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
