@@ -1,5 +1,16 @@
-"""The Gluon FP8 forward with the weight tile shared by a cluster of two CTAs (TMA multicast): a draft for Triton > 3.6,
-built on the CPU, not yet run on a GPU.
+"""The Gluon FP8 forward with the weight tile shared by a cluster of two CTAs (TMA multicast): a draft for Triton > 3.6.
+**Run on an H100 at 2dea5ed (Triton 3.9): "unspecified launch failure"** (``lab/results/finetune_h100/
+cluster_{build,probe}_2dea5ed.txt``). Its PTX shows two wrong assumptions of the draft about Gluon's multi-CTA model:
+
+- ``gl.program_id(0)`` is the cluster's id (``ctaid.x >> 1``), not the CTA's: ``% 2`` is the same in both CTAs, so
+  ``lead`` does not tell them apart (and pairs of clusters walk the same tiles). Gluon 3.9 exposes no CTA rank.
+- ``mbarrier.arrive(bar, from_cta=0)`` is a broadcast from CTA 0 to every CTA (its threads 0 and 1 arrive, one on
+  each CTA's barrier: the address's bit 24 from ``tid.x & 1``, predicated on ``cluster_ctarank == 0``), not an
+  arrival of each CTA on CTA 0's. With the multicast copy issued by CTA 0 alone, the producer there must hear from
+  CTA 1's math warpgroups, which Gluon's Hopper ``arrive`` cannot route; it would take inline PTX (``mapa`` to CTA
+  0's barrier and ``mbarrier.arrive.shared::cluster``), where Gluon gives no barrier address.
+
+So the shared-stage protocol below does not hold; kept as the record of what was tried.
 
 Why: at the MoE's shapes the forward's pipeline waits on its ring (the producer for free stages 58 % of its time, the
 math warpgroups for landed ones 22 %: ``lab/ncu_source_session.sh``) and its tiles come from L2 at close to its
