@@ -47,7 +47,7 @@ PY
     fi
     rm -rf /tmp/t39site.new && mkdir -p /tmp/t39site.new
     cat /tmp/t39parts/part* | xz -d | tar xf - -C /tmp/t39site.new && mv /tmp/t39site.new /tmp/t39site
-    PYTHONPATH=/tmp/t39site python3 -c "import triton; print('triton39: unpacked', triton.__version__)"
+    TRITON_BACKENDS_IN_TREE=1 PYTHONPATH=/tmp/t39site python3 -c "import triton; print('triton39: unpacked', triton.__version__)"
     ;;
   *) echo "usage: bash lab/triton39.sh pack|unpack" >&2; exit 2;;
 esac
