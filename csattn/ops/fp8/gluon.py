@@ -126,9 +126,9 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
 
 @gluon.jit
 def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
-                STAGES: gl.constexpr):
-    """``SPLIT``'s second transposing warpgroup: the last 64 columns of every step's weight tile as it lands (the
-    producer copied it once the stage was free, so its transposed buffer is free too)."""
+                STAGES: gl.constexpr, PIECE: gl.constexpr):
+    """``SPLIT``'s second transposing warpgroup: 64 columns (``PIECE`` 1: the last) of every step's weight tile as it
+    lands (the producer copied it once the stage was free, so its transposed buffer is free too)."""
     a_smem, raw, bt, land, ready, empty = smem
     nk = KC // BK
     it = 0
@@ -136,7 +136,7 @@ def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_
         g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
         if g < E:
             for _kb in range(nk):
-                _transpose_stage(it, raw, bt, land, ready, STAGES, 1, 1)
+                _transpose_stage(it, raw, bt, land, ready, STAGES, PIECE, 1)
                 it += 1
 
 
@@ -301,7 +301,7 @@ def fp8_grouped_gluon_kernel(
                      LOW_RANK, SIMPLE, COALESCED)),
             (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
                          E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT)),
-            (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES)),
+            (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1)),
         ], [4, 4, 4], [MATH_REGS, PRODUCER_REGS, XPOSE_REGS])
     else:
         gl.warp_specialize([
