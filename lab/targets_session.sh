@@ -4,13 +4,14 @@
 # forward), then the frozen MoE (the finetune page's moe part), the V4-Flash slice
 # written in the release format, (d) / (a) / (b) / (c) at 16k and (a) / (c) at 64k with the library's defaults; then
 # (a) at 16k with the forward over 64 x 256 tiles and with the defaults again (alternating: the card's clocks drift),
-# then lab.probes.fp8_gluon_wide (the wide kernel alone and in the frozen MoE, on and off). In $OUT.
-#   COMMIT=<sha> [PARTS="tests moe steps variants wide": which, in that order] bash lab/targets_session.sh
+# then lab.probes.fp8_gluon_wide (the wide kernel alone and in the frozen MoE, on and off), and (only when named)
+# lab.probes.fp8_gluon_xpose3 (the input gradient with a copier warp and two transposers). In $OUT.
+#   COMMIT=<sha> [PARTS="tests moe steps variants wide xpose3": which, in that order] bash lab/targets_session.sh
 set -u
 has() { case " ${PARTS:-tests moe steps variants wide} " in *" $1 "*) return 0;; esac; return 1; }
 OUT=${OUT:-/tmp/targets}; mkdir -p "$OUT"; START=$SECONDS; C=${COMMIT:-unknown}; CK=/tmp/csattn_v4_flash_slice
 . "$(dirname "$0")/device_env.sh"
-has tests && { timeout 150 python3 -m pytest -q -p no:cacheprovider -k "copy_equals or takes_the_copy or wide_forward" \
+has tests && { timeout 200 python3 -m pytest -q -p no:cacheprovider -k "copy_equals or takes_the_copy or wide_forward or split" \
   tests/ops/test_fp8_gpu.py > "$OUT/gpu_tests.txt" 2>&1; grep -E "passed|failed|^FAILED|^E  " "$OUT/gpu_tests.txt" | tail -6; }
 echo "[tests] $((SECONDS - START)) s"
 has moe && timeout 90 python3 -m benchmarks.finetune --ckpt /tmp/none --json "$OUT/finetune_moe.json" --parts moe --commit "$C" \
@@ -28,4 +29,5 @@ has variants && for way in wide default wide; do
 done
 echo "[variants] $((SECONDS - START)) s"
 has wide && { timeout 130 python3 -m lab.probes.fp8_gluon_wide > "$OUT/wide_probe.txt" 2>&1; grep -v Warning "$OUT/wide_probe.txt"; }
+has xpose3 && { timeout 150 python3 -m lab.probes.fp8_gluon_xpose3 > "$OUT/xpose3_probe.txt" 2>&1; grep -v Warning "$OUT/xpose3_probe.txt" | tail -8; }
 echo "[session] $((SECONDS - START)) s"
