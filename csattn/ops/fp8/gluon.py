@@ -291,6 +291,8 @@ def fp8_grouped_gluon_kernel(
         ready = land
     smem = (a_smem, raw, bt, land, ready, empty)
     low_rank = _low_rank_ring(v_desc, lw_desc, l_scale, a_smem, land, empty, LOW_RANK)
+    # two literal lists: warp_specialize takes its (function, arguments) pairs written out (an argument tuple held in
+    # a local does not compile), and the forward has no registers for a fourth partition
     if SPLIT:
         gl.warp_specialize([
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
