@@ -83,7 +83,9 @@ def test_swiglu_bwd_writes_dgu_quantized(dtype):
     rows = _poisoned_rows(n, 2 * inter)
     got = swiglu_bwd_triton(gu, w, dh, LIMIT, out=also, fp8_out=rows)
     for a, b in zip(got, (dgu, h, dw)):
-        assert torch.equal(a, b)  # the plain outputs unchanged by the quantized one
+        # the plain outputs unchanged by the quantized one; dw too, bit for bit, as its two column blocks' sums (the
+        # quantizing form's programs) add in the loop's order; over more blocks the order may move its last bits
+        assert torch.equal(a, b)
     _bitwise(rows, quantize_1x128_ref(dgu))
     only = _poisoned_rows(n, 2 * inter)
     none, h2, dw2 = swiglu_bwd_triton(gu, w, dh, LIMIT, fp8_out=only, keep_dgu=False)
