@@ -337,12 +337,11 @@ def launch_settings(trans: bool, split: bool | None = None) -> dict:
     2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46.
     ``split``: the input gradient's transposition in two warpgroups (:data:`SPLIT_SETTINGS`) or one; None:
     :data:`SPLIT_TRANSPOSITION`."""
+    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0)
     if not trans:
-        return dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=232, PRODUCER_REGS=40, SIMPLE=False, COALESCED=True,
-                    SPLIT=False, XPOSE_REGS=0)
+        return {**cfg, "MATH_REGS": 232, "PRODUCER_REGS": 40, "SIMPLE": False}
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
-    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, MATH_REGS=math, PRODUCER_REGS=producer, SIMPLE=True, COALESCED=True,
-               SPLIT=False, XPOSE_REGS=0)
+    cfg.update(MATH_REGS=math, PRODUCER_REGS=producer, SIMPLE=True)
     return {**cfg, **SPLIT_SETTINGS} if (SPLIT_TRANSPOSITION if split is None else split) else cfg
 
 

@@ -67,19 +67,19 @@ def _swiglu_fwd_kernel(gu, w, h, q, s, N, I, stride_gu, stride_h, stride_q, stri
 @triton.jit
 def _swiglu_bwd_kernel(gu, w, dh, dgu, h, dwp, q, s, N, I, stride_gu, stride_dh, stride_dgu, stride_h, stride_q,
                        stride_sm, stride_sk, stride_dwp, limit, BM: tl.constexpr, BN: tl.constexpr,
-                       LOOP: tl.constexpr, WRITE_DGU: tl.constexpr, WRITE_H: tl.constexpr, QUANT: tl.constexpr,
-                       FP8MAX: tl.constexpr, BY_HAND: tl.constexpr):
-    # a program per block of rows and (``LOOP`` off) of 128 columns, or (``LOOP``) looping over all the columns;
-    # dw's row sums leave per program in ``dwp [N, programs along I]``, summed by the launcher in a fixed order (no
-    # atomics: deterministic). On an H100 (2dea5ed) the quantizing pass ran 0.845 ms over the blocks against 0.945
-    # looping, the bf16 one (dgu and h written) 0.895 against 0.834: so LOOP where it does not quantize
+                       WRITE_DGU: tl.constexpr, WRITE_H: tl.constexpr, QUANT: tl.constexpr, FP8MAX: tl.constexpr,
+                       BY_HAND: tl.constexpr):
+    # a program per block of rows and, where it quantizes, of 128 columns; else it loops over all the columns.
+    # dw's row sums leave per program in ``dwp [N, programs along I]`` (dw itself where that is one), summed by the
+    # launcher in a fixed order (no atomics: deterministic). On an H100 (2dea5ed) the quantizing pass ran 0.845 ms
+    # over the blocks against 0.945 looping, the bf16 one (dgu and h written) 0.895 against 0.834
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < N
     r64 = rows.to(tl.int64)[:, None]
     wr = tl.load(w + rows, mask=rmask, other=0.0).to(tl.float32)
     acc = tl.zeros([BM], dtype=tl.float32)
-    start = 0 if LOOP else tl.program_id(1) * BN
-    for c0 in range(start, I if LOOP else start + BN, BN):
+    start = tl.program_id(1) * BN if QUANT else 0
+    for c0 in range(start, start + BN if QUANT else I, BN):
         cols = c0 + tl.arange(0, BN)
         mask = rmask[:, None] & (cols < I)[None, :]
         base = r64 * stride_gu + cols[None, :]
@@ -205,15 +205,15 @@ def swiglu_bwd_triton(gu: Tensor, w: Tensor, dh: Tensor, limit: float,
         if not inter:
             dw.zero_()
         else:
-            loop = fp8_out is None  # see the kernel: blocks where it quantizes, else a loop over the columns
-            blocks = 1 if loop else triton.cdiv(inter, BLOCK_COLS)
-            dwp = torch.empty((n, blocks), dtype=torch.float32, device=gu.device)
+            blocks = 1 if fp8_out is None else triton.cdiv(inter, BLOCK_COLS)  # see the kernel
+            dwp = dw.unsqueeze(1) if blocks == 1 else torch.empty((n, blocks), dtype=torch.float32, device=gu.device)
             _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK_ROWS), blocks)](
                 gu, w.contiguous(), dh, d, hk, dwp, q, s, n, inter, gu.stride(0), dh.stride(0), d.stride(0),
                 hk.stride(0), q.stride(0), s.stride(0), s.stride(-1), dwp.stride(0), float(limit), BM=BLOCK_ROWS,
-                BN=BLOCK_COLS, LOOP=loop, WRITE_DGU=dgu is not None, WRITE_H=h is not None,
-                QUANT=fp8_out is not None, FP8MAX=FP8_MAX, BY_HAND=interpreting())
-            torch.sum(dwp, dim=1, out=dw)
+                BN=BLOCK_COLS, WRITE_DGU=dgu is not None, WRITE_H=h is not None, QUANT=fp8_out is not None,
+                FP8MAX=FP8_MAX, BY_HAND=interpreting())
+            if blocks > 1:
+                torch.sum(dwp, dim=1, out=dw)
     return dgu, h, dw
 
 
