@@ -228,3 +228,50 @@ def test_moe_hands_its_gemms_rows_quantized_where_made(backend, with_lora, monke
     assert torch.isfinite(fused[0]).all() and fused[0].abs().max() > 0
     for a, b in zip(fused, separate):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_moe_takes_the_swiglu_epilogue_where_only_quantized_dgu_is_wanted(with_lora, monkeypatch):
+    """The MoE's wiring of the SwiGLU backward in the down input gradient's epilogue, with the kernels emulated on
+    the CPU: taken once where the experts carry no LoRA (only dgu quantized and dw are wanted), never with LoRA (dgu
+    and h are wanted too); the step bit for bit the separate pass's either way."""
+    import csattn.ops.moe.grouped as moe_grouped
+
+    g = torch.Generator().manual_seed(12)
+    t, e, k, d, inter, r = 10, 3, 2, 256, 128, 4
+    gu = ((torch.randn(e, 2 * inter, d, generator=g) * 50).to(FP8_DTYPE), torch.rand(e, 2, 2, generator=g) * 1e-3)
+    dn = ((torch.randn(e, d, inter, generator=g) * 50).to(FP8_DTYPE), torch.rand(e, 2, 1, generator=g) * 2e-3)
+    x = torch.randn(t, d, generator=g).bfloat16()
+    ids = torch.rand(t, e, generator=g).argsort(-1)[:, :k]
+    w = (torch.rand(t, k, generator=g) + 0.1).bfloat16()
+    dout = torch.randn(t, d, generator=g).bfloat16()
+    factors = [(torch.randn(shape, generator=g) * 0.1).bfloat16()
+               for shape in ((e, r, d), (e, 2 * inter, r), (e, r, inter), (e, d, r))] if with_lora else []
+    taken = []
+
+    def fused(a, weight, scale, offs, gu_out, wr, limit):  # the epilogue's contract on the emulated GEMM
+        taken.append(isinstance(a, Fp8Rows))
+        dh = _emulated_fp8_mm(a, weight, scale, offs, trans=True, out_dtype=gu_out.dtype)
+        _, dguq, _, dw = moe_grouped._swiglu_bwd("triton", gu_out, wr, dh, limit, keep_dgu=False, quantize=True,
+                                                 keep_h=False)
+        return dguq, dw
+
+    monkeypatch.setattr(moe_grouped, "fp8_grouped_mm", _emulated_fp8_mm)
+    monkeypatch.setattr(moe_grouped, "takes_fp8_rows", lambda *args: True)
+    monkeypatch.setattr(moe_grouped, "swiglu_grad_fits", lambda *args: True)
+    monkeypatch.setattr(moe_grouped, "fp8_input_grad_swiglu", fused)
+
+    def run(fuse: bool):
+        monkeypatch.setattr(moe_grouped, "FUSE_SWIGLU", fuse)
+        leaves = [v.detach().requires_grad_() for v in (x, w, *factors)]
+        lora = {"gate_up_lora": ExpertLora(leaves[2], leaves[3], 2.0),
+                "down_lora": ExpertLora(leaves[4], leaves[5], 0.5)} if with_lora else {}
+        out = moe_experts(leaves[0], ids, leaves[1], gu[0], dn[0], LIMIT, "triton", gate_up_scale=gu[1],
+                          down_scale=dn[1], **lora)
+        return [out, *torch.autograd.grad(out, leaves, dout)]
+
+    on, off = run(True), run(False)
+    assert taken == ([] if with_lora else [True])
+    assert torch.isfinite(on[1]).all() and on[1].abs().max() > 0
+    for a, b in zip(on, off):
+        assert torch.equal(a, b)
