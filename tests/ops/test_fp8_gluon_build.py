@@ -16,27 +16,21 @@ import json, re, sys
 from tests.ops.gluon_sm90 import build_sm90
 from csattn.ops.fp8.gluon import fp8_grouped_gluon_kernel as fn, launch_settings, tile_smem
 
-trans, low_rank, split, swiglu = (a == "1" for a in sys.argv[1:5])
+trans, low_rank, split = (a == "1" for a in sys.argv[1:4])
 desc = f"tensordesc<fp8e4nv[128, 128],{tile_smem()!r}>"
 ints = ("KC", "E", "W_ROWS", "tiles_m", "tiles_n", "stride_sam", "stride_sak", "stride_swe", "stride_sbk",
         "stride_sbn", "stride_om")
 sig = {"a_desc": desc, "w_desc": desc, "sa": "*fp32", "sw": "*fp32", "table": "*i32", "out": "*bf16",
-       **{k: "i32" for k in ints}, "v_desc": desc, "lw_desc": desc, "l_scale": "fp32",
-       # the SwiGLU epilogue's operands (stand-ins of the output's type where it is off, as the launcher passes)
-       **({"gu": "*bf16", "gu_w": "*bf16", "dq": "*fp8e4nv", "dqs": "*fp32", "dwp": "*fp32"} if swiglu else
-          {k: "*bf16" for k in ("gu", "gu_w", "dq", "dqs", "dwp")}),
-       **{k: "i32" for k in ("stride_gu", "stride_dq", "stride_dqs", "stride_dwp")}, "limit": "fp32"}
+       **{k: "i32" for k in ints}, "v_desc": desc, "lw_desc": desc, "l_scale": "fp32"}
 if low_rank:  # the LoRA term at rank 16
     from triton.experimental.gluon import language as gl
     lr = gl.NVMMASharedLayout.get_default_for([128, 16], gl.bfloat16)
     sig["v_desc"] = sig["lw_desc"] = f"tensordesc<bf16[128, 16],{lr!r}>"
 settings = launch_settings(trans, split)
 # the output's row stride 16-aligned, as the launcher specializes it for the weights' multiples of 128
-kernel, ptx, info = build_sm90(fn, sig, dict(TRANS=trans, E_P2=512, LOW_RANK=low_rank, SWIGLU=swiglu, **settings),
+kernel, ptx, info = build_sm90(fn, sig, dict(TRANS=trans, E_P2=512, LOW_RANK=low_rank, **settings),
                                [k for k, v in sig.items() if v.startswith("*")] + ["stride_om"])
 print(json.dumps({**info, "serialized": any(c in info["ptxas"] for c in ("C7514", "C7512", "C7517")),
-                  "regs": [int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)],
-                  "cvt_e4m3": len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)),
                   "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.",
                                                  ptx))),
                   "wait_group": sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))),
@@ -67,7 +61,7 @@ def _waits(trans: bool) -> list[str]:
 @pytest.mark.parametrize("low_rank", [False, True])
 @pytest.mark.parametrize("trans", [False, True])
 def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
-    info = run_build(_SCRIPT, "1" if trans else "0", "1" if low_rank else "0", "0", "0")
+    info = run_build(_SCRIPT, "1" if trans else "0", "1" if low_rank else "0", "0")
     print({k: v for k, v in info.items() if k != "ptxas"})
     assert info["ptxas_rc"] == 0, info["ptxas"]
     assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]
@@ -90,7 +84,7 @@ def test_gluon_fp8_input_grad_split_transposition_builds_for_sm90(low_rank):
     """``SPLIT`` (the default): the input gradient's transposition shared by the producer (the tile's first 64
     columns, in the loop and the drain) and a fourth warpgroup (the last 64): 16 warps, no spills at
     ``SPLIT_SETTINGS``' register split, the same MMAs, copies, barriers and shared memory as the one transposer."""
-    info = run_build(_SCRIPT, "1", "1" if low_rank else "0", "1", "0")
+    info = run_build(_SCRIPT, "1", "1" if low_rank else "0", "1")
     print({k: v for k, v in info.items() if k != "ptxas"})
     assert info["ptxas_rc"] == 0, info["ptxas"]
     assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]
@@ -101,21 +95,6 @@ def test_gluon_fp8_input_grad_split_transposition_builds_for_sm90(low_rank):
     # the transposer's in its loop
     assert (info["loads_b32"], info["stores_v4"]) == (48, 12 + _EPILOGUE)
     assert info["mbarrier_inits"] == 4 * 3 + (4 if low_rank else 0) and info["shared"] <= 227 * 1024
-
-
-def test_gluon_fp8_input_grad_swiglu_epilogue_builds_for_sm90():
-    """``SWIGLU`` (the MoE's down input gradient with the SwiGLU backward in its epilogue, :mod:`.gluon_swiglu`): the
-    split transposition's kernel with each math warpgroup's block staged through 16 KB of its own (227 KB in all), no
-    spills at ``SPLIT_SETTINGS``' registers, the same MMAs and transposition, dgu converted to e4m3 by the epilogue
-    and no result stored as bf16 (16-byte global stores: none; the codes leave in 8-byte pieces)."""
-    info = run_build(_SCRIPT, "1", "0", "1", "1")
-    print({k: v for k, v in info.items() if k != "ptxas"})
-    assert info["ptxas_rc"] == 0, info["ptxas"]
-    assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]
-    assert info["wgmma"] == [["m64n128k32", "e4m3"]] and info["wait_group"] == ["0"] and info["tma"]
-    assert info["threads"] == ["512"] and info["loads_b32"] == 48 and info["global_stores_v4"] == 0
-    assert info["cvt_e4m3"] > 0 and info["shared"] <= 227 * 1024
-    assert info["mbarrier_inits"] == 4 * 3
 
 
 _WIDE_SCRIPT = r"""

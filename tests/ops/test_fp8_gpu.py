@@ -448,8 +448,6 @@ def test_moe_fp8_quantizes_where_made_bitwise(with_lora, monkeypatch):
         return plain(a, *args, **kwargs)
 
     monkeypatch.setattr(moe_grouped, "fp8_grouped_mm", spy)
-    # the four GEMMs on their own (the SwiGLU backward in the epilogue: test_moe_fp8_swiglu_epilogue_...)
-    monkeypatch.setattr(moe_grouped, "FUSE_SWIGLU", False)
     leaves = [v.detach().requires_grad_() for v in (x, w, *(lora[0][:2] + lora[1][:2] if lora else ()))]
     grouped = {} if lora is None else {
         "gate_up_lora": ExpertLora(leaves[2], leaves[3], 2.0), "down_lora": ExpertLora(leaves[4], leaves[5], 0.5)}
@@ -465,85 +463,3 @@ def test_moe_fp8_quantizes_where_made_bitwise(with_lora, monkeypatch):
     for name, a, b in zip(("out", "dx", "dweights"), got, want):
         assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), (name, rel_err(a, b))
-
-
-# (experts, D, I, most rows an expert) of the down projection [E, D, I] whose input gradient runs the SwiGLU backward
-# in its epilogue: 5 contraction steps with empty experts and last tiles of 40 / 100 rows; 16 steps; no rows routed
-SWIGLU_CASES = {"ragged": (16, 640, 384, 300), "deep": (4, 2048, 256, 700), "all_tail": (3, 256, 128, 0)}
-
-
-@pytest.mark.parametrize("case", list(SWIGLU_CASES))
-def test_gluon_swiglu_epilogue_equals_separate_pass(case, request):
-    """The down projection's input gradient with the SwiGLU backward in its epilogue (``swiglu``): dgu's codes and
-    scales bit for bit those of the kernel's dh through the separate quantizing SwiGLU pass (rows past ``offs[-1]``
-    included, where dh is zero), dw within fp32's summation order; the outputs poisoned first; the op's
-    ``fp8_input_grad_swiglu`` the same. In its own process: a new kernel's first runs."""
-    if not in_own_process(request):
-        return
-    from csattn.ops.fp8 import fp8_input_grad_swiglu
-    from csattn.ops.fp8.gluon import grouped_mm_gluon
-    from csattn.ops.fp8.gluon_swiglu import SwigluGrad
-    from csattn.ops.moe import swiglu_bwd_ref
-    from csattn.ops.moe.triton import swiglu_bwd_triton
-
-    q, s, offs, _, qa, sa, _, g = _same_bits_case(SWIGLU_CASES[case], True, False, 9)
-    m, inter = qa.shape[0], q.shape[2]
-    gu = (torch.randn(m, 2 * inter, generator=g, device="cuda") * 6).bfloat16()  # past the clamp too
-    w = (torch.rand(m, generator=g, device="cuda") + 0.1).bfloat16()
-    w[3] = 0  # an all-zero row of dgu: scale 1
-    dh = grouped_mm_gluon(qa, sa, q, s, offs, True)
-    want = Fp8Rows.empty(m, 2 * inter, qa.device)
-    _, _, dw_want = swiglu_bwd_triton(gu, w, dh, LIMIT, fp8_out=want, keep_dgu=False, keep_h=False)
-    nan = float("nan")
-    got = Fp8Rows(torch.full((m, 2 * inter), nan, device="cuda").to(FP8_DTYPE),
-                  torch.full((m, 2 * inter // 128), nan, device="cuda"))
-    dwp = torch.full((m, inter // 128), nan, device="cuda")
-    assert grouped_mm_gluon(qa, sa, q, s, offs, True, swiglu=SwigluGrad(gu, w, got.q, got.s, dwp, LIMIT)) is None
-    same = torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(got.s, want.s)
-    dw = dwp.sum(1)
-    exact = swiglu_bwd_ref(gu.double(), w.double(), dh.double(), LIMIT)[2]
-    print(f"gluon swiglu epilogue {case}: dgu bits equal {same}, dw vs separate {rel_err(dw, dw_want):.2e}, "
-          f"vs fp64 {rel_err(dw, exact):.2e} (separate {rel_err(dw_want, exact):.2e})")
-    assert same and torch.isfinite(dw).all()
-    assert rel_err(dw, exact) < 1e-6 and rel_err(dw_want, exact) < 1e-6  # fp32 sums of 128-term tiles
-    op = fp8_input_grad_swiglu(Fp8Rows(qa, sa), q, s, offs, gu, w, LIMIT)
-    assert torch.equal(op[0].q.view(torch.uint8), got.q.view(torch.uint8)) and torch.equal(op[0].s, got.s)
-    assert torch.equal(op[1], dw)
-    with pytest.raises(ValueError, match="dwp"):
-        grouped_mm_gluon(qa, sa, q, s, offs, True, swiglu=SwigluGrad(gu, w, got.q, got.s, dwp[:, :1], LIMIT))
-
-
-def test_moe_fp8_swiglu_epilogue_equals_separate_pass(monkeypatch, request):
-    """The frozen FP8 MoE without LoRA on its experts takes the SwiGLU backward in the down input gradient's epilogue
-    (``FUSE_SWIGLU``): its output and dx bit for bit the separate pass's, dweights within dw's fp32 summation order
-    and their bf16 rounding. In its own process."""
-    if not in_own_process(request):
-        return
-    import csattn.ops.moe.grouped as moe_grouped
-    from csattn.ops.fp8 import swiglu_grad_fits
-
-    g = torch.Generator(device="cuda").manual_seed(11)
-    t, e, k, d, inter = 1024, 32, 6, 512, 256
-    gu, dn = _weight((e, 2 * inter, d), g, d), _weight((e, d, inter), g, inter)
-    if not swiglu_grad_fits(t * k, dn[0], torch.device("cuda"), "fp8"):
-        pytest.skip("the Gluon kernel runs on sm_90 only")
-    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
-    top = torch.topk(torch.randn(t, e, generator=g, device="cuda"), k, dim=-1)
-    ids, w = top.indices, torch.softmax(top.values, -1).bfloat16()
-    dout = torch.randn(t, d, generator=g, device="cuda").bfloat16()
-    taken = []
-    plain = moe_grouped.fp8_input_grad_swiglu
-    monkeypatch.setattr(moe_grouped, "fp8_input_grad_swiglu", lambda *a: taken.append(1) or plain(*a))
-
-    def run(fuse: bool):
-        monkeypatch.setattr(moe_grouped, "FUSE_SWIGLU", fuse)
-        leaves = [v.detach().requires_grad_() for v in (x, w)]
-        out = moe_experts(leaves[0], ids, leaves[1], gu[0], dn[0], LIMIT, "triton", gate_up_scale=gu[1],
-                          down_scale=dn[1], fp8_compute="fp8")
-        return [out, *torch.autograd.grad(out, leaves, dout)]
-
-    fused, separate = run(True), run(False)
-    assert taken == [1]  # the fused route once, and only when on
-    print(f"gluon moe swiglu epilogue: dweights vs separate {rel_err(fused[2], separate[2]):.2e}")
-    assert torch.equal(fused[0], separate[0]) and torch.equal(fused[1], separate[1])
-    assert rel_err(fused[2].float(), separate[2].float()) < 2.0 ** -8  # a bf16 rounding apart at most

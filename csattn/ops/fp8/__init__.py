@@ -11,9 +11,7 @@ from .grouped import (
                       add_low_rank,
                       check_compute,
                       fp8_grouped_mm,
-                      fp8_input_grad_swiglu,
                       kernel_compute,
-                      swiglu_grad_fits,
                       takes_fp8_rows,
 )
 from .linear import fp8_linear, quantize_1x128
@@ -33,5 +31,5 @@ from .naive import (
 
 __all__ = ["BLOCK", "COMPUTES", "FP8_DTYPE", "FP8_MAX", "Fp8Rows", "LowRank", "add_low_rank", "check_compute",
            "check_weight", "dequantize", "fp8_grouped_mm", "fp8_grouped_mm_quantized", "fp8_grouped_mm_ref",
-           "fp8_input_grad_swiglu", "fp8_linear", "fp8_linear_quantized", "fp8_linear_ref", "kernel_compute",
-           "low_rank_ref", "quantize_1x128", "quantize_1x128_ref", "swiglu_grad_fits", "takes_fp8_rows"]
+           "fp8_linear", "fp8_linear_quantized", "fp8_linear_ref", "kernel_compute", "low_rank_ref", "quantize_1x128",
+           "quantize_1x128_ref", "takes_fp8_rows"]

@@ -36,7 +36,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..backend import triton_version
 from .gluon_low_rank import _acc_start, _load_low_rank, _low_rank_ring
-from .gluon_swiglu import SwigluGrad, staging_layout, swiglu_bwd_store
 from .gluon_tiles import BK, BM, BN, _cta_sync, _tile, _tma_load, acc_layout, tile_smem, tile_walk
 
 __all__ = ["FUSE_LOW_RANK", "RANK", "fp8_grouped_gluon_kernel", "grouped_mm_gluon", "launch_settings"]
@@ -226,12 +225,10 @@ def _contract(acc, zero, a_smem, b_all, wait_on, empty, sa_ptrs, sw_ptr, rmask, 
 def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
           stride_sbn, stride_om, smem, low_rank, HALF: gl.constexpr, TRANS: gl.constexpr, E_P2: gl.constexpr,
           GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr, SIMPLE: gl.constexpr,
-          COALESCED: gl.constexpr, ep=None, ep_smem=None, SWIGLU: gl.constexpr = False):
+          COALESCED: gl.constexpr):
     """Math warpgroup ``HALF``: rows ``[64 HALF, 64 HALF + 64)`` of each tile. ``SIMPLE``: one product in flight
     a warpgroup, waited for before its promotion (the other warpgroup's keeps the tensor cores busy meanwhile).
-    ``COALESCED``: the result stored through shared memory (:func:`_store`). ``SWIGLU``: the result goes through
-    the SwiGLU backward instead (:func:`.gluon_swiglu.swiglu_bwd_store`, operands ``ep``, a ``[64, BN]`` staging
-    buffer a math warpgroup in ``ep_smem``), and ``out`` is not written."""
+    ``COALESCED``: the result stored through shared memory (:func:`_store`)."""
     ACC: gl.constexpr = acc_layout()
     ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
     a_smem, raw, bt, land, ready, empty = smem
@@ -253,26 +250,19 @@ def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, s
             acc = _contract(acc, zero, a_smem, b_all, wait_on, empty, sa_ptrs, sw_ptr, rmask, it, nk, stride_sak,
                             stride_sbk, HALF, STAGES, SIMPLE, False)
             it += nk
-            if SWIGLU:
-                swiglu_bwd_store(acc, row0 + HALF * 64, row_end, pid_n, tiles_n, ep_smem.index(HALF), ep)
-            else:
-                _store(out, acc, row0 + HALF * 64, row_end, pid_n, stride_om, COALESCED)
+            _store(out, acc, row0 + HALF * 64, row_end, pid_n, stride_om, COALESCED)
         elif g == E:  # rows past offs[-1]
-            if SWIGLU:
-                swiglu_bwd_store(zero, row0 + HALF * 64, row_end, pid_n, tiles_n, ep_smem.index(HALF), ep)
-            else:
-                _store(out, zero, row0 + HALF * 64, row_end, pid_n, stride_om, COALESCED)
+            _store(out, zero, row0 + HALF * 64, row_end, pid_n, stride_om, COALESCED)
 
 
 @gluon.jit
 def fp8_grouped_gluon_kernel(
     a_desc, w_desc, sa, sw, table, out, KC, E, W_ROWS, tiles_m, tiles_n,
     stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale,
-    gu, gu_w, dq, dqs, dwp, stride_gu, stride_dq, stride_dqs, stride_dwp, limit,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
     SIMPLE: gl.constexpr = False, COALESCED: gl.constexpr = True, SPLIT: gl.constexpr = False,
-    XPOSE_REGS: gl.constexpr = 0, SWIGLU: gl.constexpr = False,
+    XPOSE_REGS: gl.constexpr = 0,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -280,9 +270,7 @@ def fp8_grouped_gluon_kernel(
     contraction, ``sbn`` along the output columns); ``table``: :func:`group_table`. ``LOW_RANK``: plus
     ``l_scale * v[rows of e] @ w_e^T``, ``v_desc`` of ``v [M, R]`` (blocks ``[128, R]``), ``lw_desc`` of ``w`` ``[E * N,
     R]`` (blocks ``[128, R]``), 16-bit, added in fp32 before the one rounding. ``SPLIT`` (``TRANS``): the
-    transposition shared by the producer and a fourth warpgroup (``XPOSE_REGS`` registers). ``SWIGLU``: the output
-    (``dh``, columns ``I``) through the MoE's SwiGLU backward (:mod:`.gluon_swiglu`: ``gu [M, 2I]``, ``gu_w [M]`` in,
-    ``dq [M, 2I]`` e4m3, ``dqs [M, 2I / 128]``, ``dwp [M, I / 128]`` out, the clamp ``limit``) instead of ``out``."""
+    transposition shared by the producer and a fourth warpgroup (``XPOSE_REGS`` registers)."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], tile_smem())
     raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
     if TRANS:  # the weight tile transposed by the producer, beside the copied one
@@ -303,21 +291,16 @@ def fp8_grouped_gluon_kernel(
         ready = land
     smem = (a_smem, raw, bt, land, ready, empty)
     low_rank = _low_rank_ring(v_desc, lw_desc, l_scale, a_smem, land, empty, LOW_RANK)
-    ep = (gu, gu_w, dq, dqs, dwp, stride_gu, stride_dq, stride_dqs, stride_dwp, limit)
-    if SWIGLU:  # each math warpgroup's block of dh staged (32 KB: 227 KB with the transposing ring's 192)
-        ep_smem = gl.allocate_shared_memory(gu.dtype.element_ty, [2, 64, BN], staging_layout())
-    else:
-        ep_smem = a_smem
     # two literal lists: warp_specialize takes its (function, arguments) pairs written out (an argument tuple held in
     # a local does not compile), and the forward has no registers for a fourth partition
     if SPLIT:
         gl.warp_specialize([
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED, ep, ep_smem, SWIGLU)),
+                     LOW_RANK, SIMPLE, COALESCED)),
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED, ep, ep_smem, SWIGLU)),
+                     LOW_RANK, SIMPLE, COALESCED)),
             (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
                          E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT)),
             (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1)),
@@ -326,10 +309,10 @@ def fp8_grouped_gluon_kernel(
         gl.warp_specialize([
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED, ep, ep_smem, SWIGLU)),
+                     LOW_RANK, SIMPLE, COALESCED)),
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED, ep, ep_smem, SWIGLU)),
+                     LOW_RANK, SIMPLE, COALESCED)),
             (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
                          E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
@@ -364,28 +347,20 @@ def launch_settings(trans: bool, split: bool | None = None) -> dict:
 
 def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool = False,
                      out_dtype: torch.dtype = torch.bfloat16, out: Tensor | None = None,
-                     settings: dict | None = None, low_rank: tuple[Tensor, Tensor, float] | None = None,
-                     swiglu: SwigluGrad | None = None) -> Tensor | None:
+                     settings: dict | None = None, low_rank: tuple[Tensor, Tensor, float] | None = None) -> Tensor:
     """The Gluon kernel on prepared operands, same contract as :func:`.triton.grouped_mm_triton` with ``a`` e4m3
     and its 1x128 scales; the weight's ``N`` and ``K`` multiples of 128 (``grouped.gluon_fits``). ``settings``:
     :func:`launch_settings` to override (measurements). ``low_rank``: ``(v [M, R], w [E, n_out, R], scale)``, one 16-bit
     dtype, ``R`` = :data:`RANK`: ``scale * v[rows of e] @ w[e]^T`` is added to the output before its rounding.
     ``a_scale`` ``[M, KC / 128]`` row-major, or the view of a ``[KC / 128, M]`` tensor (``quantize_1x128(...,
-    scale_t=True)``), whose loads along a tile's rows are contiguous. ``swiglu``: the output (``dh [M, I]``, in
-    ``out_dtype``, which must be ``gu``'s) goes through the MoE's SwiGLU backward into ``swiglu``'s outputs
-    (:mod:`.gluon_swiglu`; no low-rank term) and is not kept: None is returned."""
+    scale_t=True)``), whose loads along a tile's rows are contiguous."""
     cfg = _settings(trans, settings)
     m, c = a.shape
     e, n_w, k_w = weight.shape
     n_out = k_w if trans else n_w
-    if swiglu is not None:
-        ep = _swiglu_operands(swiglu, m, n_out, out_dtype, low_rank)
-        out = swiglu.dwp  # not written: a stand-in of the output pointer
     a, a_scale, weight, scale, out = prepared(a, a_scale, weight, scale, out, n_out, out_dtype)
-    if swiglu is None:
-        ep = (out, out, out, out, out, 0, 0, 0, 0, 0.0)  # unused stand-ins
     if m == 0:
-        return out if swiglu is None else None
+        return out
     walk = tile_walk(offs, m, n_out, BM.value, BN.value)
     a_desc, w_desc = tile_descs(a, weight, BM.value, 128)
     if trans:  # contraction along W's rows
@@ -396,28 +371,8 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     fp8_grouped_gluon_kernel[walk.grid](
         a_desc, w_desc, a_scale, scale, walk.table, out, c, e, n_w, walk.tiles_m, walk.tiles_n,
         a_scale.stride(0), a_scale.stride(1), scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale,
-        *ep, TRANS=trans, E_P2=walk.e_p2, **cfg, LOW_RANK=low_rank is not None, SWIGLU=swiglu is not None,
-        num_warps=4)
-    return out if swiglu is None else None
-
-
-def _swiglu_operands(sg: SwigluGrad, m: int, inter: int, out_dtype: torch.dtype, low_rank) -> tuple:
-    """The kernel's SwiGLU epilogue arguments from ``sg``; a ``ValueError`` naming what does not fit ``dh [m,
-    inter]``."""
-    tiles = inter // BN.value
-    want = {"gu": ((m, 2 * inter), out_dtype), "q": ((m, 2 * inter), torch.float8_e4m3fn),
-            "s": ((m, 2 * tiles), torch.float32), "dwp": ((m, tiles), torch.float32)}
-    bad = [f"{k} {getattr(sg, k).dtype} {tuple(getattr(sg, k).shape)} (want {list(shape)} {dt}, unit column stride)"
-           for k, (shape, dt) in want.items()
-           if tuple(getattr(sg, k).shape) != shape or getattr(sg, k).dtype != dt or getattr(sg, k).stride(-1) != 1]
-    if tuple(sg.w.shape) != (m,) or not sg.w.is_contiguous():
-        bad.append(f"w {tuple(sg.w.shape)} (want [{m}], contiguous)")
-    if low_rank is not None:
-        bad.append("low_rank given (the epilogue takes none)")
-    if bad:
-        raise ValueError(f"swiglu does not fit the output dh [{m}, {inter}]: " + "; ".join(bad))
-    return (sg.gu, sg.w, sg.q, sg.s, sg.dwp, sg.gu.stride(0), sg.q.stride(0), sg.s.stride(0), sg.dwp.stride(0),
-            float(sg.limit))
+        TRANS=trans, E_P2=walk.e_p2, **cfg, LOW_RANK=low_rank is not None, num_warps=4)
+    return out
 
 
 def prepared(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, out: Tensor | None, n_out: int,

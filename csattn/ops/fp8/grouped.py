@@ -12,8 +12,7 @@ from ..backend import interpreting, triton_version
 from .naive import BLOCK, FP8_DTYPE, _cdiv, _check_grouped, check_weight, fp8_grouped_mm_ref, low_rank_ref
 
 __all__ = ["COMPUTES", "COPY_ROWS_PER_EXPERT", "Fp8Rows", "LowRank", "add_low_rank", "check_compute",
-           "fp8_grouped_mm", "fp8_input_grad_swiglu", "gluon_fits", "input_grad_copies", "kernel_compute",
-           "swiglu_grad_fits", "takes_fp8_rows", "transposed_weight"]
+           "fp8_grouped_mm", "gluon_fits", "input_grad_copies", "kernel_compute", "takes_fp8_rows", "transposed_weight"]
 
 COMPUTES = ("fp8", "w8a16")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -189,42 +188,6 @@ def _fp8_mm(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, trans: bool
     from .triton import grouped_mm_triton  # lazy: Triton optional
 
     return add_low_rank(grouped_mm_triton(a.q, a.s, weight, scale, offs, trans, out_dtype=out_dtype), low_rank, offs)
-
-
-def swiglu_grad_fits(rows: int, weight: Tensor, device: torch.device, compute: str) -> bool:
-    """Whether :func:`fp8_input_grad_swiglu` runs for ``rows`` expert-sorted rows on ``device`` (FP8 compute): the
-    Gluon kernel's input gradient, transposing in the kernel (below :data:`COPY_ROWS_PER_EXPERT` rows an expert;
-    the forward-form kernel that multiplies the copy spilled with the epilogue)."""
-    return (_kernel_mode(torch.bfloat16, device, compute) == "fp8" and _gluon_on(device, weight)
-            and not input_grad_copies(rows, weight.shape[0]))
-
-
-def fp8_input_grad_swiglu(a: Fp8Rows, weight: Tensor, scale: Tensor, offs: Tensor, gu: Tensor, w: Tensor,
-                          limit: float) -> tuple[Fp8Rows, Tensor]:
-    """The MoE's down projection's input gradient ``dh = a W_e`` straight into the SwiGLU backward (the Gluon kernel's
-    epilogue, :mod:`.gluon_swiglu`), where :func:`swiglu_grad_fits` holds: ``dh`` is never written.
-
-    Args:
-        a: ``dY`` quantized per 1x128 tile, ``[M, D]`` (expert-sorted rows). weight: ``[E, D, I]`` e4m3, ``I`` a
-            multiple of 128. scale: its block scales. offs: ``[E]`` int32 row ends.
-        gu: ``[M, 2I]`` the saved gate / up output (bf16 / fp16: ``dh`` is rounded to its dtype). w: ``[M]`` the
-            routing weights. limit: the SwiGLU's clamp.
-
-    Returns:
-        ``(dgu, dw)``: ``dgu [M, 2I]`` quantized per 1x128 tile (bitwise ``quantize_1x128`` of the SwiGLU backward's
-        ``dgu`` on the stored ``dh``), ``dw [M]`` fp32 (the row sums in another order than the separate pass's).
-    """
-    from .gluon import grouped_mm_gluon  # lazy: Gluon is experimental API
-    from .gluon_swiglu import SwigluGrad
-
-    _check_grouped(a.q, weight, scale, offs, True)
-    a.check("a")
-    m, inter = gu.shape[0], gu.shape[1] // 2
-    dgu = Fp8Rows.empty(m, 2 * inter, gu.device)
-    dwp = torch.empty((m, inter // BLOCK), dtype=torch.float32, device=gu.device)
-    grouped_mm_gluon(a.q, a.s, weight, scale, offs, trans=True, out_dtype=gu.dtype,
-                     swiglu=SwigluGrad(gu, w.contiguous(), dgu.q, dgu.s, dwp, limit))
-    return dgu, dwp.sum(1)
 
 
 def transposed_weight(weight: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:

@@ -39,27 +39,12 @@ from torch import Tensor
 from ..autograd import named_grads
 from ..backend import Backend, interpreting, use_triton
 from ..backend import torch_grouped_mm as _grouped_mm
-from ..fp8 import (
-    BLOCK,
-    FP8_DTYPE,
-    Fp8Rows,
-    LowRank,
-    add_low_rank,
-    fp8_grouped_mm,
-    fp8_input_grad_swiglu,
-    quantize_1x128,
-    swiglu_grad_fits,
-    takes_fp8_rows,
-)
+from ..fp8 import BLOCK, FP8_DTYPE, Fp8Rows, LowRank, add_low_rank, fp8_grouped_mm, quantize_1x128, takes_fp8_rows
 from .naive import ExpertLora, gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
 
 __all__ = ["RoutePlan", "route_plan", "grouped_mm_supported", "grouped_experts"]
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16)
-# Frozen FP8 experts whose backward wants only dgu quantized and dw (no LoRA on the experts' down projection or dgu
-# kept): the down projection's input gradient runs the SwiGLU backward in its epilogue
-# (:func:`~csattn.ops.fp8.fp8_input_grad_swiglu`) instead of writing dh for a separate pass.
-FUSE_SWIGLU = True
 
 
 @dataclass(frozen=True)
@@ -212,23 +197,16 @@ class _GroupedExperts(torch.autograd.Function):
         dy = dout.index_select(0, token) if need_down or not dy_rows or (dn_a is not None and not kernels) else None
         dy_r = _Rows.of(dy, dout, token)
         dyb = _lora_in(dn_b, dy_r, offs, kernels)  # dy b [N, r]
+        dh = _expert_mm(_gathered_rows(dout, token) if dy_rows else dy, down_proj, offs, down_scale, compute,
+                        dout.dtype, trans=True, low_rank=_lora_out(dyb, _t(dn_a), ctx.lora_scales[1]))  # [N, I]
         # the kernel quantizes dgu where its two halves are whole 1x128 tiles (I % 128 == 0)
         dgu_rows = (need_x and (gu.shape[1] // 2) % BLOCK == 0
                     and _takes_rows(gu, gate_up_proj, gate_up_scale, compute, trans=True))
         # h serves only the down projection's weight gradient and its LoRA a gradient
-        keep_dgu, keep_h = need_gu or gu_a is not None or not dgu_rows, need_down or need_lora[2]
-        if (FUSE_SWIGLU and dy_rows and dgu_rows and not keep_dgu and not keep_h and dyb is None
-                and swiglu_grad_fits(gu.shape[0], down_proj, gu.device, compute)):
-            # only dgu quantized and dw are wanted: the SwiGLU backward in the epilogue of dh's GEMM
-            dgu, h = None, None
-            dguq, dw = fp8_input_grad_swiglu(_gathered_rows(dout, token), down_proj, down_scale, offs, gu, w,
-                                             ctx.limit)
-        else:
-            dh = _expert_mm(_gathered_rows(dout, token) if dy_rows else dy, down_proj, offs, down_scale, compute,
-                            dout.dtype, trans=True, low_rank=_lora_out(dyb, _t(dn_a), ctx.lora_scales[1]))  # [N, I]
-            dgu, dguq, h, dw = _swiglu_bwd(backend, gu, w, dh, ctx.limit, quantize=dgu_rows, keep_dgu=keep_dgu,
-                                           keep_h=keep_h)
-            del dh
+        dgu, dguq, h, dw = _swiglu_bwd(backend, gu, w, dh, ctx.limit, quantize=dgu_rows,
+                                       keep_dgu=need_gu or gu_a is not None or not dgu_rows,
+                                       keep_h=need_down or need_lora[2])
+        del dh
         d_down = _zero_empty_groups(_grouped_mm(dy.t(), h, offs=offs), offs) if need_down else None
         d_dn_a, d_dn_b = _lora_grads(dy_r, _Rows(h), dyb, ha, ctx.lora_scales[1], offs, need_lora[2:], kernels)
         del dy, dy_r, h, dyb
