@@ -410,6 +410,24 @@ def test_gluon_tile_walk_covers_every_group_and_the_rows_past_them(monkeypatch):
     assert tiles.tile_walk(offs, 10 ** 6, 4096, 128, 128).grid == (132,)
 
 
+@pytest.mark.parametrize("e,m", [(1, 0), (4, 450), (37, 5000), (300, 10 ** 6)])
+def test_group_table_kernel_equals_its_reference(e, m):
+    """The group table in one Triton launch (interpreted on the CPU) equals the torch reference bit for bit: empty
+    groups, rows past ``offs[-1]`` or none, the padding columns; a table too narrow for the groups goes to the
+    reference."""
+    import csattn.ops.fp8.gluon_tiles as tiles
+
+    g = torch.Generator().manual_seed(e)
+    counts = torch.randint(0, 2 * max(m, 1) // max(e, 1) + 1, (e,), generator=g)
+    counts[::3] = 0
+    offs = counts.cumsum(0).clamp_max(m).to(torch.int32)
+    for bm in (64, 128):
+        e_p2 = max(128, 1 << (e + 1).bit_length())
+        got = tiles.group_table(offs, m, e_p2, bm)
+        assert torch.equal(got, tiles.group_table_ref(offs, m, e_p2, bm)), (bm, got[:, :e + 2])
+    assert torch.equal(tiles.group_table(offs, m, e + 1, 128), tiles.group_table_ref(offs, m, e + 1, 128))
+
+
 def test_wide_forward_taken_up_to_its_rows_an_expert(monkeypatch):
     """The op's forward runs ``[64, 256]`` tiles (``gluon_wide.takes_wide``) where it was measured to win: up to
     ``WIDE_ROWS_PER_EXPERT`` rows an expert on average, weights of whole 256-column tiles, and only while
