@@ -202,23 +202,6 @@ def test_gluon_split_transposition_equals_one_transposer(case, low_rank, request
     assert (out[int(offs[-1]):] == 0).all()
 
 
-@pytest.mark.parametrize("low_rank", [False, True])
-@pytest.mark.parametrize("case", list(GLUON_CASES))
-def test_gluon_ldsm_transposition_equals_the_default(case, low_rank, request):
-    """The input gradient's transposition by 16-bit matrix loads and stores (``LDSM``: ``ldmatrix.trans``, a byte
-    permute, ``stmatrix``) equals the default's bit for bit, without and with LoRA's term: the same K-major tiles, the
-    same products; rows past ``offs[-1]`` zero. In its own process: a new kernel's first runs."""
-    if not in_own_process(request):
-        return
-    from csattn.ops.fp8.gluon import grouped_mm_gluon
-
-    q, s, offs, _, qa, sa, lr, _ = _same_bits_case(GLUON_CASES[case], True, low_rank, 10)
-    out = torch.full((qa.shape[0], q.shape[2]), float("nan"), device="cuda", dtype=torch.bfloat16)
-    grouped_mm_gluon(qa, sa, q, s, offs, True, out=out, low_rank=lr, settings={"LDSM": True})
-    assert torch.equal(out, grouped_mm_gluon(qa, sa, q, s, offs, True, low_rank=lr))
-    assert (out[int(offs[-1]):] == 0).all()
-
-
 # (experts, N, K, rows per expert below) for the [64, 256] tiles (N a multiple of 256): 5 contraction steps (a round
 # and the steps past it) with empty experts and last tiles of 40 / 100 rows, 16 steps, every row past offs[-1]
 WIDE_CASES = {"ragged": (16, 512, 640, 300), "deep": (4, 256, 2048, 700), "all_tail": (3, 256, 256, 0)}

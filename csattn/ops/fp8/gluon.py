@@ -71,58 +71,17 @@ def transpose_layout():
                                       warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 64])
 
 
-@gluon.constexpr_function
-def pairs_layout():
-    """Register layout of a ``[128 K, 32 P]`` piece of a weight tile read as 16-bit pairs (bytes ``2P``, ``2P + 1`` of
-    row K) by ``ldmatrix.trans`` (``LDSM``): a register's pair and the next are rows K and K + 1, a second matrix's
-    K + 2 (its 8 rows chosen so: 4 consecutive K a thread), lane bits 0-1 walk K by 4 and 8, bits 2-4 the pairs; the
-    other registers K by 16-64, the warps the pairs by 8 and 16."""
-    return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [16, 0], [32, 0], [64, 0]],
-                                      lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
-                                      warp_bases=[[0, 8], [0, 16]], block_bases=[], shape=[128, 32])
-
-
 @gluon.jit
-def _pairs(desc, ROWS: gl.constexpr, COLS: gl.constexpr):
-    """A ``[ROWS, 2 COLS]`` e4m3 tile in shared memory viewed as ``[ROWS, COLS]`` 16-bit pairs (the same bytes and
-    128-byte swizzle); the view's name changed between Triton releases."""
-    P16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    return (desc.reinterpret if hasattr(desc, "reinterpret") else desc._reinterpret)(gl.int16, [ROWS, COLS], P16)
-
-
-@gluon.jit
-def _sorted_pairs(x):
-    """``x [128 K, P]`` 16-bit pairs (bytes ``N = 2p, 2p + 1`` of row K) -> ``[2P N, 64 Q]`` pairs of the transposed
-    piece (bytes ``K = 2q, 2q + 1`` of row N): one byte permute for each output pair, all in the thread's registers
-    (K's bit 0 and the output's N bit 0 are register bits of :func:`pairs_layout` and what follows from it)."""
-    P: gl.constexpr = x.shape[1]
-    w = gl.reshape(x.to(gl.int32), [64, 2, P])  # (q, K bit 0, p)
-    even, odd = gl.split(gl.permute(w, (0, 2, 1)))  # rows K = 2q and 2q + 1: [64, P]
-    lo = gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x40;", "=r,r,r", [even, odd], dtype=gl.int32,
-                                   is_pure=True, pack=1)  # their bytes 2p: row N = 2p
-    hi = gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x51;", "=r,r,r", [even, odd], dtype=gl.int32,
-                                   is_pure=True, pack=1)  # their bytes 2p + 1: row N = 2p + 1
-    y = gl.permute(gl.join(lo, hi), (1, 2, 0))  # [P, 2, 64]
-    return gl.reshape(y, [2 * P, 64]).to(gl.int16)
-
-
-@gluon.jit
-def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, FIRST: gl.constexpr, PIECES: gl.constexpr,
-                     LDSM: gl.constexpr = False):
+def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, FIRST: gl.constexpr, PIECES: gl.constexpr):
     """Step ``j``'s weight tile ``[BK, BN]`` (contraction-major, as copied) into its K-major buffer ``[BN, BK]``,
     through registers in 64-column pieces (``PIECES`` of them from piece ``FIRST``: both, or with ``SPLIT`` one a
     warpgroup); then one arrival on ``ready`` (the copy of its activation tile landed with the weight tile's, on
-    ``land``). ``LDSM``: each piece read as 16-bit pairs by ``ldmatrix.trans``, its bytes sorted in registers and
-    written by ``stmatrix`` (:func:`_sorted_pairs`; 16 shared-memory instructions a thread a tile instead of 40)."""
+    ``land``)."""
     s = j % STAGES
     mbarrier.wait(land.index(s), (j // STAGES) & 1)
     for c in gl.static_range(FIRST, FIRST + PIECES):
-        if LDSM:
-            x = _pairs(raw.index(s), BK, BN // 2).slice(c * 32, 32, dim=1).load(pairs_layout())
-            _pairs(bt.index(s), BN, BK // 2).slice(c * 64, 64, dim=0).store(_sorted_pairs(x))
-        else:
-            piece = raw.index(s).slice(c * 64, 64, dim=1).load(transpose_layout())
-            bt.index(s).slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
+        piece = raw.index(s).slice(c * 64, 64, dim=1).load(transpose_layout())
+        bt.index(s).slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
     fence_async_shared()
     _cta_sync()  # every thread's stores are in before the warpgroup's one arrival
     mbarrier.arrive(ready.index(s), count=1)
@@ -131,7 +90,7 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, FIRST: gl.co
 @gluon.jit
 def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS: gl.constexpr,
               E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
-              LOW_RANK: gl.constexpr, SPLIT: gl.constexpr, LDSM: gl.constexpr = False):
+              LOW_RANK: gl.constexpr, SPLIT: gl.constexpr):
     """Every TMA copy into the ring; with ``TRANS`` the weight tile's transposition too (``SPLIT``: its first 64
     columns, :func:`_transposer` the others)."""
     a_smem, raw, bt, land, ready, empty = smem
@@ -150,7 +109,7 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
                     # the transposition first: it waits only for its copies, not for a free stage, so the ready
                     # stages run ahead of the math warpgroups
                     if it >= LAG:
-                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES, 0, PIECES, LDSM)
+                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES, 0, PIECES)
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
                 mbarrier.expect(land.index(s), BM * BK + BK * BN)  # e4m3: a byte each
@@ -162,12 +121,12 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
                 it += 1
     if TRANS:
         for j in range(gl.maximum(it - LAG, 0), it):
-            _transpose_stage(j, raw, bt, land, ready, STAGES, 0, PIECES, LDSM)
+            _transpose_stage(j, raw, bt, land, ready, STAGES, 0, PIECES)
 
 
 @gluon.jit
 def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
-                STAGES: gl.constexpr, PIECE: gl.constexpr, LDSM: gl.constexpr = False):
+                STAGES: gl.constexpr, PIECE: gl.constexpr):
     """``SPLIT``'s second transposing warpgroup: 64 columns (``PIECE`` 1: the last) of every step's weight tile as it
     lands (the producer copied it once the stage was free, so its transposed buffer is free too)."""
     a_smem, raw, bt, land, ready, empty = smem
@@ -177,7 +136,7 @@ def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_
         g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
         if g < E:
             for _kb in range(nk):
-                _transpose_stage(it, raw, bt, land, ready, STAGES, PIECE, 1, LDSM)
+                _transpose_stage(it, raw, bt, land, ready, STAGES, PIECE, 1)
                 it += 1
 
 
@@ -303,7 +262,7 @@ def fp8_grouped_gluon_kernel(
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
     SIMPLE: gl.constexpr = False, COALESCED: gl.constexpr = True, SPLIT: gl.constexpr = False,
-    XPOSE_REGS: gl.constexpr = 0, LDSM: gl.constexpr = False,
+    XPOSE_REGS: gl.constexpr = 0,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -311,8 +270,7 @@ def fp8_grouped_gluon_kernel(
     contraction, ``sbn`` along the output columns); ``table``: :func:`group_table`. ``LOW_RANK``: plus
     ``l_scale * v[rows of e] @ w_e^T``, ``v_desc`` of ``v [M, R]`` (blocks ``[128, R]``), ``lw_desc`` of ``w`` ``[E * N,
     R]`` (blocks ``[128, R]``), 16-bit, added in fp32 before the one rounding. ``SPLIT`` (``TRANS``): the
-    transposition shared by the producer and a fourth warpgroup (``XPOSE_REGS`` registers). ``LDSM``: the
-    transposition by 16-bit matrix loads and stores (:func:`_transpose_stage`)."""
+    transposition shared by the producer and a fourth warpgroup (``XPOSE_REGS`` registers)."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], tile_smem())
     raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
     if TRANS:  # the weight tile transposed by the producer, beside the copied one
@@ -344,8 +302,8 @@ def fp8_grouped_gluon_kernel(
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
                      LOW_RANK, SIMPLE, COALESCED)),
             (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
-                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT, LDSM)),
-            (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1, LDSM)),
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT)),
+            (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1)),
         ], [4, 4, 4], [MATH_REGS, PRODUCER_REGS, XPOSE_REGS])
     else:
         gl.warp_specialize([
@@ -356,7 +314,7 @@ def fp8_grouped_gluon_kernel(
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
                      LOW_RANK, SIMPLE, COALESCED)),
             (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
-                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT, LDSM)),
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 
@@ -379,7 +337,7 @@ def launch_settings(trans: bool, split: bool | None = None) -> dict:
     2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46.
     ``split``: the input gradient's transposition in two warpgroups (:data:`SPLIT_SETTINGS`) or one; None:
     :data:`SPLIT_TRANSPOSITION`."""
-    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0, LDSM=False)
+    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0)
     if not trans:
         return {**cfg, "MATH_REGS": 232, "PRODUCER_REGS": 40, "SIMPLE": False}
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
