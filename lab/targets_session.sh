@@ -4,14 +4,17 @@
 # forward), then the frozen MoE (the finetune page's moe part), the V4-Flash slice
 # written in the release format, (d) / (a) / (b) / (c) at 16k and (a) / (c) at 64k with the library's defaults; then
 # (a) at 16k with the forward over 64 x 256 tiles and with the defaults again (alternating: the card's clocks drift),
-# then lab.probes.fp8_gluon_wide (the wide kernel alone and in the frozen MoE, on and off), and (only when named)
-# lab.probes.fp8_gluon_xpose3 (the input gradient with a copier warp and two transposers). In $OUT.
-#   COMMIT=<sha> [PARTS="tests moe steps variants wide xpose3": which, in that order] bash lab/targets_session.sh
+# then lab.probes.fp8_gluon_wide (the wide kernel alone and in the frozen MoE, on and off), and only when named:
+# lab.probes.fp8_gluon_xpose3 (the input gradient with a copier warp and two transposers), lab.probes.moe_profile
+# (where the frozen MoE's kernels' time goes), lab.probes.moe_launch_sweep (its elementwise kernels' launch settings).
+# In $OUT. The device's copy of .git is stale: pass COMMIT by hand.
+#   COMMIT=<sha> [PARTS="tests moe steps variants wide xpose3 profile sweep": which, in that order] \
+#     bash lab/targets_session.sh
 set -u
 has() { case " ${PARTS:-tests moe steps variants wide} " in *" $1 "*) return 0;; esac; return 1; }
 OUT=${OUT:-/tmp/targets}; mkdir -p "$OUT"; START=$SECONDS; C=${COMMIT:-unknown}; CK=/tmp/csattn_v4_flash_slice
 . "$(dirname "$0")/device_env.sh"
-has tests && { timeout 200 python3 -m pytest -q -p no:cacheprovider -k "copy_equals or takes_the_copy or wide_forward or split" \
+has tests && { timeout 260 python3 -m pytest -q -p no:cacheprovider -k "copy_equals or takes_the_copy or wide_forward or split or rows or swiglu" \
   tests/ops/test_fp8_gpu.py > "$OUT/gpu_tests.txt" 2>&1; grep -E "passed|failed|^FAILED|^E  " "$OUT/gpu_tests.txt" | tail -6; }
 echo "[tests] $((SECONDS - START)) s"
 has moe && timeout 90 python3 -m benchmarks.finetune --ckpt /tmp/none --json "$OUT/finetune_moe.json" --parts moe --commit "$C" \
@@ -30,4 +33,6 @@ done
 echo "[variants] $((SECONDS - START)) s"
 has wide && { timeout 130 python3 -m lab.probes.fp8_gluon_wide > "$OUT/wide_probe.txt" 2>&1; grep -v Warning "$OUT/wide_probe.txt"; }
 has xpose3 && { timeout 150 python3 -m lab.probes.fp8_gluon_xpose3 > "$OUT/xpose3_probe.txt" 2>&1; grep -v Warning "$OUT/xpose3_probe.txt" | tail -8; }
+has profile && { timeout 90 python3 -m lab.probes.moe_profile > "$OUT/moe_profile.txt" 2>&1; grep -v -i warn "$OUT/moe_profile.txt"; }
+has sweep && { timeout 150 python3 -m lab.probes.moe_launch_sweep > "$OUT/launch_sweep.txt" 2>&1; grep -v Warn "$OUT/launch_sweep.txt"; }
 echo "[session] $((SECONDS - START)) s"

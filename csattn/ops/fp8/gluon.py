@@ -292,7 +292,8 @@ def fp8_grouped_gluon_kernel(
     smem = (a_smem, raw, bt, land, ready, empty)
     low_rank = _low_rank_ring(v_desc, lw_desc, l_scale, a_smem, land, empty, LOW_RANK)
     # two literal lists: warp_specialize takes its (function, arguments) pairs written out (an argument tuple held in
-    # a local does not compile), and the forward has no registers for a fourth partition
+    # a local, or a list joined with `+ ([...] if SPLIT else [])`, does not compile on Triton 3.6 / 3.9), and the
+    # forward has no registers for a fourth partition
     if SPLIT:
         gl.warp_specialize([
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
