@@ -114,17 +114,18 @@ def time_gemms(forms: dict[str, dict]) -> None:
             print(f"{name:8s} {way:36s} {ms:7.3f} ms {2 * m * n_w * k_w / ms / 1e9:6.1f} TFLOP/s", flush=True)
 
 
-def frozen_moe_ms(compute: str, settings: dict | None = None, fwd: bool = False, shape: dict | None = None) -> float:
-    """The frozen-expert MoE (the benchmark's ``moe_frozen`` case; ``shape``: another of ``GROUPED``'s form) forward +
-    input gradient, ms, with the input gradient (``fwd``: and the forward) in the form ``settings`` (``None``: the
-    default)."""
+def moe_step(compute: str, shape: dict | None = None):
+    """One forward + input gradient of the frozen-expert MoE (the benchmark's ``moe_frozen`` case; ``shape``: another
+    of ``GROUPED``'s form), a call: its gradients returned, none accumulated in the leaves."""
     case = _moe_case(dict(GROUPED) if shape is None else shape, torch.device("cuda"), torch.bfloat16, compute)
-    out = case.forward()[0]
-    dout = torch.randn_like(out)
+    dout = torch.randn_like(case.forward()[0])
+    return lambda: torch.autograd.grad(case.forward()[0], case.leaves, dout)
 
-    def step():
-        return torch.autograd.grad(case.forward()[0], case.leaves, dout)
 
+def frozen_moe_ms(compute: str, settings: dict | None = None, fwd: bool = False, shape: dict | None = None) -> float:
+    """:func:`moe_step` timed, ms, with the input gradient (``fwd``: and the forward) in the form ``settings``
+    (``None``: the default)."""
+    step = moe_step(compute, shape)
     with input_grad_form(settings, fwd):
         return triton.testing.do_bench(step, warmup=50, rep=400)  # ~20 calls: 3 had spread ~3 %
 

@@ -20,29 +20,15 @@ import time
 import torch
 import triton.testing
 
-from benchmarks.providers.fp8 import GROUPED, _moe_case
+from lab.probes.gluon_forms import moe_step
 
 SLEEP_CYCLES = 60_000_000  # ~30 ms at ~1.98 GHz
 
 
-def step_fn(compute: str):
-    case = _moe_case(dict(GROUPED), torch.device("cuda"), torch.bfloat16, compute)
-    out = case.forward()[0]
-    grad = torch.randn_like(out)
-    del out
-
-    def step():
-        out = case.forward()[0]
-        out.backward(grad)
-    return step, case.leaves
-
-
-def behind_sleep(step, leaves, reps: int = 10) -> tuple[float, float]:
+def behind_sleep(step, reps: int = 10) -> tuple[float, float]:
     """Median kernel time of ``step`` enqueued behind a sleep, and median host time to enqueue it."""
     gpu, host = [], []
     for _ in range(reps):
-        for t in leaves:
-            t.grad = None
         torch.cuda.synchronize()
         torch.cuda._sleep(SLEEP_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -59,22 +45,20 @@ def behind_sleep(step, leaves, reps: int = 10) -> tuple[float, float]:
 def main() -> None:
     print(f"== {torch.cuda.get_device_name()}", flush=True)
     for compute in ("fp8", "bf16", "fp8", "bf16"):
-        step, leaves = step_fn(compute)
+        step = moe_step(compute)
         for _ in range(3):
             step()
-        bench = triton.testing.do_bench(step, warmup=100, rep=500, grad_to_none=leaves, return_mode="median")
-        gpu, host = behind_sleep(step, leaves)
+        bench = triton.testing.do_bench(step, warmup=100, rep=500, return_mode="median")
+        gpu, host = behind_sleep(step)
         print(f"{compute:5s} do_bench {bench:7.3f} ms   gpu (host ahead) {gpu:7.3f} ms   host enqueue {host:7.3f} ms",
               flush=True)
-    step, leaves = step_fn("fp8")
+    step = moe_step("fp8")
     step()
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     torch.cuda._sleep(SLEEP_CYCLES * 10)
     prof.enable()
     for _ in range(10):
-        for t in leaves:
-            t.grad = None
         step()
     prof.disable()
     torch.cuda.synchronize()

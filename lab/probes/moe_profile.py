@@ -5,17 +5,12 @@ Run on an H200: python -m lab.probes.moe_profile"""
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.providers.fp8 import GROUPED, _moe_case
+from lab.probes.gluon_forms import moe_step
 
 
 def main() -> None:
     for compute in ("fp8", "bf16"):
-        case = _moe_case(dict(GROUPED), torch.device("cuda"), torch.bfloat16, compute)
-
-        def step(case=case):
-            out = case.forward()[0]
-            out.backward(torch.ones_like(out))
-
+        step = moe_step(compute)  # its gradients returned, not accumulated (no add pass in the profile)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
