@@ -21,6 +21,7 @@ from csattn.ops.fp8 import (
     low_rank_ref,
     quantize_1x128,
     quantize_1x128_ref,
+    quantize_1x128_rows,
     takes_fp8_rows,
 )
 from csattn.ops.fp8.grouped import gluon_fits
@@ -50,6 +51,12 @@ def test_quantize_bitwise_at_scale():
         print(f"{xd.dtype}: q bytes differing {(q.view(torch.uint8) != qr.view(torch.uint8)).sum().item()}, "
               f"scales differing {(s != sr).sum().item()}")
         assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+        # into expert order in the same pass (the MoE's rows): the rows above gathered
+        dest = torch.randperm(6 * 4096, generator=g, device="cuda").view(4096, 6)
+        token = torch.empty_like(dest.view(-1))
+        token[dest.view(-1)] = torch.arange(4096, device="cuda").repeat_interleave(6)
+        rows = quantize_1x128_rows(xd, dest)
+        assert torch.equal(rows.q.view(torch.uint8), qr.view(torch.uint8)[token]) and torch.equal(rows.s, sr[token])
 
 
 @pytest.mark.parametrize("trans", [False, True])

@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from csattn.ops.fp8 import FP8_DTYPE, Fp8Rows, fp8_grouped_mm, low_rank_ref, quantize_1x128_ref, takes_fp8_rows
+from csattn.ops.fp8 import (
+    FP8_DTYPE,
+    Fp8Rows,
+    fp8_grouped_mm,
+    low_rank_ref,
+    quantize_1x128_ref,
+    quantize_1x128_rows,
+    takes_fp8_rows,
+)
 from csattn.ops.fp8 import fp8_grouped_mm_ref as fp8_grouped_ref
 from csattn.ops.fp8 import grouped as fp8_grouped
 from csattn.ops.moe import ExpertLora, moe_experts, swiglu_bwd_ref, swiglu_fwd_ref
@@ -121,6 +129,30 @@ def test_quantize_then_gather_is_gather_then_quantize():
     got = Fp8Rows(*quantize_1x128_ref(x)).index_select(token)
     assert got.q.dtype == FP8_DTYPE
     _bitwise(got, quantize_1x128_ref(x[token]))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_quantize_into_expert_rows_is_quantize_then_gather(monkeypatch, k):
+    """The one-pass quantizer into expert order (the kernel under Triton's interpreter, and the CPU's reference):
+    bit for bit the token rows quantized and gathered, rows and scales, on poisoned outputs."""
+    from csattn.ops.fp8.triton import quantize_1x128_triton
+    from csattn.ops.moe import route_plan
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(5 + k)
+    t, d = 11, 300  # a partial last column tile
+    x = (torch.randn(t, d, generator=g) * torch.logspace(-3, 3, t)[:, None]).bfloat16()
+    x[4, :128] = 0
+    experts = torch.stack([torch.randperm(7, generator=g)[:k] for _ in range(t)])
+    plan = route_plan(experts, 7)
+    want = Fp8Rows(*quantize_1x128_ref(x)).index_select(plan.token)
+    dest = plan.inv.view(t, k)
+    rows = _poisoned_rows(t * k, d)
+    assert quantize_1x128_triton(x, out=rows, dest=dest)[0] is rows[0]
+    _bitwise(rows, want)
+    _bitwise(quantize_1x128_rows(x, dest), want)
+    with pytest.raises(ValueError, match="dest"):
+        quantize_1x128_rows(x, dest.int())
 
 
 def _fake_gpu(monkeypatch, cap: tuple[int, int], gluon: bool = True) -> torch.device:

@@ -14,7 +14,7 @@ from .grouped import (
                       kernel_compute,
                       takes_fp8_rows,
 )
-from .linear import fp8_linear, quantize_1x128
+from .linear import fp8_linear, quantize_1x128, quantize_1x128_rows
 from .naive import (
                       BLOCK,
                       FP8_DTYPE,
@@ -32,4 +32,4 @@ from .naive import (
 __all__ = ["BLOCK", "COMPUTES", "FP8_DTYPE", "FP8_MAX", "Fp8Rows", "LowRank", "add_low_rank", "check_compute",
            "check_weight", "dequantize", "fp8_grouped_mm", "fp8_grouped_mm_quantized", "fp8_grouped_mm_ref",
            "fp8_linear", "fp8_linear_quantized", "fp8_linear_ref", "kernel_compute", "low_rank_ref", "quantize_1x128",
-           "quantize_1x128_ref", "takes_fp8_rows"]
+           "quantize_1x128_ref", "quantize_1x128_rows", "takes_fp8_rows"]

@@ -7,10 +7,10 @@ import torch
 from torch import Tensor
 
 from ...amp import autocast_dtype, autocast_off
-from .grouped import kernel_compute, transposed_weight
+from .grouped import Fp8Rows, kernel_compute, transposed_weight
 from .naive import BLOCK, check_weight, dequantize, fp8_linear_ref, quantize_1x128_ref
 
-__all__ = ["DGRAD", "DGRADS", "fp8_linear", "input_grad", "quantize_1x128"]
+__all__ = ["DGRAD", "DGRADS", "fp8_linear", "input_grad", "quantize_1x128", "quantize_1x128_rows"]
 
 # how the input gradient dY @ W runs, by compute mode (measured on the H200: lab/fp8_ops.md)
 DGRADS = ("copy", "bf16", "triton")
@@ -32,6 +32,27 @@ def quantize_1x128(x: Tensor, scale_t: bool = False) -> tuple[Tensor, Tensor]:
         return quantize_1x128_triton(x, scale_t)
     q, s = quantize_1x128_ref(x)
     return (q, s.t().contiguous().t()) if scale_t else (q, s)
+
+
+def quantize_1x128_rows(x: Tensor, dest: Tensor) -> Fp8Rows:
+    """``x [T, K]`` quantized per 1x128 tile (:func:`quantize_1x128`'s bits) into rows ``dest [T, c]`` of ``[T c,
+    K]``: row ``dest[t, j]`` holds ``x[t]``'s codes and scales; ``dest`` int64, a permutation of ``[0, T c)`` (the
+    MoE's ``inv``: each token's rows in expert order). The same rows as ``Fp8Rows(*quantize_1x128(x))`` gathered
+    by the inverse permutation, in one pass on CUDA (``x`` read once, no quantized copy at token level written and
+    read again); elsewhere the reference's quantization and a copy into the rows."""
+    if x.dim() != 2 or dest.dim() != 2 or dest.shape[0] != x.shape[0] or dest.dtype != torch.int64:
+        raise ValueError(f"quantize_1x128_rows takes x [T, K] and dest [T, c] int64, got x {tuple(x.shape)}, dest "
+                         f"{dest.dtype} {tuple(dest.shape)}")
+    if x.device.type == "cuda":
+        from .triton import quantize_1x128_triton
+
+        return Fp8Rows(*quantize_1x128_triton(x, dest=dest))
+    q, s = quantize_1x128_ref(x)
+    c, index = dest.shape[1], dest.reshape(-1)
+    out = Fp8Rows.empty(dest.numel(), x.shape[1], x.device)
+    out.q.view(torch.uint8).index_copy_(0, index, q.view(torch.uint8).repeat_interleave(c, 0))
+    out.s.index_copy_(0, index, s.repeat_interleave(c, 0))
+    return out
 
 
 # cuBLAS's blockwise FP8 GEMM (torch 2.11 / CUDA 13 on the H200) returns wrong values, even NaN, for a contraction

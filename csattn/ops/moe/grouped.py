@@ -39,7 +39,17 @@ from torch import Tensor
 from ..autograd import named_grads
 from ..backend import Backend, interpreting, use_triton
 from ..backend import torch_grouped_mm as _grouped_mm
-from ..fp8 import BLOCK, FP8_DTYPE, Fp8Rows, LowRank, add_low_rank, fp8_grouped_mm, quantize_1x128, takes_fp8_rows
+from ..fp8 import (
+    BLOCK,
+    FP8_DTYPE,
+    Fp8Rows,
+    LowRank,
+    add_low_rank,
+    fp8_grouped_mm,
+    quantize_1x128,
+    quantize_1x128_rows,
+    takes_fp8_rows,
+)
 from .naive import ExpertLora, gather_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref
 
 __all__ = ["RoutePlan", "route_plan", "grouped_mm_supported", "grouped_experts"]
@@ -127,10 +137,13 @@ def _takes_rows(like: Tensor, weight: Tensor, scale: Tensor | None, compute: str
     return scale is not None and takes_fp8_rows(like.dtype, like.device, weight, compute, trans)
 
 
-def _gathered_rows(v: Tensor, index: Tensor) -> Fp8Rows:
-    """``quantize_1x128(v[index])`` bit for bit, quantizing the ``k`` times fewer rows of ``v`` before the gather
-    (per-row tiles commute with it) and gathering 1 byte per element instead of 2."""
-    return Fp8Rows(*quantize_1x128(v)).index_select(index)
+def _gathered_rows(v: Tensor, inv: Tensor, k: int) -> Fp8Rows:
+    """``quantize_1x128(v[token])`` bit for bit (``token`` the rows in expert order, ``inv`` its inverse), quantizing
+    the ``k`` times fewer rows of ``v`` (per-row tiles commute with the gather) straight into expert order: one pass
+    that reads ``v`` once and writes the ``k`` copies, no quantized copy at token level written and gathered after
+    (on an H100 at 0ab281f the two quantizations and four gathers of rows and scales took 0.78 ms of the frozen MoE's
+    16.9)."""
+    return quantize_1x128_rows(v, inv.view(-1, k))
 
 
 class _GroupedExperts(torch.autograd.Function):
@@ -159,7 +172,7 @@ class _GroupedExperts(torch.autograd.Function):
         x_rows = _takes_rows(x, gate_up_proj, gate_up_scale, fp8_compute, trans=False)
         xp = x.index_select(0, plan.token) if not x_rows or (gate_up_a is not None and not kernels) else None
         xa = _lora_in(_t(gate_up_a), _Rows.of(xp, x, plan.token), plan.offs, kernels)
-        gu = _expert_mm(_gathered_rows(x, plan.token) if x_rows else xp, gate_up_proj, plan.offs, gate_up_scale,
+        gu = _expert_mm(_gathered_rows(x, plan.inv, k) if x_rows else xp, gate_up_proj, plan.offs, gate_up_scale,
                         fp8_compute, x.dtype, low_rank=_lora_out(xa, gate_up_b, lora_scales[0]))
         del xp
         h_rows = _takes_rows(gu, down_proj, down_scale, fp8_compute, trans=False)
@@ -197,7 +210,7 @@ class _GroupedExperts(torch.autograd.Function):
         dy = dout.index_select(0, token) if need_down or not dy_rows or (dn_a is not None and not kernels) else None
         dy_r = _Rows.of(dy, dout, token)
         dyb = _lora_in(dn_b, dy_r, offs, kernels)  # dy b [N, r]
-        dh = _expert_mm(_gathered_rows(dout, token) if dy_rows else dy, down_proj, offs, down_scale, compute,
+        dh = _expert_mm(_gathered_rows(dout, inv, k) if dy_rows else dy, down_proj, offs, down_scale, compute,
                         dout.dtype, trans=True, low_rank=_lora_out(dyb, _t(dn_a), ctx.lora_scales[1]))  # [N, I]
         # the kernel quantizes dgu where its two halves are whole 1x128 tiles (I % 128 == 0)
         dgu_rows = (need_x and (gu.shape[1] // 2) % BLOCK == 0
