@@ -135,7 +135,7 @@ def test_quantize_then_gather_is_gather_then_quantize():
 def test_quantize_into_expert_rows_is_quantize_then_gather(monkeypatch, k):
     """The one-pass quantizer into expert order (the kernel under Triton's interpreter, and the CPU's reference):
     bit for bit the token rows quantized and gathered, rows and scales, on poisoned outputs."""
-    from csattn.ops.fp8.triton import quantize_1x128_triton
+    from csattn.ops.fp8.triton import quantize_rows_triton
     from csattn.ops.moe import route_plan
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -148,7 +148,7 @@ def test_quantize_into_expert_rows_is_quantize_then_gather(monkeypatch, k):
     want = Fp8Rows(*quantize_1x128_ref(x)).index_select(plan.token)
     dest = plan.inv.view(t, k)
     rows = _poisoned_rows(t * k, d)
-    assert quantize_1x128_triton(x, out=rows, dest=dest)[0] is rows[0]
+    assert quantize_rows_triton(x, dest, out=rows, rows=4)[0] is rows[0]
     _bitwise(rows, want)
     _bitwise(quantize_1x128_rows(x, dest), want)
     with pytest.raises(ValueError, match="dest"):

@@ -44,9 +44,9 @@ def quantize_1x128_rows(x: Tensor, dest: Tensor) -> Fp8Rows:
         raise ValueError(f"quantize_1x128_rows takes x [T, K] and dest [T, c] int64, got x {tuple(x.shape)}, dest "
                          f"{dest.dtype} {tuple(dest.shape)}")
     if x.device.type == "cuda":
-        from .triton import quantize_1x128_triton
+        from .triton import quantize_rows_triton
 
-        return Fp8Rows(*quantize_1x128_triton(x, dest=dest))
+        return Fp8Rows(*quantize_rows_triton(x, dest))
     q, s = quantize_1x128_ref(x)
     c, index = dest.shape[1], dest.reshape(-1)
     out = Fp8Rows.empty(dest.numel(), x.shape[1], x.device)
