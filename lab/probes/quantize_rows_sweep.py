@@ -22,7 +22,7 @@ T, D, E, K = 16384, 4096, 256, 6
 
 def timed(way: str, call, nbytes: float) -> None:
     ms = triton.testing.do_bench_cudagraph(call, rep=100)
-    print(f"{way:44s} {ms:7.4f} ms {nbytes / ms / 1e9:7.1f} GB/s", flush=True)
+    print(f"{way:44s} {ms:7.4f} ms {nbytes / ms / 1e9:7.3f} TB/s", flush=True)
 
 
 def main() -> None:
