@@ -59,6 +59,28 @@ def test_quantize_bitwise_at_scale():
         assert torch.equal(rows.q.view(torch.uint8), qr.view(torch.uint8)[token]) and torch.equal(rows.s, sr[token])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_quotients_are_divisions(dtype):
+    """The quantizer's quotients (one IEEE reciprocal a row, an FMA correction: ``triton._quotient``) against the
+    reference's divisions, bit for bit: 32768 rows, each of random mantissas and signs over the 14 binades below a
+    planted maximum of random mantissa, at exponents from 2^-120 to 2^120 (the e4m3 codes' range and past it:
+    subnormal codes, zeros, signed zeros)."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    rows, cols = 32768, 256
+    top = torch.randint(-120, 121, (rows, 1), generator=g, device="cuda").double()
+    mant = 1 + torch.rand(rows, cols, generator=g, device="cuda", dtype=torch.float64)
+    sign = torch.randint(0, 2, (rows, cols), generator=g, device="cuda").double() * 2 - 1
+    x = sign * mant * torch.exp2(top - torch.randint(0, 15, (rows, cols), generator=g, device="cuda").double())
+    x[:, ::128] = torch.exp2(top + 1) * (1 + torch.rand(rows, 1, generator=g, device="cuda", dtype=torch.float64))
+    x[::7, 5] = -0.0
+    x = x.to(dtype)
+    q, s = quantize_1x128(x)
+    qr, sr = quantize_1x128_ref(x)
+    differ = (q.view(torch.uint8) != qr.view(torch.uint8)).sum().item()
+    print(f"{dtype}: codes differing {differ} of {q.numel()}, nonzero codes {(qr.float() != 0).sum().item()}")
+    assert differ == 0 and torch.equal(s, sr)
+
+
 @pytest.mark.parametrize("trans", [False, True])
 @pytest.mark.parametrize("mode", ["fp8", "w8a16"])
 def test_grouped_kernel_vs_same_operands(trans, mode):
