@@ -9,15 +9,15 @@
 # (where the frozen MoE's kernels' time goes), lab.probes.moe_launch_sweep (its elementwise kernels' launch settings).
 # In $OUT. The device's copy of .git is stale: pass COMMIT by hand.
 # lab.probes.fp8_xpose_words --measure (the transposition's permutes written out, against the lowering's), and the
-# frozen MoE alternating with the tree at BASE (an earlier commit's csattn and benchmarks: `git archive`).
+# frozen MoE alternating with the trees at BASE (earlier commits' csattn, benchmarks, lab/probes: `git archive`).
 #   COMMIT=<sha> [PARTS="tests moe steps variants wide xpose3 profile words base sweep": which, in that order] \
-#     [BASE=<dir>] \
+#     [BASE="<dir> ..."] [TESTS_S=<s>] [TESTS_K=<pytest -k>] \
 #     bash lab/targets_session.sh
 set -u
 has() { case " ${PARTS:-tests moe steps variants wide} " in *" $1 "*) return 0;; esac; return 1; }
 OUT=${OUT:-/tmp/targets}; mkdir -p "$OUT"; START=$SECONDS; C=${COMMIT:-unknown}; CK=/tmp/csattn_v4_flash_slice
 . "$(dirname "$0")/device_env.sh"
-has tests && { timeout 260 python3 -m pytest -q -p no:cacheprovider -k "copy_equals or takes_the_copy or wide_forward or split or rows or swiglu or quantize or gluon or moe_fp8" \
+has tests && { timeout ${TESTS_S:-260} python3 -m pytest -q -p no:cacheprovider -k "${TESTS_K:-copy_equals or takes_the_copy or wide_forward or split or rows or swiglu or quantize or gluon or moe_fp8}" \
   tests/ops/test_fp8_gpu.py > "$OUT/gpu_tests.txt" 2>&1; grep -E "passed|failed|^FAILED|^E  " "$OUT/gpu_tests.txt" | tail -6; }
 echo "[tests] $((SECONDS - START)) s"
 has moe && timeout 90 python3 -m benchmarks.finetune --ckpt /tmp/none --json "$OUT/finetune_moe.json" --parts moe --commit "$C" \
@@ -36,10 +36,13 @@ done
 echo "[variants] $((SECONDS - START)) s"
 has wide && { timeout 130 python3 -m lab.probes.fp8_gluon_wide > "$OUT/wide_probe.txt" 2>&1; grep -v Warning "$OUT/wide_probe.txt"; }
 has xpose3 && { timeout 150 python3 -m lab.probes.fp8_gluon_xpose3 > "$OUT/xpose3_probe.txt" 2>&1; grep -v Warning "$OUT/xpose3_probe.txt" | tail -8; }
-has profile && { timeout 90 python3 -m lab.probes.moe_profile > "$OUT/moe_profile.txt" 2>&1; grep -v -i warn "$OUT/moe_profile.txt"; }
+has profile && for dir in . $BASE; do
+  (cd "$dir" && timeout 90 python3 -m lab.probes.moe_profile > "$OUT/moe_profile_$(basename "$dir").txt" 2>&1)
+  echo "## $dir"; grep -v -i warn "$OUT/moe_profile_$(basename "$dir").txt" | head -9
+done
 has words && { timeout 200 python3 -m lab.probes.fp8_xpose_words --measure > "$OUT/xpose_words.txt" 2>&1; grep -v Warn "$OUT/xpose_words.txt"; }
-# the frozen MoE here and in the tree at $BASE (an earlier commit's csattn and benchmarks), alternating
-has base && for i in 1 2; do for dir in . "$BASE"; do
+# the frozen MoE here and in the trees at $BASE (earlier commits' csattn and benchmarks), alternating
+has base && for i in 1 2; do for dir in . $BASE; do
   (cd "$dir" && timeout 90 python3 -m benchmarks.finetune --ckpt /tmp/none --json "$OUT/finetune_moe_$(basename "$dir")_$i.json" \
     --parts moe --commit "$C" 2>&1 | grep -E "^(fp8|bf16) " | sed "s|^|[$(basename "$dir")] |" | tail -3)
 done; done
