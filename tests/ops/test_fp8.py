@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from csattn.ops.backend import triton_version
 from csattn.ops.fp8 import (
     FP8_DTYPE,
+    FP8_MAX,
     LowRank,
     dequantize,
     fp8_grouped_mm,
@@ -23,7 +27,7 @@ from csattn.ops.fp8 import (
     quantize_1x128,
     quantize_1x128_ref,
 )
-from csattn.ops.fp8.triton import grouped_mm_triton, quantize_1x128_triton, transpose_codes_triton
+from csattn.ops.fp8.triton import _quotient, grouped_mm_triton, quantize_1x128_triton, transpose_codes_triton
 from csattn.ops.moe import ExpertLora, moe_experts
 
 LIMIT = 10.0
@@ -62,6 +66,40 @@ def test_quantize_kernel_bitwise(m, k, scale_t):
     got_q, got_s = quantize_1x128(x, scale_t=scale_t)  # CPU: the reference, the layout asked for
     assert torch.equal(got_s, quantize_1x128_ref(x)[1])
     assert got_s.stride() == ((1, m) if scale_t else (got_s.shape[1], 1))
+
+
+@triton.jit
+def _quotient_kernel(v, s, out, BR: tl.constexpr, BC: tl.constexpr):
+    at = tl.arange(0, BR)[:, None] * BC + tl.arange(0, BC)[None, :]
+    tl.store(out + at, _quotient(tl.load(v + at), tl.load(s + tl.arange(0, BR))))
+
+
+@pytest.mark.skipif(triton_version() < (3, 7), reason="Triton's interpreter rounds an FMA twice before 3.7")
+@pytest.mark.parametrize("bf16", [False, True])
+def test_quantizer_quotient_is_the_division(bf16, monkeypatch):
+    """The kernels' quotient (one IEEE reciprocal a row and an FMA correction; tiny scales taken by 2^64) under the
+    interpreter, against torch's IEEE division: the same fp32 bits wherever the quotient is normal, the same e4m3
+    codes everywhere (signed zeros included), over scales from 2^-148 (subnormal) to 2^113."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(3 + bf16)
+    rows, cols = 64, 128
+    top = torch.randint(-140, 121, (rows, 1), generator=g).double()
+    amax = torch.exp2(top + 1) * (1 + torch.rand(rows, 1, generator=g, dtype=torch.float64))
+    sign = torch.randint(0, 2, (rows, cols), generator=g) * 2 - 1
+    v = (torch.rand(rows, cols, generator=g, dtype=torch.float64) + 1) * sign * torch.exp2(
+        top - torch.randint(0, 15, (rows, cols), generator=g).double())
+    v[:, 0], v[::5, 7] = amax[:, 0], -0.0
+    v = v.to(torch.bfloat16).float() if bf16 else v.float()
+    amax = v.abs().amax(1)
+    scale = torch.where(amax == 0, 1.0, amax / torch.tensor(FP8_MAX))  # the quantizer's: an IEEE division
+    assert (scale > 0).all()
+    got = torch.full_like(v, float("nan"))
+    _quotient_kernel[(1,)](v, scale, got, BR=v.shape[0], BC=cols)
+    want = v / scale[:, None]
+    normal = want.abs() >= torch.finfo(torch.float32).tiny
+    assert torch.equal(got[normal], want[normal])
+    codes = [q.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8) for q in (got, want)]
+    assert torch.equal(*codes)
 
 
 def test_quantize_reference_guarantees():

@@ -63,11 +63,11 @@ def test_quantize_bitwise_at_scale():
 def test_quantize_quotients_are_divisions(dtype):
     """The quantizer's quotients (one IEEE reciprocal a row, an FMA correction: ``triton._quotient``) against the
     reference's divisions, bit for bit: 32768 rows, each of random mantissas and signs over the 14 binades below a
-    planted maximum of random mantissa, at exponents from 2^-120 to 2^120 (the e4m3 codes' range and past it:
-    subnormal codes, zeros, signed zeros)."""
+    planted maximum of random mantissa, at exponents from 2^-140 to 2^120 (the e4m3 codes' range and past it, tiny
+    scales: subnormal codes, zeros, signed zeros)."""
     g = torch.Generator(device="cuda").manual_seed(11)
     rows, cols = 32768, 256
-    top = torch.randint(-120, 121, (rows, 1), generator=g, device="cuda").double()
+    top = torch.randint(-140, 121, (rows, 1), generator=g, device="cuda").double()
     mant = 1 + torch.rand(rows, cols, generator=g, device="cuda", dtype=torch.float64)
     sign = torch.randint(0, 2, (rows, cols), generator=g, device="cuda").double() * 2 - 1
     x = sign * mant * torch.exp2(top - torch.randint(0, 15, (rows, cols), generator=g, device="cuda").double())

@@ -63,12 +63,17 @@ def _quotient(v, scale):
     """``v / scale[:, None]`` rounded to nearest (``div_rn``'s bits) from one IEEE reciprocal a row: ``q0 = v r``
     within an ulp, its remainder ``v - q0 scale`` exact by an FMA, and ``q0 + rem r`` rounded is the quotient
     rounded (Markstein's theorem, ``r`` the reciprocal rounded), where the quotient is a normal number; below that
-    it may differ, but the e4m3 rounding takes any |q| < 2^-10 to zero. 3 instructions an element against
-    ``div_rn``'s ~10 with its range check and branch: the SwiGLU kernels that quantize are bound by their
-    instructions. A zero keeps its sign (``q0``): the remainder's sum would make -0 into +0."""
-    r = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+    it may differ, but the e4m3 rounding takes any |q| < 2^-10 to zero. A row of scale below 2^-90 (its reciprocal
+    would overflow, its remainders underflow) is divided as ``(v 2^64) / (scale 2^64)``, exact powers of two. ~5
+    instructions an element against ``div_rn``'s ~10 with its range check and branch: the SwiGLU kernels that
+    quantize are bound by their instructions (on an H100 at 7424586 the backward's 0.733 ms against 0.815). A zero
+    keeps its sign (``q0``): the remainder's sum would make -0 into +0."""
+    k = tl.where(scale < 8.077935669463161e-28, 1.8446744073709552e19, 1.0)[:, None]  # 2^-90, 2^64
+    s = scale[:, None] * k
+    v = v * k
+    r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
     q0 = v * r
-    rem = tl.fma(-q0, scale[:, None], v)
+    rem = tl.fma(-q0, s, v)
     return tl.where(q0 == 0.0, q0, tl.fma(rem, r, q0))
 
 
