@@ -273,20 +273,10 @@ def _contract(acc, zero, a_smem, b_all, wait_on, empty, sa_ptrs, sw_ptr, rmask, 
 
 
 @gluon.jit
-def _release(wait_on, empty, it, nk, STAGES: gl.constexpr):
-    """A math warpgroup with no rows in the tile: each of its ``nk`` stages from ``it`` freed once ready (waited for,
-    so that its arrivals keep to the stages' phases)."""
-    for kb in range(nk):
-        j = it + kb
-        mbarrier.wait(wait_on.index(j % STAGES), (j // STAGES) & 1)
-        mbarrier.arrive(empty.index(j % STAGES), count=1)
-
-
-@gluon.jit
 def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
           stride_sbn, stride_om, smem, low_rank, HALF: gl.constexpr, TRANS: gl.constexpr, E_P2: gl.constexpr,
           GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr, SIMPLE: gl.constexpr,
-          COALESCED: gl.constexpr, SKIP_EMPTY: gl.constexpr):
+          COALESCED: gl.constexpr):
     """Math warpgroup ``HALF``: rows ``[64 HALF, 64 HALF + 64)`` of each tile. ``SIMPLE``: one product in flight
     a warpgroup, waited for before its promotion (the other warpgroup's keeps the tensor cores busy meanwhile).
     ``COALESCED``: the result stored through shared memory (:func:`_store`)."""
@@ -308,13 +298,10 @@ def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, s
             sw_ptr = sw + g.to(gl.int64) * stride_swe + pid_n * stride_sbn
             # the low-rank term started in the accumulator: no second one at the end, where the registers are short
             acc, nt = _acc_start(low_rank, nt, zero, HALF, LOW_RANK)
-            if SKIP_EMPTY and row0 + HALF * 64 >= row_end:  # all 64 rows past the group: no product, no store
-                _release(wait_on, empty, it, nk, STAGES)
-            else:
-                acc = _contract(acc, zero, a_smem, b_all, wait_on, empty, sa_ptrs, sw_ptr, rmask, it, nk,
-                                stride_sak, stride_sbk, HALF, STAGES, SIMPLE, False)
-                _store(out, acc, row0 + HALF * 64, row_end, pid_n, stride_om, COALESCED)
+            acc = _contract(acc, zero, a_smem, b_all, wait_on, empty, sa_ptrs, sw_ptr, rmask, it, nk, stride_sak,
+                            stride_sbk, HALF, STAGES, SIMPLE, False)
             it += nk
+            _store(out, acc, row0 + HALF * 64, row_end, pid_n, stride_om, COALESCED)
         elif g == E:  # rows past offs[-1]
             _store(out, zero, row0 + HALF * 64, row_end, pid_n, stride_om, COALESCED)
 
@@ -326,7 +313,7 @@ def fp8_grouped_gluon_kernel(
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
     SIMPLE: gl.constexpr = False, COALESCED: gl.constexpr = True, SPLIT: gl.constexpr = False,
-    XPOSE_REGS: gl.constexpr = 0, WORDS: gl.constexpr = False, SKIP_EMPTY: gl.constexpr = False,
+    XPOSE_REGS: gl.constexpr = 0, WORDS: gl.constexpr = False,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -362,10 +349,10 @@ def fp8_grouped_gluon_kernel(
         gl.warp_specialize([
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED, SKIP_EMPTY)),
+                     LOW_RANK, SIMPLE, COALESCED)),
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED, SKIP_EMPTY)),
+                     LOW_RANK, SIMPLE, COALESCED)),
             (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
                          E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT, WORDS)),
             (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1, WORDS)),
@@ -374,10 +361,10 @@ def fp8_grouped_gluon_kernel(
         gl.warp_specialize([
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED, SKIP_EMPTY)),
+                     LOW_RANK, SIMPLE, COALESCED)),
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED, SKIP_EMPTY)),
+                     LOW_RANK, SIMPLE, COALESCED)),
             (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
                          E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT, WORDS)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
@@ -402,8 +389,7 @@ def launch_settings(trans: bool, split: bool | None = None) -> dict:
     2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46.
     ``split``: the input gradient's transposition in two warpgroups (:data:`SPLIT_SETTINGS`) or one; None:
     :data:`SPLIT_TRANSPOSITION`."""
-    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0, WORDS=XPOSE_WORDS,
-               SKIP_EMPTY=True)
+    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0, WORDS=XPOSE_WORDS)
     if not trans:
         return {**cfg, "MATH_REGS": 232, "PRODUCER_REGS": 40, "SIMPLE": False}
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
