@@ -8,9 +8,8 @@
 # lab.probes.fp8_gluon_xpose3 (the input gradient with a copier warp and two transposers), lab.probes.moe_profile
 # (where the frozen MoE's kernels' time goes), lab.probes.moe_launch_sweep (its elementwise kernels' launch settings).
 # In $OUT. The device's copy of .git is stale: pass COMMIT by hand.
-# lab.probes.fp8_xpose_words --measure (the transposition's permutes written out, against the lowering's), and the
-# frozen MoE alternating with the trees at BASE (earlier commits' csattn, benchmarks, lab/probes: `git archive`).
-#   COMMIT=<sha> [PARTS="tests moe steps variants wide xpose3 profile words base sweep": which, in that order] \
+# the frozen MoE alternating with the trees at BASE (earlier commits' csattn, benchmarks, lab/probes: `git archive`).
+#   COMMIT=<sha> [PARTS="tests moe steps variants wide xpose3 profile base sweep": which, in that order] \
 #     [BASE="<dir> ..."] [TESTS_S=<s>] [TESTS_K=<pytest -k>] \
 #     bash lab/targets_session.sh
 set -u
@@ -40,7 +39,6 @@ has profile && for dir in . $BASE; do
   (cd "$dir" && timeout 90 python3 -m lab.probes.moe_profile > "$OUT/moe_profile_$(basename "$dir").txt" 2>&1)
   echo "## $dir"; grep -v -i warn "$OUT/moe_profile_$(basename "$dir").txt" | head -9
 done
-has words && { timeout 200 python3 -m lab.probes.fp8_xpose_words --measure > "$OUT/xpose_words.txt" 2>&1; grep -v Warn "$OUT/xpose_words.txt"; }
 # the frozen MoE here and in the trees at $BASE (earlier commits' csattn and benchmarks), alternating
 has base && for i in 1 2; do for dir in . $BASE; do
   (cd "$dir" && timeout 90 python3 -m benchmarks.finetune --ckpt /tmp/none --json "$OUT/finetune_moe_$(basename "$dir")_$i.json" \

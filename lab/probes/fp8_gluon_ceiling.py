@@ -99,7 +99,7 @@ def ceiling_kernel(a_desc, w_desc, sa, table, out, KC, E, W_ROWS, tiles_m, tiles
         (_math_ceiling, (sa, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_om, smem, _LOWER, E_P2,
                          GROUP_M, STAGES, MODE, EPI)),
         (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, False,
-                     E_P2, GROUP_M, STAGES, 0, False, False, False)),
+                     E_P2, GROUP_M, STAGES, 0, False, False)),
     ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 

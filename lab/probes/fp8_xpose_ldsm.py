@@ -4,8 +4,8 @@ its FP8 ``V`` tile): the copied ``[128 K, 128 N]`` e4m3 tile read as ``[128, 64]
 give it 4 consecutive K), the bytes sorted in registers (``prmt``: 4 K bytes of one N), then written by ``stmatrix``
 into the K-major tile viewed as ``[128 N, 64]`` pairs. In Gluon this is only a register layout for the loaded pairs
 (:func:`pairs_layout`) and shape operations: Gluon keeps the semantics (a transposition, whatever the PTX), the
-lowering chooses the instructions. Today's transposer (``gluon.transpose_layout``) reads 4 bytes and writes 16 a
-thread, 2-way bank-conflicting both ways.
+lowering chooses the instructions. The byte form (``lab.probes.fp8_xpose_words.bytes_layout``, the library's then)
+reads 4 bytes and writes 16 a thread, 2-way bank-conflicting both ways.
 
 Here, on any machine: both built for sm_90 in a kernel that transposes one tile, and their shared-memory
 instructions counted from the PTX (``ldmatrix`` / ``stmatrix`` / plain loads and stores by width). Per thread and
@@ -29,8 +29,8 @@ import re
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from csattn.ops.fp8.gluon import transpose_layout
 from csattn.ops.fp8.gluon_tiles import tile_smem
+from lab.probes.fp8_xpose_words import bytes_layout
 
 
 @gluon.constexpr_function
@@ -78,7 +78,7 @@ def xpose_kernel(src, dst, LDSM: gl.constexpr):
         bt16.store(_sorted_pairs(x.load(pairs_layout())))
     else:
         for c in gl.static_range(2):
-            piece = raw.slice(c * 64, 64, dim=1).load(transpose_layout())
+            piece = raw.slice(c * 64, 64, dim=1).load(bytes_layout())
             bt.slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
     gl.thread_barrier() if hasattr(gl, "thread_barrier") else gl.barrier()
     gl.store(dst + at, bt.load(BL))

@@ -1,15 +1,20 @@
-"""The input gradient's weight-tile transposition with the byte permutes written out: the copied ``[128 K, 128 N]``
-e4m3 tile read as 4-byte words (a thread: 16 K rows of one word, as ``gluon.transpose_layout`` reads it), each
-4 x 4 block of bytes (4 K rows by the word's 4 N) transposed by 8 ``prmt`` (two rounds of 4: pairs of rows
-interleaved, then pairs of pairs), and the words written K-major, 4 consecutive words (16 bytes) a store. Today's
-transposer lets the lowering sort the bytes of ``gl.permute``; in SASS that takes 96 ``PRMT`` a thread a tile
-(``lab.probes.fp8_xpose_ldsm``), against 64 here.
+"""The input gradient's weight-tile transposition with the byte permutes written out (``gluon.transpose_words``, the
+library's since 780aa4a): the copied ``[128 K, 128 N]`` e4m3 tile read as 4-byte words (a thread: 16 K rows of one
+word), each 4 x 4 block of bytes (4 K rows by the word's 4 N) transposed by 8 ``prmt`` (two rounds of 4: pairs of
+rows interleaved, then pairs of pairs), and the words written K-major, 4 consecutive words (16 bytes) a store. The
+form before it (here :func:`bytes_layout`) loaded the same bytes and left the sorting to the lowering of
+``gl.permute``: 96 ``PRMT`` a thread a tile in SASS against 64, the same loads and stores (Triton 3.6; in the whole
+input-gradient kernel 144 against 96).
+
+Measured on an H100 at 780aa4a (Triton 3.6, ``lab/results/finetune_h100/xpose_words_780aa4a.txt``; the library
+then had both forms, setting ``WORDS``): bit for bit the byte form's output (both GEMMs, with and without LoRA's
+term); the input gradients gate_up 5.65 / 5.85 ms against 6.15 / 5.88, down 2.98 / 2.95 against 2.93 / 2.99; the
+frozen MoE 17.28 / 17.47 ms against 17.82 / 17.79 (bf16 experts 21.39).
 
 Here, on any machine: both forms built for sm_90 in a kernel that transposes one tile, their shared-memory
 instructions counted in the PTX and their ``PRMT`` in the SASS.
 
-    PYTHONPATH=. python -m lab.probes.fp8_xpose_words [--measure: on sm_90, bit for bit and timed against the
-    lowering's form, alone and in the frozen MoE]
+    PYTHONPATH=. python -m lab.probes.fp8_xpose_words
 """
 
 from __future__ import annotations
@@ -18,14 +23,22 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from csattn.ops.fp8.gluon import transpose_layout, transpose_words
+from csattn.ops.fp8.gluon import transpose_words
 from csattn.ops.fp8.gluon_tiles import tile_smem
+
+
+@gluon.constexpr_function
+def bytes_layout():
+    """The byte form's register layout of a ``[128, 64]`` FP8 piece (the library's up to 780aa4a): a thread holds 16
+    rows by 4 bytes, lane bit 0 moves 16 rows, the other lanes walk the 4-byte words, the warps 32 and 64 rows."""
+    return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [4, 0], [8, 0]],
+                                      lane_bases=[[16, 0], [0, 4], [0, 8], [0, 16], [0, 32]],
+                                      warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 64])
 
 
 @gluon.jit
@@ -43,7 +56,7 @@ def xpose_kernel(src, dst, WORDS: gl.constexpr):
         if WORDS:
             transpose_words(raw, bt, c)
         else:
-            piece = raw.slice(c * 64, 64, dim=1).load(transpose_layout())
+            piece = raw.slice(c * 64, 64, dim=1).load(bytes_layout())
             bt.slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
     gl.thread_barrier() if hasattr(gl, "thread_barrier") else gl.barrier()
     gl.store(dst + at, bt.load(BL))
@@ -77,46 +90,7 @@ def build(words: bool) -> dict:
             "sass": sass_counts(ptx)}
 
 
-def measure() -> None:
-    """On sm_90: the library's input gradient with the written-out permutes (``WORDS``) against the lowering's, bit for
-    bit (with and without LoRA's term) and timed at the slice's 16k tokens (CUDA graphs), then the frozen MoE each
-    way, alternating."""
-    from functools import partial
-
-    import torch
-
-    from csattn.ops.fp8 import quantize_1x128
-    from csattn.ops.fp8.gluon import RANK, grouped_mm_gluon
-    from lab.probes.gluon_forms import bench, frozen_moe_ms, moe_gemms
-
-    dev = torch.device("cuda")
-    print(f"== {torch.cuda.get_device_name()}", flush=True)
-    forms = {"words": {"WORDS": True}, "bytes": {"WORDS": False}}
-    for name, q, s, offs, m, gen in moe_gemms(dev):
-        qa, sa = quantize_1x128(torch.randn(m, q.shape[1], device=dev, generator=gen, dtype=torch.bfloat16))
-        lr = (torch.randn(m, RANK, generator=gen, device=dev).bfloat16(),
-              (torch.randn(q.shape[0], q.shape[2], RANK, generator=gen, device=dev) * 0.3).bfloat16(), 0.75)
-        for term in (None, lr):
-            got = [grouped_mm_gluon(qa, sa, q, s, offs, True, low_rank=term, settings=f) for f in forms.values()]
-            torch.cuda.synchronize()
-            print(f"{name:8s} words equal to bytes ({'with' if term else 'without'} LoRA's term): "
-                  f"{torch.equal(*got)}", flush=True)
-        flop = 2.0 * m * q.shape[1] * q.shape[2]
-        for _ in range(2):
-            for way, f in forms.items():
-                bench(name, f"input gradient, {way}", partial(grouped_mm_gluon, qa, sa, q, s, offs, True, settings=f),
-                      flop)
-    bf16 = frozen_moe_ms("bf16")
-    for _ in range(2):
-        ms = {way: frozen_moe_ms("fp8", f) for way, f in forms.items()}
-        print(f"frozen MoE (bf16 experts {bf16:.2f} ms): " + ", ".join(
-            f"{way} {v:.2f} ({bf16 / v:.3f}x)" for way, v in ms.items()), flush=True)
-
-
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--measure":
-        measure()
-        return
     for words in (False, True):
         try:
             print(json.dumps(build(words)), flush=True)

@@ -53,32 +53,20 @@ FUSE_LOW_RANK = True
 # down 2.93 against 3.23 (168 registers: 3.03), the same bits; the frozen MoE 17.38 / 17.50 ms against 18.03 / 18.25.
 SPLIT_TRANSPOSITION = True
 SPLIT_SETTINGS = dict(SPLIT=True, MATH_REGS=184, PRODUCER_REGS=72, XPOSE_REGS=72)
-# The transposition's byte permutes written out (:func:`transpose_words`: 8 a 4 x 4 block of bytes, 64 a thread a
-# tile in SASS) instead of left to the lowering of ``gl.permute`` (96; lab/probes/fp8_xpose_words.py)
-XPOSE_WORDS = True
 _UPPER = gl.constexpr(0)  # the math warpgroups, by the 64 rows of a tile they own
 _LOWER = gl.constexpr(1)
 
 
 @gluon.constexpr_function
-def transpose_layout():
-    """Register layout of a ``[128, 64]`` FP8 piece of a weight tile (rows: the contraction, as copied) read for the
-    transposition. A thread holds 16 rows by 4 bytes (each row one 4-byte load; after the permutation 4 rows of 16
-    bytes, four 16-byte stores); lane bit 0 moves 16 rows, the other lanes walk the 4-byte words, the warps 32 and
-    64 rows. In the 128-byte-swizzled tiles that makes both the loads and the stores 2-way bank-conflicting, where
-    a plain blocked layout (whose reads ``ldmatrix`` takes) had its stores 4-way: 535 against 458 TFLOP/s for the
-    input gradient on the H200 (``lab/probes/fp8_gluon_xpose.py``, in git up to 0b7a4de; a conflict-free mapping
-    through linear shared layouts ran slower, 481: its addresses cost more than the conflicts)."""
-    return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [4, 0], [8, 0]],
-                                      lane_bases=[[16, 0], [0, 4], [0, 8], [0, 16], [0, 32]],
-                                      warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 64])
-
-
-@gluon.constexpr_function
 def words_layout():
-    """:func:`transpose_layout` over 4-byte words: a ``[128, 16]`` int32 piece (64 bytes of each of 128 rows), a
-    thread 16 rows of one word (rows 1-8 in its registers, row 16 by lane bit 0, the words by the other lanes, rows
-    32 and 64 by the warps)."""
+    """Register layout of a ``[128, 16]`` int32 piece of a weight tile (64 bytes of each of its 128 rows, the
+    contraction, as copied) read for the transposition: a thread holds 16 rows of one word (rows 1-8 in its
+    registers, row 16 by lane bit 0, the words by the other lanes, rows 32 and 64 by the warps); after the
+    permutation 4 rows of 16 bytes, four 16-byte stores. In the 128-byte-swizzled tiles that makes both the loads and
+    the stores 2-way bank-conflicting, where a plain blocked layout (whose reads ``ldmatrix`` takes) had its stores
+    4-way: 535 against 458 TFLOP/s for the input gradient on the H200 (``lab/probes/fp8_gluon_xpose.py``, in git up to
+    0b7a4de; a conflict-free mapping through linear shared layouts ran slower, 481: its addresses cost more than the
+    conflicts)."""
     return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0]],
                                       lane_bases=[[16, 0], [0, 1], [0, 2], [0, 4], [0, 8]],
                                       warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 16])
@@ -95,7 +83,10 @@ def _prmt(a, b, SEL: gl.constexpr):
 def transpose_words(raw, bt, PIECE: gl.constexpr):
     """Columns ``[64 PIECE, 64 PIECE + 64)`` of the e4m3 tile ``raw [128 K, 128 N]`` into rows of ``bt [128 N, 128
     K]``, by 4-byte words: each 4 x 4 block of bytes (4 K rows of a word) transposed by 8 byte permutes (rows paired,
-    then pairs of rows), then 4 consecutive words of a row stored together (16 bytes)."""
+    then pairs of rows), then 4 consecutive words of a row stored together (16 bytes). Left to the lowering (the
+    bytes of ``gl.permute``) the same transposition took 96 ``PRMT`` a thread a tile against 64 here; on an H100 at
+    780aa4a the frozen MoE ran 17.28 / 17.47 ms so against 17.82 / 17.79, the same bits
+    (``lab/probes/fp8_xpose_words.py``)."""
     W32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     src = (raw.reinterpret if hasattr(raw, "reinterpret") else raw._reinterpret)(gl.int32, [128, 32], W32)
     dst = (bt.reinterpret if hasattr(bt, "reinterpret") else bt._reinterpret)(gl.int32, [128, 32], W32)
@@ -119,8 +110,7 @@ def transpose_words(raw, bt, PIECE: gl.constexpr):
 
 
 @gluon.jit
-def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, FIRST: gl.constexpr, PIECES: gl.constexpr,
-                     WORDS: gl.constexpr):
+def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, FIRST: gl.constexpr, PIECES: gl.constexpr):
     """Step ``j``'s weight tile ``[BK, BN]`` (contraction-major, as copied) into its K-major buffer ``[BN, BK]``,
     through registers in 64-column pieces (``PIECES`` of them from piece ``FIRST``: both, or with ``SPLIT`` one a
     warpgroup); then one arrival on ``ready`` (the copy of its activation tile landed with the weight tile's, on
@@ -128,11 +118,7 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, FIRST: gl.co
     s = j % STAGES
     mbarrier.wait(land.index(s), (j // STAGES) & 1)
     for c in gl.static_range(FIRST, FIRST + PIECES):
-        if WORDS:
-            transpose_words(raw.index(s), bt.index(s), c)
-        else:
-            piece = raw.index(s).slice(c * 64, 64, dim=1).load(transpose_layout())
-            bt.index(s).slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
+        transpose_words(raw.index(s), bt.index(s), c)
     fence_async_shared()
     _cta_sync()  # every thread's stores are in before the warpgroup's one arrival
     mbarrier.arrive(ready.index(s), count=1)
@@ -141,7 +127,7 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, FIRST: gl.co
 @gluon.jit
 def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS: gl.constexpr,
               E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
-              LOW_RANK: gl.constexpr, SPLIT: gl.constexpr, WORDS: gl.constexpr):
+              LOW_RANK: gl.constexpr, SPLIT: gl.constexpr):
     """Every TMA copy into the ring; with ``TRANS`` the weight tile's transposition too (``SPLIT``: its first 64
     columns, :func:`_transposer` the others)."""
     a_smem, raw, bt, land, ready, empty = smem
@@ -160,7 +146,7 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
                     # the transposition first: it waits only for its copies, not for a free stage, so the ready
                     # stages run ahead of the math warpgroups
                     if it >= LAG:
-                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES, 0, PIECES, WORDS)
+                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES, 0, PIECES)
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
                 mbarrier.expect(land.index(s), BM * BK + BK * BN)  # e4m3: a byte each
@@ -172,12 +158,12 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
                 it += 1
     if TRANS:
         for j in range(gl.maximum(it - LAG, 0), it):
-            _transpose_stage(j, raw, bt, land, ready, STAGES, 0, PIECES, WORDS)
+            _transpose_stage(j, raw, bt, land, ready, STAGES, 0, PIECES)
 
 
 @gluon.jit
 def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
-                STAGES: gl.constexpr, PIECE: gl.constexpr, WORDS: gl.constexpr):
+                STAGES: gl.constexpr, PIECE: gl.constexpr):
     """``SPLIT``'s second transposing warpgroup: 64 columns (``PIECE`` 1: the last) of every step's weight tile as it
     lands (the producer copied it once the stage was free, so its transposed buffer is free too)."""
     a_smem, raw, bt, land, ready, empty = smem
@@ -187,7 +173,7 @@ def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_
         g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
         if g < E:
             for _kb in range(nk):
-                _transpose_stage(it, raw, bt, land, ready, STAGES, PIECE, 1, WORDS)
+                _transpose_stage(it, raw, bt, land, ready, STAGES, PIECE, 1)
                 it += 1
 
 
@@ -313,7 +299,7 @@ def fp8_grouped_gluon_kernel(
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
     SIMPLE: gl.constexpr = False, COALESCED: gl.constexpr = True, SPLIT: gl.constexpr = False,
-    XPOSE_REGS: gl.constexpr = 0, WORDS: gl.constexpr = False,
+    XPOSE_REGS: gl.constexpr = 0,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -354,8 +340,8 @@ def fp8_grouped_gluon_kernel(
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
                      LOW_RANK, SIMPLE, COALESCED)),
             (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
-                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT, WORDS)),
-            (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1, WORDS)),
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT)),
+            (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1)),
         ], [4, 4, 4], [MATH_REGS, PRODUCER_REGS, XPOSE_REGS])
     else:
         gl.warp_specialize([
@@ -366,7 +352,7 @@ def fp8_grouped_gluon_kernel(
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
                      LOW_RANK, SIMPLE, COALESCED)),
             (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
-                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT, WORDS)),
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 
@@ -389,7 +375,7 @@ def launch_settings(trans: bool, split: bool | None = None) -> dict:
     2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46.
     ``split``: the input gradient's transposition in two warpgroups (:data:`SPLIT_SETTINGS`) or one; None:
     :data:`SPLIT_TRANSPOSITION`."""
-    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0, WORDS=XPOSE_WORDS)
+    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0)
     if not trans:
         return {**cfg, "MATH_REGS": 232, "PRODUCER_REGS": 40, "SIMPLE": False}
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
