@@ -7,10 +7,9 @@ into the K-major tile viewed as ``[128 N, 64]`` pairs. In Gluon this is only a r
 lowering chooses the instructions. The byte form (``lab.probes.fp8_xpose_words.bytes_layout``, the library's then)
 reads 4 bytes and writes 16 a thread, 2-way bank-conflicting both ways.
 
-Here, on any machine: both built for sm_90 in a kernel that transposes one tile, and their shared-memory
-instructions counted from the PTX (``ldmatrix`` / ``stmatrix`` / plain loads and stores by width). Per thread and
-tile: 8 ``ldmatrix.x4.trans`` + 8 ``stmatrix.x4`` against 32 4-byte loads + 8 16-byte stores; in SASS 160 ``PRMT``
-against 96 (the 16-bit pairs unpacked and packed again around the byte permutes).
+Built for sm_90 and counted beside the other forms by ``lab.probes.fp8_xpose_words`` (this module keeps the form's
+layout and permutes). Per thread and tile: 8 ``ldmatrix.x4.trans`` + 8 ``stmatrix.x4`` against 32 4-byte loads +
+8 16-byte stores; in SASS 160 ``PRMT`` against 96 (the 16-bit pairs unpacked and packed again around the byte permutes).
 
 Measured and not taken (the library's input gradient with it, as the setting ``LDSM``, at f8c07e3; H200, torch 2.11 /
 Triton 3.6, ``lab/results/finetune_h200/{xpose_ldsm,gpu_tests_ldsm}_f8c07e3.txt``): bit for bit the default's (GPU
@@ -18,19 +17,13 @@ tests over the ragged / 16-step / all-tail cases, with and without LoRA's term: 
 6.13 ms against 5.81 / 5.99, down 3.13 / 3.05 against 2.89 / 2.99, the frozen MoE 17.43 / 17.24 against 16.84 / 17.01.
 The transposers are bound by their instructions, not by shared memory's wavefronts. The code is in git at f8c07e3.
 
-    PYTHONPATH=. python -m lab.probes.fp8_xpose_ldsm
+    PYTHONPATH=. python -m lab.probes.fp8_xpose_words
 """
 
 from __future__ import annotations
 
-import json
-import re
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-
-from csattn.ops.fp8.gluon_tiles import tile_smem
-from lab.probes.fp8_xpose_words import bytes_layout
 
 
 @gluon.constexpr_function
@@ -46,7 +39,7 @@ def pairs_layout():
 
 
 @gluon.jit
-def _sorted_pairs(x):
+def sorted_pairs(x):
     """``x [128 K, 64 P]`` int16 pairs (bytes N = 2P, 2P + 1 of row K) -> ``[128 N, 64 Q]`` int16 pairs of the
     transposed tile (bytes K = 2Q, 2Q + 1 of row N)."""
     w = gl.reshape(x.to(gl.int32), [64, 2, 64])  # (Q, K bit 0, P)
@@ -58,56 +51,3 @@ def _sorted_pairs(x):
                                    is_pure=True, pack=1)
     y = gl.permute(gl.join(lo, hi), (1, 2, 0))  # [64 P, 2 N bit 0, 64 Q]
     return gl.reshape(y, [128, 64]).to(gl.int16)
-
-
-@gluon.jit
-def xpose_kernel(src, dst, LDSM: gl.constexpr):
-    """One ``[128, 128]`` e4m3 tile from ``src`` (row-major) into shared memory, transposed there, out to ``dst``."""
-    BL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    rows = gl.arange(0, 128, layout=gl.SliceLayout(1, BL))
-    cols = gl.arange(0, 128, layout=gl.SliceLayout(0, BL))
-    at = gl.expand_dims(rows, 1) * 128 + gl.expand_dims(cols, 0)
-    raw = gl.allocate_shared_memory(gl.float8e4nv, [128, 128], tile_smem())
-    bt = gl.allocate_shared_memory(gl.float8e4nv, [128, 128], tile_smem())
-    raw.store(gl.load(src + at))
-    gl.thread_barrier() if hasattr(gl, "thread_barrier") else gl.barrier()
-    if LDSM:
-        p16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        x = (raw.reinterpret if hasattr(raw, "reinterpret") else raw._reinterpret)(gl.int16, [128, 64], p16)
-        bt16 = (bt.reinterpret if hasattr(bt, "reinterpret") else bt._reinterpret)(gl.int16, [128, 64], p16)
-        bt16.store(_sorted_pairs(x.load(pairs_layout())))
-    else:
-        for c in gl.static_range(2):
-            piece = raw.slice(c * 64, 64, dim=1).load(bytes_layout())
-            bt.slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
-    gl.thread_barrier() if hasattr(gl, "thread_barrier") else gl.barrier()
-    gl.store(dst + at, bt.load(BL))
-
-
-def build(ldsm: bool) -> dict:
-    from tests.ops.gluon_sm90 import build_sm90
-
-    kernel, ptx, info = build_sm90(xpose_kernel, {"src": "*fp8e4nv", "dst": "*fp8e4nv"}, dict(LDSM=ldsm),
-                                   ["src", "dst"])
-    body = ptx
-    count = {name: len(re.findall(pat, body)) for name, pat in {
-        "ldmatrix": r"ldmatrix\.sync", "ldmatrix_trans": r"ldmatrix\.sync\.aligned\.m8n8\.x\d\.trans",
-        "stmatrix": r"stmatrix\.sync", "ld_shared_b8": r"ld\.shared\.(?:b8|u8)",
-        "ld_shared_b16": r"ld\.shared\.(?:b16|u16)",
-        "ld_shared_b32": r"ld\.shared\.b32", "ld_shared_v2": r"ld\.shared\.v2", "ld_shared_v4": r"ld\.shared\.v4",
-        "st_shared_b8": r"st\.shared\.(?:b8|u8)", "st_shared_b16": r"st\.shared\.(?:b16|u16)",
-        "st_shared_b32": r"st\.shared\.b32", "st_shared_v2": r"st\.shared\.v2", "st_shared_v4": r"st\.shared\.v4",
-        "prmt": r"prmt\.b32", "shfl": r"shfl\.sync"}.items()}
-    return {"ldsm": ldsm, "ptxas_rc": info["ptxas_rc"], "spills": info["spill_stores"], **count}
-
-
-def main() -> None:
-    for ldsm in (False, True):
-        try:
-            print(json.dumps(build(ldsm)), flush=True)
-        except Exception as err:  # the lowering may refuse a layout
-            print(json.dumps({"ldsm": ldsm, "error": f"{type(err).__name__}: {str(err)[-600:]}"}), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -11,8 +11,9 @@ then had both forms, setting ``WORDS``): bit for bit the byte form's output (bot
 term); the input gradients gate_up 5.65 / 5.85 ms against 6.15 / 5.88, down 2.98 / 2.95 against 2.93 / 2.99; the
 frozen MoE 17.28 / 17.47 ms against 17.82 / 17.79 (bf16 experts 21.39).
 
-Here, on any machine: both forms built for sm_90 in a kernel that transposes one tile, their shared-memory
-instructions counted in the PTX and their ``PRMT`` in the SASS.
+Here, on any machine: the three forms (bytes, words, and ``lab.probes.fp8_xpose_ldsm``'s matrix loads) built for
+sm_90 in a kernel that transposes one tile, their shared-memory instructions counted in the PTX and their ``PRMT``
+in the SASS.
 
     PYTHONPATH=. python -m lab.probes.fp8_xpose_words
 """
@@ -30,6 +31,7 @@ from triton.experimental.gluon import language as gl
 
 from csattn.ops.fp8.gluon import transpose_words
 from csattn.ops.fp8.gluon_tiles import tile_smem
+from lab.probes.fp8_xpose_ldsm import pairs_layout, sorted_pairs
 
 
 @gluon.constexpr_function
@@ -42,8 +44,9 @@ def bytes_layout():
 
 
 @gluon.jit
-def xpose_kernel(src, dst, WORDS: gl.constexpr):
-    """One ``[128, 128]`` e4m3 tile from ``src`` (row-major) into shared memory, transposed there, out to ``dst``."""
+def xpose_kernel(src, dst, FORM: gl.constexpr):
+    """One ``[128, 128]`` e4m3 tile from ``src`` (row-major) into shared memory, transposed there in ``FORM``
+    (:data:`FORMS`), out to ``dst``."""
     BL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     rows = gl.arange(0, 128, layout=gl.SliceLayout(1, BL))
     cols = gl.arange(0, 128, layout=gl.SliceLayout(0, BL))
@@ -52,12 +55,18 @@ def xpose_kernel(src, dst, WORDS: gl.constexpr):
     bt = gl.allocate_shared_memory(gl.float8e4nv, [128, 128], tile_smem())
     raw.store(gl.load(src + at))
     gl.thread_barrier() if hasattr(gl, "thread_barrier") else gl.barrier()
-    for c in gl.static_range(2):
-        if WORDS:
-            transpose_words(raw, bt, c)
-        else:
-            piece = raw.slice(c * 64, 64, dim=1).load(bytes_layout())
-            bt.slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
+    if FORM == "ldsm":
+        p16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        x = (raw.reinterpret if hasattr(raw, "reinterpret") else raw._reinterpret)(gl.int16, [128, 64], p16)
+        bt16 = (bt.reinterpret if hasattr(bt, "reinterpret") else bt._reinterpret)(gl.int16, [128, 64], p16)
+        bt16.store(sorted_pairs(x.load(pairs_layout())))
+    else:
+        for c in gl.static_range(2):
+            if FORM == "words":
+                transpose_words(raw, bt, c)
+            else:
+                piece = raw.slice(c * 64, 64, dim=1).load(bytes_layout())
+                bt.slice(c * 64, 64, dim=0).store(gl.permute(piece, (1, 0)))
     gl.thread_barrier() if hasattr(gl, "thread_barrier") else gl.barrier()
     gl.store(dst + at, bt.load(BL))
 
@@ -78,24 +87,28 @@ def sass_counts(ptx: str) -> dict:
     return {op: sum(1 for o in ops if o.split(".")[0] == op) for op in ("PRMT", "LDS", "STS", "SHF", "LOP3", "IMAD")}
 
 
-def build(words: bool) -> dict:
+FORMS = ("bytes", "words", "ldsm")
+PTX = {"ldmatrix_trans": r"ldmatrix\.sync\.aligned\.m8n8\.x\d\.trans", "stmatrix": r"stmatrix\.sync",
+       "ld_shared_b32": r"ld\.shared\.b32", "ld_shared_v4": r"ld\.shared\.v4", "st_shared_v4": r"st\.shared\.v4",
+       "st_shared_b32": r"st\.shared\.b32", "prmt_ptx": r"prmt\.b32", "shfl": r"shfl\.sync"}
+
+
+def build(form: str) -> dict:
     from tests.ops.gluon_sm90 import build_sm90
 
-    kernel, ptx, info = build_sm90(xpose_kernel, {"src": "*fp8e4nv", "dst": "*fp8e4nv"}, dict(WORDS=words),
+    kernel, ptx, info = build_sm90(xpose_kernel, {"src": "*fp8e4nv", "dst": "*fp8e4nv"}, dict(FORM=form),
                                    ["src", "dst"])
-    count = {name: len(re.findall(pat, ptx)) for name, pat in {
-        "ld_shared_b32": r"ld\.shared\.b32", "ld_shared_v4": r"ld\.shared\.v4", "st_shared_v4": r"st\.shared\.v4",
-        "st_shared_b32": r"st\.shared\.b32", "prmt_ptx": r"prmt\.b32", "shfl": r"shfl\.sync"}.items()}
-    return {"words": words, "ptxas_rc": info["ptxas_rc"], "spills": info["spill_stores"], **count,
+    count = {name: len(re.findall(pat, ptx)) for name, pat in PTX.items()}
+    return {"form": form, "ptxas_rc": info["ptxas_rc"], "spills": info["spill_stores"], **count,
             "sass": sass_counts(ptx)}
 
 
 def main() -> None:
-    for words in (False, True):
+    for form in FORMS:
         try:
-            print(json.dumps(build(words)), flush=True)
+            print(json.dumps(build(form)), flush=True)
         except Exception as err:  # the lowering may refuse a layout
-            print(json.dumps({"words": words, "error": f"{type(err).__name__}: {str(err)[-1500:]}"}), flush=True)
+            print(json.dumps({"form": form, "error": f"{type(err).__name__}: {str(err)[-1500:]}"}), flush=True)
 
 
 if __name__ == "__main__":
