@@ -6,10 +6,11 @@
 # (a) at 16k with the forward over 64 x 256 tiles and with the defaults again (alternating: the card's clocks drift),
 # then lab.probes.fp8_gluon_wide (the wide kernel alone and in the frozen MoE, on and off), and only when named:
 # lab.probes.fp8_gluon_xpose3 (the input gradient with a copier warp and two transposers), lab.probes.moe_profile
-# (where the frozen MoE's kernels' time goes), lab.probes.moe_launch_sweep (its elementwise kernels' launch settings).
+# (where the frozen MoE's kernels' time goes), lab.probes.fp8_dgrad_sweep (the input gradient's forms and settings),
+# lab.probes.moe_launch_sweep (its elementwise kernels' launch settings).
 # In $OUT. The device's copy of .git is stale: pass COMMIT by hand.
 # the frozen MoE alternating with the trees at BASE (earlier commits' csattn, benchmarks, lab/probes: `git archive`).
-#   COMMIT=<sha> [PARTS="tests moe steps variants wide xpose3 profile base sweep": which, in that order] \
+#   COMMIT=<sha> [PARTS="tests moe steps variants wide xpose3 profile base dsweep sweep": which, in that order] \
 #     [BASE="<dir> ..."] [TESTS_S=<s>] [TESTS_K=<pytest -k>] \
 #     bash lab/targets_session.sh
 set -u
@@ -44,5 +45,6 @@ has base && for i in 1 2; do for dir in . $BASE; do
   (cd "$dir" && timeout 90 python3 -m benchmarks.finetune --ckpt /tmp/none --json "$OUT/finetune_moe_$(basename "$dir")_$i.json" \
     --parts moe --commit "$C" 2>&1 | grep -E "^(fp8|bf16) " | sed "s|^|[$(basename "$dir")] |" | tail -3)
 done; done
+has dsweep && { timeout 200 python3 -m lab.probes.fp8_dgrad_sweep > "$OUT/dgrad_sweep.txt" 2>&1; grep -v Warn "$OUT/dgrad_sweep.txt"; }
 has sweep && { timeout 150 python3 -m lab.probes.moe_launch_sweep > "$OUT/launch_sweep.txt" 2>&1; grep -v Warn "$OUT/launch_sweep.txt"; }
 echo "[session] $((SECONDS - START)) s"
