@@ -7,9 +7,9 @@
 # then lab.probes.fp8_gluon_wide (the wide kernel alone and in the frozen MoE, on and off), and only when named:
 # lab.probes.fp8_gluon_xpose3 (the input gradient with a copier warp and two transposers), lab.probes.moe_profile
 # (where the frozen MoE's kernels' time goes), lab.probes.fp8_dgrad_sweep (the input gradient's forms and settings),
-# lab.probes.moe_launch_sweep (its elementwise kernels' launch settings).
+# lab.probes.moe_launch_sweep (its elementwise kernels' launch settings), the frozen MoE alternating with the trees at
+# BASE (earlier commits' csattn, benchmarks, lab/probes, tests/helpers: `git archive`; profile runs in them too).
 # In $OUT. The device's copy of .git is stale: pass COMMIT by hand.
-# the frozen MoE alternating with the trees at BASE (earlier commits' csattn, benchmarks, lab/probes: `git archive`).
 #   COMMIT=<sha> [PARTS="tests moe steps variants wide xpose3 profile base dsweep sweep": which, in that order] \
 #     [BASE="<dir> ..."] [TESTS_S=<s>] [TESTS_K=<pytest -k>] \
 #     bash lab/targets_session.sh
