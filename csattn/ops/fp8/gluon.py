@@ -80,6 +80,14 @@ def _prmt(a, b, SEL: gl.constexpr):
 
 
 @gluon.jit
+def _words(tile):
+    """An e4m3 ``[128, 128]`` tile in shared memory viewed as ``[128, 32]`` 4-byte words (the same swizzled bytes);
+    ``reinterpret`` is ``_reinterpret`` before Triton 3.7."""
+    W32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    return (tile.reinterpret if hasattr(tile, "reinterpret") else tile._reinterpret)(gl.int32, [128, 32], W32)
+
+
+@gluon.jit
 def transpose_words(raw, bt, PIECE: gl.constexpr):
     """Columns ``[64 PIECE, 64 PIECE + 64)`` of the e4m3 tile ``raw [128 K, 128 N]`` into rows of ``bt [128 N, 128
     K]``, by 4-byte words: each 4 x 4 block of bytes (4 K rows of a word) transposed by 8 byte permutes (rows paired,
@@ -87,9 +95,7 @@ def transpose_words(raw, bt, PIECE: gl.constexpr):
     bytes of ``gl.permute``) the same transposition took 96 ``PRMT`` a thread a tile against 64 here; on an H100 at
     780aa4a the frozen MoE ran 17.28 / 17.47 ms so against 17.82 / 17.79, the same bits
     (``lab/probes/fp8_xpose_words.py``)."""
-    W32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    src = (raw.reinterpret if hasattr(raw, "reinterpret") else raw._reinterpret)(gl.int32, [128, 32], W32)
-    dst = (bt.reinterpret if hasattr(bt, "reinterpret") else bt._reinterpret)(gl.int32, [128, 32], W32)
+    src, dst = _words(raw), _words(bt)
     w = src.slice(PIECE * 16, 16, dim=1).load(words_layout())  # [128 K, 16 words]
     # the 4 K rows of each block apart: r_i [32 blocks, 16 words] holds rows 4 g + i
     q = gl.reshape(gl.permute(gl.reshape(w, [32, 4, 16]), (0, 2, 1)), [32, 16, 2, 2])
