@@ -36,12 +36,12 @@ done
 echo "[variants] $((SECONDS - START)) s"
 has wide && { timeout 130 python3 -m lab.probes.fp8_gluon_wide > "$OUT/wide_probe.txt" 2>&1; grep -v Warning "$OUT/wide_probe.txt"; }
 has xpose3 && { timeout 150 python3 -m lab.probes.fp8_gluon_xpose3 > "$OUT/xpose3_probe.txt" 2>&1; grep -v Warning "$OUT/xpose3_probe.txt" | tail -8; }
-has profile && for dir in . $BASE; do
+has profile && for dir in . ${BASE:-}; do
   (cd "$dir" && timeout 90 python3 -m lab.probes.moe_profile > "$OUT/moe_profile_$(basename "$dir").txt" 2>&1)
   echo "## $dir"; grep -v -i warn "$OUT/moe_profile_$(basename "$dir").txt" | head -9
 done
 # the frozen MoE here and in the trees at $BASE (earlier commits' csattn and benchmarks), alternating
-has base && for i in 1 2; do for dir in . $BASE; do
+has base && for i in 1 2; do for dir in . ${BASE:-}; do
   (cd "$dir" && timeout 90 python3 -m benchmarks.finetune --ckpt /tmp/none --json "$OUT/finetune_moe_$(basename "$dir")_$i.json" \
     --parts moe --commit "$C" 2>&1 | grep -E "^(fp8|bf16) " | sed "s|^|[$(basename "$dir")] |" | tail -3)
 done; done

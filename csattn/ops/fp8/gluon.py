@@ -88,15 +88,13 @@ def _words(tile):
 
 
 @gluon.jit
-def transpose_words(raw, bt, PIECE: gl.constexpr):
-    """Columns ``[64 PIECE, 64 PIECE + 64)`` of the e4m3 tile ``raw [128 K, 128 N]`` into rows of ``bt [128 N, 128
-    K]``, by 4-byte words: each 4 x 4 block of bytes (4 K rows of a word) transposed by 8 byte permutes (rows paired,
-    then pairs of rows), then 4 consecutive words of a row stored together (16 bytes). Left to the lowering (the
-    bytes of ``gl.permute``) the same transposition took 96 ``PRMT`` a thread a tile against 64 here; on an H100 at
-    780aa4a the frozen MoE ran 17.28 / 17.47 ms so against 17.82 / 17.79, the same bits
+def _transposed_words(w):
+    """A ``[128 K, 16 words]`` piece of a weight tile (:func:`words_layout`: 64 bytes of each of 128 contraction rows)
+    as ``[64 N, 32 K words]``: each 4 x 4 block of bytes (4 K rows of a word) transposed by 8 byte permutes (rows
+    paired, then pairs of rows); a thread's 4 consecutive words of a row are then stored together (16 bytes). Left to
+    the lowering (the bytes of ``gl.permute``) the same transposition took 96 ``PRMT`` a thread a tile against 64
+    here; on an H100 at 780aa4a the frozen MoE ran 17.28 / 17.47 ms so against 17.82 / 17.79, the same bits
     (``lab/probes/fp8_xpose_words.py``)."""
-    src, dst = _words(raw), _words(bt)
-    w = src.slice(PIECE * 16, 16, dim=1).load(words_layout())  # [128 K, 16 words]
     # the 4 K rows of each block apart: r_i [32 blocks, 16 words] holds rows 4 g + i
     q = gl.reshape(gl.permute(gl.reshape(w, [32, 4, 16]), (0, 2, 1)), [32, 16, 2, 2])
     even, odd = gl.split(q)  # i bit 0
@@ -111,8 +109,83 @@ def transpose_words(raw, bt, PIECE: gl.constexpr):
     o2 = _prmt(t1, t3, "0x5410")
     o3 = _prmt(t1, t3, "0x7632")
     o = gl.join(gl.join(o0, o2), gl.join(o1, o3))  # [32 g, 16 word, 2 c bit 1, 2 c bit 0]: byte c of the word
-    o = gl.reshape(gl.permute(gl.reshape(o, [32, 16, 4]), (1, 2, 0)), [64, 32])  # [N = 4 word + c, K word g]
-    dst.slice(PIECE * 64, 64, dim=0).store(o)
+    return gl.reshape(gl.permute(gl.reshape(o, [32, 16, 4]), (1, 2, 0)), [64, 32])  # [N = 4 word + c, K word g]
+
+
+@gluon.jit
+def transpose_words(raw, bt, PIECE: gl.constexpr):
+    """Columns ``[64 PIECE, 64 PIECE + 64)`` of the e4m3 tile ``raw [128 K, 128 N]`` into rows of ``bt [128 N, 128
+    K]``, by 4-byte words (:func:`_transposed_words`)."""
+    w = _words(raw).slice(PIECE * 16, 16, dim=1).load(words_layout())  # [128 K, 16 words]
+    _words(bt).slice(PIECE * 64, 64, dim=0).store(_transposed_words(w))
+
+
+@gluon.jit
+def _load_words(w_words, row, pid_n, PIECE: gl.constexpr, W_STRIDE: gl.constexpr):
+    """``LOADS``: the weight's contraction rows ``[row, row + 128)``, columns ``[128 pid_n + 64 PIECE, + 64)``, as
+    ``[128, 16]`` 4-byte words in :func:`words_layout`, from global memory (``w_words``: the weight's bytes as int32,
+    ``W_STRIDE`` words a row: a constexpr, so each register's row is an immediate offset of one address)."""
+    L: gl.constexpr = words_layout()
+    r = gl.arange(0, 128, layout=gl.SliceLayout(1, L))
+    c = gl.arange(0, 16, layout=gl.SliceLayout(0, L))
+    base = w_words + row.to(gl.int64) * W_STRIDE + (pid_n * 32 + PIECE * 16)
+    return gl.load(base + (gl.expand_dims(r * W_STRIDE, 1) + gl.expand_dims(c, 0)))
+
+
+@gluon.jit
+def _transposer_loads(w_words, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, E_P2: gl.constexpr,
+                      GROUP_M: gl.constexpr, STAGES: gl.constexpr, PIECE: gl.constexpr, W_STRIDE: gl.constexpr):
+    """``LOADS``' second transposing warpgroup: columns ``[64 PIECE, + 64)`` of every step's weight tile, its words
+    loaded from global memory a step ahead (:func:`_load_words`), transposed into the stage's buffer once the math
+    warpgroups freed it; one arrival on ``ready``."""
+    a_smem, raw, bt, land, ready, empty = smem
+    nk = KC // BK
+    it = 0
+    for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+        g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
+        if g < E:
+            w = _load_words(w_words, g * W_ROWS, pid_n, PIECE, W_STRIDE)
+            for kb in range(nk):
+                # the next step's words in flight while this one is transposed (the last step loads its own again)
+                nxt = _load_words(w_words, g * W_ROWS + gl.minimum(kb + 1, nk - 1) * BK, pid_n, PIECE, W_STRIDE)
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
+                _words(bt.index(s)).slice(PIECE * 64, 64, dim=0).store(_transposed_words(w))
+                fence_async_shared()
+                _cta_sync()  # every thread's stores are in before the warpgroup's one arrival
+                mbarrier.arrive(ready.index(s), count=1)
+                w = nxt
+                it += 1
+
+
+@gluon.jit
+def _producer_loads(a_desc, w_words, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, E_P2: gl.constexpr,
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr, W_STRIDE: gl.constexpr):
+    """``LOADS``' producer: the activation tiles by TMA onto ``ready`` (its expected bytes one of the stage's three
+    arrivals) and the first 64 columns of each weight tile as :func:`_transposer_loads` does the last 64."""
+    nk = KC // BK
+    a_smem, raw, bt, land, ready, empty = smem
+    it = 0
+    nt = 0  # tiles with a group: the low-rank buffers' turns
+    for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+        g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
+        if g < E:
+            if LOW_RANK:
+                _load_low_rank(low_rank, nt, row0, g * (tiles_n * BN) + pid_n * BN)
+                nt += 1
+            w = _load_words(w_words, g * W_ROWS, pid_n, 0, W_STRIDE)
+            for kb in range(nk):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), BM * BK)
+                _tma_load(a_desc, [row0, kb * BK], ready.index(s), a_smem.index(s))
+                nxt = _load_words(w_words, g * W_ROWS + gl.minimum(kb + 1, nk - 1) * BK, pid_n, 0, W_STRIDE)
+                _words(bt.index(s)).slice(0, 64, dim=0).store(_transposed_words(w))
+                fence_async_shared()
+                _cta_sync()
+                mbarrier.arrive(ready.index(s), count=1)
+                w = nxt
+                it += 1
 
 
 @gluon.jit
@@ -300,12 +373,12 @@ def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, s
 
 @gluon.jit
 def fp8_grouped_gluon_kernel(
-    a_desc, w_desc, sa, sw, table, out, KC, E, W_ROWS, tiles_m, tiles_n,
+    a_desc, w_desc, w_words, sa, sw, table, out, KC, E, W_ROWS, tiles_m, tiles_n,
     stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
     SIMPLE: gl.constexpr = False, COALESCED: gl.constexpr = True, SPLIT: gl.constexpr = False,
-    XPOSE_REGS: gl.constexpr = 0,
+    XPOSE_REGS: gl.constexpr = 0, LOADS: gl.constexpr = False, W_STRIDE: gl.constexpr = 0,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -313,31 +386,54 @@ def fp8_grouped_gluon_kernel(
     contraction, ``sbn`` along the output columns); ``table``: :func:`group_table`. ``LOW_RANK``: plus
     ``l_scale * v[rows of e] @ w_e^T``, ``v_desc`` of ``v [M, R]`` (blocks ``[128, R]``), ``lw_desc`` of ``w`` ``[E * N,
     R]`` (blocks ``[128, R]``), 16-bit, added in fp32 before the one rounding. ``SPLIT`` (``TRANS``): the
-    transposition shared by the producer and a fourth warpgroup (``XPOSE_REGS`` registers)."""
+    transposition shared by the producer and a fourth warpgroup (``XPOSE_REGS`` registers). ``LOADS`` (with
+    ``SPLIT``): the transposers read the weight's words from global memory (``w_words``, the weight's bytes as int32,
+    ``W_STRIDE`` words a row) instead of a TMA copy in shared memory."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], tile_smem())
-    raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
-    if TRANS:  # the weight tile transposed by the producer, beside the copied one
+    if TRANS and LOADS:  # only the transposed buffer: the weight's words come from global memory
         bt = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], tile_smem())
+        raw = bt
     else:
-        bt = raw
-    land = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
+        if TRANS:  # the weight tile transposed by the producer, beside the copied one
+            bt = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], tile_smem())
+        else:
+            bt = raw
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(land.index(s), count=1)  # the expect; the copies' bytes
         mbarrier.init(empty.index(s), count=2)  # each math warpgroup, once its MMA on the stage is done
-    if TRANS:  # the producer, once the weight tile is transposed
+    if TRANS:  # each transposing warpgroup once its piece is in; with LOADS also the activation tile's copy
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=2 if SPLIT else 1)  # each transposing warpgroup
-    else:  # no barrier made and left unused: the allocator could hand its bytes to a later buffer while they hold
-        # an initialized barrier
+            mbarrier.init(ready.index(s), count=3 if LOADS else (2 if SPLIT else 1))
+    if TRANS and LOADS:  # no barrier made and left unused (see below)
+        land = ready
+    else:
+        land = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(land.index(s), count=1)  # the expect; the copies' bytes
+    if not TRANS:  # no barrier made and left unused: the allocator could hand its bytes to a later buffer while
+        # they hold an initialized barrier
         ready = land
     smem = (a_smem, raw, bt, land, ready, empty)
     low_rank = _low_rank_ring(v_desc, lw_desc, l_scale, a_smem, land, empty, LOW_RANK)
     # two literal lists: warp_specialize takes its (function, arguments) pairs written out (an argument tuple held in
     # a local, or a list joined with `+ ([...] if SPLIT else [])`, does not compile on Triton 3.6 / 3.9), and the
     # forward has no registers for a fourth partition
-    if SPLIT:
+    if LOADS:
+        gl.warp_specialize([
+            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
+                     LOW_RANK, SIMPLE, COALESCED)),
+            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
+                     LOW_RANK, SIMPLE, COALESCED)),
+            (_producer_loads, (a_desc, w_words, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, E_P2,
+                               GROUP_M, STAGES, LOW_RANK, W_STRIDE)),
+            (_transposer_loads, (w_words, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1,
+                                 W_STRIDE)),
+        ], [4, 4, 4], [MATH_REGS, PRODUCER_REGS, XPOSE_REGS])
+    elif SPLIT:
         gl.warp_specialize([
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
@@ -381,7 +477,7 @@ def launch_settings(trans: bool, split: bool | None = None) -> dict:
     2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46.
     ``split``: the input gradient's transposition in two warpgroups (:data:`SPLIT_SETTINGS`) or one; None:
     :data:`SPLIT_TRANSPOSITION`."""
-    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0)
+    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0, LOADS=False)
     if not trans:
         return {**cfg, "MATH_REGS": 232, "PRODUCER_REGS": 40, "SIMPLE": False}
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
@@ -412,10 +508,13 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     else:
         ssk, ssn = scale.stride(2), scale.stride(1)
     v_desc, lw_desc, l_scale = (a_desc, a_desc, 0.0) if low_rank is None else low_rank_descs(*low_rank, m, e, n_out)
+    if cfg["LOADS"] and not (trans and cfg["SPLIT"]):
+        raise ValueError("settings: LOADS is the input gradient's (trans=True) with SPLIT")
     fp8_grouped_gluon_kernel[walk.grid](
-        a_desc, w_desc, a_scale, scale, walk.table, out, c, e, n_w, walk.tiles_m, walk.tiles_n,
-        a_scale.stride(0), a_scale.stride(1), scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale,
-        TRANS=trans, E_P2=walk.e_p2, **cfg, LOW_RANK=low_rank is not None, num_warps=4)
+        a_desc, w_desc, weight.view(torch.int32), a_scale, scale, walk.table, out, c, e, n_w, walk.tiles_m,
+        walk.tiles_n, a_scale.stride(0), a_scale.stride(1), scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc,
+        l_scale, TRANS=trans, E_P2=walk.e_p2, **cfg, W_STRIDE=k_w // 4 if cfg["LOADS"] else 0,
+        LOW_RANK=low_rank is not None, num_warps=4)
     return out
 
 
