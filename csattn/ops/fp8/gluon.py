@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..backend import triton_version
 from .gluon_low_rank import _acc_start, _load_low_rank, _low_rank_ring
-from .gluon_tiles import BK, BM, BN, _cta_sync, _tile, _tma_load, acc_layout, tile_smem, tile_walk
+from .gluon_tiles import BK, BM, BN, _cta_sync, _tile, _tma_load, acc_layout, natural_columns, tile_smem, tile_walk
 
 __all__ = ["FUSE_LOW_RANK", "RANK", "fp8_grouped_gluon_kernel", "grouped_mm_gluon", "launch_settings"]
 
@@ -58,7 +58,7 @@ _LOWER = gl.constexpr(1)
 
 
 @gluon.constexpr_function
-def words_layout():
+def words_layout(PERMUTED=False):
     """Register layout of a ``[128, 16]`` int32 piece of a weight tile (64 bytes of each of its 128 rows, the
     contraction, as copied) read for the transposition: a thread holds 16 rows of one word (rows 1-8 in its
     registers, row 16 by lane bit 0, the words by the other lanes, rows 32 and 64 by the warps); after the
@@ -66,7 +66,15 @@ def words_layout():
     the stores 2-way bank-conflicting, where a plain blocked layout (whose reads ``ldmatrix`` takes) had its stores
     4-way: 535 against 458 TFLOP/s for the input gradient on the H200 (``lab/probes/fp8_gluon_xpose.py``, in git up to
     0b7a4de; a conflict-free mapping through linear shared layouts ran slower, 481: its addresses cost more than the
-    conflicts)."""
+    conflicts).
+    ``PERMUTED``: the rows are the copied tile's rows in shared memory, ``32 (r % 4) + r // 4`` for K row ``r``
+    (:func:`permuted_w_desc`): a thread holds the same 16 K rows of one word, and a warp's lanes take words 0-7 and
+    15-8 of two K rows 16 apart, whose swizzle phases differ by 4: no bank is read twice, and the stores of
+    :func:`transpose_words` fall on 8 rows of distinct phases a quarter-warp."""
+    if PERMUTED:
+        return gl.DistributedLinearLayout(reg_bases=[[32, 0], [64, 0], [1, 0], [2, 0]],
+                                          lane_bases=[[0, 1], [0, 2], [0, 4], [4, 0], [0, 8]],
+                                          warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[128, 16])
     return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0]],
                                       lane_bases=[[16, 0], [0, 1], [0, 2], [0, 4], [0, 8]],
                                       warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 16])
@@ -88,15 +96,13 @@ def _words(tile):
 
 
 @gluon.jit
-def _transposed_words(w):
-    """A ``[128 K, 16 words]`` piece of a weight tile (:func:`words_layout`: 64 bytes of each of 128 contraction rows)
-    as ``[64 N, 32 K words]``: each 4 x 4 block of bytes (4 K rows of a word) transposed by 8 byte permutes (rows
-    paired, then pairs of rows); a thread's 4 consecutive words of a row are then stored together (16 bytes). Left to
-    the lowering (the bytes of ``gl.permute``) the same transposition took 96 ``PRMT`` a thread a tile against 64
-    here; on an H100 at 780aa4a the frozen MoE ran 17.28 / 17.47 ms so against 17.82 / 17.79, the same bits
-    (``lab/probes/fp8_xpose_words.py``)."""
-    # the 4 K rows of each block apart: r_i [32 blocks, 16 words] holds rows 4 g + i
-    q = gl.reshape(gl.permute(gl.reshape(w, [32, 4, 16]), (0, 2, 1)), [32, 16, 2, 2])
+def _byte_planes(w, PERMUTED: gl.constexpr = False):
+    """:func:`_transposed_words` before its last reshape: ``o_c [32 g, 16 words]``, byte ``c`` of each word of 4 K
+    rows ``4 g + i`` packed into one word. ``PERMUTED``: ``w``'s rows in :func:`words_layout`'s permuted order."""
+    if PERMUTED:
+        q = gl.reshape(gl.permute(gl.reshape(w, [4, 32, 16]), (1, 2, 0)), [32, 16, 2, 2])
+    else:
+        q = gl.reshape(gl.permute(gl.reshape(w, [32, 4, 16]), (0, 2, 1)), [32, 16, 2, 2])
     even, odd = gl.split(q)  # i bit 0
     r0, r2 = gl.split(even)
     r1, r3 = gl.split(odd)
@@ -108,16 +114,38 @@ def _transposed_words(w):
     o1 = _prmt(t0, t2, "0x7632")
     o2 = _prmt(t1, t3, "0x5410")
     o3 = _prmt(t1, t3, "0x7632")
+    return o0, o1, o2, o3
+
+
+@gluon.jit
+def _transposed_words(w):
+    """A ``[128 K, 16 words]`` piece of a weight tile (:func:`words_layout`: 64 bytes of each of 128 contraction rows)
+    as ``[64 N, 32 K words]``: each 4 x 4 block of bytes (4 K rows of a word) transposed by 8 byte permutes (rows
+    paired, then pairs of rows); a thread's 4 consecutive words of a row are then stored together (16 bytes). Left to
+    the lowering (the bytes of ``gl.permute``) the same transposition took 96 ``PRMT`` a thread a tile against 64
+    here; on an H100 at 780aa4a the frozen MoE ran 17.28 / 17.47 ms so against 17.82 / 17.79, the same bits
+    (``lab/probes/fp8_xpose_words.py``)."""
+    o0, o1, o2, o3 = _byte_planes(w)
     o = gl.join(gl.join(o0, o2), gl.join(o1, o3))  # [32 g, 16 word, 2 c bit 1, 2 c bit 0]: byte c of the word
     return gl.reshape(gl.permute(gl.reshape(o, [32, 16, 4]), (1, 2, 0)), [64, 32])  # [N = 4 word + c, K word g]
 
 
 @gluon.jit
-def transpose_words(raw, bt, PIECE: gl.constexpr):
+def transpose_words(raw, bt, PIECE: gl.constexpr, PERMUTED: gl.constexpr = False):
     """Columns ``[64 PIECE, 64 PIECE + 64)`` of the e4m3 tile ``raw [128 K, 128 N]`` into rows of ``bt [128 N, 128
-    K]``, by 4-byte words (:func:`_transposed_words`)."""
-    w = _words(raw).slice(PIECE * 16, 16, dim=1).load(words_layout())  # [128 K, 16 words]
-    _words(bt).slice(PIECE * 64, 64, dim=0).store(_transposed_words(w))
+    K]``, by 4-byte words (:func:`_transposed_words`). ``PERMUTED``: ``raw``'s rows in :func:`words_layout`'s
+    permuted order, and ``bt``'s row of column ``N`` is ``32 (N % 4) + N // 4`` (the product's columns in that order:
+    :func:`_natural_columns`)."""
+    src, dst = _words(raw), _words(bt)
+    if PERMUTED:
+        o0, o1, o2, o3 = _byte_planes(src.slice(PIECE * 16, 16, dim=1).load(words_layout(True)), True)
+        dst.slice(PIECE * 16, 16, dim=0).store(gl.permute(o0, (1, 0)))  # [16 words, 32 g]: N = 4 word + c
+        dst.slice(32 + PIECE * 16, 16, dim=0).store(gl.permute(o1, (1, 0)))
+        dst.slice(64 + PIECE * 16, 16, dim=0).store(gl.permute(o2, (1, 0)))
+        dst.slice(96 + PIECE * 16, 16, dim=0).store(gl.permute(o3, (1, 0)))
+    else:
+        w = src.slice(PIECE * 16, 16, dim=1).load(words_layout())  # [128 K, 16 words]
+        dst.slice(PIECE * 64, 64, dim=0).store(_transposed_words(w))
 
 
 @gluon.jit
@@ -189,7 +217,8 @@ def _producer_loads(a_desc, w_words, table, KC, E, W_ROWS, tiles_m, tiles_n, sme
 
 
 @gluon.jit
-def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, FIRST: gl.constexpr, PIECES: gl.constexpr):
+def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, FIRST: gl.constexpr, PIECES: gl.constexpr,
+                     PERMUTED: gl.constexpr = False):
     """Step ``j``'s weight tile ``[BK, BN]`` (contraction-major, as copied) into its K-major buffer ``[BN, BK]``,
     through registers in 64-column pieces (``PIECES`` of them from piece ``FIRST``: both, or with ``SPLIT`` one a
     warpgroup); then one arrival on ``ready`` (the copy of its activation tile landed with the weight tile's, on
@@ -197,7 +226,7 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, FIRST: gl.co
     s = j % STAGES
     mbarrier.wait(land.index(s), (j // STAGES) & 1)
     for c in gl.static_range(FIRST, FIRST + PIECES):
-        transpose_words(raw.index(s), bt.index(s), c)
+        transpose_words(raw.index(s), bt.index(s), c, PERMUTED)
     fence_async_shared()
     _cta_sync()  # every thread's stores are in before the warpgroup's one arrival
     mbarrier.arrive(ready.index(s), count=1)
@@ -206,9 +235,11 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, FIRST: gl.co
 @gluon.jit
 def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS: gl.constexpr,
               E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
-              LOW_RANK: gl.constexpr, SPLIT: gl.constexpr):
+              LOW_RANK: gl.constexpr, SPLIT: gl.constexpr, COPIER: gl.constexpr = False,
+              PERMUTED: gl.constexpr = False):
     """Every TMA copy into the ring; with ``TRANS`` the weight tile's transposition too (``SPLIT``: its first 64
-    columns, :func:`_transposer` the others)."""
+    columns, :func:`_transposer` the others), unless ``COPIER`` (two :func:`_transposer` take both pieces)."""
+    XPOSE: gl.constexpr = TRANS and not COPIER
     a_smem, raw, bt, land, ready, empty = smem
     PIECES: gl.constexpr = 1 if SPLIT else 2
     nk = KC // BK
@@ -221,39 +252,67 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
                 _load_low_rank(low_rank, nt, row0, g * (tiles_n * BN) + pid_n * BN)
                 nt += 1
             for kb in range(nk):
-                if TRANS:
+                if XPOSE:
                     # the transposition first: it waits only for its copies, not for a free stage, so the ready
                     # stages run ahead of the math warpgroups
                     if it >= LAG:
-                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES, 0, PIECES)
+                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES, 0, PIECES, PERMUTED)
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
                 mbarrier.expect(land.index(s), BM * BK + BK * BN)  # e4m3: a byte each
                 _tma_load(a_desc, [row0, kb * BK], land.index(s), a_smem.index(s))
-                if TRANS:
+                if PERMUTED:  # K rows r at 32 (r % 4) + r // 4 (permuted_w_desc)
+                    _tma_load(w_desc, [0, (g * W_ROWS + kb * BK) // 4, pid_n * BN], land.index(s), raw.index(s))
+                elif TRANS:
                     _tma_load(w_desc, [g * W_ROWS + kb * BK, pid_n * BN], land.index(s), raw.index(s))
                 else:
                     _tma_load(w_desc, [g * W_ROWS + pid_n * BN, kb * BK], land.index(s), raw.index(s))
                 it += 1
-    if TRANS:
+    if XPOSE:
         for j in range(gl.maximum(it - LAG, 0), it):
-            _transpose_stage(j, raw, bt, land, ready, STAGES, 0, PIECES)
+            _transpose_stage(j, raw, bt, land, ready, STAGES, 0, PIECES, PERMUTED)
+
+
+@gluon.jit
+def _transpose_pair(j, raw, bt, land, ready, STAGES: gl.constexpr, PIECE: gl.constexpr, PERMUTED: gl.constexpr):
+    """Steps ``j`` and ``j + 1`` as :func:`_transpose_stage` (one piece each), behind one fence and one barrier:
+    the fence waits for the warpgroup's stores to drain, so two steps pay it once."""
+    s0 = j % STAGES
+    s1 = (j + 1) % STAGES
+    mbarrier.wait(land.index(s0), (j // STAGES) & 1)
+    transpose_words(raw.index(s0), bt.index(s0), PIECE, PERMUTED)
+    mbarrier.wait(land.index(s1), ((j + 1) // STAGES) & 1)
+    transpose_words(raw.index(s1), bt.index(s1), PIECE, PERMUTED)
+    fence_async_shared()
+    _cta_sync()
+    mbarrier.arrive(ready.index(s0), count=1)
+    mbarrier.arrive(ready.index(s1), count=1)
 
 
 @gluon.jit
 def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
-                STAGES: gl.constexpr, PIECE: gl.constexpr):
-    """``SPLIT``'s second transposing warpgroup: 64 columns (``PIECE`` 1: the last) of every step's weight tile as it
-    lands (the producer copied it once the stage was free, so its transposed buffer is free too)."""
+                STAGES: gl.constexpr, PIECE: gl.constexpr, PAIRED: gl.constexpr = False,
+                PERMUTED: gl.constexpr = False):
+    """A transposing warpgroup: 64 columns (``PIECE``) of every step's weight tile as it lands (the producer copied
+    it once the stage was free, so its transposed buffer is free too). ``PAIRED``: two steps a fence
+    (:func:`_transpose_pair`)."""
     a_smem, raw, bt, land, ready, empty = smem
     nk = KC // BK
     it = 0
     for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
         g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
         if g < E:
-            for _kb in range(nk):
-                _transpose_stage(it, raw, bt, land, ready, STAGES, PIECE, 1)
-                it += 1
+            if PAIRED:
+                for _kb in range(nk // 2):
+                    _transpose_pair(it, raw, bt, land, ready, STAGES, PIECE, PERMUTED)
+                    it += 2
+                if nk % 2 == 1:
+                    _transpose_stage(it, raw, bt, land, ready, STAGES, PIECE, 1, PERMUTED)
+                    it += 1
+            else:
+                for _kb in range(nk):
+                    _transpose_stage(it, raw, bt, land, ready, STAGES, PIECE, 1, PERMUTED)
+                    it += 1
 
 
 @gluon.jit
@@ -289,12 +348,15 @@ def _promote(acc, tok, sc, empty, j, PENDING: gl.constexpr, STAGES: gl.constexpr
 
 
 @gluon.jit
-def _store(out, acc, first_row, row_end, pid_n, stride_om, COALESCED: gl.constexpr):
+def _store(out, acc, first_row, row_end, pid_n, stride_om, COALESCED: gl.constexpr, PERMUTED: gl.constexpr = False):
     """A math warpgroup's ``[64, BN]`` result, rows ``first_row + [0, 64)`` below ``row_end``, into ``out`` (its
     pointers made here, not held through the loop).
     ``COALESCED``: through shared memory (a layout conversion, 8 KB a warpgroup at a time) into 16-byte stores that
     fill whole 32-byte sectors, a warp's two rows at once; the accumulator's own layout stores 4 bytes a thread, half
-    of each sector (Nsight Compute on an H100 at 0f10a59: 45 % of the forward's global sectors excess)."""
+    of each sector (Nsight Compute on an H100 at 0f10a59: 45 % of the forward's global sectors excess).
+    ``PERMUTED``: ``acc``'s columns in :func:`transpose_words`' permuted order, put back first."""
+    if PERMUTED:
+        acc = natural_columns(acc)
     if COALESCED:
         OUT: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         val = gl.convert_layout(acc.to(out.dtype.element_ty), OUT)
@@ -341,7 +403,7 @@ def _contract(acc, zero, a_smem, b_all, wait_on, empty, sa_ptrs, sw_ptr, rmask, 
 def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe, stride_sbk,
           stride_sbn, stride_om, smem, low_rank, HALF: gl.constexpr, TRANS: gl.constexpr, E_P2: gl.constexpr,
           GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr, SIMPLE: gl.constexpr,
-          COALESCED: gl.constexpr):
+          COALESCED: gl.constexpr, PERMUTED: gl.constexpr = False):
     """Math warpgroup ``HALF``: rows ``[64 HALF, 64 HALF + 64)`` of each tile. ``SIMPLE``: one product in flight
     a warpgroup, waited for before its promotion (the other warpgroup's keeps the tensor cores busy meanwhile).
     ``COALESCED``: the result stored through shared memory (:func:`_store`)."""
@@ -362,11 +424,11 @@ def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, s
             sa_ptrs = sa + rows.to(gl.int64) * stride_sam
             sw_ptr = sw + g.to(gl.int64) * stride_swe + pid_n * stride_sbn
             # the low-rank term started in the accumulator: no second one at the end, where the registers are short
-            acc, nt = _acc_start(low_rank, nt, zero, HALF, LOW_RANK)
+            acc, nt = _acc_start(low_rank, nt, zero, HALF, LOW_RANK, PERMUTED=PERMUTED)
             acc = _contract(acc, zero, a_smem, b_all, wait_on, empty, sa_ptrs, sw_ptr, rmask, it, nk, stride_sak,
                             stride_sbk, HALF, STAGES, SIMPLE, False)
             it += nk
-            _store(out, acc, row0 + HALF * 64, row_end, pid_n, stride_om, COALESCED)
+            _store(out, acc, row0 + HALF * 64, row_end, pid_n, stride_om, COALESCED, PERMUTED)
         elif g == E:  # rows past offs[-1]
             _store(out, zero, row0 + HALF * 64, row_end, pid_n, stride_om, COALESCED)
 
@@ -379,6 +441,7 @@ def fp8_grouped_gluon_kernel(
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
     SIMPLE: gl.constexpr = False, COALESCED: gl.constexpr = True, SPLIT: gl.constexpr = False,
     XPOSE_REGS: gl.constexpr = 0, LOADS: gl.constexpr = False, W_STRIDE: gl.constexpr = 0,
+    COPIER: gl.constexpr = False, PAIRED: gl.constexpr = False, PERMUTED: gl.constexpr = False,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -394,7 +457,11 @@ def fp8_grouped_gluon_kernel(
         bt = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], tile_smem())
         raw = bt
     else:
-        raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
+        if PERMUTED:  # the copy of permuted_w_desc: [4 K rows mod 4, 32 K rows // 4, 128 N]
+            raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 4, 32, BN],
+                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
+        else:
+            raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
         if TRANS:  # the weight tile transposed by the producer, beside the copied one
             bt = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], tile_smem())
         else:
@@ -424,37 +491,50 @@ def fp8_grouped_gluon_kernel(
         gl.warp_specialize([
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED)),
+                     LOW_RANK, SIMPLE, COALESCED, PERMUTED)),
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED)),
+                     LOW_RANK, SIMPLE, COALESCED, PERMUTED)),
             (_producer_loads, (a_desc, w_words, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, E_P2,
                                GROUP_M, STAGES, LOW_RANK, W_STRIDE)),
             (_transposer_loads, (w_words, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1,
                                  W_STRIDE)),
         ], [4, 4, 4], [MATH_REGS, PRODUCER_REGS, XPOSE_REGS])
+    elif COPIER:
+        gl.warp_specialize([
+            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
+                     LOW_RANK, SIMPLE, COALESCED, PERMUTED)),
+            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
+                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
+                     LOW_RANK, SIMPLE, COALESCED, PERMUTED)),
+            (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT, COPIER, PERMUTED)),
+            (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 0, PAIRED, PERMUTED)),
+            (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1, PAIRED, PERMUTED)),
+        ], [4, 4, 4, 4], [MATH_REGS, PRODUCER_REGS, XPOSE_REGS, XPOSE_REGS])
     elif SPLIT:
         gl.warp_specialize([
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED)),
+                     LOW_RANK, SIMPLE, COALESCED, PERMUTED)),
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED)),
+                     LOW_RANK, SIMPLE, COALESCED, PERMUTED)),
             (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
-                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT)),
-            (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1)),
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT, False, PERMUTED)),
+            (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1, PAIRED, PERMUTED)),
         ], [4, 4, 4], [MATH_REGS, PRODUCER_REGS, XPOSE_REGS])
     else:
         gl.warp_specialize([
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED)),
+                     LOW_RANK, SIMPLE, COALESCED, PERMUTED)),
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED)),
+                     LOW_RANK, SIMPLE, COALESCED, PERMUTED)),
             (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
-                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT)),
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT, False, PERMUTED)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 
@@ -477,7 +557,8 @@ def launch_settings(trans: bool, split: bool | None = None) -> dict:
     2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46.
     ``split``: the input gradient's transposition in two warpgroups (:data:`SPLIT_SETTINGS`) or one; None:
     :data:`SPLIT_TRANSPOSITION`."""
-    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0, LOADS=False)
+    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0, LOADS=False, COPIER=False,
+               PAIRED=False, PERMUTED=False)
     if not trans:
         return {**cfg, "MATH_REGS": 232, "PRODUCER_REGS": 40, "SIMPLE": False}
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
@@ -503,6 +584,10 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
         return out
     walk = tile_walk(offs, m, n_out, BM.value, BN.value)
     a_desc, w_desc = tile_descs(a, weight, BM.value, 128)
+    if cfg["PERMUTED"]:
+        if not trans:
+            raise ValueError("settings: PERMUTED is the input gradient's (trans=True)")
+        w_desc = permuted_w_desc(weight)
     if trans:  # contraction along W's rows
         ssk, ssn = scale.stride(1), scale.stride(2)
     else:
@@ -538,6 +623,17 @@ def tile_descs(a: Tensor, weight: Tensor, a_rows: int, w_rows: int) -> tuple:
     (m, c), (e, r, k) = a.shape, weight.shape
     return (TensorDescriptor(a, [m, c], [c, 1], [a_rows, BK.value], tile_smem()),
             TensorDescriptor(weight.view(e * r, k), [e * r, k], [k, 1], [w_rows, BK.value], tile_smem()))
+
+
+def permuted_w_desc(weight: Tensor):
+    """TMA descriptor of the weights ``[E, R, C]`` (``R`` a multiple of 4) whose ``[128, 128]`` tile lands with its K
+    row ``r`` at row ``32 (r % 4) + r // 4``: the view ``[4, E R / 4, C]`` (strides ``C``, ``4 C``, 1), blocks
+    ``[4, 32, 128]``, 128-byte swizzled (:func:`transpose_words`' ``PERMUTED``)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    e, r, c = weight.shape
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
+    return TensorDescriptor(weight, [4, e * r // 4, c], [c, 4 * c, 1], [4, 32, BK.value], layout)
 
 
 def _settings(trans: bool, settings: dict | None) -> dict:

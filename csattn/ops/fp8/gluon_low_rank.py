@@ -9,7 +9,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
 
-from .gluon_tiles import BN, _tma_load, acc_layout
+from .gluon_tiles import BN, _tma_load, acc_layout, permuted_columns
 
 
 @gluon.jit
@@ -45,7 +45,7 @@ def _load_low_rank(low_rank, nt, row0, w_row):
 
 
 @gluon.jit
-def _low_rank_start(low_rank, nt, HALF: gl.constexpr, WIDE: gl.constexpr = False):
+def _low_rank_start(low_rank, nt, HALF: gl.constexpr, WIDE: gl.constexpr = False, PERMUTED: gl.constexpr = False):
     """The accumulator's start for the program's ``nt``-th tile: ``l_scale * v[rows] @ w^T`` (this warpgroup's 64
     rows), one bf16 / fp16 MMA of depth ``R``; the contraction's products are added to it. ``WIDE`` (``[64, 256]``
     tiles, :mod:`.gluon_wide`): the tile's 64 rows by this warpgroup's 128 columns."""
@@ -62,14 +62,17 @@ def _low_rank_start(low_rank, nt, HALF: gl.constexpr, WIDE: gl.constexpr = False
         lo = warpgroup_mma(v_buf.index(b).slice(HALF * 64, 64, dim=0), w_buf.index(b).permute((1, 0)),
                            gl.zeros([64, BN], gl.float32, layout=LO), use_acc=False)
     mbarrier.arrive(lr_empty.index(b), count=1)
+    if PERMUTED:  # the product's columns in the permuted weight tile's order (.gluon.transpose_words)
+        lo = permuted_columns(lo)
     return gl.convert_layout(lo * l_scale, acc_layout())
 
 
 @gluon.jit
-def _acc_start(low_rank, nt, zero, HALF: gl.constexpr, LOW_RANK: gl.constexpr, WIDE: gl.constexpr = False):
+def _acc_start(low_rank, nt, zero, HALF: gl.constexpr, LOW_RANK: gl.constexpr, WIDE: gl.constexpr = False,
+               PERMUTED: gl.constexpr = False):
     """A math warpgroup's accumulator at the start of the program's next tile, and the count of tiles that took the
     low-rank term: its start (:func:`_low_rank_start`) with ``LOW_RANK``, else ``zero``."""
     if LOW_RANK:
-        return _low_rank_start(low_rank, nt, HALF, WIDE), nt + 1
+        return _low_rank_start(low_rank, nt, HALF, WIDE, PERMUTED), nt + 1
     else:
         return zero, nt

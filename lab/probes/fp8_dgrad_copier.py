@@ -1,0 +1,34 @@
+"""The Gluon input gradient with its stages' lifecycle shortened, from Nsight Compute's stall sampling of the default
+on an H100 (the split transposition, 1cdfd36): the math warpgroups waited for transposed stages ~45 % of their
+samples and for their products ~45 %; the transposing warpgroups waited for their copies to land ~33 % and in the
+fence and barrier after their stores ~40 % (the producer transposes too, so its copies queue behind a
+transposition). Forms: ``PAIRED`` (two steps a fence), ``COPIER`` (the producer only copies; two transposing
+warpgroups, 184 / 24 / 56 / 56 registers), both. Both GEMMs at the slice's 16k tokens (256 experts top-6), bit for
+bit against the default and timed, then the frozen MoE with each.
+
+    PYTHONPATH=. python -m lab.probes.fp8_dgrad_copier
+"""
+
+from __future__ import annotations
+
+import torch
+
+from csattn.ops.fp8.gluon import launch_settings
+from lab.probes.gluon_forms import compare_moe, time_gemms
+
+COPIER = {"COPIER": True, "MATH_REGS": 184, "PRODUCER_REGS": 24, "XPOSE_REGS": 56}
+FORMS = {"copier": COPIER, "copier, paired": {**COPIER, "PAIRED": True},
+         "permuted, copier": {**COPIER, "PERMUTED": True}, "permuted, copier, paired": {**COPIER, "PERMUTED": True,
+                                                                                     "PAIRED": True},
+         "permuted, split": {"PERMUTED": True}}
+
+
+def main() -> None:
+    print(f"== {torch.cuda.get_device_name()}; default {launch_settings(True)}", flush=True)
+    time_gemms(FORMS)
+    for _ in range(2):  # alternating: the card's clocks drift over a run
+        compare_moe(FORMS)
+
+
+if __name__ == "__main__":
+    main()
