@@ -16,19 +16,17 @@ import json, re, sys
 from tests.ops.gluon_sm90 import build_sm90
 from csattn.ops.fp8.gluon import fp8_grouped_gluon_kernel as fn, launch_settings, tile_smem
 
-trans, low_rank, split, loads = (a == "1" for a in sys.argv[1:5])
+trans, low_rank, split = (a == "1" for a in sys.argv[1:4])
 desc = f"tensordesc<fp8e4nv[128, 128],{tile_smem()!r}>"
 ints = ("KC", "E", "W_ROWS", "tiles_m", "tiles_n", "stride_sam", "stride_sak", "stride_swe", "stride_sbk",
         "stride_sbn", "stride_om")
-sig = {"a_desc": desc, "w_desc": desc, "w_words": "*i32", "sa": "*fp32", "sw": "*fp32", "table": "*i32", "out": "*bf16",
+sig = {"a_desc": desc, "w_desc": desc, "sa": "*fp32", "sw": "*fp32", "table": "*i32", "out": "*bf16",
        **{k: "i32" for k in ints}, "v_desc": desc, "lw_desc": desc, "l_scale": "fp32"}
 if low_rank:  # the LoRA term at rank 16
     from triton.experimental.gluon import language as gl
     lr = gl.NVMMASharedLayout.get_default_for([128, 16], gl.bfloat16)
     sig["v_desc"] = sig["lw_desc"] = f"tensordesc<bf16[128, 16],{lr!r}>"
 settings = launch_settings(trans, split)
-if loads:
-    settings.update(LOADS=True, W_STRIDE=1024)
 # the output's row stride 16-aligned, as the launcher specializes it for the weights' multiples of 128
 kernel, ptx, info = build_sm90(fn, sig, dict(TRANS=trans, E_P2=512, LOW_RANK=low_rank, **settings),
                                [k for k, v in sig.items() if v.startswith("*")] + ["stride_om"])
@@ -63,7 +61,7 @@ def _waits(trans: bool) -> list[str]:
 @pytest.mark.parametrize("low_rank", [False, True])
 @pytest.mark.parametrize("trans", [False, True])
 def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
-    info = run_build(_SCRIPT, "1" if trans else "0", "1" if low_rank else "0", "0", "0")
+    info = run_build(_SCRIPT, "1" if trans else "0", "1" if low_rank else "0", "0")
     print({k: v for k, v in info.items() if k != "ptxas"})
     assert info["ptxas_rc"] == 0, info["ptxas"]
     assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]
@@ -86,7 +84,7 @@ def test_gluon_fp8_input_grad_split_transposition_builds_for_sm90(low_rank):
     """``SPLIT`` (the default): the input gradient's transposition shared by the producer (the tile's first 64
     columns, in the loop and the drain) and a fourth warpgroup (the last 64): 16 warps, no spills at
     ``SPLIT_SETTINGS``' register split, the same MMAs, copies, barriers and shared memory as the one transposer."""
-    info = run_build(_SCRIPT, "1", "1" if low_rank else "0", "1", "0")
+    info = run_build(_SCRIPT, "1", "1" if low_rank else "0", "1")
     print({k: v for k, v in info.items() if k != "ptxas"})
     assert info["ptxas_rc"] == 0, info["ptxas"]
     assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]

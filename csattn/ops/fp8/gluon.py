@@ -36,7 +36,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..backend import triton_version
 from .gluon_low_rank import _acc_start, _load_low_rank, _low_rank_ring
-from .gluon_tiles import BK, BM, BN, _cta_sync, _tile, _tma_load, acc_layout, natural_columns, tile_smem, tile_walk
+from .gluon_tiles import (
+    BK,
+    BM,
+    BN,
+    _cta_sync,
+    _tile,
+    _tma_load,
+    acc_layout,
+    natural_columns,
+    tile_smem,
+    tile_walk,
+)
 
 __all__ = ["FUSE_LOW_RANK", "RANK", "fp8_grouped_gluon_kernel", "grouped_mm_gluon", "launch_settings"]
 
@@ -135,7 +146,7 @@ def transpose_words(raw, bt, PIECE: gl.constexpr, PERMUTED: gl.constexpr = False
     """Columns ``[64 PIECE, 64 PIECE + 64)`` of the e4m3 tile ``raw [128 K, 128 N]`` into rows of ``bt [128 N, 128
     K]``, by 4-byte words (:func:`_transposed_words`). ``PERMUTED``: ``raw``'s rows in :func:`words_layout`'s
     permuted order, and ``bt``'s row of column ``N`` is ``32 (N % 4) + N // 4`` (the product's columns in that order:
-    :func:`_natural_columns`)."""
+    :func:`.gluon_tiles.natural_columns`)."""
     src, dst = _words(raw), _words(bt)
     if PERMUTED:
         o0, o1, o2, o3 = _byte_planes(src.slice(PIECE * 16, 16, dim=1).load(words_layout(True)), True)
@@ -146,74 +157,6 @@ def transpose_words(raw, bt, PIECE: gl.constexpr, PERMUTED: gl.constexpr = False
     else:
         w = src.slice(PIECE * 16, 16, dim=1).load(words_layout())  # [128 K, 16 words]
         dst.slice(PIECE * 64, 64, dim=0).store(_transposed_words(w))
-
-
-@gluon.jit
-def _load_words(w_words, row, pid_n, PIECE: gl.constexpr, W_STRIDE: gl.constexpr):
-    """``LOADS``: the weight's contraction rows ``[row, row + 128)``, columns ``[128 pid_n + 64 PIECE, + 64)``, as
-    ``[128, 16]`` 4-byte words in :func:`words_layout`, from global memory (``w_words``: the weight's bytes as int32,
-    ``W_STRIDE`` words a row: a constexpr, so each register's row is an immediate offset of one address)."""
-    L: gl.constexpr = words_layout()
-    r = gl.arange(0, 128, layout=gl.SliceLayout(1, L))
-    c = gl.arange(0, 16, layout=gl.SliceLayout(0, L))
-    base = w_words + row.to(gl.int64) * W_STRIDE + (pid_n * 32 + PIECE * 16)
-    return gl.load(base + (gl.expand_dims(r * W_STRIDE, 1) + gl.expand_dims(c, 0)))
-
-
-@gluon.jit
-def _transposer_loads(w_words, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, E_P2: gl.constexpr,
-                      GROUP_M: gl.constexpr, STAGES: gl.constexpr, PIECE: gl.constexpr, W_STRIDE: gl.constexpr):
-    """``LOADS``' second transposing warpgroup: columns ``[64 PIECE, + 64)`` of every step's weight tile, its words
-    loaded from global memory a step ahead (:func:`_load_words`), transposed into the stage's buffer once the math
-    warpgroups freed it; one arrival on ``ready``."""
-    a_smem, raw, bt, land, ready, empty = smem
-    nk = KC // BK
-    it = 0
-    for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-        g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
-        if g < E:
-            w = _load_words(w_words, g * W_ROWS, pid_n, PIECE, W_STRIDE)
-            for kb in range(nk):
-                # the next step's words in flight while this one is transposed (the last step loads its own again)
-                nxt = _load_words(w_words, g * W_ROWS + gl.minimum(kb + 1, nk - 1) * BK, pid_n, PIECE, W_STRIDE)
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
-                _words(bt.index(s)).slice(PIECE * 64, 64, dim=0).store(_transposed_words(w))
-                fence_async_shared()
-                _cta_sync()  # every thread's stores are in before the warpgroup's one arrival
-                mbarrier.arrive(ready.index(s), count=1)
-                w = nxt
-                it += 1
-
-
-@gluon.jit
-def _producer_loads(a_desc, w_words, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, E_P2: gl.constexpr,
-                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOW_RANK: gl.constexpr, W_STRIDE: gl.constexpr):
-    """``LOADS``' producer: the activation tiles by TMA onto ``ready`` (its expected bytes one of the stage's three
-    arrivals) and the first 64 columns of each weight tile as :func:`_transposer_loads` does the last 64."""
-    nk = KC // BK
-    a_smem, raw, bt, land, ready, empty = smem
-    it = 0
-    nt = 0  # tiles with a group: the low-rank buffers' turns
-    for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-        g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
-        if g < E:
-            if LOW_RANK:
-                _load_low_rank(low_rank, nt, row0, g * (tiles_n * BN) + pid_n * BN)
-                nt += 1
-            w = _load_words(w_words, g * W_ROWS, pid_n, 0, W_STRIDE)
-            for kb in range(nk):
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), BM * BK)
-                _tma_load(a_desc, [row0, kb * BK], ready.index(s), a_smem.index(s))
-                nxt = _load_words(w_words, g * W_ROWS + gl.minimum(kb + 1, nk - 1) * BK, pid_n, 0, W_STRIDE)
-                _words(bt.index(s)).slice(0, 64, dim=0).store(_transposed_words(w))
-                fence_async_shared()
-                _cta_sync()
-                mbarrier.arrive(ready.index(s), count=1)
-                w = nxt
-                it += 1
 
 
 @gluon.jit
@@ -249,7 +192,7 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
         g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
         if g < E:
             if LOW_RANK:
-                _load_low_rank(low_rank, nt, row0, g * (tiles_n * BN) + pid_n * BN)
+                _load_low_rank(low_rank, nt, row0, g * (tiles_n * BN) + pid_n * BN, PERMUTED)
                 nt += 1
             for kb in range(nk):
                 if XPOSE:
@@ -435,13 +378,13 @@ def _math(sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, s
 
 @gluon.jit
 def fp8_grouped_gluon_kernel(
-    a_desc, w_desc, w_words, sa, sw, table, out, KC, E, W_ROWS, tiles_m, tiles_n,
+    a_desc, w_desc, sa, sw, table, out, KC, E, W_ROWS, tiles_m, tiles_n,
     stride_sam, stride_sak, stride_swe, stride_sbk, stride_sbn, stride_om, v_desc, lw_desc, l_scale,
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
     SIMPLE: gl.constexpr = False, COALESCED: gl.constexpr = True, SPLIT: gl.constexpr = False,
-    XPOSE_REGS: gl.constexpr = 0, LOADS: gl.constexpr = False, W_STRIDE: gl.constexpr = 0,
-    COPIER: gl.constexpr = False, PAIRED: gl.constexpr = False, PERMUTED: gl.constexpr = False,
+    XPOSE_REGS: gl.constexpr = 0, COPIER: gl.constexpr = False, PAIRED: gl.constexpr = False,
+    PERMUTED: gl.constexpr = False,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -449,58 +392,35 @@ def fp8_grouped_gluon_kernel(
     contraction, ``sbn`` along the output columns); ``table``: :func:`group_table`. ``LOW_RANK``: plus
     ``l_scale * v[rows of e] @ w_e^T``, ``v_desc`` of ``v [M, R]`` (blocks ``[128, R]``), ``lw_desc`` of ``w`` ``[E * N,
     R]`` (blocks ``[128, R]``), 16-bit, added in fp32 before the one rounding. ``SPLIT`` (``TRANS``): the
-    transposition shared by the producer and a fourth warpgroup (``XPOSE_REGS`` registers). ``LOADS`` (with
-    ``SPLIT``): the transposers read the weight's words from global memory (``w_words``, the weight's bytes as int32,
-    ``W_STRIDE`` words a row) instead of a TMA copy in shared memory."""
+    transposition shared by the producer and a fourth warpgroup (``XPOSE_REGS`` registers)."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], tile_smem())
-    if TRANS and LOADS:  # only the transposed buffer: the weight's words come from global memory
-        bt = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], tile_smem())
-        raw = bt
+    if PERMUTED:  # the copy of permuted_w_desc: [4 K rows mod 4, 32 K rows // 4, 128 N]
+        raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 4, 32, BN],
+                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
     else:
-        if PERMUTED:  # the copy of permuted_w_desc: [4 K rows mod 4, 32 K rows // 4, 128 N]
-            raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 4, 32, BN],
-                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
-        else:
-            raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
-        if TRANS:  # the weight tile transposed by the producer, beside the copied one
-            bt = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], tile_smem())
-        else:
-            bt = raw
+        raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
+    if TRANS:  # the weight tile transposed by the producer, beside the copied one
+        bt = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], tile_smem())
+    else:
+        bt = raw
+    land = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
+        mbarrier.init(land.index(s), count=1)  # the expect; the copies' bytes
         mbarrier.init(empty.index(s), count=2)  # each math warpgroup, once its MMA on the stage is done
-    if TRANS:  # each transposing warpgroup once its piece is in; with LOADS also the activation tile's copy
+    if TRANS:  # the producer, once the weight tile is transposed
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=3 if LOADS else (2 if SPLIT else 1))
-    if TRANS and LOADS:  # no barrier made and left unused (see below)
-        land = ready
-    else:
-        land = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(land.index(s), count=1)  # the expect; the copies' bytes
-    if not TRANS:  # no barrier made and left unused: the allocator could hand its bytes to a later buffer while
-        # they hold an initialized barrier
+            mbarrier.init(ready.index(s), count=2 if SPLIT else 1)  # each transposing warpgroup
+    else:  # no barrier made and left unused: the allocator could hand its bytes to a later buffer while they hold
+        # an initialized barrier
         ready = land
     smem = (a_smem, raw, bt, land, ready, empty)
     low_rank = _low_rank_ring(v_desc, lw_desc, l_scale, a_smem, land, empty, LOW_RANK)
     # two literal lists: warp_specialize takes its (function, arguments) pairs written out (an argument tuple held in
     # a local, or a list joined with `+ ([...] if SPLIT else [])`, does not compile on Triton 3.6 / 3.9), and the
     # forward has no registers for a fourth partition
-    if LOADS:
-        gl.warp_specialize([
-            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED, PERMUTED)),
-            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED, PERMUTED)),
-            (_producer_loads, (a_desc, w_words, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, E_P2,
-                               GROUP_M, STAGES, LOW_RANK, W_STRIDE)),
-            (_transposer_loads, (w_words, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1,
-                                 W_STRIDE)),
-        ], [4, 4, 4], [MATH_REGS, PRODUCER_REGS, XPOSE_REGS])
-    elif COPIER:
+    if COPIER:
         gl.warp_specialize([
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
@@ -557,8 +477,8 @@ def launch_settings(trans: bool, split: bool | None = None) -> dict:
     2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46.
     ``split``: the input gradient's transposition in two warpgroups (:data:`SPLIT_SETTINGS`) or one; None:
     :data:`SPLIT_TRANSPOSITION`."""
-    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0, LOADS=False, COPIER=False,
-               PAIRED=False, PERMUTED=False)
+    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0, COPIER=False, PAIRED=False,
+               PERMUTED=False)
     if not trans:
         return {**cfg, "MATH_REGS": 232, "PRODUCER_REGS": 40, "SIMPLE": False}
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
@@ -592,14 +512,12 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
         ssk, ssn = scale.stride(1), scale.stride(2)
     else:
         ssk, ssn = scale.stride(2), scale.stride(1)
-    v_desc, lw_desc, l_scale = (a_desc, a_desc, 0.0) if low_rank is None else low_rank_descs(*low_rank, m, e, n_out)
-    if cfg["LOADS"] and not (trans and cfg["SPLIT"]):
-        raise ValueError("settings: LOADS is the input gradient's (trans=True) with SPLIT")
+    v_desc, lw_desc, l_scale = (a_desc, a_desc, 0.0) if low_rank is None else low_rank_descs(
+        *low_rank, m, e, n_out, permuted=cfg["PERMUTED"])
     fp8_grouped_gluon_kernel[walk.grid](
-        a_desc, w_desc, weight.view(torch.int32), a_scale, scale, walk.table, out, c, e, n_w, walk.tiles_m,
-        walk.tiles_n, a_scale.stride(0), a_scale.stride(1), scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc,
-        l_scale, TRANS=trans, E_P2=walk.e_p2, **cfg, W_STRIDE=k_w // 4 if cfg["LOADS"] else 0,
-        LOW_RANK=low_rank is not None, num_warps=4)
+        a_desc, w_desc, a_scale, scale, walk.table, out, c, e, n_w, walk.tiles_m, walk.tiles_n,
+        a_scale.stride(0), a_scale.stride(1), scale.stride(0), ssk, ssn, out.stride(0), v_desc, lw_desc, l_scale,
+        TRANS=trans, E_P2=walk.e_p2, **cfg, LOW_RANK=low_rank is not None, num_warps=4)
     return out
 
 
@@ -646,10 +564,11 @@ def _settings(trans: bool, settings: dict | None) -> dict:
 
 
 def low_rank_descs(v: Tensor, w: Tensor, scale: float, m: int, e: int, n_out: int, v_rows: int = BM.value,
-                   w_rows: int = BN.value) -> tuple:
+                   w_rows: int = BN.value, permuted: bool = False) -> tuple:
     """TMA descriptors of the low-rank term's ``v [M, R]`` and ``w [E, n_out, R]`` (blocks ``[v_rows, R]`` and
     ``[w_rows, R]``: a tile's rows and columns) and its scale; a ``ValueError`` unless they fit
-    (:func:`low_rank_fits`)."""
+    (:func:`low_rank_fits`). ``permuted``: ``w``'s rows as :func:`permuted_w_desc` lands the weight's (blocks ``[4,
+    w_rows / 4, R]``), so that the term's columns come in the permuted tile's order."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     if not low_rank_fits(v, w) or v.shape[0] != m or tuple(w.shape[:2]) != (e, n_out) or v.device != w.device:
@@ -659,8 +578,12 @@ def low_rank_descs(v: Tensor, w: Tensor, scale: float, m: int, e: int, n_out: in
     v, w = v.contiguous(), w.contiguous().view(e * n_out, r)
     gdt = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([BM.value, r], gdt)  # 32-byte rows: the same for any row count
-    return (TensorDescriptor(v, [m, r], [r, 1], [v_rows, r], layout),
-            TensorDescriptor(w, [e * n_out, r], [r, 1], [w_rows, r], layout), float(scale))
+    if permuted:
+        layout3 = gl.NVMMASharedLayout(swizzle_byte_width=layout.swizzle_byte_width, element_bitwidth=16, rank=3)
+        w_desc = TensorDescriptor(w, [4, e * n_out // 4, r], [r, 4 * r, 1], [4, w_rows // 4, r], layout3)
+    else:
+        w_desc = TensorDescriptor(w, [e * n_out, r], [r, 1], [w_rows, r], layout)
+    return TensorDescriptor(v, [m, r], [r, 1], [v_rows, r], layout), w_desc, float(scale)
 
 
 def low_rank_fits(v: Tensor, w: Tensor) -> bool:

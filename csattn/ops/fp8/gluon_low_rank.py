@@ -9,7 +9,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
 
-from .gluon_tiles import BN, _tma_load, acc_layout, permuted_columns
+from .gluon_tiles import BN, _tma_load, acc_layout
 
 
 @gluon.jit
@@ -32,7 +32,7 @@ def _low_rank_ring(v_desc, lw_desc, l_scale, spare, land, empty, LOW_RANK: gl.co
 
 
 @gluon.jit
-def _load_low_rank(low_rank, nt, row0, w_row):
+def _load_low_rank(low_rank, nt, row0, w_row, PERMUTED: gl.constexpr = False):
     """The low-rank term's tiles of the program's ``nt``-th tile: ``v`` rows ``[row0, row0 + 128)`` (rows past ``M``
     read as zeros; rows of the next group are read, and their results not stored) and ``w`` rows ``[w_row,
     w_row + 128)``, into buffer ``nt % 2`` once the math warpgroups have released it."""
@@ -41,7 +41,10 @@ def _load_low_rank(low_rank, nt, row0, w_row):
     mbarrier.wait(lr_empty.index(b), ((nt // 2) & 1) ^ 1)  # the first turn of each buffer: at once
     mbarrier.expect(lr_land.index(b), v_desc.block_type.nbytes + lw_desc.block_type.nbytes)
     _tma_load(v_desc, [row0, 0], lr_land.index(b), v_buf.index(b))
-    _tma_load(lw_desc, [w_row, 0], lr_land.index(b), w_buf.index(b))
+    if PERMUTED:  # .gluon.low_rank_descs(permuted=True): [4, rows / 4, R]
+        _tma_load(lw_desc, [0, w_row // 4, 0], lr_land.index(b), w_buf.index(b))
+    else:
+        _tma_load(lw_desc, [w_row, 0], lr_land.index(b), w_buf.index(b))
 
 
 @gluon.jit
@@ -55,15 +58,16 @@ def _low_rank_start(low_rank, nt, HALF: gl.constexpr, WIDE: gl.constexpr = False
     # the instruction's depth is part of the accumulator's layout type (16 for 16-bit operands, 32 for e4m3); the
     # registers of the two are the same
     LO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    wt = w_buf.index(b)
+    if PERMUTED:  # copied [4, 32, R] with its rows in the permuted weight tile's order (.gluon.permuted_w_desc)
+        wt = wt.reshape([BN, wt.shape[2]])
     if WIDE:
         lo = warpgroup_mma(v_buf.index(b), w_buf.index(b).slice(HALF * 128, 128, dim=0).permute((1, 0)),
                            gl.zeros([64, 128], gl.float32, layout=LO), use_acc=False)
     else:
-        lo = warpgroup_mma(v_buf.index(b).slice(HALF * 64, 64, dim=0), w_buf.index(b).permute((1, 0)),
+        lo = warpgroup_mma(v_buf.index(b).slice(HALF * 64, 64, dim=0), wt.permute((1, 0)),
                            gl.zeros([64, BN], gl.float32, layout=LO), use_acc=False)
     mbarrier.arrive(lr_empty.index(b), count=1)
-    if PERMUTED:  # the product's columns in the permuted weight tile's order (.gluon.transpose_words)
-        lo = permuted_columns(lo)
     return gl.convert_layout(lo * l_scale, acc_layout())
 
 

@@ -142,8 +142,3 @@ def natural_columns(acc):
     permuted weight tile, :func:`.gluon.transpose_words`) in the tile's order."""
     return gl.reshape(gl.permute(gl.reshape(acc, [64, 4, 32]), (0, 2, 1)), [64, 128])
 
-
-@gluon.jit
-def permuted_columns(x):
-    """:func:`natural_columns`' inverse: column ``N`` of ``x [64, 128]`` to ``32 (N % 4) + N // 4``."""
-    return gl.reshape(gl.permute(gl.reshape(x, [64, 32, 4]), (0, 2, 1)), [64, 128])
