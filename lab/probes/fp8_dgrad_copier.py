@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from csattn.ops.fp8.gluon import launch_settings
-from lab.probes.gluon_forms import compare_moe, time_gemms
+from csattn.ops.fp8 import quantize_1x128
+from csattn.ops.fp8.gluon import RANK, grouped_mm_gluon, launch_settings
+from lab.probes.gluon_forms import compare_moe, moe_gemms, time_gemms
 
 COPIER = {"COPIER": True, "MATH_REGS": 184, "PRODUCER_REGS": 24, "XPOSE_REGS": 56}
 FORMS = {"copier": COPIER, "copier, paired": {**COPIER, "PAIRED": True},
@@ -23,8 +24,24 @@ FORMS = {"copier": COPIER, "copier, paired": {**COPIER, "PAIRED": True},
          "permuted, split": {"PERMUTED": True}}
 
 
+def low_rank_equal() -> None:
+    """Each form with LoRA's term in the kernel (rank 16) against the default, bit for bit."""
+    dev = torch.device("cuda")
+    for name, q, s, offs, m, gen in moe_gemms(dev):
+        qa, sa = quantize_1x128(torch.randn(m, q.shape[1], device=dev, generator=gen, dtype=torch.bfloat16))
+        v = torch.randn(m, RANK, device=dev, generator=gen, dtype=torch.bfloat16)
+        w = torch.randn(q.shape[0], q.shape[2], RANK, device=dev, generator=gen, dtype=torch.bfloat16)
+        base = grouped_mm_gluon(qa, sa, q, s, offs, True, out_dtype=torch.float32, low_rank=(v, w, 0.5))
+        for form, cfg in FORMS.items():
+            got = grouped_mm_gluon(qa, sa, q, s, offs, True, out_dtype=torch.float32, low_rank=(v, w, 0.5),
+                                   settings=cfg)
+            torch.cuda.synchronize()
+            print(f"{name:8s} {form} with LoRA's term vs default: equal {torch.equal(got, base)}", flush=True)
+
+
 def main() -> None:
     print(f"== {torch.cuda.get_device_name()}; default {launch_settings(True)}", flush=True)
+    low_rank_equal()
     time_gemms(FORMS)
     for _ in range(2):  # alternating: the card's clocks drift over a run
         compare_moe(FORMS)
