@@ -1,10 +1,13 @@
-"""The Gluon input gradient with its stages' lifecycle shortened, from Nsight Compute's stall sampling of the default
-on an H100 (the split transposition, 1cdfd36): the math warpgroups waited for transposed stages ~45 % of their
-samples and for their products ~45 %; the transposing warpgroups waited for their copies to land ~33 % and in the
-fence and barrier after their stores ~40 % (the producer transposes too, so its copies queue behind a
-transposition). Forms: ``PAIRED`` (two steps a fence), ``COPIER`` (the producer only copies; two transposing
-warpgroups, 184 / 24 / 56 / 56 registers), both. Both GEMMs at the slice's 16k tokens (256 experts top-6), bit for
-bit against the default and timed, then the frozen MoE with each.
+"""The Gluon input gradient's forms after Nsight Compute's stall sampling of the split transposition on an H100
+(1cdfd36, ``lab/results/finetune_h100/ncu_stalls_1cdfd36.txt``): the math warpgroups waited for transposed stages
+~45 % of their samples and for their products ~45 %; the transposing warpgroups waited for their copies to land
+~33 % (the producer transposed too, so its copies queued behind a transposition) and in the fence and barrier after
+their stores ~40 %; 28 % of the kernel's shared wavefronts were bank conflicts of the transposition.
+
+Forms against the default (``COPIER``: the producer only copies, two transposing warpgroups): 1cdfd36's (the
+producer transposing half of each tile), ``PAIRED`` (two steps a fence), ``PERMUTED`` (the tiles' rows permuted:
+the transposition's loads and stores on distinct banks), both. Each with LoRA's term, bit for bit; both GEMMs at the
+slice's 16k tokens (256 experts top-6), bit for bit and timed; then the frozen MoE.
 
     PYTHONPATH=. python -m lab.probes.fp8_dgrad_copier
 """
@@ -17,9 +20,8 @@ from csattn.ops.fp8 import quantize_1x128
 from csattn.ops.fp8.gluon import RANK, grouped_mm_gluon, launch_settings
 from lab.probes.gluon_forms import compare_moe, moe_gemms, time_gemms
 
-# the forms before: the producer transposing half of each tile (at 1cdfd36 the default), and with the copier
-OLD = {"COPIER": False, "PERMUTED": False, "PRODUCER_REGS": 72, "XPOSE_REGS": 72}
-FORMS = {"1cdfd36's": OLD, "copier, not permuted": {"PERMUTED": False}}
+FORMS = {"1cdfd36's": {"COPIER": False, "PRODUCER_REGS": 72, "XPOSE_REGS": 72}, "paired": {"PAIRED": True},
+         "permuted": {"PERMUTED": True}, "permuted, paired": {"PERMUTED": True, "PAIRED": True}}
 
 
 def low_rank_equal() -> None:
@@ -41,7 +43,8 @@ def main() -> None:
     print(f"== {torch.cuda.get_device_name()}; default {launch_settings(True)}", flush=True)
     low_rank_equal()
     time_gemms(FORMS)
-    compare_moe({"1cdfd36's": OLD})
+    for _ in range(2):  # alternating: the card's clocks drift over a run
+        compare_moe(FORMS)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ and 16-byte shared stores (the forward copies its tiles by TMA only), and the re
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from csattn.ops.backend import triton_version
 from tests.ops.gluon_sm90 import run_build
 
 _SCRIPT = r"""
@@ -17,6 +20,7 @@ from tests.ops.gluon_sm90 import build_sm90
 from csattn.ops.fp8.gluon import fp8_grouped_gluon_kernel as fn, launch_settings, tile_smem
 
 trans, low_rank, split = (a == "1" for a in sys.argv[1:4])
+extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}  # settings over the defaults
 desc = f"tensordesc<fp8e4nv[128, 128],{tile_smem()!r}>"
 ints = ("KC", "E", "W_ROWS", "tiles_m", "tiles_n", "stride_sam", "stride_sak", "stride_swe", "stride_sbk",
         "stride_sbn", "stride_om")
@@ -26,7 +30,13 @@ if low_rank:  # the LoRA term at rank 16
     from triton.experimental.gluon import language as gl
     lr = gl.NVMMASharedLayout.get_default_for([128, 16], gl.bfloat16)
     sig["v_desc"] = sig["lw_desc"] = f"tensordesc<bf16[128, 16],{lr!r}>"
-settings = launch_settings(trans, split)
+settings = {**launch_settings(trans, split), **extra}
+if settings["PERMUTED"]:  # the weight's (and LoRA's w) copies with their rows permuted: [4, rows / 4, C] blocks
+    from triton.experimental.gluon import language as gl
+    sig["w_desc"] = f"tensordesc<fp8e4nv[4, 32, 128],{gl.NVMMASharedLayout(128, 8, rank=3)!r}>"
+    if low_rank:
+        lr3 = gl.NVMMASharedLayout(lr.swizzle_byte_width, 16, rank=3)
+        sig["lw_desc"] = f"tensordesc<bf16[4, 32, 16],{lr3!r}>"
 # the output's row stride 16-aligned, as the launcher specializes it for the weights' multiples of 128
 kernel, ptx, info = build_sm90(fn, sig, dict(TRANS=trans, E_P2=512, LOW_RANK=low_rank, **settings),
                                [k for k, v in sig.items() if v.startswith("*")] + ["stride_om"])
@@ -35,6 +45,8 @@ print(json.dumps({**info, "serialized": any(c in info["ptxas"] for c in ("C7514"
                                                  ptx))),
                   "wait_group": sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))),
                   "tma": "cp.async.bulk.tensor" in ptx, "loads_b32": len(re.findall(r"ld\.shared\.b32", ptx)),
+                  "ldmatrix": len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", ptx)),
+                  "loads_v4": len(re.findall(r"ld\.shared\.v4", ptx)),
                   "global_stores_b32": len(re.findall(r"st\.global\.b32", ptx)),
                   "global_stores_v4": len(re.findall(r"st\.global\.v4\.b32", ptx)),
                   "stores_v4": len(re.findall(r"st\.shared\.v4", ptx)),
@@ -81,19 +93,37 @@ def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
 
 @pytest.mark.parametrize("low_rank", [False, True])
 def test_gluon_fp8_input_grad_split_transposition_builds_for_sm90(low_rank):
-    """``SPLIT`` (the default): the input gradient's transposition shared by the producer (the tile's first 64
-    columns, in the loop and the drain) and a fourth warpgroup (the last 64): 16 warps, no spills at
-    ``SPLIT_SETTINGS``' register split, the same MMAs, copies, barriers and shared memory as the one transposer."""
+    """``SPLIT`` with ``COPIER`` (the default): the producer only copies, and two transposing warpgroups take the
+    weight tile's halves: 20 warps, no spills at ``SPLIT_SETTINGS``' register split (184 / 24 / 56 / 56), the same
+    MMAs, copies and barriers as the one transposer."""
     info = run_build(_SCRIPT, "1", "1" if low_rank else "0", "1")
     print({k: v for k, v in info.items() if k != "ptxas"})
     assert info["ptxas_rc"] == 0, info["ptxas"]
     assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]
     mmas = [["m64n128k16", "bf16"], ["m64n128k32", "e4m3"]] if low_rank else [["m64n128k32", "e4m3"]]
     assert info["wgmma"] == mmas and info["wait_group"] == ["0"] and info["tma"]
-    assert info["threads"] == ["512"]
-    # 64 bytes a thread a piece: 16 4-byte loads and 4 16-byte stores; the producer's piece in its loop and its drain,
-    # the transposer's in its loop
-    assert (info["loads_b32"], info["stores_v4"]) == (48, 12 + _EPILOGUE)
+    assert info["threads"] == ["640"]
+    # 64 bytes a thread a piece: 16 4-byte loads and 4 16-byte stores in each transposing warpgroup's loop (none in
+    # the producer); 2 more 16-byte stores are the compiler's setup of five partitions
+    assert (info["loads_b32"], info["stores_v4"]) == (32, 8 + 2 + _EPILOGUE)
+    assert info["mbarrier_inits"] == 4 * 3 + (4 if low_rank else 0) and info["shared"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("low_rank", [False, True])
+def test_gluon_fp8_input_grad_permuted_builds_for_sm90(low_rank):
+    """``PERMUTED`` (off: built, not yet run on a GPU): the weight tile copied by a 3-D TMA with its K rows permuted
+    (and LoRA's ``w`` rows likewise), so that the transposers' words are the matrix loads' fragments: 4
+    ``ldmatrix.x4`` a thread a piece and no 4-byte loads; the accumulator's columns put back in the epilogue through
+    shared memory (its 8 matrix loads a math warpgroup a site where the default has 16, beside 16-byte loads). No
+    spills, but for one 4-byte value at the kernel's entry with LoRA's term on Triton 3.6 (20 warps: 96 registers
+    there, before the partitions take theirs)."""
+    info = run_build(_SCRIPT, "1", "1" if low_rank else "0", "1", json.dumps({"PERMUTED": True}))
+    print({k: v for k, v in info.items() if k != "ptxas"})
+    assert info["ptxas_rc"] == 0, info["ptxas"]
+    entry = 4 if low_rank and triton_version() <= (3, 6) else 0
+    assert info["spill_stores"] == entry and not info["serialized"], info["ptxas"]
+    assert info["threads"] == ["640"] and info["tma"] and info["wait_group"] == ["0"]
+    assert (info["loads_b32"], info["ldmatrix"], info["loads_v4"]) == (0, 2 * 4 + 16, 16)
     assert info["mbarrier_inits"] == 4 * 3 + (4 if low_rank else 0) and info["shared"] <= 227 * 1024
 
 

@@ -63,11 +63,15 @@ FUSE_LOW_RANK = True
 # {xpose2,moe_split}_2dea5ed.txt), at the slice's 16k tokens: gate_up 5.72 ms against 6.06 with the one transposer,
 # down 2.93 against 3.23 (168 registers: 3.03), the same bits; the frozen MoE 17.38 / 17.50 ms against 18.03 / 18.25.
 SPLIT_TRANSPOSITION = True
-# Then (COPIER, PERMUTED) the producer only copies and two transposing warpgroups take the tile's halves, its rows
-# permuted so that their shared loads and stores hit distinct banks (lab.probes.fp8_dgrad_copier; Nsight Compute on
-# an H100 at 1cdfd36: the math warpgroups waited for transposed stages ~45 % of their samples, the transposers for
-# their copies ~33 %, behind the producer's own transposition; 28 % of the shared wavefronts were bank conflicts).
-SPLIT_SETTINGS = dict(SPLIT=True, COPIER=True, PERMUTED=True, MATH_REGS=184, PRODUCER_REGS=24, XPOSE_REGS=56)
+# Then (COPIER) the producer only copies and two transposing warpgroups take the tile's halves, 184 / 24 / 56 / 56
+# registers (Nsight Compute on an H100 at 1cdfd36: the math warpgroups waited for transposed stages ~45 % of their
+# samples, the transposers for their copies ~33 %, queued behind the producer's own transposition). On an H100
+# (lab.probes.fp8_dgrad_copier on cafadde's tree with COPIER, committed in ca6fdb2;
+# lab/results/finetune_h100/dgrad_copier_cafadde.txt): gate_up 5.50 ms
+# against 5.62, down 2.71 against 3.05, the same bits; the frozen MoE 16.98 / 17.03 ms against 17.18 / 17.55 (bf16
+# experts 21.44 / 21.48). ``PERMUTED`` (the tiles' rows permuted so that the transposition's loads and stores hit
+# distinct banks: 28 % of the kernel's shared wavefronts were conflicts) builds but has not run on a GPU: off.
+SPLIT_SETTINGS = dict(SPLIT=True, COPIER=True, MATH_REGS=184, PRODUCER_REGS=24, XPOSE_REGS=56)
 _UPPER = gl.constexpr(0)  # the math warpgroups, by the 64 rows of a tile they own
 _LOWER = gl.constexpr(1)
 
