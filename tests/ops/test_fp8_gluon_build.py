@@ -211,3 +211,9 @@ def test_gluon_settings_refuse_what_the_kernel_has_not(trans):
         grouped_mm_gluon(a, torch.ones(m, a.shape[1] // 128), torch.zeros(e, n, k, dtype=torch.float8_e4m3fn),
                          torch.ones(e, n // 128, k // 128), torch.tensor([3, 8], dtype=torch.int32), trans,
                          settings={"SWAP": True, "STAGES": 4})
+    # a form of the split transposition without it (the input gradient's default COPIER with SPLIT off; COPIER in the
+    # forward): its barriers would count the wrong arrivals
+    with pytest.raises(ValueError, match="settings: COPIER is a form of the input gradient's split transposition"):
+        grouped_mm_gluon(a, torch.ones(m, a.shape[1] // 128), torch.zeros(e, n, k, dtype=torch.float8_e4m3fn),
+                         torch.ones(e, n // 128, k // 128), torch.tensor([3, 8], dtype=torch.int32), trans,
+                         settings={"SPLIT": False} if trans else {"COPIER": True})

@@ -513,8 +513,6 @@ def grouped_mm_gluon(a: Tensor, a_scale: Tensor, weight: Tensor, scale: Tensor, 
     walk = tile_walk(offs, m, n_out, BM.value, BN.value)
     a_desc, w_desc = tile_descs(a, weight, BM.value, 128)
     if cfg["PERMUTED"]:
-        if not trans:
-            raise ValueError("settings: PERMUTED is the input gradient's (trans=True)")
         w_desc = permuted_w_desc(weight)
     if trans:  # contraction along W's rows
         ssk, ssn = scale.stride(1), scale.stride(2)
@@ -568,7 +566,13 @@ def _settings(trans: bool, settings: dict | None) -> dict:
     unknown = sorted(set(settings or {}) - set(cfg))
     if unknown:
         raise ValueError(f"settings: the kernel has no {unknown}; it takes {sorted(cfg)}")
-    return {**cfg, **(settings or {})}
+    cfg = {**cfg, **(settings or {})}
+    # the transposing forms' barriers count two transposing warpgroups (SPLIT) and only the input gradient transposes
+    for name in ("COPIER", "PAIRED", "PERMUTED"):
+        if cfg[name] and not (trans and cfg["SPLIT"]):
+            raise ValueError(f"settings: {name} is a form of the input gradient's split transposition (trans=True, "
+                             f"SPLIT=True); got trans={trans}, SPLIT={cfg['SPLIT']}")
+    return cfg
 
 
 def low_rank_descs(v: Tensor, w: Tensor, scale: float, m: int, e: int, n_out: int, v_rows: int = BM.value,
