@@ -13,9 +13,10 @@ block-scaled products of :mod:`.triton` (same contract and math; this kernel exi
 - ``TRANS`` (the input gradient, ``dX = dY W_e``): the contraction runs along W's rows, and Hopper's FP8 MMA takes
   its operands K-major only. The producer transposes each landed weight tile from shared memory through its
   registers into a second buffer of the stage (``LAG`` steps behind its copies, so the copy's latency is hidden),
-  then marks the stage ready; the math warpgroups see a K-major tile as in the forward. (Two other forms were
-  measured and removed at 0b7a4de, see ``README.md``: the transposition over the copied tile itself, and the math
-  warpgroups reading the weight's operand transposed into their registers.)
+  then marks the stage ready; the math warpgroups see a K-major tile as in the forward. By default (``SPLIT``,
+  ``COPIER``) two transposing warpgroups of their own take the tile's halves and the producer only copies. (Two
+  other forms were measured and removed at 0b7a4de, see ``README.md``: the transposition over the copied tile
+  itself, and the math warpgroups reading the weight's operand transposed into their registers.)
 
 Needs ``N`` and ``K`` of the weight multiples of 128 (each output column tile one block of scales), 16-byte
 aligned rows; ``grouped_mm_gluon`` checks and the caller falls back to the Triton kernel.
