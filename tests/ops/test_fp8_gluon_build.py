@@ -93,8 +93,8 @@ def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
 
 @pytest.mark.parametrize("low_rank", [False, True])
 def test_gluon_fp8_input_grad_split_transposition_builds_for_sm90(low_rank):
-    """``SPLIT`` with ``COPIER`` (the default): the producer only copies, and two transposing warpgroups take the
-    weight tile's halves: 20 warps, no spills at ``SPLIT_SETTINGS``' register split (184 / 24 / 56 / 56), the same
+    """``SPLIT`` (the default): the producer only copies, and two transposing warpgroups take the weight tile's
+    halves: 20 warps, no spills at ``SPLIT_SETTINGS``' register split (184 / 24 / 56 / 56), the same
     MMAs, copies and barriers as the one transposer."""
     info = run_build(_SCRIPT, "1", "1" if low_rank else "0", "1")
     print({k: v for k, v in info.items() if k != "ptxas"})
@@ -211,9 +211,10 @@ def test_gluon_settings_refuse_what_the_kernel_has_not(trans):
         grouped_mm_gluon(a, torch.ones(m, a.shape[1] // 128), torch.zeros(e, n, k, dtype=torch.float8_e4m3fn),
                          torch.ones(e, n // 128, k // 128), torch.tensor([3, 8], dtype=torch.int32), trans,
                          settings={"SWAP": True, "STAGES": 4})
-    # a form of the split transposition without it (the input gradient's default COPIER with SPLIT off; COPIER in the
-    # forward): its barriers would count the wrong arrivals
-    with pytest.raises(ValueError, match="settings: COPIER is a form of the input gradient's split transposition"):
+    # a form of the input gradient's transposition where there is none (the forward), or PAIRED without its
+    # transposing warpgroups: its barriers would count the wrong arrivals
+    name, form = ("PAIRED", {"PAIRED": True, "SPLIT": False}) if trans else ("SPLIT", {"SPLIT": True})
+    with pytest.raises(ValueError, match=f"settings: {name} is a form of the input gradient's transposition"):
         grouped_mm_gluon(a, torch.ones(m, a.shape[1] // 128), torch.zeros(e, n, k, dtype=torch.float8_e4m3fn),
                          torch.ones(e, n // 128, k // 128), torch.tensor([3, 8], dtype=torch.int32), trans,
-                         settings={"SPLIT": False} if trans else {"COPIER": True})
+                         settings=form)

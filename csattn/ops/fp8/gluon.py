@@ -13,8 +13,8 @@ block-scaled products of :mod:`.triton` (same contract and math; this kernel exi
 - ``TRANS`` (the input gradient, ``dX = dY W_e``): the contraction runs along W's rows, and Hopper's FP8 MMA takes
   its operands K-major only. The producer transposes each landed weight tile from shared memory through its
   registers into a second buffer of the stage (``LAG`` steps behind its copies, so the copy's latency is hidden),
-  then marks the stage ready; the math warpgroups see a K-major tile as in the forward. By default (``SPLIT``,
-  ``COPIER``) two transposing warpgroups of their own take the tile's halves and the producer only copies. (Two
+  then marks the stage ready; the math warpgroups see a K-major tile as in the forward. By default (``SPLIT``) two
+  transposing warpgroups of their own take the tile's halves and the producer only copies. (Two
   other forms were measured and removed at 0b7a4de, see ``README.md``: the transposition over the copied tile
   itself, and the math warpgroups reading the weight's operand transposed into their registers.)
 
@@ -58,21 +58,17 @@ RANK = 16  # the low-rank term's depth: its two buffers of two [128, R] tiles (1
 # step at 16k 319.2 ms against 333.6 (lab/results/finetune_h100/). Held to fp64 on the GPU by tests/ops/test_fp8_gpu.py
 # ::test_gluon_low_rank_term_vs_same_operands; builds for sm_90 without spills (tests/ops/test_fp8_gluon_build.py).
 FUSE_LOW_RANK = True
-# The input gradient's transposition shared by the producer and a fourth warpgroup (``SPLIT``): SIMPLE's math
-# warpgroups build without spills at 184 registers (Triton 3.6 and 3.9), which leaves 72 for each transposing one
-# (2 x 184 + 72 + 72 = 512, a thread's share of 16 warps). On an H100 at 2dea5ed (lab/results/finetune_h100/
-# {xpose2,moe_split}_2dea5ed.txt), at the slice's 16k tokens: gate_up 5.72 ms against 6.06 with the one transposer,
-# down 2.93 against 3.23 (168 registers: 3.03), the same bits; the frozen MoE 17.38 / 17.50 ms against 18.03 / 18.25.
+# The input gradient's transposition in two warpgroups of their own, the producer only copying (``SPLIT``), at 184 /
+# 24 / 56 / 56 registers (20 warps; 2 x 184 + 24 + 2 x 56 = 512, a thread's share of 16 warps' registers). The form
+# before (2dea5ed, in git up to ad10675: the producer transposing one half, LAG steps behind its copies, a fourth
+# warpgroup the other; 184 / 72 / 72) ran gate_up 5.72 ms against 6.06 with the producer transposing alone, down 2.93
+# against 3.23 (H100). Nsight Compute then showed its copies queued behind its own transposition (the transposers
+# waited for their copies ~33 % of their samples, the math warpgroups for transposed stages ~45 %:
+# lab/results/finetune_h100/ncu_stalls_1cdfd36.txt). On an H100 (lab.probes.fp8_dgrad_copier on cafadde's tree with
+# the copier; lab/results/finetune_h100/dgrad_copier_cafadde.txt): gate_up 5.50 ms against 5.62, down 2.71 against
+# 3.05, the same bits; the frozen MoE 16.98 / 17.03 ms against 17.18 / 17.55 (bf16 experts 21.44 / 21.48).
 SPLIT_TRANSPOSITION = True
-# Then (COPIER) the producer only copies and two transposing warpgroups take the tile's halves, 184 / 24 / 56 / 56
-# registers (Nsight Compute on an H100 at 1cdfd36: the math warpgroups waited for transposed stages ~45 % of their
-# samples, the transposers for their copies ~33 %, queued behind the producer's own transposition). On an H100
-# (lab.probes.fp8_dgrad_copier on cafadde's tree with COPIER, committed in ca6fdb2;
-# lab/results/finetune_h100/dgrad_copier_cafadde.txt): gate_up 5.50 ms
-# against 5.62, down 2.71 against 3.05, the same bits; the frozen MoE 16.98 / 17.03 ms against 17.18 / 17.55 (bf16
-# experts 21.44 / 21.48). ``PERMUTED`` (the tiles' rows permuted so that the transposition's loads and stores hit
-# distinct banks: 28 % of the kernel's shared wavefronts were conflicts) builds but has not run on a GPU: off.
-SPLIT_SETTINGS = dict(SPLIT=True, COPIER=True, MATH_REGS=184, PRODUCER_REGS=24, XPOSE_REGS=56)
+SPLIT_SETTINGS = dict(SPLIT=True, MATH_REGS=184, PRODUCER_REGS=24, XPOSE_REGS=56)
 _UPPER = gl.constexpr(0)  # the math warpgroups, by the 64 rows of a tile they own
 _LOWER = gl.constexpr(1)
 
@@ -187,13 +183,11 @@ def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, FIRST: gl.co
 @gluon.jit
 def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS: gl.constexpr,
               E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
-              LOW_RANK: gl.constexpr, SPLIT: gl.constexpr, COPIER: gl.constexpr = False,
-              PERMUTED: gl.constexpr = False):
-    """Every TMA copy into the ring; with ``TRANS`` the weight tile's transposition too (``SPLIT``: its first 64
-    columns, :func:`_transposer` the others), unless ``COPIER`` (two :func:`_transposer` take both pieces)."""
-    XPOSE: gl.constexpr = TRANS and not COPIER
+              LOW_RANK: gl.constexpr, SPLIT: gl.constexpr, PERMUTED: gl.constexpr = False):
+    """Every TMA copy into the ring; with ``TRANS`` the weight tile's transposition too, unless ``SPLIT`` (two
+    :func:`_transposer` take its halves)."""
+    XPOSE: gl.constexpr = TRANS and not SPLIT
     a_smem, raw, bt, land, ready, empty = smem
-    PIECES: gl.constexpr = 1 if SPLIT else 2
     nk = KC // BK
     it = 0
     nt = 0  # tiles with a group: the low-rank buffers' turns
@@ -208,7 +202,7 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
                     # the transposition first: it waits only for its copies, not for a free stage, so the ready
                     # stages run ahead of the math warpgroups
                     if it >= LAG:
-                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES, 0, PIECES, PERMUTED)
+                        _transpose_stage(it - LAG, raw, bt, land, ready, STAGES, 0, 2, PERMUTED)
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the first pass over the ring: at once
                 mbarrier.expect(land.index(s), BM * BK + BK * BN)  # e4m3: a byte each
@@ -222,7 +216,7 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
                 it += 1
     if XPOSE:
         for j in range(gl.maximum(it - LAG, 0), it):
-            _transpose_stage(j, raw, bt, land, ready, STAGES, 0, PIECES, PERMUTED)
+            _transpose_stage(j, raw, bt, land, ready, STAGES, 0, 2, PERMUTED)
 
 
 @gluon.jit
@@ -392,8 +386,7 @@ def fp8_grouped_gluon_kernel(
     TRANS: gl.constexpr, E_P2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOW_RANK: gl.constexpr = False,
     SIMPLE: gl.constexpr = False, COALESCED: gl.constexpr = True, SPLIT: gl.constexpr = False,
-    XPOSE_REGS: gl.constexpr = 0, COPIER: gl.constexpr = False, PAIRED: gl.constexpr = False,
-    PERMUTED: gl.constexpr = False,
+    XPOSE_REGS: gl.constexpr = 0, PAIRED: gl.constexpr = False, PERMUTED: gl.constexpr = False,
 ):
     """``out[rows of e] = a[rows of e] @ B_e`` over ``[128, 128]`` tiles, ``B_e = W_e^T`` or (``TRANS``) ``W_e``;
     ``a_desc``: TMA descriptor of the e4m3 activations ``[M, KC]``, ``w_desc`` of the weights ``[E * W_ROWS, *]``
@@ -429,7 +422,7 @@ def fp8_grouped_gluon_kernel(
     # two literal lists: warp_specialize takes its (function, arguments) pairs written out (an argument tuple held in
     # a local, or a list joined with `+ ([...] if SPLIT else [])`, does not compile on Triton 3.6 / 3.9), and the
     # forward has no registers for a fourth partition
-    if COPIER:
+    if SPLIT:
         gl.warp_specialize([
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
@@ -438,22 +431,10 @@ def fp8_grouped_gluon_kernel(
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
                      LOW_RANK, SIMPLE, COALESCED, PERMUTED)),
             (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
-                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT, COPIER, PERMUTED)),
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT, PERMUTED)),
             (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 0, PAIRED, PERMUTED)),
             (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1, PAIRED, PERMUTED)),
         ], [4, 4, 4, 4], [MATH_REGS, PRODUCER_REGS, XPOSE_REGS, XPOSE_REGS])
-    elif SPLIT:
-        gl.warp_specialize([
-            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _UPPER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED, PERMUTED)),
-            (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
-                     stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
-                     LOW_RANK, SIMPLE, COALESCED, PERMUTED)),
-            (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
-                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT, False, PERMUTED)),
-            (_transposer, (table, KC, E, tiles_m, tiles_n, smem, E_P2, GROUP_M, STAGES, 1, PAIRED, PERMUTED)),
-        ], [4, 4, 4], [MATH_REGS, PRODUCER_REGS, XPOSE_REGS])
     else:
         gl.warp_specialize([
             (_math, (sa, sw, table, out, KC, E, tiles_m, tiles_n, stride_sam, stride_sak, stride_swe,
@@ -463,7 +444,7 @@ def fp8_grouped_gluon_kernel(
                      stride_sbk, stride_sbn, stride_om, smem, low_rank, _LOWER, TRANS, E_P2, GROUP_M, STAGES,
                      LOW_RANK, SIMPLE, COALESCED, PERMUTED)),
             (_producer, (a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_rank, TRANS,
-                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT, False, PERMUTED)),
+                         E_P2, GROUP_M, STAGES, LAG, LOW_RANK, SPLIT, PERMUTED)),
         ], [4, 4], [MATH_REGS, PRODUCER_REGS])
 
 
@@ -484,10 +465,11 @@ def launch_settings(trans: bool, split: bool | None = None) -> dict:
     ``COALESCED``: the result through shared memory into whole 32-byte sectors (its 8 KB of scratch a math warpgroup
     beside the stages); on an H100 at c228b90 the forwards ran gate_up 4.07 against 4.44 ms and down 2.34 against
     2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46.
-    ``split``: the input gradient's transposition in two warpgroups (:data:`SPLIT_SETTINGS`) or one; None:
-    :data:`SPLIT_TRANSPOSITION`."""
-    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0, COPIER=False, PAIRED=False,
-               PERMUTED=False)
+    ``split``: the input gradient's transposition in two warpgroups of their own (:data:`SPLIT_SETTINGS`) or by the
+    producer; None: :data:`SPLIT_TRANSPOSITION`. ``PAIRED`` (two steps a fence in each transposing warpgroup) and
+    ``PERMUTED`` (the tiles' rows permuted so that the transposition's loads and stores hit distinct banks; built,
+    not yet run on a GPU): off, ``lab/probes/fp8_dgrad_copier.py`` measures them."""
+    cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0, PAIRED=False, PERMUTED=False)
     if not trans:
         return {**cfg, "MATH_REGS": 232, "PRODUCER_REGS": 40, "SIMPLE": False}
     math, producer = (224, 64) if triton_version() <= (3, 6) else (232, 48)
@@ -568,11 +550,11 @@ def _settings(trans: bool, settings: dict | None) -> dict:
     if unknown:
         raise ValueError(f"settings: the kernel has no {unknown}; it takes {sorted(cfg)}")
     cfg = {**cfg, **(settings or {})}
-    # the transposing forms' barriers count two transposing warpgroups (SPLIT) and only the input gradient transposes
-    for name in ("COPIER", "PAIRED", "PERMUTED"):
-        if cfg[name] and not (trans and cfg["SPLIT"]):
-            raise ValueError(f"settings: {name} is a form of the input gradient's split transposition (trans=True, "
-                             f"SPLIT=True); got trans={trans}, SPLIT={cfg['SPLIT']}")
+    # only the input gradient transposes; PAIRED is its transposing warpgroups' (SPLIT)
+    for name, needs_split in (("SPLIT", False), ("PERMUTED", False), ("PAIRED", True)):
+        if cfg[name] and not (trans and (cfg["SPLIT"] or not needs_split)):
+            raise ValueError(f"settings: {name} is a form of the input gradient's transposition (trans=True"
+                             f"{', SPLIT=True' if needs_split else ''}); got trans={trans}, SPLIT={cfg['SPLIT']}")
     return cfg
 
 
