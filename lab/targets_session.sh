@@ -7,10 +7,11 @@
 # then lab.probes.fp8_gluon_wide (the wide kernel alone and in the frozen MoE, on and off), and only when named:
 # lab.probes.fp8_gluon_xpose3 (the input gradient with a copier warp and two transposers), lab.probes.moe_profile
 # (where the frozen MoE's kernels' time goes), lab.probes.fp8_dgrad_sweep (the input gradient's forms and settings),
+# lab.probes.fp8_dgrad_copier (the input gradient's PAIRED / PERMUTED forms, bit for bit and timed),
 # lab.probes.moe_launch_sweep (its elementwise kernels' launch settings), the frozen MoE alternating with the trees at
 # BASE (earlier commits' csattn, benchmarks, lab/probes, tests/helpers: `git archive`; profile runs in them too).
 # In $OUT. The device's copy of .git is stale: pass COMMIT by hand.
-#   COMMIT=<sha> [PARTS="tests moe steps variants wide xpose3 profile base dsweep sweep": which, in that order] \
+#   COMMIT=<sha> [PARTS="tests moe steps variants wide xpose3 profile base dsweep forms sweep": which, in order] \
 #     [BASE="<dir> ..."] [TESTS_S=<s>] [TESTS_K=<pytest -k>] \
 #     bash lab/targets_session.sh
 set -u
@@ -46,5 +47,6 @@ has base && for i in 1 2; do for dir in . ${BASE:-}; do
     --parts moe --commit "$C" 2>&1 | grep -E "^(fp8|bf16) " | sed "s|^|[$(basename "$dir")] |" | tail -3)
 done; done
 has dsweep && { timeout 200 python3 -m lab.probes.fp8_dgrad_sweep > "$OUT/dgrad_sweep.txt" 2>&1; grep -v Warn "$OUT/dgrad_sweep.txt"; }
+has forms && { timeout 240 python3 -m lab.probes.fp8_dgrad_copier > "$OUT/dgrad_forms.txt" 2>&1; grep -v Warn "$OUT/dgrad_forms.txt"; }
 has sweep && { timeout 150 python3 -m lab.probes.moe_launch_sweep > "$OUT/launch_sweep.txt" 2>&1; grep -v Warn "$OUT/launch_sweep.txt"; }
 echo "[session] $((SECONDS - START)) s"

@@ -1,10 +1,10 @@
 """The Gluon input gradient (the split transposition, the library's default) over its tile order, transposition lag
-and partitions at the slice's 16k tokens (256 experts top-6): ``GROUP_M`` (row tiles side by side sharing a weight
-column in L2), ``LAG`` (steps between a stage's copies and its transposition), and the forms the transposition's
-cost decided (``SPLIT``: a second transposing warpgroup; ``SIMPLE``: each product waited for before its promotion):
-with the permutes written out (780aa4a) the transposers take fewer instructions, so the one-transposer forms, whose
-math warpgroups have more registers, may win again. Both GEMMs, each timed in a CUDA graph and its output compared
-bit for bit with the default's.
+(the one-transposer forms': since d9fbd87 the split's producer only copies) and partitions at the slice's 16k tokens
+(256 experts top-6): ``GROUP_M`` (row tiles side by side sharing a weight column in L2), ``LAG`` (steps between a
+stage's copies and its transposition), and the forms the transposition's cost decided (``SPLIT``: two transposing
+warpgroups; ``SIMPLE``: each product waited for before its promotion): with the permutes written out (780aa4a) the
+transposers take fewer instructions, so the one-transposer forms, whose math warpgroups have more registers, may win
+again. Both GEMMs, each timed in a CUDA graph and its output compared bit for bit with the default's.
 
     PYTHONPATH=. python -m lab.probes.fp8_dgrad_sweep
 """
