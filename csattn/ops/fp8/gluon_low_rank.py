@@ -51,7 +51,9 @@ def _load_low_rank(low_rank, nt, row0, w_row, PERMUTED: gl.constexpr = False):
 def _low_rank_start(low_rank, nt, HALF: gl.constexpr, WIDE: gl.constexpr = False, PERMUTED: gl.constexpr = False):
     """The accumulator's start for the program's ``nt``-th tile: ``l_scale * v[rows] @ w^T`` (this warpgroup's 64
     rows), one bf16 / fp16 MMA of depth ``R``; the contraction's products are added to it. ``WIDE`` (``[64, 256]``
-    tiles, :mod:`.gluon_wide`): the tile's 64 rows by this warpgroup's 128 columns."""
+    tiles, :mod:`.gluon_wide`): the tile's 64 rows by this warpgroup's 128 columns. ``PERMUTED``: ``w``'s rows were
+    copied in the input gradient's permuted column order (``.gluon.low_rank_descs(permuted=True)``), so the term's
+    columns come in the order of the product's."""
     v_desc, lw_desc, l_scale, v_buf, w_buf, lr_land, lr_empty = low_rank
     b = nt % 2
     mbarrier.wait(lr_land.index(b), (nt // 2) & 1)
