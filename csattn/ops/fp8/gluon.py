@@ -45,7 +45,6 @@ from .gluon_tiles import (
     _tile,
     _tma_load,
     acc_layout,
-    natural_columns,
     tile_smem,
     tile_walk,
 )
@@ -151,7 +150,7 @@ def transpose_words(raw, bt, PIECE: gl.constexpr, PERMUTED: gl.constexpr = False
     """Columns ``[64 PIECE, 64 PIECE + 64)`` of the e4m3 tile ``raw [128 K, 128 N]`` into rows of ``bt [128 N, 128
     K]``, by 4-byte words (:func:`_transposed_words`). ``PERMUTED``: ``raw``'s rows in :func:`words_layout`'s
     permuted order, and ``bt``'s row of column ``N`` is ``32 (N % 4) + N // 4`` (the product's columns in that order:
-    :func:`.gluon_tiles.natural_columns`)."""
+    :func:`_natural_columns`)."""
     src, dst = _words(raw), _words(bt)
     if PERMUTED:
         o0, o1, o2, o3 = _byte_planes(src.slice(PIECE * 16, 16, dim=1).load(words_layout(True)), True)
@@ -166,18 +165,21 @@ def transpose_words(raw, bt, PIECE: gl.constexpr, PERMUTED: gl.constexpr = False
 
 @gluon.jit
 def _transpose_stage(j, raw, bt, land, ready, STAGES: gl.constexpr, FIRST: gl.constexpr, PIECES: gl.constexpr,
-                     PERMUTED: gl.constexpr = False):
+                     PERMUTED: gl.constexpr = False, STEPS: gl.constexpr = 1):
     """Step ``j``'s weight tile ``[BK, BN]`` (contraction-major, as copied) into its K-major buffer ``[BN, BK]``,
     through registers in 64-column pieces (``PIECES`` of them from piece ``FIRST``: both, or with ``SPLIT`` one a
     warpgroup); then one arrival on ``ready`` (the copy of its activation tile landed with the weight tile's, on
-    ``land``)."""
-    s = j % STAGES
-    mbarrier.wait(land.index(s), (j // STAGES) & 1)
-    for c in gl.static_range(FIRST, FIRST + PIECES):
-        transpose_words(raw.index(s), bt.index(s), c, PERMUTED)
+    ``land``). ``STEPS``: steps ``j, j + 1, ...`` so, behind one fence and one barrier (the fence waits for the
+    warpgroup's stores to drain: ``PAIRED``'s two steps pay it once)."""
+    for i in gl.static_range(STEPS):
+        s = (j + i) % STAGES
+        mbarrier.wait(land.index(s), ((j + i) // STAGES) & 1)
+        for c in gl.static_range(FIRST, FIRST + PIECES):
+            transpose_words(raw.index(s), bt.index(s), c, PERMUTED)
     fence_async_shared()
     _cta_sync()  # every thread's stores are in before the warpgroup's one arrival
-    mbarrier.arrive(ready.index(s), count=1)
+    for i in gl.static_range(STEPS):
+        mbarrier.arrive(ready.index((j + i) % STAGES), count=1)
 
 
 @gluon.jit
@@ -220,43 +222,24 @@ def _producer(a_desc, w_desc, table, KC, E, W_ROWS, tiles_m, tiles_n, smem, low_
 
 
 @gluon.jit
-def _transpose_pair(j, raw, bt, land, ready, STAGES: gl.constexpr, PIECE: gl.constexpr, PERMUTED: gl.constexpr):
-    """Steps ``j`` and ``j + 1`` as :func:`_transpose_stage` (one piece each), behind one fence and one barrier:
-    the fence waits for the warpgroup's stores to drain, so two steps pay it once."""
-    s0 = j % STAGES
-    s1 = (j + 1) % STAGES
-    mbarrier.wait(land.index(s0), (j // STAGES) & 1)
-    transpose_words(raw.index(s0), bt.index(s0), PIECE, PERMUTED)
-    mbarrier.wait(land.index(s1), ((j + 1) // STAGES) & 1)
-    transpose_words(raw.index(s1), bt.index(s1), PIECE, PERMUTED)
-    fence_async_shared()
-    _cta_sync()
-    mbarrier.arrive(ready.index(s0), count=1)
-    mbarrier.arrive(ready.index(s1), count=1)
-
-
-@gluon.jit
 def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_M: gl.constexpr,
                 STAGES: gl.constexpr, PIECE: gl.constexpr, PAIRED: gl.constexpr = False,
                 PERMUTED: gl.constexpr = False):
     """A transposing warpgroup: 64 columns (``PIECE``) of every step's weight tile as it lands (the producer copied
     it once the stage was free, so its transposed buffer is free too). ``PAIRED``: two steps a fence
-    (:func:`_transpose_pair`)."""
+    (:func:`_transpose_stage`'s ``STEPS``)."""
+    STEPS: gl.constexpr = 2 if PAIRED else 1
     a_smem, raw, bt, land, ready, empty = smem
     nk = KC // BK
     it = 0
     for t in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
         g, row0, row_end, pid_n = _tile(t, table, tiles_m, tiles_n, E_P2, GROUP_M)
         if g < E:
+            for _kb in range(nk // STEPS):
+                _transpose_stage(it, raw, bt, land, ready, STAGES, PIECE, 1, PERMUTED, STEPS)
+                it += STEPS
             if PAIRED:
-                for _kb in range(nk // 2):
-                    _transpose_pair(it, raw, bt, land, ready, STAGES, PIECE, PERMUTED)
-                    it += 2
-                if nk % 2 == 1:
-                    _transpose_stage(it, raw, bt, land, ready, STAGES, PIECE, 1, PERMUTED)
-                    it += 1
-            else:
-                for _kb in range(nk):
+                if nk % 2 == 1:  # the tile's last step alone
                     _transpose_stage(it, raw, bt, land, ready, STAGES, PIECE, 1, PERMUTED)
                     it += 1
 
@@ -294,6 +277,13 @@ def _promote(acc, tok, sc, empty, j, PENDING: gl.constexpr, STAGES: gl.constexpr
 
 
 @gluon.jit
+def _natural_columns(acc):
+    """A ``[64, 128]`` product whose column ``j`` is the tile's column ``4 (j % 32) + j // 32`` (``PERMUTED``'s
+    transposed weight tile, :func:`transpose_words`) in the tile's order."""
+    return gl.reshape(gl.permute(gl.reshape(acc, [64, 4, 32]), (0, 2, 1)), [64, 128])
+
+
+@gluon.jit
 def _store(out, acc, first_row, row_end, pid_n, stride_om, COALESCED: gl.constexpr, PERMUTED: gl.constexpr = False):
     """A math warpgroup's ``[64, BN]`` result, rows ``first_row + [0, 64)`` below ``row_end``, into ``out`` (its
     pointers made here, not held through the loop).
@@ -302,7 +292,7 @@ def _store(out, acc, first_row, row_end, pid_n, stride_om, COALESCED: gl.constex
     of each sector (Nsight Compute on an H100 at 0f10a59: 45 % of the forward's global sectors excess).
     ``PERMUTED``: ``acc``'s columns in :func:`transpose_words`' permuted order, put back first."""
     if PERMUTED:
-        acc = natural_columns(acc)
+        acc = _natural_columns(acc)
     if COALESCED:
         OUT: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         val = gl.convert_layout(acc.to(out.dtype.element_ty), OUT)

@@ -60,13 +60,13 @@ def _low_rank_start(low_rank, nt, HALF: gl.constexpr, WIDE: gl.constexpr = False
     # the instruction's depth is part of the accumulator's layout type (16 for 16-bit operands, 32 for e4m3); the
     # registers of the two are the same
     LO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
-    wt = w_buf.index(b)
-    if PERMUTED:  # copied [4, 32, R] with its rows in the permuted weight tile's order (.gluon.permuted_w_desc)
-        wt = wt.reshape([BN, wt.shape[2]])
     if WIDE:
         lo = warpgroup_mma(v_buf.index(b), w_buf.index(b).slice(HALF * 128, 128, dim=0).permute((1, 0)),
                            gl.zeros([64, 128], gl.float32, layout=LO), use_acc=False)
     else:
+        wt = w_buf.index(b)
+        if PERMUTED:  # copied [4, 32, R] with its rows in the permuted weight tile's order (.gluon.permuted_w_desc)
+            wt = wt.reshape([BN, wt.shape[2]])
         lo = warpgroup_mma(v_buf.index(b).slice(HALF * 64, 64, dim=0), wt.permute((1, 0)),
                            gl.zeros([64, BN], gl.float32, layout=LO), use_acc=False)
     mbarrier.arrive(lr_empty.index(b), count=1)

@@ -135,10 +135,3 @@ def tile_walk(offs: Tensor, m: int, n_out: int, tile_m: int, tile_n: int) -> Til
     return TileWalk(group_table(offs, m, e_p2, bm=tile_m), e_p2, tiles_m, tiles_n,
                     (min(tiles_m * tiles_n, sm_count(offs.device)),))
 
-
-@gluon.jit
-def natural_columns(acc):
-    """A ``[64, 128]`` product whose column ``j`` is the tile's column ``4 (j % 32) + j // 32`` (the input gradient's
-    permuted weight tile, :func:`.gluon.transpose_words`) in the tile's order."""
-    return gl.reshape(gl.permute(gl.reshape(acc, [64, 4, 32]), (0, 2, 1)), [64, 128])
-
