@@ -4,10 +4,11 @@
 ~33 % (the producer transposed too, so its copies queued behind a transposition) and in the fence and barrier after
 their stores ~40 %; 28 % of the kernel's shared wavefronts were bank conflicts of the transposition.
 
-Forms against the default (``SPLIT``: the producer only copies, two transposing warpgroups; 1cdfd36's split, the
-producer transposing half of each tile, is in git up to ad10675): ``PAIRED`` (two steps a fence), ``PERMUTED`` (the
-tiles' rows permuted: the transposition's loads and stores on distinct banks), both. Each with LoRA's term, bit for
-bit; both GEMMs at the slice's 16k tokens (256 experts top-6), bit for bit and timed; then the frozen MoE.
+Forms against the default (``SPLIT``: the producer only copies, two transposing warpgroups, two steps a fence
+(``PAIRED``), the tiles' rows permuted so that the transposition's loads and stores fall on distinct banks
+(``PERMUTED``); 1cdfd36's split, the producer transposing half of each tile, is in git up to ad10675): neither
+(``plain``, the default up to f7a33bb), ``paired`` only, ``permuted`` only. Each with LoRA's term, bit for bit; both
+GEMMs at the slice's 16k tokens (256 experts top-6), bit for bit and timed; then the frozen MoE.
 
     PYTHONPATH=. python -m lab.probes.fp8_dgrad_copier
 """
@@ -20,8 +21,8 @@ from csattn.ops.fp8 import quantize_1x128
 from csattn.ops.fp8.gluon import RANK, grouped_mm_gluon, launch_settings
 from lab.probes.gluon_forms import compare_moe, moe_gemms, time_gemms
 
-FORMS = {"paired": {"PAIRED": True}, "permuted": {"PERMUTED": True},
-         "permuted, paired": {"PERMUTED": True, "PAIRED": True}}
+FORMS = {"plain": {"PERMUTED": False, "PAIRED": False}, "paired": {"PERMUTED": False},
+         "permuted": {"PAIRED": False}}
 
 
 def low_rank_equal() -> None:

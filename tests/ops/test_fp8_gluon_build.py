@@ -94,36 +94,38 @@ def test_gluon_fp8_grouped_builds_for_sm90(trans, low_rank):
 @pytest.mark.parametrize("low_rank", [False, True])
 def test_gluon_fp8_input_grad_split_transposition_builds_for_sm90(low_rank):
     """``SPLIT`` (the default): the producer only copies, and two transposing warpgroups take the weight tile's
-    halves: 20 warps, no spills at ``SPLIT_SETTINGS``' register split (184 / 24 / 56 / 56), the same
-    MMAs, copies and barriers as the one transposer."""
+    halves, two steps a fence (``PAIRED``), on tiles copied by a 3-D TMA with their K rows permuted (``PERMUTED``; and
+    LoRA's ``w`` rows likewise), so that the transposers' words are the matrix loads' fragments: 4 ``ldmatrix.x4`` a
+    thread a piece and no 4-byte loads; the accumulator's columns put back in the epilogue through shared memory (its
+    8 matrix loads a math warpgroup a site where the unpermuted form has 16, beside 16-byte loads). 20 warps, the same
+    MMAs, copies and barriers as the one transposer; no spills at ``SPLIT_SETTINGS``' register split (184 / 24 / 56 /
+    56), but for one 4-byte value at the kernel's entry on Triton 3.6 (20 warps: 96 registers there, before the
+    partitions take theirs)."""
     info = run_build(_SCRIPT, "1", "1" if low_rank else "0", "1")
     print({k: v for k, v in info.items() if k != "ptxas"})
     assert info["ptxas_rc"] == 0, info["ptxas"]
-    assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]
+    entry = 4 if triton_version() <= (3, 6) else 0
+    assert info["spill_stores"] == entry and not info["serialized"], info["ptxas"]
     mmas = [["m64n128k16", "bf16"], ["m64n128k32", "e4m3"]] if low_rank else [["m64n128k32", "e4m3"]]
     assert info["wgmma"] == mmas and info["wait_group"] == ["0"] and info["tma"]
     assert info["threads"] == ["640"]
-    # 64 bytes a thread a piece: 16 4-byte loads and 4 16-byte stores in each transposing warpgroup's loop (none in
-    # the producer); 2 more 16-byte stores are the compiler's setup of five partitions
-    assert (info["loads_b32"], info["stores_v4"]) == (32, 8 + 2 + _EPILOGUE)
+    # a transposing warpgroup's sites: two steps a fence, and a tile's last step alone where the steps are odd
+    assert (info["loads_b32"], info["ldmatrix"], info["loads_v4"]) == (0, 3 * 2 * 4 + 16, 16)
     assert info["mbarrier_inits"] == 4 * 3 + (4 if low_rank else 0) and info["shared"] <= 227 * 1024
 
 
 @pytest.mark.parametrize("low_rank", [False, True])
-def test_gluon_fp8_input_grad_permuted_builds_for_sm90(low_rank):
-    """``PERMUTED`` (off: built, not yet run on a GPU): the weight tile copied by a 3-D TMA with its K rows permuted
-    (and LoRA's ``w`` rows likewise), so that the transposers' words are the matrix loads' fragments: 4
-    ``ldmatrix.x4`` a thread a piece and no 4-byte loads; the accumulator's columns put back in the epilogue through
-    shared memory (its 8 matrix loads a math warpgroup a site where the default has 16, beside 16-byte loads). No
-    spills, but for one 4-byte value at the kernel's entry with LoRA's term on Triton 3.6 (20 warps: 96 registers
-    there, before the partitions take theirs)."""
-    info = run_build(_SCRIPT, "1", "1" if low_rank else "0", "1", json.dumps({"PERMUTED": True}))
+def test_gluon_fp8_input_grad_unpermuted_split_builds_for_sm90(low_rank):
+    """The split's forms before ``PAIRED`` and ``PERMUTED`` (measured against the default by
+    ``lab/probes/fp8_dgrad_copier.py``): 64 bytes a thread a piece, 16 4-byte loads and 4 16-byte stores in each
+    transposing warpgroup's loop (none in the producer); 2 more 16-byte stores are the compiler's setup of five
+    partitions. No spills."""
+    info = run_build(_SCRIPT, "1", "1" if low_rank else "0", "1", json.dumps({"PERMUTED": False, "PAIRED": False}))
     print({k: v for k, v in info.items() if k != "ptxas"})
     assert info["ptxas_rc"] == 0, info["ptxas"]
-    entry = 4 if low_rank and triton_version() <= (3, 6) else 0
-    assert info["spill_stores"] == entry and not info["serialized"], info["ptxas"]
+    assert info["spill_stores"] == 0 and not info["serialized"], info["ptxas"]
     assert info["threads"] == ["640"] and info["tma"] and info["wait_group"] == ["0"]
-    assert (info["loads_b32"], info["ldmatrix"], info["loads_v4"]) == (0, 2 * 4 + 16, 16)
+    assert (info["loads_b32"], info["stores_v4"]) == (32, 8 + 2 + _EPILOGUE)
     assert info["mbarrier_inits"] == 4 * 3 + (4 if low_rank else 0) and info["shared"] <= 227 * 1024
 
 

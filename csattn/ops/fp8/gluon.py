@@ -66,8 +66,13 @@ FUSE_LOW_RANK = True
 # lab/results/finetune_h100/ncu_stalls_1cdfd36.txt). On an H100 (lab.probes.fp8_dgrad_copier on cafadde's tree with
 # the copier; lab/results/finetune_h100/dgrad_copier_cafadde.txt): gate_up 5.50 ms against 5.62, down 2.71 against
 # 3.05, the same bits; the frozen MoE 16.98 / 17.03 ms against 17.18 / 17.55 (bf16 experts 21.44 / 21.48).
+# Its transposers then take two steps a fence (``PAIRED``) on tiles whose rows are permuted (``PERMUTED``: the
+# transposition's loads and stores on distinct banks, the shared pipe being the limit, 86 % busy): on an H100
+# (lab.probes.fp8_dgrad_copier at f7a33bb; lab/results/finetune_h100/dgrad_forms_f7a33bb.txt) gate_up 4.80 ms
+# against 5.55, down 2.57 against 2.93, the same bits with and without LoRA's term; the frozen MoE 16.47 / 16.63 ms
+# against 17.02 / 17.22 (bf16 experts 21.58 / 21.67). Each alone gained less (PERMUTED 16.80 / 16.89, PAIRED none).
 SPLIT_TRANSPOSITION = True
-SPLIT_SETTINGS = dict(SPLIT=True, MATH_REGS=184, PRODUCER_REGS=24, XPOSE_REGS=56)
+SPLIT_SETTINGS = dict(SPLIT=True, PAIRED=True, PERMUTED=True, MATH_REGS=184, PRODUCER_REGS=24, XPOSE_REGS=56)
 _UPPER = gl.constexpr(0)  # the math warpgroups, by the 64 rows of a tile they own
 _LOWER = gl.constexpr(1)
 
@@ -457,8 +462,9 @@ def launch_settings(trans: bool, split: bool | None = None) -> dict:
     2.60, the input gradients 6.12 against 6.33 and 3.22 against 3.33, the frozen MoE 18.54 against 19.46.
     ``split``: the input gradient's transposition in two warpgroups of their own (:data:`SPLIT_SETTINGS`) or by the
     producer; None: :data:`SPLIT_TRANSPOSITION`. ``PAIRED`` (two steps a fence in each transposing warpgroup) and
-    ``PERMUTED`` (the tiles' rows permuted so that the transposition's loads and stores hit distinct banks; built,
-    not yet run on a GPU): off, ``lab/probes/fp8_dgrad_copier.py`` measures them."""
+    ``PERMUTED`` (the tiles' rows permuted so that the transposition's loads and stores hit distinct banks): on with
+    the split, off without (``PERMUTED`` takes the one transposer too; ``lab/probes/fp8_dgrad_copier.py`` measures
+    the forms)."""
     cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0, PAIRED=False, PERMUTED=False)
     if not trans:
         return {**cfg, "MATH_REGS": 232, "PRODUCER_REGS": 40, "SIMPLE": False}
