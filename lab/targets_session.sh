@@ -11,8 +11,8 @@
 # lab.probes.moe_launch_sweep (its elementwise kernels' launch settings), the frozen MoE alternating with the trees at
 # BASE (earlier commits' csattn, benchmarks, lab/probes, tests/helpers: `git archive`; profile runs in them too).
 # In $OUT. The device's copy of .git is stale: pass COMMIT by hand.
-#   COMMIT=<sha> [PARTS="tests moe steps variants wide xpose3 profile base dsweep forms sweep": which, in order] \
-#     [BASE="<dir> ..."] [TESTS_S=<s>] [TESTS_K=<pytest -k>] \
+#   COMMIT=<sha> [PARTS="tests ptests moe steps variants wide xpose3 profile base dsweep forms sweep": which, in order] \
+#     [BASE="<dir> ..."] [TESTS_S=<s>] [TESTS_K=<pytest -k>] [TESTS_F=<test files>] \
 #     bash lab/targets_session.sh
 set -u
 has() { case " ${PARTS:-tests moe steps variants wide} " in *" $1 "*) return 0;; esac; return 1; }
@@ -20,6 +20,15 @@ OUT=${OUT:-/tmp/targets}; mkdir -p "$OUT"; START=$SECONDS; C=${COMMIT:-unknown};
 . "$(dirname "$0")/device_env.sh"
 has tests && { timeout ${TESTS_S:-260} python3 -m pytest -q -p no:cacheprovider -k "${TESTS_K:-copy_equals or takes_the_copy or wide_forward or split or rows or swiglu or quantize or gluon or moe_fp8}" \
   tests/ops/test_fp8_gpu.py > "$OUT/gpu_tests.txt" 2>&1; grep -E "passed|failed|^FAILED|^E  " "$OUT/gpu_tests.txt" | tail -6; }
+# the same tests, each in its own process, 8 at a time (in_own_process's child form, named by its node id)
+has ptests && { python3 -m pytest -q -p no:cacheprovider --collect-only -k "${TESTS_K:-split or trans or moe_fp8 or low_rank or copy}" \
+  ${TESTS_F:-tests/ops/test_fp8_gpu.py} 2>/dev/null | grep "::" > "$OUT/ptests_ids.txt"
+  mkdir -p "$OUT/ptests"; export OUT
+  timeout ${TESTS_S:-260} xargs -P 8 -I{} sh -c 'f="$OUT/ptests/$(echo "{}" | sed "s/.*:://" | tr -c "A-Za-z0-9_-" _).txt"
+    CSATTN_TEST_CHILD="{}" python3 -m pytest -q -p no:cacheprovider "{}" > "$f" 2>&1 && echo "PASS {}" || echo "FAIL {}"' \
+    < "$OUT/ptests_ids.txt" > "$OUT/ptests.txt"
+  echo "$(grep -c ^PASS "$OUT/ptests.txt") passed, $(grep -c ^FAIL "$OUT/ptests.txt") failed of $(wc -l < "$OUT/ptests_ids.txt")"
+  grep ^FAIL "$OUT/ptests.txt" | head; }
 echo "[tests] $((SECONDS - START)) s"
 has moe && timeout 90 python3 -m benchmarks.finetune --ckpt /tmp/none --json "$OUT/finetune_moe.json" --parts moe --commit "$C" \
   2>&1 | grep -E "^(fp8|bf16|w8a16) " | tail -6
