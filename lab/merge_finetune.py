@@ -1,6 +1,7 @@
 """Merge a device call's ``benchmarks.finetune`` JSON into the page's records (``benchmarks/results/h200/
 finetune.json``): each measured step record replaces the one of the same (mode, tokens), stamped with its commit; the
-frozen-expert MoE part and the expert bytes replace the page's when every path of it was measured. A record that
+frozen-expert MoE part and the expert bytes replace the page's when every path of it was measured (a MoE part from
+another card than the page's goes beside it, under ``moe_cards``, by the card's name). A record that
 failed, was skipped or holds no time is left out (the page keeps what it has). Then render the page:
 ``python -m benchmarks.results --out BENCHMARKS.md``.
 
@@ -35,11 +36,17 @@ def merge(page: dict[str, Any], new: dict[str, Any]) -> list[str]:
         was = f"{old['ms']:.1f} ms at {old.get('commit')}" if old and old.get("ms") else "none"
         said.append(f"({key[0]}) {key[1]}: {rec['ms']:.1f} ms at {rec['commit']} (was {was})")
     moe = new.get("moe")
+    card, page_card = new.get("meta", {}).get("device"), page.get("meta", {}).get("device")
     if moe and not moe.get("error") and moe.get("records") and all(r.get("ms") for r in moe["records"]):
         at = moe.get("commit") or commit  # on each record too: the page's readers take a record's own commit
-        page["moe"] = {**moe, "commit": at, "records": [{**r, "commit": r.get("commit") or at} for r in moe["records"]]}
-        said.append(f"moe: fp8 over bf16 {moe.get('speedup_over_bf16', {}).get('fp8')} at {page['moe']['commit']}")
-        if new.get("expert_bytes"):
+        rec = {**moe, "commit": at, "records": [{**r, "commit": r.get("commit") or at} for r in moe["records"]]}
+        if card and page_card and card != page_card:  # another card's: beside the page's, never over it
+            page.setdefault("moe_cards", {})[card] = {**rec, "date": new["meta"].get("date")}
+        else:
+            page["moe"] = rec
+        said.append(f"moe: fp8 over bf16 {moe.get('speedup_over_bf16', {}).get('fp8')} at {at}"
+                    f"{f' on {card}' if card != page_card else ''}")
+        if new.get("expert_bytes") and card == page_card:
             page["expert_bytes"] = new["expert_bytes"]
     elif moe:
         said.append("moe: left out (a path not measured)")

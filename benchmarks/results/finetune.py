@@ -38,25 +38,39 @@ def _step_rows(records: list[dict]) -> list[list[str]]:
     return rows
 
 
-def _moe_lines(moe: dict[str, Any], expert_bytes: dict[str, Any] | None) -> tuple[list[str], list[Claim]]:
-    if not moe or moe.get("error"):
-        return ([f"Frozen-expert MoE alone: {moe['error']}"] if moe else []), []
-    by = {r["provider"]: r for r in moe.get("records", [])}
+def _moe_table(moe: dict[str, Any]) -> list[str]:
     rows = [[p, ms(r.get("ms")) if r.get("ms") else r.get("error") or r.get("skipped", "-"), num(r.get("tflops")),
              times(moe["speedup_over_bf16"].get(p)) if p != "bf16" else "1.00x" if r.get("ms") else "-"]
-            for p, r in by.items()]
+            for p, r in ((r["provider"], r) for r in moe.get("records", []))]
+    return _table(["path", "ms", "TFLOP/s", "over bf16"], rows)
+
+
+def _moe_claim(moe: dict[str, Any], ratio: float | None, where: str = "") -> list[Claim]:
+    by = {r["provider"]: r for r in moe.get("records", [])}
+    fp8, bf16 = by.get("fp8", {}), by.get("bf16", {})
+    if not (fp8.get("ms") and bf16.get("ms")):
+        return []
+    return [Claim(f"frozen-expert MoE fwd + input grad, FP8, 16k tokens, 256 experts top-6{where}",
+                  f"{ms(fp8['ms'])} ms", f"bf16 grouped: {ms(bf16['ms'])} ms", bf16["ms"] / fp8["ms"],
+                  1 / ratio if ratio else None, _anchor(TITLE))]
+
+
+def _moe_lines(moe: dict[str, Any], expert_bytes: dict[str, Any] | None,
+               cards: dict[str, Any] | None = None) -> tuple[list[str], list[Claim]]:
+    """The frozen MoE on the page's card, then on any other card (``moe_cards``: measured on it, by its name)."""
+    if not moe or moe.get("error"):
+        return ([f"Frozen-expert MoE alone: {moe['error']}"] if moe else []), []
     ratio = (expert_bytes or {}).get("ratio", moe.get("expert_bytes_fp8_over_bf16"))
     lines = ["The routed experts alone (`benchmarks.run --op moe_frozen`): forward + input gradient of frozen experts "
              "(no weight gradient), 256 experts top-6, 16k tokens, D 4096, I 2048, by grouped path; target FP8 >= "
              f"{moe.get('target_fp8_speedup', 1.3)}x bf16. Routed experts' bytes, FP8 (e4m3 + 128x128 scales) over "
-             f"bf16: {num(ratio, '.3f')} (target <= {moe.get('target_bytes', 0.52)}).", "",
-             *_table(["path", "ms", "TFLOP/s", "over bf16"], rows)]
-    fp8, bf16 = by.get("fp8", {}), by.get("bf16", {})
-    claims = []
-    if fp8.get("ms") and bf16.get("ms"):
-        claims.append(Claim("frozen-expert MoE fwd + input grad, FP8, 16k tokens, 256 experts top-6",
-                            f"{ms(fp8['ms'])} ms", f"bf16 grouped: {ms(bf16['ms'])} ms", bf16["ms"] / fp8["ms"],
-                            1 / ratio if ratio else None, _anchor(TITLE)))
+             f"bf16: {num(ratio, '.3f')} (target <= {moe.get('target_bytes', 0.52)}).", "", *_moe_table(moe)]
+    claims = _moe_claim(moe, ratio)
+    for card, other in sorted((cards or {}).items()):
+        lines += ["", f"The same on one {card} (commit `{other.get('commit', '?')}`, {other.get('date', '?')}; "
+                  "`python -m benchmarks.finetune --ckpt /tmp/none --parts moe`, merged by `python -m "
+                  "lab.merge_finetune`):", "", *_moe_table(other)]
+        claims += _moe_claim(other, ratio, f", {card}")
     return lines, claims
 
 
@@ -150,7 +164,7 @@ def finetune_section(ctx: Context) -> Section | None:
         lines += ["", f"Logits with FP8 compute against the weight-only mode (same weights, {tok(logits['tokens'])} "
                   f"tokens): relative L2 difference {logits['rel_l2']:.2e}, largest element difference "
                   f"{logits['max_abs_over_max']:.2e} of the largest logit."]
-    moe_lines, claims = _moe_lines(data.get("moe") or {}, data.get("expert_bytes"))
+    moe_lines, claims = _moe_lines(data.get("moe") or {}, data.get("expert_bytes"), data.get("moe_cards"))
     if moe_lines:
         lines += ["", *moe_lines]
     lines += _ranks_lines(data.get("ranks"))

@@ -158,8 +158,19 @@ def _finetune(ctx: Context, page: str) -> str:
             f"{_beside_d(a, rows)}, and {a64['tokens_per_s']:,.0f} tokens/s at {tok(a64['tokens'])} "
             f"({gib(a64['peak_gib'])} GiB). The experts "
             f"take {num(ratio, '.3f')} of their bf16 bytes; their FP8 forward + input gradient runs at "
-            f"{times(speedup)} the bf16 grouped path's speed{_short_of(speedup, target)} "
+            f"{times(speedup)} the bf16 grouped path's speed{_other_cards(data, speedup, target)} "
             f"([BENCHMARKS.md]({page}{_anchor('Fine-tuning')})).")
+
+
+def _other_cards(data: dict, speedup: float, target: float) -> str:
+    """Where the frozen FP8 MoE's speed-up stands beside its target; with its commit and the speed-ups measured on
+    other cards than the page's (``moe_cards``) where there are any."""
+    said = [f"{times(m['speedup_over_bf16']['fp8'])} on one {card} at {m.get('commit', '?')}"
+            f"{_short_of(m['speedup_over_bf16']['fp8'], target)}"
+            for card, m in sorted(data.get("moe_cards", {}).items())]
+    if not said:
+        return _short_of(speedup, target)
+    return f" on the H200 at {data['moe'].get('commit', '?')}{_short_of(speedup, target)}; " + "; ".join(said)
 
 
 def _beside_d(a: dict, rows: dict) -> str:

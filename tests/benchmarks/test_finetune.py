@@ -115,6 +115,31 @@ def test_page_section(tmp_path):
     assert "| bf16 grouped: 9.000 ms | 1.50x | 1.99x |" in md
 
 
+def test_moe_of_another_card_goes_beside_the_pages(tmp_path):
+    """A MoE part measured on another card than the page's is merged beside the page's record (by the card's name),
+    never over it, and the page shows both, each with its commit; the page's own card replaces its record."""
+    from benchmarks.results import render_page
+    from lab.merge_finetune import merge
+
+    page = _records()
+    other = {"meta": {**META, "device": "NVIDIA H100 80GB HBM3", "commit": "def5678", "date": "2026-12-06"},
+             "moe": {**page["moe"], "records": [{**r, "ms": r["ms"] * 0.9} for r in page["moe"]["records"]],
+                     "speedup_over_bf16": {"fp8": 1.4, "w8a16": 0.7}}}
+    said = merge(page, other)
+    assert page["moe"]["speedup_over_bf16"]["fp8"] == 1.5 and "H100" in said[0]
+    card = page["moe_cards"]["NVIDIA H100 80GB HBM3"]
+    assert card["commit"] == "def5678" and card["records"][0]["ms"] == pytest.approx(5.4)
+    d = tmp_path / "json"
+    d.mkdir()
+    (d / "finetune.json").write_text(json.dumps(page))
+    md = render_page(d, tmp_path / "B.md", tmp_path / "plots", tmp_path / "report")
+    assert "| fp8 | 6.000 | 900.0 | 1.50x |" in md and "| fp8 | 5.400 | 900.0 | 1.40x |" in md
+    assert "The same on one NVIDIA H100 80GB HBM3 (commit `def5678`, 2026-12-06;" in md
+    same = {"meta": {**META, "commit": "0aa0aa0"}, "moe": other["moe"]}
+    merge(page, same)
+    assert page["moe"]["commit"] == "0aa0aa0" and page["moe"]["speedup_over_bf16"]["fp8"] == 1.4
+
+
 def test_rank_wrapper_records_its_peak(tmp_path):
     """The ranks part's per-process wrapper: ``csattn train`` in this process, then this rank's peak file."""
     rc = ft.main(["--rank-peaks", str(tmp_path), "--", "--device", "cpu", "--steps", "1", "--seq-len", "32",
