@@ -463,8 +463,8 @@ def launch_settings(trans: bool, split: bool | None = None) -> dict:
     ``split``: the input gradient's transposition in two warpgroups of their own (:data:`SPLIT_SETTINGS`) or by the
     producer; None: :data:`SPLIT_TRANSPOSITION`. ``PAIRED`` (two steps a fence in each transposing warpgroup) and
     ``PERMUTED`` (the tiles' rows permuted so that the transposition's loads and stores hit distinct banks): on with
-    the split, off without (``PERMUTED`` takes the one transposer too; ``lab/probes/fp8_dgrad_copier.py`` measures
-    the forms)."""
+    the split, off without (the one transposer builds with ``PERMUTED`` too, unmeasured;
+    ``lab/probes/fp8_dgrad_copier.py`` measures the split's forms)."""
     cfg = dict(GROUP_M=8, STAGES=4, LAG=2, COALESCED=True, SPLIT=False, XPOSE_REGS=0, PAIRED=False, PERMUTED=False)
     if not trans:
         return {**cfg, "MATH_REGS": 232, "PRODUCER_REGS": 40, "SIMPLE": False}
