@@ -40,14 +40,15 @@ def merge(page: dict[str, Any], new: dict[str, Any]) -> list[str]:
     if moe and not moe.get("error") and moe.get("records") and all(r.get("ms") for r in moe["records"]):
         at = moe.get("commit") or commit  # on each record too: the page's readers take a record's own commit
         rec = {**moe, "commit": at, "records": [{**r, "commit": r.get("commit") or at} for r in moe["records"]]}
-        if card and page_card and card != page_card:  # another card's: beside the page's, never over it
+        other = bool(card and page_card and card != page_card)  # another card's: beside the page's, never over it
+        if other:
             page.setdefault("moe_cards", {})[card] = {**rec, "date": new["meta"].get("date")}
         else:
             page["moe"] = rec
+            if new.get("expert_bytes"):
+                page["expert_bytes"] = new["expert_bytes"]
         said.append(f"moe: fp8 over bf16 {moe.get('speedup_over_bf16', {}).get('fp8')} at {at}"
-                    f"{f' on {card}' if card != page_card else ''}")
-        if new.get("expert_bytes") and card == page_card:
-            page["expert_bytes"] = new["expert_bytes"]
+                    + (f" on {card}" if other else ""))
     elif moe:
         said.append("moe: left out (a path not measured)")
     return said

@@ -33,7 +33,8 @@ if low_rank:  # the LoRA term at rank 16
 settings = {**launch_settings(trans, split), **extra}
 if settings["PERMUTED"]:  # the weight's (and LoRA's w) copies with their rows permuted: [4, rows / 4, C] blocks
     from triton.experimental.gluon import language as gl
-    sig["w_desc"] = f"tensordesc<fp8e4nv[4, 32, 128],{gl.NVMMASharedLayout(128, 8, rank=3)!r}>"
+    from csattn.ops.fp8.gluon_tiles import permuted_tile_smem
+    sig["w_desc"] = f"tensordesc<fp8e4nv[4, 32, 128],{permuted_tile_smem()!r}>"
     if low_rank:
         lr3 = gl.NVMMASharedLayout(lr.swizzle_byte_width, 16, rank=3)
         sig["lw_desc"] = f"tensordesc<bf16[4, 32, 16],{lr3!r}>"

@@ -37,17 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..backend import triton_version
 from .gluon_low_rank import _acc_start, _load_low_rank, _low_rank_ring
-from .gluon_tiles import (
-    BK,
-    BM,
-    BN,
-    _cta_sync,
-    _tile,
-    _tma_load,
-    acc_layout,
-    tile_smem,
-    tile_walk,
-)
+from .gluon_tiles import BK, BM, BN, _cta_sync, _tile, _tma_load, acc_layout, permuted_tile_smem, tile_smem, tile_walk
 
 __all__ = ["FUSE_LOW_RANK", "RANK", "fp8_grouped_gluon_kernel", "grouped_mm_gluon", "launch_settings"]
 
@@ -243,10 +233,9 @@ def _transposer(table, KC, E, tiles_m, tiles_n, smem, E_P2: gl.constexpr, GROUP_
             for _kb in range(nk // STEPS):
                 _transpose_stage(it, raw, bt, land, ready, STAGES, PIECE, 1, PERMUTED, STEPS)
                 it += STEPS
-            if PAIRED:
-                if nk % 2 == 1:  # the tile's last step alone
-                    _transpose_stage(it, raw, bt, land, ready, STAGES, PIECE, 1, PERMUTED)
-                    it += 1
+            if nk % STEPS == 1:  # PAIRED: the tile's odd last step alone
+                _transpose_stage(it, raw, bt, land, ready, STAGES, PIECE, 1, PERMUTED)
+                it += 1
 
 
 @gluon.jit
@@ -389,14 +378,15 @@ def fp8_grouped_gluon_kernel(
     contraction, ``sbn`` along the output columns); ``table``: :func:`group_table`. ``LOW_RANK``: plus
     ``l_scale * v[rows of e] @ w_e^T``, ``v_desc`` of ``v [M, R]`` (blocks ``[128, R]``), ``lw_desc`` of ``w`` ``[E * N,
     R]`` (blocks ``[128, R]``), 16-bit, added in fp32 before the one rounding. ``SPLIT`` (``TRANS``): the
-    transposition shared by the producer and a fourth warpgroup (``XPOSE_REGS`` registers)."""
+    transposition in two warpgroups of their own (``XPOSE_REGS`` registers each), the producer only copying;
+    ``PAIRED``: two steps a fence in each; ``PERMUTED``: the weight tile copied with its rows permuted
+    (:func:`permuted_w_desc`, the copied buffer ``[4, 32, BN]``) and the product's columns put back at the store."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], tile_smem())
     if PERMUTED:  # the copy of permuted_w_desc: [4 K rows mod 4, 32 K rows // 4, 128 N]
-        raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 4, 32, BN],
-                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
+        raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 4, 32, BN], permuted_tile_smem())
     else:
         raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, BN], tile_smem())
-    if TRANS:  # the weight tile transposed by the producer, beside the copied one
+    if TRANS:  # the weight tile transposed (by the producer, or with SPLIT the transposers), beside the copied one
         bt = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], tile_smem())
     else:
         bt = raw
@@ -535,8 +525,7 @@ def permuted_w_desc(weight: Tensor):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     e, r, c = weight.shape
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
-    return TensorDescriptor(weight, [4, e * r // 4, c], [c, 4 * c, 1], [4, 32, BK.value], layout)
+    return TensorDescriptor(weight, [4, e * r // 4, c], [c, 4 * c, 1], [4, 32, BK.value], permuted_tile_smem())
 
 
 def _settings(trans: bool, settings: dict | None) -> dict:

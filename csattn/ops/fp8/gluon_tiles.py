@@ -33,6 +33,13 @@ def tile_smem():
 
 
 @gluon.constexpr_function
+def permuted_tile_smem():
+    """:func:`tile_smem` of a ``[128, 128]`` FP8 tile copied as ``[4, 32, 128]`` (the input gradient's weight tile with
+    its rows permuted, ``gluon.permuted_w_desc``): the same 128-byte swizzle over its rows."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
+
+
+@gluon.constexpr_function
 def acc_layout():
     """Warpgroup-MMA register layout of one math warpgroup's ``[64, BN]`` accumulator."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
@@ -134,4 +141,3 @@ def tile_walk(offs: Tensor, m: int, n_out: int, tile_m: int, tile_n: int) -> Til
     tiles_m, tiles_n = triton.cdiv(m, tile_m) + e + 1, n_out // tile_n
     return TileWalk(group_table(offs, m, e_p2, bm=tile_m), e_p2, tiles_m, tiles_n,
                     (min(tiles_m * tiles_n, sm_count(offs.device)),))
-
